@@ -1,0 +1,19 @@
+"""fusiond's one error root, with local and remote errors apart."""
+
+from __future__ import annotations
+
+
+class FusionError(Exception):
+    """Root of every error raised by `fusiond`."""
+
+
+class LocalError(FusionError):
+    """Something on this machine is wrong: configuration, input, state, a bug."""
+
+
+class RemoteError(FusionError):
+    """A peer misbehaved or failed: bad bytes, refused handshake, vanished mid-job."""
+
+
+class ConfigError(LocalError):
+    """A configuration value is invalid; the message names the key and where it came from."""

@@ -1,0 +1,1 @@
+"""fusiond.graph."""

@@ -1,0 +1,1 @@
+"""fusiond.jobs."""

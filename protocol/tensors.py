@@ -1,0 +1,976 @@
+"""The tensor codec: numpy arrays to self-describing byte buffers and back.
+
+An encoded tensor is a *descriptor* (fixed 24-byte head, the shape, a section table, an optional
+checksum, zero padding to a multiple of 8 bytes) followed by its *sections* back to back. The
+byte layout is specified in docs/tensor-codec.md. Encodings:
+
+- ``raw``: the array's bytes, zero-copy both ways (`EncodedTensor.buffers` references the array;
+  `decode` returns a view into the buffer it was given).
+- ``fp16`` / ``bf16``: float arrays cast to 16 bits (bf16 rounds to nearest even).
+- ``int8``: per-block absmax quantization; one float32 scale per block.
+- ``topk``: the k largest magnitudes (globally or per row of the last axis): values in
+  fp16/bf16/fp32, flat indices delta-encoded as varints or as a bitmap, whichever is smaller.
+- ``values``: values at flat indices the receiver already knows (the backward of a top-k edge).
+
+lz4 is applied to a section only when a sample of it shrinks by at least `LZ4_MIN_SAVING`;
+incompressible data (random floats) pays for compressing the sample only. `decode` validates
+every declared size against `Limits` before it allocates or decompresses anything, and raises only
+`ProtocolError` subclasses on bad input.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import lz4.block
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from protocol._varint import decode_varints, encode_varints, varint_lengths
+from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.limits import DEFAULT_LIMITS, Limits
+
+__all__ = [
+    "FORMAT_VERSION",
+    "LZ4_MIN_SAVING",
+    "ChecksumMismatch",
+    "EncodedTensor",
+    "Encoding",
+    "SectionInfo",
+    "SectionKind",
+    "TensorDescriptor",
+    "decode",
+    "decode_with_indices",
+    "encode",
+    "encode_values",
+    "read_descriptor",
+    "topk_indices",
+]
+
+NDArray = npt.NDArray[Any]
+Buffer = bytes | bytearray | memoryview
+
+FORMAT_VERSION: Final = 1
+"""Version byte of the tensor encoding (independent of the frame protocol version)."""
+MAGIC: Final = b"FT"
+LZ4_MIN_SAVING: Final = 0.03
+"""lz4 is kept for a section only if it saves at least this fraction of its bytes."""
+LZ4_MIN_SECTION: Final = 512
+"""Sections smaller than this are never compressed: the saving cannot pay for the bookkeeping."""
+LZ4_SAMPLE_CHUNK: Final = 16 << 10
+LZ4_SAMPLE_CHUNKS: Final = 4
+DEFAULT_BLOCK_SIZE: Final = 256
+"""int8 quantization block: 256 elements share one float32 scale (1.6 % overhead)."""
+MAX_BLOCK_SIZE: Final = 1 << 24
+
+_HEAD = struct.Struct("<2sBBBBBBIIQ")  # magic ver enc dtype flags rank nsec hdrlen block k
+_DIM = struct.Struct("<Q")
+_SECTION = struct.Struct("<BBBBIQQ")  # kind codec elem_dtype 0 0(u32) stored_len raw_len
+_CHECKSUM = struct.Struct("<Q")
+
+_FLAG_CHECKSUM: Final = 0x01
+_FLAG_PER_ROW: Final = 0x02
+_KNOWN_FLAGS: Final = _FLAG_CHECKSUM | _FLAG_PER_ROW
+_CODEC_NONE: Final = 0
+_CODEC_LZ4: Final = 1
+
+
+class ChecksumMismatch(RemoteProtocolError):
+    """The optional xxh3_64 of the sections does not match the bytes received."""
+
+
+class Encoding(enum.StrEnum):
+    """How a tensor's values are represented on the wire."""
+
+    RAW = "raw"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    INT8 = "int8"
+    TOPK = "topk"
+    VALUES = "values"
+
+
+class SectionKind(enum.IntEnum):
+    """What a section holds; each encoding has a fixed sequence of kinds."""
+
+    DATA = 1
+    SCALES = 2
+    VALUES = 3
+    INDEX_VARINT = 4
+    INDEX_BITMAP = 5
+
+
+_ENCODING_IDS: Final[dict[Encoding, int]] = {
+    Encoding.RAW: 1,
+    Encoding.FP16: 2,
+    Encoding.BF16: 3,
+    Encoding.INT8: 4,
+    Encoding.TOPK: 5,
+    Encoding.VALUES: 6,
+}
+_ENCODINGS_BY_ID: Final = {v: k for k, v in _ENCODING_IDS.items()}
+
+# Wire ids of element types. "bfloat16" exists only as a section element type (stored as uint16).
+_DTYPE_IDS: Final[dict[str, int]] = {
+    "float32": 1,
+    "float64": 2,
+    "float16": 3,
+    "bfloat16": 4,
+    "int64": 5,
+    "int32": 6,
+    "int16": 7,
+    "int8": 8,
+    "uint8": 9,
+    "bool": 10,
+    "uint16": 11,
+    "uint32": 12,
+    "uint64": 13,
+}
+_DTYPES_BY_ID: Final = {v: k for k, v in _DTYPE_IDS.items()}
+_ARRAY_DTYPES: Final = frozenset(_DTYPE_IDS) - {"bfloat16"}
+_FLOAT_DTYPES: Final = frozenset({"float16", "float32", "float64"})
+_VALUE_DTYPES: Final[dict[str, str]] = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+_ITEMSIZE: Final[dict[str, int]] = {
+    name: (2 if name == "bfloat16" else np.dtype(name).itemsize) for name in _DTYPE_IDS
+}
+
+
+def _wire_dtype(name: str) -> np.dtype[Any]:
+    """The little-endian numpy dtype of a wire element type (bf16 travels as uint16)."""
+    return np.dtype("<u2" if name == "bfloat16" else name).newbyteorder("<")
+
+
+@dataclass(frozen=True, slots=True)
+class SectionInfo:
+    """One entry of the section table."""
+
+    kind: SectionKind
+    elem_dtype: str
+    """Element type of the section's decompressed bytes."""
+    stored_len: int
+    """Bytes on the wire."""
+    raw_len: int
+    """Bytes after decompression (== stored_len unless `lz4`)."""
+    lz4: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TensorDescriptor:
+    """What a receiver needs to know to decode a tensor, as carried in its header."""
+
+    dtype: str
+    """numpy dtype name of the dense tensor (decode returns this dtype)."""
+    shape: tuple[int, ...]
+    encoding: Encoding
+    k: int = 0
+    """TOPK / VALUES: number of values carried."""
+    block_size: int = 0
+    """INT8: elements per quantization block."""
+    per_row: bool = False
+    """TOPK: the k largest were chosen per row of the last axis (informational)."""
+    checksum: bool = False
+    sections: tuple[SectionInfo, ...] = ()
+    header_len: int = 0
+    """Bytes of the descriptor itself, padding included (a multiple of 8)."""
+
+    @property
+    def numel(self) -> int:
+        """Elements of the dense tensor."""
+        return math.prod(self.shape)
+
+    @property
+    def value_dtype(self) -> str | None:
+        """TOPK / VALUES / FP16 / BF16: element type of the values section."""
+        for s in self.sections:
+            if s.kind in (SectionKind.VALUES, SectionKind.DATA):
+                return s.elem_dtype
+        return None
+
+    @property
+    def index_format(self) -> str | None:
+        """TOPK: "varint" or "bitmap"."""
+        for s in self.sections:
+            if s.kind == SectionKind.INDEX_VARINT:
+                return "varint"
+            if s.kind == SectionKind.INDEX_BITMAP:
+                return "bitmap"
+        return None
+
+
+@dataclass
+class EncodedTensor:
+    """An encoded tensor: the descriptor plus the buffers that make up its bytes."""
+
+    descriptor: TensorDescriptor
+    indices: NDArray | None = None
+    """TOPK: the kept flat indices (sorted int64) so the sender can keep them for backward."""
+    _parts: list[memoryview] = field(default_factory=list, repr=False)
+
+    def buffers(self) -> list[memoryview]:
+        """The whole self-describing encoding as a gather list (send with `writelines`).
+
+        For RAW without lz4 the data buffer references the array's memory: do not modify the
+        array until the bytes are written.
+        """
+        return list(self._parts)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire."""
+        return sum(p.nbytes for p in self._parts)
+
+    def tobytes(self) -> bytes:
+        """The encoding as one bytes object (a copy; for tests and small tensors)."""
+        return b"".join(self._parts)
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def _bytes_view(arr: NDArray) -> memoryview:
+    """A flat byte memoryview of a C-contiguous array (rank-0 and empty included)."""
+    return arr.reshape(-1).data.cast("B")
+
+
+def _dtype_name(arr: NDArray) -> str:
+    name = arr.dtype.name
+    if name not in _ARRAY_DTYPES:
+        raise LocalProtocolError(
+            f"dtype {arr.dtype} is not supported by the tensor codec "
+            f"(supported: {', '.join(sorted(_ARRAY_DTYPES))})"
+        )
+    return name
+
+
+def _as_wire_array(arr: NDArray) -> NDArray:
+    """C-contiguous, little-endian; copies only when the input is neither."""
+    target = _wire_dtype(arr.dtype.name)
+    if arr.dtype != target:
+        arr = arr.astype(target)
+    if not arr.flags.c_contiguous:
+        arr = arr.copy(order="C")
+    return arr
+
+
+def _lz4_compress(view: memoryview) -> bytes:
+    return bytes(lz4.block.compress(view, mode="default", store_size=False))
+
+
+def _maybe_lz4(view: memoryview, compress: str) -> tuple[memoryview, bool]:
+    """Return (bytes to send, compressed?) for one section under the `compress` policy.
+
+    "auto" compresses a few spread-out chunks first and tries the whole section only when the
+    sample saved at least `LZ4_MIN_SAVING`, so incompressible data costs one small sample.
+    """
+    size = view.nbytes
+    if compress == "none" or size < LZ4_MIN_SECTION:
+        return view, False
+    if compress == "auto" and size > LZ4_SAMPLE_CHUNK * LZ4_SAMPLE_CHUNKS:
+        step = (size - LZ4_SAMPLE_CHUNK) // (LZ4_SAMPLE_CHUNKS - 1)
+        sampled = 0
+        packed = 0
+        for i in range(LZ4_SAMPLE_CHUNKS):
+            chunk = view[i * step : i * step + LZ4_SAMPLE_CHUNK]
+            sampled += chunk.nbytes
+            packed += len(_lz4_compress(chunk))
+        if packed > sampled * (1.0 - LZ4_MIN_SAVING):
+            return view, False
+    packed_all = _lz4_compress(view)
+    if len(packed_all) > size * (1.0 - LZ4_MIN_SAVING):
+        return view, False
+    return memoryview(packed_all), True
+
+
+def _to_bf16_bits(x: NDArray) -> npt.NDArray[np.uint16]:
+    """float32 -> bfloat16 bit patterns, round to nearest even; NaN stays (quiet) NaN."""
+    x32 = np.asarray(x, dtype=np.float32)
+    u = x32.view(np.uint32)
+    t = u >> np.uint32(16)
+    t &= np.uint32(1)
+    t += np.uint32(0x7FFF)
+    t += u  # wraps only for negative NaNs, fixed below
+    t >>= np.uint32(16)
+    bits = t.astype(np.uint16)
+    nan = np.isnan(x32)
+    if nan.any():
+        # Rounding can carry a NaN's payload into the exponent (-> inf); force a quiet NaN.
+        bits[nan] = ((u[nan] >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
+    return bits
+
+
+def _from_bf16_bits(bits: NDArray) -> npt.NDArray[np.float32]:
+    widened = bits.astype(np.uint32)
+    widened <<= np.uint32(16)
+    return widened.view(np.float32)
+
+
+def _cast_values(values: NDArray, value_dtype: str) -> NDArray:
+    """Cast float values to a wire value type ("float16", "bfloat16", "float32")."""
+    if value_dtype == "bfloat16":
+        return _to_bf16_bits(values.astype(np.float32, copy=False))
+    with np.errstate(over="ignore"):  # fp16 overflow -> inf is the documented cast semantics
+        return values.astype(_wire_dtype(value_dtype), copy=False)
+
+
+def _uncast_values(raw: NDArray, value_dtype: str, dtype: str) -> NDArray:
+    if value_dtype == "bfloat16":
+        return _from_bf16_bits(raw).astype(dtype, copy=False)
+    return raw.astype(dtype, copy=False)
+
+
+def _value_dtype_name(value_dtype: str) -> str:
+    try:
+        return _VALUE_DTYPES[value_dtype]
+    except KeyError:
+        raise LocalProtocolError(
+            f"value_dtype {value_dtype!r} is not one of {sorted(_VALUE_DTYPES)}"
+        ) from None
+
+
+def _require_float(name: str, encoding: Encoding) -> None:
+    if name not in _FLOAT_DTYPES:
+        raise LocalProtocolError(f"encoding {encoding} needs a float array, got {name}")
+
+
+def _build(
+    desc_dtype: str,
+    shape: tuple[int, ...],
+    encoding: Encoding,
+    sections: Sequence[tuple[SectionKind, str, memoryview, int, bool]],
+    *,
+    k: int = 0,
+    block_size: int = 0,
+    per_row: bool = False,
+    checksum: bool = False,
+    indices: NDArray | None = None,
+) -> EncodedTensor:
+    """Assemble descriptor bytes and buffers; sections are (kind, elem, bytes, raw_len, lz4)."""
+    if len(shape) > 255:
+        raise LocalProtocolError(f"rank {len(shape)} exceeds the wire format's 255")
+    flags = (_FLAG_CHECKSUM if checksum else 0) | (_FLAG_PER_ROW if per_row else 0)
+    infos = tuple(
+        SectionInfo(kind, elem, view.nbytes, raw_len, lz4)
+        for kind, elem, view, raw_len, lz4 in sections
+    )
+    body = _HEAD.size + _DIM.size * len(shape) + _SECTION.size * len(infos)
+    body += _CHECKSUM.size if checksum else 0
+    header_len = -(-body // 8) * 8
+    head = bytearray(header_len)
+    _HEAD.pack_into(
+        head,
+        0,
+        MAGIC,
+        FORMAT_VERSION,
+        _ENCODING_IDS[encoding],
+        _DTYPE_IDS[desc_dtype],
+        flags,
+        len(shape),
+        len(infos),
+        header_len,
+        block_size,
+        k,
+    )
+    off = _HEAD.size
+    for d in shape:
+        _DIM.pack_into(head, off, d)
+        off += _DIM.size
+    for info in infos:
+        _SECTION.pack_into(
+            head,
+            off,
+            int(info.kind),
+            _CODEC_LZ4 if info.lz4 else _CODEC_NONE,
+            _DTYPE_IDS[info.elem_dtype],
+            0,
+            0,
+            info.stored_len,
+            info.raw_len,
+        )
+        off += _SECTION.size
+    if checksum:
+        h = xxhash.xxh3_64()
+        for _, _, view, _, _ in sections:
+            h.update(view)
+        _CHECKSUM.pack_into(head, off, h.intdigest())
+    desc = TensorDescriptor(
+        dtype=desc_dtype,
+        shape=shape,
+        encoding=encoding,
+        k=k,
+        block_size=block_size,
+        per_row=per_row,
+        checksum=checksum,
+        sections=infos,
+        header_len=header_len,
+    )
+    parts = [memoryview(head)] + [view for _, _, view, _, _ in sections]
+    return EncodedTensor(desc, indices, parts)
+
+
+def _section(
+    kind: SectionKind, elem: str, arr: NDArray, compress: str
+) -> tuple[SectionKind, str, memoryview, int, bool]:
+    view = _bytes_view(arr)
+    stored, lz4 = _maybe_lz4(view, compress)
+    return kind, elem, stored, view.nbytes, lz4
+
+
+# --------------------------------------------------------------------------------------------
+# top-k selection
+
+
+def topk_indices(arr: NDArray, k: int, per_row: bool = False) -> npt.NDArray[np.int64]:
+    """Sorted flat int64 indices of the `k` largest magnitudes of `arr`.
+
+    With `per_row`, `k` applies to each row of the last axis (rank >= 1). Among equal magnitudes
+    at the threshold, which ones are kept is unspecified.
+    """
+    arr = np.asarray(arr)
+    n = arr.size
+    if per_row:
+        if arr.ndim == 0:
+            raise LocalProtocolError("per_row top-k needs an array of rank >= 1")
+        cols = arr.shape[-1]
+        rows = n // cols if cols else 0
+        if not 0 <= k <= cols:
+            raise LocalProtocolError(f"per-row k={k} is outside [0, {cols}]")
+        if k == 0 or rows == 0:
+            return np.empty(0, dtype=np.int64)
+        mag = np.abs(arr.reshape(rows, cols))
+        if k == cols:
+            cols_idx = np.broadcast_to(np.arange(cols, dtype=np.int64), (rows, cols))
+        else:
+            cols_idx = np.argpartition(mag, cols - k, axis=-1)[:, cols - k :]
+            cols_idx = np.sort(cols_idx, axis=-1)
+        flat = cols_idx + (np.arange(rows, dtype=np.int64) * cols)[:, None]
+        return np.ascontiguousarray(flat, dtype=np.int64).reshape(-1)
+    if not 0 <= k <= n:
+        raise LocalProtocolError(f"k={k} is outside [0, {n}]")
+    if k == 0:
+        return np.empty(0, dtype=np.int64)
+    if k == n:
+        return np.arange(n, dtype=np.int64)
+    mag = np.abs(arr.reshape(-1))
+    idx = np.argpartition(mag, n - k)[n - k :]
+    idx.sort()
+    return idx.astype(np.int64, copy=False)
+
+
+def _resolve_k(shape: tuple[int, ...], k: int | None, density: float | None, per_row: bool) -> int:
+    if (k is None) == (density is None):
+        raise LocalProtocolError("top-k needs exactly one of k and density")
+    if k is not None:
+        return int(k)
+    assert density is not None
+    if not 0.0 <= density <= 1.0 or math.isnan(density):
+        raise LocalProtocolError(f"density {density} is outside [0, 1]")
+    if per_row:
+        if not shape:
+            raise LocalProtocolError("per_row top-k needs an array of rank >= 1")
+        return min(shape[-1], math.ceil(density * shape[-1]))
+    n = math.prod(shape)
+    return min(n, math.ceil(density * n))
+
+
+def _encode_indices(
+    idx: npt.NDArray[np.int64], n: int, compress: str
+) -> tuple[SectionKind, str, memoryview, int, bool]:
+    """Sorted flat indices -> varint gaps or a bitmap, whichever is smaller."""
+    k = idx.size
+    bitmap_len = (n + 7) // 8
+    if k >= bitmap_len and k > 0:
+        # Every varint takes >= 1 byte, so the bitmap cannot lose.
+        use_bitmap = True
+        gaps = lengths = None
+    else:
+        # Gaps minus one (indices are strictly increasing), so a gap of 128 still fits one byte.
+        gaps = np.empty(k, dtype=np.uint64)
+        if k:
+            gaps[0] = idx[0]
+            np.subtract(idx[1:], idx[:-1], out=gaps[1:], casting="unsafe")
+            gaps[1:] -= np.uint64(1)
+        lengths = varint_lengths(gaps)
+        use_bitmap = bool(int(lengths.sum(dtype=np.int64)) > bitmap_len)
+    if use_bitmap:
+        mask = np.zeros(n, dtype=np.bool_)
+        mask[idx] = True
+        packed = np.packbits(mask, bitorder="little")
+        return _section(SectionKind.INDEX_BITMAP, "uint8", packed, compress)
+    assert gaps is not None and lengths is not None
+    stream = encode_varints(gaps, lengths)
+    return _section(SectionKind.INDEX_VARINT, "uint8", stream, compress)
+
+
+# --------------------------------------------------------------------------------------------
+# encode
+
+
+def encode(
+    arr: NDArray,
+    encoding: Encoding | str = "raw",
+    *,
+    density: float | None = None,
+    k: int | None = None,
+    per_row: bool = False,
+    value_dtype: str = "fp16",
+    compress: str = "auto",
+    checksum: bool = False,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> EncodedTensor:
+    """Encode `arr` (any supported dtype; float for the lossy encodings).
+
+    `compress`: "auto" (lz4 a section only if a sample saves >= 3 %), "lz4" (try every section in
+    full, keep lz4 if it saves >= 3 %), "none". TOPK takes exactly one of `k` (per row with
+    `per_row`) or `density` (k = ceil(density * n)); `value_dtype` is "fp16", "bf16" or "fp32".
+    `checksum` adds an xxh3_64 of the sections (frames already carry one; off by default).
+    Raises `LocalProtocolError` on unsupported input.
+    """
+    try:
+        enc = Encoding(encoding)
+    except ValueError:
+        raise LocalProtocolError(
+            f"unknown encoding {encoding!r}; one of {[e.value for e in Encoding]}"
+        ) from None
+    if compress not in ("auto", "lz4", "none"):
+        raise LocalProtocolError(f"compress must be 'auto', 'lz4' or 'none', not {compress!r}")
+    arr = np.asarray(arr)
+    name = _dtype_name(arr)
+    shape = tuple(int(d) for d in arr.shape)
+    if enc is Encoding.RAW:
+        data = _as_wire_array(arr)
+        return _build(
+            name,
+            shape,
+            enc,
+            [_section(SectionKind.DATA, name, data, compress)],
+            checksum=checksum,
+        )
+    _require_float(name, enc)
+    flat = arr.reshape(-1)  # a C-order copy only if `arr` is not contiguous
+    if enc in (Encoding.FP16, Encoding.BF16):
+        elem = "float16" if enc is Encoding.FP16 else "bfloat16"
+        cast = _cast_values(flat, elem)
+        return _build(
+            name, shape, enc, [_section(SectionKind.DATA, elem, cast, compress)], checksum=checksum
+        )
+    if enc is Encoding.INT8:
+        if not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise LocalProtocolError(f"block_size {block_size} is outside [1, {MAX_BLOCK_SIZE}]")
+        scales, q = _quantize_int8(flat, block_size)
+        return _build(
+            name,
+            shape,
+            enc,
+            [
+                _section(SectionKind.SCALES, "float32", scales, compress),
+                _section(SectionKind.DATA, "int8", q, compress),
+            ],
+            block_size=block_size,
+            checksum=checksum,
+        )
+    if enc is Encoding.TOPK:
+        vname = _value_dtype_name(value_dtype)
+        kk = _resolve_k(shape, k, density, per_row)
+        idx = topk_indices(arr, kk, per_row=per_row)
+        values = _cast_values(flat[idx], vname)
+        return _build(
+            name,
+            shape,
+            enc,
+            [
+                _section(SectionKind.VALUES, vname, values, compress),
+                _encode_indices(idx, arr.size, compress),
+            ],
+            k=int(idx.size),
+            per_row=per_row,
+            checksum=checksum,
+            indices=idx,
+        )
+    raise LocalProtocolError("use encode_values() for the values encoding: it needs the indices")
+
+
+def encode_values(
+    arr: NDArray,
+    indices: NDArray,
+    value_dtype: str = "fp16",
+    *,
+    compress: str = "auto",
+    checksum: bool = False,
+) -> EncodedTensor:
+    """Encode the values of dense float `arr` at flat `indices` (the backward of a top-k edge).
+
+    The descriptor carries `arr`'s shape and dtype and len(indices); the receiver decodes with
+    `decode(buf, indices=...)` using the same indices, in the same order.
+    """
+    arr = np.asarray(arr)
+    name = _dtype_name(arr)
+    _require_float(name, Encoding.VALUES)
+    if compress not in ("auto", "lz4", "none"):
+        raise LocalProtocolError(f"compress must be 'auto', 'lz4' or 'none', not {compress!r}")
+    vname = _value_dtype_name(value_dtype)
+    idx = _check_indices(indices, arr.size, None)
+    values = _cast_values(arr.reshape(-1)[idx], vname)
+    return _build(
+        name,
+        tuple(int(d) for d in arr.shape),
+        Encoding.VALUES,
+        [_section(SectionKind.VALUES, vname, values, compress)],
+        k=int(idx.size),
+        checksum=checksum,
+    )
+
+
+def _check_indices(indices: NDArray, n: int, k: int | None) -> NDArray:
+    """Validate caller-supplied flat indices (LocalProtocolError: they are ours)."""
+    idx = np.asarray(indices)
+    if idx.ndim != 1 or not (np.issubdtype(idx.dtype, np.integer) or idx.size == 0):
+        raise LocalProtocolError(f"indices must be a 1-D integer array, got {idx.dtype}{idx.shape}")
+    if k is not None and idx.size != k:
+        raise RemoteProtocolError(f"values tensor carries {k} values but {idx.size} indices given")
+    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
+        raise LocalProtocolError(f"indices out of range for a tensor of {n} elements")
+    return idx.astype(np.int64, copy=False)
+
+
+def _quantize_int8(arr: NDArray, block: int) -> tuple[NDArray, NDArray]:
+    """Per-block absmax int8: scale = absmax/127, q = rint(x/scale); returns (scales, q)."""
+    x = arr.astype(np.float32, copy=False)
+    n = x.size
+    nblocks = -(-n // block)
+    scales = np.empty(nblocks, dtype=np.float32)
+    q = np.empty(n, dtype=np.int8)
+    full = n // block
+    parts: list[tuple[NDArray, slice, slice]] = []
+    if full:
+        parts.append(
+            (x[: full * block].reshape(full, block), slice(0, full), slice(0, full * block))
+        )
+    if n % block:
+        parts.append(
+            (x[full * block :].reshape(1, -1), slice(full, full + 1), slice(full * block, n))
+        )
+    for xb, srange, qrange in parts:
+        absmax = np.abs(xb).max(axis=1)
+        if not np.isfinite(absmax).all():
+            raise LocalProtocolError("int8 quantization needs finite values (found inf or nan)")
+        scale = absmax / np.float32(127.0)
+        with np.errstate(divide="ignore"):
+            inv = np.where(scale > 0, np.float32(1.0) / scale, np.float32(0.0)).astype(np.float32)
+        qf = xb * inv[:, None]
+        np.rint(qf, out=qf)
+        np.clip(qf, -127, 127, out=qf)
+        scales[srange] = scale
+        q[qrange] = qf.reshape(-1)
+    return scales, q
+
+
+# --------------------------------------------------------------------------------------------
+# decode
+
+
+def _as_byte_view(buf: Buffer) -> memoryview:
+    try:
+        view = memoryview(buf)
+    except TypeError:
+        raise LocalProtocolError(f"cannot decode a {type(buf).__name__}") from None
+    if not view.c_contiguous:
+        raise LocalProtocolError("tensor buffer must be contiguous")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def read_descriptor(buf: Buffer, *, limits: Limits = DEFAULT_LIMITS) -> TensorDescriptor:
+    """Parse and validate the descriptor of an encoded tensor (nothing is allocated or decoded).
+
+    Checks the magic, version, ids and flags, rank / element / decompressed-size limits, that every
+    section has exactly the size its encoding implies, and that the buffer holds exactly the
+    descriptor plus its sections. Raises `RemoteProtocolError` (or `LimitExceeded`).
+    """
+    view = _as_byte_view(buf)
+    return _parse(view, limits)
+
+
+def _parse(view: memoryview, limits: Limits) -> TensorDescriptor:
+    total = view.nbytes
+    if total < _HEAD.size:
+        raise RemoteProtocolError(f"tensor descriptor truncated: {total} of {_HEAD.size} bytes")
+    magic, version, enc_id, dtype_id, flags, rank, nsec, header_len, block, k = _HEAD.unpack_from(
+        view, 0
+    )
+    if magic != MAGIC:
+        raise RemoteProtocolError(f"bad tensor magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise RemoteProtocolError(
+            f"tensor format version {version} not supported (this side speaks {FORMAT_VERSION})"
+        )
+    enc = _ENCODINGS_BY_ID.get(enc_id)
+    if enc is None:
+        raise RemoteProtocolError(f"unknown tensor encoding id {enc_id}")
+    dtype = _DTYPES_BY_ID.get(dtype_id)
+    if dtype is None or dtype not in _ARRAY_DTYPES:
+        raise RemoteProtocolError(f"unknown tensor dtype id {dtype_id}")
+    if flags & ~_KNOWN_FLAGS:
+        raise RemoteProtocolError(f"unknown tensor flags 0x{flags:02x}")
+    limits.check("tensor rank", rank, limits.max_tensor_rank)
+    expected_nsec = 2 if enc in (Encoding.INT8, Encoding.TOPK) else 1
+    if nsec != expected_nsec:
+        raise RemoteProtocolError(f"{enc} tensor has {nsec} sections, expected {expected_nsec}")
+    checksum = bool(flags & _FLAG_CHECKSUM)
+    body = (
+        _HEAD.size + _DIM.size * rank + _SECTION.size * nsec + (_CHECKSUM.size if checksum else 0)
+    )
+    if header_len != -(-body // 8) * 8:
+        raise RemoteProtocolError(f"tensor header_len {header_len} inconsistent with its contents")
+    if total < header_len:
+        raise RemoteProtocolError(f"tensor descriptor truncated: {total} of {header_len} bytes")
+    off = _HEAD.size
+    shape: list[int] = []
+    for _ in range(rank):
+        (d,) = _DIM.unpack_from(view, off)
+        limits.check("tensor dimension", d, limits.max_tensor_elements)
+        shape.append(d)
+        off += _DIM.size
+    n = math.prod(shape)
+    limits.check("tensor elements", n, limits.max_tensor_elements)
+    if enc is not Encoding.RAW:
+        # The dense result is allocated by decode: its size counts as decompressed bytes.
+        limits.check("decoded tensor bytes", n * _ITEMSIZE[dtype], limits.max_decompressed_bytes)
+        if dtype not in _FLOAT_DTYPES:
+            raise RemoteProtocolError(f"{enc} tensor must have a float dtype, not {dtype}")
+    per_row = bool(flags & _FLAG_PER_ROW)
+    if enc in (Encoding.TOPK, Encoding.VALUES):
+        if k > n:
+            raise RemoteProtocolError(f"{enc} tensor declares k={k} > {n} elements")
+        if per_row and rank == 0:
+            raise RemoteProtocolError("per-row top-k on a rank-0 tensor")
+    elif k != 0:
+        raise RemoteProtocolError(f"{enc} tensor declares k={k}, must be 0")
+    if enc is Encoding.INT8:
+        if not 1 <= block <= MAX_BLOCK_SIZE:
+            raise RemoteProtocolError(f"int8 block size {block} outside [1, {MAX_BLOCK_SIZE}]")
+    elif block != 0:
+        raise RemoteProtocolError(f"{enc} tensor declares block size {block}, must be 0")
+    if enc is not Encoding.TOPK and per_row:
+        raise RemoteProtocolError(f"per_row flag on a {enc} tensor")
+
+    sections: list[SectionInfo] = []
+    for i in range(nsec):
+        kind_id, codec, elem_id, r0, r1, stored_len, raw_len = _SECTION.unpack_from(view, off)
+        off += _SECTION.size
+        if r0 or r1:
+            raise RemoteProtocolError(f"tensor section {i}: reserved bytes are not zero")
+        if codec not in (_CODEC_NONE, _CODEC_LZ4):
+            raise RemoteProtocolError(f"tensor section {i}: unknown codec {codec}")
+        elem = _DTYPES_BY_ID.get(elem_id)
+        if elem is None:
+            raise RemoteProtocolError(f"tensor section {i}: unknown element type id {elem_id}")
+        try:
+            kind = SectionKind(kind_id)
+        except ValueError:
+            raise RemoteProtocolError(f"tensor section {i}: unknown kind {kind_id}") from None
+        lz4 = codec == _CODEC_LZ4
+        if lz4:
+            limits.check("decompressed section bytes", raw_len, limits.max_decompressed_bytes)
+        elif stored_len != raw_len:
+            raise RemoteProtocolError(
+                f"tensor section {i}: stored {stored_len} != raw {raw_len} without compression"
+            )
+        sections.append(SectionInfo(kind, elem, stored_len, raw_len, lz4))
+    _check_layout(enc, dtype, n, k, block, sections)
+    if checksum:
+        off += _CHECKSUM.size
+    if any(view[off:header_len]):
+        raise RemoteProtocolError("tensor descriptor padding is not zero")
+    expected_total = header_len + sum(s.stored_len for s in sections)
+    if total != expected_total:
+        raise RemoteProtocolError(
+            f"tensor buffer is {total} bytes, descriptor and sections say {expected_total}"
+        )
+    return TensorDescriptor(
+        dtype=dtype,
+        shape=tuple(shape),
+        encoding=enc,
+        k=k,
+        block_size=block,
+        per_row=per_row,
+        checksum=checksum,
+        sections=tuple(sections),
+        header_len=header_len,
+    )
+
+
+def _check_layout(
+    enc: Encoding, dtype: str, n: int, k: int, block: int, sections: list[SectionInfo]
+) -> None:
+    """Each encoding has fixed section kinds, element types and exact decompressed sizes."""
+
+    def want(i: int, kinds: tuple[SectionKind, ...], elems: tuple[str, ...], raw: int) -> None:
+        s = sections[i]
+        if s.kind not in kinds:
+            raise RemoteProtocolError(f"{enc} tensor section {i} is {s.kind.name}")
+        if s.elem_dtype not in elems:
+            raise RemoteProtocolError(f"{enc} tensor section {i} has element type {s.elem_dtype}")
+        if s.raw_len != raw:
+            raise RemoteProtocolError(
+                f"{enc} tensor section {i} declares {s.raw_len} bytes, shape implies {raw}"
+            )
+
+    values_elems = tuple(_VALUE_DTYPES.values())
+    if enc is Encoding.RAW:
+        want(0, (SectionKind.DATA,), (dtype,), n * _ITEMSIZE[dtype])
+    elif enc is Encoding.FP16:
+        want(0, (SectionKind.DATA,), ("float16",), n * 2)
+    elif enc is Encoding.BF16:
+        want(0, (SectionKind.DATA,), ("bfloat16",), n * 2)
+    elif enc is Encoding.INT8:
+        want(0, (SectionKind.SCALES,), ("float32",), -(-n // block) * 4)
+        want(1, (SectionKind.DATA,), ("int8",), n)
+    elif enc is Encoding.VALUES:
+        v = sections[0].elem_dtype
+        want(0, (SectionKind.VALUES,), values_elems, k * _ITEMSIZE.get(v, 0))
+    else:  # TOPK
+        v = sections[0].elem_dtype
+        want(0, (SectionKind.VALUES,), values_elems, k * _ITEMSIZE.get(v, 0))
+        s = sections[1]
+        if s.kind is SectionKind.INDEX_BITMAP:
+            want(1, (SectionKind.INDEX_BITMAP,), ("uint8",), (n + 7) // 8)
+        elif s.kind is SectionKind.INDEX_VARINT:
+            # 1..9 bytes per index: bounds the declared size before anything is decompressed.
+            if s.elem_dtype != "uint8" or not k <= s.raw_len <= 9 * k:
+                raise RemoteProtocolError(
+                    f"topk varint index section of {s.raw_len} bytes cannot hold {k} indices"
+                )
+        else:
+            raise RemoteProtocolError(f"topk tensor section 1 is {s.kind.name}")
+
+
+def _section_arrays(view: memoryview, desc: TensorDescriptor) -> list[NDArray]:
+    """Each section as a flat numpy array (a view of `view` unless it was lz4-compressed)."""
+    out: list[NDArray] = []
+    off = desc.header_len
+    if desc.checksum:
+        at = _HEAD.size + _DIM.size * len(desc.shape) + _SECTION.size * len(desc.sections)
+        (want,) = _CHECKSUM.unpack_from(view, at)
+        got = xxhash.xxh3_64(view[off:]).intdigest()
+        if got != want:
+            raise ChecksumMismatch(f"tensor checksum {got:016x} != declared {want:016x}")
+    for s in desc.sections:
+        stored = view[off : off + s.stored_len]
+        off += s.stored_len
+        raw: Buffer
+        if s.lz4:
+            try:
+                raw = lz4.block.decompress(stored, uncompressed_size=s.raw_len)
+            except Exception as exc:  # lz4 raises its own LZ4BlockError; map it to ours
+                raise RemoteProtocolError(
+                    f"tensor section {s.kind.name}: bad lz4 data ({exc})"
+                ) from None
+            if len(raw) != s.raw_len:
+                raise RemoteProtocolError(
+                    f"tensor section {s.kind.name}: lz4 gave {len(raw)} bytes, declared {s.raw_len}"
+                )
+        else:
+            raw = stored
+        out.append(np.frombuffer(raw, dtype=_wire_dtype(s.elem_dtype)))
+    return out
+
+
+def decode(
+    buf: Buffer, *, limits: Limits = DEFAULT_LIMITS, indices: NDArray | None = None
+) -> NDArray:
+    """Decode an encoded tensor into a dense array of its original dtype and shape.
+
+    RAW (without lz4) returns a view into `buf` (read-only if `buf` is): zero-copy. TOPK and
+    VALUES scatter into zeros; VALUES needs the flat `indices` the values belong to (the same
+    array, in the same order, as given to `encode_values`). Bad bytes raise `RemoteProtocolError`
+    (`LimitExceeded` for limits); misuse raises `LocalProtocolError`.
+    """
+    dense, _ = _decode(buf, limits, indices)
+    return dense
+
+
+def decode_with_indices(
+    buf: Buffer, *, limits: Limits = DEFAULT_LIMITS
+) -> tuple[NDArray, npt.NDArray[np.int64] | None]:
+    """Like `decode`, also returning the kept flat indices of a TOPK tensor (else None).
+
+    The receiver of a top-k forward needs them to send the backward with `encode_values`.
+    """
+    return _decode(buf, limits, None)
+
+
+def _decode(
+    buf: Buffer, limits: Limits, indices: NDArray | None
+) -> tuple[NDArray, npt.NDArray[np.int64] | None]:
+    view = _as_byte_view(buf)
+    desc = _parse(view, limits)
+    enc = desc.encoding
+    if enc is Encoding.VALUES:
+        if indices is None:
+            raise LocalProtocolError("a values tensor decodes only with the indices it belongs to")
+    elif indices is not None:
+        raise LocalProtocolError(f"indices given for a {enc} tensor (only values takes them)")
+    secs = _section_arrays(view, desc)
+    shape = desc.shape
+    dtype = desc.dtype
+    n = desc.numel
+    if enc is Encoding.RAW:
+        data = secs[0]
+        if dtype == "bool" and data.size and int(data.view(np.uint8).max()) > 1:
+            raise RemoteProtocolError("bool tensor holds bytes other than 0 and 1")
+        return data.reshape(shape), None
+    if enc in (Encoding.FP16, Encoding.BF16):
+        return _uncast_values(secs[0], desc.sections[0].elem_dtype, dtype).reshape(shape), None
+    if enc is Encoding.INT8:
+        return _dequantize_int8(secs[0], secs[1], desc.block_size, dtype).reshape(shape), None
+    values = _uncast_values(secs[0], desc.sections[0].elem_dtype, dtype)
+    out = np.zeros(n, dtype=dtype)
+    if enc is Encoding.VALUES:
+        assert indices is not None
+        idx = _check_indices(indices, n, desc.k)
+        out[idx] = values
+        return out.reshape(shape), None
+    idx = _decode_indices(secs[1], desc)
+    out[idx] = values
+    return out.reshape(shape), idx
+
+
+def _decode_indices(stream: NDArray, desc: TensorDescriptor) -> npt.NDArray[np.int64]:
+    n = desc.numel
+    k = desc.k
+    if desc.sections[1].kind is SectionKind.INDEX_BITMAP:
+        mask = np.unpackbits(stream, count=n, bitorder="little")
+        idx = np.flatnonzero(mask)
+        if idx.size != k:
+            raise RemoteProtocolError(f"topk bitmap has {idx.size} bits set, descriptor says {k}")
+        return idx.astype(np.int64, copy=False)
+    gaps = decode_varints(stream, k)
+    if k == 0:
+        return np.empty(0, dtype=np.int64)
+    # Bounding each gap first keeps the cumulative sum far from uint64 overflow (k*n < 2**63).
+    if int(gaps.max()) >= n:
+        raise RemoteProtocolError(f"topk index gap out of range for {n} elements")
+    idx = np.cumsum(gaps.astype(np.int64)) + np.arange(k, dtype=np.int64)
+    if int(idx[-1]) >= n:
+        raise RemoteProtocolError(f"topk index {int(idx[-1])} out of range for {n} elements")
+    return idx
+
+
+def _dequantize_int8(scales: NDArray, q: NDArray, block: int, dtype: str) -> NDArray:
+    n = q.size
+    out = np.empty(n, dtype=np.float32)
+    full = n // block
+    if full:
+        qb = q[: full * block].reshape(full, block)
+        np.multiply(qb, scales[:full, None], out=out[: full * block].reshape(full, block))
+    if n % block:
+        np.multiply(q[full * block :], scales[full], out=out[full * block :])
+    return out.astype(dtype, copy=False)

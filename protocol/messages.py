@@ -505,3 +505,18 @@ class JoinResponse(Message):
     ca_certificate: bytes = b""
     bootstrap: tuple[Address, ...] = ()
     reason: str = ""
+
+
+# --- election, continued (appended by the cluster service) -----------------------------------
+
+
+@dataclass(frozen=True)
+class PreVote(Message):
+    """Would you vote for `candidate` in `term`? Changes no state on either side. Reply: Vote
+    (granted = would grant). A candidate increments its term only after a majority would, so a
+    node cut off in a minority never inflates terms and never disrupts a working leader."""
+
+    TYPE_ID: ClassVar[int] = 24
+    request_id: int
+    term: int
+    candidate: str

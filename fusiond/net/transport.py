@@ -1,0 +1,827 @@
+"""Peer links: `PeerNetwork`, the transport the cluster and training use.
+
+Design (docs/security.md and docs/daemon.md say why):
+
+- Connections are one-directional for data: a node sends only on connections it dialed and
+  receives only on connections it accepted. That needs no tie-break between two nodes dialing
+  each other at once, and a reconnect is always the sender's business.
+- Two TCP (or TLS) connections per direction and peer, one per lane. CONTROL frames therefore
+  never queue behind tensor bytes in a socket buffer, in the kernel or in TLS; on top of that
+  each connection's writer writes BULK frames in chunks (`NetConfig.bulk_chunk_bytes`) and waits
+  for the transport to drain between chunks, so the event loop serves the control writer and the
+  readers between chunks and a 64 MiB tensor is never copied into a transport buffer whole.
+- Each lane has a bounded queue per peer; `send()` awaits while it is full (backpressure), and
+  the writer waits for `drain` (the transport's high-water mark) before writing more.
+- Connections open lazily on the first send (or `connect()`); a failed dial drops what was queued
+  for that lane (counted in `PeerStats.dropped`, so a dead peer never blocks its senders) and the
+  next dial waits a jittered exponential backoff.
+- Handshake on every connection: the dialer sends Hello (node id, cluster id, the versions it
+  speaks, its listen address); the listener answers HelloAck (its node id, the chosen version:
+  the highest common one) or Refuse (the reason, naming both version ranges / cluster ids) and
+  closes. With TLS the node id claimed in Hello must equal the one in the peer's verified
+  certificate.
+- Reading: each accepted connection feeds a `FrameDecoder`; decoded messages go to a bounded
+  inbox drained by one task that awaits `handler(peer, msg)`; reading pauses while the inbox is
+  full (TCP backpressure to the sender). A handler error is logged and never kills the reader.
+  Bad bytes, a refused handshake, or a peer closing mid-frame close *that* connection with one
+  log line; the network keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import random
+import ssl
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, cast
+
+from cryptography.hazmat.primitives import serialization
+
+from fusiond.errors import ConfigError, LocalError, RemoteError
+from fusiond.net import tls as tlsmod
+from fusiond.net.pki import JoinAuthority, JoinTokenError, PKIError, TLSMaterial
+from protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
+from protocol.errors import ProtocolError
+from protocol.frames import FrameDecoder
+from protocol.handshake import Handshake, Role
+from protocol.limits import DEFAULT_LIMITS, Limits
+from protocol.messages import (
+    HelloAck,
+    JoinRequest,
+    JoinResponse,
+    Lane,
+    Message,
+    Refuse,
+    decode_message,
+    encode_message,
+)
+
+log = logging.getLogger("fusiond.net")
+
+__all__ = [
+    "Lane",
+    "NetConfig",
+    "PeerNetwork",
+    "PeerRefused",
+    "PeerStats",
+    "PeerUnreachable",
+    "UnknownPeer",
+]
+
+Buffer = bytes | bytearray | memoryview
+Handler = Callable[[str, Message], Awaitable[None]]
+Address = tuple[str, int]
+
+_MiB: Final = 1 << 20
+
+
+class PeerRefused(RemoteError):
+    """The peer refused our handshake (or we refused theirs); the message names the reason."""
+
+
+class PeerUnreachable(RemoteError):
+    """We could not open a connection to the peer's address."""
+
+
+class UnknownPeer(LocalError):
+    """`send()` to a node whose address we never learned (via connect or add_peer_address)."""
+
+
+@dataclass(frozen=True)
+class NetConfig:
+    """Every knob of the transport; defaults suit a real deployment, tests shrink the timeouts."""
+
+    connect_timeout_s: float = 10.0
+    handshake_timeout_s: float = 10.0
+    backoff_initial_s: float = 0.2
+    backoff_max_s: float = 30.0
+    backoff_jitter: float = 0.5
+    """Each backoff delay is multiplied by a uniform factor in [1 - jitter, 1 + jitter]."""
+    control_queue_frames: int = 1024
+    bulk_queue_frames: int = 16
+    inbox_frames: int = 64
+    """Decoded messages waiting for the handler per connection before reading pauses."""
+    bulk_chunk_bytes: int = 1 * _MiB
+    write_high_water_bytes: int = 4 * _MiB
+    limits: Limits = DEFAULT_LIMITS
+    payload_check: bool | None = None
+    """xxh3 over payloads: None = only on plaintext links (TLS already guarantees integrity)."""
+    allow_plaintext_remote: bool = False
+    """Plaintext is for loopback development; this must be set to listen on anything else."""
+    close_timeout_s: float = 5.0
+    versions: tuple[int, int] = (MIN_PROTOCOL_VERSION, PROTOCOL_VERSION)
+    """(min, max) protocol versions this node speaks (tests narrow it to provoke a refusal)."""
+
+
+@dataclass
+class PeerStats:
+    """A snapshot of one peer link (both lanes, both directions)."""
+
+    node_id: str
+    address: Address | None
+    connected: bool
+    """Our CONTROL connection to the peer is up (handshake done)."""
+    inbound: int
+    """Accepted connections from the peer that are up."""
+    bytes_sent: int
+    bytes_received: int
+    frames_sent: int
+    frames_received: int
+    control_queue_depth: int
+    bulk_queue_depth: int
+    reconnects: int
+    dropped: int
+    """Frames dropped: queued when a dial failed, or blocked by `set_blocked`."""
+    last_error: str | None
+
+
+@dataclass
+class _Out:
+    parts: list[bytes | memoryview]
+    nbytes: int
+    done: asyncio.Future[None] | None = None
+
+
+@dataclass
+class _Peer:
+    node_id: str
+    address: Address | None
+    queues: dict[Lane, asyncio.Queue[_Out]]
+    links: dict[Lane, _Conn | None] = field(default_factory=lambda: {Lane.CONTROL: None,
+                                                                     Lane.BULK: None})
+    writers: dict[Lane, asyncio.Task[None]] = field(default_factory=dict)
+    inbound: set[_Conn] = field(default_factory=set)
+    backoff: dict[Lane, float] = field(default_factory=lambda: {Lane.CONTROL: 0.0, Lane.BULK: 0.0})
+    next_dial: dict[Lane, float] = field(default_factory=lambda: {Lane.CONTROL: 0.0,
+                                                                  Lane.BULK: 0.0})
+    dial_lock: dict[Lane, asyncio.Lock] = field(
+        default_factory=lambda: {Lane.CONTROL: asyncio.Lock(), Lane.BULK: asyncio.Lock()}
+    )
+    ever_connected: set[Lane] = field(default_factory=set)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    frames_sent: int = 0
+    frames_received: int = 0
+    reconnects: int = 0
+    dropped: int = 0
+    last_error: str | None = None
+    version: int = PROTOCOL_VERSION
+    """The protocol version agreed on our last handshake with this peer."""
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _fmt(addr: Any) -> str:
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        return f"{addr[0]}:{addr[1]}"
+    return str(addr)
+
+
+class _Conn(asyncio.Protocol):
+    """One TCP/TLS connection: frame decoding, an inbox for the handler, write flow control."""
+
+    def __init__(self, net: PeerNetwork, *, inbound: bool, lane: Lane | None = None) -> None:
+        self.net = net
+        self.inbound = inbound
+        self.lane = lane
+        self.transport: asyncio.Transport | None = None
+        self.peername = "?"
+        self.decoder = FrameDecoder(net.config.limits)
+        self.peer: _Peer | None = None
+        self.cert_node_id: str | None = None
+        self.tls = False
+        self.join_only = False
+        self.closed = asyncio.get_running_loop().create_future()
+        self.first_frame: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self.inbox: deque[Message] = deque()
+        self.inbox_event = asyncio.Event()
+        self.reader_task: asyncio.Task[None] | None = None
+        self.handshake_timer: asyncio.TimerHandle | None = None
+        self._can_write = asyncio.Event()
+        self._can_write.set()
+        self._paused_reading = False
+        self.version = PROTOCOL_VERSION
+        self.bytes_in = 0
+
+    # -- asyncio.Protocol ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement the interface without subclassing asyncio.Transport.
+        self.transport = cast(asyncio.Transport, transport)
+        transport = self.transport
+        self.peername = _fmt(transport.get_extra_info("peername"))
+        transport.set_write_buffer_limits(high=self.net.config.write_high_water_bytes)
+        sslobj = transport.get_extra_info("ssl_object")
+        self.tls = sslobj is not None
+        self.cert_node_id = tlsmod.peer_node_id(sslobj)
+        if self.inbound:
+            self.net._conns.add(self)
+            self.handshake_timer = asyncio.get_running_loop().call_later(
+                self.net.config.handshake_timeout_s, self._handshake_timeout
+            )
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.handshake_timer is not None:
+            self.handshake_timer.cancel()
+        self._can_write.set()
+        if not self.decoder.idle and self.peer is not None and not self.net._closing:
+            log.warning(
+                "connection from %s (%s) closed mid-frame with %d bytes of a frame buffered",
+                self.peername, self.peer.node_id, self.decoder.buffered,
+            )
+        elif not self.decoder.idle and not self.net._closing:
+            log.warning("connection from %s closed mid-frame", self.peername)
+        if not self.first_frame.done():
+            self.first_frame.set_exception(
+                ConnectionResetError(f"connection to {self.peername} closed: {exc or 'EOF'}")
+            )
+            self.first_frame.exception()  # mark retrieved: nobody may be waiting
+        if not self.closed.done():
+            self.closed.set_result(None)
+        self.inbox_event.set()
+        self.net._conn_lost(self)
+
+    def pause_writing(self) -> None:
+        self._can_write.clear()
+
+    def resume_writing(self) -> None:
+        self._can_write.set()
+
+    def data_received(self, data: bytes) -> None:
+        self.bytes_in += len(data)
+        if self.peer is not None:
+            self.peer.bytes_received += len(data)
+        try:
+            frames = self.decoder.feed(data)
+            msgs = [decode_message(f) for f in frames]
+        except ProtocolError as e:
+            who = self.peer.node_id if self.peer is not None else "unauthenticated peer"
+            self.abort(f"bad frame from {self.peername} ({who}): {e}")
+            return
+        for msg in msgs:
+            if not self.first_frame.done():
+                self.first_frame.set_result(msg)
+                if self.inbound:
+                    self.net._on_first_frame(self, msg)
+                continue
+            if not self.inbound or self.peer is None:
+                # A dialed connection carries only the listener's HelloAck; an accepted one
+                # nothing after a refusal or a join exchange.
+                self.abort(f"unexpected {type(msg).__name__} from {self.peername} "
+                           "on a connection that carries no messages in this direction")
+                return
+            self.peer.frames_received += 1
+            if self.peer.node_id in self.net._blocked:
+                continue
+            self.inbox.append(msg)
+            self.inbox_event.set()
+        if len(self.inbox) >= self.net.config.inbox_frames and not self._paused_reading:
+            assert self.transport is not None
+            self._paused_reading = True
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _handshake_timeout(self) -> None:
+        if self.peer is None and not self.join_only:
+            self.abort(f"handshake from {self.peername} timed out")
+
+    def abort(self, why: str) -> None:
+        """Close this connection now with one log line (unless it is already going)."""
+        if self.transport is None or self.transport.is_closing():
+            return
+        if not self.net._closing:
+            log.warning("closing connection: %s", why)
+        if self.peer is not None:
+            self.peer.last_error = why
+        self.transport.abort()
+
+    def write_small(self, parts: Sequence[bytes | memoryview]) -> None:
+        assert self.transport is not None
+        for p in parts:
+            self.transport.write(p)
+
+    async def write_frame(self, out: _Out, chunk: int) -> None:
+        """Write one frame in `chunk`-sized pieces, waiting for the transport to drain."""
+        t = self.transport
+        assert t is not None
+        for part in out.parts:
+            mv = part if isinstance(part, memoryview) else memoryview(part)
+            n = mv.nbytes
+            pos = 0
+            while pos < n:
+                if t.is_closing():
+                    raise ConnectionResetError(f"connection to {self.peername} closed")
+                end = min(n, pos + chunk)
+                t.write(mv[pos:end])
+                pos = end
+                if not self._can_write.is_set():
+                    await self._can_write.wait()
+        if t.is_closing():
+            raise ConnectionResetError(f"connection to {self.peername} closed")
+
+    def resume_if_drained(self) -> None:
+        if self._paused_reading and len(self.inbox) < self.net.config.inbox_frames // 2:
+            self._paused_reading = False
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.resume_reading()
+
+
+class PeerNetwork:
+    """The peer transport: a listener, lazy persistent links, two lanes, backpressure.
+
+    `handler(node_id, msg)` is awaited for each message a peer sends, in order per connection
+    (CONTROL and BULK arrive on different connections, so their relative order is not kept).
+    `join_authority` (members holding the CA key) lets nodes without a certificate exchange a
+    join token for one; without it such connections are refused at the TLS layer.
+    """
+
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        cluster_id: str,
+        listen: Address,
+        tls: TLSMaterial | None,
+        handler: Handler,
+        config: NetConfig | None = None,
+        join_authority: JoinAuthority | None = None,
+        advertise: Address | None = None,
+    ) -> None:
+        self.node_id = node_id
+        self.cluster_id = cluster_id
+        self.listen = listen
+        self.tls = tls
+        self.handler = handler
+        self.config = config or NetConfig()
+        self.join_authority = join_authority
+        self.advertise = advertise
+        self._server: asyncio.Server | None = None
+        self._peers: dict[str, _Peer] = {}
+        self._conns: set[_Conn] = set()
+        self._blocked: frozenset[str] = frozenset()
+        self._closing = False
+        self._ready = asyncio.Event()
+        self._server_ctx: ssl.SSLContext | None = None
+        self._client_ctx: ssl.SSLContext | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        if self.config.versions[0] > self.config.versions[1]:
+            raise ConfigError(f"net versions {self.config.versions}: min is above max")
+
+    # -- service ---------------------------------------------------------------------------
+
+    @property
+    def plaintext(self) -> bool:
+        """True when links are unauthenticated and unencrypted (loopback development only)."""
+        return self.tls is None
+
+    @property
+    def address(self) -> Address:
+        """The bound listen address (port 0 resolved to the real port)."""
+        if self._server is None or not self._server.sockets:
+            raise LocalError("PeerNetwork is not started")
+        name = self._server.sockets[0].getsockname()
+        return (str(name[0]), int(name[1]))
+
+    @property
+    def advertised_address(self) -> Address:
+        """The address peers should dial us at (what Hello carries)."""
+        return self.advertise or self.address
+
+    async def start(self) -> None:
+        """Bind the listener (raises ConfigError for plaintext on a non-loopback address)."""
+        if self._server is not None:
+            return
+        host, port = self.listen
+        if self.tls is None:
+            if not _is_loopback(host) and not self.config.allow_plaintext_remote:
+                raise ConfigError(
+                    f"net.listen {host}:{port}: plaintext peer links are allowed on loopback "
+                    "only; configure TLS credentials (fusionctl init / join)"
+                )
+            log.warning(
+                "PLAINTEXT PEER LINKS: node %s listens on %s:%s without TLS; anyone who can "
+                "reach it can read and inject traffic. Use only for loopback development.",
+                self.node_id, host, port,
+            )
+        else:
+            try:
+                self._server_ctx = tlsmod.server_context(
+                    self.tls, allow_join=self.join_authority is not None
+                )
+                self._client_ctx = tlsmod.client_context(self.tls)
+            except (OSError, ssl.SSLError) as e:
+                raise ConfigError(f"cannot load TLS material {self.tls}: {e}") from e
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _Conn(self, inbound=True), host, port, ssl=self._server_ctx,
+            ssl_handshake_timeout=self.config.handshake_timeout_s if self.tls else None,
+        )
+        self._ready.set()
+        log.info("peer listener on %s (%s)", _fmt(self.address),
+                 "mutual TLS" if self.tls else "PLAINTEXT")
+
+    async def ready(self) -> None:
+        """Return once the listener is bound."""
+        await self._ready.wait()
+
+    async def close(self) -> None:
+        """Stop listening, cancel writers and readers, close every connection. Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._server is not None:
+            self._server.close()
+        tasks: list[asyncio.Task[Any]] = list(self._tasks)
+        for p in self._peers.values():
+            tasks.extend(p.writers.values())
+        for c in list(self._conns):
+            if c.reader_task is not None:
+                tasks.append(c.reader_task)
+        for t in tasks:
+            t.cancel()
+        for c in list(self._conns):
+            if c.transport is not None:
+                c.transport.abort()
+        for p in self._peers.values():
+            for link in p.links.values():
+                if link is not None and link.transport is not None:
+                    link.transport.abort()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._server is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._server.wait_closed(), self.config.close_timeout_s)
+
+    # -- public API ------------------------------------------------------------------------
+
+    def add_peer_address(self, node_id: str, address: Address) -> None:
+        """Remember where `node_id` listens; the next send to it dials there."""
+        if node_id == self.node_id:
+            return
+        p = self._peer(node_id)
+        if p.address != address:
+            p.address = address
+
+    def peers(self) -> list[str]:
+        """Node ids we know an address for or have heard from."""
+        return list(self._peers)
+
+    async def connect(self, address: Address) -> str:
+        """Dial `address`, handshake, and return the peer's node id (keeps the CONTROL link)."""
+        conn, node_id = await self._dial(address, Lane.CONTROL)
+        p = self._peer(node_id)
+        p.address = address
+        old = p.links[Lane.CONTROL]
+        if old is not None and old is not conn and old.transport is not None:
+            # Keep the established link; this one was only for discovering the id.
+            assert conn.transport is not None
+            conn.transport.close()
+        else:
+            p.links[Lane.CONTROL] = conn
+            conn.peer = p
+            p.ever_connected.add(Lane.CONTROL)
+            self._ensure_writer(p, Lane.CONTROL)
+        return node_id
+
+    async def send(self, peer: str, msg: Message, payload: Sequence[Buffer] = ()) -> None:
+        """Queue `msg` (+ payload buffers, not copied: do not mutate them until sent) for `peer`.
+
+        Awaits while the peer's queue for the message's lane is full. Delivery is at most once:
+        frames queued when a dial fails, or to a blocked peer, are dropped (and counted).
+        """
+        if self._closing:
+            raise LocalError("PeerNetwork is closed")
+        p = self._peers.get(peer)
+        if p is None or p.address is None:
+            raise UnknownPeer(f"no address known for peer {peer}")
+        if peer in self._blocked:
+            p.dropped += 1
+            return
+        lane = msg.lane
+        parts = encode_message(
+            msg, payload, version=p.version, payload_check=self._payload_check(),
+            limits=self.config.limits,
+        )
+        nbytes = sum(memoryview(x).nbytes for x in parts)
+        self._ensure_writer(p, lane)
+        await p.queues[lane].put(_Out(parts, nbytes))
+
+    def stats(self) -> dict[str, PeerStats]:
+        """Per-peer counters and queue depths (a snapshot)."""
+        out: dict[str, PeerStats] = {}
+        for nid, p in self._peers.items():
+            ctl = p.links[Lane.CONTROL]
+            out[nid] = PeerStats(
+                node_id=nid,
+                address=p.address,
+                connected=ctl is not None and ctl.transport is not None
+                and not ctl.transport.is_closing(),
+                inbound=sum(1 for c in p.inbound if c.transport and not c.transport.is_closing()),
+                bytes_sent=p.bytes_sent,
+                bytes_received=p.bytes_received,
+                frames_sent=p.frames_sent,
+                frames_received=p.frames_received,
+                control_queue_depth=p.queues[Lane.CONTROL].qsize(),
+                bulk_queue_depth=p.queues[Lane.BULK].qsize(),
+                reconnects=p.reconnects,
+                dropped=p.dropped,
+                last_error=p.last_error,
+            )
+        return out
+
+    def set_blocked(self, node_ids: set[str]) -> None:
+        """TEST-ONLY drop switch: silently drop all traffic to and from these nodes."""
+        self._blocked = frozenset(node_ids)
+        if node_ids:
+            log.warning("TEST drop switch: dropping all traffic to/from %s", sorted(node_ids))
+
+    # -- internals: peers and writers ------------------------------------------------------
+
+    def _payload_check(self) -> bool:
+        if self.config.payload_check is not None:
+            return self.config.payload_check
+        return self.tls is None
+
+    def _peer(self, node_id: str) -> _Peer:
+        p = self._peers.get(node_id)
+        if p is None:
+            c = self.config
+            p = _Peer(
+                node_id=node_id,
+                address=None,
+                queues={
+                    Lane.CONTROL: asyncio.Queue(c.control_queue_frames),
+                    Lane.BULK: asyncio.Queue(c.bulk_queue_frames),
+                },
+            )
+            self._peers[node_id] = p
+        return p
+
+    def _ensure_writer(self, p: _Peer, lane: Lane) -> None:
+        t = p.writers.get(lane)
+        if t is None or t.done():
+            p.writers[lane] = asyncio.get_running_loop().create_task(
+                self._writer(p, lane), name=f"net-writer-{p.node_id}-{lane.value}"
+            )
+
+    async def _writer(self, p: _Peer, lane: Lane) -> None:
+        """Drain one lane's queue onto its connection, dialing (with backoff) when needed."""
+        q = p.queues[lane]
+        chunk = self.config.bulk_chunk_bytes if lane is Lane.BULK else 1 << 62
+        while True:
+            out = await q.get()
+            try:
+                conn = await self._link(p, lane)
+            except (TimeoutError, OSError, RemoteError, ssl.SSLError) as e:
+                dropped = 1 + q.qsize()
+                while not q.empty():
+                    q.get_nowait()
+                p.dropped += dropped
+                p.last_error = str(e)
+                log.info("peer %s unreachable on %s lane (%s); dropped %d queued frame(s)",
+                         p.node_id, lane.value, e, dropped)
+                continue
+            if p.node_id in self._blocked:
+                p.dropped += 1
+                continue
+            try:
+                if out.nbytes <= chunk:
+                    conn.write_small(out.parts)
+                    if not conn._can_write.is_set():
+                        await conn._can_write.wait()
+                else:
+                    await conn.write_frame(out, chunk)
+            except (OSError, RuntimeError) as e:
+                p.dropped += 1
+                p.last_error = str(e)
+                log.info("lost %s link to %s while writing: %s", lane.value, p.node_id, e)
+                continue
+            p.bytes_sent += out.nbytes
+            p.frames_sent += 1
+
+    async def _link(self, p: _Peer, lane: Lane) -> _Conn:
+        """The live connection for (peer, lane), dialing it (after any backoff) if needed."""
+        conn = p.links[lane]
+        if conn is not None and conn.transport is not None and not conn.transport.is_closing():
+            return conn
+        async with p.dial_lock[lane]:
+            conn = p.links[lane]
+            if conn is not None and conn.transport is not None and not conn.transport.is_closing():
+                return conn
+            if p.address is None:
+                raise UnknownPeer(f"no address known for peer {p.node_id}")
+            wait = p.next_dial[lane] - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            try:
+                conn, node_id = await self._dial(p.address, lane)
+            except (TimeoutError, OSError, RemoteError, ssl.SSLError):
+                c = self.config
+                b = p.backoff[lane]
+                b = c.backoff_initial_s if b == 0 else min(c.backoff_max_s, b * 2)
+                p.backoff[lane] = b
+                jitter = random.uniform(1 - c.backoff_jitter, 1 + c.backoff_jitter)
+                p.next_dial[lane] = time.monotonic() + b * jitter
+                raise
+            if node_id != p.node_id:
+                assert conn.transport is not None
+                conn.transport.close()
+                raise PeerRefused(
+                    f"{_fmt(p.address)} is node {node_id}, not {p.node_id} as we were told"
+                )
+            p.backoff[lane] = 0.0
+            p.next_dial[lane] = 0.0
+            if lane in p.ever_connected:
+                p.reconnects += 1
+            p.ever_connected.add(lane)
+            p.version = conn.version
+            conn.peer = p
+            p.links[lane] = conn
+            return conn
+
+    async def _dial(self, address: Address, lane: Lane) -> tuple[_Conn, str]:
+        """Open a connection to `address` and run the Hello handshake; returns (conn, node id)."""
+        loop = asyncio.get_running_loop()
+        host, port = address
+        c = self.config
+        try:
+            _, proto = await asyncio.wait_for(
+                loop.create_connection(
+                    lambda: _Conn(self, inbound=False, lane=lane), host, port,
+                    ssl=self._client_ctx,
+                    server_hostname=host if self._client_ctx is not None else None,
+                    ssl_handshake_timeout=c.handshake_timeout_s if self._client_ctx else None,
+                ),
+                c.connect_timeout_s,
+            )
+        except (TimeoutError, OSError) as e:
+            raise PeerUnreachable(
+                f"cannot connect to {host}:{port}: {e or type(e).__name__}"
+            ) from e
+        conn = proto
+        assert isinstance(conn, _Conn) and conn.transport is not None
+        self._conns.add(conn)
+        hs = Handshake(
+            Role.CLIENT, node_id=self.node_id, cluster_id=self.cluster_id,
+            min_version=c.versions[0], max_version=c.versions[1],
+            address=self.advertised_address,
+        )
+        conn.write_small(encode_message(hs.start()))
+        try:
+            reply = await asyncio.wait_for(conn.first_frame, c.handshake_timeout_s)
+        except (TimeoutError, ConnectionError, ssl.SSLError) as e:
+            conn.transport.abort()
+            raise PeerUnreachable(
+                f"handshake with {host}:{port} failed: {e or type(e).__name__}"
+            ) from e
+        try:
+            hs.receive(reply)
+        except ProtocolError as e:
+            conn.transport.abort()
+            log.warning("handshake with %s:%s failed: %s", host, port, e)
+            raise PeerRefused(f"{host}:{port}: {e}") from e
+        assert isinstance(reply, HelloAck) and hs.version is not None
+        if conn.tls and conn.cert_node_id != reply.node_id:
+            conn.abort(f"{host}:{port} claims node id {reply.node_id} but its certificate "
+                       f"says {conn.cert_node_id}")
+            raise PeerRefused(f"{host}:{port} claims a node id its certificate does not carry")
+        if reply.node_id == self.node_id:
+            conn.transport.abort()
+            raise PeerRefused(f"{host}:{port} is this node itself")
+        conn.version = hs.version
+        conn.decoder.set_version(hs.version)
+        return conn, reply.node_id
+
+    # -- internals: accepted connections ---------------------------------------------------
+
+    def _conn_lost(self, conn: _Conn) -> None:
+        self._conns.discard(conn)
+        p = conn.peer
+        if p is not None:
+            p.inbound.discard(conn)
+            for lane, link in p.links.items():
+                if link is conn:
+                    p.links[lane] = None
+
+    def _refuse(self, conn: _Conn, refuse: Refuse) -> None:
+        """Send `refuse`, log one line naming the peer and the reason, close the connection."""
+        log.warning("refused connection from %s (%s): %s", conn.peername, refuse.code,
+                    refuse.reason)
+        if conn.transport is not None and not conn.transport.is_closing():
+            conn.write_small(encode_message(refuse))
+            conn.transport.close()
+
+    def _auth_refusal(self, reason: str) -> Refuse:
+        lo, hi = self.config.versions
+        return Refuse(code="auth", reason=reason, min_version=lo, max_version=hi)
+
+    def _spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _on_first_frame(self, conn: _Conn, msg: Message) -> None:
+        """An accepted connection's first message: Hello, or JoinRequest without a cert."""
+        if conn.handshake_timer is not None:
+            conn.handshake_timer.cancel()
+        if conn.tls and conn.cert_node_id is None:
+            # No client certificate: only a join exchange is allowed on this connection.
+            if isinstance(msg, JoinRequest) and self.join_authority is not None:
+                conn.join_only = True
+                self._answer_join(conn, msg)
+            else:
+                self._refuse(conn, self._auth_refusal(
+                    f"{type(msg).__name__} without a client certificate; only a JoinRequest "
+                    "may be sent before joining"))
+            return
+        lo, hi = self.config.versions
+        hs = Handshake(
+            Role.SERVER, node_id=self.node_id, cluster_id=self.cluster_id,
+            min_version=lo, max_version=hi, address=self.advertised_address,
+        )
+        reply = hs.receive(msg)
+        if isinstance(reply, Refuse):
+            self._refuse(conn, reply)
+            return
+        peer_id = hs.peer_node_id
+        assert peer_id is not None and hs.version is not None
+        if conn.tls and peer_id != conn.cert_node_id:
+            self._refuse(conn, self._auth_refusal(
+                f"node id {peer_id} in Hello does not match the certificate's "
+                f"{conn.cert_node_id}"))
+            return
+        if peer_id == self.node_id:
+            self._refuse(conn, self._auth_refusal("a node cannot connect to itself"))
+            return
+        assert reply is not None
+        conn.write_small(encode_message(reply))
+        conn.version = hs.version
+        conn.decoder.set_version(hs.version)
+        p = self._peer(peer_id)
+        if p.address is None and hs.peer_address is not None:
+            host, port = hs.peer_address
+            if not host or host in ("0.0.0.0", "::"):
+                # It listens on all interfaces: reach it at the address it dialed us from.
+                host = conn.peername.rsplit(":", 1)[0]
+            p.address = (host, port)
+        conn.peer = p
+        p.inbound.add(conn)
+        conn.reader_task = self._spawn(self._reader(conn, p), f"net-reader-{p.node_id}")
+
+    def _answer_join(self, conn: _Conn, req: JoinRequest) -> None:
+        """Check a join request, answer JoinResponse (ok or not) and close the connection."""
+        assert self.join_authority is not None and conn.transport is not None
+        auth = self.join_authority
+        try:
+            cert = auth.authorize_request(token=req.token, csr_pem=req.csr)
+        except (JoinTokenError, PKIError) as e:
+            log.warning("refused join from %s (%s): %s", conn.peername, req.node_id, e)
+            conn.write_small(encode_message(JoinResponse(
+                request_id=req.request_id, ok=False, reason=f"join refused: {e}")))
+            conn.transport.close()
+            return
+        log.info("issued a node certificate to %s (%s) for a join token", conn.peername,
+                 req.node_id)
+        conn.write_small(encode_message(JoinResponse(
+            request_id=req.request_id, ok=True, cluster_id=auth.ca.cluster_id,
+            certificate=cert.public_bytes(serialization.Encoding.PEM),
+            ca_certificate=auth.ca.cert_pem(),
+            bootstrap=(self.advertised_address,),
+        )))
+        conn.transport.close()
+
+    async def _reader(self, conn: _Conn, p: _Peer) -> None:
+        """Deliver an accepted connection's messages to the handler, in order."""
+        while True:
+            while not conn.inbox:
+                if conn.closed.done():
+                    return
+                conn.inbox_event.clear()
+                await conn.inbox_event.wait()
+            msg = conn.inbox.popleft()
+            conn.resume_if_drained()
+            try:
+                await self.handler(p.node_id, msg)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("handler failed on %s from %s", type(msg).__name__, p.node_id)

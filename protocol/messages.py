@@ -176,6 +176,8 @@ class NodeProfile(Struct):
     software: dict[str, str] = field(default_factory=dict)
     """e.g. {"python": "3.11.7", "torch": "2.13.0", "fusion": "0.1.0"}."""
     labels: dict[str, str] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The daemon's full profile map (free memory now, device count, ...), kept as given."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,112 @@
+"""Edge codec: torch tensors <-> wire payloads through `protocol.tensors`.
+
+An exact edge travels RAW (fp32 stays fp32, so an uncompressed pipeline is bit-identical to
+local autograd). A top-k edge travels TOPK forward and VALUES backward: the gradient only at the
+indices the forward kept, which is the exact gradient of `y = mask * x`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from protocol import tensors as wire
+from protocol.errors import RemoteProtocolError
+from protocol.limits import DEFAULT_LIMITS, Limits
+
+__all__ = [
+    "Encoded",
+    "decode_dense",
+    "decode_topk",
+    "decode_values",
+    "encode_dense",
+    "encode_topk",
+    "encode_values",
+    "topk_count",
+]
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One encoded tensor: the bytes to send and how many they are, plus the dense size."""
+
+    payload: bytes
+    nbytes: int
+    dense_nbytes: int
+
+    @property
+    def buffers(self) -> Sequence[bytes]:
+        """The payload as a gather list for `PeerNetwork.send`."""
+        return (self.payload,)
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().contiguous().cpu().numpy()
+
+
+def _join(enc: wire.EncodedTensor) -> bytes:
+    return enc.tobytes()
+
+
+def topk_count(numel: int, density: float) -> int:
+    """How many elements a top-k edge of `density` keeps (at least one)."""
+    return max(1, min(numel, round(numel * density)))
+
+
+def encode_dense(t: torch.Tensor) -> Encoded:
+    """RAW encoding: exact, every element."""
+    arr = _np(t)
+    enc = wire.encode(arr, wire.Encoding.RAW)
+    payload = _join(enc)
+    return Encoded(payload, len(payload), arr.nbytes)
+
+
+def encode_topk(t: torch.Tensor, density: float) -> tuple[Encoded, np.ndarray]:
+    """TOPK encoding of the largest-magnitude `density` fraction; returns the kept flat indices."""
+    arr = _np(t)
+    enc = wire.encode(arr, wire.Encoding.TOPK, k=topk_count(arr.size, density))
+    assert enc.indices is not None, "protocol.tensors TOPK must expose the kept indices"
+    payload = _join(enc)
+    return Encoded(payload, len(payload), arr.nbytes), np.asarray(enc.indices, dtype=np.int64)
+
+
+def encode_values(grad: torch.Tensor, indices: np.ndarray) -> Encoded:
+    """VALUES encoding: the gradient at the forward's kept `indices` only."""
+    arr = _np(grad)
+    enc = wire.encode_values(arr, indices)
+    payload = _join(enc)
+    return Encoded(payload, len(payload), arr.nbytes)
+
+
+def _tensor(arr: np.ndarray) -> torch.Tensor:
+    # RAW decodes as a read-only view of the received bytes; autograd needs its own memory.
+    return torch.from_numpy(np.array(arr, copy=True))
+
+
+def decode_dense(payload: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
+    """Decode any dense-decodable encoding into a fresh tensor."""
+    return _tensor(wire.decode(payload, limits=limits))
+
+
+def decode_topk(
+    payload: bytes | memoryview, limits: Limits = DEFAULT_LIMITS
+) -> tuple[torch.Tensor, np.ndarray]:
+    """Decode a TOPK payload: the dense tensor (zeros where dropped) and the kept indices.
+
+    The receiver needs the indices to answer with a VALUES gradient: the flat positions the
+    encoding carries.
+    """
+    dense, indices = wire.decode_with_indices(payload, limits=limits)
+    if indices is None:
+        raise RemoteProtocolError("a top-k edge carried a tensor that is not TOPK-encoded")
+    return _tensor(dense), np.asarray(indices, dtype=np.int64)
+
+
+def decode_values(
+    payload: bytes | memoryview, indices: np.ndarray, limits: Limits = DEFAULT_LIMITS
+) -> torch.Tensor:
+    """Decode a VALUES payload against the indices the forward kept; dense, zeros elsewhere."""
+    return _tensor(wire.decode(payload, limits=limits, indices=indices))

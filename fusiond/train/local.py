@@ -1,0 +1,340 @@
+"""A whole pipelined job in one process, and the single-process reference trainer.
+
+`run_pipeline` runs one `StageExecutor` per `StageProgram`, connected by `MemoryLinks` (one
+bounded asyncio queue per ordered pair of stages, each drained by a pump task that delivers to the
+destination executor): the same executor code the daemon hosts, with the network replaced by
+queues. Payloads are the real `protocol.tensors` encodings, so byte counts are what the wire
+would carry. `ReferenceTrainer` is plain eager training of the same model on the same batches
+with the same optimizer: the yardstick the pipeline must match.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusiond.errors import LocalError
+from fusiond.train.data import DataSource, split_micro_batches
+from fusiond.train.model import LossFn, WithLoss
+from fusiond.train.optim import lr_at, make_optimizer, set_lr
+from fusiond.train.schedule import schedule
+from fusiond.train.spec import OptimizerSpec
+from fusiond.train.stage import (
+    Packet,
+    PacketKind,
+    StageConfig,
+    StageExecutor,
+    StageProgram,
+    StepReport,
+)
+
+__all__ = [
+    "EdgeFigures",
+    "MemoryLinks",
+    "PipelineResult",
+    "ReferenceTrainer",
+    "StepMetrics",
+    "merge_reports",
+    "run_pipeline",
+]
+
+
+class MemoryLinks:
+    """In-memory links between stages: bounded queue per (src, dst) plus a delivering pump.
+
+    `link(stage)` is that stage's `StageLink`. Register executors with `attach` before `start`.
+    """
+
+    def __init__(self, maxsize: int = 4) -> None:
+        self.maxsize = maxsize
+        self._executors: dict[int, StageExecutor] = {}
+        self._queues: dict[tuple[int, int], asyncio.Queue[Packet]] = {}
+        self._pumps: list[asyncio.Task[None]] = []
+        self.bytes_sent: dict[tuple[int, int], int] = {}
+
+    def attach(self, executor: StageExecutor) -> None:
+        """Route packets addressed to `executor.stage` to it."""
+        self._executors[executor.stage] = executor
+
+    def link(self, stage: int) -> _Link:
+        """The link stage `stage` sends through."""
+        return _Link(self, stage)
+
+    async def _queue(self, src: int, dst: int) -> asyncio.Queue[Packet]:
+        key = (src, dst)
+        q = self._queues.get(key)
+        if q is None:
+            q = self._queues[key] = asyncio.Queue(maxsize=self.maxsize)
+            self._pumps.append(asyncio.create_task(self._pump(dst, q), name=f"pump {src}->{dst}"))
+        return q
+
+    async def _pump(self, dst: int, q: asyncio.Queue[Packet]) -> None:
+        while True:
+            pkt = await q.get()
+            try:
+                target = self._executors.get(dst)
+                if target is None:
+                    raise LocalError(f"no stage {dst} attached")
+                target.deliver(pkt)
+            except Exception as e:
+                for ex in self._executors.values():
+                    ex.fail(e)
+            finally:
+                q.task_done()
+
+    async def send(self, packet: Packet) -> None:
+        """Queue a packet (awaits while the pair's queue is full)."""
+        q = await self._queue(packet.src, packet.dst)
+        key = (packet.src, packet.dst)
+        self.bytes_sent[key] = self.bytes_sent.get(key, 0) + len(packet.payload)
+        await q.put(packet)
+
+    async def close(self) -> None:
+        """Cancel and await the pumps; idempotent."""
+        for t in self._pumps:
+            t.cancel()
+        for t in self._pumps:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._pumps.clear()
+
+
+@dataclass
+class _Link:
+    hub: MemoryLinks
+    stage: int
+
+    async def send(self, packet: Packet) -> None:
+        await self.hub.send(packet)
+
+
+@dataclass
+class EdgeFigures:
+    """One edge's bytes in one step: forward (activation) and backward (gradient) directions."""
+
+    edge: str
+    src: int
+    dst: int
+    density: float | None
+    forward_wire: int = 0
+    forward_dense: int = 0
+    backward_wire: int = 0
+    backward_dense: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return dict(self.__dict__)
+
+
+@dataclass
+class StepMetrics:
+    """One step of a whole job, merged over its stages."""
+
+    step: int
+    loss: float | None
+    lr: float
+    wall_s: float
+    samples: int
+    tokens: int
+    stage_busy: dict[int, float]
+    edges: list[EdgeFigures]
+    shared_bytes: int = 0
+
+    @property
+    def wire_bytes(self) -> int:
+        """Activation and gradient bytes on the wire this step (cut edges only)."""
+        return sum(e.forward_wire + e.backward_wire for e in self.edges)
+
+    @property
+    def dense_bytes(self) -> int:
+        """What those bytes would have been uncompressed."""
+        return sum(e.forward_dense + e.backward_dense for e in self.edges)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready (the metrics history entry)."""
+        return {
+            "step": self.step,
+            "loss": self.loss,
+            "lr": self.lr,
+            "wall_s": self.wall_s,
+            "samples_per_s": self.samples / self.wall_s if self.wall_s > 0 else None,
+            "tokens_per_s": self.tokens / self.wall_s if self.wall_s > 0 and self.tokens else None,
+            "stage_busy": {str(k): v for k, v in sorted(self.stage_busy.items())},
+            "wire_bytes": self.wire_bytes,
+            "dense_bytes": self.dense_bytes,
+            "shared_bytes": self.shared_bytes,
+            "edges": [e.as_dict() for e in self.edges],
+        }
+
+
+def merge_reports(reports: Sequence[StepReport], *, samples: int, tokens: int,
+                  wall_s: float | None = None) -> StepMetrics:
+    """Merge one step's per-stage reports into job-level figures."""
+    if not reports:
+        raise LocalError("no stage reports to merge")
+    step = reports[0].step
+    loss = next((r.loss for r in reports if r.loss is not None), None)
+    edges: dict[str, EdgeFigures] = {}
+    shared = 0
+    for r in reports:
+        for st in r.edges:
+            if st.kind == PacketKind.PARAM_GRAD:
+                shared += st.wire_bytes
+                continue
+            if st.kind == PacketKind.FORWARD:
+                src, dst = r.stage, st.peer
+            else:
+                src, dst = st.peer, r.stage
+            fig = edges.setdefault(st.edge, EdgeFigures(st.edge, src, dst, st.density))
+            if st.kind == PacketKind.FORWARD:
+                fig.forward_wire += st.wire_bytes
+                fig.forward_dense += st.dense_bytes
+            else:
+                fig.backward_wire += st.wire_bytes
+                fig.backward_dense += st.dense_bytes
+    return StepMetrics(
+        step=step,
+        loss=loss,
+        lr=reports[0].lr,
+        wall_s=wall_s if wall_s is not None else max(r.wall_s for r in reports),
+        samples=samples,
+        tokens=tokens,
+        stage_busy={r.stage: r.busy_fraction for r in reports},
+        edges=sorted(edges.values(), key=lambda e: e.edge),
+        shared_bytes=shared,
+    )
+
+
+@dataclass
+class PipelineResult:
+    """What `run_pipeline` returns: merged metrics per step and each stage's final state."""
+
+    metrics: list[StepMetrics]
+    states: dict[int, dict[str, torch.Tensor]]
+    wall_s: float
+    reports: dict[int, list[StepReport]] = field(default_factory=dict)
+
+    @property
+    def losses(self) -> list[float]:
+        """The loss of every step."""
+        return [m.loss for m in self.metrics if m.loss is not None]
+
+
+async def run_pipeline(
+    programs: Sequence[StageProgram],
+    *,
+    data: DataSource,
+    batch_size: int,
+    micro_batches: int,
+    optimizer: OptimizerSpec,
+    steps: int,
+    pipeline: str = "1f1b",
+    first_step: int = 0,
+    tokens_per_sample: int = 0,
+    config: StageConfig | None = None,
+    queue_size: int = 4,
+    on_step: Callable[[StepMetrics], Any] | None = None,
+) -> PipelineResult:
+    """Train `steps` steps of a pipelined model in this process; stage i is `programs[i]`.
+
+    Every stage draws the same deterministic batches from `data` (only the stages whose program
+    reads data use them). The first stage failure cancels the others and is raised.
+    """
+    tasks = schedule(pipeline, len(programs), micro_batches)
+    hub = MemoryLinks(queue_size)
+    execs = [
+        StageExecutor(
+            stage=i,
+            program=p,
+            link=hub.link(i),
+            tasks=tasks[i],
+            micro_batches=micro_batches,
+            optimizer=optimizer,
+            total_steps=first_step + steps,
+            data=data if p.data_inputs else None,
+            batch_size=batch_size,
+            config=config,
+        )
+        for i, p in enumerate(programs)
+    ]
+    for ex in execs:
+        hub.attach(ex)
+    per_step: dict[int, dict[int, StepReport]] = {}
+    metrics: list[StepMetrics] = []
+    t_prev = [time.perf_counter()]
+
+    def collect(rep: StepReport) -> None:
+        got = per_step.setdefault(rep.step, {})
+        got[rep.stage] = rep
+        if len(got) == len(execs):
+            now = time.perf_counter()
+            m = merge_reports(
+                list(got.values()), samples=batch_size, tokens=batch_size * tokens_per_sample,
+                wall_s=now - t_prev[0],
+            )
+            t_prev[0] = now
+            metrics.append(m)
+            del per_step[rep.step]
+            if on_step is not None:
+                on_step(m)
+
+    t0 = time.perf_counter()
+    try:
+        for ex in execs:
+            await ex.start()
+        async with asyncio.TaskGroup() as tg:
+            runs = [tg.create_task(ex.run(first_step, steps, collect)) for ex in execs]
+        reports = {i: r.result() for i, r in enumerate(runs)}
+    finally:
+        for ex in execs:
+            await ex.close()
+        await hub.close()
+    states = {ex.stage: ex.state_dict() for ex in execs}
+    return PipelineResult(metrics, states, time.perf_counter() - t0, reports)
+
+
+class ReferenceTrainer:
+    """Eager single-process training: the same batches, micro-batch accumulation and optimizer.
+
+    Each micro-batch's loss is scaled by 1/M before backward, as the pipeline does, so the
+    accumulated gradient is the mean over micro-batches.
+    """
+
+    def __init__(self, model: nn.Module, loss: LossFn, optimizer: OptimizerSpec, *,
+                 data: DataSource, batch_size: int, micro_batches: int, total_steps: int) -> None:
+        self.net = WithLoss(model, loss)
+        self.model = model
+        self.opt_spec = optimizer
+        self.optimizer = make_optimizer(optimizer, self.net.parameters())
+        self.data = data
+        self.batch_size = batch_size
+        self.micro_batches = micro_batches
+        self.total_steps = total_steps
+
+    def step(self, step: int) -> float:
+        """Train one step; returns the mean micro-batch loss."""
+        batch = self.data.batch(step, self.batch_size)
+        losses: list[float] = []
+        for mb in split_micro_batches(batch, self.micro_batches):
+            loss = self.net(mb.inputs, mb.targets)
+            (loss / self.micro_batches).backward()
+            losses.append(float(loss.detach()))
+        set_lr(self.optimizer, lr_at(self.opt_spec, step, self.total_steps))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return sum(losses) / len(losses)
+
+    def train(self, first: int, count: int) -> list[float]:
+        """Train steps `first .. first+count-1`; the loss of each."""
+        return [self.step(s) for s in range(first, first + count)]
+
+    def state_dict(self) -> Mapping[str, torch.Tensor]:
+        """The bare model's state dict."""
+        return self.model.state_dict()

@@ -1,0 +1,470 @@
+"""The job spec: a TOML file -> frozen dataclasses, every field validated.
+
+`load_job(path)` / `parse_job(text)` / `job_from_dict(mapping)` return a `JobSpec` or raise
+`JobSpecError` whose message (and `.field`) names the offending field as a dotted path, e.g.
+`optimizer.lr: must be > 0, got -1.0`. Unknown tables and keys are errors too: a typo must not
+silently fall back to a default. The format is documented field by field in docs/jobs.md.
+
+Validation here is structural and local (types, ranges, files that must exist on the submitting
+machine). Whether a model factory imports and builds is checked by `fusiond.train.model`, when
+the submitter captures the model.
+"""
+
+from __future__ import annotations
+
+import re
+import sysconfig
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from fusiond.errors import LocalError
+
+__all__ = [
+    "ZOO",
+    "BatchSpec",
+    "CompressionSpec",
+    "DataSpec",
+    "JobSpec",
+    "JobSpecError",
+    "LossSpec",
+    "ModelSpec",
+    "OptimizerSpec",
+    "default_text_path",
+    "job_from_dict",
+    "load_job",
+    "parse_job",
+]
+
+
+class JobSpecError(LocalError):
+    """A job spec field is missing, mistyped or out of range; `.field` is its dotted path."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+
+ZOO: dict[str, str] = {
+    "gpt2": "fusiond.models.gpt2:gpt2",
+    "hf-gpt2": "fusiond.models.hf_gpt2:hf_gpt2",
+    "resnet18": "fusiond.models.resnet:resnet18",
+    "resnet50": "fusiond.models.resnet:resnet50",
+    "resnet101": "fusiond.models.resnet:resnet101",
+}
+"""Zoo model name -> `module:function` building it from the `[model.config]` keyword arguments."""
+
+_FACTORY_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+
+DataKind = Literal["text", "images"]
+LossKind = Literal["lm_cross_entropy", "cross_entropy", "mse"]
+OptimizerKind = Literal["adamw", "sgd"]
+ScheduleKind = Literal["constant", "cosine"]
+PipelineKind = Literal["1f1b", "gpipe"]
+
+
+def default_text_path() -> Path:
+    """The default text corpus: this Python's standard library sources (every machine has it)."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which model to train: exactly one of `zoo` (a name in `ZOO`) or `factory`.
+
+    `factory` is `package.module:function`, imported and called only on the submitting machine
+    (capture happens there; no user code leaves it). `config` is passed as keyword arguments.
+    """
+
+    zoo: str | None
+    factory: str | None
+    config: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def target(self) -> str:
+        """The `module:function` that builds the model."""
+        if self.zoo is not None:
+            return ZOO[self.zoo]
+        assert self.factory is not None
+        return self.factory
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Where samples come from.
+
+    text: `path` is a file or a directory (every `*.py`/`*.txt`/`*.md` file under it, sorted),
+    default the stdlib; `tokenizer` is "bytes" (vocabulary 256) or a tokenizers JSON file;
+    samples are windows of `seq_len + 1` tokens (input, target shifted by one).
+    images: synthetic, `image_size` square, `channels`, `num_classes`, deterministic per seed.
+    """
+
+    kind: DataKind
+    path: Path | None
+    tokenizer: str
+    seq_len: int
+    image_size: int
+    channels: int
+    num_classes: int
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """The loss appended to the model's output. `lm_cross_entropy` flattens (B, T, V) logits."""
+
+    kind: LossKind
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Optimizer and learning-rate schedule (applied identically on every partition)."""
+
+    kind: OptimizerKind
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    eps: float
+    momentum: float
+    schedule: ScheduleKind
+    warmup_steps: int
+    min_lr: float
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """`size` samples per step, split into `micro_batches` equal micro-batches."""
+
+    size: int
+    micro_batches: int
+    pipeline: PipelineKind
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Samples per micro-batch."""
+        return self.size // self.micro_batches
+
+
+@dataclass(frozen=True)
+class CompressionSpec:
+    """AdaTopK on cut edges.
+
+    `adatopk`: let the planner pick per-edge densities from link speeds (>= `density_floor`).
+    `density`: if set, force this density on every cut edge (except `exact_edges`) instead.
+    `exact_edges`: edge ids or producing node ids never compressed.
+    """
+
+    adatopk: bool
+    density_floor: float
+    density: float | None
+    exact_edges: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A whole training job."""
+
+    name: str
+    model: ModelSpec
+    data: DataSpec
+    loss: LossSpec
+    optimizer: OptimizerSpec
+    batch: BatchSpec
+    compression: CompressionSpec
+    steps: int
+    seed: int
+    checkpoint_interval: int
+    output: Path
+
+
+# -- field readers: each names the field it rejects ------------------------------------------
+
+
+class _Table:
+    """A TOML table being read; remembers which keys were consumed to reject unknown ones."""
+
+    def __init__(self, data: Mapping[str, Any], prefix: str) -> None:
+        self.data = data
+        self.prefix = prefix
+        self.used: set[str] = set()
+
+    def name(self, key: str) -> str:
+        return f"{self.prefix}.{key}" if self.prefix else key
+
+    def get(self, key: str) -> Any:
+        self.used.add(key)
+        return self.data.get(key)
+
+    def has(self, key: str) -> bool:
+        return key in self.data
+
+    def sub(self, key: str, required: bool = False) -> _Table:
+        value = self.get(key)
+        if value is None:
+            if required:
+                raise JobSpecError(self.name(key), "missing table")
+            value = {}
+        if not isinstance(value, Mapping):
+            raise JobSpecError(self.name(key), f"must be a table, got {type(value).__name__}")
+        return _Table(value, self.name(key))
+
+    def string(self, key: str, default: str | None = None, *, required: bool = False) -> str:
+        value = self.get(key)
+        if value is None:
+            if required or default is None:
+                raise JobSpecError(self.name(key), "missing")
+            return default
+        if not isinstance(value, str) or not value:
+            raise JobSpecError(self.name(key), f"must be a non-empty string, got {value!r}")
+        return value
+
+    def opt_string(self, key: str) -> str | None:
+        value = self.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, str) or not value:
+            raise JobSpecError(self.name(key), f"must be a non-empty string, got {value!r}")
+        return value
+
+    def choice(self, key: str, default: str, choices: tuple[str, ...]) -> str:
+        value = self.string(key, default)
+        if value not in choices:
+            raise JobSpecError(self.name(key), f"must be one of {list(choices)}, got {value!r}")
+        return value
+
+    def integer(self, key: str, default: int | None = None, *, lo: int = 0,
+                hi: int | None = None) -> int:
+        value = self.get(key)
+        if value is None:
+            if default is None:
+                raise JobSpecError(self.name(key), "missing")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise JobSpecError(self.name(key), f"must be an integer, got {value!r}")
+        if value < lo or (hi is not None and value > hi):
+            rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise JobSpecError(self.name(key), f"must be {rng}, got {value}")
+        return value
+
+    def number(self, key: str, default: float | None, *, lo: float = 0.0,
+               hi: float | None = None, lo_open: bool = False) -> float:
+        value = self.get(key)
+        if value is None:
+            if default is None:
+                raise JobSpecError(self.name(key), "missing")
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise JobSpecError(self.name(key), f"must be a number, got {value!r}")
+        v = float(value)
+        if v != v or v in (float("inf"), float("-inf")):
+            raise JobSpecError(self.name(key), f"must be finite, got {v}")
+        if (v <= lo if lo_open else v < lo) or (hi is not None and v > hi):
+            lo_s = f"> {lo}" if lo_open else f">= {lo}"
+            rng = lo_s if hi is None else f"{lo_s} and <= {hi}"
+            raise JobSpecError(self.name(key), f"must be {rng}, got {v}")
+        return v
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise JobSpecError(self.name(key), f"must be true or false, got {value!r}")
+        return value
+
+    def finish(self) -> None:
+        unknown = sorted(set(self.data) - self.used)
+        if unknown:
+            raise JobSpecError(self.name(unknown[0]), "unknown key (check the spelling)")
+
+
+def _model(t: _Table) -> ModelSpec:
+    zoo = t.opt_string("zoo")
+    factory = t.opt_string("factory")
+    if (zoo is None) == (factory is None):
+        raise JobSpecError(t.name("zoo"), "set exactly one of model.zoo or model.factory")
+    if zoo is not None and zoo not in ZOO:
+        raise JobSpecError(t.name("zoo"), f"unknown model {zoo!r}; known: {sorted(ZOO)}")
+    if factory is not None and not _FACTORY_RE.match(factory):
+        raise JobSpecError(
+            t.name("factory"), f"must look like 'package.module:function', got {factory!r}"
+        )
+    config = t.get("config")
+    if config is None:
+        config = {}
+    if not isinstance(config, Mapping):
+        raise JobSpecError(t.name("config"), "must be a table of keyword arguments")
+    for key, value in config.items():
+        if not isinstance(value, (str, int, float, bool, list)):
+            raise JobSpecError(
+                t.name(f"config.{key}"), f"must be a string, number, bool or list, got {value!r}"
+            )
+    t.finish()
+    return ModelSpec(zoo=zoo, factory=factory, config=dict(config))
+
+
+def _data(t: _Table, base: Path) -> DataSpec:
+    kind = t.choice("kind", "text", ("text", "images"))
+    raw_path = t.opt_string("path")
+    path: Path | None = None
+    tokenizer = t.string("tokenizer", "bytes")
+    if kind == "text":
+        path = default_text_path() if raw_path is None else (base / raw_path).expanduser()
+        if not path.exists():
+            raise JobSpecError(t.name("path"), f"no such file or directory: {path}")
+        if tokenizer != "bytes":
+            tok_path = (base / tokenizer).expanduser()
+            if not tok_path.is_file():
+                raise JobSpecError(
+                    t.name("tokenizer"), f"must be 'bytes' or a tokenizers JSON file: {tok_path}"
+                )
+            tokenizer = str(tok_path)
+    elif raw_path is not None:
+        raise JobSpecError(t.name("path"), "images are synthetic; remove data.path")
+    spec = DataSpec(
+        kind=kind,  # type: ignore[arg-type]
+        path=path,
+        tokenizer=tokenizer,
+        seq_len=t.integer("seq_len", 64, lo=1, hi=1 << 20),
+        image_size=t.integer("image_size", 32, lo=1, hi=4096),
+        channels=t.integer("channels", 3, lo=1, hi=64),
+        num_classes=t.integer("num_classes", 10, lo=2, hi=1 << 20),
+    )
+    t.finish()
+    return spec
+
+
+def _optimizer(t: _Table, steps: int) -> OptimizerSpec:
+    kind = t.choice("kind", "adamw", ("adamw", "sgd"))
+    betas_raw = t.get("betas")
+    if betas_raw is None:
+        betas = (0.9, 0.95)
+    else:
+        if (
+            not isinstance(betas_raw, list)
+            or len(betas_raw) != 2
+            or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas_raw)
+            or not all(0.0 <= float(b) < 1.0 for b in betas_raw)
+        ):
+            raise JobSpecError(t.name("betas"), f"must be two numbers in [0, 1), got {betas_raw!r}")
+        betas = (float(betas_raw[0]), float(betas_raw[1]))
+    lr = t.number("lr", 3e-4, lo=0.0, lo_open=True, hi=10.0)
+    spec = OptimizerSpec(
+        kind=kind,  # type: ignore[arg-type]
+        lr=lr,
+        weight_decay=t.number("weight_decay", 0.0, hi=10.0),
+        betas=betas,
+        eps=t.number("eps", 1e-8, lo=0.0, lo_open=True, hi=1.0),
+        momentum=t.number("momentum", 0.0, hi=1.0),
+        schedule=t.choice("schedule", "constant", ("constant", "cosine")),  # type: ignore[arg-type]
+        warmup_steps=t.integer("warmup_steps", 0, hi=steps),
+        min_lr=t.number("min_lr", 0.0, hi=lr),
+    )
+    t.finish()
+    return spec
+
+
+def _batch(t: _Table) -> BatchSpec:
+    has_mbs, has_count = t.has("micro_batch_size"), t.has("micro_batches")
+    size = t.integer("size", 8, lo=1, hi=1 << 20)
+    if has_mbs and has_count:
+        raise JobSpecError(
+            t.name("micro_batches"), "set batch.micro_batches or batch.micro_batch_size, not both"
+        )
+    if has_mbs:
+        mbs = t.integer("micro_batch_size", lo=1, hi=size)
+        if size % mbs:
+            raise JobSpecError(
+                t.name("micro_batch_size"), f"must divide batch.size={size}, got {mbs}"
+            )
+        count = size // mbs
+    else:
+        count = t.integer("micro_batches", min(4, size), lo=1, hi=size)
+        if size % count:
+            raise JobSpecError(
+                t.name("micro_batches"), f"must divide batch.size={size}, got {count}"
+            )
+    pipeline = t.choice("pipeline", "1f1b", ("1f1b", "gpipe"))
+    t.finish()
+    return BatchSpec(size=size, micro_batches=count, pipeline=pipeline)  # type: ignore[arg-type]
+
+
+def _compression(t: _Table) -> CompressionSpec:
+    adatopk = t.boolean("adatopk", True)
+    floor = t.number("density_floor", 0.01, lo=0.0, lo_open=True, hi=1.0)
+    density: float | None = None
+    if t.has("density"):
+        density = t.number("density", None, lo=0.0, lo_open=True, hi=1.0)
+        if density < floor:
+            raise JobSpecError(
+                t.name("density"), f"must be >= compression.density_floor={floor}, got {density}"
+            )
+    exact_raw = t.get("exact_edges")
+    if exact_raw is None:
+        exact: tuple[str, ...] = ()
+    elif isinstance(exact_raw, list) and all(isinstance(e, str) and e for e in exact_raw):
+        exact = tuple(exact_raw)
+    else:
+        raise JobSpecError(t.name("exact_edges"), f"must be a list of edge ids, got {exact_raw!r}")
+    t.finish()
+    return CompressionSpec(adatopk=adatopk, density_floor=floor, density=density, exact_edges=exact)
+
+
+def job_from_dict(data: Mapping[str, Any], *, base: Path | None = None) -> JobSpec:
+    """Validate a parsed TOML document; relative paths resolve against `base` (default: cwd)."""
+    base = Path.cwd() if base is None else base
+    root = _Table(data, "")
+    job = root.sub("job", required=True)
+    name = job.string("name", "job")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name):
+        raise JobSpecError("job.name", f"must be 1-64 of [A-Za-z0-9_.-], got {name!r}")
+    steps = job.integer("steps", lo=1, hi=10**9)
+    seed = job.integer("seed", 0, hi=2**63 - 1)
+    ckpt = job.integer("checkpoint_interval", 0, hi=10**9)
+    output = (base / job.string("output", f"runs/{name}")).expanduser()
+    job.finish()
+    loss_t = root.sub("loss")
+    loss = LossSpec(
+        kind=loss_t.choice(  # type: ignore[arg-type]
+            "kind", "lm_cross_entropy", ("lm_cross_entropy", "cross_entropy", "mse")
+        )
+    )
+    loss_t.finish()
+    spec = JobSpec(
+        name=name,
+        model=_model(root.sub("model", required=True)),
+        data=_data(root.sub("data"), base),
+        loss=loss,
+        optimizer=_optimizer(root.sub("optimizer"), steps),
+        batch=_batch(root.sub("batch")),
+        compression=_compression(root.sub("compression")),
+        steps=steps,
+        seed=seed,
+        checkpoint_interval=ckpt,
+        output=output,
+    )
+    root.finish()
+    if spec.data.kind == "images" and spec.loss.kind == "lm_cross_entropy":
+        raise JobSpecError("loss.kind", "lm_cross_entropy needs text data; use cross_entropy")
+    return spec
+
+
+def parse_job(text: str, *, base: Path | None = None) -> JobSpec:
+    """Parse and validate TOML text; a syntax error is a `JobSpecError` naming the line."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise JobSpecError("<toml>", f"not valid TOML: {e}") from e
+    return job_from_dict(data, base=base)
+
+
+def load_job(path: str | Path) -> JobSpec:
+    """Read and validate a job file; relative paths inside resolve against its directory."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise JobSpecError("<file>", f"cannot read job file {p}: {e.strerror}") from e
+    return parse_job(text, base=p.resolve().parent)

@@ -1,0 +1,577 @@
+"""The stage executor: one partition's forward/backward tasks, its optimizer, its links.
+
+A `StageExecutor` owns one built partition (`StageProgram`) and its optimizer. Per iteration it
+runs its tasks in the pipeline schedule's order (`fusiond.train.schedule`); each task starts
+when its inputs are there:
+
+- forward of micro-batch m: every incoming edge's tensor for m has arrived (plus the local data
+  if this stage reads it). Received tensors become leaves that require grad (remote autodiff).
+- backward of m: every outgoing edge's gradient for m has arrived (the loss stage starts the
+  backward from `loss / M`, so gradients accumulate into the mean over micro-batches, exactly as
+  gradient accumulation in one process).
+
+Compute (decode, run, autograd, encode) happens on one worker thread per stage, so the event
+loop keeps receiving while a task runs. Results leave through one bounded outbound queue per
+destination stage and a sender task that calls `StageLink.send`: computing micro-batch m overlaps
+sending m-1, and a full queue (a slow link) backs up into the compute loop.
+
+After the last backward, parameters that several stages hold (tied weights such as GPT-2's
+embedding and LM head) exchange gradients, each holder sums them in stage order (so every copy
+stays bit-identical), and the optimizer steps.
+
+Top-k edges: forward sends TOPK and the sender keeps the kept indices per (edge, micro-batch); the
+receiver learns them from the payload and answers with a VALUES gradient at those indices only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import functools
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from fusiond.errors import LocalError, RemoteError
+from fusiond.train import codec
+from fusiond.train.data import Batch, DataSource, split_micro_batches
+from fusiond.train.optim import lr_at, make_optimizer, set_lr
+from fusiond.train.schedule import Phase, Task
+from fusiond.train.spec import OptimizerSpec
+
+__all__ = [
+    "EdgeSpec",
+    "EdgeStats",
+    "Packet",
+    "PacketKind",
+    "StageConfig",
+    "StageError",
+    "StageExecutor",
+    "StageLink",
+    "StageProgram",
+    "StepReport",
+]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class StageError(LocalError):
+    """A stage task failed or waited too long; the message names the stage, step and task."""
+
+
+class PacketKind(enum.StrEnum):
+    """What a packet carries."""
+
+    FORWARD = "forward"  # an activation on an edge, src -> dst
+    BACKWARD = "backward"  # the gradient of an edge, dst -> src
+    PARAM_GRAD = "param_grad"  # the gradient of a parameter several stages hold
+
+
+@dataclass(frozen=True)
+class Packet:
+    """One tensor between two stages. `edge` is the edge id, or the parameter name for
+    PARAM_GRAD; `payload` is a `protocol.tensors` encoding."""
+
+    kind: PacketKind
+    step: int
+    micro: int
+    edge: str
+    src: int
+    dst: int
+    payload: bytes | memoryview
+
+
+class StageLink(Protocol):
+    """How a stage reaches the others: in-memory queues in tests, `PeerNetwork` in the daemon.
+
+    `send` returns once the packet is queued for the destination; it awaits (backpressure) while
+    the link's queue is full. The link delivers incoming packets to `StageExecutor.deliver`.
+    """
+
+    async def send(self, packet: Packet) -> None:
+        """Queue `packet` for `packet.dst`."""
+        ...
+
+
+@dataclass(frozen=True)
+class EdgeSpec:
+    """A cut edge from stage `src` to stage `dst`; `density` None means exact (RAW)."""
+
+    edge_id: str
+    src: int
+    dst: int
+    density: float | None = None
+
+
+RunFn = Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]
+
+
+@dataclass
+class StageProgram:
+    """A runnable partition and its boundary.
+
+    `run(inputs)` takes the incoming edge ids (plus "inputs"/"targets" for the data this stage
+    reads) and returns the outgoing edge ids (plus "loss" on the loss stage). Two outgoing edges
+    may map to the same tensor (fan-out); their gradients are summed by autograd.
+    `shared` maps a parameter name of `module` to the other stages holding a copy of it.
+    """
+
+    module: nn.Module
+    run: RunFn
+    in_edges: tuple[EdgeSpec, ...]
+    out_edges: tuple[EdgeSpec, ...]
+    data_inputs: tuple[str, ...] = ()
+    has_loss: bool = False
+    shared: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """Knobs of one executor; every wait is bounded."""
+
+    recv_timeout_s: float = 120.0
+    """Longest wait for one task's inputs before the job fails naming the missing edges."""
+    send_queue: int = 8
+    """Outbound packets queued per destination stage before compute waits (backpressure)."""
+
+
+@dataclass
+class EdgeStats:
+    """Bytes this stage sent on one edge in one direction during one step."""
+
+    edge: str
+    kind: PacketKind
+    peer: int
+    wire_bytes: int = 0
+    dense_bytes: int = 0
+    density: float | None = None
+
+
+@dataclass
+class StepReport:
+    """What one stage did in one step."""
+
+    stage: int
+    step: int
+    loss: float | None
+    lr: float
+    wall_s: float
+    busy_s: float
+    edges: list[EdgeStats]
+
+    @property
+    def busy_fraction(self) -> float:
+        """Share of the step's wall time this stage's worker spent computing."""
+        return self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass
+class _Ctx:
+    """What a forward keeps for its backward."""
+
+    leaves: dict[str, torch.Tensor]
+    outputs: dict[str, torch.Tensor]
+    loss: torch.Tensor | None
+    recv_idx: dict[str, np.ndarray]
+    sent_idx: dict[str, np.ndarray]
+    grad_edges: set[str]  # outgoing edges whose receiver answers with a gradient
+
+
+_Key = tuple[PacketKind, int, int, str]
+"""(kind, step, micro-batch (or sending stage for PARAM_GRAD), edge or parameter name)."""
+
+
+def _is_float(t: torch.Tensor) -> bool:
+    return t.dtype.is_floating_point
+
+
+class StageExecutor:
+    """Runs one partition's tasks for a number of steps; a service (start/ready/close).
+
+    The host (test harness or daemon) delivers every packet addressed to this stage with
+    `deliver`, and calls `run_step(step)` for each step, or `run(first, count)`.
+    """
+
+    def __init__(
+        self,
+        *,
+        stage: int,
+        program: StageProgram,
+        link: StageLink,
+        tasks: Sequence[Task],
+        micro_batches: int,
+        optimizer: OptimizerSpec,
+        total_steps: int,
+        data: DataSource | None = None,
+        batch_size: int = 0,
+        config: StageConfig | None = None,
+    ) -> None:
+        if program.data_inputs and (data is None or batch_size <= 0):
+            raise StageError(f"stage {stage} reads {program.data_inputs} but has no data source")
+        self.stage = stage
+        self.program = program
+        self.link = link
+        self.tasks = list(tasks)
+        self.micro_batches = micro_batches
+        self.opt_spec = optimizer
+        self.total_steps = total_steps
+        self.data = data
+        self.batch_size = batch_size
+        self.config = config or StageConfig()
+        self.optimizer = make_optimizer(optimizer, program.module.parameters())
+        self._params = dict(program.module.named_parameters())
+        for name in program.shared:
+            if name not in self._params:
+                raise StageError(f"stage {stage}: shared parameter {name!r} is not in the module")
+        self._in = {e.edge_id: e for e in program.in_edges}
+        self._out = {e.edge_id: e for e in program.out_edges}
+        self._pool: ThreadPoolExecutor | None = None
+        self._queues: dict[int, asyncio.Queue[Packet | None]] = {}
+        self._senders: list[asyncio.Task[None]] = []
+        self._inbox: dict[_Key, bytes | memoryview] = {}
+        self._waiters: dict[_Key, asyncio.Future[bytes | memoryview]] = {}
+        self._failed: BaseException | None = None
+        self._step = 0
+        self._ready = asyncio.Event()
+        self._closed = False
+        self._busy = 0.0
+        self._stats: dict[tuple[str, PacketKind], EdgeStats] = {}
+
+    # -- service --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the worker thread and one sender task per destination stage."""
+        if self._pool is not None:
+            return
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.stage}")
+        peers = {e.dst for e in self.program.out_edges} | {e.src for e in self.program.in_edges}
+        for holders in self.program.shared.values():
+            peers.update(holders)
+        for peer in sorted(peers - {self.stage}):
+            q: asyncio.Queue[Packet | None] = asyncio.Queue(maxsize=self.config.send_queue)
+            self._queues[peer] = q
+            self._senders.append(
+                asyncio.create_task(self._sender(peer, q), name=f"stage{self.stage}->stage{peer}")
+            )
+        self._ready.set()
+
+    async def ready(self) -> None:
+        """Return once started."""
+        await self._ready.wait()
+
+    async def close(self) -> None:
+        """Stop senders (cancelled and awaited) and the worker; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for t in self._senders:
+            t.cancel()
+        for t in self._senders:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._senders.clear()
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        self._inbox.clear()
+
+    async def flush(self) -> None:
+        """Wait until every queued outbound packet has been handed to the link."""
+        for q in self._queues.values():
+            await q.join()
+
+    # -- receiving ------------------------------------------------------------------------
+
+    def deliver(self, packet: Packet) -> None:
+        """Accept a packet addressed to this stage (from the link). Never blocks.
+
+        A packet this stage cannot expect (wrong stage, unknown edge, a step already finished,
+        a duplicate) is a `RemoteError` naming it; the stage keeps running.
+        """
+        if packet.dst != self.stage:
+            raise RemoteError(f"stage {self.stage} got a packet for stage {packet.dst}")
+        if packet.step < self._step or packet.step > self._step + 1:
+            raise RemoteError(
+                f"stage {self.stage} at step {self._step} got {packet.kind} for step {packet.step}"
+            )
+        if not 0 <= packet.micro < self.micro_batches and packet.kind != PacketKind.PARAM_GRAD:
+            raise RemoteError(f"stage {self.stage}: micro-batch {packet.micro} out of range")
+        known = {
+            PacketKind.FORWARD: self._in,
+            PacketKind.BACKWARD: self._out,
+            PacketKind.PARAM_GRAD: self.program.shared,
+        }[packet.kind]
+        if packet.edge not in known:
+            raise RemoteError(f"stage {self.stage}: unexpected {packet.kind} on {packet.edge!r}")
+        key = (packet.kind, packet.step, packet.micro, packet.edge)
+        if packet.kind == PacketKind.PARAM_GRAD:
+            key = (packet.kind, packet.step, packet.src, packet.edge)
+        fut = self._waiters.pop(key, None)
+        if fut is not None and not fut.done():
+            fut.set_result(packet.payload)
+        elif key in self._inbox:
+            raise RemoteError(f"stage {self.stage}: duplicate {key}")
+        else:
+            self._inbox[key] = packet.payload
+
+    def fail(self, exc: BaseException) -> None:
+        """Abort: every pending and future wait raises `exc` (e.g. a peer stage died)."""
+        self._failed = exc
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self._waiters.clear()
+
+    async def _recv(self, key: _Key, deadline: float,
+                    what: str) -> bytes | memoryview:
+        if self._failed is not None:
+            raise self._failed
+        if key in self._inbox:
+            return self._inbox.pop(key)
+        fut: asyncio.Future[bytes | memoryview] = asyncio.get_running_loop().create_future()
+        self._waiters[key] = fut
+        try:
+            return await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise StageError(
+                f"stage {self.stage}, step {key[1]}, {what}: no {key[0]} on edge {key[3]!r} "
+                f"within {self.config.recv_timeout_s:g}s"
+            ) from None
+        finally:
+            self._waiters.pop(key, None)
+
+    # -- sending --------------------------------------------------------------------------
+
+    async def _sender(self, peer: int, q: asyncio.Queue[Packet | None]) -> None:
+        while True:
+            pkt = await q.get()
+            try:
+                if pkt is not None:
+                    await self.link.send(pkt)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.fail(StageError(f"stage {self.stage}: sending to stage {peer} failed: {e}"))
+            finally:
+                q.task_done()
+
+    async def _emit(self, packets: Sequence[tuple[Packet, codec.Encoded, float | None]]) -> None:
+        for pkt, enc, density in packets:
+            key = (pkt.edge, pkt.kind)
+            st = self._stats.get(key)
+            if st is None:
+                st = self._stats[key] = EdgeStats(pkt.edge, pkt.kind, pkt.dst, density=density)
+            st.wire_bytes += enc.nbytes
+            st.dense_bytes += enc.dense_nbytes
+            await self._queues[pkt.dst].put(pkt)
+
+    # -- compute --------------------------------------------------------------------------
+
+    async def _compute(self, fn: Callable[[], T]) -> T:
+        assert self._pool is not None, "StageExecutor.start() was not called"
+        loop = asyncio.get_running_loop()
+
+        def timed() -> tuple[T, float]:
+            t0 = time.perf_counter()
+            out = fn()
+            return out, time.perf_counter() - t0
+
+        result, dt = await loop.run_in_executor(self._pool, timed)
+        self._busy += dt
+        return result
+
+    def _forward(self, step: int, micro: int, payloads: Mapping[str, bytes | memoryview],
+                 mb: Batch | None) -> tuple[_Ctx, list[tuple[Packet, codec.Encoded, float | None]]]:
+        leaves: dict[str, torch.Tensor] = {}
+        recv_idx: dict[str, np.ndarray] = {}
+        for edge_id, payload in payloads.items():
+            if self._in[edge_id].density is None:
+                t = codec.decode_dense(payload)
+            else:
+                t, recv_idx[edge_id] = codec.decode_topk(payload)
+            if _is_float(t):
+                t.requires_grad_(True)
+            leaves[edge_id] = t
+        inputs: dict[str, torch.Tensor] = dict(leaves)
+        if mb is not None:
+            if "inputs" in self.program.data_inputs:
+                inputs["inputs"] = mb.inputs
+            if "targets" in self.program.data_inputs:
+                inputs["targets"] = mb.targets
+        out = dict(self.program.run(inputs))
+        loss = out.pop("loss", None) if self.program.has_loss else None
+        if self.program.has_loss and loss is None:
+            raise StageError(f"stage {self.stage}: the loss stage's module returned no 'loss'")
+        packets: list[tuple[Packet, codec.Encoded, float | None]] = []
+        sent_idx: dict[str, np.ndarray] = {}
+        grad_edges: set[str] = set()
+        for edge_id, e in self._out.items():
+            if edge_id not in out:
+                raise StageError(f"stage {self.stage}: module produced no output for {edge_id!r}")
+            t = out[edge_id]
+            if e.density is None or not _is_float(t):
+                enc = codec.encode_dense(t)
+            else:
+                enc, sent_idx[edge_id] = codec.encode_topk(t, e.density)
+            if _is_float(t):
+                grad_edges.add(edge_id)
+            pkt = Packet(PacketKind.FORWARD, step, micro, edge_id, self.stage, e.dst, enc.payload)
+            packets.append((pkt, enc, e.density))
+        ctx = _Ctx(leaves, out, loss, recv_idx, sent_idx, grad_edges)
+        return ctx, packets
+
+    def _backward(self, step: int, micro: int, ctx: _Ctx,
+                  payloads: Mapping[str, bytes | memoryview]
+                  ) -> list[tuple[Packet, codec.Encoded, float | None]]:
+        roots: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        for edge_id, payload in payloads.items():
+            out = ctx.outputs[edge_id]
+            if edge_id in ctx.sent_idx:
+                g = codec.decode_values(payload, ctx.sent_idx[edge_id])
+            else:
+                g = codec.decode_dense(payload)
+            if out.requires_grad:
+                roots.append(out)
+                grads.append(g.view_as(out).to(out.dtype))
+        if ctx.loss is not None:
+            roots.append(ctx.loss / self.micro_batches)
+            grads.append(torch.ones_like(ctx.loss))
+        if roots:
+            torch.autograd.backward(roots, grads)
+        packets: list[tuple[Packet, codec.Encoded, float | None]] = []
+        for edge_id, leaf in ctx.leaves.items():
+            if not leaf.requires_grad:
+                continue
+            e = self._in[edge_id]
+            g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            if edge_id in ctx.recv_idx:
+                enc = codec.encode_values(g, ctx.recv_idx[edge_id])
+            else:
+                enc = codec.encode_dense(g)
+            pkt = Packet(PacketKind.BACKWARD, step, micro, edge_id, self.stage, e.src, enc.payload)
+            packets.append((pkt, enc, e.density))
+        return packets
+
+    def _shared_grads(self, step: int) -> list[tuple[Packet, codec.Encoded, float | None]]:
+        packets: list[tuple[Packet, codec.Encoded, float | None]] = []
+        for name, holders in self.program.shared.items():
+            p = self._params[name]
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            enc = codec.encode_dense(g)
+            for peer in holders:
+                pkt = Packet(PacketKind.PARAM_GRAD, step, 0, name, self.stage, peer, enc.payload)
+                packets.append((pkt, enc, None))
+        return packets
+
+    def _apply_shared(self, received: Mapping[tuple[str, int], bytes | memoryview]) -> None:
+        for name, holders in self.program.shared.items():
+            p = self._params[name]
+            mine = p.grad if p.grad is not None else torch.zeros_like(p)
+            parts = {self.stage: mine}
+            for peer in holders:
+                parts[peer] = codec.decode_dense(received[(name, peer)]).view_as(p)
+            # Sum in stage order on every holder, so the copies stay bit-identical.
+            total = torch.zeros_like(p)
+            for s in sorted(parts):
+                total += parts[s]
+            p.grad = total
+
+    def _opt_step(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # -- the iteration --------------------------------------------------------------------
+
+    async def run_step(self, step: int) -> StepReport:
+        """Run every task of `step` in schedule order, then step the optimizer."""
+        if self._pool is None:
+            await self.start()
+        self._step = step
+        t0 = time.perf_counter()
+        self._busy = 0.0
+        self._stats = {}
+        mbs: list[Batch] | None = None
+        if self.program.data_inputs:
+            assert self.data is not None
+            mbs = split_micro_batches(self.data.batch(step, self.batch_size), self.micro_batches)
+        ctxs: dict[int, _Ctx] = {}
+        losses: list[float] = []
+        for task in self.tasks:
+            deadline = time.monotonic() + self.config.recv_timeout_s
+            m = task.micro
+            what = f"{task}"
+            if task.phase is Phase.F:
+                payloads = {
+                    e: await self._recv((PacketKind.FORWARD, step, m, e), deadline, what)
+                    for e in self._in
+                }
+                mb = mbs[m] if mbs is not None else None
+                ctx, packets = await self._guard(
+                    what, step, functools.partial(self._forward, step, m, payloads, mb)
+                )
+                if ctx.loss is not None:
+                    losses.append(float(ctx.loss.detach()))
+                ctxs[m] = ctx
+            else:
+                ctx = ctxs.pop(m)
+                payloads = {
+                    e: await self._recv((PacketKind.BACKWARD, step, m, e), deadline, what)
+                    for e in sorted(ctx.grad_edges)
+                }
+                packets = await self._guard(
+                    what, step, functools.partial(self._backward, step, m, ctx, payloads)
+                )
+            await self._emit(packets)
+        if self.program.shared:
+            await self._emit(await self._guard("shared grads", step,
+                                               lambda: self._shared_grads(step)))
+            deadline = time.monotonic() + self.config.recv_timeout_s
+            received: dict[tuple[str, int], bytes | memoryview] = {}
+            for name, holders in self.program.shared.items():
+                for peer in holders:
+                    received[(name, peer)] = await self._recv(
+                        (PacketKind.PARAM_GRAD, step, peer, name), deadline, "shared grads"
+                    )
+            await self._guard("shared grads", step, lambda: self._apply_shared(received))
+        lr = lr_at(self.opt_spec, step, self.total_steps)
+        await self._guard("optimizer step", step, lambda: self._opt_step(lr))
+        wall = time.perf_counter() - t0
+        loss = sum(losses) / len(losses) if losses else None
+        return StepReport(self.stage, step, loss, lr, wall, self._busy, list(self._stats.values()))
+
+    async def _guard(self, what: str, step: int, fn: Callable[[], T]) -> T:
+        try:
+            return await self._compute(fn)
+        except (StageError, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            raise StageError(f"stage {self.stage}, step {step}, {what}: {e!r}") from e
+
+    async def run(self, first: int, count: int,
+                  on_step: Callable[[StepReport], Any] | None = None) -> list[StepReport]:
+        """Run steps `first .. first+count-1`; then flush the outbound queues."""
+        reports: list[StepReport] = []
+        for s in range(first, first + count):
+            rep = await self.run_step(s)
+            reports.append(rep)
+            if on_step is not None:
+                on_step(rep)
+        await self.flush()
+        return reports
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The partition's parameters and buffers (detached, CPU)."""
+        return {k: v.detach().cpu() for k, v in self.program.module.state_dict().items()}

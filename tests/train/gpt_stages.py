@@ -1,0 +1,97 @@
+"""GPT-2 tiny cut by hand into pipeline stages, independent of graph capture.
+
+Lets the stage executor be tested against eager training on its own. The tied embedding / LM-head
+weight is held by the first and the last stage under one name, `tied`, as a captured graph
+names a tied parameter once.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fusiond.models.gpt2 import GPT
+from fusiond.train.stage import EdgeSpec, StageProgram
+
+
+class _First(nn.Module):
+    def __init__(self, g: GPT, blocks: list[int]) -> None:
+        super().__init__()
+        self.tied = nn.Parameter(g.transformer.wte.weight.detach().clone())
+        self.wpe = copy.deepcopy(g.transformer.wpe)
+        self.h = nn.ModuleList(copy.deepcopy(g.transformer.h[i]) for i in blocks)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.size(1))
+        x = F.embedding(idx, self.tied) + self.wpe(pos)
+        for b in self.h:
+            x = b(x)
+        return x
+
+
+class _Middle(nn.Module):
+    def __init__(self, g: GPT, blocks: list[int]) -> None:
+        super().__init__()
+        self.h = nn.ModuleList(copy.deepcopy(g.transformer.h[i]) for i in blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.h:
+            x = b(x)
+        return x
+
+
+class _Last(nn.Module):
+    def __init__(self, g: GPT) -> None:
+        super().__init__()
+        self.tied = nn.Parameter(g.lm_head.weight.detach().clone())
+        self.ln_f = copy.deepcopy(g.transformer.ln_f)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(self.ln_f(x), self.tied)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def three_stages(g: GPT, density: float | None = None) -> list[StageProgram]:
+    """Stage 0: embeddings + block 0; stage 1: blocks 1..; stage 2: ln_f, LM head, loss."""
+    n = g.config.n_layer
+    first, mid, last = _First(g, [0]), _Middle(g, list(range(1, n))), _Last(g)
+    e01 = EdgeSpec("h0", 0, 1, density)
+    e12 = EdgeSpec("h1", 1, 2, density)
+
+    def run0(i: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"h0": first(i["inputs"])}
+
+    def run1(i: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"h1": mid(i["h0"])}
+
+    def run2(i: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"loss": last(i["h1"], i["targets"])}
+
+    return [
+        StageProgram(first, run0, (), (e01,), ("inputs",), False, {"tied": (2,)}),
+        StageProgram(mid, run1, (e01,), (e12,)),
+        StageProgram(last, run2, (e12,), (), ("targets",), True, {"tied": (0,)}),
+    ]
+
+
+def merged_state(programs: list[StageProgram]) -> dict[str, torch.Tensor]:
+    """The stages' parameters under the eager GPT's names (for comparing final weights)."""
+    first, mid, last = (p.module for p in programs)
+    out: dict[str, torch.Tensor] = {}
+    out["transformer.wte.weight"] = first.tied.detach()
+    out["lm_head.weight"] = last.tied.detach()
+    out["transformer.wpe.weight"] = first.wpe.weight.detach()
+    nfirst = len(first.h)
+    for i, b in enumerate(first.h):
+        for k, v in b.state_dict().items():
+            out[f"transformer.h.{i}.{k}"] = v
+    for i, b in enumerate(mid.h):
+        for k, v in b.state_dict().items():
+            out[f"transformer.h.{nfirst + i}.{k}"] = v
+    for k, v in last.ln_f.state_dict().items():
+        out[f"transformer.ln_f.{k}"] = v
+    return out

@@ -1,0 +1,468 @@
+"""Capture an `nn.Module` and its loss as an OP-DAG `protocol.ir.Graph`, through torch.export.
+
+`capture(model, example_inputs, targets=..., loss=...)` exports a wrapper whose forward returns
+`loss(model(*inputs), targets)`, so the loss and the targets are part of the graph, lowers it to
+core ATen (keeping `registry.KEPT_COMPOSITES` whole), and converts each FX node to an IR node.
+torch.fx symbolic tracing is never used: it fails on common models (Hugging Face GPT-2).
+"""
+
+from __future__ import annotations
+
+import io
+import operator
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import safetensors.torch
+import torch
+from torch import fx, nn
+from torch.export import Dim
+from torch.export.graph_signature import InputKind, OutputKind
+
+from fusiond.graph.errors import CaptureError, UnsupportedOpError
+from fusiond.graph.registry import is_supported, op_name, sym_op_name
+from protocol import ir
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+_DYN_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass
+class CapturedModel:
+    """A captured model: the IR graph and its initial state (name -> tensor, graph names).
+
+    `state` holds every parameter, buffer and constant the graph reads, under the names in
+    `graph.params` (tied parameters once, under the graph's name; `graph.aliases` has the rest).
+    """
+
+    graph: ir.Graph
+    state: dict[str, torch.Tensor]
+    capture_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def state_bytes(self) -> bytes:
+        """The state as safetensors bytes (no pickle)."""
+        return state_to_bytes(self.state)
+
+
+def state_to_bytes(state: Mapping[str, torch.Tensor]) -> bytes:
+    """Serialise a state dict with safetensors (contiguous copies; tied storage is fine)."""
+    return safetensors.torch.save({k: v.detach().contiguous().clone() for k, v in state.items()})
+
+
+def state_from_bytes(data: bytes) -> dict[str, torch.Tensor]:
+    """Load a state dict written by `state_to_bytes`."""
+    return dict(safetensors.torch.load(data))
+
+
+class _LossWrapper(nn.Module):
+    """forward(*inputs, targets) -> scalar loss; the user model lives at `.model`."""
+
+    def __init__(self, model: nn.Module, loss: LossFn | None, n_inputs: int) -> None:
+        super().__init__()
+        self.model = model
+        self.loss = loss
+        self.n_inputs = n_inputs
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        inputs, rest = args[: self.n_inputs], args[self.n_inputs :]
+        out = self.model(*inputs)
+        if self.loss is None:
+            if not isinstance(out, torch.Tensor):
+                raise CaptureError("model must return the loss tensor when no loss is given")
+            return out
+        return self.loss(out, *rest)
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _dim(d: Any, rename: Mapping[str, str]) -> ir.Dim:
+    if isinstance(d, int):
+        return d
+    if isinstance(d, torch.SymInt):
+        expr = d.node.expr
+        if expr.is_number:
+            return int(expr)
+        return _rename(str(expr), rename)
+    raise CaptureError(f"unexpected size entry {d!r}")
+
+
+def _rename(expr: str, rename: Mapping[str, str]) -> str:
+    if not rename:
+        return expr
+    return re.sub(r"\b[a-zA-Z_]\w*\b", lambda m: rename.get(m.group(0), m.group(0)), expr)
+
+
+def _meta_of(val: Any, rename: Mapping[str, str], where: str) -> list[ir.TensorMeta]:
+    if isinstance(val, torch.Tensor):
+        return [ir.TensorMeta(tuple(_dim(d, rename) for d in val.shape), _dtype_name(val.dtype))]
+    if isinstance(val, torch.SymInt | int) and not isinstance(val, bool):
+        return [ir.TensorMeta((), "symint")]
+    if isinstance(val, torch.SymFloat | float):
+        return [ir.TensorMeta((), "symfloat")]
+    if isinstance(val, torch.SymBool | bool):
+        return [ir.TensorMeta((), "symbool")]
+    if isinstance(val, list | tuple):
+        out: list[ir.TensorMeta] = []
+        for v in val:
+            if v is None:  # an optional output (never read); keep positions aligned
+                out.append(ir.TensorMeta((0,), "float32"))
+            else:
+                out.extend(_meta_of(v, rename, where))
+        return out
+    raise CaptureError(f"{where}: cannot describe output value {type(val).__name__}")
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    for key, value in reversed(list(stack.items())):
+        if "_empty_nn_module_stack" in str(key):
+            continue
+        path = str(value[0]) if isinstance(value, tuple) else str(value)
+        path = path.removeprefix("L['self'].").removeprefix("model.")
+        return "" if path == "model" else path
+    return ""
+
+
+def _default_decompositions() -> Any:
+    table = torch.export.default_decompositions()
+    for name in ("linear", "scaled_dot_product_attention"):
+        op = getattr(torch.ops.aten, name).default
+        if op in table:
+            table.pop(op)  # type: ignore[no-untyped-call]
+    return table
+
+
+def export_program(
+    model: nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    targets: torch.Tensor | None,
+    loss: LossFn | None,
+    dynamic: Sequence[Mapping[int, str] | None] | None,
+    dim_max: Mapping[str, int],
+    dim_min: Mapping[str, int],
+) -> tuple[torch.export.ExportedProgram, list[str], list[Mapping[int, str] | None]]:
+    """torch.export the loss wrapper and lower it to core ATen.
+
+    Returns the program, the input names and the dynamic spec per input."""
+    args = (*example_inputs, *(() if targets is None else (targets,)))
+    if dynamic is None:
+        dynamic = [{0: "batch"} for _ in args]
+    if len(dynamic) != len(args):
+        raise CaptureError(f"dynamic has {len(dynamic)} entries for {len(args)} inputs")
+    dims: dict[str, Any] = {}
+    specs: list[dict[int, Any] | None] = []
+    for spec in dynamic:
+        if not spec:
+            specs.append(None)
+            continue
+        entry: dict[int, Any] = {}
+        for axis, name in spec.items():
+            if not _DYN_NAME.match(name):
+                raise CaptureError(f"dynamic dim name {name!r} is not an identifier")
+            if name not in dims:
+                dims[name] = Dim(name, min=dim_min.get(name, 1), max=dim_max.get(name))
+            entry[axis] = dims[name]
+        specs.append(entry)
+    wrapper = _LossWrapper(model, loss, len(example_inputs))
+    wrapper.train(model.training)
+    try:
+        ep = torch.export.export(wrapper, args, dynamic_shapes={"args": tuple(specs)}, strict=False)
+    except CaptureError:
+        raise
+    except Exception as e:  # torch raises many types; all mean "cannot export"
+        msg = str(e).strip().splitlines()
+        head = "\n".join(msg[:12])
+        raise CaptureError(
+            f"torch.export cannot export {type(model).__name__}: {type(e).__name__}: {head}"
+        ) from e
+    try:
+        ep = ep.run_decompositions(_default_decompositions())
+    except Exception as e:
+        raise CaptureError(f"lowering {type(model).__name__} to core ATen failed: {e}") from e
+    names = [f"input{i}" for i in range(len(example_inputs))]
+    if len(example_inputs) == 1:
+        names = ["input"]
+    if targets is not None:
+        names.append("targets")
+    return ep, names, list(dynamic)
+
+
+def capture(
+    model: nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    *,
+    targets: torch.Tensor | None = None,
+    loss: LossFn | None = None,
+    dynamic: Sequence[Mapping[int, str] | None] | None = None,
+    dim_max: Mapping[str, int] | None = None,
+    dim_min: Mapping[str, int] | None = None,
+    input_names: Sequence[str] | None = None,
+) -> CapturedModel:
+    """Capture `loss(model(*example_inputs), targets)` as an IR graph plus initial state.
+
+    - `dynamic`: one entry per input (inputs, then targets): axis -> dim name; the same name on
+      several inputs means the same size. Default: axis 0 of every input is `batch`. The graph's
+      symbols are named after these dims (`Graph.symbols == {"batch": 2, ...}`).
+    - `dim_max` / `dim_min`: bounds of named dims (e.g. a language model's `seq` <= block size).
+      Example sizes must not be 0 or 1 on dynamic axes (torch.export specialises those).
+    - The model is captured in its current train/eval mode; dropout and BatchNorm behave
+      accordingly, and BatchNorm's running statistics become `Graph.buffer_updates`.
+
+    Raises `CaptureError` naming the construct when torch.export fails, and
+    `UnsupportedOpError` naming the op and module path when the registry cannot run an op.
+    """
+    t0 = time.perf_counter()
+    ep, names, dyn = export_program(
+        model, example_inputs, targets, loss, dynamic, dim_max or {}, dim_min or {}
+    )
+    if input_names is not None:
+        if len(input_names) != len(names):
+            raise CaptureError(f"input_names has {len(input_names)} names for {len(names)} inputs")
+        names = list(input_names)
+    args = [*example_inputs, *(() if targets is None else (targets,))]
+    graph, state = _convert(ep, model, names, args, dyn)
+    return CapturedModel(graph, state, capture_seconds=time.perf_counter() - t0)
+
+
+def _convert(
+    ep: torch.export.ExportedProgram,
+    model: nn.Module,
+    input_names: Sequence[str],
+    example_args: Sequence[torch.Tensor],
+    dynamic: Sequence[Mapping[int, str] | None],
+) -> tuple[ir.Graph, dict[str, torch.Tensor]]:
+    sig = ep.graph_signature
+    gm = ep.graph_module
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(sig.input_specs):
+        raise CaptureError("exported program: placeholders do not match its signature")
+
+    def strip(name: str) -> str:
+        return name.removeprefix("model.")
+
+    # Name dynamic symbols after the user's dims, via the user inputs' symbolic shapes.
+    rename: dict[str, str] = {}
+    symbols: dict[str, int] = {}
+    user_ph = [
+        (ph, spec)
+        for ph, spec in zip(placeholders, sig.input_specs, strict=True)
+        if spec.kind is InputKind.USER_INPUT
+    ]
+    if len(user_ph) != len(input_names):
+        raise CaptureError("exported program: user inputs do not match example inputs")
+    for (ph, _), arg in zip(user_ph, example_args, strict=True):
+        for d, size in zip(ph.meta["val"].shape, arg.shape, strict=True):
+            if isinstance(d, torch.SymInt) and d.node.expr.is_symbol:
+                sym = str(d.node.expr)
+                symbols[sym] = int(size)
+    for (ph, _), spec in zip(user_ph, dynamic, strict=True):
+        for axis, dim_name in (spec or {}).items():
+            d = ph.meta["val"].shape[axis]
+            if isinstance(d, torch.SymInt) and d.node.expr.is_symbol:
+                rename[str(d.node.expr)] = dim_name
+    symbols = {rename.get(k, k): v for k, v in symbols.items()}
+    ranges: dict[str, tuple[int, int | None]] = {}
+    for sym, vr in ep.range_constraints.items():
+        name = rename.get(str(sym), str(sym))
+        if name in symbols:
+            hi = vr.upper
+            bounded = str(hi) not in ("int_oo", "oo", "-int_oo", "-oo")
+            ranges[name] = (int(vr.lower), int(hi) if bounded else None)
+
+    env: dict[fx.Node, ir.Arg] = {}
+    inputs: list[ir.InputSpec] = []
+    params: dict[str, ir.ParamSpec] = {}
+    state: dict[str, torch.Tensor] = {}
+    ep_state = ep.state_dict
+    user_i = 0
+    requires_grad = {strip(k): p.requires_grad for k, p in ep.named_parameters()}
+    persistent_bufs = set(sig.buffers) - set(sig.non_persistent_buffers)
+    for ph, spec in zip(placeholders, sig.input_specs, strict=True):
+        val = ph.meta["val"]
+        if spec.kind is InputKind.USER_INPUT:
+            name = input_names[user_i]
+            user_i += 1
+            (meta,) = _meta_of(val, rename, f"input {name}")
+            inputs.append(ir.InputSpec(name, meta))
+            env[ph] = ir.Ref(ir.RefKind.INPUT, name)
+            continue
+        target = spec.target
+        if target is None:
+            raise CaptureError(f"input {ph.name} of kind {spec.kind} has no target")
+        name = strip(target)
+        (meta,) = _meta_of(val, rename, f"state {name}")
+        if spec.kind is InputKind.PARAMETER:
+            kind, rk = ir.ParamKind.PARAMETER, ir.RefKind.PARAM
+            tensor = ep_state[target]
+        elif spec.kind is InputKind.BUFFER:
+            kind, rk = ir.ParamKind.BUFFER, ir.RefKind.BUFFER
+            tensor = ep_state[target] if target in ep_state else ep.constants[target]
+        elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+            kind, rk = ir.ParamKind.CONSTANT, ir.RefKind.CONSTANT
+            const = ep.constants.get(target)
+            if not isinstance(const, torch.Tensor):
+                raise CaptureError(
+                    f"constant {target!r} is not a tensor (script objects are not supported)"
+                )
+            tensor = const
+            name = "const." + name
+        else:
+            raise CaptureError(f"unsupported graph input kind {spec.kind} ({target})")
+        params[name] = ir.ParamSpec(
+            name,
+            kind,
+            meta,
+            requires_grad=requires_grad.get(name, False)
+            if kind is ir.ParamKind.PARAMETER
+            else False,
+            persistent=kind is not ir.ParamKind.BUFFER or target in persistent_bufs,
+        )
+        state[name] = tensor.detach()
+        env[ph] = ir.Ref(rk, name)
+
+    nodes: list[ir.Node] = []
+    used_params: set[str] = set()
+    out_node = None
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            continue
+        if n.op == "output":
+            out_node = n
+            continue
+        if n.op != "call_function":
+            raise CaptureError(f"unsupported FX node kind {n.op} ({n.name})")
+        path = _module_path(n)
+        if n.target is operator.getitem:
+            src, idx = n.args
+            base = env[src]
+            if not isinstance(base, ir.Ref) or base.kind is not ir.RefKind.NODE:
+                raise CaptureError(f"getitem of a non-node value at {n.name} ({path})")
+            env[n] = ir.Ref(ir.RefKind.NODE, base.name, int(idx))
+            continue
+        opn: str | None
+        if isinstance(n.target, torch._ops.OpOverload):
+            opn = op_name(n.target)
+        else:
+            opn = sym_op_name(n.target)
+            if opn is None:
+                raise UnsupportedOpError(str(getattr(n.target, "__name__", n.target)), path, n.name)
+        if not is_supported(opn):
+            raise UnsupportedOpError(opn, path, n.name)
+        args = tuple(_arg(a, env, n) for a in n.args)
+        kwargs = {k: _arg(v, env, n) for k, v in n.kwargs.items()}
+        outs = tuple(_meta_of(n.meta.get("val"), rename, f"node {n.name} ({opn})"))
+        node = ir.Node(n.name, opn, args, kwargs, outs, (), path)
+        ps = tuple(
+            dict.fromkeys(
+                r.name
+                for r in node.refs()
+                if r.kind in (ir.RefKind.PARAM, ir.RefKind.BUFFER, ir.RefKind.CONSTANT)
+            )
+        )
+        used_params.update(ps)
+        node = ir.Node(n.name, opn, args, kwargs, outs, ps, path)
+        nodes.append(node)
+        env[n] = ir.Ref(ir.RefKind.NODE, n.name, 0)
+    if out_node is None:
+        raise CaptureError("exported program has no output")
+
+    outputs: list[ir.OutputSpec] = []
+    updates: dict[str, ir.Ref] = {}
+    (out_vals,) = out_node.args
+    for val, spec in zip(out_vals, sig.output_specs, strict=True):
+        ref = env.get(val) if isinstance(val, fx.Node) else None
+        if not isinstance(ref, ir.Ref):
+            raise CaptureError(f"graph output {spec.arg} is not a node value")
+        if spec.kind is OutputKind.USER_OUTPUT:
+            outputs.append(ir.OutputSpec("loss" if not outputs else f"output{len(outputs)}", ref))
+        elif spec.kind is OutputKind.BUFFER_MUTATION:
+            if spec.target is None:
+                raise CaptureError("buffer mutation without a target")
+            updates[strip(spec.target)] = ref
+            used_params.add(strip(spec.target))
+        else:
+            raise CaptureError(
+                f"unsupported graph output kind {spec.kind} "
+                f"({spec.target}): parameters must not be mutated in forward"
+            )
+
+    aliases = _aliases(model, used_params)
+    kept = {k: v for k, v in params.items() if k in used_params or k not in aliases}
+    state = {k: v for k, v in state.items() if k in kept}
+    graph = ir.Graph(
+        inputs=tuple(inputs),
+        outputs=tuple(outputs),
+        params=tuple(kept.values()),
+        nodes=tuple(nodes),
+        symbols=symbols,
+        symbol_ranges=ranges,
+        aliases=aliases,
+        buffer_updates=updates,
+        meta={"model": type(model).__name__, "torch": torch.__version__},
+    )
+    try:
+        ir.validate(graph)
+    except Exception as e:
+        raise CaptureError(f"captured graph is inconsistent: {e}") from e
+    return graph, state
+
+
+def _arg(a: Any, env: Mapping[fx.Node, ir.Arg], node: fx.Node) -> ir.Arg:
+    if isinstance(a, fx.Node):
+        v = env.get(a)
+        if v is None:
+            raise CaptureError(f"node {node.name} reads {a.name}, which has no IR value")
+        return v
+    if a is None or isinstance(a, bool | int | float | str):
+        return a
+    if isinstance(a, list | tuple):
+        return tuple(_arg(x, env, node) for x in a)
+    if isinstance(a, torch.dtype):
+        return ir.DType(_dtype_name(a))
+    if isinstance(a, torch.device):
+        return ir.Device(str(a))
+    if isinstance(a, torch.layout):
+        return ir.Layout(str(a).removeprefix("torch."))
+    if isinstance(a, torch.memory_format):
+        return ir.MemoryFormat(str(a).removeprefix("torch."))
+    raise CaptureError(
+        f"node {node.name} ({node.target}) has an argument of unsupported type "
+        f"{type(a).__name__}: {a!r:.60}"
+    )
+
+
+def _aliases(model: nn.Module, used: set[str]) -> dict[str, str]:
+    """Tied parameters/buffers: each name that shares a tensor with a used name -> that name."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    for name, b in model.named_buffers(remove_duplicate=False):
+        groups.setdefault(id(b), []).append(name)
+    out: dict[str, str] = {}
+    for names in groups.values():
+        if len(names) < 2:
+            continue
+        canon = next((n for n in names if n in used), names[0])
+        for n in names:
+            if n != canon:
+                out[n] = canon
+    return out
+
+
+def describe(graph: ir.Graph) -> str:
+    """A short human-readable summary (op counts), for logs and the benchmark."""
+    counts: dict[str, int] = {}
+    for n in graph.nodes:
+        counts[n.op] = counts.get(n.op, 0) + 1
+    buf = io.StringIO()
+    buf.write(f"{len(graph.nodes)} nodes, {len(graph.params)} params, symbols {graph.symbols}\n")
+    for op, c in sorted(counts.items(), key=lambda kv: -kv[1]):
+        buf.write(f"  {c:5d} {op}\n")
+    return buf.getvalue()

@@ -1,0 +1,117 @@
+"""The op registry: IR op name -> torch callable, with an allowlist.
+
+An IR names ops `aten.<name>.<overload>`; a daemon runs only ops in `supported_ops()`: the core
+ATen opset (what `run_decompositions` lowers to), a few composite ops capture keeps whole
+because they are faster than their decompositions (`KEPT_COMPOSITES`), and Python arithmetic
+on symbolic sizes (`sym.*`). Anything else is refused, so an IR cannot call arbitrary ATen ops
+(file I/O, allocator control) on another machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fusiond.graph.errors import UnsupportedOpError
+
+KEPT_COMPOSITES: tuple[str, ...] = (
+    "aten.linear.default",
+    "aten.scaled_dot_product_attention.default",
+)
+"""Composite ops that capture does not decompose: their fused kernels (and fused backward)
+are what eager PyTorch runs, so keeping them keeps the captured graph as fast as eager."""
+
+EXTRA_OPS: tuple[str, ...] = (
+    "aten._native_batch_norm_legit_functional.default",
+    "aten._native_batch_norm_legit_no_training.default",
+    "aten.alias.default",
+    "aten.lift_fresh_copy.default",
+)
+"""Non-core ATen ops that core decompositions still produce (BatchNorm in training mode)."""
+
+SYM_OPS: dict[str, Callable[..., Any]] = {
+    "sym.add": operator.add,
+    "sym.sub": operator.sub,
+    "sym.mul": operator.mul,
+    "sym.floordiv": operator.floordiv,
+    "sym.truediv": operator.truediv,
+    "sym.mod": operator.mod,
+    "sym.neg": operator.neg,
+    "sym.pow": operator.pow,
+    "sym.eq": operator.eq,
+    "sym.ne": operator.ne,
+    "sym.lt": operator.lt,
+    "sym.le": operator.le,
+    "sym.gt": operator.gt,
+    "sym.ge": operator.ge,
+    "sym.max": torch.sym_max,
+    "sym.min": torch.sym_min,
+    "sym.float": torch.sym_float,
+    "sym.int": torch.sym_int,
+}
+"""Python-level arithmetic on sizes (e.g. `batch * seq` for a view), by IR name."""
+
+_PY_TO_SYM: dict[Any, str] = {fn: name for name, fn in SYM_OPS.items()}
+
+
+def sym_op_name(fn: Any) -> str | None:
+    """The IR name of a Python function used on symbolic sizes, or None if not supported."""
+    try:
+        return _PY_TO_SYM.get(fn)
+    except TypeError:  # unhashable target
+        return None
+
+
+def op_name(op: torch._ops.OpOverload) -> str:
+    """The IR name of an ATen overload: `aten.<name>.<overload>`."""
+    return f"{op.namespace}.{op._opname}.{op._overloadname}"
+
+
+@functools.cache
+def supported_ops() -> frozenset[str]:
+    """Every op name the registry can run."""
+    names: set[str] = set(KEPT_COMPOSITES) | set(EXTRA_OPS) | set(SYM_OPS)
+    for attr in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, attr, None)
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        for ov in packet.overloads():  # type: ignore[no-untyped-call]
+            op = getattr(packet, ov)
+            if torch.Tag.core in op.tags:
+                names.add(op_name(op))
+    # A few core-tagged ops mutate state or read files; an IR must be functional.
+    return frozenset(n for n in names if not _is_mutating(n))
+
+
+def _is_mutating(name: str) -> bool:
+    parts = name.split(".")
+    return (
+        len(parts) == 3
+        and parts[0] == "aten"
+        and parts[1].endswith("_")
+        and not parts[1].startswith("_")
+    )
+
+
+def is_supported(name: str) -> bool:
+    """True if `name` is in the registry."""
+    return name in supported_ops()
+
+
+@functools.cache
+def resolve(name: str) -> Callable[..., Any]:
+    """The callable for an IR op name; `UnsupportedOpError` if it is not in the registry."""
+    if not is_supported(name):
+        raise UnsupportedOpError(name)
+    if name in SYM_OPS:
+        return SYM_OPS[name]
+    ns, opname, overload = name.split(".")
+    try:
+        fn: Callable[..., Any] = getattr(getattr(getattr(torch.ops, ns), opname), overload)
+    except (AttributeError, RuntimeError) as e:  # pragma: no cover - a torch without the op
+        raise UnsupportedOpError(name) from e
+    return fn

@@ -106,3 +106,14 @@ async def net_factory() -> AsyncIterator[NetFactory]:
     yield make
     for n in nets:
         await n.close()
+
+
+async def until(pred: Callable[[], object], within: float = 3.0, step: float = 0.005) -> None:
+    """Poll `pred` until true; TimeoutError after `within` seconds (for state with no event)."""
+    deadline = asyncio.get_running_loop().time() + within
+    for _ in range(1 << 30):
+        if pred():
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"condition not met within {within} s")
+        await asyncio.sleep(step)

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
-from fusiond.net import PeerNetwork
-from protocol.messages import Ping, Pong
-from tests.net.conftest import Inbox, NetFactory
+import asyncio
+import logging
+import time
+
+import pytest
+
+from fusiond.net import NetConfig, PeerNetwork, PeerRefused, PeerUnreachable, UnknownPeer
+from protocol.messages import (
+    Hello,
+    Message,
+    Ping,
+    Pong,
+    ProbeData,
+    encode_message,
+)
+from tests.net.conftest import FAST, Inbox, NetFactory, until
 
 
 async def test_handshake_and_exchange(net_factory: NetFactory) -> None:
@@ -13,13 +26,277 @@ async def test_handshake_and_exchange(net_factory: NetFactory) -> None:
     b = await net_factory("b", handler=ib)
     assert await a.connect(b.address) == "b"
     await a.send("b", Ping(request_id=1, sent_at=1.5))
-    (peer, msg), = await ib.wait_for(1)
+    ((peer, msg),) = await ib.wait_for(1)
     assert peer == "a" and msg == Ping(request_id=1, sent_at=1.5)
-    # b learned a's listen address from Hello and can answer without being told.
+    # b learned a's listen address from Hello and answers without being told it.
     await b.send("a", Pong(request_id=1, sent_at=1.5))
-    (peer, msg), = await ia.wait_for(1)
+    ((peer, msg),) = await ia.wait_for(1)
     assert peer == "b" and isinstance(msg, Pong)
     sa, sb = a.stats()["b"], b.stats()["a"]
     assert sa.connected and sa.frames_sent == 1 and sa.bytes_sent > 0
     assert sb.frames_received == 1 and sb.bytes_received >= sa.bytes_sent
-    assert isinstance(a, PeerNetwork) and a.plaintext
+    assert a.plaintext
+
+
+async def test_lazy_connect_via_add_peer_address_and_payload(net_factory: NetFactory) -> None:
+    ib = Inbox()
+    a = await net_factory("a")
+    b = await net_factory("b", handler=ib)
+    a.add_peer_address("b", b.address)
+    data = bytes(range(256)) * 4096  # 1 MiB: travels on the BULK lane, in one chunk
+    await a.send("b", ProbeData(probe_id=7, seq=0, count=1), [memoryview(data)])
+    ((_, msg),) = await ib.wait_for(1)
+    assert isinstance(msg, ProbeData) and msg.probe_id == 7
+    assert bytes(msg.payload) == data
+
+
+async def test_send_to_unknown_peer_raises(net_factory: NetFactory) -> None:
+    a = await net_factory("a")
+    with pytest.raises(UnknownPeer, match="nobody"):
+        await a.send("nobody", Ping(request_id=1, sent_at=0.0))
+
+
+async def test_wrong_cluster_refused(
+    net_factory: NetFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = await net_factory("a", "cluster-x")
+    b = await net_factory("b", "cluster-y")
+    with caplog.at_level(logging.WARNING, "fusiond.net"), pytest.raises(PeerRefused, match="clu"):
+        await a.connect(b.address)
+    assert any(
+        "refused connection" in r.getMessage() and "cluster-x" in r.getMessage()
+        for r in caplog.records
+    )
+
+
+async def test_wrong_protocol_version_refused(
+    net_factory: NetFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    future = NetConfig(connect_timeout_s=2.0, handshake_timeout_s=2.0, versions=(2, 3))
+    a = await net_factory("a", config=future)
+    b = await net_factory("b")
+    with caplog.at_level(logging.WARNING, "fusiond.net"), pytest.raises(PeerRefused, match="3"):
+        await a.connect(b.address)
+    line = next(r.getMessage() for r in caplog.records if "refused connection" in r.getMessage())
+    assert "1..1" in line and "2..3" in line  # names both ranges
+
+
+async def _raw_client(address: tuple[str, int], data: bytes, *, close: bool) -> bytes:
+    """Send `data` on a plain socket; return what came back before the server closed it."""
+    reader, writer = await asyncio.open_connection(*address)
+    writer.write(data)
+    await writer.drain()
+    if close:
+        writer.close()
+        await writer.wait_closed()
+        return b""
+    try:
+        async with asyncio.timeout(3):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+async def test_garbage_closes_only_that_connection(
+    net_factory: NetFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    ib = Inbox()
+    a = await net_factory("a")
+    b = await net_factory("b", handler=ib)
+    await a.connect(b.address)
+    with caplog.at_level(logging.WARNING, "fusiond.net"):
+        got = await _raw_client(b.address, b"GET / HTTP/1.1\r\n\r\n" * 4, close=False)
+    assert got == b""  # closed without an answer
+    assert any("bad frame" in r.getMessage() for r in caplog.records)
+    await a.send("b", Ping(request_id=2, sent_at=0.0))
+    assert len(await ib.wait_for(1)) == 1  # still serving the others
+
+
+async def test_peer_stopping_mid_frame(
+    net_factory: NetFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    ib = Inbox()
+    a = await net_factory("a")
+    b = await net_factory("b", handler=ib)
+    await a.connect(b.address)
+    hello = Hello(node_id="m", cluster_id="c-test", min_version=1, max_version=1,
+                  address=("127.0.0.1", 1))
+    frame = b"".join(encode_message(ProbeData(probe_id=1, seq=0, count=1), [b"x" * 1000]))
+    with caplog.at_level(logging.WARNING, "fusiond.net"):
+        await _raw_client(b.address, b"".join(encode_message(hello)) + frame[:600], close=True)
+        await until(lambda: any("mid-frame" in r.getMessage() for r in caplog.records))
+    assert not ib.items
+    await a.send("b", Ping(request_id=3, sent_at=0.0))
+    assert len(await ib.wait_for(1)) == 1
+
+
+async def test_silent_connection_times_out_handshake(
+    net_factory: NetFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = NetConfig(handshake_timeout_s=0.2)
+    b = await net_factory("b", config=cfg)
+    with caplog.at_level(logging.WARNING, "fusiond.net"):
+        t0 = time.monotonic()
+        got = await _raw_client(b.address, b"FSN\x00", close=False)
+    assert got == b"" and time.monotonic() - t0 < 2.5
+    assert any("timed out" in r.getMessage() for r in caplog.records)
+
+
+async def test_handler_error_does_not_kill_reader(net_factory: NetFactory) -> None:
+    inbox = Inbox()
+
+    async def flaky(peer: str, msg: Message) -> None:
+        if isinstance(msg, Ping) and msg.request_id == 1:
+            raise RuntimeError("boom")
+        await inbox(peer, msg)
+
+    a = await net_factory("a")
+    b = await net_factory("b", handler=flaky)
+    await a.connect(b.address)
+    await a.send("b", Ping(request_id=1, sent_at=0.0))
+    await a.send("b", Ping(request_id=2, sent_at=0.0))
+    ((_, msg),) = await inbox.wait_for(1)
+    assert isinstance(msg, Ping) and msg.request_id == 2
+
+
+async def test_control_not_blocked_behind_bulk(net_factory: NetFactory) -> None:
+    """Pings sent while 4 x 64 MiB are queued on BULK arrive long before the bulk finishes."""
+    arrivals: list[tuple[str, float]] = []
+    done = asyncio.Event()
+
+    async def handler(peer: str, msg: Message) -> None:
+        arrivals.append((type(msg).__name__, time.monotonic()))
+        if isinstance(msg, ProbeData) and msg.seq == msg.count - 1:
+            done.set()
+
+    a = await net_factory("a")
+    b = await net_factory("b", handler=handler)
+    await a.connect(b.address)
+    big = memoryview(bytearray(64 << 20))
+    count = 4
+    for seq in range(count):
+        await a.send("b", ProbeData(probe_id=1, seq=seq, count=count), [big])
+    latencies = []
+    for i in range(5):
+        t0 = time.monotonic()
+        await a.send("b", Ping(request_id=i, sent_at=t0))
+        await until(lambda i=i: sum(1 for n, _ in arrivals if n == "Ping") > i, step=0.001)
+        latencies.append(time.monotonic() - t0)
+    pings_done = time.monotonic()
+    async with asyncio.timeout(60):
+        await done.wait()
+    last_bulk = max(t for n, t in arrivals if n == "ProbeData")
+    assert pings_done < last_bulk, "control waited behind bulk bytes"
+    assert max(latencies) < 0.5, latencies
+
+
+async def test_send_blocks_when_queue_full(net_factory: NetFactory) -> None:
+    """A receiver that stops consuming makes the sender's send() wait (bounded memory)."""
+    release = asyncio.Event()
+
+    async def stuck(peer: str, msg: Message) -> None:
+        await release.wait()
+
+    cfg = NetConfig(bulk_queue_frames=2, inbox_frames=2, bulk_chunk_bytes=1 << 20)
+    a = await net_factory("a", config=cfg)
+    b = await net_factory("b", handler=stuck, config=cfg)
+    await a.connect(b.address)
+    payload = memoryview(bytearray(4 << 20))
+    sent = 0
+
+    async def pump() -> None:
+        nonlocal sent
+        for seq in range(64):  # 256 MiB: far more than socket buffers + queues hold
+            await a.send("b", ProbeData(probe_id=2, seq=seq, count=64), [payload])
+            sent += 1
+
+    task = asyncio.create_task(pump())
+    await asyncio.sleep(0.5)
+    stalled_at = sent
+    await asyncio.sleep(0.3)
+    assert sent == stalled_at < 64, "send() did not block on a full queue"
+    assert a.stats()["b"].bulk_queue_depth == 2
+    release.set()
+    async with asyncio.timeout(60):
+        await task
+    assert sent == 64
+
+
+async def test_reconnect_after_peer_restart(net_factory: NetFactory) -> None:
+    ib1, ib2 = Inbox(), Inbox()
+    a = await net_factory("a")
+    b = await net_factory("b", handler=ib1)
+    port = b.address[1]
+    await a.connect(b.address)
+    await a.send("b", Ping(request_id=1, sent_at=0.0))
+    await ib1.wait_for(1)
+    await b.close()
+    await until(lambda: not a.stats()["b"].connected)
+    # While b is down, sends are dropped (counted), never stuck.
+    await a.send("b", Ping(request_id=2, sent_at=0.0))
+    await until(lambda: a.stats()["b"].dropped >= 1)
+    b2 = PeerNetwork(node_id="b", cluster_id="c-test", listen=("127.0.0.1", port), tls=None,
+                     handler=ib2, config=FAST)
+    await b2.start()
+    try:
+        async with asyncio.timeout(5):
+            while not ib2.items:
+                await a.send("b", Ping(request_id=3, sent_at=0.0))
+                await asyncio.sleep(0.05)
+        st = a.stats()["b"]
+        assert st.connected and st.reconnects >= 1
+    finally:
+        await b2.close()
+
+
+async def test_unreachable_peer_drops_and_backs_off(net_factory: NetFactory) -> None:
+    a = await net_factory("a")
+    a.add_peer_address("ghost", ("127.0.0.1", 9))  # discard port: nothing listens
+    for i in range(3):
+        await a.send("ghost", Ping(request_id=i, sent_at=0.0))
+    await until(lambda: a.stats()["ghost"].dropped >= 3)
+    st = a.stats()["ghost"]
+    assert not st.connected and st.last_error
+
+
+async def test_connect_unreachable_raises(net_factory: NetFactory) -> None:
+    a = await net_factory("a")
+    with pytest.raises(PeerUnreachable):
+        await a.connect(("127.0.0.1", 9))
+
+
+async def test_set_blocked_drops_both_directions(net_factory: NetFactory) -> None:
+    ia, ib = Inbox(), Inbox()
+    a = await net_factory("a", handler=ia)
+    b = await net_factory("b", handler=ib)
+    await a.connect(b.address)
+    b.set_blocked({"a"})
+    await a.send("b", Ping(request_id=1, sent_at=0.0))  # b drops it on receipt
+    await asyncio.sleep(0.2)
+    assert not ib.items
+    a.set_blocked({"b"})
+    await a.send("b", Ping(request_id=2, sent_at=0.0))  # a drops it before sending
+    assert a.stats()["b"].dropped >= 1
+    a.set_blocked(set())
+    b.set_blocked(set())
+    await a.send("b", Ping(request_id=3, sent_at=0.0))
+    ((_, msg),) = await ib.wait_for(1)
+    assert isinstance(msg, Ping) and msg.request_id == 3
+
+
+async def test_plaintext_refuses_non_loopback_listen() -> None:
+    from fusiond.errors import ConfigError
+
+    net = PeerNetwork(node_id="a", cluster_id="c", listen=("0.0.0.0", 0), tls=None,
+                      handler=Inbox(), config=FAST)
+    with pytest.raises(ConfigError, match="loopback"):
+        await net.start()
+    await net.close()
+
+
+async def test_close_is_idempotent(net_factory: NetFactory) -> None:
+    a = await net_factory("a")
+    b = await net_factory("b")
+    await a.connect(b.address)
+    await a.close()
+    await a.close()

@@ -1,0 +1,194 @@
+"""Human output of fusionctl (rich tables on stdout). JSON output never goes through here."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+SLOW_FACTOR = 10.0
+"""A link is slow when its bandwidth is this many times below the median link (or RTT above)."""
+
+
+def _console() -> Console:
+    return Console(highlight=False, soft_wrap=True)
+
+
+def fmt_addr(a: Any) -> str:
+    if a is None or a == "":
+        return "(none)"
+    if isinstance(a, list | tuple) and len(a) == 2:
+        host = str(a[0])
+        return f"[{host}]:{a[1]}" if ":" in host else f"{host}:{a[1]}"
+    return str(a)
+
+
+def fmt_rtt(s: Any) -> str:
+    if not isinstance(s, int | float) or s <= 0:
+        return "-"
+    return f"{s * 1000:.2f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def fmt_bw(bps: Any) -> str:
+    if not isinstance(bps, int | float) or bps <= 0:
+        return "-"
+    for unit, div in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= div:
+            return f"{bps / div:.1f} {unit}"
+    return f"{bps:.0f} bit/s"
+
+
+def _short(node_id: Any, width: int = 14) -> str:
+    s = str(node_id)
+    return s if len(s) <= width else s[: width - 1] + "…"
+
+
+def link_pairs(links: Any) -> dict[tuple[str, str], tuple[float, float]]:
+    """Normalise the links of a cluster view to {(src, dst): (bandwidth_bps, rtt_s)}.
+
+    Accepts a nested mapping ``{src: {dst: [bw, rtt]}}`` or ``{src: {dst: {"bandwidth_bps",
+    "rtt_s"}}}``, or a list of ``{"src", "dst", "bandwidth_bps", "rtt_s"}``.
+    """
+    out: dict[tuple[str, str], tuple[float, float]] = {}
+
+    def val(v: Any) -> tuple[float, float] | None:
+        if isinstance(v, list | tuple) and len(v) == 2:
+            return float(v[0] or 0), float(v[1] or 0)
+        if isinstance(v, Mapping):
+            return float(v.get("bandwidth_bps") or 0), float(v.get("rtt_s") or 0)
+        return None
+
+    if isinstance(links, Mapping):
+        for src, row in links.items():
+            if isinstance(row, Mapping):
+                for dst, v in row.items():
+                    t = val(v)
+                    if t is not None:
+                        out[(str(src), str(dst))] = t
+    elif isinstance(links, list):
+        for e in links:
+            if isinstance(e, Mapping):
+                src = e.get("src", e.get("a"))
+                dst = e.get("dst", e.get("b"))
+                t = val(e)
+                if src is not None and dst is not None and t is not None:
+                    out[(str(src), str(dst))] = t
+    return out
+
+
+def health(view: Mapping[str, Any], me: str) -> list[str]:
+    """Lines about dead/suspect members and slow links (empty when all is well)."""
+    lines: list[str] = []
+    for m in view.get("members", []):
+        st = m.get("state")
+        if st in ("dead", "suspect"):
+            tail = (f"; if it is gone for good: fusionctl remove {m['node_id']}"
+                    if st == "dead" else "")
+            lines.append(f"{m['node_id']} ({fmt_addr(m.get('address'))}) is {st}{tail}")
+    pairs = link_pairs(view.get("links"))
+    bws = [bw for bw, _ in pairs.values() if bw > 0]
+    rtts = [r for _, r in pairs.values() if r > 0]
+    if len(bws) >= 3:
+        med = statistics.median(bws)
+        for (a, b), (bw, _) in sorted(pairs.items()):
+            if 0 < bw < med / SLOW_FACTOR:
+                lines.append(f"slow link {_short(a)} -> {_short(b)}: {fmt_bw(bw)} "
+                             f"(median {fmt_bw(med)})")
+    if len(rtts) >= 3:
+        med = statistics.median(rtts)
+        for (a, b), (_, r) in sorted(pairs.items()):
+            if r > med * SLOW_FACTOR and r > 0.005:
+                lines.append(f"high latency {_short(a)} -> {_short(b)}: {fmt_rtt(r)} "
+                             f"(median {fmt_rtt(med)})")
+    return lines
+
+
+def quorum_line(view: Mapping[str, Any]) -> str | None:
+    """Plain words when this node sees no quorum, and what to run."""
+    if view.get("has_quorum", True):
+        return None
+    members = view.get("members", [])
+    voters = [m for m in members if m.get("state") != "left"]
+    alive = [m for m in voters if m.get("state") in ("alive", "suspect")]
+    need = len(voters) // 2 + 1
+    dead = [m["node_id"] for m in voters if m.get("state") == "dead"]
+    out = (f"NO QUORUM: this node reaches {len(alive)} of {len(voters)} members and needs "
+           f"{need}, so there is no working scheduler. If the other members are only "
+           "unreachable, fix the network and the cluster recovers by itself.")
+    if dead:
+        out += (" If they are gone for good, remove them (one command each): "
+                + "; ".join(f"fusionctl remove {d}" for d in dead))
+    return out
+
+
+def render_status(data: Mapping[str, Any]) -> None:
+    c = _console()
+    node = data.get("node", {})
+    view = data.get("cluster")
+    prof = node.get("profile") or {}
+    c.print(f"node       {node.get('node_id')} ({node.get('name')})  "
+            f"{node.get('phase')}  {node.get('security')} links")
+    c.print(f"address    {fmt_addr(node.get('address'))}")
+    c.print(f"cluster    {node.get('cluster_id') or '(none)'}")
+    if prof:
+        c.print(f"device     {prof.get('device_kind')} {prof.get('device_name')}, "
+                f"{prof.get('gflops', 0):.1f} GFLOP/s, torch {prof.get('torch_version')}")
+    if data.get("warning"):
+        c.print(f"WARNING    {data['warning']}")
+    if view is None:
+        c.print("scheduler  (none)")
+        c.print("peers      (none)")
+        if data.get("hint"):
+            c.print(f"\n{data['hint']}")
+        return
+    leader = view.get("leader")
+    role = " (this node)" if leader and leader == node.get("node_id") else ""
+    c.print(f"scheduler  {leader or '(none)'}{role}  term {view.get('term', 0)}")
+    q = quorum_line(view)
+    if q:
+        c.print(f"\n{q}\n")
+    peers = [m for m in view.get("members", []) if m.get("node_id") != node.get("node_id")]
+    if not peers:
+        c.print("peers      (none)")
+    else:
+        t = Table(box=None, pad_edge=False, show_edge=False)
+        for col in ("PEER", "ADDRESS", "SOURCE", "RTT", "BANDWIDTH", "ROLE", "STATE"):
+            t.add_column(col, no_wrap=True)
+        for m in sorted(peers, key=lambda m: str(m.get("node_id"))):
+            t.add_row(str(m.get("node_id")), fmt_addr(m.get("address")),
+                      str(m.get("source") or "-"), fmt_rtt(m.get("rtt_s")),
+                      fmt_bw(m.get("bandwidth_bps")), str(m.get("role") or "-"),
+                      str(m.get("state") or "-"))
+        c.print(t)
+    h = health(view, str(node.get("node_id")))
+    c.print("\nhealth")
+    if not h:
+        c.print("  all members alive, no slow links")
+    for line in h:
+        c.print(f"  {line}")
+
+
+def render_links(data: Mapping[str, Any]) -> None:
+    c = _console()
+    members = [str(m) for m in data.get("members", [])]
+    pairs = link_pairs(data.get("links"))
+    if not members or not pairs:
+        c.print("links (none measured yet)")
+        return
+    for title, idx, fmt in (("bandwidth (row -> column)", 0, fmt_bw),
+                            ("RTT (row -> column)", 1, fmt_rtt)):
+        t = Table(title=title, box=None, show_edge=False, title_justify="left")
+        t.add_column("", no_wrap=True)
+        for m in members:
+            t.add_column(_short(m, 12), no_wrap=True, justify="right")
+        for a in members:
+            row = [_short(a, 12)]
+            for b in members:
+                row.append("·" if a == b else fmt(pairs[(a, b)][idx]) if (a, b) in pairs
+                           else "-")
+            t.add_row(*row)
+        c.print(t)
+        c.print()

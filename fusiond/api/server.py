@@ -1,0 +1,263 @@
+"""aiohttp server of the local API; the daemon supplies a `Backend` that does the work.
+
+Routes (all JSON):
+
+=======  ====================  ======================================================
+GET      /v1/status            this node, the cluster view, quorum, security mode
+GET      /v1/links             the RTT / bandwidth matrix as every member gossiped it
+GET      /v1/paths             state, cache, socket, config file locations
+GET      /v1/version           fusiond, protocol and torch versions
+POST     /v1/init              create a cluster here (CA, node cert, a join token)
+POST     /v1/join              {"token": ...} or {"address": "host:port"}
+POST     /v1/token             {"ttl_s": float, "one_time": bool}: a new join token
+POST     /v1/leave             leave the cluster for good (stops counting toward quorum)
+POST     /v1/remove            {"node_id": ...}: an operator removes a member
+POST     /v1/test/block        {"node_ids": [...]}: TEST ONLY, 404 unless enabled in config
+=======  ====================  ======================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import hmac
+import json
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from fusiond.errors import FusionError, LocalError, RemoteError
+
+log = logging.getLogger("fusiond.api")
+
+MAX_BODY_BYTES = 64 * 1024
+"""Requests are small JSON objects; anything larger is refused before it is read."""
+
+
+class ApiError(FusionError):
+    """An error the API returns as JSON with `status` and a machine-readable `code`."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+class Backend(Protocol):
+    """What the daemon provides to the API. Methods raise ApiError or FusionError."""
+
+    def status(self) -> dict[str, Any]: ...
+    def links(self) -> dict[str, Any]: ...
+    def paths(self) -> dict[str, Any]: ...
+    def version(self) -> dict[str, Any]: ...
+    async def init(self, body: Mapping[str, Any]) -> dict[str, Any]: ...
+    async def join(self, body: Mapping[str, Any]) -> dict[str, Any]: ...
+    async def token(self, body: Mapping[str, Any]) -> dict[str, Any]: ...
+    async def leave(self) -> dict[str, Any]: ...
+    async def remove(self, node_id: str) -> dict[str, Any]: ...
+    async def test_block(self, node_ids: list[str]) -> dict[str, Any]: ...
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Dataclasses, enums, tuples, sets and paths -> plain JSON values (recursively)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return to_jsonable(obj.value)
+    if isinstance(obj, Mapping):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple | set | frozenset):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, bytes):
+        return obj.hex()
+    if obj is None or isinstance(obj, str | int | float | bool):
+        return obj
+    return str(obj)
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(to_jsonable(data)), status=status,
+                        content_type="application/json")
+
+
+def _error(status: int, code: str, message: str) -> web.Response:
+    return _json({"error": {"code": code, "message": message}}, status)
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class ApiServer:
+    """Serves the API for one backend on a Unix socket and/or loopback TCP (a service).
+
+    `socket_path` is created 0660 in a 0755 directory made if missing; a stale socket left by
+    a crashed daemon is replaced, a live one (another daemon answering) is an error.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        socket_path: str | None,
+        tcp: tuple[str, int] | None = None,
+        token_path: Path | None = None,
+        test_endpoints: bool = False,
+    ) -> None:
+        self.backend = backend
+        self.socket_path = socket_path or None
+        self.tcp = tcp
+        self.token_path = token_path
+        self.test_endpoints = test_endpoints
+        self.tcp_address: tuple[str, int] | None = None
+        self._token: str | None = None
+        self._runner: web.AppRunner | None = None
+
+    # -- service ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY_BYTES)
+        r = app.router
+        r.add_get("/v1/status", self._get(self.backend.status))
+        r.add_get("/v1/links", self._get(self.backend.links))
+        r.add_get("/v1/paths", self._get(self.backend.paths))
+        r.add_get("/v1/version", self._get(self.backend.version))
+        r.add_post("/v1/init", self._post(lambda b: self.backend.init(b)))
+        r.add_post("/v1/join", self._post(lambda b: self.backend.join(b)))
+        r.add_post("/v1/token", self._post(lambda b: self.backend.token(b)))
+        r.add_post("/v1/leave", self._post(lambda b: self.backend.leave()))
+        r.add_post("/v1/remove", self._post(self._remove))
+        if self.test_endpoints:
+            r.add_post("/v1/test/block", self._post(self._block))
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        self._runner = runner
+        try:
+            if self.socket_path:
+                self._prepare_socket_path(self.socket_path)
+                site: web.BaseSite = web.UnixSite(runner, self.socket_path)
+                await site.start()
+                os.chmod(self.socket_path, 0o660)
+                log.info("local API on unix:%s", self.socket_path)
+            if self.tcp is not None:
+                self._token = self._load_or_make_token()
+                tsite = web.TCPSite(runner, self.tcp[0], self.tcp[1])
+                await tsite.start()
+                server = getattr(tsite, "_server", None)
+                socks = getattr(server, "sockets", None) or []
+                self.tcp_address = socks[0].getsockname()[:2] if socks else self.tcp
+                log.info("local API on http://%s:%d (token in %s)", *self.tcp_address,
+                         self.token_path)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def ready(self) -> None:
+        """Ready once start() returned: the sockets are bound and serving."""
+
+    async def close(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+            if self.socket_path:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.socket_path)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _prepare_socket_path(path: str) -> None:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if p.exists() or p.is_socket():
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(str(p))
+            except OSError:
+                p.unlink()  # stale socket of a daemon that died: safe to replace
+            else:
+                raise LocalError(f"another fusiond is already serving {path}; stop it first "
+                                 f"or set api.socket to another path")
+            finally:
+                probe.close()
+
+    def _load_or_make_token(self) -> str:
+        assert self.token_path is not None
+        try:
+            tok = self.token_path.read_text().strip()
+            if tok:
+                return tok
+        except FileNotFoundError:
+            pass
+        tok = secrets.token_urlsafe(32)
+        self.token_path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(tok + "\n")
+        return tok
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        sock = request.transport.get_extra_info("socket") if request.transport else None
+        is_unix = sock is not None and sock.family == socket.AF_UNIX
+        if not is_unix:
+            expect = f"Bearer {self._token}" if self._token else None
+            got = request.headers.get("Authorization", "")
+            if expect is None or not hmac.compare_digest(got.encode(), expect.encode()):
+                return _error(401, "unauthorized",
+                              "missing or wrong API token (Authorization: Bearer <token from "
+                              f"{self.token_path}>)")
+        try:
+            return await handler(request)
+        except ApiError as e:
+            return _error(e.status, e.code, e.message)
+        except web.HTTPException as e:
+            return _error(e.status, "http", e.reason)
+        except RemoteError as e:
+            return _error(502, "remote", str(e))
+        except FusionError as e:
+            return _error(400, "refused", str(e))
+        except Exception as e:  # a bug: answer, log with traceback, keep serving
+            log.exception("API %s %s failed", request.method, request.path)
+            return _error(500, "internal", f"{type(e).__name__}: {e}")
+
+    def _get(self, fn: Callable[[], dict[str, Any]]) -> Handler:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return _json(fn())
+
+        return handler
+
+    def _post(self, fn: Callable[[Mapping[str, Any]], Awaitable[dict[str, Any]]]) -> Handler:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            body: Any = {}
+            if request.can_read_body:
+                try:
+                    body = await request.json()
+                except ValueError:
+                    raise ApiError(400, "bad_request", "request body is not JSON") from None
+            if not isinstance(body, dict):
+                raise ApiError(400, "bad_request", "request body must be a JSON object")
+            return _json(await fn(body))
+
+        return handler
+
+    async def _remove(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        node_id = body.get("node_id")
+        if not isinstance(node_id, str) or not node_id:
+            raise ApiError(400, "bad_request", "remove needs {\"node_id\": \"...\"}")
+        return await self.backend.remove(node_id)
+
+    async def _block(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        ids = body.get("node_ids")
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            raise ApiError(400, "bad_request", "test/block needs {\"node_ids\": [..]}")
+        return await self.backend.test_block(list(ids))

@@ -1,0 +1,563 @@
+"""fusiond configuration: dataclass defaults < TOML file < ``FUSION_*`` environment < flags.
+
+Every key has one name in each layer, derived mechanically so that none can drift:
+
+- ``state_dir``: top-level ``state_dir = ...``, ``FUSION_STATE_DIR``, ``--state-dir``
+- ``net.listen``: ``[net] listen = ...``, ``FUSION_NET_LISTEN``, ``--net-listen``
+
+Booleans take ``true/false/1/0/yes/no/on/off`` in the environment and ``--x`` / ``--no-x`` as
+flags; lists are comma separated in the environment and repeatable (or comma separated) as flags.
+A bad value raises `ConfigError` naming the key, the value and where it came from (``file:line``,
+the environment variable, or the flag). `load_config` returns the config plus the origin of each
+value, which ``fusiond --check-config`` prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+import os
+import re
+import socket
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from fusiond.errors import ConfigError
+
+DEFAULT_CONFIG_PATH = Path("/etc/fusion/fusiond.toml")
+DEFAULT_PEER_PORT = 7420
+ENV_PREFIX = "FUSION_"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOOPS = ("auto", "asyncio", "uvloop")
+
+
+@dataclass
+class NetSection:
+    """Peer transport (fusiond.net): where we listen, what we advertise, link timeouts."""
+
+    listen: str = f"0.0.0.0:{DEFAULT_PEER_PORT}"
+    """host:port the peer listener binds; port 0 picks a free port (tests)."""
+    advertise: str = ""
+    """host:port other peers should dial; empty: the listen address (its host, if 0.0.0.0)."""
+    insecure_plaintext: bool = False
+    """Peer links without TLS: loopback development only; logged loudly and shown in status."""
+    allow_plaintext_remote: bool = False
+    """With insecure_plaintext, also listen on a non-loopback address (never do this)."""
+    connect_timeout_s: float = 5.0
+    handshake_timeout_s: float = 5.0
+    close_timeout_s: float = 5.0
+    backoff_initial_s: float = 0.2
+    """First reconnect delay after a failed dial; doubles up to backoff_max_s, jittered."""
+    backoff_max_s: float = 10.0
+    control_queue_frames: int = 1024
+    """Control frames queued per peer before `send` waits (backpressure)."""
+    bulk_queue_frames: int = 16
+    """Tensor frames queued per peer before `send` waits (backpressure)."""
+    inbox_frames: int = 64
+    """Decoded messages waiting for the handler per connection before reading pauses."""
+    test_drop_switch: bool = False
+    """Allow the test-only API endpoint that drops traffic to/from chosen peers. Never in prod."""
+
+
+@dataclass
+class ClusterSection:
+    """Discovery, membership, probes and election (fusiond.cluster)."""
+
+    id: str = ""
+    """Cluster id in plaintext mode only (with TLS the id derives from the cluster CA)."""
+    bootstrap: list[str] = field(default_factory=list)
+    """host:port addresses of existing members, tried until one answers."""
+    mdns: bool = True
+    """Announce and browse `_fusion._tcp` with zeroconf."""
+    mdns_interfaces: list[str] = field(default_factory=list)
+    """Addresses zeroconf binds to; empty: all interfaces. Tests use 127.0.0.1."""
+    gossip_interval_s: float = 1.0
+    gossip_fanout: int = 3
+    suspect_timeout_s: float = 5.0
+    """No heartbeat for this long: a member becomes suspect."""
+    dead_timeout_s: float = 15.0
+    """No heartbeat for this long: a member is dead (it still counts toward quorum)."""
+    probe_interval_s: float = 30.0
+    """How often RTT and bandwidth to each peer are re-measured."""
+    probe_duration_s: float = 0.3
+    """A bandwidth probe is sized to last about this long."""
+    election_timeout_s: float = 3.0
+    bootstrap_retry_s: float = 2.0
+
+
+@dataclass
+class ApiSection:
+    """The local API that fusionctl talks to."""
+
+    socket: str = "/run/fusion/fusiond.sock"
+    """Unix socket path (file permissions are the access control). Empty: use `tcp`."""
+    tcp: str = ""
+    """Loopback host:port instead of (or besides) the socket; requests need the token."""
+    token_file: str = ""
+    """Where the TCP token is written; empty: <state_dir>/api.token."""
+    request_timeout_s: float = 30.0
+
+
+@dataclass
+class MetricsSection:
+    """Prometheus exposition."""
+
+    listen: str = "127.0.0.1:9464"
+    """Loopback host:port for /metrics; empty disables metrics."""
+
+
+@dataclass
+class DaemonConfig:
+    """The whole configuration of one fusiond. Sections are TOML tables of the same name."""
+
+    state_dir: str = "/var/lib/fusion"
+    """Node key, certificates, cluster membership: survives restarts."""
+    cache_dir: str = "/var/cache/fusion"
+    """The profile benchmark result and other things safe to delete."""
+    name: str = ""
+    """Human name shown in status; empty: the host name."""
+    log_level: str = "info"
+    loop: str = "auto"
+    """Event loop: auto (uvloop where available), asyncio or uvloop."""
+    profile_benchmark: bool = True
+    """Probe the device (CUDA or CPU) and time a short matmul (cached in cache_dir); off:
+    report the CPU without importing torch (fast start: tests)."""
+    start_timeout_s: float = 60.0
+    """Each service must be ready within this long, or the daemon stops non-zero."""
+    stop_timeout_s: float = 10.0
+    """Each service must close within this long on shutdown."""
+    net: NetSection = field(default_factory=NetSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
+    api: ApiSection = field(default_factory=ApiSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.state_dir)
+
+    @property
+    def token_path(self) -> Path:
+        return Path(self.api.token_file) if self.api.token_file else self.state_path / "api.token"
+
+
+SECTIONS: dict[str, type[Any]] = {
+    "net": NetSection,
+    "cluster": ClusterSection,
+    "api": ApiSection,
+    "metrics": MetricsSection,
+}
+
+
+@dataclass(frozen=True)
+class Key:
+    """One configurable key: its dotted name and the names of its twins."""
+
+    path: str  # "net.listen" or "state_dir"
+    section: str | None
+    name: str
+    type: Any
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.path.replace(".", "_").upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.path.replace(".", "-").replace("_", "-")
+
+    @property
+    def dest(self) -> str:
+        return "cfg__" + self.path.replace(".", "__")
+
+
+def keys() -> list[Key]:
+    """Every configurable key, top level first."""
+    out: list[Key] = []
+    top_hints = get_type_hints(DaemonConfig)
+    for f in dataclasses.fields(DaemonConfig):
+        if f.name in SECTIONS:
+            continue
+        out.append(Key(f.name, None, f.name, top_hints[f.name]))
+    for sname, scls in SECTIONS.items():
+        hints = get_type_hints(scls)
+        for f in dataclasses.fields(scls):
+            out.append(Key(f"{sname}.{f.name}", sname, f.name, hints[f.name]))
+    return out
+
+
+def _key_doc(k: Key) -> str:
+    """The attribute docstring of a key, for --help (parsed from this module's source)."""
+    return _DOCS.get(k.path, "")
+
+
+def _parse_docs() -> dict[str, str]:
+    try:
+        src = Path(__file__).read_text()
+    except OSError:  # frozen/zip installs: help text is a nicety
+        return {}
+    docs: dict[str, str] = {}
+    cls_to_section = {"DaemonConfig": None, **{c.__name__: s for s, c in SECTIONS.items()}}
+    current: str | None = None
+    in_cls = False
+    last: str | None = None
+    for line in src.splitlines():
+        m = re.match(r"^class (\w+)", line)
+        if m:
+            in_cls = m.group(1) in cls_to_section
+            current = cls_to_section.get(m.group(1))
+            last = None
+            continue
+        if not in_cls:
+            continue
+        m = re.match(r"^    (\w+): [^=]+=", line)
+        if m:
+            last = m.group(1) if current is None else f"{current}.{m.group(1)}"
+            continue
+        m = re.match(r'^    """(.*?)(""")?$', line)
+        if m and last:
+            docs[last] = m.group(1).strip()
+            last = None
+    return docs
+
+
+_DOCS = _parse_docs()
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion and validation
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _from_string(k: Key, raw: str, where: str) -> Any:
+    """Convert an environment/flag string to the key's type."""
+    t = k.type
+    try:
+        if t is bool:
+            low = raw.strip().lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise ValueError("expected true or false")
+        if t is int:
+            return int(raw)
+        if t is float:
+            return float(raw)
+        if t == list[str]:
+            return [p.strip() for p in raw.split(",") if p.strip()]
+        return raw
+    except ValueError as e:
+        raise ConfigError(f"{k.path} = {raw!r} from {where}: {e}") from None
+
+
+def _from_toml(k: Key, value: Any, where: str) -> Any:
+    """Check a TOML value's type against the key's type (ints are accepted for floats)."""
+    t = k.type
+    ok: bool
+    if t is bool:
+        ok = isinstance(value, bool)
+    elif t is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif t is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif t == list[str]:
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        tname = "list of strings" if t == list[str] else getattr(t, "__name__", str(t))
+        raise ConfigError(
+            f"{k.path} = {value!r} from {where}: expected {tname}, got {type(value).__name__}"
+        )
+    return value
+
+
+def parse_hostport(value: str, *, what: str = "address", default_port: int | None = None
+                   ) -> tuple[str, int]:
+    """Parse ``host:port`` (``[v6]:port`` too). Raises ValueError with a plain message."""
+    v = value.strip()
+    if not v:
+        raise ValueError(f"empty {what}")
+    m = re.fullmatch(r"\[([^\]]+)\](?::(\d+))?", v)
+    if m:
+        host, port_s = m.group(1), m.group(2)
+    elif v.count(":") == 1:
+        host, port_s = v.split(":")
+    elif ":" not in v:
+        host, port_s = v, None
+    else:
+        raise ValueError(f"{what} {value!r} is not host:port (write IPv6 as [addr]:port)")
+    if port_s is None:
+        if default_port is None:
+            raise ValueError(f"{what} {value!r} has no port (expected host:port)")
+        port = default_port
+    else:
+        port = int(port_s)
+    if not host:
+        raise ValueError(f"{what} {value!r} has no host")
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port {port} out of range 0-65535")
+    return host, port
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and localhost."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _validate(cfg: DaemonConfig, origin: Mapping[str, str]) -> None:
+    """Raise ConfigError for the first invalid value, naming key, value and origin."""
+
+    def bad(path: str, value: Any, why: str) -> ConfigError:
+        return ConfigError(f"{path} = {value!r} from {origin.get(path, 'default')}: {why}")
+
+    for k in keys():
+        v = get(cfg, k.path)
+        if k.type is float and k.name.endswith("_s") and not v > 0:
+            raise bad(k.path, v, "must be a positive number of seconds")
+        if k.type is int and v <= 0:
+            raise bad(k.path, v, "must be a positive integer")
+    if cfg.log_level not in LOG_LEVELS:
+        raise bad("log_level", cfg.log_level, f"must be one of {', '.join(LOG_LEVELS)}")
+    if cfg.loop not in LOOPS:
+        raise bad("loop", cfg.loop, f"must be one of {', '.join(LOOPS)}")
+    if not cfg.state_dir:
+        raise bad("state_dir", cfg.state_dir, "must not be empty")
+    for path in ("net.listen", "net.advertise", "api.tcp", "metrics.listen"):
+        v = get(cfg, path)
+        if path != "net.listen" and not v:
+            continue
+        try:
+            host, port = parse_hostport(v)
+        except ValueError as e:
+            raise bad(path, v, str(e)) from None
+        if path in ("api.tcp", "metrics.listen") and not is_loopback(host):
+            raise bad(path, v, "must be a loopback address (127.0.0.1, ::1 or localhost)")
+        if path == "net.advertise" and (port == 0 or host in ("0.0.0.0", "::")):
+            raise bad(path, v, "must be a concrete host and port that peers can dial")
+    if cfg.net.insecure_plaintext and not cfg.net.allow_plaintext_remote:
+        host, _ = parse_hostport(cfg.net.listen)
+        if not is_loopback(host):
+            raise bad("net.listen", cfg.net.listen,
+                      "net.insecure_plaintext only listens on loopback (set net.listen to "
+                      "127.0.0.1:PORT, or use TLS: fusionctl init / join)")
+    for i, b in enumerate(cfg.cluster.bootstrap):
+        try:
+            parse_hostport(b, default_port=DEFAULT_PEER_PORT)
+        except ValueError as e:
+            raise bad("cluster.bootstrap", b, f"entry {i}: {e}") from None
+    if not cfg.api.socket and not cfg.api.tcp:
+        raise bad("api.socket", cfg.api.socket, "api.socket and api.tcp are both empty")
+    if cfg.cluster.dead_timeout_s <= cfg.cluster.suspect_timeout_s:
+        raise bad("cluster.dead_timeout_s", cfg.cluster.dead_timeout_s,
+                  f"must be larger than cluster.suspect_timeout_s "
+                  f"({cfg.cluster.suspect_timeout_s})")
+    if cfg.net.backoff_max_s < cfg.net.backoff_initial_s:
+        raise bad("net.backoff_max_s", cfg.net.backoff_max_s,
+                  "must be at least net.backoff_initial_s")
+
+
+# ---------------------------------------------------------------------------------------------
+# Access by dotted path
+
+
+def get(cfg: DaemonConfig, path: str) -> Any:
+    obj: Any = cfg
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _set(cfg: DaemonConfig, path: str, value: Any) -> None:
+    parts = path.split(".")
+    obj: Any = cfg
+    for part in parts[:-1]:
+        obj = getattr(obj, part)
+    setattr(obj, parts[-1], value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+
+
+def _toml_lines(text: str) -> dict[str, int]:
+    """Best-effort line number of each ``key =`` per table, for error messages."""
+    lines: dict[str, int] = {}
+    section: str | None = None
+    for no, line in enumerate(text.splitlines(), 1):
+        s = line.strip()
+        m = re.fullmatch(r"\[\s*([A-Za-z0-9_.-]+)\s*\](\s*#.*)?", s)
+        if m:
+            section = m.group(1)
+            continue
+        m = re.match(r"([A-Za-z0-9_-]+)\s*=", s)
+        if m:
+            path = m.group(1) if section is None else f"{section}.{m.group(1)}"
+            lines.setdefault(path, no)
+    return lines
+
+
+def _apply_file(cfg: DaemonConfig, origin: dict[str, str], path: Path) -> None:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    lines = _toml_lines(text)
+    by_path = {k.path: k for k in keys()}
+
+    def where(p: str) -> str:
+        return f"{path}:{lines[p]}" if p in lines else str(path)
+
+    for name, value in data.items():
+        if name in SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where(name)}: [{name}] must be a table")
+            items = [(f"{name}.{k}", v) for k, v in value.items()]
+        else:
+            items = [(name, value)]
+        for p, v in items:
+            k = by_path.get(p)
+            if k is None:
+                raise ConfigError(f"{where(p)}: unknown key {p!r}")
+            _set(cfg, p, _from_toml(k, v, where(p)))
+            origin[p] = where(p)
+
+
+def _apply_env(cfg: DaemonConfig, origin: dict[str, str], env: Mapping[str, str]) -> list[str]:
+    """Apply FUSION_* variables; returns warnings for unknown ones (typos should be visible)."""
+    known = {k.env: k for k in keys()}
+    extra = {ENV_PREFIX + "CONFIG", ENV_PREFIX + "CHECK_CONFIG"}
+    warnings: list[str] = []
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX):
+            continue
+        k = known.get(var)
+        if k is None:
+            if var not in extra:
+                warnings.append(f"ignoring unknown environment variable {var}")
+            continue
+        where = f"environment {var}"
+        _set(cfg, k.path, _from_string(k, env[var], where))
+        origin[k.path] = where
+    return warnings
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per key (``--net-listen``, ``--no-cluster-mdns`` ...) to `parser`."""
+    group = parser.add_argument_group(
+        "configuration", "each flag overrides FUSION_<KEY> from the environment, which "
+        "overrides the config file")
+    for k in keys():
+        doc = _key_doc(k)
+        helptext = f"{doc} [env {k.env}]" if doc else f"[env {k.env}]"
+        if k.type is bool:
+            group.add_argument(k.flag, dest=k.dest, action=argparse.BooleanOptionalAction,
+                               default=None, help=helptext)
+        elif k.type == list[str]:
+            group.add_argument(k.flag, dest=k.dest, action="append", default=None,
+                               metavar="VALUE", help=helptext + " (repeatable)")
+        else:
+            group.add_argument(k.flag, dest=k.dest, default=None, metavar="VALUE",
+                               help=helptext)
+
+
+def _apply_flags(cfg: DaemonConfig, origin: dict[str, str], ns: argparse.Namespace) -> None:
+    for k in keys():
+        v = getattr(ns, k.dest, None)
+        if v is None:
+            continue
+        where = f"flag {k.flag}"
+        if k.type is bool:
+            val: Any = bool(v)
+        elif k.type == list[str]:
+            val = [p.strip() for item in v for p in str(item).split(",") if p.strip()]
+        else:
+            val = _from_string(k, str(v), where)
+        _set(cfg, k.path, val)
+        origin[k.path] = where
+
+
+@dataclass
+class LoadedConfig:
+    """A validated config, where each non-default value came from, and warnings."""
+
+    config: DaemonConfig
+    origin: dict[str, str]
+    file: Path | None
+    warnings: list[str]
+
+
+def load_config(
+    *,
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: argparse.Namespace | None = None,
+) -> LoadedConfig:
+    """Build the config from all layers and validate it.
+
+    `path` None: FUSION_CONFIG from `env`, else /etc/fusion/fusiond.toml if it exists. An
+    explicitly named file that does not exist is an error; the default one is optional.
+    Raises ConfigError naming the key, value and origin of the first bad value.
+    """
+    env = dict(os.environ) if env is None else dict(env)
+    cfg = DaemonConfig()
+    origin: dict[str, str] = {}
+    file: Path | None
+    if path is not None:
+        file = Path(path)
+    elif env.get(ENV_PREFIX + "CONFIG"):
+        file = Path(env[ENV_PREFIX + "CONFIG"])
+    else:
+        file = DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else None
+    if file is not None:
+        _apply_file(cfg, origin, file)
+    warnings = _apply_env(cfg, origin, env)
+    if flags is not None:
+        _apply_flags(cfg, origin, flags)
+    _validate(cfg, origin)
+    return LoadedConfig(cfg, origin, file, warnings)
+
+
+def describe(loaded: LoadedConfig) -> str:
+    """Every key with its value and origin, one line each (for --check-config)."""
+    out = [f"config file: {loaded.file if loaded.file else '(none)'}"]
+    for k in keys():
+        out.append(f"{k.path} = {get(loaded.config, k.path)!r}  "
+                   f"# {loaded.origin.get(k.path, 'default')}")
+    return "\n".join(out)
+
+
+def advertise_address(cfg: DaemonConfig, bound: tuple[str, int]) -> tuple[str, int]:
+    """The address peers should dial: net.advertise, else the bound address with a real host."""
+    if cfg.net.advertise:
+        return parse_hostport(cfg.net.advertise)
+    host, port = bound
+    if host in ("0.0.0.0", "::", ""):
+        try:
+            host = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            host = "127.0.0.1"
+    return host, port
+
+
+def config_keys_table() -> Sequence[tuple[str, str, str, str]]:
+    """(key, env, flag, default) rows, for docs and tests."""
+    d = DaemonConfig()
+    return [(k.path, k.env, k.flag, repr(get(d, k.path))) for k in keys()]

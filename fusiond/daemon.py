@@ -1,0 +1,645 @@
+"""The fusiond supervisor: starts services in dependency order, reports ready, drains on stop.
+
+Order (each awaited ready before the next starts), all inside one ``asyncio.TaskGroup``:
+
+1. the local API (so ``fusionctl`` can always reach a running daemon, even before it has a
+   cluster) and the metrics endpoint;
+2. the profile (device, memory, a cached matmul benchmark: run in a thread);
+3. once the node has cluster credentials (``fusionctl init`` / ``join``, or plaintext dev mode):
+   the peer listener (`fusiond.net.PeerNetwork`), then discovery, membership, probes and
+   election (`fusiond.cluster.Cluster`).
+
+Then it reports ready (``READY=1`` and ``STATUS=`` to ``$NOTIFY_SOCKET``). SIGTERM/SIGINT close
+the services in reverse order and `run` returns 0. SIGHUP re-reads the config and applies what
+can change live (log level, new bootstrap addresses); other changes are logged as needing a
+restart. A service that fails (start raises, ready times out, or its ``wait()`` returns while
+not stopping) is logged with its cause, every other service is closed, and `run` returns 1:
+the daemon is never left half alive.
+
+Message routing: PeerNetwork calls `Daemon._on_message` for each message, which offers it to
+the cluster (``await cluster.handle(peer, msg) -> bool``); later, jobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import fusiond
+import protocol
+from fusiond import profile as profiling
+from fusiond.api import ApiError, ApiServer
+from fusiond.config import (
+    DaemonConfig,
+    LoadedConfig,
+    advertise_address,
+    load_config,
+    parse_hostport,
+)
+from fusiond.errors import FusionError, LocalError
+from fusiond.metrics import DaemonCollector, MetricsServer, make_registry
+
+log = logging.getLogger("fusiond")
+
+LEFT_MARKER = "left"
+"""File in the state dir: this node left its cluster; do not rejoin until `fusionctl join`."""
+BOOTSTRAP_FILE = "bootstrap.json"
+"""Addresses learned from `fusionctl join`, kept so a restart finds the cluster again."""
+PLAINTEXT_CLUSTER_ID = "insecure-dev"
+
+
+class Service(Protocol):
+    async def start(self) -> None: ...
+    async def ready(self) -> None: ...
+    async def close(self) -> None: ...
+
+
+class ServiceFailed(LocalError):
+    """A supervised service failed; the message names it and the cause."""
+
+
+def sd_notify(message: str, env: Mapping[str, str] | None = None) -> bool:
+    """Send one datagram to ``$NOTIFY_SOCKET`` (systemd's notify protocol). False if unset.
+
+    Written out here (20 lines) rather than pulling in a systemd dependency. An address
+    starting with ``@`` is in the abstract namespace.
+    """
+    env = os.environ if env is None else env
+    addr = env.get("NOTIFY_SOCKET")
+    if not addr:
+        return False
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            s.sendall(message.encode())
+    except OSError as e:
+        log.warning("sd_notify to %s failed: %s", env.get("NOTIFY_SOCKET"), e)
+        return False
+    return True
+
+
+def configure_logging(level: str) -> None:
+    """Plain one-line records on stderr (journald timestamps them; tests read them)."""
+    root = logging.getLogger()
+    if not any(getattr(h, "_fusiond", False) for h in root.handlers):
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        h._fusiond = True  # type: ignore[attr-defined]
+        root.addHandler(h)
+    root.setLevel(level.upper())
+
+
+@dataclass
+class _Running:
+    name: str
+    service: Service
+
+
+class Daemon:
+    """One fusiond. `run()` until stopped; returns the process exit code (0 clean, 1 failed).
+
+    `flags` are the parsed command-line flags, kept so SIGHUP can re-layer the config.
+    """
+
+    def __init__(self, loaded: LoadedConfig, *, flags: argparse.Namespace | None = None,
+                 config_path: str | None = None) -> None:
+        self.loaded = loaded
+        self.cfg: DaemonConfig = loaded.config
+        self._flags = flags
+        self._config_path = config_path
+        self.state_dir = Path(self.cfg.state_dir)
+        self.node_id = ""
+        self.cluster_id: str | None = None
+        self.security = "none"
+        self.phase = "starting"
+        self.started_at = time.time()
+        self.profiler: profiling.Profiler | None = None
+        self.api: ApiServer | None = None
+        self.metrics: MetricsServer | None = None
+        self.net: Any = None
+        self.cluster: Any = None
+        self.address: tuple[str, int] | None = None
+        self._running: list[_Running] = []
+        self._stop = asyncio.Event()
+        self._exit_code = 0
+        self._tg: asyncio.TaskGroup | None = None
+        self._peer_lock = asyncio.Lock()
+        self._stopping = False
+        self._failure: BaseException | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Begin a clean shutdown (signal handlers and tests call this)."""
+        if not self._stop.is_set():
+            log.info("stopping: draining services")
+        self._stop.set()
+
+    async def run(self) -> int:
+        """Start everything, wait for a stop request or a failure, close in reverse."""
+        loop = asyncio.get_running_loop()
+        installed: list[signal.Signals] = []
+        for sig, cb in ((signal.SIGTERM, self.request_stop), (signal.SIGINT, self.request_stop),
+                        (signal.SIGHUP, self._on_sighup)):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(sig, cb)
+                installed.append(sig)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                await self._start_all()
+                await self._stop.wait()
+                self._stopping = True
+                self.phase = "stopping"
+                sd_notify("STOPPING=1\nSTATUS=draining")
+                await self._close_all()
+        except BaseException as e:
+            self._stopping = True
+            await self._close_all()
+            cause = self._failure or e
+            if isinstance(e, KeyboardInterrupt):
+                return 130
+            if isinstance(e, asyncio.CancelledError) and self._failure is None:
+                raise
+            log.error("fusiond stopped because %s", _describe(cause))
+            sd_notify(f"STATUS=failed: {_describe(cause)}")
+            return 1
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+            self.phase = "stopped"
+        log.info("fusiond stopped cleanly")
+        return self._exit_code
+
+    async def _start_all(self) -> None:
+        cfg = self.cfg
+        if cfg.net.insecure_plaintext:
+            log.warning("PLAINTEXT peer links (net.insecure_plaintext): anyone who can reach "
+                        "%s can read and inject cluster traffic. Loopback development only.",
+                        cfg.net.listen)
+        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.node_id = await asyncio.to_thread(self._load_identity)
+        log.info("node id %s (state in %s)", self.node_id, self.state_dir)
+        self.api = ApiServer(
+            self,
+            socket_path=cfg.api.socket or None,
+            tcp=parse_hostport(cfg.api.tcp) if cfg.api.tcp else None,
+            token_path=cfg.token_path,
+            test_endpoints=cfg.net.test_drop_switch,
+        )
+        await self._start_service("api", self.api)
+        if cfg.metrics.listen:
+            host, port = parse_hostport(cfg.metrics.listen)
+            registry = make_registry(DaemonCollector(
+                node_id=lambda: self.node_id,
+                net_stats=lambda: self.net.stats() if self.net is not None else None,
+                cluster_view=lambda: self.cluster.view() if self.cluster is not None else None,
+                started_at=self.started_at))
+            self.metrics = MetricsServer(registry, host, port)
+            await self._start_service("metrics", self.metrics)
+        static = await asyncio.to_thread(profiling.compute_profile, cfg.cache_dir,
+                                         benchmark=cfg.profile_benchmark)
+        self.profiler = profiling.Profiler(static)
+        log.info("profile: %s %s, %.1f GFLOP/s", static["device_kind"], static["device_name"],
+                 static["gflops"])
+        if self._has_credentials() and not (self.state_dir / LEFT_MARKER).exists():
+            await self._start_peer_services(self._load_bootstrap())
+            status = (f"serving {self.cluster_id} as {self.node_id} on "
+                      f"{_fmt_addr(self.address)}")
+        elif (self.state_dir / LEFT_MARKER).exists():
+            self.phase = "left"
+            status = "left the cluster; run `fusionctl join TOKEN` to join one"
+        else:
+            self.phase = "unconfigured"
+            status = ("not in a cluster: run `fusionctl init` (new cluster) or "
+                      "`fusionctl join TOKEN`")
+        log.info("ready: %s", status)
+        sd_notify(f"READY=1\nSTATUS={status}")
+
+    async def _start_service(self, name: str, svc: Service) -> None:
+        """Start `svc`, await its readiness (bounded), and watch it for failure."""
+        t = self.cfg.start_timeout_s
+        try:
+            await asyncio.wait_for(svc.start(), t)
+            await asyncio.wait_for(svc.ready(), t)
+        except TimeoutError:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(svc.close(), self.cfg.stop_timeout_s)
+            raise ServiceFailed(f"service {name} was not ready within start_timeout_s={t}") \
+                from None
+        except (asyncio.CancelledError, ServiceFailed):
+            raise
+        except Exception as e:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(svc.close(), self.cfg.stop_timeout_s)
+            raise ServiceFailed(f"service {name} failed to start: {_describe(e)}") from e
+        self._running.append(_Running(name, svc))
+        log.debug("service %s ready", name)
+        waiter = getattr(svc, "wait", None) or getattr(svc, "wait_closed", None)
+        if callable(waiter) and self._tg is not None:
+            self._tg.create_task(self._watch(name, waiter), name=f"watch-{name}")
+
+    async def _watch(self, name: str, waiter: Callable[[], Awaitable[Any]]) -> None:
+        """A service's wait() returning (or raising) while we are not stopping is a crash."""
+        try:
+            await waiter()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if not self._stopping:
+                self._failure = ServiceFailed(f"service {name} crashed: {_describe(e)}")
+                raise self._failure from e
+            return
+        if not self._stopping and any(r.name == name for r in self._running):
+            self._failure = ServiceFailed(f"service {name} stopped unexpectedly")
+            raise self._failure
+
+    async def _close_all(self) -> None:
+        """Close running services in reverse start order; idempotent."""
+        while self._running:
+            r = self._running.pop()
+            await self._close_one(r)
+
+    async def _close_one(self, r: _Running) -> None:
+        try:
+            await asyncio.wait_for(r.service.close(), self.cfg.stop_timeout_s)
+            log.debug("service %s closed", r.name)
+        except TimeoutError:
+            log.error("service %s did not close within stop_timeout_s=%s", r.name,
+                      self.cfg.stop_timeout_s)
+            self._exit_code = 1
+        except Exception as e:
+            log.error("service %s failed while closing: %s", r.name, _describe(e))
+            self._exit_code = 1
+
+    # -- identity and credentials ----------------------------------------------------------
+
+    def _load_identity(self) -> str:
+        from fusiond.net import pki
+
+        return pki.load_or_create_node_identity(self.state_dir).node_id
+
+    def _tls_material(self) -> Any:
+        from fusiond.net import pki
+
+        return pki.TLSMaterial.in_state_dir(self.state_dir)
+
+    def _has_credentials(self) -> bool:
+        return bool(self.cfg.net.insecure_plaintext or self._tls_material().exists())
+
+    def _load_bootstrap(self) -> list[str]:
+        learned: list[str] = []
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            data = json.loads((self.state_dir / BOOTSTRAP_FILE).read_text())
+            if isinstance(data, list):
+                learned = [a for a in data if isinstance(a, str)]
+        return list(dict.fromkeys([*self.cfg.cluster.bootstrap, *learned]))
+
+    def _remember_bootstrap(self, addrs: list[str]) -> None:
+        known = list(dict.fromkeys([*self._load_bootstrap_file(), *addrs]))
+        tmp = self.state_dir / (BOOTSTRAP_FILE + ".tmp")
+        tmp.write_text(json.dumps(known))
+        tmp.replace(self.state_dir / BOOTSTRAP_FILE)
+
+    def _load_bootstrap_file(self) -> list[str]:
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            data = json.loads((self.state_dir / BOOTSTRAP_FILE).read_text())
+            if isinstance(data, list):
+                return [a for a in data if isinstance(a, str)]
+        return []
+
+    # -- peer services ---------------------------------------------------------------------
+
+    async def _start_peer_services(self, bootstrap: list[str]) -> None:
+        """Start PeerNetwork then Cluster (once); needs credentials or plaintext mode."""
+        async with self._peer_lock:
+            if self.cluster is not None:
+                return
+            from fusiond.cluster import Cluster, ClusterConfig
+            from fusiond.net import JoinAuthority, NetConfig, PeerNetwork, load_cluster_ca
+
+            cfg = self.cfg
+            tls: Any = None
+            cluster_id: str
+            if cfg.net.insecure_plaintext:
+                cluster_id = cfg.cluster.id or PLAINTEXT_CLUSTER_ID
+                self.security = "plaintext"
+            else:
+                tls = self._tls_material()
+                cluster_id = await asyncio.to_thread(tls.cluster_id)
+                self.security = "tls"
+            self.cluster_id = cluster_id
+            host, port = parse_hostport(cfg.net.listen)
+            join_authority = None
+            if tls is not None:
+                ca = await asyncio.to_thread(load_cluster_ca, self.state_dir)
+                if ca is not None:  # this member can admit joiners
+                    join_authority = JoinAuthority(ca, self.state_dir)
+            advertise = parse_hostport(cfg.net.advertise) if cfg.net.advertise else None
+            net = PeerNetwork(
+                node_id=self.node_id, cluster_id=cluster_id, listen=(host, port), tls=tls,
+                handler=self._on_message, config=_net_config(NetConfig, cfg),
+                join_authority=join_authority, advertise=advertise,
+            )
+            self.net = net
+            await self._start_service("net", net)
+            self.address = advertise_address(cfg, net.address)
+            net.advertise = self.address
+            assert self.profiler is not None
+            cluster = Cluster(
+                node_id=self.node_id, cluster_id=cluster_id, net=net,
+                advertise=self.address, profile=self.profiler,
+                config=_cluster_config(ClusterConfig, cfg, bootstrap),
+            )
+            self.cluster = cluster
+            await self._start_service("cluster", cluster)
+            self.phase = "running"
+            log.info("peer services up: cluster %s, %s links, listening on %s, advertising %s",
+                     self.cluster_id, self.security, _fmt_addr(tuple(net.address)),
+                     _fmt_addr(self.address))
+
+    async def _stop_peer_services(self) -> None:
+        """Close cluster then net (used by leave); the daemon keeps serving its API."""
+        async with self._peer_lock:
+            for name in ("cluster", "net"):
+                for r in [r for r in self._running if r.name == name]:
+                    self._running.remove(r)
+                    await self._close_one(r)
+            self.cluster = None
+            self.net = None
+            self.address = None
+
+    async def _on_message(self, peer: str, msg: Any) -> None:
+        cluster = self.cluster
+        if cluster is not None and await cluster.handle(peer, msg):
+            return
+        log.debug("no service handles %s from %s", type(msg).__name__, peer)
+
+    # -- reload ----------------------------------------------------------------------------
+
+    def _on_sighup(self) -> None:
+        try:
+            new = load_config(path=self._config_path, flags=self._flags)
+        except FusionError as e:
+            log.error("SIGHUP: config not reloaded, keeping the running one: %s", e)
+            return
+        old, cfg = self.cfg, new.config
+        if cfg.log_level != old.log_level:
+            configure_logging(cfg.log_level)
+            log.info("SIGHUP: log_level %s -> %s", old.log_level, cfg.log_level)
+        added = [b for b in cfg.cluster.bootstrap if b not in old.cluster.bootstrap]
+        if added and self.cluster is not None:
+            for b in added:
+                self.cluster.add_bootstrap(parse_hostport(b, default_port=7420))
+            log.info("SIGHUP: added bootstrap addresses %s", ", ".join(added))
+        old.log_level = cfg.log_level
+        old.cluster.bootstrap = cfg.cluster.bootstrap
+        from fusiond.config import get, keys
+
+        restart = [k.path for k in keys() if k.path not in ("log_level", "cluster.bootstrap")
+                   and get(cfg, k.path) != get(old, k.path)]
+        if restart:
+            log.warning("SIGHUP: changes to %s take effect after a restart", ", ".join(restart))
+        log.info("SIGHUP: configuration reloaded")
+
+    # -- API backend -----------------------------------------------------------------------
+
+    def _node_block(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "name": self.cfg.name or socket.gethostname(),
+            "cluster_id": self.cluster_id,
+            "address": _fmt_addr(self.address) if self.address else None,
+            "security": self.security,
+            "phase": self.phase,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "profile": self.profiler() if self.profiler else None,
+        }
+
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"node": self._node_block(), "cluster": None, "hint": None}
+        if self.cluster is not None:
+            out["cluster"] = self.cluster.view()
+        elif self.phase == "unconfigured":
+            out["hint"] = ("this node is not in a cluster: run `fusionctl init` to create one, "
+                           "or `fusionctl join TOKEN` with a token from a member "
+                           "(`fusionctl token` there)")
+        elif self.phase == "left":
+            out["hint"] = "this node left its cluster: run `fusionctl join TOKEN` to join again"
+        if self.security == "plaintext":
+            out["warning"] = "PLAINTEXT peer links: loopback development only"
+        return out
+
+    def links(self) -> dict[str, Any]:
+        if self.cluster is None:
+            return {"node_id": self.node_id, "members": [], "links": {}}
+        view = self.cluster.view()
+        return {"node_id": self.node_id,
+                "members": [m.node_id for m in view.members],
+                "links": getattr(view, "links", {})}
+
+    def paths(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return {
+            "config_file": str(self.loaded.file) if self.loaded.file else None,
+            "state_dir": str(self.state_dir),
+            "cache_dir": cfg.cache_dir,
+            "api_socket": cfg.api.socket or None,
+            "api_tcp": _fmt_addr(self.api.tcp_address) if self.api and self.api.tcp_address
+            else None,
+            "api_token_file": str(cfg.token_path) if cfg.api.tcp else None,
+            "metrics": (f"http://{_fmt_addr(self.metrics.address)}/metrics"
+                        if self.metrics and self.metrics.address else None),
+            "peer_listen": _fmt_addr(tuple(self.net.address)) if self.net is not None else None,
+        }
+
+    def version(self) -> dict[str, Any]:
+        static = self.profiler.static if self.profiler else {}
+        return {"fusiond": fusiond.__version__, "protocol": protocol.PROTOCOL_VERSION,
+                "protocol_min": protocol.MIN_PROTOCOL_VERSION,
+                "torch": static.get("torch_version"), "python": static.get("python_version")}
+
+    async def init(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        from fusiond.net import pki
+
+        if self.cfg.net.insecure_plaintext:
+            raise ApiError(409, "plaintext", "this daemon runs with net.insecure_plaintext: "
+                           "there is no CA to create; peers join with `fusionctl join ADDR`")
+        if self._tls_material().exists():
+            raise ApiError(409, "exists", f"this node is already in cluster "
+                           f"{self.cluster_id or '(stopped)'}; run `fusionctl token` for a join "
+                           "token, or `fusionctl status`")
+        await asyncio.to_thread(pki.init_cluster, self.state_dir)
+        with contextlib.suppress(FileNotFoundError):
+            (self.state_dir / LEFT_MARKER).unlink()
+        await self._start_peer_services(self._load_bootstrap())
+        tok = await self.token({"ttl_s": body.get("ttl_s", pki.DEFAULT_TOKEN_TTL_S),
+                                "one_time": body.get("one_time", False)})
+        return {"cluster_id": self.cluster_id, "node_id": self.node_id, **tok}
+
+    async def token(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        from fusiond.net import pki
+
+        ca = await asyncio.to_thread(pki.load_cluster_ca, self.state_dir)
+        if ca is None:
+            raise ApiError(409, "no_ca", "this node does not hold the cluster CA key; run "
+                           "`fusionctl token` on the node where `fusionctl init` ran")
+        if self.address is None:
+            raise ApiError(409, "not_running", "peer services are not running here")
+        ttl = body.get("ttl_s", pki.DEFAULT_TOKEN_TTL_S)
+        one_time = body.get("one_time", True)
+        if not isinstance(ttl, int | float) or isinstance(ttl, bool) or ttl <= 0:
+            raise ApiError(400, "bad_request", "ttl_s must be a positive number")
+        if not isinstance(one_time, bool):
+            raise ApiError(400, "bad_request", "one_time must be true or false")
+        tok = pki.make_join_token(ca, [self.address], ttl_s=float(ttl), one_time=one_time)
+        return {"token": tok, "expires_in_s": ttl, "one_time": one_time,
+                "next": f"fusionctl join {tok}"}
+
+    async def join(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        token, address = body.get("token"), body.get("address")
+        if isinstance(address, str) and address:
+            return await self._join_address(address)
+        if not isinstance(token, str) or not token:
+            raise ApiError(400, "bad_request", "join needs {\"token\": ...} or "
+                           "{\"address\": \"host:port\"}")
+        return await self._join_token(token)
+
+    async def _join_address(self, address: str) -> dict[str, Any]:
+        try:
+            addr = parse_hostport(address, default_port=7420)
+        except ValueError as e:
+            raise ApiError(400, "bad_request", str(e)) from None
+        if not self._has_credentials():
+            raise ApiError(409, "needs_token", "joining a TLS cluster needs a join token: run "
+                           "`fusionctl token` on a member, then `fusionctl join TOKEN` here")
+        with contextlib.suppress(FileNotFoundError):
+            (self.state_dir / LEFT_MARKER).unlink()
+        self._remember_bootstrap([_fmt_addr(addr)])
+        if self.cluster is None:
+            await self._start_peer_services(self._load_bootstrap())
+        else:
+            self.cluster.add_bootstrap(addr)
+        return {"joined": True, "cluster_id": self.cluster_id, "node_id": self.node_id,
+                "bootstrap": _fmt_addr(addr), "next": "fusionctl status"}
+
+    async def _join_token(self, token: str) -> dict[str, Any]:
+        from fusiond.net import pki
+
+        tok = pki.parse_join_token(token)
+        addrs = [_fmt_addr(a) for a in tok.addresses]
+        material = self._tls_material()
+        if material.exists():
+            mine = pki.cert_fingerprint(pki.load_cert(material.ca_cert))
+            if mine != tok.ca_fingerprint:
+                raise ApiError(409, "other_cluster", f"this node is already in cluster "
+                               f"{material.cluster_id()}, and the token is for another cluster; "
+                               "`fusionctl leave` first, and use a fresh state directory")
+            already = self.cluster is not None
+        else:
+            from fusiond.net import join_cluster
+
+            result = await join_cluster(token, self.state_dir,
+                                        timeout_s=self.cfg.net.handshake_timeout_s * 2,
+                                        hostname=self.cfg.name or socket.gethostname())
+            addrs = list(dict.fromkeys([*addrs, *(_fmt_addr(a) for a in result.bootstrap)]))
+            already = False
+        with contextlib.suppress(FileNotFoundError):
+            (self.state_dir / LEFT_MARKER).unlink()
+        self._remember_bootstrap(addrs)
+        if self.cluster is None:
+            await self._start_peer_services(self._load_bootstrap())
+        else:
+            for a in tok.addresses:
+                self.cluster.add_bootstrap(a)
+        return {"joined": True, "already_member": already, "cluster_id": self.cluster_id,
+                "node_id": self.node_id, "bootstrap": addrs, "next": "fusionctl status"}
+
+    async def leave(self) -> dict[str, Any]:
+        if self.cluster is None:
+            raise ApiError(409, "not_member", "this node is not in a cluster")
+        await self.cluster.leave()
+        cid = self.cluster_id
+        (self.state_dir / LEFT_MARKER).write_text(f"{cid}\n")
+        await self._stop_peer_services()
+        self.phase = "left"
+        return {"left": True, "cluster_id": cid, "node_id": self.node_id,
+                "next": "fusionctl join TOKEN (to join a cluster again)"}
+
+    async def remove(self, node_id: str) -> dict[str, Any]:
+        if self.cluster is None:
+            raise ApiError(409, "not_member", "this node is not in a cluster")
+        if node_id == self.node_id:
+            raise ApiError(400, "self", "use `fusionctl leave` to remove this node")
+        await self.cluster.remove(node_id)
+        return {"removed": node_id, "next": "fusionctl status"}
+
+    async def test_block(self, node_ids: list[str]) -> dict[str, Any]:
+        if not self.cfg.net.test_drop_switch or self.net is None:
+            raise ApiError(404, "disabled", "the test drop switch is disabled")
+        self.net.set_blocked(set(node_ids))
+        log.warning("TEST drop switch: dropping all traffic to/from %s",
+                    ", ".join(node_ids) or "(nobody)")
+        return {"blocked": sorted(node_ids)}
+
+
+def _net_config(cls: Any, cfg: DaemonConfig) -> Any:
+    """The [net] section as NetConfig (fusiond.net's own dataclass)."""
+    n = cfg.net
+    return cls(
+        connect_timeout_s=n.connect_timeout_s,
+        handshake_timeout_s=n.handshake_timeout_s,
+        close_timeout_s=n.close_timeout_s,
+        backoff_initial_s=n.backoff_initial_s,
+        backoff_max_s=n.backoff_max_s,
+        control_queue_frames=n.control_queue_frames,
+        bulk_queue_frames=n.bulk_queue_frames,
+        inbox_frames=n.inbox_frames,
+        allow_plaintext_remote=n.allow_plaintext_remote,
+    )
+
+
+def _cluster_config(cls: Any, cfg: DaemonConfig, bootstrap: list[str]) -> Any:
+    """Map the [cluster] section onto ClusterConfig by field name; bootstrap as (host, port)."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = dataclasses.asdict(cfg.cluster)
+    values["bootstrap"] = [parse_hostport(b, default_port=7420) for b in bootstrap]
+    values["mdns_interfaces"] = list(cfg.cluster.mdns_interfaces) or None
+    return cls(**{k: v for k, v in values.items() if k in names})
+
+
+def _fmt_addr(addr: tuple[str, int] | tuple[Any, ...] | None) -> str:
+    if not addr:
+        return "-"
+    host, port = str(addr[0]), int(addr[1])
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _describe(e: BaseException) -> str:
+    """The cause chain of an error (or group) in one line."""
+    if isinstance(e, BaseExceptionGroup):
+        return "; ".join(_describe(x) for x in e.exceptions)
+    parts = [f"{type(e).__name__}: {e}" if str(e) else type(e).__name__]
+    cause = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    seen = 0
+    while cause is not None and seen < 4:
+        parts.append(f"caused by {type(cause).__name__}: {cause}")
+        cause = cause.__cause__
+        seen += 1
+    return " ".join(parts)

@@ -1,0 +1,173 @@
+"""Prometheus metrics, named ``fusion_<subsystem>_<name>_<unit>``, served on loopback.
+
+Values are read from the services at scrape time (a custom collector), so nothing is double
+bookkept and a scrape always shows the same numbers as ``fusionctl status``. Each daemon has
+its own registry: several daemons in one test process never share counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("fusiond.metrics")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _num(obj: Any, *names: str) -> float | None:
+    """First present numeric attribute/key among `names` of a stats object (or None)."""
+    for n in names:
+        v = obj.get(n) if isinstance(obj, Mapping) else getattr(obj, n, None)
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            return float(v)
+    return None
+
+
+class DaemonCollector(Collector):
+    """Collects from callables returning the live state; each may return None when not up."""
+
+    def __init__(
+        self,
+        *,
+        node_id: Callable[[], str],
+        net_stats: Callable[[], Mapping[str, Any] | None],
+        cluster_view: Callable[[], Any | None],
+        started_at: float,
+    ) -> None:
+        self._node_id = node_id
+        self._net_stats = net_stats
+        self._cluster_view = cluster_view
+        self._started_at = started_at
+
+    def describe(self) -> Iterator[Any]:
+        return iter(())  # unchecked collector: metric names are known only at scrape time
+
+    def collect(self) -> Iterator[Any]:
+        up = GaugeMetricFamily("fusion_daemon_start_time_seconds",
+                               "Unix time the daemon started", labels=["node"])
+        up.add_metric([self._node_id()], self._started_at)
+        yield up
+        yield from self._collect_net()
+        yield from self._collect_cluster()
+
+    def _collect_net(self) -> Iterator[Any]:
+        stats = self._net_stats()
+        if stats is None:
+            return
+        sent = CounterMetricFamily("fusion_net_sent_bytes", "Bytes sent to a peer",
+                                   labels=["peer", "stage"])
+        recv = CounterMetricFamily("fusion_net_received_bytes", "Bytes received from a peer",
+                                   labels=["peer", "stage"])
+        depth = GaugeMetricFamily("fusion_net_queue_depth_frames",
+                                  "Frames queued for a peer", labels=["peer", "lane"])
+        conn = GaugeMetricFamily("fusion_net_connected_peers",
+                                 "1 when a connection to the peer is open", labels=["peer"])
+        for peer, st in stats.items():
+            for stage, names in (("wire", ("bytes_sent", "sent_bytes", "wire_bytes_sent")),
+                                 ("raw", ("raw_bytes_sent", "bytes_sent_raw"))):
+                v = _num(st, *names)
+                if v is not None:
+                    sent.add_metric([peer, stage], v)
+            for stage, names in (("wire", ("bytes_received", "received_bytes",
+                                           "wire_bytes_received")),
+                                 ("raw", ("raw_bytes_received", "bytes_received_raw"))):
+                v = _num(st, *names)
+                if v is not None:
+                    recv.add_metric([peer, stage], v)
+            for lane in ("control", "bulk"):
+                v = _num(st, f"{lane}_queue_depth", f"queue_{lane}", f"{lane}_queued")
+                if v is not None:
+                    depth.add_metric([peer, lane], v)
+            c = _num(st, "connected")
+            if c is None and isinstance(getattr(st, "connected", None), bool):
+                c = float(getattr(st, "connected"))  # noqa: B009 - bool is excluded by _num
+            if c is not None:
+                conn.add_metric([peer], c)
+        yield from (sent, recv, depth, conn)
+
+    def _collect_cluster(self) -> Iterator[Any]:
+        view = self._cluster_view()
+        if view is None:
+            return
+        rtt = GaugeMetricFamily("fusion_cluster_rtt_seconds", "Measured RTT to a peer",
+                                labels=["peer"])
+        bw = GaugeMetricFamily("fusion_cluster_bandwidth_bytes_per_second",
+                               "Measured bandwidth to a peer (EWMA)", labels=["peer"])
+        members = GaugeMetricFamily("fusion_cluster_members", "Members by state",
+                                    labels=["state"])
+        counts: dict[str, int] = {}
+        for m in getattr(view, "members", ()):
+            state = str(getattr(m, "state", "unknown"))
+            state = getattr(getattr(m, "state", None), "value", state)
+            counts[str(state)] = counts.get(str(state), 0) + 1
+            nid = str(getattr(m, "node_id", ""))
+            r = _num(m, "rtt_s")
+            if r is not None:
+                rtt.add_metric([nid], r)
+            b = _num(m, "bandwidth_bps")
+            if b is not None:
+                bw.add_metric([nid], b / 8.0)
+        for state, n in sorted(counts.items()):
+            members.add_metric([state], n)
+        term = GaugeMetricFamily("fusion_cluster_term", "Current election term")
+        term.add_metric([], float(getattr(view, "term", 0) or 0))
+        leader = GaugeMetricFamily("fusion_cluster_leader",
+                                   "1 when this node is the elected scheduler")
+        leader.add_metric([], 1.0 if getattr(view, "leader", None) == self._node_id() else 0.0)
+        quorum = GaugeMetricFamily("fusion_cluster_quorum",
+                                   "1 when this node sees a majority of members")
+        quorum.add_metric([], 1.0 if getattr(view, "has_quorum", False) else 0.0)
+        yield from (rtt, bw, members, term, leader, quorum)
+
+
+class MetricsServer:
+    """Serves ``/metrics`` of one registry on a loopback host:port (a service)."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        self.registry = registry
+        self._host, self._port = host, port
+        self._runner: web.AppRunner | None = None
+        self.address: tuple[str, int] | None = None
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", self._handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self._host, self._port)
+        await site.start()
+        self._runner = runner
+        server = getattr(site, "_server", None)
+        socks = getattr(server, "sockets", None) or []
+        self.address = socks[0].getsockname()[:2] if socks else (self._host, self._port)
+        log.info("metrics on http://%s:%d/metrics", *self.address)
+
+    async def ready(self) -> None:
+        """Ready once start() returned: the port is bound."""
+
+    async def close(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+
+def make_registry(collector: Collector) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(collector)
+    return reg
+
+
+def now() -> float:
+    return time.time()

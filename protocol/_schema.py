@@ -30,7 +30,12 @@ from typing import Any, ClassVar, Final
 
 import msgpack
 
-from protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from protocol.errors import (
+    LimitExceeded,
+    LocalProtocolError,
+    ProtocolError,
+    RemoteProtocolError,
+)
 from protocol.limits import DEFAULT_LIMITS, Limits
 
 MAX_ANY_DEPTH: Final = 32
@@ -474,6 +479,8 @@ def unpackb(data: bytes | memoryview, what: str, limits: Limits = DEFAULT_LIMITS
     except RemoteProtocolError:
         raise
     except Exception as exc:
+        if isinstance(exc, ValueError) and " exceeds max_" in str(exc):
+            raise LimitExceeded(f"{what}: declared size {exc}") from None
         # msgpack's C and pure-Python unpackers raise a spread of types (ValueError,
         # ExtraData, FormatError, StackError, OutOfData, UnicodeDecodeError, ...) that varies
         # across versions; all of them mean the peer's bytes are not valid msgpack.

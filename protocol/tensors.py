@@ -235,8 +235,14 @@ class EncodedTensor:
 
 
 def _bytes_view(arr: NDArray) -> memoryview:
-    """A flat byte memoryview of a C-contiguous array (rank-0 and empty included)."""
-    return arr.reshape(-1).data.cast("B")
+    """A flat byte memoryview of an array (rank-0 and empty included); copies if strided."""
+    return _flat(arr).data.cast("B")
+
+
+def _flat(arr: NDArray) -> NDArray:
+    """`arr` as a 1-D C-contiguous array: a view when it already is contiguous, else a copy."""
+    flat = arr.reshape(-1)  # a view for contiguous input; may stay strided for 1-D input
+    return flat if flat.flags.c_contiguous else flat.copy()
 
 
 def _dtype_name(arr: NDArray) -> str:
@@ -313,9 +319,9 @@ def _from_bf16_bits(bits: NDArray) -> npt.NDArray[np.float32]:
 
 def _cast_values(values: NDArray, value_dtype: str) -> NDArray:
     """Cast float values to a wire value type ("float16", "bfloat16", "float32")."""
-    if value_dtype == "bfloat16":
-        return _to_bf16_bits(values.astype(np.float32, copy=False))
-    with np.errstate(over="ignore"):  # fp16 overflow -> inf is the documented cast semantics
+    with np.errstate(over="ignore"):  # overflow -> inf is the documented cast semantics
+        if value_dtype == "bfloat16":
+            return _to_bf16_bits(values.astype(np.float32, copy=False))
         return values.astype(_wire_dtype(value_dtype), copy=False)
 
 
@@ -553,7 +559,7 @@ def encode(
             checksum=checksum,
         )
     _require_float(name, enc)
-    flat = arr.reshape(-1)  # a C-order copy only if `arr` is not contiguous
+    flat = _flat(arr)
     if enc in (Encoding.FP16, Encoding.BF16):
         elem = "float16" if enc is Encoding.FP16 else "bfloat16"
         cast = _cast_values(flat, elem)
@@ -616,7 +622,7 @@ def encode_values(
         raise LocalProtocolError(f"compress must be 'auto', 'lz4' or 'none', not {compress!r}")
     vname = _value_dtype_name(value_dtype)
     idx = _check_indices(indices, arr.size, None)
-    values = _cast_values(arr.reshape(-1)[idx], vname)
+    values = _cast_values(_flat(arr)[idx], vname)
     return _build(
         name,
         tuple(int(d) for d in arr.shape),
@@ -641,7 +647,8 @@ def _check_indices(indices: NDArray, n: int, k: int | None) -> NDArray:
 
 def _quantize_int8(arr: NDArray, block: int) -> tuple[NDArray, NDArray]:
     """Per-block absmax int8: scale = absmax/127, q = rint(x/scale); returns (scales, q)."""
-    x = arr.astype(np.float32, copy=False)
+    with np.errstate(over="ignore"):  # float64 beyond float32 range -> inf, refused below
+        x = arr.astype(np.float32, copy=False)
     n = x.size
     nblocks = -(-n // block)
     scales = np.empty(nblocks, dtype=np.float32)
@@ -659,11 +666,16 @@ def _quantize_int8(arr: NDArray, block: int) -> tuple[NDArray, NDArray]:
     for xb, srange, qrange in parts:
         absmax = np.abs(xb).max(axis=1)
         if not np.isfinite(absmax).all():
-            raise LocalProtocolError("int8 quantization needs finite values (found inf or nan)")
+            raise LocalProtocolError(
+                "int8 quantization needs finite values within float32 range (found inf or nan)"
+            )
         scale = absmax / np.float32(127.0)
-        with np.errstate(divide="ignore"):
-            inv = np.where(scale > 0, np.float32(1.0) / scale, np.float32(0.0)).astype(np.float32)
-        qf = xb * inv[:, None]
+        # Rounding may leave 127 * scale just above absmax (inf near float32 max): step down.
+        with np.errstate(over="ignore"):
+            high = scale * np.float32(127.0) > absmax
+        scale[high] = np.nextafter(scale[high], np.float32(0.0))
+        # Divide (not multiply by 1/scale): 1/scale overflows for subnormal scales.
+        qf = xb / np.where(scale > 0, scale, np.float32(1.0))[:, None]
         np.rint(qf, out=qf)
         np.clip(qf, -127, 127, out=qf)
         scales[srange] = scale

@@ -30,10 +30,10 @@ Design (docs/security.md and docs/daemon.md say why):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 import random
+import socket
 import ssl
 import time
 from collections import deque
@@ -223,15 +223,18 @@ class _Conn(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
         transport = self.transport
         self.peername = _fmt(transport.get_extra_info("peername"))
-        transport.set_write_buffer_limits(high=self.net.config.write_high_water_bytes)
-        sslobj = transport.get_extra_info("ssl_object")
-        self.tls = sslobj is not None
-        self.cert_node_id = tlsmod.peer_node_id(sslobj)
+        self._secured(transport)
         if self.inbound:
             self.net._conns.add(self)
             self.handshake_timer = asyncio.get_running_loop().call_later(
                 self.net.config.handshake_timeout_s, self._handshake_timeout
             )
+
+    def _secured(self, transport: asyncio.Transport) -> None:
+        transport.set_write_buffer_limits(high=self.net.config.write_high_water_bytes)
+        sslobj = transport.get_extra_info("ssl_object")
+        self.tls = sslobj is not None
+        self.cert_node_id = tlsmod.peer_node_id(sslobj)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.handshake_timer is not None:
@@ -372,7 +375,8 @@ class PeerNetwork:
         self.config = config or NetConfig()
         self.join_authority = join_authority
         self.advertise = advertise
-        self._server: asyncio.Server | None = None
+        self._lsock: socket.socket | None = None
+        self._acceptor: asyncio.Task[None] | None = None
         self._peers: dict[str, _Peer] = {}
         self._conns: set[_Conn] = set()
         self._blocked: frozenset[str] = frozenset()
@@ -394,9 +398,9 @@ class PeerNetwork:
     @property
     def address(self) -> Address:
         """The bound listen address (port 0 resolved to the real port)."""
-        if self._server is None or not self._server.sockets:
+        if self._lsock is None:
             raise LocalError("PeerNetwork is not started")
-        name = self._server.sockets[0].getsockname()
+        name = self._lsock.getsockname()
         return (str(name[0]), int(name[1]))
 
     @property
@@ -406,7 +410,7 @@ class PeerNetwork:
 
     async def start(self) -> None:
         """Bind the listener (raises ConfigError for plaintext on a non-loopback address)."""
-        if self._server is not None:
+        if self._lsock is not None:
             return
         host, port = self.listen
         if self.tls is None:
@@ -428,11 +432,14 @@ class PeerNetwork:
                 self._client_ctx = tlsmod.client_context(self.tls)
             except (OSError, ssl.SSLError) as e:
                 raise ConfigError(f"cannot load TLS material {self.tls}: {e}") from e
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: _Conn(self, inbound=True), host, port, ssl=self._server_ctx,
-            ssl_handshake_timeout=self.config.handshake_timeout_s if self.tls else None,
-        )
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            lsock = socket.create_server((host, port), family=family, backlog=128)
+        except OSError as e:
+            raise ConfigError(f"net.listen {host}:{port}: cannot listen: {e}") from e
+        lsock.setblocking(False)
+        self._lsock = lsock
+        self._acceptor = self._spawn(self._accept_loop(lsock), "net-acceptor")
         self._ready.set()
         log.info("peer listener on %s (%s)", _fmt(self.address),
                  "mutual TLS" if self.tls else "PLAINTEXT")
@@ -446,8 +453,8 @@ class PeerNetwork:
         if self._closing:
             return
         self._closing = True
-        if self._server is not None:
-            self._server.close()
+        if self._lsock is not None:
+            self._lsock.close()
         tasks: list[asyncio.Task[Any]] = list(self._tasks)
         for p in self._peers.values():
             tasks.extend(p.writers.values())
@@ -465,9 +472,6 @@ class PeerNetwork:
                     link.transport.abort()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        if self._server is not None:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._server.wait_closed(), self.config.close_timeout_s)
 
     # -- public API ------------------------------------------------------------------------
 
@@ -710,6 +714,40 @@ class PeerNetwork:
         return conn, reply.node_id
 
     # -- internals: accepted connections ---------------------------------------------------
+
+    async def _accept_loop(self, lsock: socket.socket) -> None:
+        """Accept connections; each one's TLS handshake runs in its own task."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, addr = await loop.sock_accept(lsock)
+            except OSError as e:
+                if self._closing:
+                    return
+                # EMFILE and friends: log, breathe, keep serving the connections we have.
+                log.error("accept on %s failed: %s", _fmt(self.address), e)
+                await asyncio.sleep(0.1)
+                continue
+            self._spawn(self._accepted(sock, addr), f"net-accept-{_fmt(addr)}")
+
+    async def _accepted(self, sock: socket.socket, addr: Any) -> None:
+        """Wrap an accepted socket (TLS handshake first, with one log line if it fails)."""
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(
+                loop.connect_accepted_socket(
+                    lambda: _Conn(self, inbound=True), sock, ssl=self._server_ctx,
+                    ssl_handshake_timeout=(
+                        self.config.handshake_timeout_s if self._server_ctx else None
+                    ),
+                ),
+                self.config.handshake_timeout_s,
+            )
+        except (OSError, TimeoutError) as e:
+            sock.close()
+            if not self._closing:
+                log.warning("refused connection from %s: TLS handshake failed (no valid "
+                            "cluster certificate?): %s", _fmt(addr), e or type(e).__name__)
 
     def _conn_lost(self, conn: _Conn) -> None:
         self._conns.discard(conn)

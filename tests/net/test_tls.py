@@ -1,0 +1,107 @@
+"""Mutual TLS peer links: members talk; anyone without the cluster's credentials is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from pathlib import Path
+
+import pytest
+
+from fusiond.net import PeerRefused, PeerUnreachable
+from fusiond.net import tls as tlsmod
+from protocol.messages import Hello, Ping, ProbeData, encode_message
+from tests.net.conftest import Inbox, NetFactory, make_cluster, make_node, until
+
+
+async def test_mutual_tls_exchange(tmp_path: Path, net_factory: NetFactory) -> None:
+    ca = make_cluster(tmp_path)
+    ida, ma = make_node(tmp_path, ca, "a")
+    idb, mb = make_node(tmp_path, ca, "b")
+    ia, ib = Inbox(), Inbox()
+    a = await net_factory(ida, ca.cluster_id, tls=ma, handler=ia)
+    b = await net_factory(idb, ca.cluster_id, tls=mb, handler=ib)
+    assert not a.plaintext
+    assert await a.connect(b.address) == idb
+    data = memoryview(bytearray(range(256)) * 8192)  # 2 MiB: two chunks on the BULK lane
+    await a.send(idb, ProbeData(probe_id=1, seq=0, count=1), [data])
+    await a.send(idb, Ping(request_id=9, sent_at=0.0))
+    items = await ib.wait_for(2)
+    assert {type(m).__name__ for _, m in items} == {"ProbeData", "Ping"}
+    probe = next(m for _, m in items if isinstance(m, ProbeData))
+    assert bytes(probe.payload) == bytes(data)
+    await b.send(ida, Ping(request_id=10, sent_at=0.0))  # b dials back over TLS
+    ((peer, _),) = await ia.wait_for(1)
+    assert peer == idb
+
+
+async def test_peer_without_credentials_refused(
+    tmp_path: Path, net_factory: NetFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    ca = make_cluster(tmp_path)
+    idb, mb = make_node(tmp_path, ca, "b")
+    ida, ma = make_node(tmp_path, ca, "a")
+    ib = Inbox()
+    b = await net_factory(idb, ca.cluster_id, tls=mb, handler=ib)
+    plain = await net_factory("intruder", ca.cluster_id)
+    with caplog.at_level(logging.WARNING, "fusiond.net"):
+        with pytest.raises(PeerUnreachable):
+            await plain.connect(b.address)
+        await until(lambda: any("TLS handshake failed" in r.getMessage() for r in caplog.records))
+    # A TLS client with no certificate that tries to speak (not join) is refused too.
+    reader, writer = await asyncio.open_connection(
+        *b.address, ssl=tlsmod.join_client_context(), server_hostname="x"
+    )
+    hello = Hello(node_id=ida, cluster_id=ca.cluster_id, min_version=1, max_version=1)
+    writer.writelines(encode_message(hello))
+    with caplog.at_level(logging.WARNING, "fusiond.net"):
+        async with asyncio.timeout(3):
+            rest = await reader.read()
+    writer.close()
+    assert b"client certificate" in rest or rest == b""
+    assert not ib.items
+    # ... and b still serves a member.
+    a = await net_factory(ida, ca.cluster_id, tls=ma)
+    await a.connect(b.address)
+    await a.send(idb, Ping(request_id=1, sent_at=0.0))
+    await ib.wait_for(1)
+
+
+async def test_certificate_from_another_cluster_refused(
+    tmp_path: Path, net_factory: NetFactory
+) -> None:
+    ca1 = make_cluster(tmp_path / "one")
+    ca2 = make_cluster(tmp_path / "two")
+    idb, mb = make_node(tmp_path / "one", ca1, "b")
+    idx, mx = make_node(tmp_path / "two", ca2, "x")
+    b = await net_factory(idb, ca1.cluster_id, tls=mb)
+    # Even claiming the right cluster id, a certificate from a foreign CA cannot connect.
+    x = await net_factory(idx, ca1.cluster_id, tls=mx)
+    with pytest.raises((PeerUnreachable, PeerRefused)):
+        await x.connect(b.address)
+
+
+async def test_member_cannot_impersonate_another_node(
+    tmp_path: Path, net_factory: NetFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    ca = make_cluster(tmp_path)
+    _ida, ma = make_node(tmp_path, ca, "a")
+    idb, mb = make_node(tmp_path, ca, "b")
+    ib = Inbox()
+    b = await net_factory(idb, ca.cluster_id, tls=mb, handler=ib)
+    liar = await net_factory("n" + "0" * 20, ca.cluster_id, tls=ma)  # a's cert, another id
+    with caplog.at_level(logging.WARNING, "fusiond.net"), pytest.raises(PeerRefused):
+        await liar.connect(b.address)
+    assert any("does not match the certificate" in r.getMessage() for r in caplog.records)
+    assert not ib.items
+
+
+def test_contexts_require_tls13_and_client_certs(tmp_path: Path) -> None:
+    ca = make_cluster(tmp_path)
+    _, m = make_node(tmp_path, ca, "a")
+    srv = tlsmod.server_context(m)
+    assert srv.verify_mode is ssl.CERT_REQUIRED
+    assert srv.minimum_version is ssl.TLSVersion.TLSv1_3
+    assert tlsmod.server_context(m, allow_join=True).verify_mode is ssl.CERT_OPTIONAL
+    assert tlsmod.client_context(m).verify_mode is ssl.CERT_REQUIRED

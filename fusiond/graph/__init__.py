@@ -1,1 +1,46 @@
-"""fusiond.graph."""
+"""fusiond.graph: the OP-DAG. Capture a model (torch.export) into `protocol.ir`, run IR ops
+through the registry, cut the graph into partitions and run them with remote-autodiff semantics.
+"""
+
+from fusiond.graph.capture import CapturedModel, capture, state_from_bytes, state_to_bytes
+from fusiond.graph.driver import Driver, StageRunner
+from fusiond.graph.errors import (
+    CaptureError,
+    ExecutionError,
+    GraphError,
+    PartitionError,
+    UnsupportedOpError,
+)
+from fusiond.graph.partition import (
+    SINK,
+    SOURCE,
+    Edge,
+    Partition,
+    contiguous_assignment,
+    interleaved_assignment,
+    partition,
+)
+from fusiond.graph.program import GraphProgram, build_program
+
+__all__ = [
+    "SINK",
+    "SOURCE",
+    "CaptureError",
+    "CapturedModel",
+    "Driver",
+    "Edge",
+    "ExecutionError",
+    "GraphError",
+    "GraphProgram",
+    "Partition",
+    "PartitionError",
+    "StageRunner",
+    "UnsupportedOpError",
+    "build_program",
+    "capture",
+    "contiguous_assignment",
+    "interleaved_assignment",
+    "partition",
+    "state_from_bytes",
+    "state_to_bytes",
+]

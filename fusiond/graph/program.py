@@ -1,0 +1,198 @@
+"""Build a runnable module from an IR graph (a whole model or one partition's sub-graph).
+
+The IR is turned into a `torch.fx.Graph` node for node (no tracing of user code), so the
+generated `forward` is straight-line Python calling ATen overloads: no per-call interpretation.
+Parameters, buffers and constants become attributes of nested submodules under their original
+names, so `module.state_dict()` keys are the model's own state-dict names.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from fusiond.graph.errors import ExecutionError, GraphError
+from fusiond.graph.registry import resolve
+from protocol import ir
+
+
+def _as_int(t: torch.Tensor | int) -> int:
+    """A symbolic size that crossed a cut as a 0-d tensor, back to a Python int."""
+    return int(t)
+
+
+def _as_tensor(v: int | float | bool) -> torch.Tensor:
+    """A symbolic size leaving a partition travels as a 0-d int64 tensor (float64 for floats)."""
+    if isinstance(v, float):
+        return torch.tensor(v, dtype=torch.float64)
+    return torch.tensor(int(v), dtype=torch.int64)
+
+
+def _update_buffer(buf: torch.Tensor, new: torch.Tensor) -> None:
+    """Write a buffer's new value (BatchNorm running stats) in place, outside autograd."""
+    with torch.no_grad():
+        buf.copy_(new)
+
+
+class GraphProgram(fx.GraphModule):
+    """A partition (or whole graph) as an `nn.Module`.
+
+    `forward(*values)` takes the graph's inputs in `input_names` order and returns a tuple in
+    `output_names` order. Symbolic scalars enter and leave as 0-d tensors. `run(mapping)` is the
+    same with names. Buffer updates (BatchNorm) are applied in place during forward.
+    """
+
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+
+    def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Forward by name; raises `ExecutionError` naming a missing input."""
+        try:
+            args = [inputs[n] for n in self.input_names]
+        except KeyError as e:
+            raise ExecutionError(
+                f"partition input {e.args[0]!r} missing; expected {list(self.input_names)}"
+            ) from None
+        outs = self(*args)
+        return dict(zip(self.output_names, outs, strict=True))
+
+
+def _ensure_submodule(root: nn.Module, path: list[str]) -> nn.Module:
+    mod = root
+    for part in path:
+        child = mod._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            mod.add_module(part, child)
+        mod = child
+    return mod
+
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in ir.TENSOR_DTYPES if hasattr(torch, name)
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of an IR dtype name."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise GraphError(f"IR dtype {name!r} has no torch dtype here") from None
+
+
+def build_program(
+    graph: ir.Graph,
+    state: Mapping[str, torch.Tensor],
+    *,
+    device: torch.device | str | None = None,
+    copy: bool = True,
+) -> GraphProgram:
+    """Build `graph` into a `GraphProgram` holding the graph's parameters from `state`.
+
+    `state` must hold every name in `graph.params` (extra names are ignored). With `copy`
+    (default) each tensor is cloned, so partitions never share storage. `device` moves state
+    there and rewrites device literals in the IR (e.g. `arange(..., device="cpu")`).
+    Raises `GraphError` for missing state or a shape/dtype mismatch, `UnsupportedOpError`
+    for an op outside the registry.
+    """
+    dev = torch.device(device) if device is not None else None
+    root = nn.Module()
+    for spec in graph.params:
+        if spec.name not in state:
+            raise GraphError(f"state has no tensor for {spec.kind.value} {spec.name!r}")
+        t = state[spec.name].detach()
+        want = ir.eval_shape(spec.meta.shape, graph.symbols)
+        if tuple(t.shape) != want or str(t.dtype).removeprefix("torch.") != spec.meta.dtype:
+            raise GraphError(
+                f"state tensor {spec.name!r} is {tuple(t.shape)} {t.dtype}, the graph wants "
+                f"{want} {spec.meta.dtype}"
+            )
+        if dev is not None:
+            t = t.to(dev)
+        if copy:
+            t = t.clone()
+        *path, leaf = spec.name.split(".")
+        owner = _ensure_submodule(root, path)
+        if spec.kind is ir.ParamKind.PARAMETER:
+            owner.register_parameter(leaf, nn.Parameter(t, requires_grad=spec.requires_grad))
+        else:
+            owner.register_buffer(
+                leaf, t, persistent=spec.kind is ir.ParamKind.BUFFER and spec.persistent
+            )
+
+    g = fx.Graph()
+    values: dict[str, Any] = {}  # Ref.key -> fx node
+    nodes_out: dict[str, int] = {}
+    for inp in graph.inputs:
+        ph = g.placeholder(_ident(inp.name))
+        if not inp.meta.is_tensor:
+            ph = g.call_function(_as_int, (ph,))
+        values[ir.Ref(ir.RefKind.INPUT, inp.name).key] = ph
+
+    def get(ref: ir.Ref) -> Any:
+        key = ref.key
+        v = values.get(key)
+        if v is not None:
+            return v
+        if ref.kind in (ir.RefKind.PARAM, ir.RefKind.BUFFER, ir.RefKind.CONSTANT):
+            v = g.get_attr(ref.name)
+        elif ref.kind is ir.RefKind.NODE:
+            base = values[ir.Ref(ir.RefKind.NODE, ref.name, -1).key]
+            if nodes_out[ref.name] == 1:
+                v = base
+            else:
+                v = g.call_function(operator.getitem, (base, ref.index))
+        else:
+            raise GraphError(f"graph reads unknown input {ref.name!r}")
+        values[key] = v
+        return v
+
+    def conv(a: ir.Arg) -> Any:
+        if isinstance(a, ir.Ref):
+            return get(a)
+        if isinstance(a, tuple):
+            return [conv(x) for x in a]
+        if isinstance(a, ir.DType):
+            return torch_dtype(a.name)
+        if isinstance(a, ir.Device):
+            return dev if dev is not None else torch.device(a.name)
+        if isinstance(a, ir.Layout):
+            return getattr(torch, a.name)
+        if isinstance(a, ir.MemoryFormat):
+            return getattr(torch, a.name)
+        return a
+
+    for node in graph.nodes:
+        fn = resolve(node.op)
+        args = tuple(conv(a) for a in node.args)
+        kwargs = {k: conv(v) for k, v in node.kwargs.items()}
+        out = g.call_function(fn, args, kwargs)
+        out.name = _ident(node.id)
+        values[ir.Ref(ir.RefKind.NODE, node.id, -1).key] = out
+        nodes_out[node.id] = len(node.outputs)
+
+    for buf, ref in graph.buffer_updates.items():
+        g.call_function(_update_buffer, (get(ir.Ref(ir.RefKind.BUFFER, buf)), get(ref)))
+
+    results = []
+    for o in graph.outputs:
+        v = get(o.ref)
+        if not graph.meta_of(o.ref).is_tensor:
+            v = g.call_function(_as_tensor, (v,))
+        results.append(v)
+    g.output(tuple(results))
+    g.lint()
+    prog = GraphProgram(root, g, class_name="GraphProgram")
+    prog.input_names = tuple(i.name for i in graph.inputs)
+    prog.output_names = tuple(o.name for o in graph.outputs)
+    return prog
+
+
+def _ident(name: str) -> str:
+    out = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+    return out if out and not out[0].isdigit() else "v_" + out

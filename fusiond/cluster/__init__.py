@@ -1,1 +1,20 @@
-"""fusiond.cluster."""
+"""fusiond.cluster: discovery, gossip membership, link probes and scheduler election.
+
+The daemon builds one `Cluster` on top of its PeerNetwork; see docs/cluster.md.
+"""
+
+from fusiond.cluster.election import rank_order
+from fusiond.cluster.errors import ClusterError, DiscoveryError, UnknownMemberError
+from fusiond.cluster.service import Cluster, ClusterConfig, ClusterView, MemberView, Transport
+
+__all__ = [
+    "Cluster",
+    "ClusterConfig",
+    "ClusterError",
+    "ClusterView",
+    "DiscoveryError",
+    "MemberView",
+    "Transport",
+    "UnknownMemberError",
+    "rank_order",
+]

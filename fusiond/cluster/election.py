@@ -1,0 +1,411 @@
+"""Scheduler election: a deterministic rank picks the candidate, a majority of voters elects it.
+
+Sans-IO: every method takes the current (monotonic) time and returns the messages to send as
+``(peer, message)`` pairs; the service does the sending. Raft's election without a log:
+
+- Terms only grow. Any election message carrying a term below ours is refused with our term
+  (the sender then adopts it); a higher term is adopted (a leader or candidate steps down).
+- Rank (`rank_order`, a pure function of gossiped records) orders the live voters. After the
+  leader has been silent for ``election_timeout_s``, the node at position k waits
+  ``k * stagger_s`` (+ a little jitter) before campaigning, so normally only the best-ranked
+  live node campaigns and elections do not split.
+- A campaign first runs a *pre-vote* (no state changes anywhere) and only then increments the
+  term and asks for real votes. Voters that still hear a live leader refuse both, so a node in
+  a minority partition, or one rejoining after a partition, never inflates terms and never
+  disrupts a working leader. A node also only campaigns while it sees a majority of voters
+  alive.
+- A leader needs votes from a majority of the voter set (every member not left or removed,
+  dead ones included). It then sends ``Leader`` heartbeats; each ack renews a lease. Without
+  acks from a majority within ``lease_s`` (< ``election_timeout_s``, so an old leader lets go
+  before the others can elect a new one) it steps down: a minority never keeps a working
+  scheduler.
+- Two leaders of one term (only possible while views of the voter set differ, e.g. two groups
+  that formed apart and then met) both step down on seeing each other; the next term elects one.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fusiond.cluster.membership import Address, Link, MemberRecord
+from protocol.messages import Leader, LeaderAck, Message, PreVote, Vote, VoteRequest
+
+Role = Literal["follower", "precandidate", "candidate", "leader"]
+Out = tuple[str, Message]
+
+
+# -- rank ---------------------------------------------------------------------------------------
+
+
+def _bucket(value: float) -> int:
+    """log2 bucket: values within a factor of 2 rank alike, so measurement noise is ignored."""
+    return math.floor(math.log2(value)) if value > 0 else -1
+
+
+def _num(profile: Mapping[str, Any], key: str) -> float:
+    value = profile.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0.0
+    return float(value) if math.isfinite(value) else 0.0
+
+
+def capability(profile: Mapping[str, Any]) -> tuple[float, float]:
+    """(FLOP/s, device memory bytes) from a profile map: ``flops`` or ``gflops`` * 1e9, and
+    ``device_memory_bytes`` or ``memory_bytes``; 0 where absent or not a number."""
+    flops = _num(profile, "flops") or _num(profile, "gflops") * 1e9
+    memory = _num(profile, "device_memory_bytes") or _num(profile, "memory_bytes")
+    return flops, memory
+
+
+def connectivity(node_id: str, links: Mapping[tuple[str, str], Link],
+                 among: Collection[str]) -> float:
+    """Median measured bandwidth (bit/s) between `node_id` and the others in `among`.
+
+    A link counts if either end measured it (the better of the two directions); 0 if none.
+    """
+    values = []
+    for peer in among:
+        if peer == node_id:
+            continue
+        measured = [links[k][0] for k in ((node_id, peer), (peer, node_id)) if k in links]
+        if measured:
+            values.append(max(measured))
+    if not values:
+        return 0.0
+    values.sort()
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def rank_key(record: MemberRecord, links: Mapping[tuple[str, str], Link],
+             among: Collection[str]) -> tuple[int, int, int, int, str]:
+    """Sort key, best first: well connected, capable (FLOP/s, memory), stable (older start),
+    then node id. Bandwidth, FLOP/s and memory compare by log2 bucket."""
+    flops, memory = capability(record.profile)
+    return (
+        -_bucket(connectivity(record.node_id, links, among)),
+        -_bucket(flops),
+        -_bucket(memory),
+        record.incarnation,
+        record.node_id,
+    )
+
+
+def rank_order(records: Iterable[MemberRecord],
+               links: Mapping[tuple[str, str], Link]) -> list[str]:
+    """Node ids of `records`, best scheduler candidate first (deterministic)."""
+    recs = list(records)
+    among = {r.node_id for r in recs}
+    return [r.node_id for r in sorted(recs, key=lambda r: rank_key(r, links, among))]
+
+
+# -- election state machine --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ElectionTiming:
+    """Timeouts of the election (seconds)."""
+
+    election_timeout_s: float = 1.0
+    """A follower that has not heard its leader for this long considers it lost."""
+    heartbeat_s: float = 0.25
+    """How often the leader sends Leader heartbeats."""
+    lease_s: float = 0.8
+    """The leader steps down without acks from a majority for this long (< election timeout)."""
+    stagger_s: float = 0.3
+    """Extra wait per rank position before campaigning."""
+    jitter_s: float = 0.1
+    """Random extra wait (uniform in [0, jitter_s]) so equal ranks do not collide forever."""
+    grace_s: float = 1.5
+    """After start, neither campaign nor vote for this long: learn the cluster first, and never
+    vote twice in a term we may have voted in before a restart."""
+
+
+def majority(voters: Collection[str]) -> int:
+    """Votes needed out of `voters`."""
+    return len(voters) // 2 + 1
+
+
+class Election:
+    """One node's election state (see the module docstring)."""
+
+    def __init__(self, node_id: str, *, timing: ElectionTiming, now: float,
+                 address: Address | None = None, rng: random.Random | None = None) -> None:
+        self.node_id = node_id
+        self.timing = timing
+        self._address = address
+        self._rng = rng or random.Random()
+        self._started = now
+        self.term = 0
+        self.voted_for: str | None = None
+        self.role: Role = "follower"
+        self._leader: str | None = None
+        self._leader_seen = -math.inf
+        self._lost_leader: str | None = None
+        # Campaign scheduling: earliest time, plus this round's jitter.
+        self._no_leader_since = now + timing.grace_s
+        self._jitter = self._rng.uniform(0.0, timing.jitter_s)
+        self._campaign_started = 0.0
+        self._request_id = 0
+        self._pending_rid = 0
+        self._pending_term = 0
+        self._grants: set[str] = set()
+        # Leader state.
+        self._lead_since = 0.0
+        self._next_heartbeat = 0.0
+        self._acks: dict[str, float] = {}
+        self._sent: dict[int, float] = {}
+        self.enabled = True
+        """False once this node has left or been removed: it neither campaigns nor votes."""
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def leader(self, now: float) -> str | None:
+        """The leader as far as we know now: us while our lease holds, else one heard lately."""
+        if self.role == "leader":
+            return self.node_id
+        if self._leader is not None and now - self._leader_seen <= self.timing.election_timeout_s:
+            return self._leader
+        return None
+
+    def accepts_term(self, term: int) -> bool:
+        """Whether a message of `term` is current (not stale)."""
+        return term >= self.term
+
+    # -- internal transitions ----------------------------------------------------------------
+
+    def _next_rid(self) -> int:
+        self._request_id += 1
+        return self._request_id
+
+    def _lose_leader(self, now: float, backoff: float = 0.0) -> None:
+        self._lost_leader = self._leader
+        self._leader = None
+        self._no_leader_since = now + backoff
+        self._jitter = self._rng.uniform(0.0, self.timing.jitter_s)
+
+    def _step_down(self, now: float, backoff: float = 0.0) -> None:
+        was_leader = self.role == "leader"
+        self.role = "follower"
+        self._grants = set()
+        self._pending_rid = 0
+        self._acks = {}
+        self._sent = {}
+        if was_leader:
+            self._leader = self.node_id
+        self._lose_leader(now, backoff)
+
+    def _adopt(self, term: int, now: float) -> None:
+        """A higher term exists: follow it (not having voted in it)."""
+        if term <= self.term:
+            return
+        self.term = term
+        self.voted_for = None
+        if self.role != "follower":
+            self._step_down(now)
+
+    def _live_leader_other_than(self, candidate: str, now: float) -> bool:
+        leader = self.leader(now)
+        return leader is not None and leader != candidate
+
+    def disable(self, now: float) -> None:
+        """This node left or was removed: stop leading, campaigning and voting."""
+        self.enabled = False
+        if self.role != "follower":
+            self._step_down(now)
+
+    # -- periodic ------------------------------------------------------------------------------
+
+    def tick(self, now: float, *, voters: Collection[str], ranked_alive: list[str],
+             reachable: Collection[str]) -> list[Out]:
+        """Advance timers. `ranked_alive`: live voters best first (us included if alive);
+        `reachable`: voters worth sending to (not dead)."""
+        out: list[Out] = []
+        t = self.timing
+        if self.role == "leader":
+            fresh = 1 + sum(1 for v in voters if v != self.node_id
+                            and self._acks.get(v, -math.inf) >= now - t.lease_s)
+            if fresh < majority(voters) and now - self._lead_since >= t.lease_s:
+                self._step_down(now, backoff=t.election_timeout_s)
+                return out
+            if now >= self._next_heartbeat:
+                out.extend(self._heartbeat(now, reachable))
+            return out
+        if self.role in ("precandidate", "candidate"):
+            if now - self._campaign_started > t.election_timeout_s:
+                # Failed round (split or not enough answers): back off, then maybe try again.
+                self._step_down(now, backoff=t.election_timeout_s)
+            return out
+        # Follower.
+        if self._leader is not None and now - self._leader_seen > t.election_timeout_s:
+            self._lose_leader(now)
+        if not self.enabled or self._leader is not None or self.node_id not in voters:
+            return out
+        if now < self._started + t.grace_s:
+            return out
+        # The leader that just went silent is probably dead though still "alive" in gossip:
+        # rank without it (but never without ourselves, e.g. a leader that lost its lease).
+        candidates = [n for n in ranked_alive
+                      if n != self._lost_leader or n == self.node_id]
+        if self.node_id not in candidates or len(ranked_alive) < majority(voters):
+            return out  # not alive in our own view (left) or no quorum visible: never campaign
+        position = candidates.index(self.node_id)
+        if now < self._no_leader_since + position * t.stagger_s + self._jitter:
+            return out
+        return self._start_prevote(now, voters, reachable)
+
+    def _start_prevote(self, now: float, voters: Collection[str],
+                       reachable: Collection[str]) -> list[Out]:
+        self.role = "precandidate"
+        self._campaign_started = now
+        self._pending_rid = self._next_rid()
+        self._pending_term = self.term + 1
+        self._grants = {self.node_id}
+        if len(self._grants) >= majority(voters):
+            return self._start_election(now, voters, reachable)
+        msg = PreVote(request_id=self._pending_rid, term=self._pending_term,
+                      candidate=self.node_id)
+        return [(p, msg) for p in reachable if p != self.node_id and p in voters]
+
+    def _start_election(self, now: float, voters: Collection[str],
+                        reachable: Collection[str]) -> list[Out]:
+        self.role = "candidate"
+        self.term += 1
+        self.voted_for = self.node_id
+        self._campaign_started = now
+        self._pending_rid = self._next_rid()
+        self._pending_term = self.term
+        self._grants = {self.node_id}
+        if len(self._grants) >= majority(voters):
+            return self._become_leader(now, reachable)
+        msg = VoteRequest(request_id=self._pending_rid, term=self.term, candidate=self.node_id)
+        return [(p, msg) for p in reachable if p != self.node_id and p in voters]
+
+    def _become_leader(self, now: float, reachable: Collection[str]) -> list[Out]:
+        self.role = "leader"
+        self._leader = self.node_id
+        self._lost_leader = None
+        self._lead_since = now
+        self._acks = {v: now for v in self._grants}
+        return self._heartbeat(now, reachable)
+
+    def _heartbeat(self, now: float, reachable: Collection[str]) -> list[Out]:
+        self._next_heartbeat = now + self.timing.heartbeat_s
+        rid = self._next_rid()
+        self._sent[rid] = now
+        horizon = now - 2 * self.timing.lease_s
+        for old in [r for r, sent in self._sent.items() if sent < horizon]:
+            del self._sent[old]
+        msg = Leader(request_id=rid, term=self.term, leader=self.node_id, address=self._address)
+        return [(p, msg) for p in reachable if p != self.node_id]
+
+    # -- messages ------------------------------------------------------------------------------
+
+    def _vote_refusal(self, peer: str, rid: int, reason: str) -> list[Out]:
+        return [(peer, Vote(request_id=rid, term=self.term, voter=self.node_id, granted=False,
+                            reason=reason))]
+
+    def _may_vote(self, candidate: str, now: float, voters: Collection[str]) -> str:
+        """Why we must not vote for `candidate` now ('' if we may)."""
+        if not self.enabled or self.node_id not in voters:
+            return "not a voter"
+        if now < self._started + self.timing.grace_s:
+            return "just started"
+        if candidate not in voters:
+            return "candidate is not a voter"
+        if self._live_leader_other_than(candidate, now):
+            return f"leader {self.leader(now)} is alive"
+        return ""
+
+    def on_prevote(self, peer: str, msg: PreVote, now: float,
+                   voters: Collection[str]) -> list[Out]:
+        """Would we vote for the candidate in `msg.term`? Changes no state."""
+        if msg.term <= self.term:
+            return self._vote_refusal(peer, msg.request_id, "stale term")
+        reason = self._may_vote(msg.candidate, now, voters)
+        if reason:
+            return self._vote_refusal(peer, msg.request_id, reason)
+        return [(peer, Vote(request_id=msg.request_id, term=msg.term, voter=self.node_id,
+                            granted=True))]
+
+    def on_vote_request(self, peer: str, msg: VoteRequest, now: float,
+                        voters: Collection[str]) -> list[Out]:
+        """Grant at most one vote per term, to a voter, while no other live leader is heard."""
+        if msg.term < self.term:
+            return self._vote_refusal(peer, msg.request_id, "stale term")
+        reason = self._may_vote(msg.candidate, now, voters)
+        if reason:
+            return self._vote_refusal(peer, msg.request_id, reason)
+        self._adopt(msg.term, now)
+        if self.voted_for not in (None, msg.candidate):
+            return self._vote_refusal(peer, msg.request_id, f"voted for {self.voted_for}")
+        self.voted_for = msg.candidate
+        # Having voted, give the candidate time to win before campaigning ourselves.
+        self._no_leader_since = now + self.timing.election_timeout_s
+        return [(peer, Vote(request_id=msg.request_id, term=msg.term, voter=self.node_id,
+                            granted=True))]
+
+    def on_vote(self, peer: str, msg: Vote, now: float, voters: Collection[str],
+                reachable: Collection[str]) -> list[Out]:
+        """Count a (pre-)vote for our campaign; adopt a higher term from a refusal."""
+        if self.role == "precandidate" and msg.request_id == self._pending_rid:
+            if msg.granted and msg.term == self._pending_term:
+                self._grants.add(peer)
+                if len(self._grants) >= majority(voters):
+                    return self._start_election(now, voters, reachable)
+            elif not msg.granted and msg.term > self.term:
+                self._adopt(msg.term, now)
+            return []
+        if msg.term > self.term:
+            self._adopt(msg.term, now)
+            return []
+        if (self.role == "candidate" and msg.request_id == self._pending_rid
+                and msg.term == self.term and msg.granted):
+            self._grants.add(peer)
+            if len(self._grants) >= majority(voters):
+                return self._become_leader(now, reachable)
+        return []
+
+    def on_leader(self, peer: str, msg: Leader, now: float,
+                  voters: Collection[str]) -> list[Out]:
+        """A leader's heartbeat: follow it unless its term is stale; always answer."""
+
+        def ack(accepted: bool, reason: str = "") -> list[Out]:
+            return [(peer, LeaderAck(request_id=msg.request_id, term=self.term,
+                                     node_id=self.node_id, accepted=accepted, reason=reason))]
+
+        if msg.term < self.term:
+            return ack(False, "stale term")
+        if msg.leader != peer:
+            return ack(False, "leader must announce itself")
+        self._adopt(msg.term, now)
+        if self.role == "leader":
+            # Same term, two leaders: views of the voter set differed. Both step down.
+            self._step_down(now, backoff=self.timing.election_timeout_s)
+            return ack(False, "conflicting leader")
+        if self.role != "follower":
+            self._step_down(now)
+        self._leader = msg.leader
+        self._leader_seen = now
+        self._lost_leader = None
+        return ack(True)
+
+    def on_leader_ack(self, peer: str, msg: LeaderAck, now: float) -> list[Out]:
+        """Renew our lease from an ack; step down before a higher term."""
+        if msg.term > self.term:
+            self._adopt(msg.term, now)
+            return []
+        if self.role == "leader" and msg.accepted and msg.term == self.term:
+            sent = self._sent.get(msg.request_id)
+            if sent is not None and sent > self._acks.get(peer, -math.inf):
+                self._acks[peer] = sent
+        return []
+
+    def observe(self, term: int, now: float) -> None:
+        """A term seen in gossip: adopt it if higher (safe; it may end our leadership)."""
+        self._adopt(term, now)
+

@@ -1,0 +1,752 @@
+"""The Cluster service: discovery, gossip membership, link probes and election, tied together.
+
+The daemon constructs one `Cluster` after its PeerNetwork, routes every peer message to
+`handle()` first, and reads `view()` for status, metrics and scheduling. Everything runs on one
+event loop; the sans-IO cores (Membership, Election) get the monotonic time passed in, and this
+module does the sending: fire-and-forget with a timeout, so a slow or dead peer never stalls a
+gossip round or an election.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from fusiond.cluster.discovery import SERVICE_TYPE, BootstrapDialer, MdnsDiscovery
+from fusiond.cluster.election import Election, ElectionTiming, majority, rank_order
+from fusiond.cluster.errors import UnknownMemberError
+from fusiond.cluster.membership import (
+    Address,
+    Link,
+    MemberRecord,
+    Membership,
+    MemberSource,
+    MemberState,
+    Transition,
+    new_incarnation,
+)
+from fusiond.cluster.probes import LinkProber, ProbeConfig, ProbeFailed
+from fusiond.errors import ConfigError
+from protocol.frames import Buffer
+from protocol.messages import (
+    Gossip,
+    Leader,
+    LeaderAck,
+    Leave,
+    LinkMeasurement,
+    MemberEntry,
+    Message,
+    NodeProfile,
+    Ping,
+    Pong,
+    PreVote,
+    ProbeAck,
+    ProbeData,
+    Vote,
+    VoteRequest,
+)
+from protocol.messages import MemberState as WireState
+
+log = logging.getLogger(__name__)
+
+Role = Literal["scheduler", "worker"]
+_MAX_PENDING_SENDS = 1024
+"""Background sends in flight; beyond this, gossip and election messages are dropped (they
+are periodic and idempotent, and a full backlog means peers are not draining anyway)."""
+
+
+class Transport(Protocol):
+    """What the cluster needs of fusiond.net.PeerNetwork (a fake implements it in tests)."""
+
+    async def connect(self, address: Address) -> str: ...
+
+    async def send(self, peer: str, msg: Message, payload: Sequence[Buffer] = ()) -> None: ...
+
+    def add_peer_address(self, node_id: str, address: Address) -> None: ...
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Every interval and timeout of the cluster service (seconds unless named otherwise)."""
+
+    gossip_interval_s: float = 0.5
+    gossip_fanout: int = 3
+    """Random live peers each gossip round goes to (plus one dead one, to heal partitions)."""
+    suspect_after_s: float = 2.0
+    dead_after_s: float = 5.0
+    probe_interval_s: float = 30.0
+    probe_target_s: float = 0.3
+    probe_repeats: int = 3
+    probe_max_bytes: int = 64 << 20
+    probe_min_bytes: int = 64 << 10
+    probe_timeout_s: float = 5.0
+    probes: bool = True
+    """Measure links periodically (off: no bandwidth/RTT, e.g. in membership-only tests)."""
+    bandwidth_ewma: float = 0.3
+    election_timeout_s: float = 1.0
+    leader_heartbeat_s: float = 0.25
+    leader_lease_s: float = 0.8
+    """Must be below election_timeout_s: an old leader lets go before a new one can win."""
+    election_stagger_s: float = 0.3
+    election_jitter_s: float = 0.1
+    election_grace_s: float = 1.5
+    """After start: no campaigning or voting while the node learns the cluster."""
+    mdns: bool = True
+    mdns_interfaces: tuple[str, ...] | None = None
+    """Addresses zeroconf binds to; None = all (tests must pass ("127.0.0.1",))."""
+    mdns_service: str = SERVICE_TYPE
+    bootstrap: tuple[tuple[str, int], ...] = ()
+    bootstrap_retry_s: float = 1.0
+    send_timeout_s: float = 2.0
+    """A control send blocked (peer queue full) longer than this is dropped."""
+    tick_s: float = 0.05
+    """Failure detector and election timer resolution."""
+
+    def __post_init__(self) -> None:
+        # The daemon maps its config by field name and may pass lists: normalise to tuples.
+        if self.mdns_interfaces is not None:
+            object.__setattr__(self, "mdns_interfaces", tuple(self.mdns_interfaces))
+        object.__setattr__(self, "bootstrap",
+                           tuple((str(h), int(p)) for h, p in self.bootstrap))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_s") and not (isinstance(value, int | float) and value > 0
+                                              and math.isfinite(value)):
+                raise ConfigError(f"cluster.{f.name} must be a positive number, got {value!r}")
+        for name in ("gossip_fanout", "probe_repeats", "probe_max_bytes", "probe_min_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"cluster.{name} must be at least 1")
+        if not self.suspect_after_s < self.dead_after_s:
+            raise ConfigError("cluster.suspect_after_s must be below cluster.dead_after_s")
+        if not self.leader_lease_s < self.election_timeout_s:
+            raise ConfigError("cluster.leader_lease_s must be below cluster.election_timeout_s")
+        if not self.leader_heartbeat_s < self.leader_lease_s:
+            raise ConfigError("cluster.leader_heartbeat_s must be below cluster.leader_lease_s")
+        if not 0 < self.bandwidth_ewma <= 1:
+            raise ConfigError("cluster.bandwidth_ewma must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class MemberView:
+    """One member as this node sees it."""
+
+    node_id: str
+    address: Address
+    source: MemberSource
+    state: MemberState
+    incarnation: int
+    heartbeat: int
+    profile: Mapping[str, Any]
+    rtt_s: float | None
+    """Round trip between this node and the member (our measurement, else the member's)."""
+    bandwidth_bps: float | None
+    role: Role
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """A frozen snapshot of the cluster as this node sees it."""
+
+    node_id: str
+    cluster_id: str
+    members: tuple[MemberView, ...]
+    """Sorted by node id; this node included (source "self")."""
+    leader: str | None
+    """The scheduler, if there is a working one (heard lately / our lease holds)."""
+    term: int
+    has_quorum: bool
+    """A majority of voters is alive in our view. False: this side cannot have a scheduler;
+    if the missing members are gone for good, `remove` them."""
+    voters: int
+    alive_voters: int
+    needed: int
+    """Voters needed for a majority."""
+    links: Mapping[tuple[str, str], Link] = field(default_factory=dict)
+    """(measurer, peer) -> (bandwidth_bps, rtt_s), as gossiped by every measurer."""
+
+    def member(self, node_id: str) -> MemberView | None:
+        """The member `node_id`, or None."""
+        for m in self.members:
+            if m.node_id == node_id:
+                return m
+        return None
+
+    def states(self) -> dict[str, MemberState]:
+        """node id -> state, for every member."""
+        return {m.node_id: m.state for m in self.members}
+
+
+# -- wire conversion ------------------------------------------------------------------------
+
+_PROFILE_FIELDS = {f.name for f in dataclasses.fields(NodeProfile)}
+
+
+def profile_to_wire(node_id: str, profile: Mapping[str, Any]) -> NodeProfile:
+    """The daemon's profile map as a NodeProfile: well-known fields filled, the map in extra."""
+
+    def num(*keys: str) -> float:
+        for key in keys:
+            value = profile.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                return float(value)
+        return 0.0
+
+    flops = num("flops") or num("gflops") * 1e9
+    software = {k.removesuffix("_version"): str(v) for k, v in profile.items()
+                if k.endswith("_version")}
+    return NodeProfile(
+        node_id=node_id,
+        hostname=str(profile.get("hostname", "")),
+        device=str(profile.get("device_kind", profile.get("device", "cpu"))),
+        device_name=str(profile.get("device_name", "")),
+        flops=flops,
+        memory_bytes=int(num("device_memory_bytes", "memory_bytes")),
+        host_memory_bytes=int(num("memory_bytes")),
+        cores=int(num("cpu_count", "cores")),
+        software=software,
+        extra=dict(profile),
+    )
+
+
+def profile_from_wire(profile: NodeProfile | None) -> dict[str, Any]:
+    """The profile map a member published (its `extra`, or the well-known fields)."""
+    if profile is None:
+        return {}
+    if profile.extra:
+        return dict(profile.extra)
+    return {k: getattr(profile, k) for k in _PROFILE_FIELDS if k != "extra"}
+
+
+def record_to_wire(rec: MemberRecord) -> MemberEntry:
+    """A membership record as a gossip entry."""
+    return MemberEntry(
+        node_id=rec.node_id,
+        address=rec.address,
+        incarnation=rec.incarnation,
+        heartbeat=rec.heartbeat,
+        state=WireState(rec.state),
+        profile=profile_to_wire(rec.node_id, rec.profile),
+        links=tuple(LinkMeasurement(peer=p, bandwidth_bps=bw, rtt_s=rtt)
+                    for p, (bw, rtt) in sorted(rec.links.items())),
+    )
+
+
+_STATE_FROM_WIRE: dict[WireState, MemberState] = {
+    WireState.ALIVE: "alive", WireState.SUSPECT: "suspect", WireState.DEAD: "dead",
+    WireState.LEFT: "left",
+}
+
+
+def record_from_wire(entry: MemberEntry) -> MemberRecord:
+    """A gossip entry as a membership record."""
+    return MemberRecord(
+        node_id=entry.node_id,
+        address=(entry.address[0], int(entry.address[1])),
+        incarnation=entry.incarnation,
+        heartbeat=entry.heartbeat,
+        state=_STATE_FROM_WIRE[entry.state],
+        profile=profile_from_wire(entry.profile),
+        links={m.peer: (m.bandwidth_bps, m.rtt_s) for m in entry.links},
+    )
+
+
+# -- the service ----------------------------------------------------------------------------
+
+
+class Cluster:
+    """Discovery + gossip membership + link probes + election, as one daemon service."""
+
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        cluster_id: str,
+        net: Transport,
+        advertise: Address,
+        profile: Callable[[], dict[str, Any]],
+        config: ClusterConfig,
+        incarnation: int | None = None,
+    ) -> None:
+        self.node_id = node_id
+        self.cluster_id = cluster_id
+        self._net = net
+        self._advertise = (str(advertise[0]), int(advertise[1]))
+        self._profile = profile
+        self.config = config
+        self._incarnation = incarnation if incarnation is not None else new_incarnation()
+        self._rng = random.Random()
+        self._membership: Membership | None = None
+        self._election: Election | None = None
+        self._prober = LinkProber(send=self._net.send, config=ProbeConfig(
+            target_s=config.probe_target_s, repeats=config.probe_repeats,
+            max_bytes=config.probe_max_bytes,
+            min_bytes=min(config.probe_min_bytes, config.probe_max_bytes),
+            initial_bytes=min(256 << 10, config.probe_max_bytes),
+            ewma=config.bandwidth_ewma, timeout_s=config.probe_timeout_s))
+        self._mdns: MdnsDiscovery | None = None
+        self._dialer: BootstrapDialer | None = None
+        self._pending_bootstrap: list[Address] = list(config.bootstrap)
+        self._contacts: dict[str, Address] = {}
+        self._addresses: dict[str, Address] = {}
+        self._last_probe: dict[str, float] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._sends: set[asyncio.Task[None]] = set()
+        self._callbacks: list[Callable[[ClusterView], None]] = []
+        self._signature: object = None
+        self._ready = asyncio.Event()
+        self._done: asyncio.Future[None] | None = None
+        self._closing = False
+        self._closed = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start discovery and the gossip, timer and probe loops; DiscoveryError if mDNS fails."""
+        if self._membership is not None:
+            return
+        now = time.monotonic()
+        self._done = asyncio.get_running_loop().create_future()
+        self._membership = Membership(
+            node_id=self.node_id, address=self._advertise, incarnation=self._incarnation,
+            profile=self._safe_profile({}), now=now,
+            suspect_after_s=self.config.suspect_after_s, dead_after_s=self.config.dead_after_s)
+        c = self.config
+        self._election = Election(self.node_id, now=now, address=self._advertise, rng=self._rng,
+                                  timing=ElectionTiming(
+                                      election_timeout_s=c.election_timeout_s,
+                                      heartbeat_s=c.leader_heartbeat_s, lease_s=c.leader_lease_s,
+                                      stagger_s=c.election_stagger_s,
+                                      jitter_s=c.election_jitter_s, grace_s=c.election_grace_s))
+        self._spawn(self._gossip_loop(), "gossip")
+        self._spawn(self._tick_loop(), "tick")
+        if c.probes:
+            self._spawn(self._probe_loop(), "probes")
+        self._dialer = BootstrapDialer(connect=self._net.connect, on_found=self._on_found,
+                                       retry_s=c.bootstrap_retry_s)
+        for address in self._pending_bootstrap:
+            self._dialer.add(address)
+        if c.mdns:
+            self._mdns = MdnsDiscovery(
+                node_id=self.node_id, cluster_id=self.cluster_id, advertise=self._advertise,
+                on_found=self._on_found, interfaces=c.mdns_interfaces,
+                service_type=c.mdns_service)
+            try:
+                await self._mdns.start()
+            except BaseException:
+                await self.close()
+                raise
+        self._ready.set()
+        log.info("cluster %s: node %s (incarnation %d) discovering via %s", self.cluster_id,
+                 self.node_id, self._incarnation,
+                 ", ".join(s for s, on in (("mdns", c.mdns), ("bootstrap", True)) if on))
+
+    async def ready(self) -> None:
+        """Return once started (discovery registered, loops running)."""
+        await self._ready.wait()
+
+    async def wait(self) -> None:
+        """Return when closed; raise the error that crashed one of the service's loops."""
+        if self._done is None:
+            raise RuntimeError("Cluster.wait() before start()")
+        await asyncio.shield(self._done)
+
+    async def close(self) -> None:
+        """Stop discovery and every loop and send; idempotent."""
+        if self._closed:
+            return
+        self._closing = True
+        if self._mdns is not None:
+            await self._mdns.close()
+        if self._dialer is not None:
+            await self._dialer.close()
+        self._prober.cancel()
+        tasks = [*self._tasks, *self._sends]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self._closed = True
+        if self._done is not None and not self._done.done():
+            self._done.set_result(None)
+
+    def _spawn(self, coro: Awaitable[None], name: str) -> None:
+        task = asyncio.ensure_future(coro)
+        task.set_name(f"cluster-{name}")
+        task.add_done_callback(self._loop_done)
+        self._tasks.append(task)
+
+    def _loop_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or self._closing:
+            return
+        exc = task.exception()
+        err = exc or RuntimeError(f"{task.get_name()} returned")
+        log.error("cluster: %s crashed: %r", task.get_name(), err)
+        if self._done is not None and not self._done.done():
+            self._done.set_exception(err)
+
+    # -- public API ----------------------------------------------------------------------------
+
+    def on_change(self, callback: Callable[[ClusterView], None]) -> None:
+        """Call `callback(view)` on membership, leader or term changes and new link estimates."""
+        self._callbacks.append(callback)
+
+    def add_bootstrap(self, address: tuple[str, int]) -> None:
+        """Dial `address` until it answers once (e.g. from `fusionctl join ADDR`)."""
+        address = (str(address[0]), int(address[1]))
+        if self._dialer is None:
+            if address not in self._pending_bootstrap:
+                self._pending_bootstrap.append(address)
+        else:
+            self._dialer.add(address)
+
+    def accepts_term(self, term: int) -> bool:
+        """Whether a scheduler message of `term` is current here (stale terms are refused)."""
+        return self._election is None or self._election.accepts_term(term)
+
+    async def leave(self) -> None:
+        """Leave the cluster for good (this incarnation): tell everyone, stop voting."""
+        ms, el = self._membership, self._election
+        if ms is None or el is None or ms.me.state == "left":
+            return
+        now = time.monotonic()
+        ms.leave(now)
+        el.disable(now)
+        if self._mdns is not None:
+            await self._mdns.close()
+        leave = Leave(node_id=self.node_id, incarnation=self._incarnation)
+        gossip = self._gossip_message()
+        peers = [p for p in ms.with_state("alive", "suspect") if p != self.node_id]
+        await asyncio.gather(*(self._send_now(p, m) for p in peers for m in (leave, gossip)))
+        log.info("cluster: left (told %d peers)", len(peers))
+        self._notify(force=True)
+
+    async def remove(self, node_id: str) -> None:
+        """Operator removal: `node_id` stops counting toward the majority; gossiped at once.
+
+        Raises UnknownMemberError if `node_id` is not a member.
+        """
+        ms = self._membership
+        if ms is None or ms.get(node_id) is None:
+            raise UnknownMemberError(f"{node_id!r} is not a member of cluster {self.cluster_id}")
+        if node_id == self.node_id:
+            await self.leave()
+            return
+        ms.remove(node_id, time.monotonic())
+        self._prober.forget(node_id)
+        log.warning("cluster: %s removed by operator; voters now %d", node_id, len(ms.voters()))
+        gossip = self._gossip_message()
+        peers = [p for p in ms.with_state("alive", "suspect") if p != self.node_id]
+        await asyncio.gather(*(self._send_now(p, gossip) for p in peers))
+        self._notify(force=True)
+
+    def view(self) -> ClusterView:
+        """A snapshot of membership, leadership and the link matrix."""
+        ms, el = self._membership, self._election
+        now = time.monotonic()
+        if ms is None or el is None:
+            return ClusterView(self.node_id, self.cluster_id, (), None, 0, False, 0, 0, 1, {})
+        leader = el.leader(now)
+        links = ms.links()
+        members = []
+        for nid in ms.ids():
+            rec = ms.get(nid)
+            state = ms.state(nid)
+            source = ms.source(nid)
+            assert rec is not None and state is not None and source is not None
+            link = links.get((self.node_id, nid)) or links.get((nid, self.node_id))
+            members.append(MemberView(
+                node_id=nid, address=rec.address, source=source, state=state,
+                incarnation=rec.incarnation, heartbeat=rec.heartbeat, profile=rec.profile,
+                rtt_s=link[1] if link else None,
+                bandwidth_bps=link[0] if link and link[0] > 0 else None,
+                role="scheduler" if nid == leader else "worker"))
+        voters = ms.voters()
+        alive = [v for v in voters if ms.state(v) == "alive"]
+        need = majority(voters)
+        return ClusterView(
+            node_id=self.node_id, cluster_id=self.cluster_id, members=tuple(members),
+            leader=leader, term=el.term, has_quorum=bool(voters) and len(alive) >= need,
+            voters=len(voters), alive_voters=len(alive), needed=need, links=links)
+
+    # -- messages ------------------------------------------------------------------------------
+
+    async def handle(self, peer: str, msg: Message) -> bool:
+        """Handle a peer message if it is the cluster's; True if consumed."""
+        ms, el = self._membership, self._election
+        if not isinstance(msg, _CLUSTER_MESSAGES):
+            return False
+        if ms is None or el is None or self._closing:
+            return True  # ours, but we are not running: drop it
+        now = time.monotonic()
+        if isinstance(msg, Gossip):
+            self._on_gossip(peer, msg, now)
+        elif isinstance(msg, Ping):
+            self._send_bg(peer, self._prober.on_ping(peer, msg))
+        elif isinstance(msg, Pong):
+            self._prober.on_pong(peer, msg)
+        elif isinstance(msg, ProbeData):
+            ack = self._prober.on_probe_data(peer, msg, now)
+            if ack is not None:
+                self._send_bg(peer, ack)
+        elif isinstance(msg, ProbeAck):
+            self._prober.on_probe_ack(peer, msg)
+        elif isinstance(msg, Leave):
+            self._on_leave(peer, msg, now)
+        else:
+            before = (el.leader(now), el.term)
+            voters = ms.voters()
+            if isinstance(msg, PreVote):
+                outs = el.on_prevote(peer, msg, now, voters)
+            elif isinstance(msg, VoteRequest):
+                outs = el.on_vote_request(peer, msg, now, voters)
+            elif isinstance(msg, Vote):
+                outs = el.on_vote(peer, msg, now, voters, self._reachable())
+            elif isinstance(msg, Leader):
+                outs = el.on_leader(peer, msg, now, voters)
+            else:
+                assert isinstance(msg, LeaderAck)
+                outs = el.on_leader_ack(peer, msg, now)
+            for dst, out in outs:
+                self._send_bg(dst, out)
+            if (el.leader(now), el.term) != before:
+                self._log_leadership(before, now)
+                self._notify()
+        return True
+
+    def _on_gossip(self, peer: str, msg: Gossip, now: float) -> None:
+        ms, el = self._membership, self._election
+        assert ms is not None and el is not None
+        records = []
+        for entry in msg.members:
+            if not entry.node_id or not entry.address[0]:
+                continue  # unusable entry: skip it, keep the rest
+            records.append(record_from_wire(entry))
+        if not any(r.node_id == peer for r in records):
+            log.debug("gossip from %s without its own entry; ignored", peer)
+            return
+        result = ms.merge(records, now)
+        self._learn_addresses()
+        before = (el.leader(now), el.term)
+        el.observe(msg.term, now)
+        if result.self_removed:
+            el.disable(now)
+            log.warning("cluster: this node was removed from the cluster by an operator; "
+                        "it no longer votes (restart fusiond to rejoin)")
+        for t in result.transitions:
+            self._log_transition(t)
+        if result.sender_behind:
+            self._send_bg(peer, self._gossip_message())
+        if result.transitions or (el.leader(now), el.term) != before:
+            self._notify()
+
+    def _on_leave(self, peer: str, msg: Leave, now: float) -> None:
+        ms = self._membership
+        assert ms is not None
+        rec = ms.get(msg.node_id)
+        if msg.node_id != peer or rec is None or msg.incarnation < rec.incarnation:
+            return  # a node can only announce its own departure, of its current incarnation
+        t = ms.remove(msg.node_id, now)
+        self._prober.forget(msg.node_id)
+        if t is not None:
+            log.info("cluster: %s left", msg.node_id)
+            self._notify()
+
+    # -- loops ---------------------------------------------------------------------------------
+
+    async def _gossip_loop(self) -> None:
+        ms = self._membership
+        assert ms is not None
+        interval = self.config.gossip_interval_s
+        while True:
+            now = time.monotonic()
+            ms.beat(now, self._safe_profile(ms.me.profile))
+            msg = self._gossip_message()
+            for peer in self._gossip_targets():
+                self._send_bg(peer, msg)
+            # Jitter so rounds of many nodes do not synchronise.
+            await asyncio.sleep(interval * self._rng.uniform(0.9, 1.1))
+
+    def _gossip_targets(self) -> list[str]:
+        ms = self._membership
+        assert ms is not None
+        live = [p for p in ms.with_state("alive", "suspect") if p != self.node_id]
+        targets = self._rng.sample(live, min(self.config.gossip_fanout, len(live)))
+        dead = ms.with_state("dead")
+        if dead:
+            # One dead member per round: after a partition heals, this is how sides meet again.
+            targets.append(self._rng.choice(dead))
+        for nid in list(self._contacts):
+            if ms.get(nid) is not None and ms.state(nid) != "dead":
+                del self._contacts[nid]
+            elif nid not in targets:
+                targets.append(nid)
+        return targets
+
+    def _gossip_message(self) -> Gossip:
+        ms, el = self._membership, self._election
+        assert ms is not None and el is not None
+        leader = el.leader(time.monotonic())
+        return Gossip(sender=self.node_id, members=tuple(record_to_wire(r) for r in ms.records()),
+                      term=el.term, leader=leader or "")
+
+    async def _tick_loop(self) -> None:
+        ms, el = self._membership, self._election
+        assert ms is not None and el is not None
+        while True:
+            now = time.monotonic()
+            before = (el.leader(now), el.term)
+            transitions = ms.check(now)
+            for t in transitions:
+                self._log_transition(t)
+            voters = ms.voters()
+            alive = [r for r in (ms.get(v) for v in voters if ms.state(v) == "alive")
+                     if r is not None]
+            ranked = rank_order(alive, ms.links()) if alive else []
+            for dst, out in el.tick(now, voters=voters, ranked_alive=ranked,
+                                    reachable=self._reachable()):
+                self._send_bg(dst, out)
+            if (el.leader(now), el.term) != before:
+                self._log_leadership(before, now)
+            if transitions or (el.leader(now), el.term) != before:
+                self._notify()
+            await asyncio.sleep(self.config.tick_s)
+
+    async def _probe_loop(self) -> None:
+        ms = self._membership
+        assert ms is not None
+        cfg = self.config
+        await asyncio.sleep(self._rng.uniform(0.0, min(1.0, cfg.probe_interval_s)))
+        while True:
+            now = time.monotonic()
+            due = [p for p in ms.with_state("alive") if p != self.node_id
+                   and now - self._last_probe.get(p, -math.inf) >= cfg.probe_interval_s]
+            self._rng.shuffle(due)
+            measured = False
+            for peer in due:
+                # Spread rounds: the next one is due one interval (+-10 %) from now.
+                self._last_probe[peer] = time.monotonic() + cfg.probe_interval_s * (
+                    self._rng.uniform(-0.1, 0.1))
+                try:
+                    est = await self._prober.probe(peer)
+                except ProbeFailed as exc:
+                    log.debug("probe of %s failed: %s", peer, exc)
+                    continue
+                if ms.state(peer) in ("left", None):
+                    continue
+                ms.set_link(peer, est.bandwidth_bps or 0.0, est.rtt_s or 0.0)
+                measured = True
+                log.debug("link %s -> %s: %.1f Mbit/s, rtt %.2f ms", self.node_id, peer,
+                          (est.bandwidth_bps or 0) / 1e6, (est.rtt_s or 0) * 1e3)
+            if measured:
+                self._notify(force=True)
+            await asyncio.sleep(min(1.0, cfg.probe_interval_s / 4))
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _safe_profile(self, fallback: Mapping[str, Any]) -> dict[str, Any]:
+        try:
+            return dict(self._profile())
+        except Exception as exc:  # a broken profile source must not stop gossip
+            log.warning("cluster: profile() failed, gossiping the previous one: %r", exc)
+            return dict(fallback)
+
+    def _reachable(self) -> list[str]:
+        ms = self._membership
+        assert ms is not None
+        return [p for p in ms.with_state("alive", "suspect") if p != self.node_id]
+
+    def _learn_addresses(self) -> None:
+        ms = self._membership
+        assert ms is not None
+        for nid in ms.ids():
+            rec = ms.get(nid)
+            if nid == self.node_id or rec is None:
+                continue
+            if self._addresses.get(nid) != rec.address:
+                self._addresses[nid] = rec.address
+                self._net.add_peer_address(nid, rec.address)
+
+    def _on_found(self, node_id: str, address: Address, source: MemberSource) -> None:
+        ms = self._membership
+        if ms is None or self._closing or node_id == self.node_id:
+            return
+        ms.hint_source(node_id, source)
+        if self._addresses.get(node_id) != address:
+            self._addresses[node_id] = address
+            self._net.add_peer_address(node_id, address)
+        if ms.get(node_id) is None or ms.state(node_id) == "dead":
+            if node_id not in self._contacts:
+                log.info("cluster: found %s at %s:%d via %s", node_id, address[0], address[1],
+                         source)
+            self._contacts[node_id] = address
+            self._send_bg(node_id, self._gossip_message())
+
+    async def _send_now(self, peer: str, msg: Message) -> None:
+        try:
+            await asyncio.wait_for(self._net.send(peer, msg), self.config.send_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a peer we cannot reach: membership will notice
+            log.debug("send %s to %s failed: %r", type(msg).__name__, peer, exc)
+
+    def _send_bg(self, peer: str, msg: Message) -> None:
+        if self._closing:
+            return
+        if len(self._sends) >= _MAX_PENDING_SENDS:
+            log.debug("send backlog full; dropping %s to %s", type(msg).__name__, peer)
+            return
+        task = asyncio.ensure_future(self._send_now(peer, msg))
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
+
+    def _log_transition(self, t: Transition) -> None:
+        if t.old is None:
+            log.info("cluster: member %s joined (%s)", t.node_id, t.new)
+        elif t.new in ("dead", "left"):
+            log.warning("cluster: member %s %s -> %s", t.node_id, t.old, t.new)
+        else:
+            log.info("cluster: member %s %s -> %s", t.node_id, t.old, t.new)
+
+    def _log_leadership(self, before: tuple[str | None, int], now: float) -> None:
+        el = self._election
+        assert el is not None
+        leader = el.leader(now)
+        if leader is None:
+            log.warning("cluster: no scheduler (term %d, was %s)", el.term, before[0])
+        else:
+            log.info("cluster: scheduler is %s, term %d%s", leader, el.term,
+                     " (this node)" if leader == self.node_id else "")
+
+    def _notify(self, force: bool = False) -> None:
+        if not self._callbacks:
+            return
+        view = self.view()
+        signature = (view.leader, view.term, view.has_quorum,
+                     tuple((m.node_id, m.state, m.incarnation) for m in view.members))
+        if not force and signature == self._signature:
+            return
+        self._signature = signature
+        for cb in list(self._callbacks):
+            try:
+                cb(view)
+            except Exception:
+                log.exception("cluster: on_change callback failed")
+
+
+_CLUSTER_MESSAGES = (Gossip, Leave, PreVote, VoteRequest, Vote, Leader, LeaderAck, Ping, Pong,
+                     ProbeData, ProbeAck)
+
+
+def members_in(view: ClusterView, *states: MemberState) -> Collection[str]:
+    """Node ids of `view`'s members in one of `states`."""
+    return [m.node_id for m in view.members if m.state in states]
+
+
+__all__ = ["Cluster", "ClusterConfig", "ClusterView", "MemberView", "Transport", "members_in"]

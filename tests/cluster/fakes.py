@@ -1,0 +1,231 @@
+"""An in-memory PeerNetwork for cluster tests: many Cluster instances in one event loop.
+
+Every message goes through the real codec (encode_message -> FrameDecoder -> decode_message),
+so what the cluster sends must be valid on the wire. Links deliver in order after a latency,
+optionally serialised at a bandwidth; the hub can partition nodes into groups, cut single
+links, and "crash" a node (its traffic is dropped from then on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
+
+from fusiond.cluster import Cluster, ClusterConfig, ClusterView
+from protocol.frames import Buffer, FrameDecoder
+from protocol.messages import Message, decode_message, encode_message
+
+log = logging.getLogger(__name__)
+
+Address = tuple[str, int]
+Handler = Callable[[str, Message], Awaitable[bool]]
+
+
+class Unreachable(ConnectionError):
+    """No live node at that address, or the path is cut."""
+
+
+@dataclass
+class _Item:
+    due: float
+    msg: Message
+
+
+class FakeHub:
+    """The 'network' joining FakeNets: addresses, partitions, per-link latency and bandwidth."""
+
+    def __init__(self, *, latency_s: float = 0.0005, bandwidth_bps: float | None = None) -> None:
+        self.latency_s = latency_s
+        self.bandwidth_bps = bandwidth_bps
+        self.link_bandwidth: dict[tuple[str, str], float] = {}
+        self.nets: dict[str, FakeNet] = {}
+        self.by_address: dict[Address, str] = {}
+        self._groups: list[set[str]] | None = None
+        self._cut: set[frozenset[str]] = set()
+        self.sent: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter()
+        self._next_port = 10000
+
+    def address(self) -> Address:
+        """A fresh loopback-looking address."""
+        self._next_port += 1
+        return ("127.0.0.1", self._next_port)
+
+    def partition(self, *groups: set[str]) -> None:
+        """Only nodes in the same group can talk (nodes in no group are isolated)."""
+        self._groups = [set(g) for g in groups]
+
+    def cut(self, a: str, b: str) -> None:
+        """Cut the single link a <-> b."""
+        self._cut.add(frozenset((a, b)))
+
+    def heal(self) -> None:
+        """Remove every partition and cut."""
+        self._groups = None
+        self._cut.clear()
+
+    def can_talk(self, a: str, b: str) -> bool:
+        """Whether a message from a to b would be delivered now."""
+        if frozenset((a, b)) in self._cut:
+            return False
+        if self._groups is None:
+            return True
+        return any(a in g and b in g for g in self._groups)
+
+
+class FakeNet:
+    """One node's transport: implements fusiond.cluster.Transport."""
+
+    def __init__(self, hub: FakeHub, node_id: str, address: Address | None = None) -> None:
+        self.hub = hub
+        self.node_id = node_id
+        self.address = address or hub.address()
+        self.handler: Handler | None = None
+        self.peer_addresses: dict[str, Address] = {}
+        self.alive = True
+        self._queues: dict[str, asyncio.Queue[_Item]] = {}
+        self._workers: dict[str, asyncio.Task[None]] = {}
+        self._link_free: dict[str, float] = {}
+        hub.nets[node_id] = self
+        hub.by_address[self.address] = node_id
+
+    async def connect(self, address: Address) -> str:
+        peer = self.hub.by_address.get(address)
+        net = self.hub.nets.get(peer) if peer is not None else None
+        if peer is None or net is None or not net.alive or not self.hub.can_talk(
+                self.node_id, peer):
+            raise Unreachable(f"nothing answers at {address[0]}:{address[1]}")
+        self.peer_addresses[peer] = address
+        return peer
+
+    def add_peer_address(self, node_id: str, address: Address) -> None:
+        self.peer_addresses[node_id] = address
+
+    async def send(self, peer: str, msg: Message, payload: Sequence[Buffer] = ()) -> None:
+        if not self.alive:
+            raise ConnectionError("closed")
+        data = b"".join(bytes(b) for b in encode_message(msg, payload))
+        frames = FrameDecoder().feed(data)
+        assert len(frames) == 1
+        decoded = decode_message(frames[0])
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        bw = self.hub.link_bandwidth.get((self.node_id, peer), self.hub.bandwidth_bps)
+        start = max(now, self._link_free.get(peer, now))
+        done = start + (len(data) * 8 / bw if bw else 0.0)
+        self._link_free[peer] = done
+        queue = self._queues.get(peer)
+        if queue is None:
+            queue = self._queues[peer] = asyncio.Queue(maxsize=100_000)
+            self._workers[peer] = asyncio.ensure_future(self._deliver(peer, queue))
+        self.hub.sent[type(msg).__name__] += 1
+        await queue.put(_Item(done + self.hub.latency_s, decoded))
+
+    async def _deliver(self, peer: str, queue: asyncio.Queue[_Item]) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            item = await queue.get()
+            delay = item.due - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            dst = self.hub.nets.get(peer)
+            name = type(item.msg).__name__
+            if (not self.alive or dst is None or not dst.alive or dst.handler is None
+                    or not self.hub.can_talk(self.node_id, peer)):
+                self.hub.dropped[name] += 1
+                continue
+            try:
+                await dst.handler(self.node_id, item.msg)
+            except Exception:  # like the real transport: log, keep the link
+                log.exception("handler of %s failed on %s", peer, name)
+
+    async def close(self) -> None:
+        """Crash/stop this node: nothing more in or out."""
+        self.alive = False
+        for task in self._workers.values():
+            task.cancel()
+        for task in self._workers.values():
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._workers.clear()
+        self._queues.clear()
+        if self.hub.nets.get(self.node_id) is self:
+            del self.hub.nets[self.node_id]
+
+
+# -- a swarm of Cluster instances on one hub --------------------------------------------------
+
+FAST = ClusterConfig(
+    gossip_interval_s=0.05, gossip_fanout=3, suspect_after_s=0.4, dead_after_s=0.8,
+    election_timeout_s=0.3, leader_heartbeat_s=0.05, leader_lease_s=0.2,
+    election_stagger_s=0.1, election_jitter_s=0.05, election_grace_s=0.3, tick_s=0.01,
+    mdns=False, probes=False, send_timeout_s=0.5, bootstrap_retry_s=0.05,
+)
+"""Intervals ~10x shorter than the defaults, in the same proportions."""
+
+
+class Swarm:
+    """Start, crash and restart Cluster nodes on one FakeHub."""
+
+    def __init__(self, hub: FakeHub | None = None, config: ClusterConfig = FAST) -> None:
+        self.hub = hub or FakeHub()
+        self.config = config
+        self.nodes: dict[str, Cluster] = {}
+        self.nets: dict[str, FakeNet] = {}
+        self.addresses: dict[str, Address] = {}
+
+    async def add(self, node_id: str, *, bootstrap: Sequence[Address] = (),
+                  profile: dict[str, object] | None = None, incarnation: int | None = None,
+                  config: ClusterConfig | None = None) -> Cluster:
+        """Start a node (reusing its old address if it ran before: a restart)."""
+        net = FakeNet(self.hub, node_id, self.addresses.get(node_id))
+        self.addresses[node_id] = net.address
+        cfg = config or self.config
+        cfg = replace(cfg, bootstrap=tuple(bootstrap))
+        prof = dict(profile or {"gflops": 10.0, "memory_bytes": 1 << 30})
+        node = Cluster(node_id=node_id, cluster_id="test", net=net, advertise=net.address,
+                       profile=lambda: prof, config=cfg, incarnation=incarnation)
+        net.handler = node.handle
+        await node.start()
+        await node.ready()
+        self.nodes[node_id] = node
+        self.nets[node_id] = net
+        return node
+
+    async def crash(self, node_id: str) -> None:
+        """Stop a node abruptly (no leave)."""
+        await self.nets[node_id].close()
+        await self.nodes[node_id].close()
+        del self.nodes[node_id]
+
+    async def close(self) -> None:
+        for node_id in list(self.nodes):
+            await self.crash(node_id)
+
+    def views(self, ids: Sequence[str] | None = None) -> dict[str, ClusterView]:
+        return {n: self.nodes[n].view() for n in (ids or list(self.nodes))}
+
+
+async def until(pred: Callable[[], bool], within: float, what: str,
+                interval: float = 0.02) -> float:
+    """Wait until `pred()`; return seconds waited; AssertionError naming `what` on timeout."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    while not pred():
+        if loop.time() - t0 > within:
+            raise AssertionError(f"timed out after {within}s waiting for {what}")
+        await asyncio.sleep(interval)
+    return loop.time() - t0
+
+
+def agreed_leader(views: dict[str, ClusterView]) -> str | None:
+    """The one leader every view names (with one term), or None."""
+    leaders = {(v.leader, v.term) for v in views.values()}
+    if len(leaders) != 1:
+        return None
+    leader, _ = next(iter(leaders))
+    return leader

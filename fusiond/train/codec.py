@@ -64,10 +64,21 @@ def encode_dense(t: torch.Tensor) -> Encoded:
     return Encoded(payload, len(payload), arr.nbytes)
 
 
-def encode_topk(t: torch.Tensor, density: float) -> tuple[Encoded, np.ndarray]:
-    """TOPK encoding of the largest-magnitude `density` fraction; returns the kept flat indices."""
+def encode_topk(
+    t: torch.Tensor, density: float, per_row: bool = True
+) -> tuple[Encoded, np.ndarray]:
+    """TOPK encoding of the largest-magnitude `density` fraction; returns the kept flat indices.
+
+    `per_row` (the default for tensors of rank >= 2) keeps the top `density` of every row of the
+    last axis, i.e. of every token's or pixel's features: a global top-k can drop whole rows,
+    and measured on GPT-2 tiny at density 0.1 per-row converges closer to the dense run.
+    """
     arr = _np(t)
-    enc = wire.encode(arr, wire.Encoding.TOPK, k=topk_count(arr.size, density))
+    if per_row and arr.ndim >= 2 and arr.shape[-1] > 0:
+        k = topk_count(arr.shape[-1], density)
+        enc = wire.encode(arr, wire.Encoding.TOPK, k=k, per_row=True)
+    else:
+        enc = wire.encode(arr, wire.Encoding.TOPK, k=topk_count(arr.size, density))
     assert enc.indices is not None, "protocol.tensors TOPK must expose the kept indices"
     payload = _join(enc)
     return Encoded(payload, len(payload), arr.nbytes), np.asarray(enc.indices, dtype=np.int64)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +18,7 @@ from fusiond.train.spec import JobSpecError, LossSpec, ModelSpec
 
 __all__ = ["LossFn", "WithLoss", "build_model", "loss_fn"]
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
 def build_model(spec: ModelSpec, *, seed: int | None = None) -> nn.Module:
@@ -45,16 +46,25 @@ def build_model(spec: ModelSpec, *, seed: int | None = None) -> nn.Module:
     return model
 
 
-def _lm_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _logits(out: Any) -> torch.Tensor:
+    # Hugging Face models return a ModelOutput with `.logits`; ours return the tensor.
+    t = out.logits if hasattr(out, "logits") else out
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"model output is {type(out).__name__}, not a tensor or .logits")
+    return t
+
+
+def _lm_ce(out: Any, targets: torch.Tensor) -> torch.Tensor:
+    logits = _logits(out)
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def _ce(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out, targets)
+def _ce(out: Any, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(_logits(out), targets)
 
 
-def _mse(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(out, targets)
+def _mse(out: Any, targets: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(_logits(out), targets)
 
 
 def loss_fn(spec: LossSpec) -> LossFn:

@@ -50,7 +50,7 @@ class JobSpecError(LocalError):
 
 ZOO: dict[str, str] = {
     "gpt2": "fusiond.models.gpt2:gpt2",
-    "hf-gpt2": "fusiond.models.hf_gpt2:hf_gpt2",
+    "hf-gpt2": "fusiond.models.hf:hf_gpt2",
     "resnet18": "fusiond.models.resnet:resnet18",
     "resnet50": "fusiond.models.resnet:resnet50",
     "resnet101": "fusiond.models.resnet:resnet101",
@@ -154,12 +154,15 @@ class CompressionSpec:
     `adatopk`: let the planner pick per-edge densities from link speeds (>= `density_floor`).
     `density`: if set, force this density on every cut edge (except `exact_edges`) instead.
     `exact_edges`: edge ids or producing node ids never compressed.
+    `per_row`: top-k over each row of the last axis (each token's features) rather than the
+    whole tensor.
     """
 
     adatopk: bool
     density_floor: float
     density: float | None
     exact_edges: tuple[str, ...]
+    per_row: bool = True
 
 
 @dataclass(frozen=True)
@@ -408,8 +411,11 @@ def _compression(t: _Table) -> CompressionSpec:
         exact = tuple(exact_raw)
     else:
         raise JobSpecError(t.name("exact_edges"), f"must be a list of edge ids, got {exact_raw!r}")
+    per_row = t.boolean("per_row", True)
     t.finish()
-    return CompressionSpec(adatopk=adatopk, density_floor=floor, density=density, exact_edges=exact)
+    return CompressionSpec(
+        adatopk=adatopk, density_floor=floor, density=density, exact_edges=exact, per_row=per_row
+    )
 
 
 def job_from_dict(data: Mapping[str, Any], *, base: Path | None = None) -> JobSpec:

@@ -104,12 +104,16 @@ class StageLink(Protocol):
 
 @dataclass(frozen=True)
 class EdgeSpec:
-    """A cut edge from stage `src` to stage `dst`; `density` None means exact (RAW)."""
+    """A cut edge from stage `src` to stage `dst`; `density` None means exact (RAW).
+
+    `per_row`: top-k per row of the last axis rather than over the whole tensor.
+    """
 
     edge_id: str
     src: int
     dst: int
     density: float | None = None
+    per_row: bool = True
 
 
 RunFn = Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]
@@ -423,7 +427,7 @@ class StageExecutor:
             if e.density is None or not _is_float(t):
                 enc = codec.encode_dense(t)
             else:
-                enc, sent_idx[edge_id] = codec.encode_topk(t, e.density)
+                enc, sent_idx[edge_id] = codec.encode_topk(t, e.density, e.per_row)
             if _is_float(t):
                 grad_edges.add(edge_id)
             pkt = Packet(PacketKind.FORWARD, step, micro, edge_id, self.stage, e.dst, enc.payload)

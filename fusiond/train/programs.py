@@ -1,0 +1,170 @@
+"""From a captured graph to stage programs: capture a job's model, cut it, build each stage.
+
+`capture_job(spec)` runs where the job is submitted (it calls the user's model factory).
+`stage_programs(graph, partitions, state, densities)` turns `fusiond.graph` partitions into
+`StageProgram`s for `StageExecutor`: stage i is `partitions[i]` (partition() returns them in a
+topological order, which is the pipeline order), edges are keyed by `Edge.id`, the graph's
+first input is the batch's `inputs` and its `targets` input the batch's targets, and parameters
+held by several partitions (tied weights) are listed as shared so their gradients are summed.
+`stage_program(part, ...)` builds one stage, which is what a daemon does with its Assign.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from fusiond.graph import SINK, SOURCE, CapturedModel, Partition, capture
+from fusiond.train.data import Batch, make_source
+from fusiond.train.model import build_model, loss_fn
+from fusiond.train.spec import JobSpec
+from fusiond.train.stage import EdgeSpec, StageError, StageProgram
+from protocol import ir
+
+__all__ = [
+    "capture_job",
+    "cut_densities",
+    "shared_params",
+    "stage_program",
+    "stage_programs",
+]
+
+
+def capture_job(spec: JobSpec) -> tuple[torch.nn.Module, CapturedModel]:
+    """Build the job's model (seeded by `spec.seed`) and capture it with its loss.
+
+    The example batch is a real micro-batch from the job's data (at least 2 samples: torch.export
+    specialises a batch dimension of 1); the batch dimension stays dynamic.
+    """
+    model = build_model(spec.model, seed=spec.seed)
+    model.train()
+    source = make_source(spec.data, spec.seed)
+    batch: Batch = source.batch(0, max(2, spec.batch.micro_batch_size))
+    captured = capture(model, [batch.inputs], targets=batch.targets, loss=loss_fn(spec.loss))
+    return model, captured
+
+
+def shared_params(partitions: Sequence[Partition], stage_of: Mapping[int, int],
+                  state: Mapping[str, torch.Tensor]) -> dict[int, dict[str, tuple[int, ...]]]:
+    """stage -> {parameter name -> the other stages holding it}, for trainable parameters only."""
+    holders: dict[str, list[int]] = {}
+    for p in partitions:
+        for name in p.param_names:
+            t = state.get(name)
+            if t is None or not t.is_floating_point():
+                continue
+            spec = p.graph.param_map.get(name)
+            if spec is None or spec.kind is not ir.ParamKind.PARAMETER or not spec.requires_grad:
+                continue
+            holders.setdefault(name, []).append(stage_of[p.id])
+    out: dict[int, dict[str, tuple[int, ...]]] = {stage_of[p.id]: {} for p in partitions}
+    for name, stages in holders.items():
+        if len(stages) > 1:
+            for s in stages:
+                out[s][name] = tuple(sorted(x for x in stages if x != s))
+    return out
+
+
+def cut_densities(partitions: Sequence[Partition], density: float | None,
+                  exact: Sequence[str] = ()) -> dict[str, float]:
+    """Edge id -> density for every float cut edge, except edges (or values) named in `exact`."""
+    if density is None:
+        return {}
+    out: dict[str, float] = {}
+    for p in partitions:
+        for e in p.outputs:
+            if e.dst == SINK or not e.meta.is_float:
+                continue
+            if e.id in exact or e.value in exact:
+                continue
+            out[e.id] = density
+    return out
+
+
+def stage_program(
+    part: Partition,
+    state: Mapping[str, torch.Tensor],
+    *,
+    stage_of: Mapping[int, int],
+    input_name: str,
+    targets_name: str | None,
+    densities: Mapping[str, float] | None = None,
+    shared: Mapping[str, tuple[int, ...]] | None = None,
+    per_row: bool = True,
+) -> StageProgram:
+    """Build one partition into a `StageProgram` (parameters copied from `state`)."""
+    densities = densities or {}
+    module = part.build(state)
+    stage = stage_of[part.id]
+    in_edges: list[EdgeSpec] = []
+    data_map: dict[str, str] = {}  # graph input name -> "inputs" / "targets"
+    for e in part.inputs:
+        if e.src == SOURCE:
+            if e.value == input_name:
+                data_map[e.value] = "inputs"
+            elif e.value == targets_name:
+                data_map[e.value] = "targets"
+            else:
+                raise StageError(f"partition {part.id} reads graph input {e.value!r}: no data")
+            continue
+        in_edges.append(EdgeSpec(e.id, stage_of[e.src], stage, densities.get(e.id), per_row))
+    out_edges: list[EdgeSpec] = []
+    loss_name: str | None = None
+    for e in part.outputs:
+        if e.dst == SINK:
+            if loss_name is None:
+                loss_name = e.value
+            continue
+        out_edges.append(EdgeSpec(e.id, stage, stage_of[e.dst], densities.get(e.id), per_row))
+    in_value = {e.id: e.value for e in part.inputs}
+    out_value = {e.id: e.value for e in part.outputs}
+    data_key = {v: k for k, v in data_map.items()}
+
+    def run(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        feed: dict[str, torch.Tensor] = {}
+        for key, t in inputs.items():
+            if key in in_value:
+                feed[in_value[key]] = t
+            elif key in data_key:
+                feed[data_key[key]] = t
+        outs = module.run(feed)
+        result = {eid: outs[out_value[eid]] for eid in (e.edge_id for e in out_edges)}
+        if loss_name is not None:
+            result["loss"] = outs[loss_name]
+        return result
+
+    return StageProgram(
+        module=module,
+        run=run,
+        in_edges=tuple(in_edges),
+        out_edges=tuple(out_edges),
+        data_inputs=tuple(sorted(set(data_map.values()))),
+        has_loss=loss_name is not None,
+        shared=dict(shared or {}),
+    )
+
+
+def stage_programs(
+    graph: ir.Graph,
+    partitions: Sequence[Partition],
+    state: Mapping[str, torch.Tensor],
+    *,
+    densities: Mapping[str, float] | None = None,
+    per_row: bool = True,
+) -> list[StageProgram]:
+    """Every partition as a stage program; stage i is `partitions[i]`."""
+    stage_of = {p.id: i for i, p in enumerate(partitions)}
+    shared = shared_params(partitions, stage_of, state)
+    names = [i.name for i in graph.inputs]
+    targets = "targets" if "targets" in names else None
+    inputs = [n for n in names if n != targets]
+    if len(inputs) != 1:
+        raise StageError(f"a job's graph takes one data input and targets, got {names}")
+    return [
+        stage_program(
+            p, state, stage_of=stage_of, input_name=inputs[0], targets_name=targets,
+            densities=densities, shared=shared[stage_of[p.id]], per_row=per_row,
+        )
+        for p in partitions
+    ]

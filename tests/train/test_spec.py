@@ -1,0 +1,124 @@
+"""Job spec: examples load, defaults are sane, every bad field is named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fusiond.errors import LocalError
+from fusiond.train.spec import (
+    JobSpecError,
+    default_text_path,
+    job_from_dict,
+    load_job,
+    parse_job,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
+
+MINIMAL = """
+[job]
+steps = 10
+[model]
+zoo = "gpt2"
+config = { size = "tiny" }
+"""
+
+
+def test_examples_load() -> None:
+    assert len(EXAMPLES) >= 3
+    for p in EXAMPLES:
+        spec = load_job(p)
+        assert spec.steps > 0
+        assert spec.batch.size % spec.batch.micro_batches == 0
+
+
+def test_defaults() -> None:
+    spec = parse_job(MINIMAL, base=Path("/tmp"))
+    assert spec.model.target == "fusiond.models.gpt2:gpt2"
+    assert spec.data.kind == "text" and spec.data.path == default_text_path()
+    assert spec.data.tokenizer == "bytes"
+    assert spec.optimizer.kind == "adamw" and spec.optimizer.schedule == "constant"
+    assert spec.batch.pipeline == "1f1b"
+    assert spec.batch.micro_batch_size * spec.batch.micro_batches == spec.batch.size
+    assert spec.output == Path("/tmp/runs/job")
+    assert spec.compression.density is None and spec.compression.exact_edges == ()
+
+
+def _doc(**tables: dict[str, Any]) -> dict[str, Any]:
+    doc: dict[str, Any] = {"job": {"steps": 10}, "model": {"zoo": "gpt2"}}
+    for k, v in tables.items():
+        doc[k] = {**doc.get(k, {}), **v}
+    return doc
+
+
+BAD: list[tuple[dict[str, Any], str]] = [
+    ({"model": {"zoo": "gpt2"}}, "job"),
+    (_doc(job={"steps": 0}), "job.steps"),
+    (_doc(job={"steps": "ten"}), "job.steps"),
+    (_doc(job={"name": "has space"}), "job.name"),
+    (_doc(job={"checkpoint_interval": -1}), "job.checkpoint_interval"),
+    (_doc(job={"stpes": 3}), "job.stpes"),
+    (_doc(model={"zoo": "alexnet"}), "model.zoo"),
+    ({"job": {"steps": 1}, "model": {}}, "model.zoo"),
+    (_doc(model={"factory": "x:y"}), "model.zoo"),
+    ({"job": {"steps": 1}, "model": {"factory": "not a path"}}, "model.factory"),
+    (_doc(model={"config": {"size": {"nested": 1}}}), "model.config.size"),
+    (_doc(data={"kind": "audio"}), "data.kind"),
+    (_doc(data={"path": "/definitely/not/here"}), "data.path"),
+    (_doc(data={"tokenizer": "missing.json"}), "data.tokenizer"),
+    (_doc(data={"seq_len": 0}), "data.seq_len"),
+    (_doc(data={"kind": "images", "path": "x"}), "data.path"),
+    (_doc(data={"kind": "images"}), "loss.kind"),
+    (_doc(loss={"kind": "hinge"}), "loss.kind"),
+    (_doc(optimizer={"kind": "lion"}), "optimizer.kind"),
+    (_doc(optimizer={"lr": -1.0}), "optimizer.lr"),
+    (_doc(optimizer={"lr": 0}), "optimizer.lr"),
+    (_doc(optimizer={"lr": float("nan")}), "optimizer.lr"),
+    (_doc(optimizer={"betas": [0.9]}), "optimizer.betas"),
+    (_doc(optimizer={"betas": [0.9, 1.5]}), "optimizer.betas"),
+    (_doc(optimizer={"weight_decay": -0.1}), "optimizer.weight_decay"),
+    (_doc(optimizer={"schedule": "step"}), "optimizer.schedule"),
+    (_doc(optimizer={"warmup_steps": 11}), "optimizer.warmup_steps"),
+    (_doc(optimizer={"lr": 1e-3, "min_lr": 1e-2}), "optimizer.min_lr"),
+    (_doc(batch={"size": 8, "micro_batches": 3}), "batch.micro_batches"),
+    (_doc(batch={"size": 8, "micro_batch_size": 3}), "batch.micro_batch_size"),
+    (_doc(batch={"size": 8, "micro_batch_size": 2, "micro_batches": 4}), "batch.micro_batches"),
+    (_doc(batch={"size": 0}), "batch.size"),
+    (_doc(batch={"pipeline": "zb"}), "batch.pipeline"),
+    (_doc(compression={"density": 0.0}), "compression.density"),
+    (_doc(compression={"density": 0.01, "density_floor": 0.05}), "compression.density"),
+    (_doc(compression={"density_floor": 2}), "compression.density_floor"),
+    (_doc(compression={"adatopk": "yes"}), "compression.adatopk"),
+    (_doc(compression={"exact_edges": "e1"}), "compression.exact_edges"),
+    (_doc(extra={"x": 1}), "extra"),
+    ({"job": {"steps": 1}, "model": {"zoo": "gpt2"}, "optimizer": []}, "optimizer"),
+]
+
+
+@pytest.mark.parametrize(("doc", "field"), BAD, ids=[f for _, f in BAD])
+def test_bad_field_is_named(doc: dict[str, Any], field: str, tmp_path: Path) -> None:
+    with pytest.raises(JobSpecError) as ei:
+        job_from_dict(doc, base=tmp_path)
+    assert ei.value.field == field
+    assert str(ei.value).startswith(field + ":")
+    assert isinstance(ei.value, LocalError)
+
+
+def test_bad_toml_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(JobSpecError, match="not valid TOML"):
+        parse_job("[job\nsteps=1")
+    with pytest.raises(JobSpecError, match="cannot read job file"):
+        load_job(tmp_path / "nope.toml")
+
+
+def test_relative_paths_resolve_against_the_job_file(tmp_path: Path) -> None:
+    (tmp_path / "corpus.txt").write_text("hello world " * 100)
+    job = tmp_path / "job.toml"
+    job.write_text(MINIMAL + '[data]\npath = "corpus.txt"\n')
+    spec = load_job(job)
+    assert spec.data.path == tmp_path / "corpus.txt"
+    assert spec.output == tmp_path / "runs" / "job"

@@ -66,7 +66,11 @@ def _tname(value: object) -> str:
 
 
 class _Conv:
-    """Converts one annotated type between Python values and msgpack-ready values."""
+    """Converts one annotated type between Python values and msgpack-ready values.
+
+    `depth` counts nesting inside a `typing.Any` value only (schema-typed nesting is finite),
+    so that decoding and encoding apply the same MAX_ANY_DEPTH.
+    """
 
     label = "?"
 
@@ -172,7 +176,7 @@ class _Tuple(_Conv):
         if not isinstance(v, list | tuple):
             raise err(path, f"expected array, got {_tname(v)}")
         dec = self.item.dec
-        return tuple(dec(x, f"{path}[{i}]", err, depth + 1) for i, x in enumerate(v))
+        return tuple(dec(x, f"{path}[{i}]", err, depth) for i, x in enumerate(v))
 
     def enc(self, v: Any, path: str, err: _Err, limits: Limits) -> Any:
         if not isinstance(v, list | tuple):
@@ -196,7 +200,7 @@ class _FixedTuple(_Conv):
     def dec(self, v: Any, path: str, err: _Err, depth: int) -> Any:
         self._arity(v, path, err)
         return tuple(
-            c.dec(x, f"{path}[{i}]", err, depth + 1) for i, (c, x) in enumerate(zip(self.items, v))
+            c.dec(x, f"{path}[{i}]", err, depth) for i, (c, x) in enumerate(zip(self.items, v))
         )
 
     def enc(self, v: Any, path: str, err: _Err, limits: Limits) -> Any:
@@ -219,7 +223,7 @@ class _Dict(_Conv):
         for k, x in v.items():
             if not isinstance(k, str):
                 raise err(path, f"map key {k!r} is not a str")
-            out[k] = dec(x, f"{path}[{k!r}]", err, depth + 1)
+            out[k] = dec(x, f"{path}[{k!r}]", err, depth)
         return out
 
     def enc(self, v: Any, path: str, err: _Err, limits: Limits) -> Any:
@@ -311,7 +315,7 @@ class _StructRef(_Conv):
         self.label = cls.__name__
 
     def dec(self, v: Any, path: str, err: _Err, depth: int) -> Any:
-        return _schema(self.cls).dec(v, path, err, depth + 1)
+        return _schema(self.cls).dec(v, path, err, depth)
 
     def enc(self, v: Any, path: str, err: _Err, limits: Limits) -> Any:
         if not isinstance(v, self.cls):

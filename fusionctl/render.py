@@ -14,7 +14,11 @@ SLOW_FACTOR = 10.0
 
 
 def _console() -> Console:
-    return Console(highlight=False, soft_wrap=True)
+    # Piped output (scripts, tests) is never truncated; a terminal gets its own width.
+    c = Console(highlight=False)
+    if not c.is_terminal:
+        c = Console(highlight=False, width=240)
+    return c
 
 
 def fmt_addr(a: Any) -> str:
@@ -88,7 +92,10 @@ def health(view: Mapping[str, Any], me: str) -> list[str]:
             tail = (f"; if it is gone for good: fusionctl remove {m['node_id']}"
                     if st == "dead" else "")
             lines.append(f"{m['node_id']} ({fmt_addr(m.get('address'))}) is {st}{tail}")
-    pairs = link_pairs(view.get("links"))
+    gone = {m.get("node_id") for m in view.get("members", [])
+            if m.get("state") in ("dead", "left")}
+    pairs = {k: v for k, v in link_pairs(view.get("links")).items()
+             if k[0] not in gone and k[1] not in gone}
     bws = [bw for bw, _ in pairs.values() if bw > 0]
     rtts = [r for _, r in pairs.values() if r > 0]
     if len(bws) >= 3:

@@ -75,18 +75,43 @@ class ClusterSection:
     """Announce and browse `_fusion._tcp` with zeroconf."""
     mdns_interfaces: list[str] = field(default_factory=list)
     """Addresses zeroconf binds to; empty: all interfaces. Tests use 127.0.0.1."""
+    bootstrap_retry_s: float = 2.0
+    """How often an unanswered bootstrap address is dialled again."""
     gossip_interval_s: float = 1.0
     gossip_fanout: int = 3
-    suspect_timeout_s: float = 5.0
-    """No heartbeat for this long: a member becomes suspect."""
-    dead_timeout_s: float = 15.0
-    """No heartbeat for this long: a member is dead (it still counts toward quorum)."""
+    """Random live peers each gossip round goes to (plus one dead one, to heal partitions)."""
+    suspect_after_s: float = 5.0
+    """No news of a member for this long: it is suspect."""
+    dead_after_s: float = 15.0
+    """No news of a member for this long: it is dead (it still counts toward quorum)."""
+    probes: bool = True
+    """Measure RTT and bandwidth to each peer periodically."""
     probe_interval_s: float = 30.0
-    """How often RTT and bandwidth to each peer are re-measured."""
-    probe_duration_s: float = 0.3
+    """How often the links to each peer are re-measured."""
+    probe_target_s: float = 0.3
     """A bandwidth probe is sized to last about this long."""
+    probe_repeats: int = 3
+    probe_min_bytes: int = 64 << 10
+    probe_max_bytes: int = 64 << 20
+    probe_timeout_s: float = 5.0
+    bandwidth_ewma: float = 0.3
+    """Weight of a new bandwidth sample in the moving average, in (0, 1]."""
     election_timeout_s: float = 3.0
-    bootstrap_retry_s: float = 2.0
+    """No word from a scheduler for this long: elect a new one."""
+    leader_heartbeat_s: float = 0.5
+    """How often the scheduler reasserts itself; below leader_lease_s."""
+    leader_lease_s: float = 2.0
+    """A scheduler steps down without a majority's acks for this long; below
+    election_timeout_s, so an old scheduler lets go before a new one can win."""
+    election_stagger_s: float = 0.5
+    """Lower-ranked candidates wait this much longer per rank before campaigning."""
+    election_jitter_s: float = 0.2
+    election_grace_s: float = 3.0
+    """After start: no campaigning or voting while the node learns the cluster."""
+    send_timeout_s: float = 2.0
+    """A control send blocked (peer queue full) longer than this is dropped."""
+    tick_s: float = 0.05
+    """Failure detector and election timer resolution."""
 
 
 @dataclass
@@ -99,7 +124,6 @@ class ApiSection:
     """Loopback host:port instead of (or besides) the socket; requests need the token."""
     token_file: str = ""
     """Where the TCP token is written; empty: <state_dir>/api.token."""
-    request_timeout_s: float = 30.0
 
 
 @dataclass
@@ -361,10 +385,18 @@ def _validate(cfg: DaemonConfig, origin: Mapping[str, str]) -> None:
             raise bad("cluster.bootstrap", b, f"entry {i}: {e}") from None
     if not cfg.api.socket and not cfg.api.tcp:
         raise bad("api.socket", cfg.api.socket, "api.socket and api.tcp are both empty")
-    if cfg.cluster.dead_timeout_s <= cfg.cluster.suspect_timeout_s:
-        raise bad("cluster.dead_timeout_s", cfg.cluster.dead_timeout_s,
-                  f"must be larger than cluster.suspect_timeout_s "
-                  f"({cfg.cluster.suspect_timeout_s})")
+    c = cfg.cluster
+    for low, high in (("suspect_after_s", "dead_after_s"),
+                      ("leader_heartbeat_s", "leader_lease_s"),
+                      ("leader_lease_s", "election_timeout_s")):
+        if not get(cfg, f"cluster.{low}") < get(cfg, f"cluster.{high}"):
+            raise bad(f"cluster.{high}", get(cfg, f"cluster.{high}"),
+                      f"must be larger than cluster.{low} ({get(cfg, f'cluster.{low}')})")
+    if not 0 < c.bandwidth_ewma <= 1:
+        raise bad("cluster.bandwidth_ewma", c.bandwidth_ewma, "must be in (0, 1]")
+    if c.probe_min_bytes > c.probe_max_bytes:
+        raise bad("cluster.probe_max_bytes", c.probe_max_bytes,
+                  "must be at least cluster.probe_min_bytes")
     if cfg.net.backoff_max_s < cfg.net.backoff_initial_s:
         raise bad("net.backoff_max_s", cfg.net.backoff_max_s,
                   "must be at least net.backoff_initial_s")

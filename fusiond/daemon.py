@@ -39,8 +39,9 @@ from typing import Any, Protocol
 import fusiond
 import protocol
 from fusiond import profile as profiling
-from fusiond.api import ApiError, ApiServer
+from fusiond.api import ApiError, ApiServer, to_jsonable
 from fusiond.config import (
+    DEFAULT_PEER_PORT,
     DaemonConfig,
     LoadedConfig,
     advertise_address,
@@ -403,7 +404,7 @@ class Daemon:
         added = [b for b in cfg.cluster.bootstrap if b not in old.cluster.bootstrap]
         if added and self.cluster is not None:
             for b in added:
-                self.cluster.add_bootstrap(parse_hostport(b, default_port=7420))
+                self.cluster.add_bootstrap(parse_hostport(b, default_port=DEFAULT_PEER_PORT))
             log.info("SIGHUP: added bootstrap addresses %s", ", ".join(added))
         old.log_level = cfg.log_level
         old.cluster.bootstrap = cfg.cluster.bootstrap
@@ -433,7 +434,7 @@ class Daemon:
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"node": self._node_block(), "cluster": None, "hint": None}
         if self.cluster is not None:
-            out["cluster"] = self.cluster.view()
+            out["cluster"] = view_json(self.cluster.view())
         elif self.phase == "unconfigured":
             out["hint"] = ("this node is not in a cluster: run `fusionctl init` to create one, "
                            "or `fusionctl join TOKEN` with a token from a member "
@@ -447,10 +448,10 @@ class Daemon:
     def links(self) -> dict[str, Any]:
         if self.cluster is None:
             return {"node_id": self.node_id, "members": [], "links": {}}
-        view = self.cluster.view()
+        view = view_json(self.cluster.view())
         return {"node_id": self.node_id,
-                "members": [m.node_id for m in view.members],
-                "links": getattr(view, "links", {})}
+                "members": [m["node_id"] for m in view["members"]],
+                "links": view["links"]}
 
     def paths(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -521,7 +522,7 @@ class Daemon:
 
     async def _join_address(self, address: str) -> dict[str, Any]:
         try:
-            addr = parse_hostport(address, default_port=7420)
+            addr = parse_hostport(address, default_port=DEFAULT_PEER_PORT)
         except ValueError as e:
             raise ApiError(400, "bad_request", str(e)) from None
         if not self._has_credentials():
@@ -613,15 +614,36 @@ def _net_config(cls: Any, cfg: DaemonConfig) -> Any:
     )
 
 
+CLUSTER_CONFIG_NOT_CONFIGURABLE = frozenset({"mdns_service"})
+"""ClusterConfig fields the daemon leaves at their default (tests assert every other field has
+a [cluster] key of the same name, so no knob of the cluster service is out of reach)."""
+
+
 def _cluster_config(cls: Any, cfg: DaemonConfig, bootstrap: list[str]) -> Any:
-    """Map the [cluster] section onto ClusterConfig by field name; bootstrap as (host, port)."""
+    """The [cluster] section as ClusterConfig: same field names; bootstrap as (host, port)."""
     import dataclasses
 
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name for f in dataclasses.fields(cls)} - CLUSTER_CONFIG_NOT_CONFIGURABLE
     values: dict[str, Any] = dataclasses.asdict(cfg.cluster)
-    values["bootstrap"] = [parse_hostport(b, default_port=7420) for b in bootstrap]
-    values["mdns_interfaces"] = list(cfg.cluster.mdns_interfaces) or None
+    values["bootstrap"] = tuple(parse_hostport(b, default_port=DEFAULT_PEER_PORT)
+                                for b in bootstrap)
+    values["mdns_interfaces"] = tuple(cfg.cluster.mdns_interfaces) or None
     return cls(**{k: v for k, v in values.items() if k in names})
+
+
+def view_json(view: Any) -> dict[str, Any]:
+    """A ClusterView as JSON: links keyed (src, dst) become {src: {dst: {bandwidth_bps,
+    rtt_s}}} (JSON has no tuple keys)."""
+    import dataclasses
+
+    out: dict[str, Any] = {f.name: to_jsonable(getattr(view, f.name))
+                           for f in dataclasses.fields(view) if f.name != "links"}
+    links: dict[str, dict[str, dict[str, float]]] = {}
+    for (src, dst), (bw, rtt) in dict(getattr(view, "links", {}) or {}).items():
+        links.setdefault(str(src), {})[str(dst)] = {"bandwidth_bps": float(bw),
+                                                    "rtt_s": float(rtt)}
+    out["links"] = links
+    return out
 
 
 def _fmt_addr(addr: tuple[str, int] | tuple[Any, ...] | None) -> str:

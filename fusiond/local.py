@@ -35,9 +35,11 @@ DEV_SETTINGS: dict[str, Any] = {
             "backoff_initial_s": 0.1, "backoff_max_s": 1.0},
     "metrics": {"listen": "127.0.0.1:0"},
     "cluster": {"mdns": True, "mdns_interfaces": ["127.0.0.1"], "gossip_interval_s": 0.3,
-                "suspect_timeout_s": 1.5, "dead_timeout_s": 3.0, "election_timeout_s": 1.0,
-                "probe_interval_s": 10.0, "probe_duration_s": 0.05,
-                "bootstrap_retry_s": 0.5},
+                "suspect_after_s": 1.5, "dead_after_s": 3.0, "election_timeout_s": 1.0,
+                "leader_heartbeat_s": 0.2, "leader_lease_s": 0.8, "election_stagger_s": 0.3,
+                "election_jitter_s": 0.1, "election_grace_s": 1.0,
+                "probe_interval_s": 10.0, "probe_target_s": 0.05, "probe_repeats": 1,
+                "probe_max_bytes": 4 << 20, "bootstrap_retry_s": 0.5},
 }
 """Short timers so a local cluster converges in seconds; everything else is the default."""
 

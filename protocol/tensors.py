@@ -68,6 +68,8 @@ LZ4_SAMPLE_CHUNKS: Final = 4
 DEFAULT_BLOCK_SIZE: Final = 256
 """int8 quantization block: 256 elements share one float32 scale (1.6 % overhead)."""
 MAX_BLOCK_SIZE: Final = 1 << 24
+_CHUNK: Final = 1 << 16
+"""Elements per chunk of the multi-pass encoders: their temporaries stay in the CPU cache."""
 
 _HEAD = struct.Struct("<2sBBBBBBIIQ")  # magic ver enc dtype flags rank nsec hdrlen block k
 _DIM = struct.Struct("<Q")
@@ -295,20 +297,29 @@ def _maybe_lz4(view: memoryview, compress: str) -> tuple[memoryview, bool]:
 
 
 def _to_bf16_bits(x: NDArray) -> npt.NDArray[np.uint16]:
-    """float32 -> bfloat16 bit patterns, round to nearest even; NaN stays (quiet) NaN."""
-    x32 = np.asarray(x, dtype=np.float32)
-    u = x32.view(np.uint32)
-    t = u >> np.uint32(16)
-    t &= np.uint32(1)
-    t += np.uint32(0x7FFF)
-    t += u  # wraps only for negative NaNs, fixed below
-    t >>= np.uint32(16)
-    bits = t.astype(np.uint16)
-    nan = np.isnan(x32)
-    if nan.any():
+    """float32 -> bfloat16 bit patterns, round to nearest even; NaN stays (quiet) NaN.
+
+    Works in cache-sized chunks: the rounding takes five passes, which from RAM would cost
+    five trips over the whole array.
+    """
+    u = np.ascontiguousarray(x, dtype=np.float32).reshape(-1).view(np.uint32)
+    bits = np.empty(u.size, dtype=np.uint16)
+    t = np.empty(min(u.size, _CHUNK), dtype=np.uint32)
+    for start in range(0, u.size, _CHUNK):
+        uc = u[start : start + _CHUNK]
+        tc = t[: uc.size]
+        np.right_shift(uc, np.uint32(16), out=tc)
+        tc &= np.uint32(1)
+        tc += np.uint32(0x7FFF)
+        tc += uc  # wraps only for negative NaNs, fixed below
+        tc >>= np.uint32(16)
+        bits[start : start + _CHUNK] = tc
+    # NaN <=> exponent all ones and mantissa non-zero: (u & 0x7fffffff) > 0x7f800000.
+    nan = np.flatnonzero((u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000))
+    if nan.size:
         # Rounding can carry a NaN's payload into the exponent (-> inf); force a quiet NaN.
         bits[nan] = ((u[nan] >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
-    return bits
+    return bits.reshape(np.shape(x))
 
 
 def _from_bf16_bits(bits: NDArray) -> npt.NDArray[np.float32]:
@@ -646,41 +657,48 @@ def _check_indices(indices: NDArray, n: int, k: int | None) -> NDArray:
 
 
 def _quantize_int8(arr: NDArray, block: int) -> tuple[NDArray, NDArray]:
-    """Per-block absmax int8: scale = absmax/127, q = rint(x/scale); returns (scales, q)."""
-    with np.errstate(over="ignore"):  # float64 beyond float32 range -> inf, refused below
-        x = arr.astype(np.float32, copy=False)
-    n = x.size
-    nblocks = -(-n // block)
-    scales = np.empty(nblocks, dtype=np.float32)
-    q = np.empty(n, dtype=np.int8)
+    """Per-block absmax int8 of flat `arr`: scale = absmax/127, q = rint(x/scale).
+
+    Returns (scales float32 per block, q int8 per element). Processes whole blocks in
+    cache-sized chunks.
+    """
+    n = arr.size
     full = n // block
-    parts: list[tuple[NDArray, slice, slice]] = []
-    if full:
-        parts.append(
-            (x[: full * block].reshape(full, block), slice(0, full), slice(0, full * block))
+    scales = np.empty(-(-n // block), dtype=np.float32)
+    q = np.empty(n, dtype=np.int8)
+    rows = max(1, _CHUNK // block)
+    for r0 in range(0, full, rows):
+        r1 = min(full, r0 + rows)
+        _quantize_rows(
+            arr[r0 * block : r1 * block].reshape(r1 - r0, block),
+            scales[r0:r1],
+            q[r0 * block : r1 * block].reshape(r1 - r0, block),
         )
     if n % block:
-        parts.append(
-            (x[full * block :].reshape(1, -1), slice(full, full + 1), slice(full * block, n))
-        )
-    for xb, srange, qrange in parts:
-        absmax = np.abs(xb).max(axis=1)
-        if not np.isfinite(absmax).all():
-            raise LocalProtocolError(
-                "int8 quantization needs finite values within float32 range (found inf or nan)"
-            )
-        scale = absmax / np.float32(127.0)
-        # Rounding may leave 127 * scale just above absmax (inf near float32 max): step down.
-        with np.errstate(over="ignore"):
-            high = scale * np.float32(127.0) > absmax
-        scale[high] = np.nextafter(scale[high], np.float32(0.0))
-        # Divide (not multiply by 1/scale): 1/scale overflows for subnormal scales.
-        qf = xb / np.where(scale > 0, scale, np.float32(1.0))[:, None]
-        np.rint(qf, out=qf)
-        np.clip(qf, -127, 127, out=qf)
-        scales[srange] = scale
-        q[qrange] = qf.reshape(-1)
+        _quantize_rows(arr[full * block :].reshape(1, -1), scales[full:], q[full * block :][None])
     return scales, q
+
+
+def _quantize_rows(xb: NDArray, scales: NDArray, q: NDArray) -> None:
+    """Quantize the blocks that are the rows of `xb` into `scales` and `q` (in place)."""
+    with np.errstate(over="ignore"):  # float64 beyond float32 range -> inf, refused below
+        x = xb.astype(np.float32, copy=False)
+    absmax = np.abs(x).max(axis=1)
+    if not np.isfinite(absmax).all():
+        raise LocalProtocolError(
+            "int8 quantization needs finite values within float32 range (found inf or nan)"
+        )
+    scale = absmax / np.float32(127.0)
+    # Rounding may leave 127 * scale just above absmax (inf near float32 max): step down.
+    with np.errstate(over="ignore"):
+        high = scale * np.float32(127.0) > absmax
+    scale[high] = np.nextafter(scale[high], np.float32(0.0))
+    # Divide (not multiply by 1/scale): 1/scale overflows for subnormal scales.
+    qf = x / np.where(scale > 0, scale, np.float32(1.0))[:, None]
+    np.rint(qf, out=qf)
+    np.clip(qf, -127, 127, out=qf)
+    scales[...] = scale
+    q[...] = qf
 
 
 # --------------------------------------------------------------------------------------------

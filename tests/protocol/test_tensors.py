@@ -176,6 +176,21 @@ def test_int8_error_is_within_half_a_step(arr: NDArray, block: int) -> None:
     assert np.all(err <= tol)
 
 
+def test_int8_and_bf16_large_arrays_span_chunks() -> None:
+    """The encoders work in chunks: a tensor over several chunks matches a one-shot reference."""
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal(3 * T._CHUNK + 17) * rng.uniform(0, 5, 1)).astype(np.float32)
+    block = 7
+    out = roundtrip(T.encode(x, "int8", block_size=block))
+    pad = np.concatenate([x, np.zeros((-x.size) % block, np.float32)]).reshape(-1, block)
+    scale = np.abs(pad).max(axis=1) / np.float32(127)
+    want = (np.rint(pad / scale[:, None]) * scale[:, None]).reshape(-1)[: x.size]
+    assert np.allclose(out, want, rtol=1e-6, atol=1e-7)
+    torch = pytest.importorskip("torch")
+    bf = roundtrip(T.encode(x, "bf16"))
+    assert np.array_equal(bf, torch.from_numpy(x).to(torch.bfloat16).float().numpy())
+
+
 def test_int8_rejects_non_finite() -> None:
     with pytest.raises(LocalProtocolError, match="finite"):
         T.encode(np.array([1.0, np.inf], np.float32), "int8")

@@ -188,22 +188,27 @@ class FrameDecoder:
         """True between frames: no partial frame is buffered (a clean place to close)."""
         return not self._head and self._fixed is None
 
-    def feed(self, data: Buffer) -> list[Frame]:
-        """Consume `data`; return the frames it completed, in order. Raises ProtocolError."""
+    def feed(self, data: Buffer, *, owned: bool = False) -> list[Frame]:
+        """Consume `data`; return the frames it completed, in order. Raises ProtocolError.
+
+        `owned=True`: the caller hands `data` over and never mutates it again, so payloads
+        that lie wholly inside it are views into it even if it is not `bytes` (a transport
+        that receives a large payload straight into a buffer of its own uses this).
+        """
         if self._error is not None:
             raise self._error
         try:
-            return self._feed(data)
+            return self._feed(data, owned)
         except ProtocolError as exc:
             self._error = exc
             raise
 
     # -- internals -----------------------------------------------------------------------
 
-    def _feed(self, data: Buffer) -> list[Frame]:
-        # Only an immutable bytes object may be viewed past this call; anything else may be
-        # reused by the caller, so payloads from it are copied.
-        zero_copy = type(data) is bytes
+    def _feed(self, data: Buffer, owned: bool = False) -> list[Frame]:
+        # Only an immutable bytes object (or an owned buffer) may be viewed past this call;
+        # anything else may be reused by the caller, so payloads from it are copied.
+        zero_copy = owned or type(data) is bytes
         mv = _as_bytes_view(data)
         end = mv.nbytes
         self.bytes_fed += end

@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import msgpack
@@ -34,6 +36,7 @@ from protocol.messages import (
     Ack,
     Assign,
     Backward,
+    EdgeRoute,
     Error,
     Forward,
     Gossip,
@@ -478,3 +481,41 @@ def test_handshake_misuse_is_a_local_error() -> None:
 def test_link_measurement_is_validated() -> None:
     lm = LinkMeasurement("p", 1e9, 0.02, 1.7e9)
     assert LinkMeasurement.from_wire(lm.to_wire()) == lm
+
+
+# --- docs/protocol.md is the spec: keep it in step with the code ------------------------------
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
+
+
+def doc_section(text: str, heading: str) -> str:
+    start = text.index(heading)
+    ends = [i for i in (text.find("\n\n**", start), text.find("\n## ", start)) if i > 0]
+    return text[start : min(ends, default=len(text))]
+
+
+@pytest.mark.parametrize("cls", KINDS)
+def test_docs_list_every_message_with_its_id_and_fields(cls: type[Message]) -> None:
+    text = DOC.read_text()
+    name, tid = cls.__name__, cls.TYPE_ID
+    lane = "**BULK**" if cls.lane is Lane.BULK else "CONTROL"
+    assert f"| {tid} | {name} | {lane} |" in text, f"add {name} to the table in {DOC}"
+    section = doc_section(text, f"**{tid} {name}**")
+    for field_name, _label, _required in cls.wire_fields():
+        assert f"`{field_name}`" in section, f"{DOC}: {name} does not list `{field_name}`"
+
+
+@pytest.mark.parametrize("cls", [LinkMeasurement, NodeProfile, MemberEntry, EdgeRoute])
+def test_docs_list_every_record_field(cls: type[Struct]) -> None:
+    section = doc_section(DOC.read_text(), f"**{cls.__name__}**")
+    for field_name, _label, _required in cls.wire_fields():
+        assert f"| `{field_name}` |" in section, f"{cls.__name__}.{field_name} not in {DOC}"
+
+
+def test_docs_example_frames_are_byte_exact() -> None:
+    text = DOC.read_text().split("## Examples", 1)[1]
+    dumps = re.findall(r"```\n(.*?)```", text, re.S)
+    got = [bytes.fromhex(" ".join(line[6:53] for line in dump.splitlines())) for dump in dumps[:2]]
+    assert got[0] == frame_bytes(encode_message(Ping(request_id=1, sent_at=0.5)))
+    fwd = Forward(job_id="j", plan_version=1, iteration=2, microbatch=3, edge="e")
+    assert got[1] == frame_bytes(encode_message(fwd, [b"\x00\x01\x02\x03"], payload_check=False))

@@ -161,6 +161,16 @@ def test_whole_payload_in_one_bytes_chunk_is_zero_copy() -> None:
     assert bytes(g.payload) == b"z" * 100_000
 
 
+def test_owned_buffers_are_viewed_not_copied() -> None:
+    data = bytearray(frame_bytes(encode_frame(14, b"\x80", [b"w" * 5000])))
+    dec = FrameDecoder()
+    [f] = dec.feed(data, owned=True)
+    assert f.payload.obj is data and bytes(f.payload) == b"w" * 5000
+    # Split across feeds, an owned buffer's payload is still gathered into one buffer.
+    [g] = dec.feed(data[:100], owned=True) + dec.feed(data[100:], owned=True)
+    assert bytes(g.payload) == b"w" * 5000
+
+
 def test_split_payload_is_preallocated_once_at_declared_size() -> None:
     size = 3 << 20
     data = frame_bytes(encode_frame(14, b"\x80", [b"q" * size]))

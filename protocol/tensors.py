@@ -977,6 +977,8 @@ def _decode_indices(stream: NDArray, desc: TensorDescriptor) -> npt.NDArray[np.i
     n = desc.numel
     k = desc.k
     if desc.sections[1].kind is SectionKind.INDEX_BITMAP:
+        if n % 8 and int(stream[-1]) >> (n % 8):
+            raise RemoteProtocolError("topk bitmap has bits set past the last element")
         mask = np.unpackbits(stream, count=n, bitorder="little")
         idx = np.flatnonzero(mask)
         if idx.size != k:

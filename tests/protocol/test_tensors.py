@@ -583,6 +583,10 @@ def test_descriptor_field_errors_name_the_field() -> None:
     bad_bool = T.encode(np.zeros(4, np.bool_), compress="none").tobytes()[:-1] + b"\x02"
     with pytest.raises(RemoteProtocolError, match="bool"):
         T.decode(bad_bool)
+    bitmap = bytearray(T.encode(np.arange(1.0, 13.0, dtype=np.float32), "topk", k=12).tobytes())
+    bitmap[-1] |= 0x80  # 12 elements: bits 12..15 of the second byte are padding
+    with pytest.raises(RemoteProtocolError, match="past the last element"):
+        T.decode(bytes(bitmap))
     # top-k indices out of range for the shape
     topk = bytearray(T.encode(np.arange(1000, dtype=np.float32), "topk", k=1).tobytes())
     topk[-1] = 0x7F

@@ -35,12 +35,14 @@ import logging
 import random
 import socket
 import ssl
+import struct
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, cast
 
+import numpy as np
 from cryptography.hazmat.primitives import serialization
 
 from fusiond.errors import ConfigError, LocalError, RemoteError
@@ -48,7 +50,7 @@ from fusiond.net import tls as tlsmod
 from fusiond.net.pki import JoinAuthority, JoinTokenError, PKIError, TLSMaterial
 from protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
 from protocol.errors import ProtocolError
-from protocol.frames import FrameDecoder
+from protocol.frames import FIXED_HEADER_SIZE, Frame, FrameDecoder
 from protocol.handshake import Handshake, Role
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import (
@@ -108,6 +110,8 @@ class NetConfig:
     inbox_frames: int = 64
     """Decoded messages waiting for the handler per connection before reading pauses."""
     bulk_chunk_bytes: int = 1 * _MiB
+    direct_payload_bytes: int = 64 << 10
+    """Payloads at least this large are received straight into their own buffer."""
     write_high_water_bytes: int = 4 * _MiB
     limits: Limits = DEFAULT_LIMITS
     payload_check: bool | None = None
@@ -190,8 +194,23 @@ def _fmt(addr: Any) -> str:
     return str(addr)
 
 
-class _Conn(asyncio.Protocol):
-    """One TCP/TLS connection: frame decoding, an inbox for the handler, write flow control."""
+_FIXED_LEN: Final = FIXED_HEADER_SIZE
+_HEADER_LEN: Final = struct.Struct("<I")  # message header length, at offset 8
+_PAYLOAD_LEN: Final = struct.Struct("<Q")  # payload length, at offset 16
+_SCRATCH_BYTES: Final = 256 << 10
+_PH_FIXED, _PH_HEADER, _PH_SMALL, _PH_BIG = range(4)
+
+
+class _Conn(asyncio.BufferedProtocol):
+    """One TCP/TLS connection: frame decoding, an inbox for the handler, write flow control.
+
+    Receive path: bytes land in a reused 256 KiB scratch buffer; the fixed header and the
+    message header are fed to the FrameDecoder (which checks magic, version, limits and the
+    header checksum before anything is allocated); a payload of at least
+    `NetConfig.direct_payload_bytes` is then received straight into one buffer of its exact
+    size (numpy.empty: no zeroing pass), which the decoder adopts without copying
+    (`feed(owned=True)`): one copy from the kernel (or TLS) into the tensor's final memory.
+    """
 
     def __init__(self, net: PeerNetwork, *, inbound: bool, lane: Lane | None = None) -> None:
         self.net = net
@@ -215,6 +234,21 @@ class _Conn(asyncio.Protocol):
         self._paused_reading = False
         self.version = PROTOCOL_VERSION
         self.bytes_in = 0
+        self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
+        self._phase = _PH_FIXED
+        self._acc = bytearray()
+        self._need = _FIXED_LEN
+        self._payload_len = 0
+        self._left = 0
+        self._big: memoryview | None = None
+        self._big_filled = 0
+        self._direct = net.config.direct_payload_bytes
+        self._aborted = False
+
+    @property
+    def mid_frame(self) -> bool:
+        """Part of a frame has arrived and the rest has not."""
+        return self._phase != _PH_FIXED or bool(self._acc)
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -240,12 +274,12 @@ class _Conn(asyncio.Protocol):
         if self.handshake_timer is not None:
             self.handshake_timer.cancel()
         self._can_write.set()
-        if not self.decoder.idle and self.peer is not None and not self.net._closing:
+        quiet = self.net._closing or self._aborted  # abort() already logged why
+        if self.mid_frame and self.peer is not None and not quiet:
             log.warning(
-                "connection from %s (%s) closed mid-frame with %d bytes of a frame buffered",
-                self.peername, self.peer.node_id, self.decoder.buffered,
+                "connection from %s (%s) closed mid-frame", self.peername, self.peer.node_id
             )
-        elif not self.decoder.idle and not self.net._closing:
+        elif self.mid_frame and not quiet:
             log.warning("connection from %s closed mid-frame", self.peername)
         if not self.first_frame.done():
             self.first_frame.set_exception(
@@ -263,17 +297,92 @@ class _Conn(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._can_write.set()
 
-    def data_received(self, data: bytes) -> None:
-        self.bytes_in += len(data)
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._big is not None:
+            return self._big[self._big_filled :]
+        return self._scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.bytes_in += nbytes
         if self.peer is not None:
-            self.peer.bytes_received += len(data)
+            self.peer.bytes_received += nbytes
         try:
-            frames = self.decoder.feed(data)
-            msgs = [decode_message(f) for f in frames]
+            if self._big is not None:
+                self._big_filled += nbytes
+                frames = self._finish_big() if self._big_filled == self._payload_len else []
+            else:
+                frames = self._process(self._scratch[:nbytes])
+            msgs = [decode_message(f, self.net.config.limits) for f in frames]
         except ProtocolError as e:
             who = self.peer.node_id if self.peer is not None else "unauthenticated peer"
             self.abort(f"bad frame from {self.peername} ({who}): {e}")
             return
+        self._deliver(msgs)
+
+    def _finish_big(self) -> list[Frame]:
+        assert self._big is not None
+        frames = self.decoder.feed(self._big, owned=True)
+        self._big = None
+        self._phase = _PH_FIXED
+        return frames
+
+    def _process(self, data: memoryview) -> list[Frame]:
+        """Split received bytes along frame boundaries (see the class docstring)."""
+        frames: list[Frame] = []
+        pos, end = 0, data.nbytes
+        dec = self.decoder
+        while True:
+            ph = self._phase
+            if ph in (_PH_FIXED, _PH_HEADER):
+                if len(self._acc) < self._need:
+                    if pos >= end:
+                        return frames
+                    take = min(self._need - len(self._acc), end - pos)
+                    self._acc += data[pos : pos + take]
+                    pos += take
+                    if len(self._acc) < self._need:
+                        return frames
+                if ph == _PH_FIXED:
+                    # The decoder validates the fixed header (magic, version, limits) now,
+                    # before we accumulate a header or allocate a payload it declares.
+                    frames += dec.feed(bytes(self._acc))
+                    header_len = _HEADER_LEN.unpack_from(self._acc, 8)[0]
+                    self._payload_len = _PAYLOAD_LEN.unpack_from(self._acc, 16)[0]
+                    self._acc.clear()
+                    self._need = header_len
+                    self._phase = _PH_HEADER
+                    continue
+                frames += dec.feed(bytes(self._acc))  # header checksum verified here
+                self._acc.clear()
+                self._need = _FIXED_LEN
+                n = self._payload_len
+                if n == 0:
+                    self._phase = _PH_FIXED
+                elif n >= self._direct:
+                    self._big = np.empty(n, dtype=np.uint8).data
+                    take = min(n, end - pos)
+                    self._big[:take] = data[pos : pos + take]
+                    pos += take
+                    self._big_filled = take
+                    self._phase = _PH_BIG
+                    if take == n:
+                        frames += self._finish_big()
+                else:
+                    self._left = n
+                    self._phase = _PH_SMALL
+            elif ph == _PH_SMALL:
+                if pos >= end:
+                    return frames
+                take = min(self._left, end - pos)
+                frames += dec.feed(bytes(data[pos : pos + take]))
+                pos += take
+                self._left -= take
+                if self._left == 0:
+                    self._phase = _PH_FIXED
+            else:  # _PH_BIG continues in get_buffer/buffer_updated
+                return frames
+
+    def _deliver(self, msgs: list[Message]) -> None:
         for msg in msgs:
             if not self.first_frame.done():
                 self.first_frame.set_result(msg)
@@ -309,6 +418,7 @@ class _Conn(asyncio.Protocol):
         """Close this connection now with one log line (unless it is already going)."""
         if self.transport is None or self.transport.is_closing():
             return
+        self._aborted = True
         if not self.net._closing:
             log.warning("closing connection: %s", why)
         if self.peer is not None:

@@ -300,3 +300,51 @@ async def test_close_is_idempotent(net_factory: NetFactory) -> None:
     await a.connect(b.address)
     await a.close()
     await a.close()
+
+
+async def test_any_chunking_of_mixed_frames(net_factory: NetFactory) -> None:
+    """Small and large frames, cut at random points, arrive intact and in order."""
+    import random
+
+    rng = random.Random(5)
+    inbox = Inbox()
+    b = await net_factory("b", handler=inbox)
+    hello = Hello(node_id="r", cluster_id="c-test", min_version=1, max_version=1,
+                  address=("127.0.0.1", 1))
+    sizes = [0, 1, 100, 65535, 65536, 70000, 1 << 20, 3, (1 << 20) + 7]
+    payloads = [bytes(rng.getrandbits(8) for _ in range(min(s, 64))) * (s // 64 + 1)
+                for s in sizes]
+    payloads = [p[:s] for p, s in zip(payloads, sizes, strict=True)]
+    stream = b"".join(encode_message(hello))
+    for i, p in enumerate(payloads):
+        stream += b"".join(encode_message(ProbeData(probe_id=i, seq=i, count=len(sizes)), [p]))
+    _reader, writer = await asyncio.open_connection(*b.address)
+    pos = 0
+    while pos < len(stream):
+        step = rng.choice([1, 7, 40, 41, 1000, 65536, 300000])
+        writer.write(stream[pos : pos + step])
+        await writer.drain()
+        pos += step
+    items = await inbox.wait_for(len(sizes))
+    writer.close()
+    for i, (_, msg) in enumerate(items):
+        assert isinstance(msg, ProbeData) and msg.seq == i
+        assert bytes(msg.payload) == payloads[i]
+
+
+async def test_corrupt_large_payload_closes_connection(
+    net_factory: NetFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    inbox = Inbox()
+    b = await net_factory("b", handler=inbox)
+    hello = Hello(node_id="r", cluster_id="c-test", min_version=1, max_version=1,
+                  address=("127.0.0.1", 1))
+    frame = bytearray(b"".join(encode_message(ProbeData(probe_id=1, seq=0, count=1),
+                                              [bytes(1 << 20)])))
+    frame[-5] ^= 0xFF  # flip a payload bit: the xxh3 payload check must catch it
+    with caplog.at_level(logging.WARNING, "fusiond.net"):
+        got = await _raw_client(b.address, b"".join(encode_message(hello)) + frame, close=False)
+    assert got.startswith(b"FSN")  # the HelloAck, then the server closed the connection
+    lines = [r.getMessage() for r in caplog.records if "r)" in r.getMessage()]
+    assert len(lines) == 1 and "payload check failed" in lines[0], lines
+    assert not inbox.items

@@ -51,7 +51,7 @@ class Cluster:
             st = n.status(1.0)
             return st is not None and st["node"]["phase"] == "running"
 
-        ok, why, _ = wait_until(lambda: (all(running(n) for n in nodes), "starting"), timeout)
+        ok, _why, _ = wait_until(lambda: (all(running(n) for n in nodes), "starting"), timeout)
         assert ok, self.explain("daemons did not start")
 
     def address(self, node: LocalNode) -> str:

@@ -8,6 +8,7 @@ without credentials, of another cluster, of another protocol version, and of gar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import ssl
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from fusiond.local import LocalNode, agreement, merge, summary
+from fusiond.local import agreement, merge, summary
 from tests.daemon.harness import AGREE_S, TIMERS, Cluster, iter_members, state_of
 
 pytestmark = [pytest.mark.multidaemon, pytest.mark.timeout(180)]
@@ -74,7 +75,7 @@ def test_five_daemons_agree_by_one_bootstrap_address(
         make_cluster: Callable[..., Cluster]) -> None:
     c = make_cluster(5)
     _start_by_bootstrap(c)
-    agreed, took = c.wait_agreement(timeout=AGREE_S)
+    agreed, _took = c.wait_agreement(timeout=AGREE_S)
     assert len(agreed["alive"]) == 5
     sources = {m["source"] for n in c.nodes for m in iter_members(n.status())}
     assert "mdns" not in sources, sources
@@ -182,15 +183,13 @@ async def _wrong_version(addr: tuple[str, int], state: Path, ca_dir: Path) -> st
 async def _raw(addr: tuple[str, int], data: bytes, ctx: ssl.SSLContext | None) -> None:
     """Open a connection (TLS with a valid cluster certificate when `ctx`), send `data`, and
     hang up without finishing the frame."""
-    reader, writer = await asyncio.open_connection(addr[0], addr[1], ssl=ctx)
+    _reader, writer = await asyncio.open_connection(addr[0], addr[1], ssl=ctx)
     writer.write(data)
     await writer.drain()
     await asyncio.sleep(0.3)
     writer.close()
-    try:
+    with contextlib.suppress(OSError, ssl.SSLError):
         await writer.wait_closed()
-    except (OSError, ssl.SSLError):
-        pass
 
 
 @pytest.mark.slow

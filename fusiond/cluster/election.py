@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -158,6 +158,7 @@ class Election:
         self._lead_since = 0.0
         self._next_heartbeat = 0.0
         self._acks: dict[str, float] = {}
+        self._voters_seen: set[str] = set()
         self._sent: dict[int, float] = {}
         self.enabled = True
         """False once this node has left or been removed: it neither campaigns nor votes."""
@@ -220,13 +221,20 @@ class Election:
 
     # -- periodic ------------------------------------------------------------------------------
 
-    def tick(self, now: float, *, voters: Collection[str], ranked_alive: list[str],
+    def tick(self, now: float, *, voters: Collection[str],
+             ranked_alive: Sequence[str] | Callable[[], Sequence[str]],
              reachable: Collection[str]) -> list[Out]:
-        """Advance timers. `ranked_alive`: live voters best first (us included if alive);
-        `reachable`: voters worth sending to (not dead)."""
+        """Advance timers. `ranked_alive`: live voters best first (us included if alive), or a
+        function computing it only when needed; `reachable`: voters worth sending to."""
         out: list[Out] = []
         t = self.timing
         if self.role == "leader":
+            for v in voters:
+                if v not in self._voters_seen:
+                    # A voter that just joined gets one lease period to ack before it counts
+                    # against us: otherwise every join would depose the leader.
+                    self._voters_seen.add(v)
+                    self._acks.setdefault(v, now)
             fresh = 1 + sum(1 for v in voters if v != self.node_id
                             and self._acks.get(v, -math.inf) >= now - t.lease_s)
             if fresh < majority(voters) and now - self._lead_since >= t.lease_s:
@@ -249,9 +257,9 @@ class Election:
             return out
         # The leader that just went silent is probably dead though still "alive" in gossip:
         # rank without it (but never without ourselves, e.g. a leader that lost its lease).
-        candidates = [n for n in ranked_alive
-                      if n != self._lost_leader or n == self.node_id]
-        if self.node_id not in candidates or len(ranked_alive) < majority(voters):
+        ranked = ranked_alive() if callable(ranked_alive) else ranked_alive
+        candidates = [n for n in ranked if n != self._lost_leader or n == self.node_id]
+        if self.node_id not in candidates or len(ranked) < majority(voters):
             return out  # not alive in our own view (left) or no quorum visible: never campaign
         position = candidates.index(self.node_id)
         if now < self._no_leader_since + position * t.stagger_s + self._jitter:
@@ -281,16 +289,18 @@ class Election:
         self._pending_term = self.term
         self._grants = {self.node_id}
         if len(self._grants) >= majority(voters):
-            return self._become_leader(now, reachable)
+            return self._become_leader(now, voters, reachable)
         msg = VoteRequest(request_id=self._pending_rid, term=self.term, candidate=self.node_id)
         return [(p, msg) for p in reachable if p != self.node_id and p in voters]
 
-    def _become_leader(self, now: float, reachable: Collection[str]) -> list[Out]:
+    def _become_leader(self, now: float, voters: Collection[str],
+                       reachable: Collection[str]) -> list[Out]:
         self.role = "leader"
         self._leader = self.node_id
         self._lost_leader = None
         self._lead_since = now
         self._acks = {v: now for v in self._grants}
+        self._voters_seen = set(voters)
         return self._heartbeat(now, reachable)
 
     def _heartbeat(self, now: float, reachable: Collection[str]) -> list[Out]:
@@ -367,7 +377,7 @@ class Election:
                 and msg.term == self.term and msg.granted):
             self._grants.add(peer)
             if len(self._grants) >= majority(voters):
-                return self._become_leader(now, reachable)
+                return self._become_leader(now, voters, reachable)
         return []
 
     def on_leader(self, peer: str, msg: Leader, now: float,

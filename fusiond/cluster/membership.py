@@ -11,6 +11,8 @@ a newer one replaces an older one and refreshes the local "last heard" time of t
   member alive).
 - Incarnation: the node's start time in milliseconds, so a restarted node's records supersede
   its old ones and it is alive again at once.
+- Profiles and links change rarely, so most gossip entries leave them out (`ELIDED`); a
+  newer record without them keeps the ones already known.
 - ``left`` is authoritative and sticky for an incarnation: set by the member itself (leave) or
   by an operator (remove). A node that learns it was removed accepts it and stops voting; it
   rejoins only by restarting (a new incarnation).
@@ -19,7 +21,9 @@ a newer one replaces an older one and refreshes the local "last heard" time of t
 
 from __future__ import annotations
 
+import dataclasses
 import time
+import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -29,6 +33,10 @@ MemberState = Literal["alive", "suspect", "dead", "left"]
 MemberSource = Literal["mdns", "bootstrap", "gossip", "self"]
 Link = tuple[float, float]
 """(bandwidth in bits per second, RTT in seconds) of one measured link."""
+
+ELIDED: Mapping[str, Any] = types.MappingProxyType({})
+"""Marks a record that carried no profile and no links (a heartbeat-only gossip entry): merging
+it keeps the profile and links already known. Compare with ``is``."""
 
 _SOURCE_RANK: dict[MemberSource, int] = {"gossip": 0, "bootstrap": 1, "mdns": 2, "self": 3}
 
@@ -206,6 +214,10 @@ class Membership:
                     behind = True
                 continue
             member = self._members.get(rec.node_id)
+            if rec.profile is ELIDED:
+                rec = dataclasses.replace(
+                    rec, profile=member.record.profile if member else {},
+                    links=member.record.links if member else {})
             if member is None:
                 state: MemberState
                 if rec.state == "left":

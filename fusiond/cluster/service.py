@@ -23,6 +23,7 @@ from fusiond.cluster.discovery import SERVICE_TYPE, BootstrapDialer, MdnsDiscove
 from fusiond.cluster.election import Election, ElectionTiming, majority, rank_order
 from fusiond.cluster.errors import UnknownMemberError
 from fusiond.cluster.membership import (
+    ELIDED,
     Address,
     Link,
     MemberRecord,
@@ -79,6 +80,8 @@ class ClusterConfig:
     gossip_interval_s: float = 0.5
     gossip_fanout: int = 3
     """Random live peers each gossip round goes to (plus one dead one, to heal partitions)."""
+    gossip_full_every: int = 4
+    """Every n-th round carries profiles and links; the others only heartbeats."""
     suspect_after_s: float = 2.0
     dead_after_s: float = 5.0
     probe_interval_s: float = 30.0
@@ -120,7 +123,8 @@ class ClusterConfig:
             if f.name.endswith("_s") and not (isinstance(value, int | float) and value > 0
                                               and math.isfinite(value)):
                 raise ConfigError(f"cluster.{f.name} must be a positive number, got {value!r}")
-        for name in ("gossip_fanout", "probe_repeats", "probe_max_bytes", "probe_min_bytes"):
+        for name in ("gossip_fanout", "gossip_full_every", "probe_repeats", "probe_max_bytes",
+                     "probe_min_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"cluster.{name} must be at least 1")
         if not self.suspect_after_s < self.dead_after_s:
@@ -224,17 +228,17 @@ def profile_from_wire(profile: NodeProfile | None) -> dict[str, Any]:
     return {k: getattr(profile, k) for k in _PROFILE_FIELDS if k != "extra"}
 
 
-def record_to_wire(rec: MemberRecord) -> MemberEntry:
-    """A membership record as a gossip entry."""
+def record_to_wire(rec: MemberRecord, full: bool = True) -> MemberEntry:
+    """A membership record as a gossip entry; without profile and links unless `full`."""
     return MemberEntry(
         node_id=rec.node_id,
         address=rec.address,
         incarnation=rec.incarnation,
         heartbeat=rec.heartbeat,
         state=WireState(rec.state),
-        profile=profile_to_wire(rec.node_id, rec.profile),
+        profile=profile_to_wire(rec.node_id, rec.profile) if full else None,
         links=tuple(LinkMeasurement(peer=p, bandwidth_bps=bw, rtt_s=rtt)
-                    for p, (bw, rtt) in sorted(rec.links.items())),
+                    for p, (bw, rtt) in sorted(rec.links.items())) if full else (),
     )
 
 
@@ -252,7 +256,8 @@ def record_from_wire(entry: MemberEntry) -> MemberRecord:
         incarnation=entry.incarnation,
         heartbeat=entry.heartbeat,
         state=_STATE_FROM_WIRE[entry.state],
-        profile=profile_from_wire(entry.profile),
+        # No profile: a heartbeat-only entry, which also leaves the links out.
+        profile=profile_from_wire(entry.profile) if entry.profile is not None else ELIDED,
         links={m.peer: (m.bandwidth_bps, m.rtt_s) for m in entry.links},
     )
 
@@ -564,12 +569,17 @@ class Cluster:
         ms = self._membership
         assert ms is not None
         interval = self.config.gossip_interval_s
+        rounds = 0
         while True:
             now = time.monotonic()
             ms.beat(now, self._safe_profile(ms.me.profile))
-            msg = self._gossip_message()
+            # Profiles and links only every few rounds (they change rarely and are most of the
+            # bytes and the encoding work); heartbeats every round.
+            full = rounds % self.config.gossip_full_every == 0
+            rounds += 1
+            msg = self._gossip_message(full=full)
             for peer in self._gossip_targets():
-                self._send_bg(peer, msg)
+                self._send_bg(peer, msg if peer not in self._contacts else self._gossip_message())
             # Jitter so rounds of many nodes do not synchronise.
             await asyncio.sleep(interval * self._rng.uniform(0.9, 1.1))
 
@@ -589,11 +599,12 @@ class Cluster:
                 targets.append(nid)
         return targets
 
-    def _gossip_message(self) -> Gossip:
+    def _gossip_message(self, full: bool = True) -> Gossip:
         ms, el = self._membership, self._election
         assert ms is not None and el is not None
         leader = el.leader(time.monotonic())
-        return Gossip(sender=self.node_id, members=tuple(record_to_wire(r) for r in ms.records()),
+        return Gossip(sender=self.node_id,
+                      members=tuple(record_to_wire(r, full) for r in ms.records()),
                       term=el.term, leader=leader or "")
 
     async def _tick_loop(self) -> None:
@@ -606,9 +617,12 @@ class Cluster:
             for t in transitions:
                 self._log_transition(t)
             voters = ms.voters()
-            alive = [r for r in (ms.get(v) for v in voters if ms.state(v) == "alive")
-                     if r is not None]
-            ranked = rank_order(alive, ms.links()) if alive else []
+
+            def ranked(voters: frozenset[str] = voters) -> list[str]:
+                alive = [r for r in (ms.get(v) for v in voters if ms.state(v) == "alive")
+                         if r is not None]
+                return rank_order(alive, ms.links())
+
             for dst, out in el.tick(now, voters=voters, ranked_alive=ranked,
                                     reachable=self._reachable()):
                 self._send_bg(dst, out)
@@ -718,7 +732,9 @@ class Cluster:
         el = self._election
         assert el is not None
         leader = el.leader(now)
-        if leader is None:
+        if leader is None and before[0] is None:
+            log.debug("cluster: term %d, no scheduler yet", el.term)
+        elif leader is None:
             log.warning("cluster: no scheduler (term %d, was %s)", el.term, before[0])
         else:
             log.info("cluster: scheduler is %s, term %d%s", leader, el.term,

@@ -1,0 +1,200 @@
+"""The election rank (a pure function) and the election state machine, driven by hand."""
+
+from __future__ import annotations
+
+from fusiond.cluster.election import (
+    Election,
+    ElectionTiming,
+    capability,
+    connectivity,
+    majority,
+    rank_order,
+)
+from fusiond.cluster.membership import MemberRecord
+from protocol.messages import Leader, LeaderAck, PreVote, Vote, VoteRequest
+
+T = ElectionTiming(election_timeout_s=1.0, heartbeat_s=0.25, lease_s=0.8, stagger_s=0.3,
+                   jitter_s=0.0, grace_s=0.5)
+VOTERS = frozenset({"a", "b", "c"})
+
+
+def rec(node_id: str, incarnation: int = 1, **profile: float) -> MemberRecord:
+    return MemberRecord(node_id, ("127.0.0.1", 1), incarnation, 0, "alive", dict(profile))
+
+
+# -- rank -----------------------------------------------------------------------------------
+
+
+def test_rank_prefers_well_connected_then_capable_then_stable_then_node_id() -> None:
+    links = {("a", "b"): (1e9, 0.001), ("a", "c"): (1e9, 0.001), ("b", "c"): (1e7, 0.05)}
+    recs = [rec("b", gflops=100), rec("c", gflops=100), rec("a", gflops=1)]
+    # a has the fastest links: first despite being the slowest machine.
+    assert rank_order(recs, links)[0] == "a"
+    # Without link measurements: capability decides.
+    assert rank_order([rec("a", gflops=1), rec("b", gflops=100)], {}) == ["b", "a"]
+    # Equal capability: the older incarnation (started earlier, more stable) first.
+    assert rank_order([rec("a", 20, gflops=8), rec("b", 10, gflops=8)], {}) == ["b", "a"]
+    # All equal: node id.
+    assert rank_order([rec("b", 5), rec("a", 5)], {}) == ["a", "b"]
+
+
+def test_rank_ignores_noise_within_a_factor_of_two() -> None:
+    # 10 vs 12 GFLOP/s land in one log2 bucket: stability (incarnation) decides instead.
+    assert rank_order([rec("a", 2, gflops=12), rec("b", 1, gflops=10)], {}) == ["b", "a"]
+    # 10 vs 40 do not.
+    assert rank_order([rec("a", 2, gflops=40), rec("b", 1, gflops=10)], {}) == ["a", "b"]
+
+
+def test_rank_is_deterministic_whatever_the_input_order() -> None:
+    links = {("a", "b"): (5e8, 0.001), ("c", "a"): (2e8, 0.002)}
+    recs = [rec("a", 3, gflops=50), rec("b", 2, gflops=50), rec("c", 1, gflops=5)]
+    orders = {tuple(rank_order(p, links)) for p in (recs, recs[::-1], [recs[1], recs[2],
+                                                                        recs[0]])}
+    assert len(orders) == 1
+
+
+def test_connectivity_uses_the_better_direction_and_the_median() -> None:
+    links = {("a", "b"): (1e6, 0.01), ("b", "a"): (3e6, 0.01), ("a", "c"): (5e6, 0.01),
+             ("a", "d"): (7e6, 0.01)}
+    assert connectivity("a", links, {"a", "b", "c", "d"}) == 5e6
+    assert connectivity("a", links, {"a", "b"}) == 3e6
+    assert connectivity("x", links, {"x", "a"}) == 0.0
+
+
+def test_capability_reads_the_daemon_profile_keys() -> None:
+    assert capability({"gflops": 2.0, "device_memory_bytes": 10}) == (2e9, 10.0)
+    assert capability({"flops": 5.0, "memory_bytes": 3}) == (5.0, 3.0)
+    assert capability({"gflops": "fast", "memory_bytes": True}) == (0.0, 0.0)
+
+
+def test_majority() -> None:
+    assert [majority(range(n)) for n in (1, 2, 3, 4, 5)] == [1, 2, 2, 3, 3]  # type: ignore[arg-type]
+
+
+# -- state machine --------------------------------------------------------------------------
+
+
+def test_best_ranked_campaigns_after_grace_and_wins_with_a_majority() -> None:
+    a = Election("a", timing=T, now=0.0)
+    assert a.tick(0.1, voters=VOTERS, ranked_alive=["a", "b", "c"], reachable=["b", "c"]) == []
+    out = a.tick(0.6, voters=VOTERS, ranked_alive=["a", "b", "c"], reachable=["b", "c"])
+    assert {p for p, _ in out} == {"b", "c"}
+    pre = out[0][1]
+    assert isinstance(pre, PreVote) and pre.term == 1 and a.term == 0  # pre-vote: no change
+    # b would vote: the real election starts at term 1.
+    out = a.on_vote("b", Vote(request_id=pre.request_id, term=1, voter="b", granted=True), 0.6,
+                    VOTERS, ["b", "c"])
+    req = out[0][1]
+    assert isinstance(req, VoteRequest) and a.term == 1 and a.role == "candidate"
+    out = a.on_vote("c", Vote(request_id=req.request_id, term=1, voter="c", granted=True), 0.61,
+                    VOTERS, ["b", "c"])
+    assert a.role == "leader" and a.leader(0.61) == "a"
+    assert all(isinstance(m, Leader) and m.term == 1 for _, m in out)
+
+
+def test_lower_ranked_node_waits_its_stagger() -> None:
+    b = Election("b", timing=T, now=0.0)
+    ranked = ["a", "b", "c"]
+    # Position 1: campaign no earlier than grace + 1 * stagger.
+    assert b.tick(0.6, voters=VOTERS, ranked_alive=ranked, reachable=["a", "c"]) == []
+    assert b.tick(0.81, voters=VOTERS, ranked_alive=ranked, reachable=["a", "c"])
+
+
+def test_no_campaign_without_a_visible_majority() -> None:
+    a = Election("a", timing=T, now=0.0)
+    # 5 voters, only 2 alive in our view: a minority never even asks.
+    voters = frozenset("abcde")
+    assert a.tick(5.0, voters=voters, ranked_alive=["a", "b"], reachable=["b"]) == []
+    assert a.role == "follower"
+
+
+def test_one_vote_per_term_and_stale_terms_refused() -> None:
+    v = Election("v", timing=T, now=0.0)
+    voters = frozenset({"v", "x", "y"})
+    out = v.on_vote_request("x", VoteRequest(request_id=1, term=3, candidate="x"), 1.0, voters)
+    assert isinstance(out[0][1], Vote) and out[0][1].granted and v.term == 3
+    out = v.on_vote_request("y", VoteRequest(request_id=2, term=3, candidate="y"), 1.0, voters)
+    assert not out[0][1].granted and "voted for x" in out[0][1].reason  # type: ignore[attr-defined]
+    out = v.on_vote_request("y", VoteRequest(request_id=3, term=2, candidate="y"), 1.0, voters)
+    vote = out[0][1]
+    assert isinstance(vote, Vote) and not vote.granted and vote.term == 3
+    assert vote.reason == "stale term"
+    # A stale Leader heartbeat is refused with our term, and changes nothing.
+    out = v.on_leader("y", Leader(request_id=4, term=2, leader="y"), 1.0, voters)
+    ack = out[0][1]
+    assert isinstance(ack, LeaderAck) and not ack.accepted and ack.term == 3
+    assert v.leader(1.0) is None and v.term == 3
+
+
+def test_no_vote_during_grace_nor_for_strangers_nor_while_a_leader_lives() -> None:
+    v = Election("v", timing=T, now=0.0)
+    voters = frozenset({"v", "x", "y"})
+    out = v.on_vote_request("x", VoteRequest(request_id=1, term=1, candidate="x"), 0.1, voters)
+    assert not out[0][1].granted  # type: ignore[attr-defined]
+    out = v.on_vote_request("z", VoteRequest(request_id=2, term=1, candidate="z"), 1.0, voters)
+    assert not out[0][1].granted  # type: ignore[attr-defined]
+    v.on_leader("x", Leader(request_id=3, term=1, leader="x"), 1.0, voters)
+    assert v.leader(1.0) == "x"
+    out = v.on_prevote("y", PreVote(request_id=4, term=2, candidate="y"), 1.2, voters)
+    assert not out[0][1].granted  # type: ignore[attr-defined]
+    out = v.on_vote_request("y", VoteRequest(request_id=5, term=2, candidate="y"), 1.2, voters)
+    assert not out[0][1].granted and v.term == 1  # type: ignore[attr-defined]
+    # Once the leader has been silent for the election timeout, y may have the vote.
+    out = v.on_prevote("y", PreVote(request_id=6, term=2, candidate="y"), 2.1, voters)
+    assert out[0][1].granted and v.term == 1  # type: ignore[attr-defined]
+
+
+def test_leader_without_majority_acks_steps_down_within_its_lease() -> None:
+    a = Election("a", timing=T, now=0.0)
+    voters = VOTERS
+    out = a.tick(0.6, voters=voters, ranked_alive=["a", "b", "c"], reachable=["b", "c"])
+    pre = out[0][1]
+    out = a.on_vote("b", Vote(request_id=pre.request_id, term=1, voter="b",  # type: ignore[attr-defined]
+                              granted=True), 0.6, voters, ["b", "c"])
+    req = out[0][1]
+    out = a.on_vote("b", Vote(request_id=req.request_id, term=1, voter="b",  # type: ignore[attr-defined]
+                              granted=True), 0.6, voters, ["b", "c"])
+    assert a.role == "leader"
+    hb = next(m for _, m in out if isinstance(m, Leader))
+    a.on_leader_ack("b", LeaderAck(request_id=hb.request_id, term=1, node_id="b",
+                                   accepted=True), 0.61)
+    a.tick(1.2, voters=voters, ranked_alive=["a"], reachable=["b", "c"])
+    assert a.role == "leader"  # b's ack (sent at 0.6) still within the 0.8 s lease
+    a.tick(1.45, voters=voters, ranked_alive=["a"], reachable=["b", "c"])
+    assert a.role == "follower" and a.leader(1.45) is None
+
+
+def test_higher_term_in_an_ack_deposes_the_leader() -> None:
+    a = Election("a", timing=T, now=0.0)
+    a.term, a.role = 4, "leader"
+    a.on_leader_ack("b", LeaderAck(request_id=1, term=7, node_id="b", accepted=False), 1.0)
+    assert a.role == "follower" and a.term == 7 and a.leader(1.0) is None
+
+
+def test_two_leaders_of_one_term_both_step_down() -> None:
+    a = Election("a", timing=T, now=0.0)
+    a.term, a.role = 1, "leader"
+    out = a.on_leader("b", Leader(request_id=1, term=1, leader="b"), 2.0, VOTERS)
+    assert a.role == "follower" and a.leader(2.0) is None
+    assert isinstance(out[0][1], LeaderAck) and not out[0][1].accepted
+
+
+def test_disabled_node_neither_votes_nor_campaigns() -> None:
+    a = Election("a", timing=T, now=0.0)
+    a.disable(0.0)
+    assert a.tick(5.0, voters=VOTERS, ranked_alive=["a", "b", "c"], reachable=["b", "c"]) == []
+    out = a.on_vote_request("b", VoteRequest(request_id=1, term=1, candidate="b"), 5.0, VOTERS)
+    assert not out[0][1].granted  # type: ignore[attr-defined]
+
+
+def test_a_joining_voter_gets_one_lease_to_ack_before_it_counts_against_the_leader() -> None:
+    a = Election("a", timing=T, now=0.0)
+    out = a.tick(0.6, voters={"a"}, ranked_alive=["a"], reachable=[])
+    assert a.role == "leader" and out == []
+    # b joins: majority of {a, b} is 2, b has not acked yet, but it is new.
+    a.tick(5.0, voters={"a", "b"}, ranked_alive=["a", "b"], reachable=["b"])
+    assert a.role == "leader"
+    a.tick(5.7, voters={"a", "b"}, ranked_alive=["a", "b"], reachable=["b"])
+    assert a.role == "leader"
+    a.tick(5.9, voters={"a", "b"}, ranked_alive=["a", "b"], reachable=["b"])
+    assert a.role == "follower"  # b never acked within the lease

@@ -1,0 +1,158 @@
+"""Membership merge rules and the failure detector, with time passed in by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from fusiond.cluster.membership import ELIDED, MemberRecord, Membership
+from fusiond.cluster.service import (
+    profile_from_wire,
+    profile_to_wire,
+    record_from_wire,
+    record_to_wire,
+)
+
+
+def mk(now: float = 0.0) -> Membership:
+    return Membership(node_id="me", address=("127.0.0.1", 1), incarnation=100, profile={},
+                      now=now, suspect_after_s=2.0, dead_after_s=5.0)
+
+
+def r(node_id: str, inc: int = 1, hb: int = 0, state: str = "alive",
+      links: dict[str, tuple[float, float]] | None = None) -> MemberRecord:
+    return MemberRecord(node_id, ("10.0.0.1", 7), inc, hb, state, {"gflops": 1.0},  # type: ignore[arg-type]
+                        links or {})
+
+
+def test_failure_detector_alive_suspect_dead_by_silence() -> None:
+    m = mk()
+    m.merge([r("a", hb=1)], 0.0)
+    assert m.check(1.9) == [] and m.state("a") == "alive"
+    assert [(t.old, t.new) for t in m.check(2.0)] == [("alive", "suspect")]
+    assert [(t.old, t.new) for t in m.check(5.0)] == [("suspect", "dead")]
+    # A newer heartbeat revives it.
+    res = m.merge([r("a", hb=2)], 6.0)
+    assert [(t.old, t.new) for t in res.transitions] == [("dead", "alive")]
+    assert m.voters() == {"me", "a"}  # dead or alive, a voter
+
+
+def test_stale_heartbeat_does_not_refresh() -> None:
+    m = mk()
+    m.merge([r("a", hb=5)], 0.0)
+    m.merge([r("a", hb=5)], 1.5)
+    m.merge([r("a", hb=3)], 1.9)
+    assert m.check(2.1)[0].new == "suspect"
+
+
+def test_higher_incarnation_wins_even_with_a_lower_heartbeat() -> None:
+    m = mk()
+    m.merge([r("a", inc=1, hb=50)], 0.0)
+    m.check(10.0)
+    assert m.state("a") == "dead"
+    m.merge([r("a", inc=2, hb=0)], 10.0)
+    rec = m.get("a")
+    assert m.state("a") == "alive" and rec is not None and rec.incarnation == 2
+    # The old incarnation's records are ignored from now on, and mark the sender behind.
+    res = m.merge([r("a", inc=1, hb=99), r("me", inc=100)], 10.5)
+    assert not res.updated and res.sender_behind
+    assert m.get("a").incarnation == 2  # type: ignore[union-attr]
+
+
+def test_left_is_sticky_for_the_incarnation() -> None:
+    m = mk()
+    m.merge([r("a", hb=1)], 0.0)
+    m.merge([r("a", hb=1, state="left")], 0.1)
+    assert m.state("a") == "left" and m.voters() == {"me"}
+    m.merge([r("a", hb=9)], 0.2)  # later heartbeats of the same incarnation do not revive it
+    assert m.state("a") == "left"
+    assert m.check(100.0) == []  # the failure detector leaves it alone
+    m.merge([r("a", inc=2)], 0.3)  # a restart does
+    assert m.state("a") == "alive"
+
+
+def test_newcomer_adopts_the_reported_dead_state() -> None:
+    m = mk()
+    m.merge([r("old", hb=3, state="dead")], 0.0)
+    assert m.state("old") == "dead"
+    m.merge([r("sus", hb=3, state="suspect")], 0.0)
+    assert m.state("sus") == "suspect" and m.check(3.0)[0].new == "dead"
+
+
+def test_self_removal_is_accepted_and_reported() -> None:
+    m = mk()
+    res = m.merge([r("me", inc=100, hb=0, state="left")], 1.0)
+    assert res.self_removed and m.me.state == "left" and "me" not in m.voters()
+    # A left record of an older incarnation of ours is not us.
+    m2 = mk()
+    assert not m2.merge([r("me", inc=99, state="left")], 1.0).self_removed
+
+
+def test_sender_behind_only_for_missing_members_or_older_incarnations() -> None:
+    m = mk()
+    m.merge([r("a", hb=5), r("b", hb=5)], 0.0)
+    # Lagging heartbeats alone: not behind (replying would ping-pong every round).
+    res = m.merge([r("me", inc=100), r("a", hb=4), r("b", hb=4)], 0.1)
+    assert not res.sender_behind
+    res = m.merge([r("me", inc=100), r("a", hb=6)], 0.2)  # lacks b
+    assert res.sender_behind
+
+
+def test_operator_remove_and_own_links() -> None:
+    m = mk()
+    m.merge([r("a")], 0.0)
+    assert m.remove("zz", 0.0) is None
+    t = m.remove("a", 0.0)
+    assert t is not None and t.new == "left" and m.voters() == {"me"}
+    m.set_link("a", 1e8, 0.01)
+    m.beat(1.0)
+    assert m.me.links == {"a": (1e8, 0.01)} and m.me.heartbeat == 1
+    assert m.links()[("me", "a")] == (1e8, 0.01)
+
+
+def test_hint_source_upgrades_to_the_most_direct() -> None:
+    m = mk()
+    m.hint_source("a", "bootstrap")
+    m.merge([r("a")], 0.0)
+    assert m.source("a") == "bootstrap"
+    m.hint_source("a", "mdns")
+    assert m.source("a") == "mdns"
+    m.hint_source("a", "gossip")
+    assert m.source("a") == "mdns"
+    m.merge([r("b")], 0.0)
+    assert m.source("b") == "gossip" and m.source("me") == "self"
+
+
+def test_timeouts_validated() -> None:
+    with pytest.raises(ValueError):
+        Membership(node_id="x", address=("h", 1), incarnation=1, profile={}, now=0.0,
+                   suspect_after_s=5.0, dead_after_s=5.0)
+
+
+def test_wire_round_trip_keeps_profile_links_and_state() -> None:
+    rec = MemberRecord("a", ("10.0.0.2", 7420), 7, 3, "suspect",
+                       {"gflops": 12.5, "device_kind": "cpu", "torch_version": "2.13.0",
+                        "free_memory_bytes": 123},
+                       {"b": (1e9, 0.002)})
+    entry = record_to_wire(rec)
+    assert entry.profile is not None and entry.profile.flops == 12.5e9
+    assert entry.profile.software["torch"] == "2.13.0"
+    back = record_from_wire(entry)
+    assert back == rec
+    assert profile_from_wire(None) == {}
+    bare = profile_to_wire("x", {})
+    assert profile_from_wire(bare)["node_id"] == "x"
+
+
+def test_heartbeat_only_entries_keep_the_known_profile_and_links() -> None:
+    m = mk()
+    m.merge([r("a", hb=1, links={"me": (5e7, 0.01)})], 0.0)
+    full = m.get("a")
+    slim = record_from_wire(record_to_wire(r("a", hb=2), full=False))
+    assert slim.profile is ELIDED
+    m.merge([slim], 0.5)
+    got = m.get("a")
+    assert got is not None and full is not None
+    assert got.heartbeat == 2 and got.profile == full.profile and got.links == full.links
+    # A member first heard of through a heartbeat-only entry starts with an empty profile.
+    m.merge([record_from_wire(record_to_wire(r("b"), full=False))], 0.5)
+    assert m.get("b").profile == {}  # type: ignore[union-attr]

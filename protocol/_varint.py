@@ -7,8 +7,6 @@ Both directions make at most one numpy pass per byte position, never a Python lo
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import numpy.typing as npt
 
@@ -84,14 +82,16 @@ def decode_varints(data: U8Array, count: int) -> U64Array:
         )
     if int(ends[-1]) != total - 1:
         raise RemoteProtocolError("varint stream ends inside a value")
-    starts = np.empty(count, dtype=np.int64)
-    starts[0] = 0
-    starts[1:] = ends[:-1] + 1
-    lengths = ends - starts + 1
+    lengths = np.diff(ends, prepend=-1)
+    starts = ends - lengths
+    starts += 1
     if int(lengths.max()) > MAX_VARINT_BYTES:
         raise RemoteProtocolError(f"varint longer than {MAX_VARINT_BYTES} bytes")
-    position = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
-    shifts = (position * 7).astype(np.uint64)
-    groups: npt.NDArray[Any] = (data & np.uint8(0x7F)).astype(np.uint64) << shifts
-    decoded: U64Array = np.add.reduceat(groups, starts)
+    # One gather per byte position, like the encoder: position 0 for every value, then only the
+    # (few) values that are longer.
+    decoded: U64Array = (data[starts] & np.uint8(0x7F)).astype(np.uint64)
+    for j in range(1, int(lengths.max())):
+        sel = np.flatnonzero(lengths > j)
+        group = (data[starts[sel] + j] & np.uint8(0x7F)).astype(np.uint64)
+        decoded[sel] |= group << np.uint64(7 * j)
     return decoded

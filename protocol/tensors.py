@@ -990,7 +990,11 @@ def _decode_indices(stream: NDArray, desc: TensorDescriptor) -> npt.NDArray[np.i
     # Bounding each gap first keeps the cumulative sum far from uint64 overflow (k*n < 2**63).
     if int(gaps.max()) >= n:
         raise RemoteProtocolError(f"topk index gap out of range for {n} elements")
-    idx = np.cumsum(gaps.astype(np.int64)) + np.arange(k, dtype=np.int64)
+    # idx[j] = sum(gaps[:j+1] + 1) - 1, in place on the (fresh, < 2**63) gap array.
+    idx = gaps.view(np.int64)
+    idx += 1
+    np.cumsum(idx, out=idx)
+    idx -= 1
     if int(idx[-1]) >= n:
         raise RemoteProtocolError(f"topk index {int(idx[-1])} out of range for {n} elements")
     return idx

@@ -1,0 +1,149 @@
+"""fusionctl against a real daemon: exit codes, --json purity, init/token/join/leave, the
+unreachable-daemon message, status rendering (no quorum, dead members), local up/down."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fusionctl.cli import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, run
+from fusionctl.render import render_status
+from fusiond.local import LocalNode, wait_until
+
+Capture = pytest.CaptureFixture[str]
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[LocalNode]:
+    """One real fusiond (TLS mode, not yet in a cluster) for the whole module."""
+    root = Path(tempfile.mkdtemp(prefix="fzc"))
+    node = LocalNode(0, root, {
+        "profile_benchmark": False, "metrics": {"listen": ""},
+        "net": {"listen": "127.0.0.1:0"},
+        "cluster": {"mdns": False, "probes": False, "election_grace_s": 0.2,
+                    "election_timeout_s": 0.6, "leader_lease_s": 0.4,
+                    "leader_heartbeat_s": 0.1, "election_stagger_s": 0.1}})
+    node.start()
+    ok, _, _ = wait_until(lambda: (node.status(1.0) is not None, ""), 30)
+    assert ok, node.log_text()
+    yield node
+    node.stop(15)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _json(capsys: Capture, argv: list[str]) -> dict[str, object]:
+    assert run(argv) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out)  # stdout holds only JSON
+    assert isinstance(data, dict)
+    return data
+
+
+def test_unreachable_daemon_has_its_own_exit_code(tmp_path: Path, capsys: Capture) -> None:
+    code = run(["--socket", str(tmp_path / "none.sock"), "status"])
+    err = capsys.readouterr().err
+    assert code == EXIT_UNREACHABLE == 3
+    assert "no fusiond answers" in err and "systemctl start fusiond" in err
+    assert "fusionctl local up" in err
+    assert run(["--socket", str(tmp_path / "none.sock"), "status", "--json"]) == 3
+    assert capsys.readouterr().out == ""  # nothing half-printed on stdout
+
+
+def test_help_documents_exit_codes_and_usage_errors(capsys: Capture) -> None:
+    assert run(["--help"]) == 0
+    out = capsys.readouterr().out
+    for line in ("0  success", "2  usage error", "3  no daemon answers", "4  timed out"):
+        assert line in out
+    assert run(["frobnicate"]) == EXIT_USAGE
+    assert run([]) == EXIT_USAGE
+
+
+def test_read_commands_before_a_cluster_exists(daemon: LocalNode, capsys: Capture) -> None:
+    sock = ["--socket", daemon.socket]
+    st = _json(capsys, [*sock, "status", "--json"])
+    assert st["cluster"] is None
+    assert run([*sock, "status"]) == 0
+    out = capsys.readouterr().out
+    assert "scheduler  (none)" in out and "peers      (none)" in out and "fusionctl init" in out
+    paths = _json(capsys, [*sock, "paths", "--json"])
+    assert paths["api_socket"] == daemon.socket
+    ver = _json(capsys, [*sock, "version", "--json"])
+    assert ver["fusionctl"] == ver["fusiond"] and ver["protocol"] == 1
+    links = _json(capsys, [*sock, "links", "--json"])
+    assert links["members"] == []
+
+
+def test_init_token_join_leave(daemon: LocalNode, capsys: Capture) -> None:
+    sock = ["--socket", daemon.socket]
+    assert run([*sock, "init"]) == 0
+    out = capsys.readouterr().out
+    assert "created cluster c" in out and "fusionctl join fusion1." in out
+    # init twice: refused, and the message says what to run instead
+    assert run([*sock, "init"]) == EXIT_FAILED
+    assert "fusionctl token" in capsys.readouterr().err
+    tok = _json(capsys, [*sock, "token", "--json"])
+    assert str(tok["token"]).startswith("fusion1.") and tok["one_time"] is True
+    # join is idempotent: this node is already in the token's cluster
+    joined = _json(capsys, [*sock, "join", str(tok["token"]), "--json"])
+    assert joined["already_member"] is True and joined["next"] == "fusionctl status"
+
+    def elected() -> tuple[bool, str]:
+        st = daemon.status()
+        view = (st or {}).get("cluster") or {}
+        return view.get("leader") == (st or {}).get("node", {}).get("node_id"), "electing"
+
+    ok, _, _ = wait_until(elected, 10)
+    assert ok, daemon.log_text()
+    assert run([*sock, "status"]) == 0
+    out = capsys.readouterr().out
+    assert "(this node)" in out and "peers      (none)" in out
+    assert run([*sock, "remove", "n0000"]) == EXIT_FAILED
+    assert "not a member" in capsys.readouterr().err
+    left = _json(capsys, [*sock, "leave", "--yes", "--json"])
+    assert left["left"] is True
+    st = _json(capsys, [*sock, "status", "--json"])
+    assert st["cluster"] is None and "join" in str(st["hint"])
+
+
+def test_status_says_no_quorum_in_plain_words(capsys: Capture) -> None:
+    me, a, b = "nme", "nalive", "ndead1"
+    member = {"address": ["10.0.0.1", 7420], "source": "bootstrap", "rtt_s": 0.01,
+              "bandwidth_bps": 1e9, "role": "worker"}
+    view = {"leader": None, "term": 7, "has_quorum": False, "links": {}, "members": [
+        {**member, "node_id": me, "state": "alive"},
+        {**member, "node_id": a, "state": "dead"},
+        {**member, "node_id": b, "state": "dead"}]}
+    render_status({"node": {"node_id": me, "phase": "running"}, "cluster": view})
+    out = capsys.readouterr().out
+    assert "scheduler  (none)  term 7" in out
+    assert "NO QUORUM: this node reaches 1 of 3 members and needs 2" in out
+    assert f"fusionctl remove {a}; fusionctl remove {b}" in out
+    assert f"{b} (10.0.0.1:7420) is dead" in out
+
+
+@pytest.mark.multidaemon
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_local_up_and_down(capsys: Capture) -> None:
+    d = Path(tempfile.mkdtemp(prefix="fzl"))
+    try:
+        info = _json(capsys, ["local", "up", "-n", "2", "--dir", str(d), "--json",
+                              "--wait", "40"])
+        nodes = info["nodes"]
+        assert isinstance(nodes, list) and len(nodes) == 2
+        assert all(n["running"] and n["leader"] == nodes[0]["leader"] for n in nodes)
+        assert run(["local", "up", "-n", "2", "--dir", str(d)]) == EXIT_FAILED  # already up
+        capsys.readouterr()
+        st = _json(capsys, ["--socket", nodes[0]["socket"], "status", "--json"])
+        assert len(st["cluster"]["members"]) == 2  # type: ignore[index]
+        assert run(["local", "down", "--dir", str(d)]) == 0
+        assert "stopped 2 daemon(s)" in capsys.readouterr().err
+        assert run(["--socket", nodes[0]["socket"], "status"]) == EXIT_UNREACHABLE
+    finally:
+        run(["local", "down", "--dir", str(d)])
+        shutil.rmtree(d, ignore_errors=True)

@@ -250,3 +250,35 @@ def test_intruders_are_refused_and_the_cluster_keeps_serving(
         assert outsider.alive()  # refused, not crashed
     for n in c.nodes:
         assert n.alive()
+
+
+@pytest.mark.slow
+def test_lost_majority_is_recovered_by_removing_the_dead(
+        make_cluster: Callable[..., Cluster], capsys: pytest.CaptureFixture[str]) -> None:
+    from fusionctl.cli import run as fusionctl
+
+    c = make_cluster(3)
+    _start_by_bootstrap(c)
+    c.wait_agreement()
+    survivor, *gone = c.nodes
+    gone_ids = [c.node_id(n) for n in gone]
+    for n in gone:
+        n.kill()
+
+    def stuck() -> tuple[bool, str]:
+        st = survivor.status()
+        s = summary(st)
+        dead = all(state_of(st, nid) == "dead" for nid in gone_ids)
+        return (s["leader"] is None and not s["quorum"] and dead), f"survivor: {s}"
+
+    c.wait_for(stuck, DEAD_AFTER_S + 5, "the survivor loses its scheduler")
+    assert fusionctl(["--socket", survivor.socket, "status"]) == 0
+    out = capsys.readouterr().out
+    assert "NO QUORUM" in out and f"fusionctl remove {gone_ids[0]}" in out
+    # no guesswork: it stays without a scheduler until an operator removes the dead
+    time.sleep(1.0)
+    assert stuck()[0]
+    for nid in gone_ids:
+        assert fusionctl(["--socket", survivor.socket, "remove", nid]) == 0
+    agreed, _ = c.wait_agreement([survivor], timeout=AGREE_S)
+    assert agreed["leader"] == c.node_id(survivor)

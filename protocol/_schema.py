@@ -26,16 +26,11 @@ import dataclasses
 import enum
 import types
 import typing
-from typing import Any, ClassVar, Final
+from typing import Any, Final
 
 import msgpack
 
-from protocol.errors import (
-    LimitExceeded,
-    LocalProtocolError,
-    ProtocolError,
-    RemoteProtocolError,
-)
+from protocol.errors import LimitExceeded, LocalProtocolError, ProtocolError, RemoteProtocolError
 from protocol.limits import DEFAULT_LIMITS, Limits
 
 MAX_ANY_DEPTH: Final = 32
@@ -47,18 +42,17 @@ WIRE: Final = "wire"
 """Field metadata key; `field(metadata={WIRE: False})` keeps a field off the wire."""
 
 
-class _Err:
-    """Builds the right error class for the direction (decode = remote, encode = local)."""
+class _Fail(Exception):
+    """A validation failure deep inside a value; containers prepend their path segment as it
+    propagates, so the success path never formats a path (zero-cost `try` in 3.11+)."""
 
-    def __init__(self, remote: bool) -> None:
-        self.cls: type[ProtocolError] = RemoteProtocolError if remote else LocalProtocolError
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+        self.parts: list[str] = []
 
-    def __call__(self, path: str, what: str) -> ProtocolError:
-        return self.cls(f"{path}: {what}")
-
-
-_REMOTE: Final = _Err(True)
-_LOCAL: Final = _Err(False)
+    def message(self, root: str) -> str:
+        return f"{root}{''.join(reversed(self.parts))}: {self.what}"
 
 
 def _tname(value: object) -> str:
@@ -66,87 +60,93 @@ def _tname(value: object) -> str:
 
 
 class _Conv:
-    """Converts one annotated type between Python values and msgpack-ready values.
+    """Converts one annotated type between msgpack-decoded values and Python values.
 
-    `depth` counts nesting inside a `typing.Any` value only (schema-typed nesting is finite),
-    so that decoding and encoding apply the same MAX_ANY_DEPTH.
+    `dec` validates a decoded value (raising _Fail); `enc` validates a Python value and
+    returns what msgpack should pack (raising _Fail). `depth` counts nesting inside a
+    `typing.Any` value only (schema-typed nesting is finite), so both directions apply the
+    same MAX_ANY_DEPTH.
     """
 
     label = "?"
 
-    def dec(self, v: Any, path: str, err: _Err, depth: int) -> Any:
+    def dec(self, v: Any, depth: int) -> Any:
         raise NotImplementedError
 
-    def enc(self, v: Any, path: str, err: _Err, limits: Limits) -> Any:
-        # Encoding validates with the same rules as decoding; both directions share `dec`
-        # for scalars, containers override.
-        return self.dec(v, path, err, 0)
+    def enc(self, v: Any, limits: Limits) -> Any:
+        # Scalars validate the same way in both directions.
+        return self.dec(v, 0)
 
 
 class _Int(_Conv):
     label = "int"
 
-    def dec(self, v: Any, path: str, err: _Err, depth: int) -> Any:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise err(path, f"expected int, got {_tname(v)}")
+    def dec(self, v: Any, depth: int) -> Any:
+        if type(v) is not int and (isinstance(v, bool) or not isinstance(v, int)):
+            raise _Fail(f"expected int, got {_tname(v)}")
         if not _INT_MIN <= v <= _INT_MAX:
-            raise err(path, f"int {v} does not fit in 64 bits")
+            raise _Fail(f"int {v} does not fit in 64 bits")
         return int(v)
 
 
 class _Float(_Conv):
     label = "float"
 
-    def dec(self, v: Any, path: str, err: _Err, depth: int) -> Any:
+    def dec(self, v: Any, depth: int) -> Any:
+        if type(v) is float:
+            return v
         if isinstance(v, bool) or not isinstance(v, int | float):
-            raise err(path, f"expected float, got {_tname(v)}")
+            raise _Fail(f"expected float, got {_tname(v)}")
         if isinstance(v, int) and not _INT_MIN <= v <= _INT_MAX:
-            raise err(path, f"int {v} does not fit in 64 bits")
+            raise _Fail(f"int {v} does not fit in 64 bits")
         return float(v)
 
 
 class _Bool(_Conv):
     label = "bool"
 
-    def dec(self, v: Any, path: str, err: _Err, depth: int) -> Any:
+    def dec(self, v: Any, depth: int) -> Any:
         if not isinstance(v, bool):
-            raise err(path, f"expected bool, got {_tname(v)}")
+            raise _Fail(f"expected bool, got {_tname(v)}")
         return v
 
 
 class _Str(_Conv):
     label = "str"
 
-    def dec(self, v: Any, path: str, err: _Err, depth: int) -> Any:
+    def dec(self, v: Any, depth: int) -> Any:
         if not isinstance(v, str):
-            raise err(path, f"expected str, got {_tname(v)}")
+            raise _Fail(f"expected str, got {_tname(v)}")
         return v
 
-    def enc(self, v: Any, path: str, err: _Err, limits: Limits) -> Any:
-        self.dec(v, path, err, 0)
+    def enc(self, v: Any, limits: Limits) -> Any:
+        if not isinstance(v, str):
+            raise _Fail(f"expected str, got {_tname(v)}")
         # A character is at most 4 UTF-8 bytes: only measure when the limit could be hit.
         if len(v) * 4 > limits.max_string_bytes:
             try:
                 n = len(v.encode("utf-8"))
             except UnicodeEncodeError as exc:
-                raise err(path, f"str is not encodable as UTF-8: {exc}") from None
+                raise _Fail(f"str is not encodable as UTF-8: {exc}") from None
             if n > limits.max_string_bytes:
-                raise err(path, f"str is {n} bytes, limit is {limits.max_string_bytes}")
+                raise _Fail(f"str is {n} bytes, limit is {limits.max_string_bytes}")
         return v
 
 
 class _Bytes(_Conv):
     label = "bytes"
 
-    def dec(self, v: Any, path: str, err: _Err, depth: int) -> Any:
+    def dec(self, v: Any, depth: int) -> Any:
+        if type(v) is bytes:
+            return v
         if not isinstance(v, bytes | bytearray | memoryview):
-            raise err(path, f"expected bytes, got {_tname(v)}")
+            raise _Fail(f"expected bytes, got {_tname(v)}")
         return bytes(v)
 
-    def enc(self, v: Any, path: str, err: _Err, limits: Limits) -> Any:
-        b = self.dec(v, path, err, 0)
+    def enc(self, v: Any, limits: Limits) -> Any:
+        b = self.dec(v, 0)
         if len(b) > limits.max_header_bytes:
-            raise err(path, f"bytes is {len(b)} long, limit is {limits.max_header_bytes}")
+            raise _Fail(f"bytes is {len(b)} long, limit is {limits.max_header_bytes}")
         return b
 
 
@@ -155,16 +155,16 @@ class _Optional(_Conv):
         self.inner = inner
         self.label = f"{inner.label} | None"
 
-    def dec(self, v: Any, path: str, err: _Err, depth: int) -> Any:
-        return None if v is None else self.inner.dec(v, path, err, depth)
+    def dec(self, v: Any, depth: int) -> Any:
+        return None if v is None else self.inner.dec(v, depth)
 
-    def enc(self, v: Any, path: str, err: _Err, limits: Limits) -> Any:
-        return None if v is None else self.inner.enc(v, path, err, limits)
+    def enc(self, v: Any, limits: Limits) -> Any:
+        return None if v is None else self.inner.enc(v, limits)
 
 
-def _check_len(n: int, path: str, err: _Err, limits: Limits) -> None:
+def _check_len(n: int, limits: Limits) -> None:
     if n > limits.max_list_items:
-        raise err(path, f"{n} items, limit is {limits.max_list_items}")
+        raise _Fail(f"{n} items, limit is {limits.max_list_items}")
 
 
 class _Tuple(_Conv):
@@ -172,18 +172,32 @@ class _Tuple(_Conv):
         self.item = item
         self.label = f"tuple[{item.label}, ...]"
 
-    def dec(self, v: Any, path: str, err: _Err, depth: int) -> Any:
+    def dec(self, v: Any, depth: int) -> Any:
         if not isinstance(v, list | tuple):
-            raise err(path, f"expected array, got {_tname(v)}")
+            raise _Fail(f"expected array, got {_tname(v)}")
         dec = self.item.dec
-        return tuple(dec(x, f"{path}[{i}]", err, depth) for i, x in enumerate(v))
+        out = []
+        for x in v:
+            try:
+                out.append(dec(x, depth))
+            except _Fail as e:
+                e.parts.append(f"[{len(out)}]")
+                raise
+        return tuple(out)
 
-    def enc(self, v: Any, path: str, err: _Err, limits: Limits) -> Any:
+    def enc(self, v: Any, limits: Limits) -> Any:
         if not isinstance(v, list | tuple):
-            raise err(path, f"expected tuple, got {_tname(v)}")
-        _check_len(len(v), path, err, limits)
+            raise _Fail(f"expected tuple, got {_tname(v)}")
+        _check_len(len(v), limits)
         enc = self.item.enc
-        return [enc(x, f"{path}[{i}]", err, limits) for i, x in enumerate(v)]
+        out = []
+        for x in v:
+            try:
+                out.append(enc(x, limits))
+            except _Fail as e:
+                e.parts.append(f"[{len(out)}]")
+                raise
+        return out
 
 
 class _FixedTuple(_Conv):
@@ -191,23 +205,33 @@ class _FixedTuple(_Conv):
         self.items = items
         self.label = "tuple[" + ", ".join(i.label for i in items) + "]"
 
-    def _arity(self, v: Any, path: str, err: _Err) -> None:
+    def _arity(self, v: Any) -> None:
         if not isinstance(v, list | tuple):
-            raise err(path, f"expected array, got {_tname(v)}")
+            raise _Fail(f"expected array, got {_tname(v)}")
         if len(v) != len(self.items):
-            raise err(path, f"expected {len(self.items)} items, got {len(v)}")
+            raise _Fail(f"expected {len(self.items)} items, got {len(v)}")
 
-    def dec(self, v: Any, path: str, err: _Err, depth: int) -> Any:
-        self._arity(v, path, err)
-        return tuple(
-            c.dec(x, f"{path}[{i}]", err, depth) for i, (c, x) in enumerate(zip(self.items, v))
-        )
+    def dec(self, v: Any, depth: int) -> Any:
+        self._arity(v)
+        out = []
+        for c, x in zip(self.items, v):
+            try:
+                out.append(c.dec(x, depth))
+            except _Fail as e:
+                e.parts.append(f"[{len(out)}]")
+                raise
+        return tuple(out)
 
-    def enc(self, v: Any, path: str, err: _Err, limits: Limits) -> Any:
-        self._arity(v, path, err)
-        return [
-            c.enc(x, f"{path}[{i}]", err, limits) for i, (c, x) in enumerate(zip(self.items, v))
-        ]
+    def enc(self, v: Any, limits: Limits) -> Any:
+        self._arity(v)
+        out = []
+        for c, x in zip(self.items, v):
+            try:
+                out.append(c.enc(x, limits))
+            except _Fail as e:
+                e.parts.append(f"[{len(out)}]")
+                raise
+        return out
 
 
 class _Dict(_Conv):
@@ -215,27 +239,36 @@ class _Dict(_Conv):
         self.value = value
         self.label = f"dict[str, {value.label}]"
 
-    def dec(self, v: Any, path: str, err: _Err, depth: int) -> Any:
+    def dec(self, v: Any, depth: int) -> Any:
         if not isinstance(v, dict):
-            raise err(path, f"expected map, got {_tname(v)}")
+            raise _Fail(f"expected map, got {_tname(v)}")
         out: dict[str, Any] = {}
         dec = self.value.dec
         for k, x in v.items():
             if not isinstance(k, str):
-                raise err(path, f"map key {k!r} is not a str")
-            out[k] = dec(x, f"{path}[{k!r}]", err, depth)
+                raise _Fail(f"map key {k!r} is not a str")
+            try:
+                out[k] = dec(x, depth)
+            except _Fail as e:
+                e.parts.append(f"[{k!r}]")
+                raise
         return out
 
-    def enc(self, v: Any, path: str, err: _Err, limits: Limits) -> Any:
+    def enc(self, v: Any, limits: Limits) -> Any:
         if not isinstance(v, dict):
-            raise err(path, f"expected dict, got {_tname(v)}")
-        _check_len(len(v), path, err, limits)
+            raise _Fail(f"expected dict, got {_tname(v)}")
+        _check_len(len(v), limits)
         out: dict[str, Any] = {}
+        enc = self.value.enc
         for k, x in v.items():
             if not isinstance(k, str):
-                raise err(path, f"dict key {k!r} is not a str")
-            _STR.enc(k, f"{path} key", err, limits)
-            out[k] = self.value.enc(x, f"{path}[{k!r}]", err, limits)
+                raise _Fail(f"dict key {k!r} is not a str")
+            try:
+                _STR.enc(k, limits)
+                out[k] = enc(x, limits)
+            except _Fail as e:
+                e.parts.append(f"[{k!r}]")
+                raise
         return out
 
 
@@ -245,66 +278,79 @@ class _Enum(_Conv):
         self.label = cls.__name__
         self.by_value = {m.value: m for m in cls}
 
-    def dec(self, v: Any, path: str, err: _Err, depth: int) -> Any:
+    def dec(self, v: Any, depth: int) -> Any:
         if isinstance(v, bool) or not isinstance(v, str | int):
-            raise err(path, f"expected {self.label} value, got {_tname(v)}")
+            raise _Fail(f"expected {self.label} value, got {_tname(v)}")
         try:
             return self.by_value[v]
         except KeyError:
-            raise err(
-                path, f"{v!r} is not a {self.label} (one of {sorted(map(str, self.by_value))})"
+            raise _Fail(
+                f"{v!r} is not a {self.label} (one of {sorted(map(str, self.by_value))})"
             ) from None
 
-    def enc(self, v: Any, path: str, err: _Err, limits: Limits) -> Any:
+    def enc(self, v: Any, limits: Limits) -> Any:
         if isinstance(v, self.cls):
             return v.value
-        return self.dec(v, path, err, 0).value
+        return self.dec(v, 0).value
 
 
 class _Any(_Conv):
     label = "any"
 
-    def dec(self, v: Any, path: str, err: _Err, depth: int) -> Any:
+    def dec(self, v: Any, depth: int) -> Any:
         if depth > MAX_ANY_DEPTH:
-            raise err(path, f"nested deeper than {MAX_ANY_DEPTH} levels")
-        if v is None or isinstance(v, bool | int | float | str):
-            if isinstance(v, int) and not _INT_MIN <= v <= _INT_MAX:
-                raise err(path, f"int {v} does not fit in 64 bits")
+            raise _Fail(f"nested deeper than {MAX_ANY_DEPTH} levels")
+        if v is None or isinstance(v, bool | float | str):
+            return v
+        if isinstance(v, int):
+            if not _INT_MIN <= v <= _INT_MAX:
+                raise _Fail(f"int {v} does not fit in 64 bits")
             return v
         if isinstance(v, bytes | bytearray | memoryview):
             return bytes(v)
         if isinstance(v, list | tuple):
-            return [self.dec(x, f"{path}[{i}]", err, depth + 1) for i, x in enumerate(v)]
+            out = []
+            for x in v:
+                try:
+                    out.append(self.dec(x, depth + 1))
+                except _Fail as e:
+                    e.parts.append(f"[{len(out)}]")
+                    raise
+            return out
         if isinstance(v, dict):
-            out: dict[str, Any] = {}
+            res: dict[str, Any] = {}
             for k, x in v.items():
                 if not isinstance(k, str):
-                    raise err(path, f"map key {k!r} is not a str")
-                out[k] = self.dec(x, f"{path}[{k!r}]", err, depth + 1)
-            return out
-        raise err(path, f"{_tname(v)} is not a msgpack value")
+                    raise _Fail(f"map key {k!r} is not a str")
+                try:
+                    res[k] = self.dec(x, depth + 1)
+                except _Fail as e:
+                    e.parts.append(f"[{k!r}]")
+                    raise
+            return res
+        raise _Fail(f"{_tname(v)} is not a msgpack value")
 
-    def enc(self, v: Any, path: str, err: _Err, limits: Limits) -> Any:
-        out = self.dec(v, path, err, 0)
-        _check_sizes(out, path, err, limits)
+    def enc(self, v: Any, limits: Limits) -> Any:
+        out = self.dec(v, 0)
+        _check_sizes(out, limits)
         return out
 
 
-def _check_sizes(v: Any, path: str, err: _Err, limits: Limits) -> None:
+def _check_sizes(v: Any, limits: Limits) -> None:
     """Local check of an Any value's string and container sizes (decoding has msgpack's)."""
     if isinstance(v, str):
-        _STR.enc(v, path, err, limits)
+        _STR.enc(v, limits)
     elif isinstance(v, bytes) and len(v) > limits.max_header_bytes:
-        raise err(path, f"bytes is {len(v)} long, limit is {limits.max_header_bytes}")
+        raise _Fail(f"bytes is {len(v)} long, limit is {limits.max_header_bytes}")
     elif isinstance(v, list):
-        _check_len(len(v), path, err, limits)
+        _check_len(len(v), limits)
         for x in v:
-            _check_sizes(x, path, err, limits)
+            _check_sizes(x, limits)
     elif isinstance(v, dict):
-        _check_len(len(v), path, err, limits)
+        _check_len(len(v), limits)
         for k, x in v.items():
-            _STR.enc(k, path, err, limits)
-            _check_sizes(x, path, err, limits)
+            _STR.enc(k, limits)
+            _check_sizes(x, limits)
 
 
 class _StructRef(_Conv):
@@ -314,13 +360,13 @@ class _StructRef(_Conv):
         self.cls = cls
         self.label = cls.__name__
 
-    def dec(self, v: Any, path: str, err: _Err, depth: int) -> Any:
-        return _schema(self.cls).dec(v, path, err, depth)
+    def dec(self, v: Any, depth: int) -> Any:
+        return _schema(self.cls).dec(v, depth)
 
-    def enc(self, v: Any, path: str, err: _Err, limits: Limits) -> Any:
+    def enc(self, v: Any, limits: Limits) -> Any:
         if not isinstance(v, self.cls):
-            raise err(path, f"expected {self.label}, got {_tname(v)}")
-        return _schema(self.cls).enc(v, path, err, limits)
+            raise _Fail(f"expected {self.label}, got {_tname(v)}")
+        return _schema(self.cls).enc(v, limits)
 
 
 _STR: Final = _Str()
@@ -364,6 +410,8 @@ class _FieldSpec:
     name: str
     conv: _Conv
     required: bool
+    segment: str
+    """".name", the path segment an error inside this field gets."""
 
 
 class _StructSchema:
@@ -379,33 +427,40 @@ class _StructSchema:
                 continue
             conv = _compile(hints[f.name], f"{self.name}.{f.name}")
             required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-            specs.append(_FieldSpec(f.name, conv, required))
+            specs.append(_FieldSpec(f.name, conv, required, "." + f.name))
         self.fields = tuple(specs)
 
-    def kwargs(self, v: Any, path: str, err: _Err, depth: int) -> dict[str, Any]:
+    def kwargs(self, v: Any, depth: int) -> dict[str, Any]:
         if not isinstance(v, dict):
-            raise err(path, f"expected a map of {self.name} fields, got {_tname(v)}")
+            raise _Fail(f"expected a map of {self.name} fields, got {_tname(v)}")
         out: dict[str, Any] = {}
         for f in self.fields:
             if f.name in v:
-                out[f.name] = f.conv.dec(v[f.name], f"{path}.{f.name}", err, depth)
+                try:
+                    out[f.name] = f.conv.dec(v[f.name], depth)
+                except _Fail as e:
+                    e.parts.append(f.segment)
+                    raise
             elif f.required:
-                raise err(path, f"missing field {f.name!r} ({f.conv.label})")
+                raise _Fail(f"missing field {f.name!r} ({f.conv.label})")
         return out
 
-    def dec(self, v: Any, path: str, err: _Err, depth: int) -> Any:
+    def dec(self, v: Any, depth: int) -> Any:
+        kwargs = self.kwargs(v, depth)
         try:
-            return self.cls(**self.kwargs(v, path, err, depth))
-        except ProtocolError:
-            raise
+            return self.cls(**kwargs)
         except (TypeError, ValueError) as exc:  # a __post_init__ check of the struct itself
-            raise err(path, f"invalid {self.name}: {exc}") from None
+            raise _Fail(f"invalid {self.name}: {exc}") from None
 
-    def enc(self, obj: Any, path: str, err: _Err, limits: Limits) -> dict[str, Any]:
-        return {
-            f.name: f.conv.enc(getattr(obj, f.name), f"{path}.{f.name}", err, limits)
-            for f in self.fields
-        }
+    def enc(self, obj: Any, limits: Limits) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in self.fields:
+            try:
+                out[f.name] = f.conv.enc(getattr(obj, f.name), limits)
+            except _Fail as e:
+                e.parts.append(f.segment)
+                raise
+        return out
 
 
 _SCHEMAS: dict[type[Struct], _StructSchema] = {}
@@ -424,11 +479,12 @@ class Struct:
     See the module docstring for the supported annotations and the validation contract.
     """
 
-    __wire_name__: ClassVar[str] = ""
-
     def to_wire(self, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
         """This struct as a msgpack-ready map; LocalProtocolError naming a bad field."""
-        return _schema(type(self)).enc(self, type(self).__name__, _LOCAL, limits)
+        try:
+            return _schema(type(self)).enc(self, limits)
+        except _Fail as e:
+            raise LocalProtocolError(e.message(type(self).__name__)) from None
 
     @classmethod
     def from_wire(cls, value: Any, **extra: Any) -> Any:
@@ -436,13 +492,15 @@ class Struct:
 
         `extra` are keyword arguments for fields kept off the wire (e.g. a message payload).
         """
-        schema = _schema(cls)
-        kwargs = schema.kwargs(value, cls.__name__, _REMOTE, 0)
+        try:
+            kwargs = _schema(cls).kwargs(value, 0)
+        except _Fail as e:
+            raise RemoteProtocolError(e.message(cls.__name__)) from None
         try:
             return cls(**kwargs, **extra)
         except ProtocolError:
             raise
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError) as exc:  # a __post_init__ check of the struct itself
             raise RemoteProtocolError(f"{cls.__name__}: invalid: {exc}") from None
 
     @classmethod

@@ -4,16 +4,20 @@ Two processes on loopback (a receiver child and this sender), so sender and rece
 their own core and GIL, as two daemons would. Each trial sends N tensors of 64 MiB fp32:
 
 - raw:        a plain asyncio socket pair. The sender writes the same bytes in 1 MiB
-              memoryview slices and waits for drain; the receiver's Protocol only counts the
-              bytes it is handed (no parsing, no copies): the ceiling for anything on top.
+              memoryview slices and waits for drain; the receiver's BufferedProtocol only
+              counts what it is handed (no parsing, no copies): the ceiling for anything on top.
 - net-plain:  PeerNetwork without TLS: Forward messages carrying RAW tensors
               (protocol.tensors.encode(..).buffers(), not copied), xxh3 payload check on,
-              frames decoded into a preallocated buffer per frame, tensor decoded (a view).
+              the payload received straight into its own buffer, the tensor decoded (a view).
 - net-tls:    PeerNetwork with mutual TLS 1.3 (the cluster CA, ECDSA P-256 certificates); the
               payload check is off there because TLS already authenticates every record.
+- tls-socket: for reference only (no target): the same bytes over OpenSSL on blocking
+              sockets, no asyncio at all: what TLS itself costs on this machine.
 
 The sender starts its clock before the first send and stops it when the receiver's reply says
-it has all N tensors. Each mode runs `--trials` times (interleaved) and keeps the best.
+it has all N tensors. Each mode runs `--trials` times and keeps the best. Besides GB/s, the
+table shows GB moved per CPU-second of the sending and the receiving process: the cost per
+byte, which a busy machine does not distort the way it distorts wall-clock throughput.
 Targets (issue 7): net-tls >= 0.5 x raw, net-plain >= 0.8 x raw. Exit 1 on a miss.
 
     python bench/links.py [--count 8] [--trials 3] [--loop uvloop|asyncio]
@@ -25,10 +29,12 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fusiond.net import NetConfig, PeerNetwork, TLSMaterial
+from fusiond.net import tls as tlsmod
 from fusiond.net.pki import (
     create_cluster_ca,
     issue_node_certificate,
@@ -49,6 +56,10 @@ from protocol.tensors import decode, encode
 TENSOR_BYTES = 64 << 20
 CHUNK = 1 << 20
 CLUSTER = "c-bench"
+MODES = ("raw", "net-plain", "net-tls", "tls-socket")
+TARGETS: dict[str, float | None] = {
+    "raw": None, "net-plain": 0.8, "net-tls": 0.5, "tls-socket": None,
+}
 
 
 def _new_loop(kind: str) -> asyncio.AbstractEventLoop:
@@ -59,46 +70,86 @@ def _new_loop(kind: str) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
-def _make_credentials(root: Path) -> dict[str, tuple[str, TLSMaterial]]:
+def _make_credentials(root: Path) -> None:
     ca = create_cluster_ca(root / "ca")
-    out = {}
     for name in ("send", "recv"):
         ident = load_or_create_node_identity(root / name)
         cert = issue_node_certificate(ca, ident.key.public_key())
-        out[name] = (ident.node_id, store_node_credentials(root / name, cert, ca.cert))
-    return out
+        store_node_credentials(root / name, cert, ca.cert)
 
 
 def _net_config() -> NetConfig:
     return NetConfig(bulk_queue_frames=4)
 
 
+def _cluster(root: Path, mode: str) -> str:
+    if mode != "net-tls":
+        return CLUSTER
+    return TLSMaterial.in_state_dir(root / "recv").cluster_id()
+
+
 # ---------------------------------------------------------------------------------- receiver
 
 
-class _Counter(asyncio.Protocol):
+class _Counter(asyncio.BufferedProtocol):
+    """Counts received bytes into one reused buffer; answers b"k" after `expect` bytes."""
+
     def __init__(self, expect: int) -> None:
         self.left = expect
+        self.buf = memoryview(bytearray(256 << 10))
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
-    def data_received(self, data: bytes) -> None:
-        self.left -= len(data)
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.buf
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.left -= nbytes
         if self.left <= 0 and self.transport is not None:
             self.transport.write(b"k")
 
 
-async def _serve(mode: str, total_bytes: int, count: int, root: Path | None) -> None:
+def _tls_socket_server(root: Path, total: int) -> None:
+    """Blocking OpenSSL receiver (thread): recv_into one reused buffer, answer b"k"."""
+    ctx = tlsmod.server_context(TLSMaterial.in_state_dir(root / "recv"))
+    lsock = socket.create_server(("127.0.0.1", 0))
+    print(json.dumps({"port": lsock.getsockname()[1]}), flush=True)
+    buf = memoryview(bytearray(1 << 20))
+    lsock.settimeout(60)
+    while True:
+        try:
+            raw, _ = lsock.accept()
+        except TimeoutError:
+            return
+        with ctx.wrap_socket(raw, server_side=True) as conn:
+            left = total
+            while left > 0:
+                n = conn.recv_into(buf)
+                if n == 0:
+                    break
+                left -= n
+            conn.sendall(b"k")
+
+
+async def _serve(mode: str, total: int, count: int, root: Path) -> None:
     loop = asyncio.get_running_loop()
-    if mode == "raw":
-        server = await loop.create_server(lambda: _Counter(total_bytes), "127.0.0.1", 0)
-        print(json.dumps({"port": server.sockets[0].getsockname()[1]}), flush=True)
-        await loop.run_in_executor(None, sys.stdin.readline)  # parent says stop
-        server.close()
+    if mode == "tls-socket":
+        import threading
+
+        threading.Thread(target=_tls_socket_server, args=(root, total), daemon=True).start()
+        await loop.run_in_executor(None, sys.stdin.readline)
+        print(json.dumps({"cpu_s": time.process_time()}), flush=True)
         return
-    tls = TLSMaterial.in_state_dir(root / "recv") if root is not None else None
+    if mode == "raw":
+        server = await loop.create_server(lambda: _Counter(total), "127.0.0.1", 0)
+        print(json.dumps({"port": server.sockets[0].getsockname()[1]}), flush=True)
+        await loop.run_in_executor(None, sys.stdin.readline)  # the parent says stop
+        server.close()
+        print(json.dumps({"cpu_s": time.process_time()}), flush=True)
+        return
+    tls = TLSMaterial.in_state_dir(root / "recv") if mode == "net-tls" else None
     got = {"n": 0}
     net: PeerNetwork | None = None
 
@@ -112,184 +163,173 @@ async def _serve(mode: str, total_bytes: int, count: int, root: Path | None) -> 
                 await net.send(peer, Ack(request_id=got["n"]))
 
     node_id = tls.node_id() if tls is not None else "recv"
-    net = PeerNetwork(
-        node_id=node_id,
-        cluster_id=_cluster(root, mode),
-        listen=("127.0.0.1", 0),
-        tls=tls,
-        handler=handler,
-        config=_net_config(),
-    )
+    net = PeerNetwork(node_id=node_id, cluster_id=_cluster(root, mode), listen=("127.0.0.1", 0),
+                      tls=tls, handler=handler, config=_net_config())
     await net.start()
     print(json.dumps({"port": net.address[1]}), flush=True)
     await loop.run_in_executor(None, sys.stdin.readline)
     await net.close()
-
-
-def _cluster(root: Path | None, mode: str) -> str:
-    if mode != "net-tls" or root is None:
-        return CLUSTER
-    return TLSMaterial.in_state_dir(root / "recv").cluster_id()
+    print(json.dumps({"cpu_s": time.process_time()}), flush=True)
 
 
 # ------------------------------------------------------------------------------------ sender
 
 
-async def _raw_trial(port: int, payload: memoryview, count: int) -> float:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.transport.set_write_buffer_limits(high=4 * CHUNK)
-    t0 = time.perf_counter()
-    for _ in range(count):
-        for pos in range(0, payload.nbytes, CHUNK):
-            writer.write(payload[pos : pos + CHUNK])
-            await writer.drain()
-    await reader.readexactly(1)
-    dt = time.perf_counter() - t0
-    writer.close()
-    return dt
-
-
-async def _net_trial(
-    net: PeerNetwork, peer: str, enc_bufs: list[memoryview], count: int, acks: asyncio.Queue[int]
-) -> float:
-    t0 = time.perf_counter()
-    for i in range(count):
-        msg = Forward(job_id="bench", plan_version=1, iteration=0, microbatch=i, edge="e0")
-        await net.send(peer, msg, enc_bufs)
-    await asyncio.wait_for(acks.get(), 120)
-    return time.perf_counter() - t0
-
-
 class _Child:
-    def __init__(self, mode: str, count: int, loop_kind: str, root: Path | None) -> None:
-        args = [
-            sys.executable,
-            __file__,
-            "--serve",
-            mode,
-            "--count",
-            str(count),
-            "--loop",
-            loop_kind,
-        ]
-        if root is not None:
-            args += ["--root", str(root)]
+    """The receiver process for one mode; prints its port, then its CPU seconds at stop."""
+
+    def __init__(self, mode: str, count: int, loop_kind: str, root: Path) -> None:
+        args = [sys.executable, __file__, "--serve", mode, "--count", str(count),
+                "--loop", loop_kind, "--root", str(root)]
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(
-            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
-        )
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=env)
         assert self.proc.stdout is not None
         self.port = int(json.loads(self.proc.stdout.readline())["port"])
 
-    def stop(self) -> None:
-        assert self.proc.stdin is not None
+    def stop(self) -> float:
+        """Stop the receiver; return the CPU seconds it used (NaN if it died)."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        cpu = float("nan")
         try:
             self.proc.stdin.write("stop\n")
             self.proc.stdin.flush()
-        except BrokenPipeError:
+            cpu = float(json.loads(self.proc.stdout.readline())["cpu_s"])
+        except (BrokenPipeError, ValueError, KeyError):
             pass
         try:
             self.proc.wait(20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        return cpu
 
 
-async def _run_mode(
-    mode: str, count: int, trials: int, loop_kind: str, root: Path, arr: np.ndarray[Any, Any]
-) -> list[float]:
-    """Seconds per trial for `mode` (a fresh receiver process per mode)."""
-    total = count * TENSOR_BYTES
-    enc = encode(arr, "raw")
-    bufs = enc.buffers()
-    times: list[float] = []
-    if mode == "raw":
-        payload = memoryview(arr).cast("B")
-        for _ in range(trials):
-            child = _Child(mode, count, loop_kind, None)
-            try:
-                times.append(await _raw_trial(child.port, payload, count))
-            finally:
-                child.stop()
-        return times
-    tls_root = root if mode == "net-tls" else None
-    child = _Child(mode, count, loop_kind, tls_root)
+@dataclass
+class _Result:
+    times: list[float]
+    send_cpu_s: float
+    recv_cpu_s: float
+    """Includes the receiver's start-up (imports), so it slightly overstates the cost."""
+
+
+async def _raw_trials(port: int, payload: memoryview, count: int, trials: int,
+                      times: list[float]) -> None:
+    for _ in range(trials):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.transport.set_write_buffer_limits(high=4 * CHUNK)
+        t0 = time.perf_counter()
+        for _ in range(count):
+            for pos in range(0, payload.nbytes, CHUNK):
+                writer.write(payload[pos : pos + CHUNK])
+                await writer.drain()
+        await reader.readexactly(1)
+        times.append(time.perf_counter() - t0)
+        writer.close()
+
+
+def _tls_socket_trials(port: int, root: Path, payload: memoryview, count: int, trials: int,
+                       times: list[float]) -> None:
+    ctx = tlsmod.client_context(TLSMaterial.in_state_dir(root / "send"))
+    for _ in range(trials):
+        with ctx.wrap_socket(socket.create_connection(("127.0.0.1", port))) as s:
+            t0 = time.perf_counter()
+            for _ in range(count):
+                for pos in range(0, payload.nbytes, CHUNK):
+                    s.sendall(payload[pos : pos + CHUNK])
+            s.recv(1)
+            times.append(time.perf_counter() - t0)
+
+
+async def _net_trials(mode: str, port: int, root: Path, arr: np.ndarray[Any, Any], count: int,
+                      trials: int, times: list[float]) -> None:
+    bufs = encode(arr, "raw").buffers()
     acks: asyncio.Queue[int] = asyncio.Queue(16)
 
     async def handler(peer: str, msg: Message) -> None:
         if isinstance(msg, Ack):
             await acks.put(msg.request_id)
 
-    if tls_root is not None:
-        send_id = TLSMaterial.in_state_dir(tls_root / "send").node_id()
-        material: TLSMaterial | None = TLSMaterial.in_state_dir(tls_root / "send")
-    else:
-        send_id, material = "send", None
-    net = PeerNetwork(
-        node_id=send_id,
-        cluster_id=_cluster(tls_root, mode),
-        listen=("127.0.0.1", 0),
-        tls=material,
-        handler=handler,
-        config=_net_config(),
-    )
+    material = TLSMaterial.in_state_dir(root / "send") if mode == "net-tls" else None
+    send_id = material.node_id() if material is not None else "send"
+    net = PeerNetwork(node_id=send_id, cluster_id=_cluster(root, mode),
+                      listen=("127.0.0.1", 0), tls=material, handler=handler,
+                      config=_net_config())
     await net.start()
     try:
-        peer = await net.connect(("127.0.0.1", child.port))
+        peer = await net.connect(("127.0.0.1", port))
         for _ in range(trials):
-            times.append(await _net_trial(net, peer, bufs, count, acks))
+            t0 = time.perf_counter()
+            for i in range(count):
+                msg = Forward(job_id="bench", plan_version=1, iteration=0, microbatch=i,
+                              edge="e0")
+                await net.send(peer, msg, bufs)
+            await asyncio.wait_for(acks.get(), 300)
+            times.append(time.perf_counter() - t0)
     finally:
         await net.close()
-        child.stop()
-    assert total > 0
-    return times
+
+
+async def _run_mode(mode: str, args: argparse.Namespace, root: Path,
+                    arr: np.ndarray[Any, Any]) -> _Result:
+    times: list[float] = []
+    child = _Child(mode, args.count, args.loop, root)
+    payload = memoryview(arr).cast("B")
+    try:
+        cpu0 = time.process_time()
+        if mode == "raw":
+            await _raw_trials(child.port, payload, args.count, args.trials, times)
+        elif mode == "tls-socket":
+            _tls_socket_trials(child.port, root, payload, args.count, args.trials, times)
+        else:
+            await _net_trials(mode, child.port, root, arr, args.count, args.trials, times)
+        send_cpu = time.process_time() - cpu0
+    finally:
+        recv_cpu = child.stop()
+    return _Result(times, send_cpu, recv_cpu)
 
 
 async def _main(args: argparse.Namespace) -> int:
     arr = np.random.default_rng(0).standard_normal(TENSOR_BYTES // 4, dtype=np.float32)
     total = args.count * TENSOR_BYTES
-    best: dict[str, float] = {}
+    results: dict[str, _Result] = {}
     with tempfile.TemporaryDirectory(prefix="fusion-links-") as tmp:
         root = Path(tmp)
         _make_credentials(root)  # both processes read them from here
-        for mode in ("raw", "net-plain", "net-tls"):
-            ts = await _run_mode(mode, args.count, args.trials, args.loop, root, arr)
-            best[mode] = min(ts)
-            print(
-                f"  {mode:10s} trials: "
-                + ", ".join(f"{total / t / 1e9:.2f}" for t in ts)
-                + " GB/s",
-                file=sys.stderr,
-            )
-    raw_gbs = total / best["raw"] / 1e9
-    targets = {"raw": None, "net-plain": 0.8, "net-tls": 0.5}
+        for mode in MODES:
+            res = await _run_mode(mode, args, root, arr)
+            results[mode] = res
+            rates = ", ".join(f"{total / t / 1e9:.2f}" for t in res.times)
+            print(f"  {mode:10s} trials: {rates} GB/s", file=sys.stderr)
+    raw_gbs = total / min(results["raw"].times) / 1e9
     ok = True
-    print(
-        f"\nfusion peer links on loopback: {args.count} x 64 MiB fp32 per trial, "
-        f"best of {args.trials}, loop={args.loop}, 2 processes"
-    )
-    print(f"{'mode':12s}{'GB/s':>8s}{'x raw':>8s}{'target':>9s}  result")
-    for mode, t in best.items():
-        gbs = total / t / 1e9
+    print(f"\nfusion peer links on loopback: {args.count} x 64 MiB fp32 per trial, best of "
+          f"{args.trials}, loop={args.loop}, sender and receiver in 2 processes, "
+          f"{os.cpu_count()} CPUs")
+    print(f"{'mode':12s}{'GB/s':>7s}{'x raw':>7s}{'target':>8s}  {'result':9s}"
+          f"{'send GB/cpu-s':>14s}{'recv GB/cpu-s':>14s}")
+    for mode, r in results.items():
+        gbs = total / min(r.times) / 1e9
         ratio = gbs / raw_gbs
-        tgt = targets[mode]
+        moved = total * len(r.times) / 1e9
+        cpu = f"{moved / r.send_cpu_s:14.2f}{moved / r.recv_cpu_s:14.2f}"
+        tgt = TARGETS[mode]
         if tgt is None:
-            print(f"{mode:12s}{gbs:8.2f}{ratio:8.2f}{'-':>9s}  baseline")
-            continue
-        passed = ratio >= tgt
-        ok &= passed
-        print(
-            f"{mode:12s}{gbs:8.2f}{ratio:8.2f}{'>=' + str(tgt):>9s}  {'PASS' if passed else 'FAIL'}"
-        )
+            verdict, tgt_s = ("baseline" if mode == "raw" else "reference"), "-"
+        else:
+            passed = ratio >= tgt
+            ok &= passed
+            verdict, tgt_s = ("PASS" if passed else "FAIL"), f">={tgt}"
+        print(f"{mode:12s}{gbs:7.2f}{ratio:7.2f}{tgt_s:>8s}  {verdict:9s}{cpu}")
     return 0 if ok else 1
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--count", type=int, default=8, help="64 MiB tensors per trial")
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
-    ap.add_argument("--serve", choices=("raw", "net-plain", "net-tls"), help=argparse.SUPPRESS)
+    ap.add_argument("--serve", choices=MODES, help=argparse.SUPPRESS)
     ap.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     loop = _new_loop(args.loop)

@@ -74,11 +74,16 @@ def test_five_daemons_agree_by_mdns_alone(make_cluster: Callable[..., Cluster]) 
 def test_five_daemons_agree_by_one_bootstrap_address(
         make_cluster: Callable[..., Cluster]) -> None:
     c = make_cluster(5)
+    for n in c.nodes:  # a mixed cluster: both event loops, in one run
+        n.settings["loop"] = "asyncio" if n.index % 2 else "auto"
     _start_by_bootstrap(c)
     agreed, _took = c.wait_agreement(timeout=AGREE_S)
     assert len(agreed["alive"]) == 5
     sources = {m["source"] for n in c.nodes for m in iter_members(n.status())}
     assert "mdns" not in sources, sources
+    loops = {line.split(" event loop")[0].rsplit(" ", 1)[-1] for n in c.nodes
+             for line in n.log_text().splitlines() if "event loop" in line}
+    assert loops == {"asyncio", "uvloop"} or loops == {"asyncio"}, loops  # uvloop if installed
 
 
 @pytest.mark.slow

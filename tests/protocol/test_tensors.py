@@ -295,6 +295,27 @@ def test_topk_per_row(arr: NDArray, k: int) -> None:
     assert np.array_equal(out.reshape(-1), want)
 
 
+@pytest.mark.parametrize("case", ["normal", "ties", "mostly-zero", "outlier-columns"])
+def test_topk_large_arrays_sampled_threshold_is_exact(case: str) -> None:
+    """Above 2**18 elements top-k selects by a sampled threshold; it must stay exact."""
+    rng = np.random.default_rng(10)
+    n = (1 << 18) + 123
+    x = rng.standard_normal(n).astype(np.float32)
+    if case == "ties":
+        x = np.round(x, 1)  # thousands of equal magnitudes at any threshold
+    elif case == "mostly-zero":
+        x[rng.random(n) < 0.995] = 0  # fewer non-zeros than k: the threshold is 0
+    elif case == "outlier-columns":
+        x = x.reshape(-1, 1)[: (n // 512) * 512].reshape(-1, 512)
+        x[:, ::97] *= 50
+    mag = np.abs(x.reshape(-1))
+    sampled = T._topk_by_sampled_threshold(mag, x.size // 100)
+    assert (sampled is None) == (case == "mostly-zero")  # the fast path ran, or fell back
+    for k in (1, 100, x.size // 100, x.size // 9):
+        idx = T.topk_indices(x, k)
+        assert_topk_set(np.abs(x.reshape(-1).astype(np.float64)), idx, k)
+
+
 @pytest.mark.parametrize(
     ("density", "fmt"), [(0.001, "varint"), (0.01, "varint"), (0.05, "varint"), (0.3, "bitmap")]
 )

@@ -287,3 +287,18 @@ def test_lost_majority_is_recovered_by_removing_the_dead(
         assert fusionctl(["--socket", survivor.socket, "remove", nid]) == 0
     agreed, _ = c.wait_agreement([survivor], timeout=AGREE_S)
     assert agreed["leader"] == c.node_id(survivor)
+
+
+@pytest.mark.slow
+def test_sighup_adds_bootstrap_addresses(make_cluster: Callable[..., Cluster]) -> None:
+    c = make_cluster(2)
+    c.start()
+    c.wait_up()
+    a, b = c.nodes
+    assert len(list(iter_members(b.status()))) == 1  # alone: no mDNS, no bootstrap
+    b.settings = merge(b.settings, {"cluster": {"bootstrap": [c.address(a)]}})
+    b.write_config()
+    b.signal(1)  # SIGHUP
+    agreed, _ = c.wait_agreement(timeout=AGREE_S)
+    assert len(agreed["alive"]) == 2
+    assert "SIGHUP: added bootstrap addresses" in b.log_text()

@@ -108,10 +108,15 @@ class Membership:
         now: float,
         suspect_after_s: float,
         dead_after_s: float,
+        max_members: int = 4096,
     ) -> None:
         if not 0 < suspect_after_s < dead_after_s:
             raise ValueError("need 0 < suspect_after_s < dead_after_s")
         self.node_id = node_id
+        self._max_members = max_members
+        self.refused = 0
+        """Members not added because the table was full (a bound on what peers can make us
+        hold; a real cluster that large needs a larger `max_members`)."""
         self._suspect_after = suspect_after_s
         self._dead_after = dead_after_s
         me = MemberRecord(node_id, address, incarnation, 0, "alive", dict(profile), {})
@@ -218,6 +223,9 @@ class Membership:
                 rec = dataclasses.replace(
                     rec, profile=member.record.profile if member else {},
                     links=member.record.links if member else {})
+            if member is None and len(self._members) >= self._max_members:
+                self.refused += 1
+                continue
             if member is None:
                 state: MemberState
                 if rec.state == "left":

@@ -112,8 +112,9 @@ class LinkProber:
             fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
             self._pings[rid] = fut
             try:
-                await self._send(peer, Ping(request_id=rid, sent_at=time.monotonic()), ())
-                best = min(best, await asyncio.wait_for(fut, self._cfg.timeout_s))
+                async with asyncio.timeout(self._cfg.timeout_s):
+                    await self._send(peer, Ping(request_id=rid, sent_at=time.monotonic()), ())
+                    best = min(best, await fut)
             except TimeoutError:
                 continue
             finally:
@@ -130,21 +131,23 @@ class LinkProber:
         probe_id = next(self._ids)
         fut: asyncio.Future[ProbeAck] = asyncio.get_running_loop().create_future()
         self._acks[probe_id] = fut
+        # Sending (backpressure) and the answer must fit in the timeout plus twice what the
+        # last estimate says the transfer takes: a slow link is not a dead one.
+        est = self.links.get(peer)
+        expected = (frames * chunk * 8 / est.bandwidth_bps
+                    if est is not None and est.bandwidth_bps else 0.0)
+        limit = cfg.timeout_s + 2 * expected
         try:
-            t0 = time.monotonic()
-            payload = (self._filler[:chunk],)
-            for seq in range(frames):
-                await self._send(peer, ProbeData(probe_id=probe_id, seq=seq, count=frames),
-                                 payload)
-            # The whole probe must be answered within the timeout plus what the last estimate
-            # says the transfer takes (a slow link is not a dead one).
-            est = self.links.get(peer)
-            expected = (frames * chunk * 8 / est.bandwidth_bps
-                        if est is not None and est.bandwidth_bps else 0.0)
-            ack = await asyncio.wait_for(fut, cfg.timeout_s + 2 * expected)
-            duration = time.monotonic() - t0
+            async with asyncio.timeout(limit):
+                t0 = time.monotonic()
+                payload = (self._filler[:chunk],)
+                for seq in range(frames):
+                    await self._send(peer, ProbeData(probe_id=probe_id, seq=seq, count=frames),
+                                     payload)
+                ack = await fut
+                duration = time.monotonic() - t0
         except TimeoutError as exc:
-            raise ProbeFailed(f"no ProbeAck from {peer} within {cfg.timeout_s}s") from exc
+            raise ProbeFailed(f"bulk probe of {peer} not answered within {limit:.1f}s") from exc
         finally:
             self._acks.pop(probe_id, None)
         return bandwidth_from_ack(ack, frames, frames * chunk, duration, rtt_s)
@@ -152,7 +155,8 @@ class LinkProber:
     async def probe(self, peer: str) -> LinkEstimate:
         """Measure RTT then bandwidth to `peer`, update and return its estimate.
 
-        Raises ProbeFailed when the peer does not answer (the estimate is kept).
+        Raises ProbeFailed when the peer does not answer (the estimate is kept); errors of the
+        transport (peer unreachable, ...) propagate.
         """
         cfg = self._cfg
         rtt = await self.rtt(peer)

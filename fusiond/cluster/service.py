@@ -35,6 +35,7 @@ from fusiond.cluster.membership import (
 )
 from fusiond.cluster.probes import LinkProber, ProbeConfig, ProbeFailed
 from fusiond.errors import ConfigError
+from protocol.errors import LocalProtocolError
 from protocol.frames import Buffer
 from protocol.messages import (
     Gossip,
@@ -111,6 +112,8 @@ class ClusterConfig:
     """A control send blocked (peer queue full) longer than this is dropped."""
     tick_s: float = 0.05
     """Failure detector and election timer resolution."""
+    max_members: int = 4096
+    """Bound on the membership table (peers cannot make us hold more)."""
 
     def __post_init__(self) -> None:
         # The daemon maps its config by field name and may pass lists: normalise to tuples.
@@ -124,7 +127,7 @@ class ClusterConfig:
                                               and math.isfinite(value)):
                 raise ConfigError(f"cluster.{f.name} must be a positive number, got {value!r}")
         for name in ("gossip_fanout", "gossip_full_every", "probe_repeats", "probe_max_bytes",
-                     "probe_min_bytes"):
+                     "probe_min_bytes", "max_members"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"cluster.{name} must be at least 1")
         if not self.suspect_after_s < self.dead_after_s:
@@ -219,6 +222,32 @@ def profile_to_wire(node_id: str, profile: Mapping[str, Any]) -> NodeProfile:
     )
 
 
+def _is_plain(value: Any, depth: int = 0) -> bool:
+    if depth > 8:
+        return False
+    if isinstance(value, int) and not isinstance(value, bool):
+        return -(1 << 63) <= value < 1 << 64  # what msgpack can carry
+    if value is None or isinstance(value, bool | float | str):
+        return True
+    if isinstance(value, list | tuple):
+        return all(_is_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def plain_profile(profile: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(the entries of `profile` that msgpack can carry, the keys dropped)."""
+    clean: dict[str, Any] = {}
+    dropped: list[str] = []
+    for key, value in profile.items():
+        if isinstance(key, str) and _is_plain(value):
+            clean[key] = value
+        else:
+            dropped.append(str(key))
+    return clean, dropped
+
+
 def profile_from_wire(profile: NodeProfile | None) -> dict[str, Any]:
     """The profile map a member published (its `extra`, or the well-known fields)."""
     if profile is None:
@@ -309,6 +338,7 @@ class Cluster:
         self._done: asyncio.Future[None] | None = None
         self._closing = False
         self._closed = False
+        self._warned_profile = False
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -321,7 +351,8 @@ class Cluster:
         self._membership = Membership(
             node_id=self.node_id, address=self._advertise, incarnation=self._incarnation,
             profile=self._safe_profile({}), now=now,
-            suspect_after_s=self.config.suspect_after_s, dead_after_s=self.config.dead_after_s)
+            suspect_after_s=self.config.suspect_after_s, dead_after_s=self.config.dead_after_s,
+            max_members=self.config.max_members)
         c = self.config
         self._election = Election(self.node_id, now=now, address=self._advertise, rng=self._rng,
                                   timing=ElectionTiming(
@@ -639,7 +670,8 @@ class Cluster:
         await asyncio.sleep(self._rng.uniform(0.0, min(1.0, cfg.probe_interval_s)))
         while True:
             now = time.monotonic()
-            due = [p for p in ms.with_state("alive") if p != self.node_id
+            due = [p for p in ms.with_state("alive")
+                   if p != self.node_id and ms.me.state != "left"
                    and now - self._last_probe.get(p, -math.inf) >= cfg.probe_interval_s]
             self._rng.shuffle(due)
             measured = False
@@ -651,6 +683,12 @@ class Cluster:
                     est = await self._prober.probe(peer)
                 except ProbeFailed as exc:
                     log.debug("probe of %s failed: %s", peer, exc)
+                    continue
+                except LocalProtocolError as exc:  # our bug, not the peer's: say so loudly
+                    log.error("probe of %s: cannot encode: %s", peer, exc)
+                    continue
+                except Exception as exc:  # unreachable peer etc.: membership will notice
+                    log.info("probe of %s failed: %r", peer, exc)
                     continue
                 if ms.state(peer) in ("left", None):
                     continue
@@ -666,10 +704,16 @@ class Cluster:
 
     def _safe_profile(self, fallback: Mapping[str, Any]) -> dict[str, Any]:
         try:
-            return dict(self._profile())
+            raw = self._profile()
         except Exception as exc:  # a broken profile source must not stop gossip
             log.warning("cluster: profile() failed, gossiping the previous one: %r", exc)
             return dict(fallback)
+        clean, dropped = plain_profile(raw)
+        if dropped and not self._warned_profile:
+            self._warned_profile = True
+            log.warning("cluster: profile keys %s are not plain data; not gossiped",
+                        ", ".join(sorted(dropped)))
+        return clean
 
     def _reachable(self) -> list[str]:
         ms = self._membership
@@ -707,6 +751,8 @@ class Cluster:
             await asyncio.wait_for(self._net.send(peer, msg), self.config.send_timeout_s)
         except asyncio.CancelledError:
             raise
+        except LocalProtocolError as exc:  # we built something unsendable: a bug, say so
+            log.error("cannot send %s to %s: %s", type(msg).__name__, peer, exc)
         except Exception as exc:  # a peer we cannot reach: membership will notice
             log.debug("send %s to %s failed: %r", type(msg).__name__, peer, exc)
 

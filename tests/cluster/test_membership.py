@@ -6,6 +6,7 @@ import pytest
 
 from fusiond.cluster.membership import ELIDED, MemberRecord, Membership
 from fusiond.cluster.service import (
+    plain_profile,
     profile_from_wire,
     profile_to_wire,
     record_from_wire,
@@ -156,3 +157,19 @@ def test_heartbeat_only_entries_keep_the_known_profile_and_links() -> None:
     # A member first heard of through a heartbeat-only entry starts with an empty profile.
     m.merge([record_from_wire(record_to_wire(r("b"), full=False))], 0.5)
     assert m.get("b").profile == {}  # type: ignore[union-attr]
+
+
+def test_the_table_is_bounded() -> None:
+    m = Membership(node_id="me", address=("h", 1), incarnation=1, profile={}, now=0.0,
+                   suspect_after_s=1.0, dead_after_s=2.0, max_members=3)
+    m.merge([r(f"x{i}") for i in range(10)], 0.0)
+    assert len(m.ids()) == 3 and m.refused == 8
+    m.merge([r("x0", hb=5)], 0.1)  # known members still update
+    assert m.get("x0").heartbeat == 5  # type: ignore[union-attr]
+
+
+def test_profiles_that_msgpack_cannot_carry_are_filtered() -> None:
+    clean, dropped = plain_profile({"ok": 1, "nested": {"a": [1, 2.5, "x", None]},
+                                    "obj": object(), "huge": 1 << 70, "setv": {1, 2}})
+    assert clean == {"ok": 1, "nested": {"a": [1, 2.5, "x", None]}}
+    assert sorted(dropped) == ["huge", "obj", "setv"]

@@ -35,14 +35,12 @@ import logging
 import random
 import socket
 import ssl
-import struct
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, cast
 
-import numpy as np
 from cryptography.hazmat.primitives import serialization
 
 from fusiond.errors import ConfigError, LocalError, RemoteError
@@ -50,7 +48,7 @@ from fusiond.net import tls as tlsmod
 from fusiond.net.pki import JoinAuthority, JoinTokenError, PKIError, TLSMaterial
 from protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
 from protocol.errors import ProtocolError
-from protocol.frames import FIXED_HEADER_SIZE, Frame, FrameDecoder
+from protocol.frames import FrameDecoder
 from protocol.handshake import Handshake, Role
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import (
@@ -194,22 +192,14 @@ def _fmt(addr: Any) -> str:
     return str(addr)
 
 
-_FIXED_LEN: Final = FIXED_HEADER_SIZE
-_HEADER_LEN: Final = struct.Struct("<I")  # message header length, at offset 8
-_PAYLOAD_LEN: Final = struct.Struct("<Q")  # payload length, at offset 16
-_SCRATCH_BYTES: Final = 256 << 10
-_PH_FIXED, _PH_HEADER, _PH_SMALL, _PH_BIG = range(4)
-
-
 class _Conn(asyncio.BufferedProtocol):
     """One TCP/TLS connection: frame decoding, an inbox for the handler, write flow control.
 
-    Receive path: bytes land in a reused 256 KiB scratch buffer; the fixed header and the
-    message header are fed to the FrameDecoder (which checks magic, version, limits and the
-    header checksum before anything is allocated); a payload of at least
-    `NetConfig.direct_payload_bytes` is then received straight into one buffer of its exact
-    size (numpy.empty: no zeroing pass), which the decoder adopts without copying
-    (`feed(owned=True)`): one copy from the kernel (or TLS) into the tensor's final memory.
+    Receive path (FrameDecoder.get_buffer/buffer_updated): headers land in a reused scratch
+    buffer; once the decoder has checked magic, version, limits and the header checksum, a
+    payload of at least `NetConfig.direct_payload_bytes` is received straight into its own
+    buffer (numpy.empty: no zeroing pass): one copy from the kernel (or TLS) into the
+    tensor's final memory, hashed chunk by chunk while hot in cache.
     """
 
     def __init__(self, net: PeerNetwork, *, inbound: bool, lane: Lane | None = None) -> None:
@@ -218,7 +208,9 @@ class _Conn(asyncio.BufferedProtocol):
         self.lane = lane
         self.transport: asyncio.Transport | None = None
         self.peername = "?"
-        self.decoder = FrameDecoder(net.config.limits)
+        self.decoder = FrameDecoder(
+            net.config.limits, direct_bytes=net.config.direct_payload_bytes
+        )
         self.peer: _Peer | None = None
         self.cert_node_id: str | None = None
         self.tls = False
@@ -234,21 +226,12 @@ class _Conn(asyncio.BufferedProtocol):
         self._paused_reading = False
         self.version = PROTOCOL_VERSION
         self.bytes_in = 0
-        self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
-        self._phase = _PH_FIXED
-        self._acc = bytearray()
-        self._need = _FIXED_LEN
-        self._payload_len = 0
-        self._left = 0
-        self._big: memoryview | None = None
-        self._big_filled = 0
-        self._direct = net.config.direct_payload_bytes
         self._aborted = False
 
     @property
     def mid_frame(self) -> bool:
         """Part of a frame has arrived and the rest has not."""
-        return self._phase != _PH_FIXED or bool(self._acc)
+        return not self.decoder.idle
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -298,89 +281,20 @@ class _Conn(asyncio.BufferedProtocol):
         self._can_write.set()
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._big is not None:
-            return self._big[self._big_filled :]
-        return self._scratch
+        return self.decoder.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
         self.bytes_in += nbytes
         if self.peer is not None:
             self.peer.bytes_received += nbytes
         try:
-            if self._big is not None:
-                self._big_filled += nbytes
-                frames = self._finish_big() if self._big_filled == self._payload_len else []
-            else:
-                frames = self._process(self._scratch[:nbytes])
+            frames = self.decoder.buffer_updated(nbytes)
             msgs = [decode_message(f, self.net.config.limits) for f in frames]
         except ProtocolError as e:
             who = self.peer.node_id if self.peer is not None else "unauthenticated peer"
             self.abort(f"bad frame from {self.peername} ({who}): {e}")
             return
         self._deliver(msgs)
-
-    def _finish_big(self) -> list[Frame]:
-        assert self._big is not None
-        frames = self.decoder.feed(self._big, owned=True)
-        self._big = None
-        self._phase = _PH_FIXED
-        return frames
-
-    def _process(self, data: memoryview) -> list[Frame]:
-        """Split received bytes along frame boundaries (see the class docstring)."""
-        frames: list[Frame] = []
-        pos, end = 0, data.nbytes
-        dec = self.decoder
-        while True:
-            ph = self._phase
-            if ph in (_PH_FIXED, _PH_HEADER):
-                if len(self._acc) < self._need:
-                    if pos >= end:
-                        return frames
-                    take = min(self._need - len(self._acc), end - pos)
-                    self._acc += data[pos : pos + take]
-                    pos += take
-                    if len(self._acc) < self._need:
-                        return frames
-                if ph == _PH_FIXED:
-                    # The decoder validates the fixed header (magic, version, limits) now,
-                    # before we accumulate a header or allocate a payload it declares.
-                    frames += dec.feed(bytes(self._acc))
-                    header_len = _HEADER_LEN.unpack_from(self._acc, 8)[0]
-                    self._payload_len = _PAYLOAD_LEN.unpack_from(self._acc, 16)[0]
-                    self._acc.clear()
-                    self._need = header_len
-                    self._phase = _PH_HEADER
-                    continue
-                frames += dec.feed(bytes(self._acc))  # header checksum verified here
-                self._acc.clear()
-                self._need = _FIXED_LEN
-                n = self._payload_len
-                if n == 0:
-                    self._phase = _PH_FIXED
-                elif n >= self._direct:
-                    self._big = np.empty(n, dtype=np.uint8).data
-                    take = min(n, end - pos)
-                    self._big[:take] = data[pos : pos + take]
-                    pos += take
-                    self._big_filled = take
-                    self._phase = _PH_BIG
-                    if take == n:
-                        frames += self._finish_big()
-                else:
-                    self._left = n
-                    self._phase = _PH_SMALL
-            elif ph == _PH_SMALL:
-                if pos >= end:
-                    return frames
-                take = min(self._left, end - pos)
-                frames += dec.feed(bytes(data[pos : pos + take]))
-                pos += take
-                self._left -= take
-                if self._left == 0:
-                    self._phase = _PH_FIXED
-            else:  # _PH_BIG continues in get_buffer/buffer_updated
-                return frames
 
     def _deliver(self, msgs: list[Message]) -> None:
         for msg in msgs:

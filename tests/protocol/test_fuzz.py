@@ -125,7 +125,7 @@ def test_random_bytes(data: bytes, cuts: list[int]) -> None:
     seed=st.integers(0, 2**32),
     cuts=st.lists(st.integers(0, 5000), max_size=6),
 )
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 def test_mutated_valid_streams(msgs: list[Message], seed: int, cuts: list[int]) -> None:
     rnd = random.Random(seed)
     stream = valid_stream(msgs, [rnd.randbytes(rnd.randint(0, 40)) for _ in msgs])

@@ -1,0 +1,93 @@
+"""Finishing a job: gather the stages' weights into one state dict; write model and metrics.
+
+`gather_state(graph, states)` merges every stage's state (graph names are the model's own
+state-dict names) and adds the aliases of tied parameters, keeping exactly the entries of the
+original module's `state_dict()` (parameters and persistent buffers; lifted constants and
+non-persistent buffers left out), so `model.load_state_dict(result, strict=True)` works.
+`save_model` writes it as safetensors (never pickle); `write_metrics` the history as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from fusiond.errors import LocalError
+from protocol import ir
+
+__all__ = ["gather_state", "load_model_state", "save_model", "write_metrics"]
+
+
+def gather_state(graph: ir.Graph, states: Iterable[Mapping[str, torch.Tensor]]
+                 ) -> dict[str, torch.Tensor]:
+    """One state dict under the model's names from the stages' states.
+
+    A tied parameter held by several stages must be identical in each (they exchange gradients
+    every step); a difference means the copies diverged, which is a `LocalError`.
+    """
+    keep = {
+        p.name for p in graph.params
+        if p.kind is ir.ParamKind.PARAMETER or (p.kind is ir.ParamKind.BUFFER and p.persistent)
+    }
+    out: dict[str, torch.Tensor] = {}
+    for st in states:
+        for k, v in st.items():
+            if k not in keep:
+                continue
+            if k in out and not torch.equal(out[k], v):
+                raise LocalError(f"the copies of tied parameter {k!r} differ between stages")
+            out[k] = v.detach().cpu()
+    missing = keep - set(out)
+    if missing:
+        raise LocalError(f"no stage returned {sorted(missing)[:3]} ({len(missing)} missing)")
+    for alias, canon in graph.aliases.items():
+        if canon in out:
+            out[alias] = out[canon]
+    return out
+
+
+def save_model(path: str | Path, state: Mapping[str, torch.Tensor],
+               metadata: Mapping[str, str] | None = None) -> Path:
+    """Write `state` as safetensors (tied entries stored as separate copies), atomically."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tensors = {k: v.detach().contiguous().clone() for k, v in state.items()}
+    safetensors.torch.save_file(tensors, str(tmp), metadata=dict(metadata or {}))
+    os.replace(tmp, p)
+    return p
+
+
+def load_model_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """Read a model written by `save_model`."""
+    return dict(safetensors.torch.load_file(str(path)))
+
+
+def _clean(v: Any) -> Any:
+    # JSON has no NaN/Infinity: a diverged loss is written as null rather than invalid JSON.
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {str(k): _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    return v
+
+
+def write_metrics(path: str | Path, history: Sequence[Mapping[str, Any]],
+                  summary: Mapping[str, Any] | None = None) -> Path:
+    """Write `{"summary": ..., "steps": [...]}` as JSON, atomically."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    doc = {"summary": _clean(dict(summary or {})), "steps": _clean([dict(h) for h in history])}
+    tmp.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    os.replace(tmp, p)
+    return p

@@ -1,0 +1,378 @@
+"""Hosting a stage in a daemon: Assign in, a `StageExecutor` over the peer network out.
+
+The scheduler side (`fusiond.jobs.assign`) sends every machine an `Assign`: its partition's
+sub-graph (`protocol.ir` bytes), its boundary edges (`EdgeRoute`: edge id, src/dst partition and
+node, density), the address of every node in the job, and `config`, the job settings below (a
+msgpack map); the partition's initial weights travel in the frame payload as safetensors bytes.
+Partition ids ARE pipeline stage numbers (0 reads the data; edges go from lower to higher).
+
+`StageHost(assign, payload, net)` validates all of that (a `RemoteError` names the bad field),
+builds the partition, and runs it; the daemon routes each Forward/Backward of the job to
+`StageHost.on_message(peer, msg)`. On the wire:
+
+- Forward(job_id, plan_version, iteration=step, microbatch, edge=<edge id>) + tensor payload.
+- Backward(... edge=<edge id>) + gradient payload (VALUES on a top-k edge).
+- Backward(... microbatch=0, edge="param:<name>") + a tied parameter's gradient, exchanged by
+  every stage holding a copy before the optimizer step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from fusiond.errors import RemoteError
+from fusiond.graph import build_program, state_from_bytes
+from fusiond.train.data import DataSource, make_source
+from fusiond.train.schedule import schedule
+from fusiond.train.spec import (
+    BatchSpec,
+    DataSpec,
+    JobSpec,
+    OptimizerSpec,
+)
+from fusiond.train.stage import (
+    EdgeSpec,
+    Packet,
+    PacketKind,
+    StageConfig,
+    StageExecutor,
+    StageProgram,
+    StepReport,
+)
+from protocol import ir
+from protocol.limits import DEFAULT_LIMITS, Limits
+from protocol.messages import Assign, Backward, Forward, Message
+
+__all__ = [
+    "CONFIG_VERSION",
+    "PARAM_PREFIX",
+    "NetStageLink",
+    "PeerSender",
+    "StageAssignment",
+    "StageHost",
+    "decode_assign",
+    "job_config",
+]
+
+log = logging.getLogger(__name__)
+
+CONFIG_VERSION = 1
+"""Version of the `Assign.config` map written by `job_config`."""
+PARAM_PREFIX = "param:"
+"""Edge name prefix of a Backward carrying a shared (tied) parameter's gradient."""
+
+
+class PeerSender(Protocol):
+    """What a stage needs of `fusiond.net.PeerNetwork`."""
+
+    async def send(self, peer: str, msg: Message, payload: Sequence[Any] = ()) -> None:
+        """Queue `msg` for `peer` (awaits while the peer's lane is full)."""
+        ...
+
+
+def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
+               shared: Mapping[int, Mapping[str, Sequence[int]]],
+               input_name: str, targets_name: str | None, loss_name: str) -> dict[str, Any]:
+    """The `Assign.config` map for a job (the same for every stage; msgpack-able).
+
+    `stage_nodes`: stage -> node id for every stage; `shared`: stage -> {tied parameter -> the
+    other stages holding it}; the names say which sub-graph inputs are data and which output
+    is the loss.
+    """
+    o = spec.optimizer
+    d = spec.data
+    return {
+        "version": CONFIG_VERSION,
+        "steps": spec.steps,
+        "seed": spec.seed,
+        "batch_size": spec.batch.size,
+        "micro_batches": spec.batch.micro_batches,
+        "pipeline": spec.batch.pipeline,
+        "per_row": spec.compression.per_row,
+        "optimizer": {
+            "kind": o.kind, "lr": o.lr, "weight_decay": o.weight_decay, "betas": list(o.betas),
+            "eps": o.eps, "momentum": o.momentum, "schedule": o.schedule,
+            "warmup_steps": o.warmup_steps, "min_lr": o.min_lr,
+        },
+        "data": {
+            "kind": d.kind, "path": None if d.path is None else str(d.path),
+            "tokenizer": d.tokenizer, "seq_len": d.seq_len, "image_size": d.image_size,
+            "channels": d.channels, "num_classes": d.num_classes,
+        },
+        "input_name": input_name,
+        "targets_name": targets_name,
+        "loss_name": loss_name,
+        "stage_nodes": {str(s): n for s, n in stage_nodes.items()},
+        "shared": {str(s): {k: list(v) for k, v in m.items()} for s, m in shared.items()},
+    }
+
+
+@dataclass(frozen=True)
+class StageAssignment:
+    """A validated Assign: everything a daemon needs to run its stage."""
+
+    job_id: str
+    plan_version: int
+    stage: int
+    graph: ir.Graph
+    state: dict[str, torch.Tensor]
+    edges: tuple[EdgeSpec, ...]
+    stages: int
+    """How many stages the pipeline has."""
+    stage_nodes: dict[int, str]
+    """stage -> node id of every stage this one talks to."""
+    steps: int
+    seed: int
+    batch: BatchSpec
+    optimizer: OptimizerSpec
+    data: DataSpec
+    per_row: bool
+    input_name: str
+    targets_name: str | None
+    loss_name: str
+    shared: dict[str, tuple[int, ...]]
+
+
+def _get(cfg: Mapping[str, Any], key: str, typ: type | tuple[type, ...], where: str) -> Any:
+    if key not in cfg:
+        raise RemoteError(f"Assign.config.{where}{key}: missing")
+    v = cfg[key]
+    if not isinstance(v, typ) or (isinstance(v, bool) and typ in (int, float, (int, float))):
+        raise RemoteError(f"Assign.config.{where}{key}: wrong type {type(v).__name__}")
+    return v
+
+
+def decode_assign(msg: Assign, payload: bytes | memoryview, *,
+                  limits: Limits = DEFAULT_LIMITS) -> StageAssignment:
+    """Validate an Assign and its weights; `RemoteError` names the bad field."""
+    cfg = msg.config
+    if cfg.get("version") != CONFIG_VERSION:
+        raise RemoteError(f"Assign.config.version: {cfg.get('version')!r}, want {CONFIG_VERSION}")
+    try:
+        graph = ir.loads(msg.graph, limits)
+    except Exception as e:
+        raise RemoteError(f"Assign.graph: {e}") from e
+    try:
+        state = state_from_bytes(bytes(payload))
+    except Exception as e:
+        raise RemoteError(f"Assign payload (safetensors weights): {e}") from e
+    stage = msg.partition
+    edges: list[EdgeSpec] = []
+    stage_nodes: dict[int, str] = {}
+    for r in msg.edges:
+        if stage not in (r.src_partition, r.dst_partition):
+            raise RemoteError(f"Assign.edges: {r.edge!r} does not touch partition {stage}")
+        if r.src_partition >= r.dst_partition:
+            raise RemoteError(f"Assign.edges: {r.edge!r} goes backwards in the pipeline")
+        if not 0.0 < r.density <= 1.0:
+            raise RemoteError(f"Assign.edges: {r.edge!r} density {r.density} not in (0, 1]")
+        density = None if r.density >= 1.0 else r.density
+        edges.append(EdgeSpec(r.edge, r.src_partition, r.dst_partition, density))
+        for s, node in ((r.src_partition, r.src_node), (r.dst_partition, r.dst_node)):
+            if stage_nodes.setdefault(s, node) != node:
+                raise RemoteError(f"Assign.edges: partition {s} on two nodes")
+            if node not in msg.nodes:
+                raise RemoteError(f"Assign.nodes: no address for {node!r}")
+    o = _get(cfg, "optimizer", dict, "")
+    d = _get(cfg, "data", dict, "")
+    betas = _get(o, "betas", list, "optimizer.")
+    shared_raw = _get(cfg, "shared", dict, "").get(str(stage), {})
+    shared = {str(k): tuple(int(x) for x in v) for k, v in shared_raw.items()}
+    stage_map = _get(cfg, "stage_nodes", dict, "")
+    stages = len(stage_map)
+    if not 0 <= stage < stages:
+        raise RemoteError(f"Assign.partition: {stage} is not a stage of {stages}")
+    for s in {x for v in shared.values() for x in v} | set(stage_nodes):
+        node = stage_map.get(str(s))
+        if not isinstance(node, str) or node not in msg.nodes:
+            raise RemoteError(f"Assign.config.stage_nodes: no node for stage {s}")
+        if stage_nodes.setdefault(s, node) != node:
+            raise RemoteError(f"Assign: stage {s} is on {node!r} and {stage_nodes[s]!r}")
+    try:
+        optimizer = OptimizerSpec(
+            kind=_get(o, "kind", str, "optimizer."),
+            lr=float(_get(o, "lr", (int, float), "optimizer.")),
+            weight_decay=float(_get(o, "weight_decay", (int, float), "optimizer.")),
+            betas=(float(betas[0]), float(betas[1])),
+            eps=float(_get(o, "eps", (int, float), "optimizer.")),
+            momentum=float(_get(o, "momentum", (int, float), "optimizer.")),
+            schedule=_get(o, "schedule", str, "optimizer."),
+            warmup_steps=int(_get(o, "warmup_steps", int, "optimizer.")),
+            min_lr=float(_get(o, "min_lr", (int, float), "optimizer.")),
+        )
+        path = d.get("path")
+        data = DataSpec(
+            kind=_get(d, "kind", str, "data."), path=None if path is None else Path(str(path)),
+            tokenizer=_get(d, "tokenizer", str, "data."), seq_len=_get(d, "seq_len", int, "data."),
+            image_size=_get(d, "image_size", int, "data."),
+            channels=_get(d, "channels", int, "data."),
+            num_classes=_get(d, "num_classes", int, "data."),
+        )
+        size = _get(cfg, "batch_size", int, "")
+        micro = _get(cfg, "micro_batches", int, "")
+        if size < 1 or micro < 1 or size % micro:
+            raise RemoteError(f"Assign.config: batch_size {size} / micro_batches {micro}")
+        batch = BatchSpec(size=size, micro_batches=micro, pipeline=_get(cfg, "pipeline", str, ""))
+    except (IndexError, ValueError) as e:
+        raise RemoteError(f"Assign.config: {e}") from e
+    if optimizer.kind not in ("adamw", "sgd"):
+        raise RemoteError(f"Assign.config.optimizer.kind: {optimizer.kind!r}")
+    targets = cfg.get("targets_name")
+    return StageAssignment(
+        job_id=msg.job_id, plan_version=msg.plan_version, stage=stage, graph=graph, state=state,
+        edges=tuple(edges), stages=stages, stage_nodes=stage_nodes,
+        steps=_get(cfg, "steps", int, ""),
+        seed=_get(cfg, "seed", int, ""), batch=batch, optimizer=optimizer, data=data,
+        per_row=bool(cfg.get("per_row", True)), input_name=_get(cfg, "input_name", str, ""),
+        targets_name=targets if isinstance(targets, str) else None,
+        loss_name=_get(cfg, "loss_name", str, ""), shared=shared,
+    )
+
+
+def _value(edge_id: str) -> str:
+    """The sub-graph value name of an edge id `<value>-><dst>`."""
+    return edge_id.rsplit("->", 1)[0]
+
+
+def program_from_assignment(sa: StageAssignment) -> StageProgram:
+    """Build the partition module and describe its boundary for the executor."""
+    module = build_program(sa.graph, sa.state)
+    in_edges = tuple(
+        EdgeSpec(e.edge_id, e.src, e.dst, e.density, sa.per_row) for e in sa.edges
+        if e.dst == sa.stage
+    )
+    out_edges = tuple(
+        EdgeSpec(e.edge_id, e.src, e.dst, e.density, sa.per_row) for e in sa.edges
+        if e.src == sa.stage
+    )
+    names = {i.name for i in sa.graph.inputs}
+    data_map: dict[str, str] = {}
+    if sa.input_name in names:
+        data_map["inputs"] = sa.input_name
+    if sa.targets_name is not None and sa.targets_name in names:
+        data_map["targets"] = sa.targets_name
+    has_loss = any(o.name == sa.loss_name for o in sa.graph.outputs)
+    in_value = {e.edge_id: _value(e.edge_id) for e in in_edges}
+    out_value = {e.edge_id: _value(e.edge_id) for e in out_edges}
+    covered = set(in_value.values()) | set(data_map.values())
+    missing = names - covered
+    if missing:
+        raise RemoteError(f"Assign: partition inputs {sorted(missing)} have no edge or data")
+
+    def run(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        feed: dict[str, torch.Tensor] = {}
+        for key, t in inputs.items():
+            feed[in_value.get(key) or data_map[key]] = t
+        outs = module.run(feed)
+        result = {eid: outs[v] for eid, v in out_value.items()}
+        if has_loss:
+            result["loss"] = outs[sa.loss_name]
+        return result
+
+    return StageProgram(
+        module=module, run=run, in_edges=in_edges, out_edges=out_edges,
+        data_inputs=tuple(sorted(data_map)), has_loss=has_loss, shared=sa.shared,
+    )
+
+
+class NetStageLink:
+    """A `StageLink` over the peer network: packets become Forward/Backward messages."""
+
+    def __init__(self, net: PeerSender, job_id: str, plan_version: int,
+                 stage_nodes: Mapping[int, str]) -> None:
+        self.net = net
+        self.job_id = job_id
+        self.plan_version = plan_version
+        self.stage_nodes = dict(stage_nodes)
+
+    async def send(self, packet: Packet) -> None:
+        """Send one packet to the node running `packet.dst` (awaits under backpressure)."""
+        node = self.stage_nodes[packet.dst]
+        msg: Message
+        if packet.kind == PacketKind.FORWARD:
+            msg = Forward(job_id=self.job_id, plan_version=self.plan_version,
+                          iteration=packet.step, microbatch=packet.micro, edge=packet.edge)
+        elif packet.kind == PacketKind.BACKWARD:
+            msg = Backward(job_id=self.job_id, plan_version=self.plan_version,
+                           iteration=packet.step, microbatch=packet.micro, edge=packet.edge)
+        else:
+            msg = Backward(job_id=self.job_id, plan_version=self.plan_version,
+                           iteration=packet.step, microbatch=0, edge=PARAM_PREFIX + packet.edge)
+        await self.net.send(node, msg, (packet.payload,))
+
+
+class StageHost:
+    """One stage of one job inside a daemon: build from an Assign, run, report, close.
+
+    `on_message(peer, msg)` must receive every Forward/Backward of this job addressed here;
+    `run(on_step)` trains every step and returns the per-step reports.
+    """
+
+    def __init__(self, assign: Assign, payload: bytes | memoryview, net: PeerSender, *,
+                 config: StageConfig | None = None, limits: Limits = DEFAULT_LIMITS,
+                 data: DataSource | None = None) -> None:
+        self.assignment = decode_assign(assign, payload, limits=limits)
+        sa = self.assignment
+        self.program = program_from_assignment(sa)
+        self._node_stage = {n: s for s, n in sa.stage_nodes.items() if s != sa.stage}
+        if self.program.data_inputs and data is None:
+            data = make_source(sa.data, sa.seed)
+        tasks = schedule(sa.batch.pipeline, sa.stages, sa.batch.micro_batches)
+        self.executor = StageExecutor(
+            stage=sa.stage, program=self.program,
+            link=NetStageLink(net, sa.job_id, sa.plan_version, sa.stage_nodes),
+            tasks=tasks[sa.stage],
+            micro_batches=sa.batch.micro_batches, optimizer=sa.optimizer, total_steps=sa.steps,
+            data=data, batch_size=sa.batch.size, config=config,
+        )
+
+    async def start(self) -> None:
+        """Start the executor (worker thread, senders)."""
+        await self.executor.start()
+
+    async def ready(self) -> None:
+        """Return once the stage can take tensors."""
+        await self.executor.ready()
+
+    async def close(self) -> None:
+        """Stop and free the stage; idempotent."""
+        await self.executor.close()
+
+    def on_message(self, peer: str, msg: Message) -> None:
+        """Route a Forward/Backward of this job to the executor; `RemoteError` if it is not."""
+        if not isinstance(msg, (Forward, Backward)):
+            raise RemoteError(f"stage host got {type(msg).__name__}")
+        sa = self.assignment
+        if msg.job_id != sa.job_id or msg.plan_version != sa.plan_version:
+            raise RemoteError(f"{type(msg).__name__} for job {msg.job_id!r} v{msg.plan_version}")
+        src = self._node_stage.get(peer)
+        if src is None:
+            raise RemoteError(f"{type(msg).__name__} from {peer!r}, not a neighbour stage")
+        kind = PacketKind.FORWARD if isinstance(msg, Forward) else PacketKind.BACKWARD
+        edge = msg.edge
+        if kind == PacketKind.BACKWARD and edge.startswith(PARAM_PREFIX):
+            kind, edge = PacketKind.PARAM_GRAD, edge[len(PARAM_PREFIX):]
+        # Own the bytes: the frame buffer may be reused once the handler returns.
+        payload = bytes(msg.payload)
+        self.executor.deliver(
+            Packet(kind, msg.iteration, msg.microbatch, edge, src, sa.stage, payload)
+        )
+
+    def fail(self, exc: BaseException) -> None:
+        """Abort the stage (e.g. a neighbour died): its pending waits raise `exc`."""
+        self.executor.fail(exc)
+
+    async def run(self, on_step: Callable[[StepReport], Any] | None = None,
+                  first: int = 0) -> list[StepReport]:
+        """Train steps `first .. steps-1`; `on_step` gets each step's report."""
+        return await self.executor.run(first, self.assignment.steps - first, on_step)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The stage's parameters and buffers under graph names."""
+        return self.executor.state_dict()

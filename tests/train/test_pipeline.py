@@ -1,0 +1,164 @@
+"""The in-process pipeline against eager training: same losses, same weights; failures named."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+import pytest
+import torch
+from torch import nn
+
+from fusiond.models.gpt2 import gpt2, lm_loss
+from fusiond.train.data import TextWindows
+from fusiond.train.local import ReferenceTrainer, run_pipeline
+from fusiond.train.spec import OptimizerSpec
+from fusiond.train.stage import EdgeSpec, PacketKind, StageError, StageProgram
+
+from .gpt_stages import merged_state, three_stages
+
+STEPS = 20
+
+
+def _reference(g: nn.Module, opt: OptimizerSpec, data: TextWindows, steps: int,
+               micro: int = 4) -> tuple[list[float], Mapping[str, torch.Tensor]]:
+    ref = gpt2("tiny")
+    ref.load_state_dict(g.state_dict())
+    rt = ReferenceTrainer(ref, lm_loss, opt, data=data, batch_size=8, micro_batches=micro,
+                          total_steps=steps)
+    return rt.train(0, steps), ref.state_dict()
+
+
+@pytest.mark.parametrize("pipeline", ["1f1b", "gpipe"])
+async def test_three_stages_match_eager(
+    pipeline: str, small_text: TextWindows, adamw: OptimizerSpec
+) -> None:
+    torch.manual_seed(0)
+    g = gpt2("tiny")
+    progs = three_stages(g)
+    steps = STEPS if pipeline == "1f1b" else 5
+    res = await run_pipeline(progs, data=small_text, batch_size=8, micro_batches=4,
+                             optimizer=adamw, steps=steps, pipeline=pipeline,
+                             tokens_per_sample=32)
+    want, want_state = _reference(g, adamw, small_text, steps)
+    assert len(res.losses) == steps
+    for got, exp in zip(res.losses, want, strict=True):
+        assert got == pytest.approx(exp, rel=1e-4)
+    assert res.losses[-1] < res.losses[0]
+    got_state = merged_state(progs)
+    for k, v in want_state.items():
+        torch.testing.assert_close(got_state[k], v, rtol=1e-4, atol=1e-5, msg=k)
+    # the tied weight's two copies stayed identical
+    assert torch.equal(got_state["transformer.wte.weight"], got_state["lm_head.weight"])
+    m = res.metrics[-1]
+    assert set(m.stage_busy) == {0, 1, 2} and all(0 < b <= 1 for b in m.stage_busy.values())
+    # uncompressed: every edge moves its dense bytes (plus small headers) both ways
+    assert {e.edge for e in m.edges} == {"h0", "h1"}
+    for e in m.edges:
+        assert e.forward_dense == e.backward_dense == 8 * 32 * 32 * 4  # batch, seq, embd, fp32
+        assert e.forward_dense <= e.forward_wire < e.forward_dense * 1.05
+    assert m.shared_bytes > 0
+    assert m.as_dict()["tokens_per_s"] > 0
+
+
+async def test_topk_edges_compress_and_train(small_text: TextWindows,
+                                             adamw: OptimizerSpec) -> None:
+    torch.manual_seed(0)
+    g = gpt2("tiny")
+    res = await run_pipeline(three_stages(g, density=0.1), data=small_text, batch_size=8,
+                             micro_batches=4, optimizer=adamw, steps=8)
+    m = res.metrics[-1]
+    for e in m.edges:
+        assert e.density == 0.1
+        # fp16 values + indices for 10 %: well under a quarter of the dense bytes
+        assert e.forward_wire < 0.25 * e.forward_dense
+        assert e.backward_wire < 0.25 * e.backward_dense
+    assert res.losses[-1] < res.losses[0]
+
+
+def _edge_program(fail_at: int | None = None) -> list[StageProgram]:
+    """Two stages: y = w0 * x -> edge -> loss = mean((w1 * y - t)^2)."""
+    w0, w1 = nn.Linear(4, 4), nn.Linear(4, 4)
+    e = EdgeSpec("y", 0, 1)
+    calls = [0]
+
+    def run0(i: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        calls[0] += 1
+        if fail_at is not None and calls[0] == fail_at:
+            raise RuntimeError("boom")
+        return {"y": w0(i["inputs"])}
+
+    def run1(i: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"loss": ((w1(i["y"]) - i["targets"]) ** 2).mean()}
+
+    return [
+        StageProgram(w0, run0, (), (e,), ("inputs",)),
+        StageProgram(w1, run1, (e,), (), ("targets",), True),
+    ]
+
+
+class _Regression:
+    def batch(self, step: int, size: int):  # type: ignore[no-untyped-def]
+        from fusiond.train.data import Batch
+
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(size, 4, generator=g)
+        return Batch(x, x.flip(1))
+
+
+async def test_task_failure_names_stage_and_step(adamw: OptimizerSpec) -> None:
+    with pytest.raises(ExceptionGroup) as ei:
+        await asyncio.wait_for(
+            run_pipeline(_edge_program(fail_at=6), data=_Regression(), batch_size=4,
+                         micro_batches=2, optimizer=adamw, steps=5),
+            30,
+        )
+    errs = [e for e in ei.value.exceptions if isinstance(e, StageError)]
+    assert any("stage 0, step 2, F1" in str(e) and "boom" in str(e) for e in errs), errs
+
+
+async def test_missing_input_times_out_naming_the_edge(adamw: OptimizerSpec) -> None:
+    from fusiond.train.local import MemoryLinks
+    from fusiond.train.schedule import one_f_one_b
+    from fusiond.train.stage import StageConfig, StageExecutor
+
+    progs = _edge_program()
+    hub = MemoryLinks()
+    ex = StageExecutor(stage=1, program=progs[1], link=hub.link(1),
+                       tasks=one_f_one_b(2, 2)[1], micro_batches=2, optimizer=adamw,
+                       total_steps=1, data=_Regression(), batch_size=4,
+                       config=StageConfig(recv_timeout_s=0.2))
+    await ex.start()
+    try:
+        with pytest.raises(StageError, match=r"stage 1, step 0, F0: no forward on edge 'y'"):
+            await ex.run_step(0)
+    finally:
+        await ex.close()
+        await hub.close()
+
+
+async def test_deliver_rejects_unexpected_packets(adamw: OptimizerSpec) -> None:
+    from fusiond.errors import RemoteError
+    from fusiond.train.local import MemoryLinks
+    from fusiond.train.schedule import one_f_one_b
+    from fusiond.train.stage import Packet, StageExecutor
+
+    progs = _edge_program()
+    hub = MemoryLinks()
+    ex = StageExecutor(stage=1, program=progs[1], link=hub.link(1), tasks=one_f_one_b(2, 2)[1],
+                       micro_batches=2, optimizer=adamw, total_steps=1, data=_Regression(),
+                       batch_size=4)
+    ok = Packet(PacketKind.FORWARD, 0, 0, "y", 0, 1, b"")
+    ex.deliver(ok)
+    bad = [
+        Packet(PacketKind.FORWARD, 0, 0, "y", 0, 2, b""),  # not for this stage
+        Packet(PacketKind.FORWARD, 5, 0, "y", 0, 1, b""),  # a step far ahead
+        Packet(PacketKind.FORWARD, 0, 7, "y", 0, 1, b""),  # no such micro-batch
+        Packet(PacketKind.FORWARD, 0, 1, "zz", 0, 1, b""),  # unknown edge
+        Packet(PacketKind.BACKWARD, 0, 0, "y", 0, 1, b""),  # stage 1 sends no edge
+        ok,  # duplicate
+    ]
+    for p in bad:
+        with pytest.raises(RemoteError):
+            ex.deliver(p)
+    await ex.close()

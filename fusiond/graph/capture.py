@@ -28,6 +28,15 @@ from protocol import ir
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
+_DROPPED_CHECKS = (
+    "aten._assert_tensor_metadata.",
+    "aten._assert_scalar.",
+    "aten._assert_async.",
+    "aten.sym_constrain_range",
+    "aten._functional_assert",
+)
+"""Assertion ops export inserts (dtype/shape checks of the trace); they produce nothing."""
+
 _DYN_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -151,7 +160,9 @@ def export_program(
     """torch.export the loss wrapper and lower it to core ATen.
 
     Returns the program, the input names and the dynamic spec per input."""
-    args = (*example_inputs, *(() if targets is None else (targets,)))
+    # Distinct tensors per input: export would merge two inputs that are the same tensor
+    # (e.g. a language model's targets passed as its inputs) into one graph input.
+    args = tuple(a.clone() for a in (*example_inputs, *(() if targets is None else (targets,))))
     if dynamic is None:
         dynamic = [{0: "batch"} for _ in args]
     if len(dynamic) != len(args):
@@ -324,7 +335,7 @@ def _convert(
             else False,
             persistent=kind is not ir.ParamKind.BUFFER or target in persistent_bufs,
         )
-        state[name] = tensor.detach()
+        state[name] = tensor.detach().clone()  # a snapshot: later eager steps must not leak in
         env[ph] = ir.Ref(rk, name)
 
     nodes: list[ir.Node] = []
@@ -349,6 +360,8 @@ def _convert(
         opn: str | None
         if isinstance(n.target, torch._ops.OpOverload):
             opn = op_name(n.target)
+            if opn.startswith(_DROPPED_CHECKS) and not n.users:
+                continue  # a runtime metadata/shape assertion: no value, nothing to run
         else:
             opn = sym_op_name(n.target)
             if opn is None:

@@ -33,9 +33,12 @@ def _as_tensor(v: int | float | bool) -> torch.Tensor:
 
 
 def _update_buffer(buf: torch.Tensor, new: torch.Tensor) -> None:
-    """Write a buffer's new value (BatchNorm running stats) in place, outside autograd."""
-    with torch.no_grad():
-        buf.copy_(new)
+    """Write a buffer's new value (BatchNorm running stats) in place, outside autograd.
+
+    Through `.data`, as eager BatchNorm does: the forward may have saved the buffer for
+    backward, and a version bump would make that backward fail; training-mode backward does
+    not read running statistics."""
+    buf.data.copy_(new.detach())
 
 
 class GraphProgram(fx.GraphModule):
@@ -171,8 +174,8 @@ def build_program(
         fn = resolve(node.op)
         args = tuple(conv(a) for a in node.args)
         kwargs = {k: conv(v) for k, v in node.kwargs.items()}
-        out = g.call_function(fn, args, kwargs)
-        out.name = _ident(node.id)
+        # create_node dedups the name against fx's own (getitem_*, ...), keeping code readable.
+        out = g.create_node("call_function", fn, args, kwargs, name=_ident(node.id))
         values[ir.Ref(ir.RefKind.NODE, node.id, -1).key] = out
         nodes_out[node.id] = len(node.outputs)
 

@@ -1,0 +1,126 @@
+"""Capture: names, dynamic dims, the registry, clear errors, weights without pickle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fusiond.graph import (
+    CaptureError,
+    UnsupportedOpError,
+    build_program,
+    capture,
+    state_from_bytes,
+    state_to_bytes,
+)
+from fusiond.graph.registry import is_supported, resolve
+from protocol import ir
+from tests.graph.models import case
+from tests.graph.test_ir import small_graph
+
+
+def test_gpt2_capture_names_dims_and_ops() -> None:
+    c = case("gpt2")
+    g = c.captured.graph
+    assert g.symbols == {"batch": 2, "seq": 8}
+    assert g.symbol_ranges["seq"] == (1, 64)
+    assert [i.name for i in g.inputs] == ["input", "targets"]
+    assert g.inputs[0].meta == ir.TensorMeta(("batch", "seq"), "int64")
+    assert g.aliases == {"transformer.wte.weight": "lm_head.weight"}
+    assert all(is_supported(n.op) for n in g.nodes)
+    lin = [n for n in g.nodes if n.op == "aten.linear.default"]
+    assert any(n.module_path == "transformer.h.0.attn.c_attn" for n in lin)
+    assert "transformer.h.0.attn.c_attn.weight" in lin[0].params or any(
+        "c_attn.weight" in p for n in lin for p in n.params
+    )
+    out = g.meta_of(g.outputs[0].ref)
+    assert out == ir.TensorMeta((), "float32")
+    # Every parameter of the model is in the state under its own (or its tied) name.
+    names = {n for n, _ in c.model.named_parameters(remove_duplicate=False)}
+    assert names == set(g.param_map) | set(g.aliases)
+
+
+def test_state_round_trips_through_safetensors() -> None:
+    c = case("resnet18").captured
+    back = state_from_bytes(state_to_bytes(c.state))
+    assert back.keys() == c.state.keys()
+    assert all(torch.equal(back[k], v) for k, v in c.state.items())
+
+
+def test_hand_built_graph_runs() -> None:
+    g = small_graph()
+    state = {
+        "lin.weight": torch.randn(3, 4),
+        "lin.bias": torch.randn(3),
+        "bn.count": torch.tensor(5),
+    }
+    prog = build_program(g, state)
+    x = torch.randn(6, 4)
+    (loss,) = prog(x)
+    y = torch.nn.functional.linear(x, state["lin.weight"], state["lin.bias"])[:, 1:]
+    want = torch.nn.functional.gelu(y, approximate="tanh").sum()
+    torch.testing.assert_close(loss, want)
+    assert int(prog.get_buffer("bn.count")) == 6  # the buffer update ran
+
+
+@torch.library.custom_op("fusiontest::double", mutates_args=())
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_double.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class WithCustomOp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.odd = OddBlock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.odd(self.body(x))
+        return out
+
+
+class OddBlock(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.fusiontest.double(x)  # type: ignore[no-any-return]
+
+
+def test_op_outside_registry_names_op_and_module() -> None:
+    with pytest.raises(UnsupportedOpError, match=r"fusiontest\.double\.default.*'odd'"):
+        capture(WithCustomOp(), (torch.randn(2, 4),))
+    with pytest.raises(UnsupportedOpError, match=r"aten\.fill_"):
+        resolve("aten.fill_.Scalar")  # mutating ops are never runnable from an IR
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if y.sum() > 0:  # Python control flow on a tensor value: not exportable
+            return y * 2
+        return y
+
+
+def test_non_exportable_module_is_a_clear_error() -> None:
+    with pytest.raises(CaptureError, match=r"cannot export DataDependent.*") as ei:
+        capture(DataDependent(), (torch.randn(2, 4),))
+    assert "data-dependent" in str(ei.value).lower() or "guard" in str(ei.value).lower()
+
+
+def test_bad_dynamic_spec_is_refused() -> None:
+    with pytest.raises(CaptureError, match="dynamic has 1 entries for 2 inputs"):
+        capture(
+            nn.Linear(4, 2),
+            (torch.randn(2, 4),),
+            targets=torch.randn(2, 2),
+            loss=nn.functional.mse_loss,
+            dynamic=[{0: "batch"}],
+        )

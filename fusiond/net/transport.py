@@ -30,6 +30,7 @@ Design (docs/security.md and docs/daemon.md say why):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import random
@@ -117,6 +118,8 @@ class NetConfig:
     allow_plaintext_remote: bool = False
     """Plaintext is for loopback development; this must be set to listen on anything else."""
     close_timeout_s: float = 5.0
+    max_pending_handshakes: int = 256
+    """Accepted connections still in TLS/Hello; more are closed at once (slow-loris guard)."""
     versions: tuple[int, int] = (MIN_PROTOCOL_VERSION, PROTOCOL_VERSION)
     """(min, max) protocol versions this node speaks (tests narrow it to provoke a refusal)."""
 
@@ -184,6 +187,15 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _keepalive(sock: Any) -> None:
+    """TCP keepalive, so a peer that vanished without a FIN is noticed within minutes."""
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 60)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 15)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 4)
 
 
 def _fmt(addr: Any) -> str:
@@ -409,6 +421,7 @@ class PeerNetwork:
         self._server_ctx: ssl.SSLContext | None = None
         self._client_ctx: ssl.SSLContext | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._tls_pending = 0
         if self.config.versions[0] > self.config.versions[1]:
             raise ConfigError(f"net versions {self.config.versions}: min is above max")
 
@@ -706,6 +719,9 @@ class PeerNetwork:
         conn = proto
         assert isinstance(conn, _Conn) and conn.transport is not None
         self._conns.add(conn)
+        sock = conn.transport.get_extra_info("socket")  # uvloop: a socket-like object
+        if sock is not None:
+            _keepalive(sock)
         hs = Handshake(
             Role.CLIENT, node_id=self.node_id, cluster_id=self.cluster_id,
             min_version=c.versions[0], max_version=c.versions[1],
@@ -757,6 +773,14 @@ class PeerNetwork:
     async def _accepted(self, sock: socket.socket, addr: Any) -> None:
         """Wrap an accepted socket (TLS handshake first, with one log line if it fails)."""
         loop = asyncio.get_running_loop()
+        pending = sum(1 for c in self._conns if c.inbound and c.peer is None) + self._tls_pending
+        if pending >= self.config.max_pending_handshakes:
+            log.warning("refused connection from %s: %d connections are already in their "
+                        "handshake", _fmt(addr), pending)
+            sock.close()
+            return
+        _keepalive(sock)
+        self._tls_pending += 1
         try:
             await asyncio.wait_for(
                 loop.connect_accepted_socket(
@@ -772,6 +796,8 @@ class PeerNetwork:
             if not self._closing:
                 log.warning("refused connection from %s: TLS handshake failed (no valid "
                             "cluster certificate?): %s", _fmt(addr), e or type(e).__name__)
+        finally:
+            self._tls_pending -= 1
 
     def _conn_lost(self, conn: _Conn) -> None:
         self._conns.discard(conn)
@@ -839,7 +865,11 @@ class PeerNetwork:
         conn.version = hs.version
         conn.decoder.set_version(hs.version)
         p = self._peer(peer_id)
-        if p.address is None and hs.peer_address is not None:
+        ctl = p.links[Lane.CONTROL]
+        link_up = ctl is not None and ctl.transport is not None and not ctl.transport.is_closing()
+        if hs.peer_address is not None and (p.address is None or not link_up):
+            # Learn (or, after a restart on another port, relearn) where it listens; a link
+            # that works is never redirected by a claim.
             host, port = hs.peer_address
             if not host or host in ("0.0.0.0", "::"):
                 # It listens on all interfaces: reach it at the address it dialed us from.

@@ -348,3 +348,23 @@ async def test_corrupt_large_payload_closes_connection(
     lines = [r.getMessage() for r in caplog.records if "r)" in r.getMessage()]
     assert len(lines) == 1 and "payload check failed" in lines[0], lines
     assert not inbox.items
+
+
+async def test_too_many_pending_handshakes_refused(
+    net_factory: NetFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = NetConfig(handshake_timeout_s=2.0, max_pending_handshakes=1)
+    ib = Inbox()
+    b = await net_factory("b", handler=ib, config=cfg)
+    _, silent = await asyncio.open_connection(*b.address)  # holds the only handshake slot
+    await until(lambda: any(c.inbound for c in b._conns))
+    with caplog.at_level(logging.WARNING, "fusiond.net"):
+        got = await _raw_client(b.address, b"", close=False)
+    assert got == b""
+    assert any("already in their handshake" in r.getMessage() for r in caplog.records)
+    silent.close()
+    a = await net_factory("a")
+    await until(lambda: not any(c.inbound and c.peer is None for c in b._conns))
+    await a.connect(b.address)
+    await a.send("b", Ping(request_id=1, sent_at=0.0))
+    await ib.wait_for(1)

@@ -3,6 +3,7 @@ cluster find each other by mDNS alone; a third of another cluster id is ignored.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import uuid
 
@@ -25,9 +26,10 @@ async def test_two_nodes_find_each_other_by_mdns_and_ignore_another_cluster() ->
             node = Cluster(node_id=net.node_id, cluster_id=cid, net=net, advertise=net.address,
                            profile=lambda: {"gflops": 1.0}, config=MDNS)
             net.handler = node.handle
-            await node.start()
             nodes.append(node)
             nets.append(net)
+        # Registration probes the name for ~1 s: start all three at once.
+        await asyncio.gather(*(node.start() for node in nodes))
         m1, m2, stranger = nodes
 
         def found() -> bool:

@@ -239,3 +239,29 @@ async def test_other_cluster_messages_are_not_consumed(swarm: Swarm) -> None:
     node = await swarm.add("z")
     from protocol.messages import Ack
     assert not await node.handle("peer", Ack(request_id=1))
+
+
+async def test_bootstrap_is_retried_until_the_seed_answers(swarm: Swarm) -> None:
+    seed_address = swarm.hub.address()  # nobody listens there yet
+    late = await swarm.add("late")
+    late.add_bootstrap(seed_address)
+    late.add_bootstrap(seed_address)  # a duplicate is ignored
+    await asyncio.sleep(3 * FAST.bootstrap_retry_s)
+    assert [m.node_id for m in late.view().members] == ["late"]
+    swarm.addresses["seed"] = seed_address
+    await swarm.add("seed")
+    await until(lambda: all_alive(swarm, ["late", "seed"], ["late", "seed"]), 5,
+                "late to reach the seed once it is up")
+    m = late.view().member("seed")
+    assert m is not None and m.source == "bootstrap"
+
+
+async def test_a_crashed_loop_surfaces_in_wait(swarm: Swarm) -> None:
+    node = await swarm.add("w")
+
+    def boom() -> list[str]:
+        raise RuntimeError("injected")
+
+    node._gossip_targets = boom  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="injected"):
+        await asyncio.wait_for(node.wait(), 5)

@@ -161,8 +161,17 @@ class Daemon:
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
-                await self._start_all()
-                await self._stop.wait()
+                # Start-up races the stop request: SIGTERM during a slow start (a peer
+                # listener retrying, a long benchmark) must not wait for it to finish.
+                starting = tg.create_task(self._start_all(), name="start")
+                stop = tg.create_task(self._stop.wait(), name="stop-request")
+                await asyncio.wait({starting, stop}, return_when=asyncio.FIRST_COMPLETED)
+                if not starting.done():
+                    log.info("stop requested during start-up")
+                    starting.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await starting
+                await stop
                 self._stopping = True
                 self.phase = "stopping"
                 sd_notify("STOPPING=1\nSTATUS=draining")
@@ -182,6 +191,9 @@ class Daemon:
             for sig in installed:
                 loop.remove_signal_handler(sig)
             self.phase = "stopped"
+        if self._failure is not None:  # a failure reported through the API (init/join)
+            log.error("fusiond stopped because %s", _describe(self._failure))
+            return 1
         log.info("fusiond stopped cleanly")
         return self._exit_code
 
@@ -241,7 +253,12 @@ class Daemon:
                 await asyncio.wait_for(svc.close(), self.cfg.stop_timeout_s)
             raise ServiceFailed(f"service {name} was not ready within start_timeout_s={t}") \
                 from None
-        except (asyncio.CancelledError, ServiceFailed):
+        except asyncio.CancelledError:
+            # Stopped mid-start: whatever the service already opened is closed, not leaked.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(svc.close(), self.cfg.stop_timeout_s)
+            raise
+        except ServiceFailed:
             raise
         except Exception as e:
             with contextlib.suppress(Exception):
@@ -372,6 +389,18 @@ class Daemon:
                      self.cluster_id, self.security, _fmt_addr(tuple(net.address)),
                      _fmt_addr(self.address))
 
+    async def _start_peer_services_for_api(self) -> None:
+        """Start the peer services for init/join; a failure stops the daemon (exit 1) like a
+        failure at start-up would, and the caller gets an error saying so."""
+        try:
+            await self._start_peer_services(self._load_bootstrap())
+        except ServiceFailed as e:
+            self._failure = e
+            self.request_stop()
+            raise ApiError(500, "service_failed",
+                           f"{e}; fusiond is stopping (exit 1): fix the cause, start it again "
+                           "and it resumes with the credentials it has") from None
+
     async def _stop_peer_services(self) -> None:
         """Close cluster then net (used by leave); the daemon keeps serving its API."""
         async with self._peer_lock:
@@ -487,7 +516,7 @@ class Daemon:
         await asyncio.to_thread(pki.init_cluster, self.state_dir)
         with contextlib.suppress(FileNotFoundError):
             (self.state_dir / LEFT_MARKER).unlink()
-        await self._start_peer_services(self._load_bootstrap())
+        await self._start_peer_services_for_api()
         tok = await self.token({"ttl_s": body.get("ttl_s", pki.DEFAULT_TOKEN_TTL_S),
                                 "one_time": body.get("one_time", False)})
         return {"cluster_id": self.cluster_id, "node_id": self.node_id, **tok}
@@ -532,7 +561,7 @@ class Daemon:
             (self.state_dir / LEFT_MARKER).unlink()
         self._remember_bootstrap([_fmt_addr(addr)])
         if self.cluster is None:
-            await self._start_peer_services(self._load_bootstrap())
+            await self._start_peer_services_for_api()
         else:
             self.cluster.add_bootstrap(addr)
         return {"joined": True, "cluster_id": self.cluster_id, "node_id": self.node_id,
@@ -563,7 +592,7 @@ class Daemon:
             (self.state_dir / LEFT_MARKER).unlink()
         self._remember_bootstrap(addrs)
         if self.cluster is None:
-            await self._start_peer_services(self._load_bootstrap())
+            await self._start_peer_services_for_api()
         else:
             for a in tok.addresses:
                 self.cluster.add_bootstrap(a)

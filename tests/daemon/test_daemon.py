@@ -234,3 +234,25 @@ async def test_metrics_are_served_on_loopback(short_dir: Path) -> None:
     finally:
         d.request_stop()
         assert await asyncio.wait_for(task, 15) == 0
+
+
+async def test_stop_during_a_slow_start_does_not_wait_for_it(
+        short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from fusiond import profile
+
+    def slow_profile(*a: Any, **k: Any) -> dict[str, Any]:
+        time.sleep(2.0)  # a long benchmark, in its thread
+        return {"device_kind": "cpu", "device_name": "x", "gflops": 0.0}
+
+    monkeypatch.setattr(profile, "compute_profile", slow_profile)
+    d = Daemon(_config(short_dir))
+    task = asyncio.create_task(d.run())
+    await _until(lambda: (short_dir / "api.sock").exists(), 10)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    d.request_stop()
+    assert await asyncio.wait_for(task, 10) == 0
+    assert loop.time() - t0 < 1.5  # did not wait for the benchmark
+    assert not (short_dir / "api.sock").exists()

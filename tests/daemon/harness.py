@@ -32,12 +32,14 @@ class Cluster:
     """N LocalNodes under one directory sharing a CA; always stopped at teardown."""
 
     def __init__(self, root: Path, n: int, settings: Mapping[str, Any] | None = None,
-                 tls: bool = True) -> None:
+                 tls: bool = True, credentials: bool = True) -> None:
+        """`tls` False: plaintext links. `credentials` False: TLS nodes without certificates
+        (they wait for `fusionctl init` / `join`)."""
         base = merge(TIMERS, settings or {})
         if not tls:
             base = merge(base, {"net": {"insecure_plaintext": True}})
         self.nodes = [LocalNode(i, root, dict(base)) for i in range(n)]
-        self.cluster_id = make_credentials(self.nodes) if tls else None
+        self.cluster_id = make_credentials(self.nodes) if tls and credentials else None
 
     def start(self, nodes: Sequence[LocalNode] | None = None) -> None:
         for node in nodes if nodes is not None else self.nodes:

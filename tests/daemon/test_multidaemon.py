@@ -34,8 +34,9 @@ def make_cluster() -> Iterator[Callable[..., Cluster]]:
     root = Path(tempfile.mkdtemp(prefix="fzmd"))
     made: list[Cluster] = []
 
-    def make(n: int, settings: dict[str, Any] | None = None, tls: bool = True) -> Cluster:
-        c = Cluster(root / f"c{len(made)}", n, settings, tls)
+    def make(n: int, settings: dict[str, Any] | None = None, tls: bool = True,
+             credentials: bool = True) -> Cluster:
+        c = Cluster(root / f"c{len(made)}", n, settings, tls, credentials)
         made.append(c)
         return c
 
@@ -302,3 +303,32 @@ def test_sighup_adds_bootstrap_addresses(make_cluster: Callable[..., Cluster]) -
     agreed, _ = c.wait_agreement(timeout=AGREE_S)
     assert len(agreed["alive"]) == 2
     assert "SIGHUP: added bootstrap addresses" in b.log_text()
+
+
+@pytest.mark.slow
+def test_init_then_join_with_a_token(make_cluster: Callable[..., Cluster],
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The production path: daemons without credentials, `fusionctl init` on one, `fusionctl
+    join TOKEN` on the others (certificate issued over the peer port, CA pinned by the token)."""
+    import json
+
+    from fusionctl.cli import run as fusionctl
+
+    c = make_cluster(3, credentials=False)  # TLS mode without certificates: "unconfigured"
+    c.start()
+    c.wait_for(lambda: (all((n.status(1.0) or {}).get("node", {}).get("phase")
+                            == "unconfigured" for n in c.nodes), "starting"), 30, "start")
+    a, b, third = c.nodes
+    assert fusionctl(["--socket", a.socket, "init", "--one-time", "--json"]) == 0
+    token = json.loads(capsys.readouterr().out)["token"]
+    assert fusionctl(["--socket", b.socket, "join", token]) == 0
+    assert "joined cluster c" in capsys.readouterr().out
+    assert fusionctl(["--socket", b.socket, "join", token]) == 0  # idempotent
+    assert "already a member" in capsys.readouterr().out
+    # the token was one-time: a third node cannot use it, and is told why
+    assert fusionctl(["--socket", third.socket, "join", token]) == 1
+    assert "already used" in capsys.readouterr().err
+    agreed, _ = c.wait_agreement([a, b], timeout=AGREE_S)
+    assert len(agreed["alive"]) == 2
+    st = a.status()
+    assert st is not None and st["node"]["security"] == "tls"

@@ -90,10 +90,12 @@ class MdnsDiscovery:
         host = self._advertise[0]
         if not _is_unspecified(host):
             try:
-                return [socket.inet_aton(host)]
-            except OSError:
-                # A host name: resolve once; mDNS records carry addresses, not names.
+                # A host name is resolved once: mDNS records carry addresses, not names.
                 return [socket.inet_aton(socket.gethostbyname(host))]
+            except OSError as exc:
+                raise DiscoveryError(
+                    f"cannot advertise {host!r} over mDNS (IPv4 addresses or names only): {exc}"
+                ) from exc
         # Listening on all interfaces: advertise the configured interfaces' addresses.
         out = []
         for iface in self._interfaces or []:
@@ -109,6 +111,7 @@ class MdnsDiscovery:
     async def start(self) -> None:
         """Register this node's service and start browsing; raise DiscoveryError on failure."""
         interfaces = self._interfaces if self._interfaces is not None else None
+        addresses = self._addresses()  # before opening sockets: a bad address leaks nothing
         try:
             if interfaces is None:
                 self._azc = AsyncZeroconf(ip_version=IPVersion.V4Only)
@@ -120,7 +123,7 @@ class MdnsDiscovery:
         self._info = AsyncServiceInfo(
             self._service_type,
             f"{label}.{self._service_type}",
-            addresses=self._addresses(),
+            addresses=addresses,
             port=self._advertise[1],
             properties={
                 "node_id": self._node_id,

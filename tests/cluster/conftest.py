@@ -9,7 +9,7 @@ from typing import Any
 try:
     import uvloop
 except ImportError:  # pragma: no cover - uvloop is a dependency where the platform has it
-    uvloop = None
+    uvloop = None  # type: ignore[assignment]
 
 _BOTH_LOOPS = {"test_cluster.py", "test_real_net.py", "test_mdns.py"}
 """Files whose tests run the whole service (timers, sockets, zeroconf) on both loops; the

@@ -27,6 +27,6 @@ def test_bad_values_name_the_key(kwargs: dict[str, float], key: str) -> None:
 
 def test_lists_from_the_daemon_config_become_tuples() -> None:
     cfg = ClusterConfig(mdns_interfaces=["127.0.0.1"],  # type: ignore[arg-type]
-                        bootstrap=[["10.0.0.1", "7420"]])  # type: ignore[list-item]
+                        bootstrap=[["10.0.0.1", "7420"]])  # type: ignore[arg-type]
     assert cfg.mdns_interfaces == ("127.0.0.1",)
     assert cfg.bootstrap == (("10.0.0.1", 7420),)

@@ -7,6 +7,8 @@ import asyncio
 import dataclasses
 import uuid
 
+import pytest
+
 from fusiond.cluster import Cluster
 from fusiond.cluster.discovery import MdnsDiscovery, parse_txt
 from tests.cluster.fakes import FAST, FakeHub, FakeNet, until
@@ -62,3 +64,17 @@ async def test_discovery_close_is_idempotent_and_txt_parsing_is_strict() -> None
     await d.close()
     assert found == []
     assert parse_txt({b"node_id": b"x", b"bad": b"\xff", b"none": None}) == {"node_id": "x"}
+
+
+async def test_an_address_mdns_cannot_advertise_is_a_clear_error() -> None:
+    from fusiond.cluster import DiscoveryError
+
+    for host in ("::1", "0.0.0.0"):
+        d = MdnsDiscovery(node_id="v6", cluster_id="c", advertise=(host, 1),
+                          on_found=lambda n, a, s: None, interfaces=["127.0.0.1"] if host ==
+                          "::1" else [])
+        try:
+            with pytest.raises(DiscoveryError, match="advertise"):
+                await d.start()
+        finally:
+            await d.close()

@@ -57,41 +57,65 @@ def encode_varints(values: U64Array, lengths: U8Array | None = None) -> U8Array:
     return out
 
 
+_DECODE_CHUNK = 1 << 20
+"""Stream bytes decoded per step: keeps the int64 temporaries at a few MiB, whatever `count`."""
+
+
 def decode_varints(data: U8Array, count: int) -> U64Array:
     """Decode exactly `count` varints filling all of `data`.
 
     Raises `RemoteProtocolError` if the stream holds a different number of values, ends inside a
-    value, or has a value longer than `MAX_VARINT_BYTES`.
+    value, or has a value longer than `MAX_VARINT_BYTES`. Allocates the result (8 bytes per
+    value) plus temporaries bounded by `_DECODE_CHUNK`, never in proportion to a declared size.
     """
     total = int(data.size)
     if count == 0:
         if total:
             raise RemoteProtocolError(f"varint stream has {total} bytes but declares 0 values")
         return np.empty(0, dtype=np.uint64)
+    if total < count:
+        raise RemoteProtocolError(f"varint stream of {total} bytes cannot hold {count} values")
     if total == count:
         # Every value is one byte: all high bits must be clear.
         if int(data.max()) >= 0x80:
             raise RemoteProtocolError("varint stream ends inside a value")
         return data.astype(np.uint64)
-    if total < count:
-        raise RemoteProtocolError(f"varint stream of {total} bytes cannot hold {count} values")
-    ends = np.flatnonzero(data < 0x80)
-    if ends.size != count:
+    out = np.empty(count, dtype=np.uint64)
+    produced = 0
+    pos = 0
+    while pos < total:
+        piece = data[pos : pos + _DECODE_CHUNK]
+        ends = np.flatnonzero(piece < 0x80)
+        last_piece = pos + piece.size == total
+        if last_piece and (ends.size == 0 or int(ends[-1]) != piece.size - 1):
+            raise RemoteProtocolError("varint stream ends inside a value")
+        if ends.size == 0:  # a whole chunk without a final byte: one value would be too long
+            raise RemoteProtocolError(f"varint longer than {MAX_VARINT_BYTES} bytes")
+        if produced + ends.size > count:
+            raise RemoteProtocolError(
+                f"varint stream holds more than the {count} values the descriptor says"
+            )
+        _decode_piece(piece, ends, out[produced : produced + ends.size])
+        produced += ends.size
+        pos += int(ends[-1]) + 1  # the next piece starts after this one's last complete value
+    if produced != count:
         raise RemoteProtocolError(
-            f"varint stream holds {ends.size} complete values, descriptor says {count}"
+            f"varint stream holds {produced} complete values, descriptor says {count}"
         )
-    if int(ends[-1]) != total - 1:
-        raise RemoteProtocolError("varint stream ends inside a value")
+    return out
+
+
+def _decode_piece(piece: U8Array, ends: npt.NDArray[np.intp], out: U64Array) -> None:
+    """Decode the values ending at `ends` (positions in `piece`) into `out`."""
     lengths = np.diff(ends, prepend=-1)
-    starts = ends - lengths
-    starts += 1
     if int(lengths.max()) > MAX_VARINT_BYTES:
         raise RemoteProtocolError(f"varint longer than {MAX_VARINT_BYTES} bytes")
+    starts = ends - lengths
+    starts += 1
     # One gather per byte position, like the encoder: position 0 for every value, then only the
     # (few) values that are longer.
-    decoded: U64Array = (data[starts] & np.uint8(0x7F)).astype(np.uint64)
+    np.bitwise_and(piece[starts], np.uint8(0x7F), out=out, casting="unsafe")
     for j in range(1, int(lengths.max())):
         sel = np.flatnonzero(lengths > j)
-        group = (data[starts[sel] + j] & np.uint8(0x7F)).astype(np.uint64)
-        decoded[sel] |= group << np.uint64(7 * j)
-    return decoded
+        group = (piece[starts[sel] + j] & np.uint8(0x7F)).astype(np.uint64)
+        out[sel] |= group << np.uint64(7 * j)

@@ -812,6 +812,13 @@ def _parse(view: memoryview, limits: Limits) -> TensorDescriptor:
     if enc in (Encoding.TOPK, Encoding.VALUES):
         if k > n:
             raise RemoteProtocolError(f"{enc} tensor declares k={k} > {n} elements")
+        if enc is Encoding.TOPK:
+            # The kept indices come back as int64 next to the dense result.
+            limits.check(
+                "decoded tensor and index bytes",
+                n * _ITEMSIZE[dtype] + 8 * k,
+                limits.max_decompressed_bytes,
+            )
         if per_row and rank == 0:
             raise RemoteProtocolError("per-row top-k on a rank-0 tensor")
     elif k != 0:

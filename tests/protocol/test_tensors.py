@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from protocol import _varint
 from protocol import tensors as T
 from protocol._varint import decode_varints, encode_varints
 from protocol.errors import LimitExceeded, LocalProtocolError, ProtocolError, RemoteProtocolError
@@ -446,6 +447,26 @@ def test_varint_roundtrip(values: list[int]) -> None:
     want = b"".join(_leb128(v) for v in values)
     assert stream.tobytes() == want
     assert np.array_equal(decode_varints(stream, len(values)), arr)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, (1 << 20)), max_size=300), st.integers(9, 40))
+def test_varint_decode_in_small_pieces(values: list[int], chunk: int) -> None:
+    """Decoding works in pieces of the stream; values straddling a piece boundary included."""
+    arr = np.array(values, dtype=np.uint64)
+    stream = encode_varints(arr)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_varint, "_DECODE_CHUNK", chunk)
+        assert np.array_equal(decode_varints(stream, len(values)), arr)
+        if len(values) > 1:
+            with pytest.raises(RemoteProtocolError, match="holds"):
+                decode_varints(stream, len(values) - 1)
+            with pytest.raises(RemoteProtocolError, match="holds"):
+                decode_varints(stream, len(values) + 1)
+        # A final byte followed by a run of continuation bytes longer than a piece.
+        bad = np.array([0x05] + [0x80] * (chunk + 3) + [0x01], np.uint8)
+        with pytest.raises(RemoteProtocolError, match="longer than"):
+            decode_varints(bad, 2)
 
 
 def _leb128(v: int) -> bytes:

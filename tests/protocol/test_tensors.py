@@ -611,6 +611,31 @@ def test_lz4_bombs_are_refused() -> None:
         T.decode(garbage)
 
 
+def _topk_bomb(n: int, k: int) -> bytes:
+    """A top-k tensor of n float32 whose k fp16 values and k one-byte gaps are lz4'd zeros."""
+    values = lz4.block.compress(bytes(2 * k), store_size=False)
+    gaps = lz4.block.compress(bytes(k), store_size=False)
+    sections = [(3, 1, 3, len(values), 2 * k), (4, 1, 9, len(gaps), k)]
+    return _header(5, 1, [n], sections, k=k) + values + gaps
+
+
+def test_topk_index_bombs_stay_within_limits() -> None:
+    n = 1 << 15
+    within = _topk_bomb(n, n // 2)  # 4n + 8k = 2**18: exactly the limit
+    assert len(within) < 2000
+    tracemalloc.start()
+    try:
+        out, idx = T.decode_with_indices(within, limits=SMALL)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert idx is not None and np.array_equal(idx, np.arange(n // 2))
+    assert not out.any()
+    assert peak <= 3 * SMALL.max_decompressed_bytes
+    over = _topk_bomb(n, n)  # the int64 indices alone would double the decoded size
+    assert _refused_peak(over, LimitExceeded) < 64 << 10
+
+
 def test_descriptor_field_errors_name_the_field() -> None:
     good = T.encode(np.arange(4, dtype=np.int32)).tobytes()
     cases = {

@@ -80,6 +80,8 @@ class ClusterSection:
     gossip_interval_s: float = 1.0
     gossip_fanout: int = 3
     """Random live peers each gossip round goes to (plus one dead one, to heal partitions)."""
+    gossip_full_every: int = 4
+    """Every n-th gossip round carries profiles and links; the others only heartbeats."""
     suspect_after_s: float = 5.0
     """No news of a member for this long: it is suspect."""
     dead_after_s: float = 15.0
@@ -112,6 +114,8 @@ class ClusterSection:
     """A control send blocked (peer queue full) longer than this is dropped."""
     tick_s: float = 0.05
     """Failure detector and election timer resolution."""
+    max_members: int = 4096
+    """Bound on the membership table (peers cannot make this node hold more)."""
 
 
 @dataclass

@@ -84,3 +84,9 @@ def test_example_config_documents_every_key_and_is_valid(tmp_path: Path) -> None
     defaults = load_config(env={})
     for k in keys():
         assert get(loaded.config, k.path) == get(defaults.config, k.path), k.path
+
+
+def test_daemon_docs_list_every_key() -> None:
+    text = (ROOT / "docs" / "daemon.md").read_text()
+    missing = [k.path for k in keys() if f"| `{k.path}` | `{k.env}` | `{k.flag}` |" not in text]
+    assert not missing, f"docs/daemon.md lacks {missing}"

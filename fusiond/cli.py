@@ -28,6 +28,7 @@ log = logging.getLogger("fusiond")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fusiond",
+        usage="fusiond [--config PATH] [--check-config] [--<key> VALUE ...]",
         description="fusion peer daemon: discovers peers, measures links, elects a scheduler "
         "and trains. Configuration layers: defaults < config file < FUSION_* environment < "
         "flags.",

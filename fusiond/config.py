@@ -48,11 +48,15 @@ class NetSection:
     allow_plaintext_remote: bool = False
     """With insecure_plaintext, also listen on a non-loopback address (never do this)."""
     connect_timeout_s: float = 5.0
+    """Dialing a peer gives up after this long."""
     handshake_timeout_s: float = 5.0
+    """TLS plus the Hello exchange must finish within this long."""
     close_timeout_s: float = 5.0
+    """Closing the listener waits at most this long on shutdown."""
     backoff_initial_s: float = 0.2
     """First reconnect delay after a failed dial; doubles up to backoff_max_s, jittered."""
     backoff_max_s: float = 10.0
+    """Upper bound of the reconnect delay."""
     control_queue_frames: int = 1024
     """Control frames queued per peer before `send` waits (backpressure)."""
     bulk_queue_frames: int = 16
@@ -78,6 +82,7 @@ class ClusterSection:
     bootstrap_retry_s: float = 2.0
     """How often an unanswered bootstrap address is dialled again."""
     gossip_interval_s: float = 1.0
+    """How often this node sends its view to a few random peers."""
     gossip_fanout: int = 3
     """Random live peers each gossip round goes to (plus one dead one, to heal partitions)."""
     gossip_full_every: int = 4
@@ -93,9 +98,13 @@ class ClusterSection:
     probe_target_s: float = 0.3
     """A bandwidth probe is sized to last about this long."""
     probe_repeats: int = 3
+    """Bulk transfers per bandwidth measurement."""
     probe_min_bytes: int = 64 << 10
+    """Smallest bandwidth probe transfer."""
     probe_max_bytes: int = 64 << 20
+    """Largest bandwidth probe transfer (slow links get smaller ones)."""
     probe_timeout_s: float = 5.0
+    """A probe that takes longer than this is abandoned."""
     bandwidth_ewma: float = 0.3
     """Weight of a new bandwidth sample in the moving average, in (0, 1]."""
     election_timeout_s: float = 3.0
@@ -108,6 +117,7 @@ class ClusterSection:
     election_stagger_s: float = 0.5
     """Lower-ranked candidates wait this much longer per rank before campaigning."""
     election_jitter_s: float = 0.2
+    """Random extra delay before campaigning, so candidates do not collide."""
     election_grace_s: float = 3.0
     """After start: no campaigning or voting while the node learns the cluster."""
     send_timeout_s: float = 2.0
@@ -149,6 +159,7 @@ class DaemonConfig:
     name: str = ""
     """Human name shown in status; empty: the host name."""
     log_level: str = "info"
+    """debug, info, warning or error. SIGHUP applies a change without a restart."""
     loop: str = "auto"
     """Event loop: auto (uvloop where available), asyncio or uvloop."""
     profile_benchmark: bool = True
@@ -223,32 +234,21 @@ def _key_doc(k: Key) -> str:
 
 
 def _parse_docs() -> dict[str, str]:
+    """Attribute docstrings of the config dataclasses, whitespace-joined, from this source."""
     try:
         src = Path(__file__).read_text()
     except OSError:  # frozen/zip installs: help text is a nicety
         return {}
     docs: dict[str, str] = {}
-    cls_to_section = {"DaemonConfig": None, **{c.__name__: s for s, c in SECTIONS.items()}}
-    current: str | None = None
-    in_cls = False
-    last: str | None = None
-    for line in src.splitlines():
-        m = re.match(r"^class (\w+)", line)
-        if m:
-            in_cls = m.group(1) in cls_to_section
-            current = cls_to_section.get(m.group(1))
-            last = None
+    classes = {"DaemonConfig": None, **{c.__name__: s for s, c in SECTIONS.items()}}
+    for m in re.finditer(r"^class (\w+)\b.*?(?=^class |^SECTIONS|\Z)", src, re.M | re.S):
+        if m.group(1) not in classes:
             continue
-        if not in_cls:
-            continue
-        m = re.match(r"^    (\w+): [^=]+=", line)
-        if m:
-            last = m.group(1) if current is None else f"{current}.{m.group(1)}"
-            continue
-        m = re.match(r'^    """(.*?)(""")?$', line)
-        if m and last:
-            docs[last] = m.group(1).strip()
-            last = None
+        section = classes[m.group(1)]
+        for a in re.finditer(r'^    (\w+): [^\n=]+=[^\n]*\n    """(.*?)"""', m.group(0),
+                             re.M | re.S):
+            name = a.group(1) if section is None else f"{section}.{a.group(1)}"
+            docs[name] = " ".join(a.group(2).split())
     return docs
 
 

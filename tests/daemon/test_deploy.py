@@ -90,3 +90,16 @@ def test_daemon_docs_list_every_key() -> None:
     text = (ROOT / "docs" / "daemon.md").read_text()
     missing = [k.path for k in keys() if f"| `{k.path}` | `{k.env}` | `{k.flag}` |" not in text]
     assert not missing, f"docs/daemon.md lacks {missing}"
+
+
+def test_every_key_is_documented_in_help_and_example() -> None:
+    from fusiond.cli import build_parser
+    from fusiond.config import _DOCS
+
+    helptext = " ".join(build_parser().format_help().split())
+    example = " ".join(line.lstrip("# ") for line in EXAMPLE.read_text().splitlines())
+    for k in keys():
+        doc = _DOCS.get(k.path, "")
+        assert doc, f"{k.path} has no docstring in fusiond/config.py"
+        assert doc[:40] in helptext, k.path
+        assert doc[:40] in " ".join(example.split()), k.path

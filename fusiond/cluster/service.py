@@ -189,6 +189,18 @@ class ClusterView:
         """node id -> state, for every member."""
         return {m.node_id: m.state for m in self.members}
 
+    def quorum_advice(self) -> str | None:
+        """None with a quorum; else a plain sentence saying what is missing and what to run."""
+        if self.has_quorum:
+            return None
+        gone = sorted(m.node_id for m in self.members if m.state in ("dead", "suspect"))
+        text = (f"no quorum: {self.alive_voters} of {self.voters} voters alive, "
+                f"{self.needed} needed; no scheduler can be elected on this side.")
+        if gone:
+            text += (" If these members are gone for good, remove them: "
+                     + "; ".join(f"fusionctl remove {n}" for n in gone))
+        return text
+
 
 # -- wire conversion ------------------------------------------------------------------------
 

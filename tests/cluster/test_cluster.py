@@ -201,14 +201,18 @@ async def test_quorum_lost_for_good_is_recovered_by_remove(swarm: Swarm) -> None
     await swarm.crash("c")
     await until(lambda: not swarm.nodes["a"].view().has_quorum
                 and swarm.nodes["a"].view().leader is None, 5, "a alone without quorum")
+    await until(lambda: swarm.nodes["a"].view().states()["c"] == "dead", 5, "c dead")
     await asyncio.sleep(2 * FAST.election_timeout_s)
     assert swarm.nodes["a"].view().leader is None  # never by guesswork
+    advice = swarm.nodes["a"].view().quorum_advice()
+    assert advice is not None and "1 of 3 voters alive, 2 needed" in advice
+    assert "fusionctl remove b; fusionctl remove c" in advice
     with pytest.raises(UnknownMemberError):
         await swarm.nodes["a"].remove("nobody")
     await swarm.nodes["a"].remove("b")
     await swarm.nodes["a"].remove("c")
     v = swarm.nodes["a"].view()
-    assert v.voters == 1 and v.states()["b"] == "left"
+    assert v.voters == 1 and v.states()["b"] == "left" and v.quorum_advice() is None
     await until(lambda: swarm.nodes["a"].view().leader == "a", 5, "a leads alone")
 
 

@@ -231,7 +231,9 @@ class StageExecutor:
         self.data = data
         self.batch_size = batch_size
         self.config = config or StageConfig()
-        self.optimizer = make_optimizer(optimizer, program.module.parameters())
+        params = list(program.module.parameters())
+        # A partition may hold no parameters (e.g. only elementwise ops): nothing to step.
+        self.optimizer = make_optimizer(optimizer, params) if params else None
         self._params = dict(program.module.named_parameters())
         for name in program.shared:
             if name not in self._params:
@@ -493,6 +495,8 @@ class StageExecutor:
             p.grad = total
 
     def _opt_step(self, lr: float) -> None:
+        if self.optimizer is None:
+            return
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -45,20 +45,28 @@ class _Middle(nn.Module):
 
 
 class _Last(nn.Module):
-    def __init__(self, g: GPT) -> None:
+    def __init__(self, g: GPT, blocks: list[int]) -> None:
         super().__init__()
         self.tied = nn.Parameter(g.lm_head.weight.detach().clone())
+        self.h = nn.ModuleList(copy.deepcopy(g.transformer.h[i]) for i in blocks)
         self.ln_f = copy.deepcopy(g.transformer.ln_f)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        for b in self.h:
+            x = b(x)
         logits = F.linear(self.ln_f(x), self.tied)
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def three_stages(g: GPT, density: float | None = None) -> list[StageProgram]:
-    """Stage 0: embeddings + block 0; stage 1: blocks 1..; stage 2: ln_f, LM head, loss."""
+def three_stages(g: GPT, density: float | None = None, *, first_blocks: int = 1,
+                 last_blocks: int = 0) -> list[StageProgram]:
+    """Stage 0: embeddings + the first `first_blocks` blocks; stage 1: the blocks between;
+    stage 2: the last `last_blocks` blocks, ln_f, LM head and the loss."""
     n = g.config.n_layer
-    first, mid, last = _First(g, [0]), _Middle(g, list(range(1, n))), _Last(g)
+    cut = n - last_blocks
+    first = _First(g, list(range(first_blocks)))
+    mid = _Middle(g, list(range(first_blocks, cut)))
+    last = _Last(g, list(range(cut, n)))
     e01 = EdgeSpec("h0", 0, 1, density)
     e12 = EdgeSpec("h1", 1, 2, density)
 
@@ -92,6 +100,9 @@ def merged_state(programs: list[StageProgram]) -> dict[str, torch.Tensor]:
     for i, b in enumerate(mid.h):
         for k, v in b.state_dict().items():
             out[f"transformer.h.{nfirst + i}.{k}"] = v
+    for i, b in enumerate(last.h):
+        for k, v in b.state_dict().items():
+            out[f"transformer.h.{nfirst + len(mid.h) + i}.{k}"] = v
     for k, v in last.ln_f.state_dict().items():
         out[f"transformer.ln_f.{k}"] = v
     return out

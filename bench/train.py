@@ -1,0 +1,172 @@
+"""Benchmark: distributed GPT-2 tiny on 3 loopback peers vs single-process training.
+
+Measures, in the same run:
+- tokens/s of single-process eager training (same batches, micro-batches and optimizer);
+- tokens/s of the pipelined job on 3 stage hosts, each with its own PeerNetwork on 127.0.0.1
+  (real TCP sockets and frames; one process, so the stages share this machine's cores), dense
+  and with top-k at `--density` on every cut edge;
+- bytes on the wire per iteration: the tensor payloads the stages sent (and their dense size),
+  every byte the sockets carried (frames, headers, tied-weight gradients included), and what the
+  planner's byte model (`fusiond.plan.model.wire_bytes`) predicts for the same cut edges.
+
+The first `--warmup` steps of each run are excluded from throughput. Usage:
+    python bench/train.py [--steps 30] [--batch 16] [--micro 4] [--seq 64] [--density 0.1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fusiond.graph import SINK
+from fusiond.plan.model import JobSettings, TensorEdge, wire_bytes
+from fusiond.train.data import make_source
+from fusiond.train.local import ReferenceTrainer
+from fusiond.train.loopback import LoopbackResult, run_loopback
+from fusiond.train.model import build_model, loss_fn
+from fusiond.train.programs import capture_job
+from fusiond.train.spec import JobSpec, parse_job
+from protocol import ir
+
+
+def make_spec(args: argparse.Namespace) -> JobSpec:
+    return parse_job(f"""
+[job]
+name = "bench-train"
+steps = {args.steps}
+seed = 0
+[model]
+zoo = "gpt2"
+config = {{ size = "tiny" }}
+[data]
+seq_len = {args.seq}
+[optimizer]
+lr = 1e-3
+[batch]
+size = {args.batch}
+micro_batches = {args.micro}
+""")
+
+
+def predicted_bytes(res: LoopbackResult, spec: JobSpec, density: float | None) -> float:
+    """The planner's byte model for this layout's cut edges, per iteration (all micro-batches)."""
+    g = res.layout.graph
+    settings = JobSettings(micro_batch_size=spec.batch.micro_batch_size,
+                           num_micro_batches=spec.batch.micro_batches,
+                           density_floor=min(density or 1.0, 0.05))
+    mbs = spec.batch.micro_batch_size
+    syms = dict(g.symbols)
+    total = 0.0
+    for s in res.layout.stages:
+        for e in s.partition.outputs:
+            if e.dst == SINK:
+                continue
+            numel = 1
+            for d in ir.eval_shape(e.meta.shape, {**syms, "batch": 1}):
+                numel *= d
+            elem = ir.DTYPE_BYTES[e.meta.dtype]
+            t = TensorEdge(name=e.id, src=0, dsts=(1,), nbytes=float(numel * elem),
+                           numel=float(numel), grad=e.meta.is_float,
+                           compressible=e.meta.is_float)
+            f, b = wire_bytes(t, mbs, res.layout.densities.get(e.id, 1.0), settings)
+            total += (f + b) * spec.batch.micro_batches
+    return total
+
+
+def single_process(spec: JobSpec, tokens_per_step: int, warmup: int) -> dict[str, Any]:
+    model = build_model(spec.model, seed=spec.seed)
+    rt = ReferenceTrainer(model, loss_fn(spec.loss), spec.optimizer,
+                          data=make_source(spec.data, spec.seed), batch_size=spec.batch.size,
+                          micro_batches=spec.batch.micro_batches, total_steps=spec.steps)
+    times: list[float] = []
+    losses: list[float] = []
+    for s in range(spec.steps):
+        t0 = time.perf_counter()
+        losses.append(rt.step(s))
+        times.append(time.perf_counter() - t0)
+    return {"tokens_per_s": tokens_per_step / mean(times[warmup:]), "loss": losses[-1]}
+
+
+def distributed(spec: JobSpec, captured: Any, density: float | None, warmup: int
+                ) -> tuple[dict[str, Any], LoopbackResult]:
+    res = asyncio.run(run_loopback(spec, captured, stages=3, density=density,
+                                   tokens_per_sample=spec.data.seq_len))
+    ms = res.metrics[warmup:]
+    tokens = spec.batch.size * spec.data.seq_len
+    row = {
+        "tokens_per_s": tokens / mean(m.wall_s for m in ms),
+        "loss": res.metrics[-1].loss,
+        "payload_bytes": mean(m.wire_bytes for m in ms),
+        "dense_bytes": mean(m.dense_bytes for m in ms),
+        "shared_bytes": mean(m.shared_bytes for m in ms),
+        "socket_bytes": mean(res.socket_bytes[warmup:]),
+        "predicted_bytes": predicted_bytes(res, spec, density),
+        "busy": {str(k): round(v, 3) for k, v in sorted(ms[-1].stage_busy.items())},
+        "cut_edges": len(res.metrics[-1].edges),
+    }
+    return row, res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--density", type=float, default=0.1)
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead")
+    args = ap.parse_args()
+    if args.steps <= args.warmup:
+        ap.error("--steps must exceed --warmup")
+    spec = make_spec(args)
+    t0 = time.perf_counter()
+    _, captured = capture_job(spec)
+    capture_s = time.perf_counter() - t0
+    tokens_per_step = spec.batch.size * spec.data.seq_len
+    single = single_process(spec, tokens_per_step, args.warmup)
+    dense, _ = distributed(spec, captured, None, args.warmup)
+    topk, _ = distributed(spec, captured, args.density, args.warmup)
+    out = {
+        "config": {**vars(args), "threads": os.environ.get("OMP_NUM_THREADS"),
+                   "cpus": os.cpu_count(), "capture_s": round(capture_s, 2)},
+        "single": single, "dense": dense, "topk": topk,
+    }
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return
+    print(f"GPT-2 tiny, batch {args.batch} x {args.seq} tokens, {args.micro} micro-batches, "
+          f"{args.steps} steps ({args.warmup} warm-up excluded); 3 stages on loopback peers "
+          f"(one process, {os.cpu_count()} CPUs); capture {capture_s:.1f} s")
+    print()
+    print(f"{'run':<22}{'tokens/s':>10}{'vs single':>11}{'final loss':>12}")
+    print(f"{'single process':<22}{single['tokens_per_s']:>10.0f}{1.0:>10.2f}x"
+          f"{single['loss']:>12.3f}")
+    for name, row in (("3 stages, dense", dense), (f"3 stages, top-k {args.density}", topk)):
+        print(f"{name:<22}{row['tokens_per_s']:>10.0f}"
+              f"{row['tokens_per_s'] / single['tokens_per_s']:>10.2f}x{row['loss']:>12.3f}")
+    print()
+    print("bytes per iteration (activations + gradients on the cut edges, all micro-batches)")
+    print(f"{'run':<22}{'payload':>11}{'dense':>11}{'predicted':>11}{'pred/meas':>10}"
+          f"{'sockets':>11}{'tied grads':>11}")
+    for name, row in (("dense", dense), (f"top-k {args.density}", topk)):
+        print(f"{name:<22}{row['payload_bytes']:>11.0f}{row['dense_bytes']:>11.0f}"
+              f"{row['predicted_bytes']:>11.0f}"
+              f"{row['predicted_bytes'] / row['payload_bytes']:>10.2f}"
+              f"{row['socket_bytes']:>11.0f}{row['shared_bytes']:>11.0f}")
+    print()
+    print(f"top-k {args.density} moves {topk['payload_bytes'] / dense['payload_bytes']:.3f} of the "
+          f"dense payload; stage busy fractions dense {dense['busy']}, top-k {topk['busy']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -67,7 +67,10 @@ class Out:
 
     @staticmethod
     def info(text: str) -> None:
-        print(text, file=sys.stderr)
+        """Progress and notes: stderr, so stdout stays clean for results and --json."""
+        from rich.console import Console
+
+        Console(stderr=True, highlight=False).print(text)
 
 
 def build_parser() -> argparse.ArgumentParser:

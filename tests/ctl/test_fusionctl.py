@@ -24,7 +24,7 @@ def daemon() -> Iterator[LocalNode]:
     root = Path(tempfile.mkdtemp(prefix="fzc"))
     node = LocalNode(0, root, {
         "profile_benchmark": False, "metrics": {"listen": ""},
-        "net": {"listen": "127.0.0.1:0"},
+        "net": {"listen": "127.0.0.1:0"}, "api": {"tcp": "127.0.0.1:0"},
         "cluster": {"mdns": False, "probes": False, "election_grace_s": 0.2,
                     "election_timeout_s": 0.6, "leader_lease_s": 0.4,
                     "leader_heartbeat_s": 0.1, "election_stagger_s": 0.1}})
@@ -76,6 +76,15 @@ def test_read_commands_before_a_cluster_exists(daemon: LocalNode, capsys: Captur
     assert ver["fusionctl"] == ver["fusiond"] and ver["protocol"] == 1
     links = _json(capsys, [*sock, "links", "--json"])
     assert links["members"] == []
+
+
+def test_loopback_tcp_api_needs_the_token(daemon: LocalNode, capsys: Capture) -> None:
+    paths = _json(capsys, ["--socket", daemon.socket, "paths", "--json"])
+    api, token_file = str(paths["api_tcp"]), str(paths["api_token_file"])
+    st = _json(capsys, ["--api", api, "--token-file", token_file, "status", "--json"])
+    assert st["node"]["name"] == "node0"  # type: ignore[index]
+    assert run(["--api", api, "status"]) == EXIT_FAILED
+    assert "token" in capsys.readouterr().err
 
 
 def test_init_token_join_leave(daemon: LocalNode, capsys: Capture) -> None:

@@ -371,7 +371,11 @@ class Election:
                 self._adopt(msg.term, now)
             return []
         if msg.term > self.term:
-            self._adopt(msg.term, now)
+            # Only a refusal carries the voter's real term; a grant echoes the requested one,
+            # which for a late pre-vote grant is a term nobody holds (adopting it would
+            # inflate terms and, through gossip, depose a working leader).
+            if not msg.granted:
+                self._adopt(msg.term, now)
             return []
         if (self.role == "candidate" and msg.request_id == self._pending_rid
                 and msg.term == self.term and msg.granted):

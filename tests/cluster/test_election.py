@@ -198,3 +198,20 @@ def test_a_joining_voter_gets_one_lease_to_ack_before_it_counts_against_the_lead
     assert a.role == "leader"
     a.tick(5.9, voters={"a", "b"}, ranked_alive=["a", "b"], reachable=["b"])
     assert a.role == "follower"  # b never acked within the lease
+
+
+def test_a_late_pre_vote_grant_does_not_inflate_the_term() -> None:
+    a = Election("a", timing=T, now=0.0)
+    out = a.tick(0.6, voters=frozenset("abcde"), ranked_alive=list("abcde"),
+                 reachable=list("bcde"))
+    pre = out[0][1]
+    assert isinstance(pre, PreVote) and pre.term == 1
+    a.tick(2.0, voters=frozenset("abcde"), ranked_alive=list("abcde"), reachable=list("bcde"))
+    assert a.role == "follower"  # the pre-vote round timed out
+    a.on_vote("b", Vote(request_id=pre.request_id, term=1, voter="b", granted=True), 2.1,
+              frozenset("abcde"), list("bcde"))
+    assert a.term == 0
+    # A refusal carries the voter's real term: that one is adopted.
+    a.on_vote("c", Vote(request_id=pre.request_id, term=4, voter="c", granted=False), 2.2,
+              frozenset("abcde"), list("bcde"))
+    assert a.term == 4

@@ -5,10 +5,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 
 import pytest
 
-from fusiond.net import NetConfig, PeerNetwork, PeerRefused, PeerUnreachable, UnknownPeer
+from fusiond.net import (
+    NetConfig,
+    PeerNetwork,
+    PeerRefused,
+    PeerUnreachable,
+    TLSMaterial,
+    UnknownPeer,
+)
+from fusiond.net.transport import tune_allocator
 from protocol.messages import (
     Hello,
     Message,
@@ -368,3 +377,34 @@ async def test_too_many_pending_handshakes_refused(
     await a.connect(b.address)
     await a.send("b", Ping(request_id=1, sent_at=0.0))
     await ib.wait_for(1)
+
+
+def test_payload_check_policy(tmp_path: Path) -> None:
+    """xxh3 only where nothing else guarantees integrity: plaintext to a non-loopback host."""
+    from fusiond.net.pki import init_cluster
+
+    def net(tls: TLSMaterial | None, check: bool | None = None) -> PeerNetwork:
+        return PeerNetwork(node_id="a", cluster_id="c", listen=("127.0.0.1", 0), tls=tls,
+                           handler=Inbox(), config=NetConfig(payload_check=check))
+
+    plain = net(None)
+    plain.add_peer_address("lo", ("127.0.0.1", 1))
+    plain.add_peer_address("far", ("192.0.2.7", 1))
+    assert not plain._payload_check(plain._peer("lo"))
+    assert plain._payload_check(plain._peer("far"))
+    _, _, material = init_cluster(tmp_path)
+    secure = net(material)
+    secure.add_peer_address("far", ("192.0.2.7", 1))
+    assert not secure._payload_check(secure._peer("far"))
+    forced = net(material, check=True)
+    forced.add_peer_address("far", ("192.0.2.7", 1))
+    assert forced._payload_check(forced._peer("far"))
+
+
+def test_tune_allocator_is_idempotent() -> None:
+    import platform
+
+    first = tune_allocator()
+    assert tune_allocator() == first
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert first

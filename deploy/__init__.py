@@ -1,0 +1,1 @@
+"""Deployment material: the systemd unit, an example config, and the emulated-WAN testbed."""

@@ -1,0 +1,54 @@
+"""deploy.testbed: an emulated geo-distributed testbed in network namespaces (run as root).
+
+    python -m deploy.testbed up three-hosts --name fzt1     # build it (prints status)
+    python -m deploy.testbed check fzt1                     # configured vs measured, per pair
+    python -m deploy.testbed down fzt1                      # remove everything it made
+
+From Python::
+
+    with testbed("three-hosts") as tb:
+        tb.exec("a", ["python", "-m", "fusiond", ...])
+        results = tb.check()
+
+docs/testbed.md describes topology files, the shaping and delay mechanisms, and cleanup.
+"""
+
+from deploy.testbed.bed import (
+    DEFAULT_STATE_DIR,
+    PairResult,
+    Testbed,
+    TestbedError,
+    detect_cgroup,
+    list_namespaces,
+    namespace_pids,
+    recorded_testbeds,
+    remove_stray,
+    stray_namespaces,
+    testbed,
+)
+from deploy.testbed.topology import (
+    LinkSpec,
+    Topology,
+    TopologyError,
+    load_topology,
+    parse_topology,
+)
+
+__all__ = [
+    "DEFAULT_STATE_DIR",
+    "LinkSpec",
+    "PairResult",
+    "Testbed",
+    "TestbedError",
+    "Topology",
+    "TopologyError",
+    "detect_cgroup",
+    "list_namespaces",
+    "load_topology",
+    "namespace_pids",
+    "parse_topology",
+    "recorded_testbeds",
+    "remove_stray",
+    "stray_namespaces",
+    "testbed",
+]

@@ -1,0 +1,631 @@
+"""The testbed itself: namespaces, a bridge, shaped veths, a delay stage, processes; and `down`.
+
+Layout of one testbed named N (default ``fzt<pid>``), nothing of it in the root namespace:
+
+- namespace ``N-bridge`` holds bridge ``br0`` and one port ``p<i>`` per host; with delays, it
+  also runs the NFQUEUE delay stage (``deploy.testbed.delay``) fed by iptables FORWARD rules
+  (bridged IPv4 goes through iptables there: ``bridge-nf-call-iptables=1`` in that namespace);
+- namespace ``N-<host>`` per host, with ``eth0`` (the other end of ``p<i>``) at
+  ``10.250.0.<i+1>/24`` and ``lo``; its egress is shaped by an htb class per destination
+  (u32 filter on the destination address), unclassified traffic (ARP) goes unshaped;
+- TCP buffers raised per host namespace (``tcp_rmem``/``tcp_wmem`` max 64 MiB) so long fat
+  links are not window-bound;
+- optional CPU quota per host: a cgroup (v2 ``cpu.max`` where the cpu controller is enabled,
+  else v1 ``cpu.cfs_quota_us``) that every process started in the host joins.
+
+Everything made is written to ``<state_dir>/<N>.json`` *before* it is made, so `down` removes it
+after a crash too: it kills every process in the testbed's namespaces, deletes the namespaces
+(their veths, qdiscs and iptables rules go with them) and the cgroups, then the state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from deploy.testbed.topology import Topology, format_rate, load_topology, resolve_path
+
+DEFAULT_STATE_DIR = Path(os.environ.get("FUSION_TESTBED_STATE", "/run/fusion-testbed"))
+SUBNET = "10.250.0"
+METER_PORT = 5201
+NAME_RE = re.compile(r"^[a-z][a-z0-9]{1,15}$")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TCP_MEM = "4096 131072 67108864"
+
+
+class TestbedError(RuntimeError):
+    """A testbed step failed; the message names the command and its error output."""
+
+    __test__ = False  # not a pytest test class
+
+
+def _run(args: Sequence[str], *, check: bool = True, timeout: float = 30.0,
+         input: str | None = None) -> subprocess.CompletedProcess[str]:
+    try:
+        res = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout,
+                             input=input)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise TestbedError(f"{shlex.join(args)}: {exc}") from exc
+    if check and res.returncode != 0:
+        raise TestbedError(f"{shlex.join(args)} failed ({res.returncode}): "
+                           f"{res.stderr.strip() or res.stdout.strip()}")
+    return res
+
+
+def list_namespaces() -> list[str]:
+    """Names of all network namespaces (``ip netns list``)."""
+    out = _run(["ip", "netns", "list"], check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def namespace_pids(ns: str) -> list[int]:
+    """Processes running in namespace `ns`."""
+    out = _run(["ip", "netns", "pids", ns], check=False).stdout
+    return [int(p) for p in out.split() if p.isdigit()]
+
+
+def kill_namespace_processes(ns: str, grace_s: float = 2.0) -> None:
+    """SIGTERM every process in `ns`, SIGKILL what is left after `grace_s`."""
+    pids = namespace_pids(ns)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while pids and time.monotonic() < deadline:
+        time.sleep(0.05)
+        pids = namespace_pids(ns)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + grace_s
+    while namespace_pids(ns) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def kernel_has_netem() -> bool:
+    """Whether this kernel can add a netem qdisc (probed in a throwaway namespace)."""
+    ns = f"fztprobe{os.getpid()}"
+    if _run(["ip", "netns", "add", ns], check=False).returncode != 0:
+        return False
+    try:
+        res = _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root",
+                    "netem", "delay", "1ms"], check=False)
+        return res.returncode == 0
+    finally:
+        _run(["ip", "netns", "del", ns], check=False)
+
+
+@dataclass(frozen=True)
+class CgroupSupport:
+    """Where CPU quotas can be set: `kind` is "v2", "v1" or "none" (with the reason)."""
+
+    kind: str
+    root: Path | None
+    reason: str = ""
+
+
+def detect_cgroup() -> CgroupSupport:
+    """Find a writable cgroup hierarchy with the cpu controller (v2 preferred, then v1)."""
+    mounts: list[tuple[str, str, str]] = []
+    with contextlib.suppress(OSError), open("/proc/self/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 4:
+                mounts.append((parts[1], parts[2], parts[3]))
+    for path, fstype, _ in mounts:
+        if fstype == "cgroup2":
+            ctl = Path(path) / "cgroup.controllers"
+            with contextlib.suppress(OSError):
+                if "cpu" in ctl.read_text().split() and os.access(path, os.W_OK):
+                    return CgroupSupport("v2", Path(path))
+    for path, fstype, opts in mounts:
+        if (fstype == "cgroup" and "cpu" in opts.split(",")
+                and (Path(path) / "cpu.cfs_quota_us").exists() and os.access(path, os.W_OK)):
+            return CgroupSupport("v1", Path(path))
+    return CgroupSupport("none", None, "no writable cgroup v2 with the cpu controller, "
+                         "nor a cgroup v1 cpu hierarchy")
+
+
+@dataclass
+class PairResult:
+    """Configured against measured for one direction of one pair."""
+
+    src: str
+    dst: str
+    rate_bps: int
+    rtt_s: float
+    measured_bps: float | None
+    measured_rtt_s: float | None
+    error: str = ""
+    rate_tolerance: float = 0.15
+    rtt_tolerance_s: float = 0.002
+
+    @property
+    def rate_ok(self) -> bool:
+        return (self.measured_bps is not None
+                and abs(self.measured_bps - self.rate_bps) <= self.rate_tolerance * self.rate_bps)
+
+    @property
+    def rtt_ok(self) -> bool:
+        return (self.measured_rtt_s is not None
+                and abs(self.measured_rtt_s - self.rtt_s) <= self.rtt_tolerance_s)
+
+    @property
+    def ok(self) -> bool:
+        return self.rate_ok and self.rtt_ok
+
+    def line(self) -> str:
+        """One human line: pair, configured, measured, PASS/FAIL."""
+        got_bw = format_rate(self.measured_bps) if self.measured_bps is not None else "-"
+        got_rtt = (f"{self.measured_rtt_s * 1e3:.2f} ms" if self.measured_rtt_s is not None
+                   else "-")
+        verdict = "PASS" if self.ok else "FAIL"
+        err = f"  ({self.error})" if self.error else ""
+        return (f"{self.src:>8} -> {self.dst:<8} {format_rate(self.rate_bps):>12} "
+                f"{got_bw:>12}   {self.rtt_s * 1e3:7.2f} ms {got_rtt:>10}   {verdict}{err}")
+
+
+class Testbed:
+    """One emulated WAN. `up()` builds it, `down()` removes it; usable as a context manager.
+
+    `exec(host, argv)` starts a process inside a host (its namespace and CPU cgroup).
+    """
+
+    __test__ = False
+
+    def __init__(self, topology: Topology, *, name: str | None = None,
+                 state_dir: Path = DEFAULT_STATE_DIR, topology_path: str = "") -> None:
+        self.topology = topology
+        self.name = name or f"fzt{os.getpid()}"
+        if not NAME_RE.match(self.name):
+            raise TestbedError(f"testbed name {self.name!r} must match {NAME_RE.pattern}")
+        self.state_dir = Path(state_dir)
+        self.topology_path = topology_path
+        self.state: dict[str, Any] = {}
+        self.cgroup = detect_cgroup()
+
+    # -- names -----------------------------------------------------------------------------
+
+    @property
+    def bridge_ns(self) -> str:
+        return f"{self.name}-bridge"
+
+    def ns(self, host: str) -> str:
+        """The namespace of `host`."""
+        if host not in self.topology.hosts:
+            raise KeyError(f"no host {host!r} in testbed {self.name}")
+        return f"{self.name}-{host}"
+
+    def address(self, host: str) -> str:
+        """The IPv4 address of `host` (inside the testbed only)."""
+        return f"{SUBNET}.{self.topology.hosts.index(host) + 1}"
+
+    @property
+    def state_file(self) -> Path:
+        return self.state_dir / f"{self.name}.json"
+
+    @property
+    def work_dir(self) -> Path:
+        """Logs and per-host files of this testbed."""
+        return self.state_dir / self.name
+
+    # -- state -----------------------------------------------------------------------------
+
+    def _save(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state, indent=1))
+        tmp.replace(self.state_file)
+
+    def _record(self, key: str, value: Any) -> None:
+        """Note something about to be created (write-ahead: a crash leaves it recorded)."""
+        self.state.setdefault(key, [])
+        if value not in self.state[key]:
+            self.state[key].append(value)
+        self._save()
+
+    @classmethod
+    def load(cls, name: str, state_dir: Path = DEFAULT_STATE_DIR) -> Testbed:
+        """The testbed `name` as recorded by `up` (for down/check/status from another process)."""
+        path = Path(state_dir) / f"{name}.json"
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise TestbedError(f"no testbed {name!r} under {state_dir} ({exc})") from exc
+        tb = cls(load_topology(state["topology_path"]), name=name, state_dir=Path(state_dir),
+                 topology_path=state["topology_path"])
+        tb.state = state
+        return tb
+
+    # -- up --------------------------------------------------------------------------------
+
+    def up(self, *, delay: bool = True, tcp_buffers: bool = True) -> None:
+        """Build the testbed; on any failure, remove what was made and raise TestbedError."""
+        if self.state_file.exists():
+            raise TestbedError(f"testbed {self.name} already exists ({self.state_file}); "
+                               f"run `python -m deploy.testbed down {self.name}` first")
+        for tool in ("ip", "tc"):
+            _run(["which", tool])
+        self.state = {"name": self.name, "topology_path": self.topology_path,
+                      "topology": self.topology.name, "created_at": time.time(),
+                      "creator_pid": os.getpid(), "complete": False, "namespaces": [],
+                      "cgroups": [], "pids": [], "warnings": []}
+        self._save()
+        try:
+            self._build(delay=delay, tcp_buffers=tcp_buffers)
+        except BaseException:
+            self.down()
+            raise
+        self.state["complete"] = True
+        self._save()
+
+    def _add_ns(self, ns: str) -> None:
+        self._record("namespaces", ns)
+        _run(["ip", "netns", "add", ns])
+        _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+
+    def _build(self, *, delay: bool, tcp_buffers: bool) -> None:
+        topo, br = self.topology, self.bridge_ns
+        mtu = str(topo.mtu)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self._add_ns(br)
+        _run(["ip", "-n", br, "link", "add", "br0", "mtu", mtu, "type", "bridge"])
+        _run(["ip", "-n", br, "link", "set", "br0", "up"])
+        for i, host in enumerate(topo.hosts):
+            ns, port = self.ns(host), f"p{i}"
+            self._add_ns(ns)
+            _run(["ip", "-n", br, "link", "add", port, "mtu", mtu, "type", "veth", "peer",
+                  "name", "eth0", "mtu", mtu, "netns", ns])
+            _run(["ip", "-n", br, "link", "set", port, "master", "br0", "up"])
+            _run(["ip", "-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", "eth0"])
+            _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+            if tcp_buffers:
+                for key in ("net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem"):
+                    _run(["ip", "netns", "exec", ns, "sysctl", "-qw", f"{key}={TCP_MEM}"])
+                # A fresh measurement must not start from a previous connection's cwnd.
+                _run(["ip", "netns", "exec", ns, "sysctl", "-qw",
+                      "net.ipv4.tcp_no_metrics_save=1"])
+            self._shape(host)
+        self._cpu_quotas()
+        rtts = [(a, b) for a, b in topo.pairs() if topo.link(a, b).rtt_s > 0]
+        self.state["delay"] = "none"
+        if rtts and delay:
+            self._start_delay(rtts)
+        elif rtts:
+            self._warn("latency not emulated (--no-delay): RTTs are the bare veth's")
+
+    def _warn(self, msg: str) -> None:
+        self.state.setdefault("warnings", []).append(msg)
+        self._save()
+        warnings.warn(f"testbed {self.name}: {msg}", RuntimeWarning, stacklevel=3)
+
+    def _shape(self, host: str) -> None:
+        """htb on the host's egress: one class per destination at the pair's rate."""
+        topo, ns = self.topology, self.ns(host)
+        tc = ["ip", "netns", "exec", ns, "tc"]
+        # default 0: traffic no filter claims (ARP) leaves unshaped.
+        _run([*tc, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "0"])
+        for j, dst in enumerate(topo.hosts):
+            if dst == host:
+                continue
+            rate = topo.link(host, dst).bandwidth_bps
+            byte_rate = rate // 8
+            # Burst: 1 ms at the rate (at least a few MTUs), so a fast class is not starved by
+            # timer granularity; quantum within htb's sane range to share fairly.
+            burst = max(4 * topo.mtu, byte_rate // 1000)
+            quantum = max(topo.mtu + 14, min(200_000, byte_rate // 1000))
+            cls = f"1:{0x100 + j:x}"
+            _run([*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", cls, "htb",
+                  "rate", f"{rate}bit", "ceil", f"{rate}bit", "burst", str(burst),
+                  "cburst", str(burst), "quantum", str(quantum)])
+            _run([*tc, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip",
+                  "prio", "1", "u32", "match", "ip", "dst", f"{self.address(dst)}/32",
+                  "flowid", cls])
+
+    def _cpu_quotas(self) -> None:
+        quotas = self.topology.cpu
+        if not quotas:
+            return
+        cg = self.cgroup
+        if cg.root is None:
+            self._warn(f"CPU quotas {dict(quotas)} NOT applied: {cg.reason}")
+            return
+        for host, cores in quotas.items():
+            path = cg.root / f"fusion-testbed-{self.name}-{host}"
+            self._record("cgroups", str(path))
+            try:
+                path.mkdir(exist_ok=True)
+                if cg.kind == "v2":
+                    (path / "cpu.max").write_text(f"{int(cores * 100_000)} 100000")
+                else:
+                    (path / "cpu.cfs_period_us").write_text("100000")
+                    (path / "cpu.cfs_quota_us").write_text(str(int(cores * 100_000)))
+            except OSError as exc:
+                self._warn(f"CPU quota for {host} NOT applied ({cg.kind} at {path}): {exc}")
+
+    def _start_delay(self, pairs: list[tuple[str, str]]) -> None:
+        """The NFQUEUE delay stage in the bridge namespace, then the iptables rules feeding it."""
+        topo, br = self.topology, self.bridge_ns
+        if kernel_has_netem():
+            # A kernel with netem could use it on the bridge ports; this one (and CI's) has
+            # none, and one mechanism everywhere keeps results comparable.
+            self._warn("netem is available but the userspace delay stage is used")
+        try:
+            import netfilterqueue  # noqa: F401
+        except ImportError as exc:
+            raise TestbedError("latency needs the NetfilterQueue package (pip install "
+                               "NetfilterQueue; Debian: libnetfilter-queue-dev), or run with "
+                               "--no-delay") from exc
+        _run(["which", "iptables"])
+        _run(["ip", "netns", "exec", br, "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=1"])
+        cfg = self.work_dir / "delays.json"
+        cfg.write_text(json.dumps({"delays": [
+            [self.address(a), self.address(b), topo.link(a, b).rtt_s / 2] for a, b in pairs]}))
+        log = self.work_dir / "delay.log"
+        proc = self._spawn(br, [sys.executable, "-m", "deploy.testbed.delay", "--queue", "0",
+                                "--config", str(cfg)], log, cgroup=None)
+        self.state["delay"] = "nfqueue"
+        self._wait_ready(proc, log, "delay stage")
+        for a, b in pairs:
+            _run(["ip", "netns", "exec", br, "iptables", "-w", "-A", "FORWARD",
+                  "-s", self.address(a), "-d", self.address(b), "-j", "NFQUEUE",
+                  "--queue-num", "0"])
+
+    # -- processes -------------------------------------------------------------------------
+
+    def _spawn(self, ns: str, argv: Sequence[str], log: Path | None, *, cgroup: str | None,
+               env: Mapping[str, str] | None = None, **kw: Any) -> subprocess.Popen[bytes]:
+        cmd = ["ip", "netns", "exec", ns, *argv]
+        if cgroup is not None:
+            # Join the cgroup before exec so every child process inherits the quota.
+            cmd = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', f"{cgroup}/cgroup.procs", *cmd]
+        out: IO[bytes] | int | None = kw.pop("stdout", None)
+        if out is None and log is not None:
+            out = open(log, "ab")  # noqa: SIM115 (the child keeps it; closed below)
+        full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+        try:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=kw.pop("stderr", subprocess.STDOUT),
+                                    stdin=subprocess.DEVNULL, env=full_env, cwd=kw.pop("cwd",
+                                    REPO_ROOT), start_new_session=True, **kw)
+        finally:
+            if log is not None and out is not None and not isinstance(out, int):
+                out.close()
+        self._record("pids", proc.pid)
+        return proc
+
+    def _wait_ready(self, proc: subprocess.Popen[bytes], log: Path, what: str,
+                    timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if "READY" in log.read_text(errors="replace"):
+                return
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise TestbedError(f"{what} did not start: {log.read_text(errors='replace')[-2000:]}")
+
+    def exec(self, host: str, argv: Sequence[str], *, log: Path | None = None,
+             env: Mapping[str, str] | None = None, **popen: Any) -> subprocess.Popen[bytes]:
+        """Start `argv` inside `host` (its namespace and CPU cgroup); `down` kills it.
+
+        Output goes to `log` (default ``<work_dir>/<host>.log``) unless `stdout` is given.
+        """
+        ns = self.ns(host)
+        cg = next((c for c in self.state.get("cgroups", [])
+                   if c.endswith(f"-{self.name}-{host}") and Path(c).is_dir()), None)
+        if log is None and "stdout" not in popen:
+            log = self.work_dir / f"{host}.log"
+        return self._spawn(ns, argv, log, cgroup=cg, env=env, **popen)
+
+    def run(self, host: str, argv: Sequence[str], timeout: float = 60.0) -> str:
+        """Run `argv` in `host` to completion; its stdout (TestbedError when it fails)."""
+        proc = self.exec(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            proc.kill()
+            proc.communicate()
+            raise TestbedError(f"{host}: {shlex.join(argv)} timed out after {timeout}s") from exc
+        if proc.returncode != 0:
+            raise TestbedError(f"{host}: {shlex.join(argv)} failed ({proc.returncode}): "
+                               f"{err.decode(errors='replace')[-2000:]}")
+        return out.decode()
+
+    def start_each(self, template: str) -> dict[str, subprocess.Popen[bytes]]:
+        """Start one process per host from a shell template.
+
+        Placeholders: {host} {ns} {addr} {index} {name} {work} (this testbed's work dir)
+        {peers} (the other hosts' addresses, comma-separated) {first} (the first host's addr).
+        """
+        procs = {}
+        first = self.address(self.topology.hosts[0])
+        for i, host in enumerate(self.topology.hosts):
+            peers = ",".join(self.address(h) for h in self.topology.hosts if h != host)
+            cmd = template.format(host=host, ns=self.ns(host), addr=self.address(host),
+                                  index=i, name=self.name, work=self.work_dir, peers=peers,
+                                  first=first)
+            procs[host] = self.exec(host, ["sh", "-c", cmd])
+        return procs
+
+    # -- check -----------------------------------------------------------------------------
+
+    def check(self, *, duration_s: float = 1.0, pings: int = 10,
+              rate_tolerance: float = 0.15, rtt_tolerance_s: float = 0.002,
+              pairs: Sequence[tuple[str, str]] | None = None) -> list[PairResult]:
+        """Measure every ordered pair (or `pairs`) one at a time: RTT and TCP goodput."""
+        topo = self.topology
+        servers = []
+        try:
+            for host in topo.hosts:
+                log = self.work_dir / f"meter-{host}.log"
+                log.write_text("")
+                proc = self.exec(host, [sys.executable, "-m", "deploy.testbed.meter", "serve",
+                                        self.address(host), str(METER_PORT)], log=log)
+                servers.append(proc)
+                self._wait_ready(proc, log, f"meter on {host}")
+            results = []
+            for a, b in pairs if pairs is not None else topo.pairs():
+                spec = topo.link(a, b)
+                nbytes = max(64 << 10, int(spec.bandwidth_bps / 8 * duration_s))
+                res = PairResult(a, b, spec.bandwidth_bps, spec.rtt_s, None, None,
+                                 rate_tolerance=rate_tolerance, rtt_tolerance_s=rtt_tolerance_s)
+                try:
+                    out = self.run(a, [sys.executable, "-m", "deploy.testbed.meter", "measure",
+                                       self.address(b), str(METER_PORT), "--bytes", str(nbytes),
+                                       "--pings", str(pings)],
+                                   timeout=30 + 10 * duration_s)
+                    got = json.loads(out.strip().splitlines()[-1])
+                    res.measured_bps = got["bandwidth_bps"]
+                    res.measured_rtt_s = got["rtt_s"]
+                except (TestbedError, ValueError, KeyError, IndexError) as exc:
+                    res.error = str(exc)[-300:]
+                results.append(res)
+            return results
+        finally:
+            for proc in servers:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                proc.wait()
+
+    # -- status / down ---------------------------------------------------------------------
+
+    def describe(self) -> str:
+        """Hosts, addresses, links and what runs: the `status` text."""
+        topo = self.topology
+        lines = [f"testbed {self.name}: topology {topo.name} ({len(topo.hosts)} hosts), "
+                 f"latency: {self.state.get('delay', '?')}, state {self.state_file}"]
+        live = set(list_namespaces())
+        for host in topo.hosts:
+            ns = self.ns(host)
+            cpu = topo.cpu.get(host)
+            lines.append(f"  {host:<10} {self.address(host):<13} ns {ns:<24} "
+                         f"{'up' if ns in live else 'MISSING'}"
+                         f"{f'  cpu {cpu:g} cores' if cpu else ''}"
+                         f"  processes {len(namespace_pids(ns)) if ns in live else 0}")
+        lines.append("  links:")
+        for i, a in enumerate(topo.hosts):
+            for b in topo.hosts[i + 1:]:
+                spec = topo.link(a, b)
+                lines.append(f"    {a} <-> {b}: {format_rate(spec.bandwidth_bps)}, "
+                             f"rtt {spec.rtt_s * 1e3:g} ms")
+        lines.extend(f"  warning: {w}" for w in self.state.get("warnings", []))
+        return "\n".join(lines)
+
+    def down(self) -> list[str]:
+        """Remove everything recorded (idempotent, tolerant of half-built testbeds).
+
+        Returns what could not be removed (empty when clean).
+        """
+        problems: list[str] = []
+        namespaces = list(self.state.get("namespaces", []))
+        live = set(list_namespaces())
+        # Hosts first, the bridge (and its delay stage) last: no packet is stranded in a
+        # queue whose reader is gone while senders still run.
+        for ns in sorted(namespaces, key=lambda n: n == self.bridge_ns):
+            if ns in live:
+                kill_namespace_processes(ns)
+        for pid in self.state.get("pids", []):
+            # Wrappers (sh, ip netns exec) outside the namespace: ours, recorded at spawn.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if _is_testbed_process(pid):
+                    os.kill(pid, signal.SIGKILL)
+        for ns in namespaces:
+            if ns in live:
+                res = _run(["ip", "netns", "del", ns], check=False)
+                if res.returncode != 0:
+                    problems.append(f"namespace {ns}: {res.stderr.strip()}")
+        for cg in self.state.get("cgroups", []):
+            path = Path(cg)
+            if path.is_dir():
+                try:
+                    path.rmdir()
+                except OSError as exc:
+                    problems.append(f"cgroup {cg}: {exc}")
+        if not problems:
+            with contextlib.suppress(FileNotFoundError):
+                self.state_file.unlink()
+            _rmtree(self.work_dir)
+        return problems
+
+    def __enter__(self) -> Testbed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+
+def _is_testbed_process(pid: int) -> bool:
+    """Whether `pid` still runs one of our wrappers (guards against a reused pid)."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return bool(cmd) and cmd[0] in (b"sh", b"ip")
+
+
+def _rmtree(path: Path) -> None:
+    if not path.exists():
+        return
+    for child in sorted(path.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):
+            if child.is_dir() and not child.is_symlink():
+                child.rmdir()
+            else:
+                child.unlink()
+    with contextlib.suppress(OSError):
+        path.rmdir()
+
+
+def recorded_testbeds(state_dir: Path = DEFAULT_STATE_DIR) -> list[str]:
+    """Names of the testbeds with a state file under `state_dir`."""
+    if not Path(state_dir).is_dir():
+        return []
+    return sorted(p.stem for p in Path(state_dir).glob("*.json"))
+
+
+def stray_namespaces(state_dir: Path = DEFAULT_STATE_DIR) -> list[str]:
+    """Namespaces named like ours (``fzt<digits>-…``) whose testbed has no state file."""
+    known = set(recorded_testbeds(state_dir))
+    out = []
+    for ns in list_namespaces():
+        m = re.match(r"^(fzt[0-9]+)-", ns)
+        if m and m.group(1) not in known:
+            out.append(ns)
+    return out
+
+
+def remove_stray(state_dir: Path = DEFAULT_STATE_DIR) -> list[str]:
+    """Delete `stray_namespaces` (their processes first); returns what was removed."""
+    removed = []
+    for ns in stray_namespaces(state_dir):
+        kill_namespace_processes(ns)
+        if _run(["ip", "netns", "del", ns], check=False).returncode == 0:
+            removed.append(ns)
+    return removed
+
+
+@contextlib.contextmanager
+def testbed(topology: str | Path | Topology, *, name: str | None = None,
+            state_dir: Path = DEFAULT_STATE_DIR, delay: bool = True) -> Iterator[Testbed]:
+    """``with testbed("three-hosts") as tb:`` builds it and always removes it."""
+    if isinstance(topology, Topology):
+        raise TestbedError("pass a topology path or name: `down` reloads it from the state")
+    path = str(resolve_path(topology).resolve())
+    tb = Testbed(load_topology(path), name=name, state_dir=state_dir, topology_path=path)
+    tb.up(delay=delay)
+    try:
+        yield tb
+    finally:
+        tb.down()

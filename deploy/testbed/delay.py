@@ -1,0 +1,127 @@
+"""The userspace delay stage: holds each IPv4 packet of an NFQUEUE until its due time.
+
+Used where the kernel has no ``netem`` (see TESTBED.md). It runs in the bridge namespace;
+iptables sends the forwarded packets of every delayed (src, dst) pair to one queue, and this
+program accepts each packet ``delay(src, dst)`` seconds after it arrived. Packets are kept in a
+heap ordered by due time (a packet never overtakes an earlier one of the same pair, because each
+pair has one fixed delay); the loop sleeps in ``select`` until the next due time, so the added
+delay is accurate to about a millisecond on an idle machine.
+
+Run: ``python -m deploy.testbed.delay --queue 0 --config delays.json`` where the JSON file is
+``{"delays": [["10.250.0.1", "10.250.0.2", 0.02], ...]}`` (one-way seconds). Prints ``READY``
+once the queue is bound; exits 0 on SIGTERM/SIGINT after releasing every held packet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import select
+import signal
+import socket
+import sys
+import time
+from typing import Any, Protocol
+
+
+class _Packet(Protocol):
+    def get_payload(self) -> bytes: ...
+    def accept(self) -> None: ...
+
+
+def load_delays(path: str) -> dict[bytes, float]:
+    """(src+dst as 8 raw bytes) -> one-way delay in seconds, from the JSON config."""
+    with open(path) as f:
+        data = json.load(f)
+    out: dict[bytes, float] = {}
+    for src, dst, delay in data["delays"]:
+        out[socket.inet_aton(src) + socket.inet_aton(dst)] = float(delay)
+    return out
+
+
+class DelayStage:
+    """Holds packets for a fixed per-pair delay; the NetfilterQueue callback and release loop."""
+
+    def __init__(self, delays: dict[bytes, float]) -> None:
+        self.delays = delays
+        self.heap: list[tuple[float, int, _Packet]] = []
+        self.seq = 0
+        self.held_max = 0
+        self.passed = 0
+
+    def on_packet(self, pkt: _Packet) -> None:
+        """NFQUEUE callback: compute the due time and hold the packet (or pass it at once)."""
+        now = time.monotonic()
+        head = pkt.get_payload()
+        delay = self.delays.get(head[12:20], 0.0) if len(head) >= 20 else 0.0
+        if delay <= 0.0:
+            pkt.accept()
+            self.passed += 1
+            return
+        self.seq += 1
+        heapq.heappush(self.heap, (now + delay, self.seq, pkt))
+        if len(self.heap) > self.held_max:
+            self.held_max = len(self.heap)
+
+    def release_due(self) -> float | None:
+        """Accept every packet whose time has come; seconds until the next one (None: empty)."""
+        heap = self.heap
+        now = time.monotonic()
+        while heap and heap[0][0] <= now:
+            heapq.heappop(heap)[2].accept()
+            self.passed += 1
+        return max(0.0, heap[0][0] - now) if heap else None
+
+    def flush(self) -> None:
+        """Release everything held (on exit: never strand packets in the kernel queue)."""
+        while self.heap:
+            heapq.heappop(self.heap)[2].accept()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Bind the queue, then loop: read packets when readable, release them when due."""
+    ap = argparse.ArgumentParser(prog="python -m deploy.testbed.delay", description=__doc__)
+    ap.add_argument("--queue", type=int, default=0, help="NFQUEUE number")
+    ap.add_argument("--config", required=True, help="JSON file with the per-pair delays")
+    ap.add_argument("--max-held", type=int, default=200_000,
+                    help="kernel queue length (packets held at once)")
+    args = ap.parse_args(argv)
+
+    from netfilterqueue import COPY_PACKET, NetfilterQueue  # imported here: optional dependency
+
+    stage = DelayStage(load_delays(args.config))
+    stop = False
+
+    def on_signal(signum: int, frame: Any) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    nfq = NetfilterQueue()
+    # Copy only the IPv4 header's first 20 bytes: the addresses are all we read, and copying
+    # whole packets to userspace would cost most of the CPU this stage uses.
+    nfq.bind(args.queue, stage.on_packet, max_len=args.max_held, mode=COPY_PACKET, range=20,
+             sock_len=64 << 20)
+    fd = nfq.get_fd()
+    print("READY", flush=True)
+    try:
+        while not stop:
+            timeout = stage.release_due()
+            try:
+                readable, _, _ = select.select([fd], [], [], 0.2 if timeout is None else timeout)
+            except InterruptedError:
+                continue
+            if readable:
+                nfq.run(block=False)
+    finally:
+        stage.flush()
+        nfq.unbind()
+        print(f"delay stage: passed {stage.passed} packets, held at most {stage.held_max}",
+              file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

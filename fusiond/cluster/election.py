@@ -20,7 +20,8 @@ Sans-IO: every method takes the current (monotonic) time and returns the message
   before the others can elect a new one) it steps down: a minority never keeps a working
   scheduler.
 - Two leaders of one term (only possible while views of the voter set differ, e.g. two groups
-  that formed apart and then met) both step down on seeing each other; the next term elects one.
+  that formed apart and then met) both step down when one hears the other, and nobody follows a
+  leader of that term again; the next term elects one.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from fusiond.cluster.membership import Address, Link, MemberRecord
 from protocol.messages import Leader, LeaderAck, Message, PreVote, Vote, VoteRequest
 
 Role = Literal["follower", "precandidate", "candidate", "leader"]
+CONFLICT = "conflicting leader"
+"""LeaderAck reason: the receiver leads the same term too; both step down."""
 Out = tuple[str, Message]
 
 
@@ -160,6 +163,8 @@ class Election:
         self._acks: dict[str, float] = {}
         self._voters_seen: set[str] = set()
         self._sent: dict[int, float] = {}
+        self._poisoned_term = -1
+        """A term in which two leaders met: no leader of it is followed."""
         self.enabled = True
         """False once this node has left or been removed: it neither campaigns nor votes."""
 
@@ -398,9 +403,14 @@ class Election:
             return ack(False, "leader must announce itself")
         self._adopt(msg.term, now)
         if self.role == "leader":
-            # Same term, two leaders: views of the voter set differed. Both step down.
+            # Same term, two leaders: views of the voter set differed (groups that formed
+            # apart). Step down, tell the other (it steps down too), and follow neither: the
+            # next election gives the merged cluster a leader with a term of its own.
             self._step_down(now, backoff=self.timing.election_timeout_s)
-            return ack(False, "conflicting leader")
+            self._poisoned_term = msg.term
+            return ack(False, CONFLICT)
+        if msg.term == self._poisoned_term:
+            return ack(False, CONFLICT)
         if self.role != "follower":
             self._step_down(now)
         self._leader = msg.leader
@@ -412,6 +422,11 @@ class Election:
         """Renew our lease from an ack; step down before a higher term."""
         if msg.term > self.term:
             self._adopt(msg.term, now)
+            return []
+        if (self.role == "leader" and not msg.accepted and msg.term == self.term
+                and msg.reason == CONFLICT):
+            self._step_down(now, backoff=self.timing.election_timeout_s)
+            self._poisoned_term = msg.term
             return []
         if self.role == "leader" and msg.accepted and msg.term == self.term:
             sent = self._sent.get(msg.request_id)

@@ -269,3 +269,16 @@ async def test_a_crashed_loop_surfaces_in_wait(swarm: Swarm) -> None:
     node._gossip_targets = boom  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="injected"):
         await asyncio.wait_for(node.wait(), 5)
+
+
+async def test_two_groups_formed_apart_merge_under_one_leader_of_a_new_term(
+        swarm: Swarm) -> None:
+    a = await swarm.add("ga")
+    b = await swarm.add("gb")
+    await until(lambda: a.view().leader == "ga" and b.view().leader == "gb", 5,
+                "each alone leads its own term 1")
+    assert a.view().term == b.view().term == 1
+    a.add_bootstrap(swarm.addresses["gb"])
+    await until(lambda: agreed_leader(swarm.views()) is not None
+                and all_alive(swarm, ["ga", "gb"], ["ga", "gb"]), 8, "one leader after merging")
+    assert all(v.term >= 2 for v in swarm.views().values())

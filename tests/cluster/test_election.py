@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fusiond.cluster.election import (
+    CONFLICT,
     Election,
     ElectionTiming,
     capability,
@@ -171,12 +172,25 @@ def test_higher_term_in_an_ack_deposes_the_leader() -> None:
     assert a.role == "follower" and a.term == 7 and a.leader(1.0) is None
 
 
-def test_two_leaders_of_one_term_both_step_down() -> None:
+def test_two_leaders_of_one_term_both_step_down_and_follow_neither() -> None:
     a = Election("a", timing=T, now=0.0)
-    a.term, a.role = 1, "leader"
+    b = Election("b", timing=T, now=0.0)
+    for e in (a, b):
+        assert e.tick(0.6, voters={e.node_id}, ranked_alive=[e.node_id], reachable=[]) == []
+        assert e.role == "leader" and e.term == 1
+    # They meet: b's heartbeat reaches a.
     out = a.on_leader("b", Leader(request_id=1, term=1, leader="b"), 2.0, VOTERS)
     assert a.role == "follower" and a.leader(2.0) is None
-    assert isinstance(out[0][1], LeaderAck) and not out[0][1].accepted
+    ack = out[0][1]
+    assert isinstance(ack, LeaderAck) and not ack.accepted and ack.reason == CONFLICT
+    b.on_leader_ack("a", ack, 2.0)
+    assert b.role == "follower" and b.leader(2.0) is None
+    # A later heartbeat of term 1 (from either) is not followed.
+    out = a.on_leader("b", Leader(request_id=2, term=1, leader="b"), 2.1, VOTERS)
+    assert a.leader(2.1) is None and not out[0][1].accepted  # type: ignore[attr-defined]
+    # Term 2 is.
+    a.on_leader("b", Leader(request_id=3, term=2, leader="b"), 2.2, VOTERS)
+    assert a.leader(2.2) == "b"
 
 
 def test_disabled_node_neither_votes_nor_campaigns() -> None:

@@ -528,8 +528,6 @@ class PeerNetwork:
         if self._closing:
             return
         self._closing = True
-        if self._lsock is not None:
-            self._lsock.close()
         tasks: list[asyncio.Task[Any]] = list(self._tasks)
         for p in self._peers.values():
             tasks.extend(p.writers.values())
@@ -545,8 +543,14 @@ class PeerNetwork:
             for link in p.links.values():
                 if link is not None and link.transport is not None:
                     link.transport.abort()
+            for q in p.queues.values():
+                # Unblock senders waiting on a full queue; what they queue is never sent.
+                while not q.empty():
+                    q.get_nowait()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        if self._lsock is not None:  # after the acceptor task is gone
+            self._lsock.close()
 
     # -- public API ------------------------------------------------------------------------
 

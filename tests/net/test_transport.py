@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from pathlib import Path
@@ -408,3 +409,54 @@ def test_tune_allocator_is_idempotent() -> None:
     assert tune_allocator() == first
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
         assert first
+
+
+async def test_redial_backs_off_exponentially(net_factory: NetFactory) -> None:
+    """A peer that accepts and hangs up at once is redialed at growing intervals, not a storm."""
+    accepts: list[float] = []
+
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepts.append(time.monotonic())
+        writer.close()
+
+    server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    cfg = NetConfig(handshake_timeout_s=1.0, backoff_initial_s=0.1, backoff_max_s=0.4,
+                    backoff_jitter=0.0)
+    a = await net_factory("a", config=cfg)
+    a.add_peer_address("flaky", ("127.0.0.1", port))
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.2:
+        await a.send("flaky", Ping(request_id=1, sent_at=0.0))
+        await asyncio.sleep(0.01)
+    server.close()
+    # dials at ~0, 0.1, 0.3, 0.7, 1.1 s: 5 (a storm would be ~100)
+    assert 3 <= len(accepts) <= 7, accepts
+    gaps = [b - a for a, b in itertools.pairwise(accepts)]
+    assert gaps[-1] >= 0.3, gaps
+    assert a.stats()["flaky"].dropped > 50
+
+
+async def test_close_unblocks_waiting_senders(net_factory: NetFactory) -> None:
+    release = asyncio.Event()
+
+    async def stuck(peer: str, msg: Message) -> None:
+        await release.wait()
+
+    cfg = NetConfig(bulk_queue_frames=1, inbox_frames=1)
+    a = await net_factory("a", config=cfg)
+    b = await net_factory("b", handler=stuck, config=cfg)
+    await a.connect(b.address)
+    payload = memoryview(bytearray(8 << 20))
+
+    async def pump() -> None:
+        for seq in range(100):
+            await a.send("b", ProbeData(probe_id=1, seq=seq, count=100), [payload])
+
+    task = asyncio.create_task(pump())
+    await asyncio.sleep(0.3)
+    assert not task.done()
+    await a.close()
+    with pytest.raises(Exception, match="closed"):
+        async with asyncio.timeout(3):
+            await task

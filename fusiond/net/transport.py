@@ -44,7 +44,7 @@ from typing import Any, Final, cast
 
 from cryptography.hazmat.primitives import serialization
 
-from fusiond.errors import ConfigError, LocalError, RemoteError
+from fusiond.errors import ConfigError, FusionError, LocalError, RemoteError
 from fusiond.net import tls as tlsmod
 from fusiond.net.pki import JoinAuthority, JoinTokenError, PKIError, TLSMaterial
 from protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
@@ -234,6 +234,12 @@ def _keepalive(sock: Any) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 4)
 
 
+def _log_crash(task: asyncio.Task[None]) -> None:
+    """A writer that died of a bug says so (the next send() starts a new one)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("%s crashed", task.get_name(), exc_info=task.exception())
+
+
 def _fmt(addr: Any) -> str:
     if isinstance(addr, tuple) and len(addr) >= 2:
         return f"{addr[0]}:{addr[1]}"
@@ -349,7 +355,12 @@ class _Conn(asyncio.BufferedProtocol):
             if not self.first_frame.done():
                 self.first_frame.set_result(msg)
                 if self.inbound:
-                    self.net._on_first_frame(self, msg)
+                    try:
+                        self.net._on_first_frame(self, msg)
+                    except Exception as e:  # a bug must not leave a half-open connection
+                        log.exception("handshake with %s failed", self.peername)
+                        self.abort(f"handshake with {self.peername} failed: {e!r}")
+                        return
                 continue
             if not self.inbound or self.peer is None:
                 # A dialed connection carries only the listener's HelloAck; an accepted one
@@ -572,7 +583,12 @@ class PeerNetwork:
         p = self._peer(node_id)
         p.address = address
         old = p.links[Lane.CONTROL]
-        if old is not None and old is not conn and old.transport is not None:
+        if (
+            old is not None
+            and old is not conn
+            and old.transport is not None
+            and not old.transport.is_closing()
+        ):
             # Keep the established link; this one was only for discovering the id.
             assert conn.transport is not None
             conn.transport.close()
@@ -662,9 +678,11 @@ class PeerNetwork:
     def _ensure_writer(self, p: _Peer, lane: Lane) -> None:
         t = p.writers.get(lane)
         if t is None or t.done():
-            p.writers[lane] = asyncio.get_running_loop().create_task(
+            t = asyncio.get_running_loop().create_task(
                 self._writer(p, lane), name=f"net-writer-{p.node_id}-{lane.value}"
             )
+            t.add_done_callback(_log_crash)
+            p.writers[lane] = t
 
     async def _writer(self, p: _Peer, lane: Lane) -> None:
         """Drain one lane's queue onto its connection, dialing (with backoff) when needed."""
@@ -674,7 +692,7 @@ class PeerNetwork:
             out = await q.get()
             try:
                 conn = await self._link(p, lane)
-            except (TimeoutError, OSError, RemoteError, ssl.SSLError) as e:
+            except (TimeoutError, OSError, FusionError, ssl.SSLError) as e:
                 dropped = 1 + q.qsize()
                 while not q.empty():
                     q.get_nowait()
@@ -717,6 +735,12 @@ class PeerNetwork:
                 await asyncio.sleep(wait)
             try:
                 conn, node_id = await self._dial(p.address, lane)
+                if node_id != p.node_id:
+                    assert conn.transport is not None
+                    conn.transport.close()
+                    raise PeerRefused(
+                        f"{_fmt(p.address)} is node {node_id}, not {p.node_id} as we were told"
+                    )
             except (TimeoutError, OSError, RemoteError, ssl.SSLError):
                 c = self.config
                 b = p.backoff[lane]
@@ -725,12 +749,6 @@ class PeerNetwork:
                 jitter = random.uniform(1 - c.backoff_jitter, 1 + c.backoff_jitter)
                 p.next_dial[lane] = time.monotonic() + b * jitter
                 raise
-            if node_id != p.node_id:
-                assert conn.transport is not None
-                conn.transport.close()
-                raise PeerRefused(
-                    f"{_fmt(p.address)} is node {node_id}, not {p.node_id} as we were told"
-                )
             p.backoff[lane] = 0.0
             p.next_dial[lane] = 0.0
             if lane in p.ever_connected:

@@ -581,16 +581,29 @@ def describe(loaded: LoadedConfig) -> str:
 
 
 def advertise_address(cfg: DaemonConfig, bound: tuple[str, int]) -> tuple[str, int]:
-    """The address peers should dial: net.advertise, else the bound address with a real host."""
+    """The address peers should dial: net.advertise, else the bound address with a real host.
+
+    For a wildcard listen address the host is the source address of the default route (a UDP
+    socket "connected" to a documentation address: a routing-table lookup, nothing is sent),
+    else the host name's address. A loopback result is returned as is; the daemon warns that
+    remote peers cannot dial it and that net.advertise should be set.
+    """
     if cfg.net.advertise:
         return parse_hostport(cfg.net.advertise)
     host, port = bound
-    if host in ("0.0.0.0", "::", ""):
-        try:
-            host = socket.gethostbyname(socket.gethostname())
-        except OSError:
-            host = "127.0.0.1"
-    return host, port
+    if host not in ("0.0.0.0", "::", ""):
+        return host, port
+    v6 = host == "::"
+    try:
+        with socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("2001:db8::1" if v6 else "192.0.2.1", 9))
+            return str(s.getsockname()[0]), port
+    except OSError:
+        pass  # no default route: fall back to the host name
+    try:
+        return socket.gethostbyname(socket.gethostname()), port
+    except OSError:
+        return "127.0.0.1", port
 
 
 def config_keys_table() -> Sequence[tuple[str, str, str, str]]:

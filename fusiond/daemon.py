@@ -45,6 +45,7 @@ from fusiond.config import (
     DaemonConfig,
     LoadedConfig,
     advertise_address,
+    is_loopback,
     load_config,
     parse_hostport,
 )
@@ -140,6 +141,7 @@ class Daemon:
         self._peer_lock = asyncio.Lock()
         self._stopping = False
         self._failure: BaseException | None = None
+        self._handlers: list[Callable[[str, Any], Awaitable[bool]]] = []
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -376,6 +378,10 @@ class Daemon:
             await self._start_service("net", net)
             self.address = advertise_address(cfg, net.address)
             net.advertise = self.address
+            if is_loopback(self.address[0]) and not is_loopback(net.address[0]):
+                log.warning("advertising %s, a loopback address: peers on other machines "
+                            "cannot dial it; set net.advertise to this machine's address",
+                            _fmt_addr(self.address))
             assert self.profiler is not None
             cluster = Cluster(
                 node_id=self.node_id, cluster_id=cluster_id, net=net,
@@ -412,10 +418,20 @@ class Daemon:
             self.net = None
             self.address = None
 
+    def add_message_handler(self, handler: Callable[[str, Any], Awaitable[bool]]) -> None:
+        """Offer peer messages the cluster does not take to `handler(peer, msg) -> handled`
+        (jobs and training plug in here), in registration order."""
+        self._handlers.append(handler)
+
     async def _on_message(self, peer: str, msg: Any) -> None:
+        """PeerNetwork's handler: the cluster first (membership, election, probes), then the
+        registered handlers. Errors are logged by PeerNetwork and never kill the reader."""
         cluster = self.cluster
         if cluster is not None and await cluster.handle(peer, msg):
             return
+        for handler in self._handlers:
+            if await handler(peer, msg):
+                return
         log.debug("no service handles %s from %s", type(msg).__name__, peer)
 
     # -- reload ----------------------------------------------------------------------------

@@ -256,3 +256,28 @@ async def test_stop_during_a_slow_start_does_not_wait_for_it(
     assert await asyncio.wait_for(task, 10) == 0
     assert loop.time() - t0 < 1.5  # did not wait for the benchmark
     assert not (short_dir / "api.sock").exists()
+
+
+async def test_messages_the_cluster_does_not_take_go_to_registered_handlers(
+        short_dir: Path) -> None:
+    d = Daemon(_config(short_dir, FUSION_NET_INSECURE_PLAINTEXT="1"))
+    task = asyncio.create_task(d.run())
+    try:
+        await _until(lambda: d.phase == "running", 15)
+        seen: list[tuple[str, object]] = []
+
+        async def declines(peer: str, msg: object) -> bool:
+            return False
+
+        async def takes(peer: str, msg: object) -> bool:
+            seen.append((peer, msg))
+            return True
+
+        d.add_message_handler(declines)
+        d.add_message_handler(takes)
+        job_message = object()  # stands in for a training message (not the cluster's)
+        await d._on_message("npeer", job_message)
+        assert seen == [("npeer", job_message)]
+    finally:
+        d.request_stop()
+        assert await asyncio.wait_for(task, 15) == 0

@@ -176,7 +176,8 @@ class ClusterView:
     needed: int
     """Voters needed for a majority."""
     links: Mapping[tuple[str, str], Link] = field(default_factory=dict)
-    """(measurer, peer) -> (bandwidth_bps, rtt_s), as gossiped by every measurer."""
+    """(measurer, peer) -> (bandwidth_bps, rtt_s), as gossiped by every measurer; a bandwidth
+    of 0 means RTT measured but no bandwidth sample counted yet."""
 
     def member(self, node_id: str) -> MemberView | None:
         """The member `node_id`, or None."""

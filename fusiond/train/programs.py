@@ -15,7 +15,15 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from fusiond.graph import SINK, SOURCE, CapturedModel, Partition, capture
+from fusiond.graph import (
+    SINK,
+    SOURCE,
+    CapturedModel,
+    GraphProgram,
+    Partition,
+    build_program,
+    capture,
+)
 from fusiond.train.data import Batch, make_source
 from fusiond.train.model import build_model, loss_fn
 from fusiond.train.spec import JobSpec
@@ -23,12 +31,33 @@ from fusiond.train.stage import EdgeSpec, StageError, StageProgram
 from protocol import ir
 
 __all__ = [
+    "build_stage_module",
     "capture_job",
     "cut_densities",
     "shared_params",
     "stage_program",
     "stage_programs",
 ]
+
+
+def build_stage_module(graph: ir.Graph, state: Mapping[str, torch.Tensor]) -> GraphProgram:
+    """Build a partition's sub-graph into a module that does not depend on input strides.
+
+    A received tensor is always contiguous, but the graph was traced with the producer's
+    strides: a `view` that was valid on, say, a transposed activation can fail on its contiguous
+    copy (seen on Hugging Face GPT-2). `reshape` is the same op wherever the view is valid and
+    copies where it is not, so every `aten.view` becomes `aten.reshape` (same values, same
+    gradients).
+    """
+    module = build_program(graph, state)
+    changed = False
+    for node in module.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+            changed = True
+    if changed:
+        module.recompile()
+    return module
 
 
 def capture_job(spec: JobSpec) -> tuple[torch.nn.Module, CapturedModel]:
@@ -95,7 +124,7 @@ def stage_program(
 ) -> StageProgram:
     """Build one partition into a `StageProgram` (parameters copied from `state`)."""
     densities = densities or {}
-    module = part.build(state)
+    module = build_stage_module(part.graph, state)
     stage = stage_of[part.id]
     in_edges: list[EdgeSpec] = []
     data_map: dict[str, str] = {}  # graph input name -> "inputs" / "targets"

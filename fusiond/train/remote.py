@@ -27,8 +27,9 @@ from typing import Any, Protocol
 import torch
 
 from fusiond.errors import RemoteError
-from fusiond.graph import build_program, state_from_bytes
+from fusiond.graph import state_from_bytes
 from fusiond.train.data import DataSource, make_source
+from fusiond.train.programs import build_stage_module
 from fusiond.train.schedule import schedule
 from fusiond.train.spec import (
     BatchSpec,
@@ -242,7 +243,7 @@ def _value(edge_id: str) -> str:
 
 def program_from_assignment(sa: StageAssignment) -> StageProgram:
     """Build the partition module and describe its boundary for the executor."""
-    module = build_program(sa.graph, sa.state)
+    module = build_stage_module(sa.graph, sa.state)
     in_edges = tuple(
         EdgeSpec(e.edge_id, e.src, e.dst, e.density, sa.per_row) for e in sa.edges
         if e.dst == sa.stage

@@ -115,3 +115,75 @@ async def test_three_peers_on_loopback_match_eager(captured_tiny, tmp_path: Path
         m = write_metrics(tmp_path / "metrics.json", [{"step": i, "loss": x}
                                                       for i, x in enumerate(losses)])
         assert m.read_text().count('"loss"') == spec.steps
+
+
+OTHER_MODELS = {
+    "resnet18": """
+[job]
+steps = 4
+seed = 1
+[model]
+zoo = "resnet18"
+config = { num_classes = 10, width = 8 }
+[data]
+kind = "images"
+image_size = 16
+[loss]
+kind = "cross_entropy"
+[optimizer]
+kind = "sgd"
+lr = 0.05
+momentum = 0.9
+weight_decay = 5e-4
+[batch]
+size = 8
+micro_batches = 2
+pipeline = "gpipe"
+""",
+    "hf-gpt2": """
+[job]
+steps = 4
+seed = 1
+[model]
+zoo = "hf-gpt2"
+[model.config]
+n_layer = 2
+n_head = 2
+n_embd = 32
+vocab_size = 256
+n_positions = 64
+resid_pdrop = 0.0
+embd_pdrop = 0.0
+attn_pdrop = 0.0
+bos_token_id = 0
+eos_token_id = 0
+[data]
+path = "json"
+seq_len = 32
+[batch]
+size = 8
+micro_batches = 4
+""",
+}
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_MODELS))
+async def test_other_models_match_eager(name: str) -> None:
+    from fusiond.train.programs import capture_job
+    from fusiond.train.spec import default_text_path, parse_job
+
+    spec = parse_job(OTHER_MODELS[name], base=default_text_path())
+    _, cap = capture_job(spec)
+    parts = partition(cap.graph, contiguous_assignment(cap.graph, 3))
+    progs = stage_programs(cap.graph, parts, cap.state)
+    res = await run_pipeline(progs, data=make_source(spec.data, spec.seed),
+                             batch_size=spec.batch.size, micro_batches=spec.batch.micro_batches,
+                             optimizer=spec.optimizer, steps=spec.steps,
+                             pipeline=spec.batch.pipeline)
+    want, ref = _reference(spec)
+    for got, exp in zip(res.losses, want, strict=True):
+        assert got == pytest.approx(exp, rel=1e-4)
+    state = gather_state(cap.graph, res.states.values())
+    build_model(spec.model).load_state_dict(state, strict=True)
+    for k, v in ref.state_dict().items():  # BatchNorm running stats included
+        torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-5, msg=k)

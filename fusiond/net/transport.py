@@ -463,6 +463,7 @@ class PeerNetwork:
         self._peers: dict[str, _Peer] = {}
         self._conns: set[_Conn] = set()
         self._blocked: frozenset[str] = frozenset()
+        self._denied: frozenset[str] = frozenset()
         self._closing = False
         self._ready = asyncio.Event()
         self._server_ctx: ssl.SSLContext | None = None
@@ -610,7 +611,7 @@ class PeerNetwork:
         p = self._peers.get(peer)
         if p is None or p.address is None:
             raise UnknownPeer(f"no address known for peer {peer}")
-        if peer in self._blocked:
+        if peer in self._blocked or peer in self._denied:
             p.dropped += 1
             return
         lane = msg.lane
@@ -644,6 +645,21 @@ class PeerNetwork:
                 last_error=p.last_error,
             )
         return out
+
+    def set_denied(self, node_ids: set[str]) -> None:
+        """Refuse these nodes from now on, even with valid certificates (removed members).
+
+        Their handshakes get an `auth` Refuse, their open connections are closed, and nothing
+        is sent to them. Certificates cannot be revoked yet (docs/security.md); the daemon
+        persists this list and sets it at start.
+        """
+        self._denied = frozenset(node_ids)
+        for nid in self._denied:
+            p = self._peers.get(nid)
+            if p is None:
+                continue
+            for c in [*p.inbound, *(x for x in p.links.values() if x is not None)]:
+                c.abort(f"node {nid} is denied (removed from the cluster)")
 
     def set_blocked(self, node_ids: set[str]) -> None:
         """TEST-ONLY drop switch: silently drop all traffic to and from these nodes."""
@@ -811,6 +827,9 @@ class PeerNetwork:
         if reply.node_id == self.node_id:
             conn.transport.abort()
             raise PeerRefused(f"{host}:{port} is this node itself")
+        if reply.node_id in self._denied:
+            conn.abort(f"{host}:{port} is node {reply.node_id}, which was removed")
+            raise PeerRefused(f"{host}:{port} is node {reply.node_id}, which was removed")
         conn.version = hs.version
         conn.decoder.set_version(hs.version)
         return conn, reply.node_id
@@ -921,6 +940,9 @@ class PeerNetwork:
             return
         if peer_id == self.node_id:
             self._refuse(conn, self._auth_refusal("a node cannot connect to itself"))
+            return
+        if peer_id in self._denied:
+            self._refuse(conn, self._auth_refusal(f"node {peer_id} was removed from the cluster"))
             return
         assert reply is not None
         conn.write_small(encode_message(reply))

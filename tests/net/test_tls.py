@@ -105,3 +105,25 @@ def test_contexts_require_tls13_and_client_certs(tmp_path: Path) -> None:
     assert srv.minimum_version is ssl.TLSVersion.TLSv1_3
     assert tlsmod.server_context(m, allow_join=True).verify_mode is ssl.CERT_OPTIONAL
     assert tlsmod.client_context(m).verify_mode is ssl.CERT_REQUIRED
+
+
+async def test_denied_member_is_refused_despite_valid_certificate(
+    tmp_path: Path, net_factory: NetFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    ca = make_cluster(tmp_path)
+    ida, ma = make_node(tmp_path, ca, "a")
+    idb, mb = make_node(tmp_path, ca, "b")
+    ib = Inbox()
+    a = await net_factory(ida, ca.cluster_id, tls=ma)
+    b = await net_factory(idb, ca.cluster_id, tls=mb, handler=ib)
+    await a.connect(b.address)
+    await a.send(idb, Ping(request_id=1, sent_at=0.0))
+    await ib.wait_for(1)
+    with caplog.at_level(logging.WARNING, "fusiond.net"):
+        b.set_denied({ida})
+        await until(lambda: b.stats()[ida].inbound == 0)
+        with pytest.raises(PeerRefused, match="removed"):
+            await a.connect(b.address)
+    assert any("removed from the cluster" in r.getMessage() for r in caplog.records)
+    await b.send(ida, Ping(request_id=2, sent_at=0.0))  # dropped, never dialed
+    assert b.stats()[ida].dropped == 1

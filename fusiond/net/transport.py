@@ -650,8 +650,8 @@ class PeerNetwork:
         """Refuse these nodes from now on, even with valid certificates (removed members).
 
         Their handshakes get an `auth` Refuse, their open connections are closed, and nothing
-        is sent to them. Certificates cannot be revoked yet (docs/security.md); the daemon
-        persists this list and sets it at start.
+        is sent to them. Certificates cannot be revoked yet (docs/security.md), so the caller
+        (the daemon) must persist this list and set it again at start.
         """
         self._denied = frozenset(node_ids)
         for nid in self._denied:

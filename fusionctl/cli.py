@@ -298,8 +298,7 @@ def _local(ns: argparse.Namespace, out: Out) -> int:
         out.result(info, lambda: print(local.howto(info)))
         return EXIT_OK
     if ns.local_cmd == "down":
-        stopped = local.down(directory, keep=ns.keep, progress=Out.info)
-        print(f"stopped {stopped} daemon(s)", file=sys.stderr)
+        local.down(directory, keep=ns.keep, progress=Out.info)
         return EXIT_OK
     if ns.local_cmd == "status":
         info = local.describe(directory)

@@ -141,8 +141,10 @@ def render_status(data: Mapping[str, Any]) -> None:
     c.print(f"address    {fmt_addr(node.get('address'))}")
     c.print(f"cluster    {node.get('cluster_id') or '(none)'}")
     if prof:
-        c.print(f"device     {prof.get('device_kind')} {prof.get('device_name')}, "
-                f"{prof.get('gflops', 0):.1f} GFLOP/s, torch {prof.get('torch_version')}")
+        gflops = prof.get("gflops") or 0
+        speed = f"{gflops:.1f} GFLOP/s" if gflops > 0 else "speed not measured"
+        c.print(f"device     {prof.get('device_kind')} {prof.get('device_name')}, {speed}, "
+                f"torch {prof.get('torch_version')}")
     if data.get("warning"):
         c.print(f"WARNING    {data['warning']}")
     if view is None:

@@ -394,12 +394,13 @@ def howto(info: Mapping[str, Any]) -> str:
         state = "running" if nd.get("running") else "stopped"
         lines.append(f"  node{nd['index']}  pid {nd.get('pid')}  {state}  "
                      f"{nd.get('node_id') or ''}  socket {nd['socket']}")
+    here = "" if info.get("dir") == default_dir() else f" --dir {info.get('dir')}"
     if nodes:
         lines += ["", "talk to node0:",
                   f"  fusionctl --socket {nodes[0]['socket']} status",
                   f"  export FUSION_API_SOCKET={nodes[0]['socket']}   # then plain `fusionctl "
                   "status`, `fusionctl links`",
-                  "stop them:", "  fusionctl local down"]
+                  "stop them:", f"  fusionctl local down{here}"]
     return "\n".join(lines)
 
 

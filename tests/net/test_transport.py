@@ -170,14 +170,20 @@ async def test_handler_error_does_not_kill_reader(net_factory: NetFactory) -> No
 
 
 async def test_control_not_blocked_behind_bulk(net_factory: NetFactory) -> None:
-    """Pings sent while 4 x 64 MiB are queued on BULK arrive long before the bulk finishes."""
+    """Pings sent while 4 x 64 MiB are in flight on BULK arrive long before the bulk finishes.
+
+    The receiver consumes bulk slowly (0.25 s per frame), so the bulk connection stays backed
+    up (socket buffers full, sender waiting on drain) for the whole measurement on any machine.
+    """
     arrivals: list[tuple[str, float]] = []
     done = asyncio.Event()
 
     async def handler(peer: str, msg: Message) -> None:
         arrivals.append((type(msg).__name__, time.monotonic()))
-        if isinstance(msg, ProbeData) and msg.seq == msg.count - 1:
-            done.set()
+        if isinstance(msg, ProbeData):
+            await asyncio.sleep(0.25)
+            if msg.seq == msg.count - 1:
+                done.set()
 
     a = await net_factory("a")
     b = await net_factory("b", handler=handler)

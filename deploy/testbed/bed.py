@@ -629,3 +629,6 @@ def testbed(topology: str | Path | Topology, *, name: str | None = None,
         yield tb
     finally:
         tb.down()
+
+
+testbed.__test__ = False  # type: ignore[attr-defined]  # a helper, not a pytest test

@@ -1,0 +1,109 @@
+"""deploy.testbed end to end (root): `up` then `check` on the 3-host topology is within 15 %
+on rate and 2 ms on RTT, and `down` leaves no namespace, qdisc, iptables rule or process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from deploy.testbed import Testbed, list_namespaces, namespace_pids, testbed
+from tests.netns.conftest import needs_delay_stage, needs_netns, snapshot
+
+pytestmark = [pytest.mark.netns, needs_netns]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _assert_gone(tb: Testbed, pids: list[int], before: object) -> None:
+    ours = [ns for ns in list_namespaces() if ns.startswith(f"{tb.name}-")]
+    assert ours == [], f"namespaces left behind: {ours}"
+    deadline = time.monotonic() + 3
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [p for p in pids if _alive(p)] == [], "processes left behind"
+    assert snapshot() == before, "the root namespace's links, qdiscs or iptables rules changed"
+    assert not tb.state_file.exists()
+    assert not tb.work_dir.exists()
+    for cg in tb.state.get("cgroups", []):
+        assert not Path(cg).exists(), f"cgroup left behind: {cg}"
+
+
+@pytest.mark.slow
+def test_three_hosts_up_check_down(state_dir: Path) -> None:
+    why = needs_delay_stage()
+    if why:
+        pytest.skip(why)
+    before = snapshot()
+    name = f"fzt{os.getpid() % 100000}t"
+    with testbed("three-hosts", name=name, state_dir=state_dir) as tb:
+        assert tb.state["delay"] == "nfqueue"
+        assert sorted(ns for ns in list_namespaces() if ns.startswith(name)) == sorted(
+            [f"{name}-a", f"{name}-b", f"{name}-c", f"{name}-bridge"])
+        # Nothing of the testbed is visible from the root namespace.
+        assert snapshot() == before
+        results = tb.check(duration_s=1.0)
+        report = "\n".join(r.line() for r in results)
+        print(report)
+        assert len(results) == 6
+        assert all(r.ok for r in results), report
+        pids = [p for ns in tb.state["namespaces"] for p in namespace_pids(ns)]
+        assert pids, "the delay stage should be running in the bridge namespace"
+    _assert_gone(tb, pids, before)
+
+
+def test_cli_down_after_the_creator_is_gone_removes_processes_and_namespaces(
+        state_dir: Path) -> None:
+    """`up` in one process (which then exits, as after a crash), a long-running process in
+    each host, then `down` from another process: everything is found through the state file."""
+    before = snapshot()
+    name = f"fzt{os.getpid() % 100000}c"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cli = [sys.executable, "-m", "deploy.testbed", "--state-dir", str(state_dir)]
+    up = subprocess.run([*cli, "up", "three-hosts", "--name", name, "--no-delay",
+                         "--start-cmd", "exec sleep 300"],
+                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert up.returncode == 0, up.stderr
+    assert "three-hosts" in up.stdout and "processes 1" in up.stdout
+    tb = Testbed.load(name, state_dir)
+    pids = [p for ns in tb.state["namespaces"] for p in namespace_pids(ns)]
+    assert len(pids) == 3  # the three sleeps, one per host
+    status = subprocess.run([*cli, "status", name], capture_output=True, text=True, env=env,
+                            cwd=ROOT, timeout=30)
+    assert status.returncode == 0 and f"{name}-a" in status.stdout
+    down = subprocess.run([*cli, "down", "three-hosts"], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=60)
+    assert down.returncode == 0, down.stderr
+    _assert_gone(tb, pids, before)
+    again = subprocess.run([*cli, "down", name], capture_output=True, text=True, env=env,
+                           cwd=ROOT, timeout=60)
+    assert again.returncode == 1 and "no testbed" in again.stderr
+
+
+def test_a_failed_up_removes_what_it_made(state_dir: Path, tmp_path: Path) -> None:
+    """A step failing half-way (here: a second testbed with the same name) leaves nothing."""
+    before = snapshot()
+    name = f"fzt{os.getpid() % 100000}f"
+    topo = tmp_path / "two.toml"
+    topo.write_text('name = "two"\nhosts = ["x", "y"]\n[defaults]\nbandwidth = "10mbit"\n')
+    with testbed(topo, name=name, state_dir=state_dir) as tb:
+        from deploy.testbed import TestbedError, load_topology
+
+        dup = Testbed(load_topology(topo), name=name, state_dir=state_dir,
+                      topology_path=str(topo))
+        with pytest.raises(TestbedError, match="already exists"):
+            dup.up()
+        assert f"{name}-x" in list_namespaces()  # the first one is untouched
+    _assert_gone(tb, [], before)

@@ -63,6 +63,20 @@ class NetSection:
     """Tensor frames queued per peer before `send` waits (backpressure)."""
     inbox_frames: int = 64
     """Decoded messages waiting for the handler per connection before reading pauses."""
+    backoff_jitter: float = 0.5
+    """Each reconnect delay is multiplied by a random factor in [1 - jitter, 1 + jitter]."""
+    bulk_chunk_bytes: int = 1 << 20
+    """Tensor frames are written in chunks of this size, so control frames interleave."""
+    direct_payload_bytes: int = 64 << 10
+    """Payloads at least this large are received straight into their own buffer."""
+    write_high_water_bytes: int = 4 << 20
+    """Bytes buffered in a connection's transport before the writer waits for it to drain."""
+    max_pending_handshakes: int = 256
+    """Accepted connections still in their TLS/Hello handshake; more are closed (slow-loris)."""
+    payload_check: str = "auto"
+    """xxh3 checksum over payloads: auto (only on plaintext non-loopback links), on or off."""
+    tune_allocator: bool = True
+    """Tune glibc malloc at start so freed frame buffers are reused (see fusiond.net)."""
     test_drop_switch: bool = False
     """Allow the test-only API endpoint that drops traffic to/from chosen peers. Never in prod."""
 
@@ -358,6 +372,10 @@ def _validate(cfg: DaemonConfig, origin: Mapping[str, str]) -> None:
             raise bad(k.path, v, "must be a positive number of seconds")
         if k.type is int and v <= 0:
             raise bad(k.path, v, "must be a positive integer")
+    if not 0 <= cfg.net.backoff_jitter < 1:
+        raise bad("net.backoff_jitter", cfg.net.backoff_jitter, "must be in [0, 1)")
+    if cfg.net.payload_check not in ("auto", "on", "off"):
+        raise bad("net.payload_check", cfg.net.payload_check, "must be auto, on or off")
     if cfg.log_level not in LOG_LEVELS:
         raise bad("log_level", cfg.log_level, f"must be one of {', '.join(LOG_LEVELS)}")
     if cfg.loop not in LOOPS:

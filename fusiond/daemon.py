@@ -641,20 +641,20 @@ class Daemon:
         return {"blocked": sorted(node_ids)}
 
 
+NET_CONFIG_NOT_CONFIGURABLE = frozenset({"limits", "versions"})
+"""NetConfig fields the daemon leaves at their default: the protocol limits and the version
+range are the code's, not the operator's (tests narrow `versions` directly)."""
+
+
 def _net_config(cls: Any, cfg: DaemonConfig) -> Any:
-    """The [net] section as NetConfig (fusiond.net's own dataclass)."""
-    n = cfg.net
-    return cls(
-        connect_timeout_s=n.connect_timeout_s,
-        handshake_timeout_s=n.handshake_timeout_s,
-        close_timeout_s=n.close_timeout_s,
-        backoff_initial_s=n.backoff_initial_s,
-        backoff_max_s=n.backoff_max_s,
-        control_queue_frames=n.control_queue_frames,
-        bulk_queue_frames=n.bulk_queue_frames,
-        inbox_frames=n.inbox_frames,
-        allow_plaintext_remote=n.allow_plaintext_remote,
-    )
+    """The [net] section as NetConfig: same field names (tests keep them in step);
+    payload_check auto/on/off becomes None/True/False."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(cls)} - NET_CONFIG_NOT_CONFIGURABLE
+    values: dict[str, Any] = dataclasses.asdict(cfg.net)
+    values["payload_check"] = {"auto": None, "on": True, "off": False}[cfg.net.payload_check]
+    return cls(**{k: v for k, v in values.items() if k in names})
 
 
 CLUSTER_CONFIG_NOT_CONFIGURABLE = frozenset({"mdns_service"})

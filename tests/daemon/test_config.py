@@ -142,7 +142,12 @@ def test_every_cluster_and_net_knob_is_configurable() -> None:
 
     from fusiond.cluster import ClusterConfig
     from fusiond.config import ClusterSection, NetSection
-    from fusiond.daemon import CLUSTER_CONFIG_NOT_CONFIGURABLE, _cluster_config, _net_config
+    from fusiond.daemon import (
+        CLUSTER_CONFIG_NOT_CONFIGURABLE,
+        NET_CONFIG_NOT_CONFIGURABLE,
+        _cluster_config,
+        _net_config,
+    )
     from fusiond.net import NetConfig
 
     ours = {f.name for f in dataclasses.fields(ClusterSection)}
@@ -154,8 +159,10 @@ def test_every_cluster_and_net_knob_is_configurable() -> None:
     cfg.cluster.bootstrap = ["10.1.2.3"]
     cc = _cluster_config(ClusterConfig, cfg, cfg.cluster.bootstrap)
     assert cc.dead_after_s == 42.0 and cc.bootstrap == (("10.1.2.3", 7420),)
+    ours = {f.name for f in dataclasses.fields(NetSection)}
+    theirs = {f.name for f in dataclasses.fields(NetConfig)} - NET_CONFIG_NOT_CONFIGURABLE
+    assert theirs <= ours, f"[net] lacks {sorted(theirs - ours)}"
     cfg.net.backoff_max_s = 7.0
-    assert _net_config(NetConfig, cfg).backoff_max_s == 7.0
-    assert {f.name for f in dataclasses.fields(NetSection)} >= {
-        "connect_timeout_s", "handshake_timeout_s", "close_timeout_s", "backoff_initial_s",
-        "backoff_max_s", "control_queue_frames", "bulk_queue_frames", "inbox_frames"}
+    cfg.net.payload_check = "on"
+    nc = _net_config(NetConfig, cfg)
+    assert nc.backoff_max_s == 7.0 and nc.payload_check is True

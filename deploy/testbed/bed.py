@@ -377,7 +377,7 @@ class Testbed:
         proc = self._spawn(br, [sys.executable, "-m", "deploy.testbed.delay", "--queue", "0",
                                 "--config", str(cfg)], log, cgroup=None)
         self.state["delay"] = "nfqueue"
-        self._wait_ready(proc, log, "delay stage")
+        self.wait_ready(proc, log, "delay stage")
         for a, b in pairs:
             _run(["ip", "netns", "exec", br, "iptables", "-w", "-A", "FORWARD",
                   "-s", self.address(a), "-d", self.address(b), "-j", "NFQUEUE",
@@ -405,8 +405,9 @@ class Testbed:
         self._record("pids", proc.pid)
         return proc
 
-    def _wait_ready(self, proc: subprocess.Popen[bytes], log: Path, what: str,
+    def wait_ready(self, proc: subprocess.Popen[bytes], log: Path, what: str,
                     timeout: float = 20.0) -> None:
+        """Wait until `proc` writes READY to `log`; TestbedError (with the log) if it exits."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if "READY" in log.read_text(errors="replace"):
@@ -474,7 +475,7 @@ class Testbed:
                 proc = self.exec(host, [sys.executable, "-m", "deploy.testbed.meter", "serve",
                                         self.address(host), str(METER_PORT)], log=log)
                 servers.append(proc)
-                self._wait_ready(proc, log, f"meter on {host}")
+                self.wait_ready(proc, log, f"meter on {host}")
             results = []
             for a, b in pairs if pairs is not None else topo.pairs():
                 spec = topo.link(a, b)

@@ -522,3 +522,55 @@ class PreVote(Message):
     request_id: int
     term: int
     candidate: str
+
+
+# --- training job control (appended by the training helper; ids 40.. keep clear of others) -----
+
+
+@dataclass(frozen=True)
+class JobStart(Message):
+    """Scheduler -> every stage of a job, once all answered Assign with Ready: run from
+    `first_step` to the job's last step."""
+
+    TYPE_ID: ClassVar[int] = 40
+    job_id: str
+    plan_version: int
+    first_step: int = 0
+
+
+@dataclass(frozen=True)
+class StageStep(Message):
+    """Stage -> scheduler after each step: `figures` holds loss (loss stage only), lr, wall_s,
+    busy_s and per-edge bytes (see fusiond.train.stage.StepReport)."""
+
+    TYPE_ID: ClassVar[int] = 41
+    job_id: str
+    plan_version: int
+    partition: int
+    step: int
+    figures: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class JobCancel(Message):
+    """Scheduler -> stages: stop the job and free its memory (a failure elsewhere, or the user)."""
+
+    TYPE_ID: ClassVar[int] = 42
+    job_id: str
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class JobResult(Message):
+    """Stage -> scheduler when its part of the job ends. ok: the payload is the partition's final
+    state (safetensors bytes); not ok: `message` says what failed (stage, step, task, cause)."""
+
+    TYPE_ID: ClassVar[int] = 43
+    lane: ClassVar[Lane] = Lane.BULK
+    job_id: str
+    plan_version: int
+    partition: int
+    ok: bool
+    message: str = ""
+    step: int = -1
+    """The step the stage was in when it failed (-1: not applicable)."""

@@ -150,6 +150,17 @@ def test_local_up_and_down(capsys: Capture) -> None:
         capsys.readouterr()
         st = _json(capsys, ["--socket", nodes[0]["socket"], "status", "--json"])
         assert len(st["cluster"]["members"]) == 2  # type: ignore[index]
+        # per-peer transport metrics, on loopback
+        import urllib.request
+
+        paths = _json(capsys, ["--socket", nodes[0]["socket"], "paths", "--json"])
+        url = str(paths["metrics"])
+        assert url.startswith("http://127.0.0.1:")
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+        other = nodes[1]["node_id"]
+        assert f'fusion_net_sent_bytes_total{{peer="{other}",stage="wire"}}' in text
+        assert 'fusion_cluster_members{state="alive"} 2.0' in text
         assert run(["local", "down", "--dir", str(d)]) == 0
         assert "stopped 2 daemon(s)" in capsys.readouterr().err
         assert run(["--socket", nodes[0]["socket"], "status"]) == EXIT_UNREACHABLE

@@ -127,3 +127,39 @@ async def test_denied_member_is_refused_despite_valid_certificate(
     assert any("removed from the cluster" in r.getMessage() for r in caplog.records)
     await b.send(ida, Ping(request_id=2, sent_at=0.0))  # dropped, never dialed
     assert b.stats()[ida].dropped == 1
+
+
+async def test_join_enabled_member_admits_only_join_requests_without_a_cert(
+    tmp_path: Path, net_factory: NetFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """CERT_OPTIONAL on a CA holder: no cert -> one JoinRequest only; a foreign cert -> no TLS."""
+    from fusiond.net import JoinAuthority
+    from fusiond.net.pki import init_cluster
+    from protocol.frames import FrameDecoder
+    from protocol.messages import Refuse, decode_message
+
+    ca, ident, material = init_cluster(tmp_path / "m")
+    ib = Inbox()
+    b = await net_factory(ident.node_id, ca.cluster_id, tls=material, handler=ib,
+                          join_authority=JoinAuthority(ca, tmp_path / "m"))
+    reader, writer = await asyncio.open_connection(
+        *b.address, ssl=tlsmod.join_client_context(), server_hostname="x"
+    )
+    hello = Hello(node_id=ident.node_id, cluster_id=ca.cluster_id, min_version=1, max_version=1)
+    with caplog.at_level(logging.WARNING, "fusiond.net"):
+        writer.writelines(encode_message(hello))
+        async with asyncio.timeout(3):
+            rest = await reader.read()
+    writer.close()
+    (frame,) = FrameDecoder().feed(rest)
+    refusal = decode_message(frame)
+    assert isinstance(refusal, Refuse) and refusal.code == "auth"
+    assert "JoinRequest" in refusal.reason
+    assert any("only a JoinRequest" in r.getMessage() for r in caplog.records)
+    # A certificate from another CA fails the TLS handshake even though certs are optional.
+    other = make_cluster(tmp_path / "other")
+    idx, mx = make_node(tmp_path / "other", other, "x")
+    x = await net_factory(idx, ca.cluster_id, tls=mx)
+    with pytest.raises((PeerUnreachable, PeerRefused)):
+        await x.connect(b.address)
+    assert not ib.items

@@ -93,6 +93,18 @@ def sd_notify(message: str, env: Mapping[str, str] | None = None) -> bool:
     return True
 
 
+def watchdog_interval(env: Mapping[str, str] | None = None) -> float | None:
+    """Seconds between WATCHDOG=1 pings (half of $WATCHDOG_USEC), or None when systemd asked
+    for none (or asked another process: $WATCHDOG_PID)."""
+    env = os.environ if env is None else env
+    usec, pid = env.get("WATCHDOG_USEC"), env.get("WATCHDOG_PID")
+    if not usec or not usec.isdigit() or int(usec) == 0:
+        return None
+    if pid and pid.isdigit() and int(pid) != os.getpid():
+        return None
+    return int(usec) / 2e6
+
+
 def configure_logging(level: str) -> None:
     """Plain one-line records on stderr (journald timestamps them; tests read them)."""
     root = logging.getLogger()
@@ -243,6 +255,16 @@ class Daemon:
                       "`fusionctl join TOKEN`")
         log.info("ready: %s", status)
         sd_notify(f"READY=1\nSTATUS={status}")
+        interval = watchdog_interval()
+        if interval is not None and self._tg is not None:
+            self._tg.create_task(self._watchdog(interval), name="sd-watchdog")
+
+    async def _watchdog(self, interval: float) -> None:
+        """Ping systemd's watchdog from the event loop: a loop blocked for WatchdogSec (a bug:
+        compute belongs off the loop) gets the daemon restarted instead of hanging."""
+        while not self._stopping:
+            sd_notify("WATCHDOG=1")
+            await asyncio.sleep(interval)
 
     async def _start_service(self, name: str, svc: Service) -> None:
         """Start `svc`, await its readiness (bounded), and watch it for failure."""

@@ -61,3 +61,16 @@ def test_sd_notify_plain_and_abstract_sockets(tmp_path: Path) -> None:
     finally:
         ab.close()
     assert sd_notify("READY=1", env={"NOTIFY_SOCKET": str(tmp_path / "gone")}) is False
+
+
+def test_watchdog_interval_follows_systemd() -> None:
+    import os
+
+    from fusiond.daemon import watchdog_interval
+
+    assert watchdog_interval({}) is None
+    assert watchdog_interval({"WATCHDOG_USEC": "60000000"}) == 30.0
+    assert watchdog_interval({"WATCHDOG_USEC": "60000000", "WATCHDOG_PID": "1"}) is None
+    assert watchdog_interval({"WATCHDOG_USEC": "4000000",
+                              "WATCHDOG_PID": str(os.getpid())}) == 2.0
+    assert watchdog_interval({"WATCHDOG_USEC": "0"}) is None

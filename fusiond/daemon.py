@@ -608,7 +608,12 @@ class Daemon:
     async def _join_token(self, token: str) -> dict[str, Any]:
         from fusiond.net import pki
 
-        tok = pki.parse_join_token(token)
+        try:
+            tok = pki.parse_join_token(token)
+        except pki.JoinTokenError as e:
+            raise ApiError(400, "bad_token", f"{e}; copy the whole token, or make a new one "
+                           "with `fusionctl token` on the member that ran `fusionctl init`"
+                           ) from None
         addrs = [_fmt_addr(a) for a in tok.addresses]
         material = self._tls_material()
         if material.exists():
@@ -621,9 +626,15 @@ class Daemon:
         else:
             from fusiond.net import join_cluster
 
-            result = await join_cluster(token, self.state_dir,
-                                        timeout_s=self.cfg.net.handshake_timeout_s * 2,
-                                        hostname=self.cfg.name or socket.gethostname())
+            try:
+                result = await join_cluster(token, self.state_dir,
+                                            timeout_s=self.cfg.net.handshake_timeout_s * 2,
+                                            hostname=self.cfg.name or socket.gethostname())
+            except FusionError as e:
+                raise ApiError(502, "join_failed", f"{e}. Check that the member named in the "
+                               f"token ({', '.join(addrs)}) runs and is reachable from here; "
+                               "if the token expired or was used, make a new one with "
+                               "`fusionctl token` there") from None
             addrs = list(dict.fromkeys([*addrs, *(_fmt_addr(a) for a in result.bootstrap)]))
             already = False
         with contextlib.suppress(FileNotFoundError):

@@ -167,3 +167,10 @@ def test_local_up_and_down(capsys: Capture) -> None:
     finally:
         run(["local", "down", "--dir", str(d)])
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_join_errors_say_what_to_do(daemon: LocalNode, capsys: Capture) -> None:
+    sock = ["--socket", daemon.socket]
+    assert run([*sock, "join", "fusion1.bm90LWEtdG9rZW4"]) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "fusionctl token" in err and "copy the whole token" in err

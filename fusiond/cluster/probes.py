@@ -2,10 +2,18 @@
 
 Bandwidth: one probe sends ``n`` equal ProbeData frames (filler payload) on the BULK lane; the
 receiver answers with a ProbeAck once the last has arrived, stating how many bytes it got and
-the time from the first frame's arrival to the last one's. The ``n - 1`` frames after the first
-crossed the link in that time, so the estimate excludes latency and any queueing before the
-first frame (``bytes * (n-1)/n / elapsed``). If the receiver's span is too short to time (all
-frames in one read), the sender's view is used instead: ``bytes / (ack time - RTT)``.
+the time from the first frame's arrival to the last one's. Two estimates follow:
+
+- receiver: the ``n - 1`` frames after the first crossed the link in that span
+  (``bytes * (n-1)/n / span``). It over-estimates when the first frame is handed over late:
+  a lost packet in it holds back the data behind it in TCP's reorder queue, which then arrives
+  at once (seen on tbf-shaped links at 10 Mbit/s: +30 % on one sample);
+- sender: all bytes crossed between the first send and the ack, less one RTT
+  (``bytes / (ack time - RTT)``). It cannot exceed the link's rate; queueing or a stall on
+  either side only lowers it.
+
+The sample is the smaller of the two (the sender's alone when the receiver's span is too short
+to time, e.g. all frames in one read).
 
 Each probe is sized from the previous estimate to last about ``target_s``; a sample counts only
 if the transfer lasted at least a third of that (or the size hit ``max_bytes``), so the first
@@ -78,15 +86,15 @@ def ewma(old: float | None, new: float, alpha: float) -> float:
 
 def bandwidth_from_ack(ack: ProbeAck, frames: int, sent_bytes: int, duration_s: float,
                        rtt_s: float) -> tuple[float, float]:
-    """(bits per second, seconds the transfer took) from a probe's ack and the sender's timing.
-
-    Prefers the receiver's first-to-last span; falls back to the sender's timing minus one RTT.
-    """
-    if frames >= 2 and ack.received == frames and ack.elapsed_s >= 1e-3:
-        moved = ack.nbytes * (frames - 1) / frames
-        return moved * 8.0 / ack.elapsed_s, ack.elapsed_s
+    """(bits per second, seconds the transfer took) from a probe's ack and the sender's timing:
+    the smaller of the receiver's and the sender's estimate (see the module docstring)."""
     span = max(duration_s - rtt_s, 1e-6)
-    return sent_bytes * 8.0 / span, span
+    sender = sent_bytes * 8.0 / span
+    if frames >= 2 and ack.received == frames and ack.elapsed_s >= 1e-3:
+        receiver = ack.nbytes * (frames - 1) / frames * 8.0 / ack.elapsed_s
+        if receiver < sender:
+            return receiver, ack.elapsed_s
+    return sender, span
 
 
 class LinkProber:

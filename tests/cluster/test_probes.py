@@ -85,11 +85,17 @@ async def test_probe_of_an_unreachable_peer_fails_and_keeps_the_estimate() -> No
         await b_net.close()
 
 
-def test_bandwidth_from_ack_prefers_the_receiver_span() -> None:
-    ack = ProbeAck(probe_id=1, received=4, nbytes=4_000_000, elapsed_s=0.3)
-    bw, took = bandwidth_from_ack(ack, 4, 4_000_000, duration_s=1.0, rtt_s=0.1)
-    assert bw == pytest.approx(3_000_000 * 8 / 0.3) and took == 0.3
-    # All frames in one read: the sender's timing minus one RTT.
+def test_bandwidth_from_ack_takes_the_smaller_estimate() -> None:
+    # The receiver's span is the longer one (its view is the lower estimate): use it.
+    ack = ProbeAck(probe_id=1, received=4, nbytes=4_000_000, elapsed_s=0.6)
+    bw, took = bandwidth_from_ack(ack, 4, 4_000_000, duration_s=0.5, rtt_s=0.1)
+    assert bw == pytest.approx(3_000_000 * 8 / 0.6) and took == 0.6
+    # The first frame was handed over late (reordering after a loss): the receiver's span is
+    # short and would over-estimate; the sender's timing minus one RTT is the honest one.
+    ack = ProbeAck(probe_id=1, received=4, nbytes=4_000_000, elapsed_s=0.15)
+    bw, took = bandwidth_from_ack(ack, 4, 4_000_000, duration_s=0.5, rtt_s=0.1)
+    assert bw == pytest.approx(4_000_000 * 8 / 0.4) and took == pytest.approx(0.4)
+    # All frames in one read: the sender's timing.
     ack = ProbeAck(probe_id=1, received=4, nbytes=4_000_000, elapsed_s=0.0)
     bw, took = bandwidth_from_ack(ack, 4, 4_000_000, duration_s=0.5, rtt_s=0.1)
     assert bw == pytest.approx(4_000_000 * 8 / 0.4) and took == pytest.approx(0.4)

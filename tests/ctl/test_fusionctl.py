@@ -123,7 +123,8 @@ def test_status_says_no_quorum_in_plain_words(capsys: Capture) -> None:
     me, a, b = "nme", "nalive", "ndead1"
     member = {"address": ["10.0.0.1", 7420], "source": "bootstrap", "rtt_s": 0.01,
               "bandwidth_bps": 1e9, "role": "worker"}
-    view = {"leader": None, "term": 7, "has_quorum": False, "links": {}, "members": [
+    view: dict[str, object] = {"leader": None, "term": 7, "has_quorum": False, "links": {},
+                               "members": [
         {**member, "node_id": me, "state": "alive"},
         {**member, "node_id": a, "state": "dead"},
         {**member, "node_id": b, "state": "dead"}]}

@@ -184,7 +184,7 @@ async def test_node_identity_survives_restart(short_dir: Path) -> None:
     for _ in range(2):
         d = Daemon(_config(short_dir))
         task = asyncio.create_task(d.run())
-        await _until(lambda d=d: d.phase == "unconfigured", 15)  # type: ignore[misc]
+        await _until(lambda d=d: d.phase == "unconfigured", 15)
         ids.append(d.node_id)
         d.request_stop()
         assert await asyncio.wait_for(task, 15) == 0

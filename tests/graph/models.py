@@ -55,6 +55,9 @@ def case(name: str) -> Case:
         batch = (torch.randint(0, 256, (3, 12)), torch.randint(0, 256, (3, 12)))
         return Case(m, c, lm_loss, batch)
     if name == "hf_gpt2":
+        import pytest
+
+        pytest.importorskip("transformers")  # an optional dependency
         from fusiond.models.hf import hf_gpt2, hf_lm_loss, hf_small_config
 
         m = hf_gpt2(**hf_small_config())

@@ -345,8 +345,18 @@ def up(n: int, directory: str | os.PathLike[str], *, insecure: bool = False,
         node.start()
     _save(root, nodes, insecure)
     say("waiting for the daemons to agree on members and a scheduler")
-    ok, why, took = wait_until(lambda: agreement([x.status(2.0) for x in nodes], n), wait_s,
-                               0.3)
+
+    def check() -> tuple[bool, str]:
+        for x in nodes:  # fail fast, with the cause, when a daemon exits
+            if not x.alive():
+                tail = "\n".join(x.log_text().splitlines()[-5:])
+                raise LocalClusterError(f"node{x.index} exited with code "
+                                        f"{x.proc.returncode if x.proc else '?'}; the end of "
+                                        f"{x.log_path}:\n{tail}\n(`fusionctl local down` "
+                                        "stops the others)")
+        return agreement([x.status(2.0) for x in nodes], n)
+
+    ok, why, took = wait_until(check, wait_s, 0.3)
     if not ok:
         dead = [x.index for x in nodes if not x.alive()]
         extra = f"; node(s) {dead} exited (see their fusiond.log)" if dead else ""

@@ -175,3 +175,27 @@ def test_join_errors_say_what_to_do(daemon: LocalNode, capsys: Capture) -> None:
     assert run([*sock, "join", "fusion1.bm90LWEtdG9rZW4"]) == EXIT_FAILED
     err = capsys.readouterr().err
     assert "fusionctl token" in err and "copy the whole token" in err
+
+
+@pytest.mark.timeout(60)
+def test_local_up_fails_fast_with_the_cause() -> None:
+    import socket
+    import time
+
+    from fusiond import local
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    d = Path(tempfile.mkdtemp(prefix="fzf"))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(local.LocalClusterError, match=r"node0 exited with code 1") as e:
+            local.up(1, d, insecure=True, wait_s=40, settings={
+                "net": {"listen": f"127.0.0.1:{busy.getsockname()[1]}"}})
+        assert "service net failed to start" in str(e.value)
+        assert time.monotonic() - t0 < 30  # not the whole wait
+    finally:
+        busy.close()
+        local.down(d)
+        shutil.rmtree(d, ignore_errors=True)

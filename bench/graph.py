@@ -23,10 +23,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fusiond.graph import Driver, capture, contiguous_assignment  # noqa: E402
-from fusiond.models.gpt2 import gpt2, lm_loss  # noqa: E402
-from fusiond.models.resnet import classification_loss, resnet101  # noqa: E402
-from protocol import ir  # noqa: E402
+from fusiond.graph import Driver, capture, contiguous_assignment
+from fusiond.models.gpt2 import gpt2, lm_loss
+from fusiond.models.resnet import classification_loss, resnet101
+from protocol import ir
 
 TARGET_ONE = 1.15
 TARGET_MANY = 1.25

@@ -83,6 +83,17 @@ _SYM_FUNCS: dict[str, Callable[..., int]] = {
 }
 
 
+MAX_SYM_EXPR_CHARS = 512
+"""Longest symbolic expression accepted (bounds parse and evaluation depth)."""
+
+
+def _pow(base: int, exp: int, expr: str) -> int:
+    # A size is never astronomically large: refuse what would be a denial of service.
+    if not 0 <= exp <= 64 or abs(base) > 1 << 32:
+        raise LocalProtocolError(f"symbolic expression {expr!r}: power {base}**{exp} refused")
+    return int(base**exp)
+
+
 def _compile_node(node: ast.AST, expr: str) -> Callable[[Mapping[str, int]], int]:
     """Compile one node of a symbolic expression to a closure; reject anything not arithmetic."""
     if isinstance(node, ast.Expression):
@@ -122,7 +133,7 @@ def _compile_node(node: ast.AST, expr: str) -> Callable[[Mapping[str, int]], int
         if isinstance(op, ast.Mod):
             return lambda env: lhs(env) % rhs(env)
         if isinstance(op, ast.Pow):
-            return lambda env: int(lhs(env) ** rhs(env))
+            return lambda env: _pow(lhs(env), rhs(env), expr)
     if (
         isinstance(node, ast.Call)
         and isinstance(node.func, ast.Name)
@@ -142,13 +153,15 @@ def compile_sym(expr: str) -> Callable[[Mapping[str, int]], int]:
     Only integer arithmetic (+ - * // % **), names and Max/Min/FloorDiv/CeilDiv/Mod are allowed:
     the expression comes from the wire and is never passed to `eval`.
     """
-    if len(expr) > 4096:
+    if len(expr) > MAX_SYM_EXPR_CHARS:
         raise LocalProtocolError(f"symbolic expression of {len(expr)} characters is too long")
     try:
         tree = ast.parse(expr, mode="eval")
+        return _compile_node(tree, expr)
     except SyntaxError as e:
         raise LocalProtocolError(f"symbolic expression {expr!r} does not parse: {e.msg}") from e
-    return _compile_node(tree, expr)
+    except (RecursionError, MemoryError):
+        raise LocalProtocolError(f"symbolic expression {expr[:40]!r}... nests too deeply") from None
 
 
 def sym_names(expr: str) -> set[str]:
@@ -166,7 +179,12 @@ def eval_dim(dim: Dim, symbols: Mapping[str, int]) -> int:
     """The concrete value of one shape entry for the given symbol values."""
     if isinstance(dim, int):
         return dim
-    return compile_sym(dim)(symbols)
+    try:
+        return compile_sym(dim)(symbols)
+    except RecursionError:
+        raise LocalProtocolError(f"symbolic expression {dim[:40]!r}... nests too deeply") from None
+    except ZeroDivisionError:
+        raise LocalProtocolError(f"symbolic expression {dim!r} divides by zero") from None
 
 
 def eval_shape(shape: Iterable[Dim], symbols: Mapping[str, int]) -> tuple[int, ...]:

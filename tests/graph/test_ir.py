@@ -229,3 +229,42 @@ def test_validate_catches_inconsistency() -> None:
     bad = ir.Graph(g.inputs, g.outputs, g.params, tuple(reversed(g.nodes)), g.symbols)
     with pytest.raises(RemoteProtocolError, match="not an earlier node"):
         ir.validate(bad)
+
+
+def test_mutated_bodies_only_raise_protocol_errors() -> None:
+    """Random edits of a valid body (checksum fixed up) never escape as other exceptions."""
+    import contextlib
+    import random
+
+    from protocol.errors import ProtocolError
+
+    rng = random.Random(7)
+    env = _envelope(small_graph())
+    body = bytes(env[2])  # type: ignore[arg-type]
+    junk: list[object] = [None, -1, 2**40, 1.5, "x", "s0**99**99", [], {}, {"ref": 1}, [[1]], True]
+    for _ in range(400):
+        b = bytearray(body)
+        if rng.random() < 0.5:
+            for _ in range(rng.randint(1, 4)):
+                b[rng.randrange(len(b))] = rng.randrange(256)
+            mutated = bytes(b)
+        else:
+            obj = msgpack.unpackb(body, raw=False)
+            target = obj
+            for _ in range(rng.randint(1, 4)):  # walk down to a random container
+                if isinstance(target, dict) and target:
+                    key = rng.choice(list(target))
+                    if rng.random() < 0.3 or not isinstance(target[key], list | dict):
+                        target[key] = rng.choice(junk)
+                        break
+                    target = target[key]
+                elif isinstance(target, list) and target:
+                    i = rng.randrange(len(target))
+                    if rng.random() < 0.3 or not isinstance(target[i], list | dict):
+                        target[i] = rng.choice(junk)
+                        break
+                    target = target[i]
+            mutated = msgpack.packb(obj, use_bin_type=True)
+        env2 = [env[0], env[1], mutated, xxhash.xxh64_digest(mutated)]
+        with contextlib.suppress(ProtocolError):
+            ir.loads(_repack(env2))

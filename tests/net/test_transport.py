@@ -471,3 +471,32 @@ async def test_close_unblocks_waiting_senders(net_factory: NetFactory) -> None:
     with pytest.raises(Exception, match="closed"):
         async with asyncio.timeout(3):
             await task
+
+
+async def test_garbage_after_handshake_closes_that_connection(
+    net_factory: NetFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    import random
+
+    rng = random.Random(11)
+    ib = Inbox()
+    a = await net_factory("a")
+    b = await net_factory("b", handler=ib)
+    await a.connect(b.address)
+    hello = b"".join(encode_message(Hello(node_id="g", cluster_id="c-test", min_version=1,
+                                          max_version=1, address=("127.0.0.1", 1))))
+    ping = b"".join(encode_message(Ping(request_id=5, sent_at=0.0)))
+    for _ in range(5):
+        junk = bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 300)))
+        flipped = bytearray(ping)
+        flipped[rng.randrange(len(flipped))] ^= 1 << rng.randrange(8)
+        for tail in (junk, bytes(flipped)):
+            with caplog.at_level(logging.WARNING, "fusiond.net"):
+                got = await _raw_client(b.address, hello + tail, close=False)
+            # Closed, after a HelloAck if the Hello was decoded before the bad bytes arrived.
+            assert got == b"" or got.startswith(b"FSN")
+    assert not ib.items  # nothing from "g" reached the handler
+    assert sum("bad frame" in r.getMessage() for r in caplog.records) >= 5
+    await a.send("b", Ping(request_id=6, sent_at=0.0))
+    ((peer, _),) = await ib.wait_for(1)
+    assert peer == "a"

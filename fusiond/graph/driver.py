@@ -180,7 +180,8 @@ class Driver:
                     tr.dense_bytes += t.numel() * t.element_size()
                     inbox[pos[e.dst]][e.value] = recv
                 else:
-                    inbox[pos[e.dst]][e.value] = t.detach()
+                    # What the wire delivers: a contiguous copy (strides are not sent).
+                    inbox[pos[e.dst]][e.value] = t.detach().contiguous()
         # Backward in reverse order; grads of a value from several destinations are summed.
         gbox: list[dict[str, torch.Tensor]] = [{} for _ in self.runners]
         for i in range(len(self.runners) - 1, -1, -1):

@@ -172,6 +172,11 @@ def build_program(
 
     for node in graph.nodes:
         fn = resolve(node.op)
+        if fn is torch.ops.aten.view.default:
+            # A received tensor is contiguous, but the graph was traced with the producer's
+            # strides: a view that was valid there can be invalid here (x.T sent, then
+            # x.T.T.view(-1)). reshape is view wherever view is valid and copies otherwise.
+            fn = torch.ops.aten.reshape.default
         args = tuple(conv(a) for a in node.args)
         kwargs = {k: conv(v) for k, v in node.kwargs.items()}
         # create_node dedups the name against fx's own (getitem_*, ...), keeping code readable.

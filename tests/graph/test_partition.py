@@ -163,3 +163,47 @@ def test_micro_batches_accumulate_like_one_batch() -> None:
     for name in ref:
         assert_close_rel(got[name], ref[name], f"micro-batched grad {name}")
     assert want  # the eager reference ran
+
+
+class _Transposer(torch.nn.Module):
+    """Sends a transposed activation across a cut; the receiver transposes back and views."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(6, 6)
+        self.b = torch.nn.Linear(24, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x).transpose(1, 2)  # (B, 6, 4), non-contiguous
+        z = y.transpose(1, 2)  # contiguous again here, but not on a contiguous copy of y
+        out: torch.Tensor = self.b(z.reshape(z.shape[0], -1))
+        return out
+
+
+def test_received_tensors_need_not_keep_traced_strides() -> None:
+    from fusiond.graph import capture
+    from fusiond.models.resnet import classification_loss
+
+    torch.manual_seed(0)
+    m = _Transposer()
+    c = capture(
+        m, (torch.randn(2, 4, 6),), targets=torch.randint(0, 3, (2,)), loss=classification_loss
+    )
+    g = c.graph
+    first_b = next(i for i, n in enumerate(g.nodes) if n.module_path == "b")
+    cut = next(
+        i
+        for i, n in enumerate(g.nodes)
+        if n.op == "aten.permute.default" or n.op == "aten.transpose.int"
+    )
+    asg = {n.id: 0 if i <= cut else 1 for i, n in enumerate(g.nodes)}
+    assert first_b > cut
+    x, y = torch.randn(3, 4, 6), torch.randint(0, 3, (3,))
+    loss = classification_loss(m(x), y)
+    loss.backward()
+    d = Driver(g, asg, c.state)
+    assert_close_rel(d.forward_backward([x, y])["loss"], loss.detach(), "loss")
+    got = d.named_grads()
+    for n, p in m.named_parameters():
+        assert p.grad is not None
+        assert_close_rel(got[n], p.grad, n)

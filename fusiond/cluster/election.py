@@ -434,6 +434,12 @@ class Election:
                 self._acks[peer] = sent
         return []
 
+    def forget(self, node_id: str, now: float) -> None:
+        """`node_id` left or was removed: if it was our leader, it is lost now (no need to wait
+        out the election timeout)."""
+        if self.role != "leader" and self._leader == node_id:
+            self._lose_leader(now)
+
     def observe(self, term: int, now: float) -> None:
         """A term seen in gossip: adopt it if higher (safe; it may end our leadership)."""
         self._adopt(term, now)

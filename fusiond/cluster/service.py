@@ -487,8 +487,11 @@ class Cluster:
         if node_id == self.node_id:
             await self.leave()
             return
-        ms.remove(node_id, time.monotonic())
+        now = time.monotonic()
+        ms.remove(node_id, now)
         self._prober.forget(node_id)
+        assert self._election is not None
+        self._election.forget(node_id, now)
         log.warning("cluster: %s removed by operator; voters now %d", node_id, len(ms.voters()))
         gossip = self._gossip_message()
         peers = [p for p in ms.with_state("alive", "suspect") if p != self.node_id]
@@ -590,6 +593,8 @@ class Cluster:
                         "it no longer votes (restart fusiond to rejoin)")
         for t in result.transitions:
             self._log_transition(t)
+            if t.new == "left":
+                el.forget(t.node_id, now)
         if result.sender_behind:
             self._send_bg(peer, self._gossip_message())
         if result.transitions or (el.leader(now), el.term) != before:
@@ -603,6 +608,8 @@ class Cluster:
             return  # a node can only announce its own departure, of its current incarnation
         t = ms.remove(msg.node_id, now)
         self._prober.forget(msg.node_id)
+        assert self._election is not None
+        self._election.forget(msg.node_id, now)
         if t is not None:
             log.info("cluster: %s left", msg.node_id)
             self._notify()

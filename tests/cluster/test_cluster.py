@@ -282,3 +282,20 @@ async def test_two_groups_formed_apart_merge_under_one_leader_of_a_new_term(
     await until(lambda: agreed_leader(swarm.views()) is not None
                 and all_alive(swarm, ["ga", "gb"], ["ga", "gb"]), 8, "one leader after merging")
     assert all(v.term >= 2 for v in swarm.views().values())
+
+
+async def test_a_leaving_leader_is_replaced_without_waiting_out_the_timeout(
+        swarm: Swarm) -> None:
+    await start_five(swarm)
+    await until(lambda: agreed_leader(swarm.views()) is not None and all_alive(swarm, IDS, IDS),
+                5, "a leader")
+    old = agreed_leader(swarm.views())
+    assert old is not None
+    rest = [n for n in IDS if n != old]
+    await swarm.nodes[old].leave()
+    took = await until(lambda: agreed_leader(swarm.views(rest)) not in (None, old), 5,
+                       "a new leader after the leader left")
+    views = swarm.views(rest)
+    assert all(v.voters == 4 and v.states()[old] == "left" for v in views.values())
+    # Leave tells everyone at once: no election timeout to wait out first (a crash needs one).
+    assert took < FAST.election_timeout_s, took

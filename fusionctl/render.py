@@ -156,6 +156,10 @@ def render_status(data: Mapping[str, Any]) -> None:
     leader = view.get("leader")
     role = " (this node)" if leader and leader == node.get("node_id") else ""
     c.print(f"scheduler  {leader or '(none)'}{role}  term {view.get('term', 0)}")
+    if "voters" in view:
+        c.print(f"quorum     {'yes' if view.get('has_quorum') else 'NO'} "
+                f"({view.get('alive_voters')} of {view.get('voters')} voters alive, "
+                f"{view.get('needed')} needed)")
     q = quorum_line(view)
     if q:
         c.print(f"\n{q}\n")

@@ -111,6 +111,7 @@ def test_init_token_join_leave(daemon: LocalNode, capsys: Capture) -> None:
     assert run([*sock, "status"]) == 0
     out = capsys.readouterr().out
     assert "(this node)" in out and "peers      (none)" in out
+    assert "quorum     yes (1 of 1 voters alive, 1 needed)" in out
     assert run([*sock, "remove", "n0000"]) == EXIT_FAILED
     assert "not a member" in capsys.readouterr().err
     left = _json(capsys, [*sock, "leave", "--yes", "--json"])

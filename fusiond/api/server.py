@@ -184,7 +184,10 @@ class ApiServer:
     def _prepare_socket_path(path: str) -> None:
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
-        if p.exists() or p.is_socket():
+        if p.exists() and not p.is_socket():
+            raise LocalError(f"api.socket {path} exists and is not a socket; refusing to "
+                             "replace it (choose another path)")
+        if p.is_socket():
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 probe.connect(str(p))

@@ -289,3 +289,11 @@ async def test_messages_the_cluster_does_not_take_go_to_registered_handlers(
     finally:
         d.request_stop()
         assert await asyncio.wait_for(task, 15) == 0
+
+
+async def test_api_socket_path_never_replaces_a_regular_file(short_dir: Path) -> None:
+    precious = short_dir / "api.sock"
+    precious.write_text("not a socket")
+    d = Daemon(_config(short_dir))
+    assert await asyncio.wait_for(d.run(), 15) == 1
+    assert precious.read_text() == "not a socket"

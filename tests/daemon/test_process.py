@@ -44,6 +44,14 @@ def test_sigterm_exits_zero_and_sighup_reloads(root: Path) -> None:
                                        ""), 10)
         assert ok, node.log_text()
         assert node.alive() and node.status() is not None  # reload, not restart
+        # a broken file on reload is reported and the running config kept
+        good = node.config_path.read_text()
+        node.config_path.write_text(good.replace('log_level = "debug"', 'log_level = "loud"'))
+        node.signal(signal.SIGHUP)
+        ok, _, _ = wait_until(lambda: ("SIGHUP: config not reloaded" in node.log_text(), ""), 10)
+        assert ok, node.log_text()
+        assert "log_level = 'loud'" in node.log_text() and node.alive()
+        node.config_path.write_text(good)
         # a second daemon on the same socket refuses to start, and says why
         second = subprocess.run(
             [sys.executable, "-m", "fusiond", "--config", str(node.config_path),

@@ -1,0 +1,431 @@
+"""OP-Fence: fence machines into bandwidth groups, order them into a pipeline, cut the graph.
+
+Algorithm (docs/planner.md has the reasoning):
+
+1. Groups: Kruskal over links by decreasing bandwidth; two groups merge when their link is at
+   least 1/`group_ratio` of the slowest link inside either, so fences sit on the slow links.
+2. Machine sequence: machines of a group fastest first; group orders (ordered subsets, so a
+   badly connected group can be left out) are ranked by a cheap estimate that puts each group
+   boundary where the work splits by capacity and charges the cheapest nearby cut over the
+   group-to-group bandwidth; the best few orders get the exact search below.
+3. Cut: for a machine sequence, a DP over (last active machine, ops placed) places contiguous
+   ranges of the topological order on machines (any machine may be skipped = idle), with every
+   stage's compute, its incoming link and its memory under a bottleneck bound B, minimising the
+   fill (sum of stage and link times). Binary search finds the least feasible B; a ladder of B
+   values above it trades bottleneck for fill; each candidate is scored by the exact evaluator
+   (`pipeline.evaluate`), which routes skip edges directly and de-duplicates tied weights.
+   Large graphs cut only at candidate positions (the cheapest cut in each slice of work).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from fusiond.plan.adatopk import adapt_densities
+from fusiond.plan.model import F64, Cluster, CostGraph, JobSettings, PlanError
+from fusiond.plan.pipeline import Evaluation, GraphArrays, Plan, StageSpec, evaluate
+
+I64 = npt.NDArray[np.int64]
+
+
+def fence_groups(cluster: Cluster, ratio: float = 4.0) -> list[list[int]]:
+    """Machine indices grouped so that links inside a group are within `ratio` of each other."""
+    k = len(cluster)
+    bw = np.minimum(cluster.bandwidth, cluster.bandwidth.T)
+    parent = list(range(k))
+    slowest = [math.inf] * k
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    pairs = sorted(((float(bw[i, j]), i, j) for i in range(k) for j in range(i + 1, k)),
+                   reverse=True)
+    for w, i, j in pairs:
+        ri, rj = find(i), find(j)
+        if ri == rj:
+            continue
+        inner = min(slowest[ri], slowest[rj])
+        if not math.isfinite(inner) or w * ratio >= inner:
+            parent[rj] = ri
+            slowest[ri] = min(inner, w)
+    groups: dict[int, list[int]] = {}
+    for i in range(k):
+        groups.setdefault(find(i), []).append(i)
+    return sorted(groups.values(), key=lambda g: g[0])
+
+
+def _range_argmin(v: F64, lo: I64, hi: I64) -> tuple[F64, I64]:
+    """For each query, min and argmin of v[lo..hi] (inclusive); lo > hi gives (inf, -1)."""
+    n = len(v)
+    levels = [np.arange(n)]
+    span = 1
+    while span * 2 <= n:
+        prev = levels[-1]
+        a = prev[: n - span]
+        b = prev[span:]
+        cur = prev.copy()
+        cur[: n - span] = np.where(v[b] < v[a], b, a)
+        levels.append(cur)
+        span *= 2
+    table = np.stack(levels)
+    length = hi - lo + 1
+    ok = length > 0
+    lsafe = np.where(ok, length, 1)
+    lvl = np.floor(np.log2(lsafe)).astype(np.int64)
+    lo_s = np.where(ok, lo, 0)
+    a = table[lvl, lo_s]
+    b = table[lvl, np.clip(hi - (1 << lvl) + 1, 0, n - 1)]
+    arg = np.where(v[b] < v[a], b, a)
+    val = np.where(ok, v[arg], np.inf)
+    return val, np.where(ok, arg, -1)
+
+
+class _Search:
+    """The cut DP over a fixed machine sequence, on candidate cut positions `q`."""
+
+    def __init__(self, arrays: GraphArrays, q: I64, compress: bool) -> None:
+        self.a = arrays
+        self.q = q
+        st = arrays.settings
+        cf, cb = arrays.cut_bytes(st.density_floor if compress else 1.0)
+        self.cf = cf[q]
+        self.cb = cb[q]
+        self.prefix = arrays.prefix[:, q]
+        self.static = arrays.static_prefix[q]
+        self.saved = arrays.saved_prefix[q]
+        self.caps = arrays.caps - arrays.workspace
+        self.bw = arrays.cluster.bandwidth
+        self.rtt = arrays.cluster.rtt
+
+    def run(self, seq: Sequence[int], bound: float, window: int) -> tuple[float, list[StageSpec]
+                                                                         ] | None:
+        """Least fill with every resource <= `bound`; None when infeasible."""
+        st = self.a.settings
+        K, m1 = len(seq), len(self.q)
+        n = m1 - 1
+        M = st.num_micro_batches
+        dp = np.full((K, m1), np.inf)
+        par_p = np.full((K, m1), -1, dtype=np.int64)
+        par_k = np.full((K, m1), -1, dtype=np.int64)
+        j = np.arange(1, m1)
+        for k in range(K):
+            m = seq[k]
+            best = np.full(m1, np.inf)
+            best[0] = 0.0
+            bk = np.full(m1, -1, dtype=np.int64)
+            for kk in range(max(0, k - window), k):
+                a = seq[kk]
+                tf = self.cf / self.bw[a, m]
+                tb = self.cb / self.bw[m, a]
+                cand = dp[kk] + tf + tb + self.rtt[a, m]
+                cand[np.maximum(tf, tb) > bound] = np.inf
+                better = cand < best
+                best = np.where(better, cand, best)
+                bk = np.where(better, kk, bk)
+            P = self.prefix[m]
+            infl = M if st.schedule == "gpipe" else min(M, K - k)
+            mem = self.static + infl * self.saved
+            lo = np.maximum(
+                np.searchsorted(P, P[j] - bound, "left"),
+                np.searchsorted(mem, mem[j] - self.caps[m], "left"),
+            ).astype(np.int64)
+            val, arg = _range_argmin(best - P, lo, j - 1)
+            dp[k, 1:] = P[1:] + val
+            par_p[k, 1:] = arg
+            par_k[k] = bk
+        last = dp[:, n]
+        kbest = int(np.argmin(last))
+        if not np.isfinite(last[kbest]):
+            return None
+        stages: list[StageSpec] = []
+        k, jj = kbest, n
+        while True:
+            p = int(par_p[k, jj])
+            stages.append(StageSpec(seq[k], int(self.q[p]), int(self.q[jj])))
+            if p == 0:
+                break
+            k, jj = int(par_k[k, p]), p
+        stages.reverse()
+        return float(last[kbest]), stages
+
+
+def _candidate_cuts(arrays: GraphArrays, max_cuts: int, compress: bool) -> I64:
+    """All positions when few; else the cheapest cut in each of `max_cuts` equal-work slices."""
+    n = arrays.n
+    if n + 1 <= max_cuts:
+        return np.arange(n + 1, dtype=np.int64)
+    cf, cb = arrays.cut_bytes(arrays.settings.density_floor if compress else 1.0)
+    cost = cf + cb
+    ref = arrays.prefix.mean(axis=0)
+    edges = np.searchsorted(ref, np.linspace(0, ref[-1], max_cuts + 1)[1:-1])
+    picks = {0, n}
+    bounds = [1, *edges.tolist(), n]
+    for lo, hi in itertools.pairwise(bounds):
+        if hi > lo:
+            picks.add(lo + int(np.argmin(cost[lo:hi])))
+    return np.array(sorted(picks), dtype=np.int64)
+
+
+@dataclass
+class _Candidate:
+    stages: list[StageSpec]
+    evaluation: Evaluation
+    densities: dict[tuple[str, int], float]
+
+
+def _score(arrays: GraphArrays, stages: list[StageSpec], compress: bool) -> _Candidate:
+    if compress:
+        dens = adapt_densities(arrays, stages)
+        return _Candidate(stages, evaluate(arrays, stages, dens), dens)
+    return _Candidate(stages, evaluate(arrays, stages), {})
+
+
+def _search_sequence(
+    search: _Search, seq: list[int], window: int, fine: bool, compress: bool
+) -> _Candidate | None:
+    arrays = search.a
+    top = search.run(seq, math.inf, window)
+    if top is None:
+        return None
+    best = _score(arrays, top[1], compress)
+    hi = evaluate(arrays, top[1]).bottleneck_s
+    speed = sum(1.0 / max(arrays.prefix[m, -1], 1e-300) for m in seq)
+    lo = min(hi, 1.0 / speed) * 0.999
+    # least feasible bound (log-space bisection)
+    feasible_at = hi
+    for _ in range(14 if fine else 10):
+        if hi / lo < 1.005:
+            break
+        mid = math.sqrt(lo * hi)
+        if search.run(seq, mid, window) is None:
+            lo = mid
+        else:
+            hi = feasible_at = mid
+    ladder = ([1.02 ** i for i in range(21)] + [1.6, 1.8, 2.0, 2.5, 3.0, 4.0]
+              if fine else [1.0, 1.03, 1.07, 1.15, 1.3, 1.6, 2.2, 3.5])
+    for f in ladder:
+        res = search.run(seq, feasible_at * f, window)
+        if res is None:
+            continue
+        cand = _score(arrays, res[1], compress)
+        if cand.evaluation.memory_ok and (
+            not best.evaluation.memory_ok
+            or cand.evaluation.iteration_s < best.evaluation.iteration_s
+        ):
+            best = cand
+    return best if best.evaluation.memory_ok else None
+
+
+def _group_orders(
+    arrays: GraphArrays, groups: list[list[int]], cf: F64, cb: F64, limit: int
+) -> list[tuple[int, ...]]:
+    """Group orders (ordered subsets) ranked by a cheap pipeline estimate; best `limit` first."""
+    st = arrays.settings
+    M = st.num_micro_batches
+    bw = arrays.cluster.bandwidth
+    speed = [sum(1.0 / max(arrays.prefix[m, -1], 1e-300) for m in g) for g in groups]
+    cap = [float(arrays.caps[g].sum()) for g in groups]
+    need = float(arrays.static_prefix[-1])
+    ref = arrays.prefix.mean(axis=0)
+    ref = ref / max(ref[-1], 1e-300)
+    G = len(groups)
+    gbw = np.array([[float(np.mean(bw[np.ix_(groups[x], groups[y])])) if x != y else np.inf
+                     for y in range(G)] for x in range(G)])
+    n = arrays.n
+    half = max(1, n // 40)
+
+    def score(order: tuple[int, ...]) -> float:
+        if sum(cap[g] for g in order) < need:
+            return math.inf
+        total = sum(speed[g] for g in order)
+        bc = 1.0 / total
+        acc = 0.0
+        worst = 0.0
+        links = 0.0
+        for x, y in itertools.pairwise(order):
+            acc += speed[x] / total
+            p = int(np.searchsorted(ref, acc))
+            lo, hi = max(1, p - half), min(n, p + half + 1)
+            t = np.maximum(cf[lo:hi] / gbw[x, y], cb[lo:hi] / gbw[y, x])
+            tl = float(t.min()) if hi > lo else 0.0
+            worst = max(worst, tl)
+            links += 2 * tl
+        machines = sum(len(groups[g]) for g in order)
+        return float((M - 1) * max(bc, worst) + machines * bc + links)
+
+    if G <= 6:
+        orders = [o for r in range(1, G + 1) for o in itertools.permutations(range(G), r)]
+    else:
+        # greedy chains from every start (nearest fast neighbour), and their prefixes
+        orders = []
+        for s in range(G):
+            chain = [s]
+            while len(chain) < G:
+                nxt = max((y for y in range(G) if y not in chain), key=lambda y: gbw[chain[-1], y])
+                chain.append(nxt)
+            orders += [tuple(chain[:r]) for r in range(1, G + 1)]
+    scored = sorted(((score(o), o) for o in orders), key=lambda x: x[0])
+    return [o for s, o in scored[:limit] if math.isfinite(s)]
+
+
+def _sequences(
+    arrays: GraphArrays, order: tuple[int, ...], groups: list[list[int]], small: bool
+) -> list[list[int]]:
+    """Machine sequences for a group order: fastest first; for small clusters also
+    largest-memory first, every within-group permutation when few, and truncations (the DP's
+    1F1B memory bound min(M, machines left) is tighter on a shorter sequence)."""
+    base = [m for g in order for m in groups[g]]
+    if not small:
+        return [base]
+    variants = [base, [m for g in order for m in sorted(groups[g],
+                                                      key=lambda x: -float(arrays.caps[x]))]]
+    if math.prod(math.factorial(len(groups[g])) for g in order) <= 24:
+        variants += [
+            [m for part in combo for m in part]
+            for combo in itertools.product(*(itertools.permutations(groups[g]) for g in order))
+        ]
+    out: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    for v in variants:
+        for cut in range(len(v), 0, -1):
+            key = tuple(v[:cut])
+            if key not in seen:
+                seen.add(key)
+                out.append(list(key))
+    return out
+
+
+def plan_opfence(
+    graph: CostGraph,
+    cluster: Cluster,
+    settings: JobSettings,
+    *,
+    compress: bool = False,
+    group_ratio: float = 4.0,
+    max_cuts: int = 384,
+    orders: int = 5,
+    arrays: GraphArrays | None = None,
+) -> Plan:
+    """Plan `graph` on `cluster` with OP-Fence (and AdaTopK densities when `compress`).
+
+    Raises PlanError when no cut fits the machines' memory.
+    """
+    arrays = arrays or GraphArrays(graph, cluster, settings)
+    if arrays.n == 0:
+        raise PlanError("cannot plan an empty graph")
+    groups = fence_groups(cluster, group_ratio)
+    fast_first = [sorted(g, key=lambda m: float(arrays.prefix[m, -1])) for g in groups]
+    small = len(cluster) * min(arrays.n + 1, max_cuts) <= 400
+    best: _Candidate | None = None
+    modes = [False, True] if compress else [False]
+    for mode in modes:
+        q = _candidate_cuts(arrays, max_cuts, mode)
+        search = _Search(arrays, q, mode)
+        cf, cb = arrays.cut_bytes(settings.density_floor if mode else 1.0)
+        for order in _group_orders(arrays, fast_first, cf, cb,
+                                   max(orders, 24) if small else orders):
+            for seq in _sequences(arrays, order, fast_first, small):
+                window = len(seq) if len(seq) <= 12 else max(len(g) for g in groups) + 1
+                cand = _search_sequence(search, seq, window, small, compress)
+                if cand is not None and (
+                    best is None or cand.evaluation.iteration_s < best.evaluation.iteration_s
+                ):
+                    best = cand
+    if best is None:
+        raise PlanError(
+            f"no cut of {graph.name!r} fits the machines' memory "
+            f"(parameters+gradients+optimizer state alone need "
+            f"{arrays.static_prefix[-1] / 2**30:.2f} GiB)"
+        )
+    dense = evaluate(arrays, best.stages) if best.densities else best.evaluation
+    return Plan(
+        method="op-fence+adatopk" if compress else "op-fence",
+        arrays=arrays,
+        stages=tuple(best.stages),
+        densities=best.densities,
+        evaluation=best.evaluation,
+        dense=dense,
+        groups=tuple(tuple(cluster.machines[m].id for m in g) for g in groups),
+        idle=_idle_reasons(arrays, groups, best.stages),
+    )
+
+
+def _idle_reasons(
+    arrays: GraphArrays, groups: list[list[int]], stages: Sequence[StageSpec]
+) -> dict[str, str]:
+    used = {s.machine for s in stages}
+    ms = arrays.cluster.machines
+    out: dict[str, str] = {}
+    bw = np.minimum(arrays.cluster.bandwidth, arrays.cluster.bandwidth.T)
+    for gi, g in enumerate(groups):
+        group_used = any(m in used for m in g)
+        for m in g:
+            if m in used:
+                continue
+            if not group_used:
+                others = [x for x in used]
+                best = max((float(bw[m, x]) for x in others), default=0.0)
+                out[ms[m].id] = (
+                    f"group {gi} left out: its best link into the pipeline is "
+                    f"{best * 8 / 1e6:.3g} Mbit/s; a stage there was predicted slower"
+                )
+            else:
+                out[ms[m].id] = (
+                    "a stage here would add more transfer and pipeline fill than it saves"
+                )
+    return out
+
+
+def uniform_plan(graph: CostGraph, cluster: Cluster, settings: JobSettings) -> Plan:
+    """Baseline: equal op counts per machine, machines in id order, no compression.
+
+    The prediction is reported even when a stage exceeds its memory (`over_memory`).
+    """
+    arrays = GraphArrays(graph, cluster, settings)
+    n, k = arrays.n, min(len(cluster), arrays.n)
+    order = sorted(range(len(cluster)), key=lambda i: cluster.machines[i].id)[:k]
+    bounds = [round(i * n / k) for i in range(k + 1)]
+    stages = tuple(StageSpec(order[i], bounds[i], bounds[i + 1]) for i in range(k))
+    ev = evaluate(arrays, stages)
+    return Plan(
+        method="uniform",
+        arrays=arrays,
+        stages=stages,
+        densities={},
+        evaluation=ev,
+        dense=ev,
+        groups=(tuple(cluster.ids()),),
+        idle={},
+    )
+
+
+def plan_from_stages(
+    graph: CostGraph,
+    cluster: Cluster,
+    settings: JobSettings,
+    stages: Sequence[StageSpec],
+    *,
+    compress: bool = False,
+) -> Plan:
+    """Evaluate a given cut (e.g. from a re-plan or a user) as a Plan."""
+    arrays = GraphArrays(graph, cluster, settings)
+    cand = _score(arrays, list(stages), compress)
+    return Plan(
+        method="given",
+        arrays=arrays,
+        stages=tuple(stages),
+        densities=cand.densities,
+        evaluation=cand.evaluation,
+        dense=evaluate(arrays, stages),
+        groups=(tuple(cluster.ids()),),
+        idle={},
+    )

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                     from deploy.testbed.fusion import start_fusiond
 
                     print(start_fusiond(tb, insecure=args.fusiond_insecure, wait_s=args.wait,
-                                        progress=lambda s: print(s, file=sys.stderr)))
+                                        progress=lambda s: print(s, file=sys.stderr)).summary)
             except BaseException:
                 tb.down()
                 raise

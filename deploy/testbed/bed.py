@@ -221,6 +221,14 @@ class Testbed:
         """Logs and per-host files of this testbed."""
         return self.state_dir / self.name
 
+    def short_dir(self, what: str) -> Path:
+        """A directory with a short path (``/tmp/<name>-<what>``: Unix socket paths must stay
+        under 108 bytes), recorded so `down` removes it."""
+        path = Path("/tmp") / f"{self.name}-{what}"
+        self._record("dirs", str(path))
+        path.mkdir(mode=0o700, exist_ok=True)
+        return path
+
     # -- state -----------------------------------------------------------------------------
 
     def _save(self) -> None:
@@ -555,6 +563,8 @@ class Testbed:
                 except OSError as exc:
                     problems.append(f"cgroup {cg}: {exc}")
         if not problems:
+            for d in self.state.get("dirs", []):
+                _rmtree(Path(d))
             with contextlib.suppress(FileNotFoundError):
                 self.state_file.unlink()
             _rmtree(self.work_dir)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 
@@ -48,7 +49,10 @@ async def run(mode: str, node_id: str, addr: str, port: int, peers: list[str]) -
                       tls=None, handler=handler,
                       config=NetConfig(allow_plaintext_remote=True, connect_timeout_s=5.0,
                                        handshake_timeout_s=5.0))
-    box["p"] = LinkProber(send=net.send, config=ProbeConfig(timeout_s=10.0))
+    # The daemon's defaults, except a longer timeout; PROBE_TARGET_S overrides the probe
+    # duration for experiments (e.g. how much a short probe loses to slow start on long RTTs).
+    target = float(os.environ.get("PROBE_TARGET_S", ProbeConfig.target_s))
+    box["p"] = LinkProber(send=net.send, config=ProbeConfig(timeout_s=10.0, target_s=target))
     await net.start()
     await net.ready()
     try:

@@ -51,8 +51,8 @@ async def run(mode: str, node_id: str, addr: str, port: int, peers: list[str]) -
                                        handshake_timeout_s=5.0))
     # The daemon's defaults, except a longer timeout; PROBE_TARGET_S overrides the probe
     # duration for experiments (e.g. how much a short probe loses to slow start on long RTTs).
-    target = float(os.environ.get("PROBE_TARGET_S", ProbeConfig.target_s))
-    box["p"] = LinkProber(send=net.send, config=ProbeConfig(timeout_s=10.0, target_s=target))
+    target_s = float(os.environ.get("PROBE_TARGET_S", ProbeConfig.target_s))
+    box["p"] = LinkProber(send=net.send, config=ProbeConfig(timeout_s=10.0, target_s=target_s))
     await net.start()
     await net.ready()
     try:

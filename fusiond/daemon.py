@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from prometheus_client import CollectorRegistry
+
 import fusiond
 import protocol
 from fusiond import profile as profiling
@@ -154,6 +156,9 @@ class Daemon:
         self._stopping = False
         self._failure: BaseException | None = None
         self._handlers: list[Callable[[str, Any], Awaitable[bool]]] = []
+        self.registry: CollectorRegistry = make_registry()
+        """This daemon's Prometheus registry: jobs and training register their collectors
+        here (e.g. tensor bytes before compression) and they appear on /metrics."""
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -228,14 +233,14 @@ class Daemon:
             test_endpoints=cfg.net.test_drop_switch,
         )
         await self._start_service("api", self.api)
+        self.registry.register(DaemonCollector(
+            node_id=lambda: self.node_id,
+            net_stats=lambda: self.net.stats() if self.net is not None else None,
+            cluster_view=lambda: self.cluster.view() if self.cluster is not None else None,
+            started_at=self.started_at))
         if cfg.metrics.listen:
             host, port = parse_hostport(cfg.metrics.listen)
-            registry = make_registry(DaemonCollector(
-                node_id=lambda: self.node_id,
-                net_stats=lambda: self.net.stats() if self.net is not None else None,
-                cluster_view=lambda: self.cluster.view() if self.cluster is not None else None,
-                started_at=self.started_at))
-            self.metrics = MetricsServer(registry, host, port)
+            self.metrics = MetricsServer(self.registry, host, port)
             await self._start_service("metrics", self.metrics)
         static = await asyncio.to_thread(profiling.compute_profile, cfg.cache_dir,
                                          benchmark=cfg.profile_benchmark)

@@ -163,9 +163,11 @@ class MetricsServer:
             await runner.cleanup()
 
 
-def make_registry(collector: Collector) -> CollectorRegistry:
+def make_registry(*collectors: Collector) -> CollectorRegistry:
+    """A registry of its own (never the process-global one: tests run several daemons)."""
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(collector)
+    for c in collectors:
+        reg.register(c)
     return reg
 
 

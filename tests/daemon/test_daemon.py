@@ -229,6 +229,10 @@ async def test_metrics_are_served_on_loopback(short_dir: Path) -> None:
     task = asyncio.create_task(d.run())
     try:
         await _until(lambda: d.phase == "running", 15)
+        from prometheus_client import Counter
+
+        # another subsystem (training) adds its own metrics to the daemon's registry
+        Counter("fusion_train_tensor_bytes", "before compression", registry=d.registry).inc(5)
         assert d.metrics is not None and d.metrics.address is not None
         host, port = d.metrics.address
         assert host == "127.0.0.1"
@@ -237,7 +241,8 @@ async def test_metrics_are_served_on_loopback(short_dir: Path) -> None:
             text = await r.text()
         assert r.status == 200
         for name in ("fusion_cluster_term", "fusion_cluster_members{state=\"alive\"} 1.0",
-                     "fusion_cluster_quorum", "fusion_daemon_start_time_seconds"):
+                     "fusion_cluster_quorum", "fusion_daemon_start_time_seconds",
+                     "fusion_train_tensor_bytes_total 5.0"):
             assert name in text, name
     finally:
         d.request_stop()

@@ -12,8 +12,10 @@ import io
 import operator
 import re
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import safetensors.torch
@@ -139,6 +141,23 @@ def _module_path(node: fx.Node) -> str:
     return ""
 
 
+def _user_frame(e: BaseException) -> str:
+    """` at file.py:LINE in fn: `code`` for the deepest traceback frame in the user's code."""
+    torch_dir = str(Path(torch.__file__).parent)
+    ours = str(Path(__file__).parent)
+    stdlib = str(Path(traceback.__file__).parent)
+    best = None
+    for fr in traceback.extract_tb(e.__traceback__):
+        fn = fr.filename
+        if fn.startswith((torch_dir, ours, stdlib)) or "site-packages" in fn or fn.startswith("<"):
+            continue
+        best = fr
+    if best is None:
+        return ""
+    code = (best.line or "").strip()
+    return f" at {Path(best.filename).name}:{best.lineno} in {best.name}: `{code}`"
+
+
 def _default_decompositions() -> Any:
     table = torch.export.default_decompositions()
     for name in ("linear", "scaled_dot_product_attention"):
@@ -189,9 +208,10 @@ def export_program(
         raise
     except Exception as e:  # torch raises many types; all mean "cannot export"
         msg = str(e).strip().splitlines()
-        head = "\n".join(msg[:12])
+        head = "\n".join(msg[:8])
+        where = _user_frame(e)
         raise CaptureError(
-            f"torch.export cannot export {type(model).__name__}: {type(e).__name__}: {head}"
+            f"torch.export cannot export {type(model).__name__}{where}: {type(e).__name__}: {head}"
         ) from e
     try:
         ep = ep.run_decompositions(_default_decompositions())

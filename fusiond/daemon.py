@@ -344,6 +344,23 @@ class Daemon:
 
         return pki.TLSMaterial.in_state_dir(self.state_dir)
 
+    def _check_credentials(self, tls: Any) -> str:
+        """The cluster id, after checking that node.crt is ours and issued by ca.crt: a
+        mismatch is named here instead of surfacing as refused handshakes on every peer."""
+        from fusiond.net import pki
+
+        try:
+            cert, ca_cert = pki.load_cert(tls.cert), pki.load_cert(tls.ca_cert)
+            pki.verify_issued_by(cert, ca_cert)
+            cert_id = pki.node_id_of_cert(cert)
+        except pki.PKIError as e:
+            raise ServiceFailed(f"credentials in {self.state_dir} are unusable: {e}") from None
+        if cert_id != self.node_id:
+            raise ServiceFailed(f"{tls.cert} was issued to node {cert_id}, but {tls.key} is "
+                                f"node {self.node_id}: rejoin with a fresh token "
+                                "(`fusionctl token` on a member, then `fusionctl join`)")
+        return str(pki.cluster_id_of_ca_cert(ca_cert))
+
     def _has_credentials(self) -> bool:
         return bool(self.cfg.net.insecure_plaintext or self._tls_material().exists())
 
@@ -386,7 +403,7 @@ class Daemon:
                 self.security = "plaintext"
             else:
                 tls = self._tls_material()
-                cluster_id = await asyncio.to_thread(tls.cluster_id)
+                cluster_id = await asyncio.to_thread(self._check_credentials, tls)
                 self.security = "tls"
             self.cluster_id = cluster_id
             host, port = parse_hostport(cfg.net.listen)

@@ -302,3 +302,20 @@ async def test_api_socket_path_never_replaces_a_regular_file(short_dir: Path) ->
     d = Daemon(_config(short_dir))
     assert await asyncio.wait_for(d.run(), 15) == 1
     assert precious.read_text() == "not a socket"
+
+
+async def test_a_certificate_for_another_key_is_named_at_start(
+        short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    from fusiond.net import pki
+
+    ca, _, _ = pki.init_cluster(short_dir / "state")
+    stranger = pki.generate_key()
+    cert = pki.issue_node_certificate(ca, stranger.public_key())
+    (short_dir / "state" / "node.crt").write_bytes(cert.public_bytes(Encoding.PEM))
+    d = Daemon(_config(short_dir))
+    with caplog.at_level(logging.ERROR, "fusiond"):
+        assert await asyncio.wait_for(d.run(), 15) == 1
+    line = next(r.getMessage() for r in caplog.records if "stopped because" in r.getMessage())
+    assert "was issued to node" in line and "fusionctl join" in line

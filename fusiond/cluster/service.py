@@ -82,7 +82,11 @@ class ClusterConfig:
     gossip_fanout: int = 3
     """Random live peers each gossip round goes to (plus one dead one, to heal partitions)."""
     gossip_full_every: int = 4
-    """Every n-th round carries profiles and links; the others only heartbeats."""
+    """Every n-th round carries our own profile and links to every target (other rounds carry
+    heartbeats only)."""
+    gossip_sync_every: int = 10
+    """Every n-th round one random target gets the whole view with everyone's profile and links
+    (anti-entropy; with N members that message holds N*(N-1) link measurements)."""
     suspect_after_s: float = 2.0
     dead_after_s: float = 5.0
     probe_interval_s: float = 30.0
@@ -126,7 +130,8 @@ class ClusterConfig:
             if f.name.endswith("_s") and not (isinstance(value, int | float) and value > 0
                                               and math.isfinite(value)):
                 raise ConfigError(f"cluster.{f.name} must be a positive number, got {value!r}")
-        for name in ("gossip_fanout", "gossip_full_every", "probe_repeats", "probe_max_bytes",
+        for name in ("gossip_fanout", "gossip_full_every", "gossip_sync_every", "probe_repeats",
+                     "probe_max_bytes",
                      "probe_min_bytes", "max_members"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"cluster.{name} must be at least 1")
@@ -624,13 +629,21 @@ class Cluster:
         while True:
             now = time.monotonic()
             ms.beat(now, self._safe_profile(ms.me.profile))
-            # Profiles and links only every few rounds (they change rarely and are most of the
-            # bytes and the encoding work); heartbeats every round.
-            full = rounds % self.config.gossip_full_every == 0
+            # Heartbeats every round. Profiles and links are most of the bytes and the encoding
+            # work and change rarely: our own go to every target every `gossip_full_every`
+            # rounds; the whole view (everyone's) to one random target every
+            # `gossip_sync_every` rounds (anti-entropy), and to new contacts.
+            own = rounds % self.config.gossip_full_every == 0
+            sync = rounds % self.config.gossip_sync_every == 0
             rounds += 1
-            msg = self._gossip_message(full=full)
-            for peer in self._gossip_targets():
-                self._send_bg(peer, msg if peer not in self._contacts else self._gossip_message())
+            msg = self._gossip_message(full={self.node_id} if own else set())
+            targets = self._gossip_targets()
+            synced = next((p for p in targets if p not in self._contacts), None) if sync else None
+            for peer in targets:
+                if peer in self._contacts or peer == synced:
+                    self._send_bg(peer, self._gossip_message())
+                else:
+                    self._send_bg(peer, msg)
             # Jitter so rounds of many nodes do not synchronise.
             await asyncio.sleep(interval * self._rng.uniform(0.9, 1.1))
 
@@ -650,12 +663,14 @@ class Cluster:
                 targets.append(nid)
         return targets
 
-    def _gossip_message(self, full: bool = True) -> Gossip:
+    def _gossip_message(self, full: Collection[str] | None = None) -> Gossip:
+        """Our view; profiles and links only for the members in `full` (None: everyone)."""
         ms, el = self._membership, self._election
         assert ms is not None and el is not None
         leader = el.leader(time.monotonic())
         return Gossip(sender=self.node_id,
-                      members=tuple(record_to_wire(r, full) for r in ms.records()),
+                      members=tuple(record_to_wire(r, full is None or r.node_id in full)
+                                    for r in ms.records()),
                       term=el.term, leader=leader or "")
 
     async def _tick_loop(self) -> None:

@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     chk.add_argument("--tolerance", type=float, default=0.15, help="rate tolerance (0.15)")
     chk.add_argument("--rtt-tolerance-ms", type=float, default=2.0)
     chk.add_argument("--json", action="store_true", help="print only JSON on stdout")
+    chk.add_argument("--sample", action="store_true",
+                     help="one pair per (group, group, link) instead of every pair")
     st = sub.add_parser("status", help="what runs (all testbeds without a name)")
     st.add_argument("testbed", nargs="?")
     ex = sub.add_parser("exec", help="run a command inside a host: exec TESTBED HOST -- CMD")
@@ -149,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         # check
         tb = _find(args.testbed, args.state_dir)
         results = tb.check(duration_s=args.duration, rate_tolerance=args.tolerance,
-                           rtt_tolerance_s=args.rtt_tolerance_ms / 1e3)
+                           rtt_tolerance_s=args.rtt_tolerance_ms / 1e3,
+                           pairs=tb.topology.representative_pairs() if args.sample else None)
         if args.json:
             print(json.dumps([{"src": r.src, "dst": r.dst, "rate_bps": r.rate_bps,
                                "rtt_s": r.rtt_s, "measured_bps": r.measured_bps,

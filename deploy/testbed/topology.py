@@ -97,6 +97,18 @@ class Topology:
             return self.group_links[ga]
         return self.default
 
+    def representative_pairs(self) -> list[tuple[str, str]]:
+        """One ordered pair per (source group, destination group, link): what `check --sample`
+        measures on topologies too big to measure every pair (a host in no group is its own)."""
+        seen: set[tuple[str, str, LinkSpec]] = set()
+        out = []
+        for a, b in self.pairs():
+            key = (self.group_of(a) or a, self.group_of(b) or b, self.link(a, b))
+            if key not in seen:
+                seen.add(key)
+                out.append((a, b))
+        return out
+
     def pairs(self) -> list[tuple[str, str]]:
         """Every ordered pair of distinct hosts, in host order."""
         return [(a, b) for a in self.hosts for b in self.hosts if a != b]

@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from deploy.testbed import Testbed, list_namespaces, namespace_pids, testbed
+from deploy.testbed import (
+    Testbed,
+    detect_cgroup,
+    list_namespaces,
+    load_topology,
+    namespace_pids,
+    testbed,
+)
 from tests.netns.conftest import needs_delay_stage, needs_netns, snapshot
 
 pytestmark = [pytest.mark.netns, needs_netns]
@@ -99,7 +106,7 @@ def test_a_failed_up_removes_what_it_made(state_dir: Path, tmp_path: Path) -> No
     topo = tmp_path / "two.toml"
     topo.write_text('name = "two"\nhosts = ["x", "y"]\n[defaults]\nbandwidth = "10mbit"\n')
     with testbed(topo, name=name, state_dir=state_dir) as tb:
-        from deploy.testbed import TestbedError, load_topology
+        from deploy.testbed import TestbedError
 
         dup = Testbed(load_topology(topo), name=name, state_dir=state_dir,
                       topology_path=str(topo))
@@ -107,3 +114,54 @@ def test_a_failed_up_removes_what_it_made(state_dir: Path, tmp_path: Path) -> No
             dup.up()
         assert f"{name}-x" in list_namespaces()  # the first one is untouched
     _assert_gone(tb, [], before)
+
+
+def test_down_cleans_up_after_up_crashed_half_way(state_dir: Path) -> None:
+    """`up` dies (os._exit: no finally, no cleanup) after the namespaces, veths and qdiscs
+    exist; `down` in another process finds them all through the write-ahead state file."""
+    before = snapshot()
+    name = f"fzt{os.getpid() % 100000}k"
+    crash = (
+        "import os, sys\n"
+        "from pathlib import Path\n"
+        "from deploy.testbed import Testbed, load_topology\n"
+        "Testbed._cpu_quotas = lambda self: os._exit(9)\n"
+        f"tb = Testbed(load_topology('three-hosts'), name={name!r}, state_dir=Path(sys.argv[1]),"
+        " topology_path='three-hosts')\n"
+        "tb.up(delay=False)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-c", crash, str(state_dir)], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 9, res.stderr
+    left = [ns for ns in list_namespaces() if ns.startswith(f"{name}-")]
+    assert len(left) == 4  # the crash really left the testbed behind
+    out = subprocess.run(
+        [sys.executable, "-m", "deploy.testbed", "--state-dir", str(state_dir), "status"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=30).stdout
+    assert name in out
+    down = subprocess.run(
+        [sys.executable, "-m", "deploy.testbed", "--state-dir", str(state_dir), "down", "--all"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert down.returncode == 0, down.stderr
+    _assert_gone(Testbed(load_topology("three-hosts"), name=name, state_dir=state_dir), [],
+                 before)
+
+
+def test_cpu_quota_limits_a_hosts_processes(state_dir: Path, tmp_path: Path) -> None:
+    cg = detect_cgroup()
+    if cg.root is None:
+        pytest.skip(f"CPU quotas unavailable here: {cg.reason}")
+    topo = tmp_path / "quota.toml"
+    topo.write_text('name = "quota"\nhosts = ["x", "y"]\n[defaults]\nbandwidth = "1gbit"\n'
+                    '[host.y]\ncpu = 0.2\n')
+    spin = ("import os, time\n"
+            "t = time.monotonic()\n"
+            "while time.monotonic() - t < 1.0: pass\n"
+            "c = os.times()\n"
+            "print(c.user + c.system)\n")
+    with testbed(topo, name=f"fzt{os.getpid() % 100000}q", state_dir=state_dir) as tb:
+        assert tb.state["cgroups"] and all(Path(c).is_dir() for c in tb.state["cgroups"])
+        used = float(tb.run("y", [sys.executable, "-c", spin]))
+    # 0.2 of a core for ~1 s of wall clock (plus interpreter start-up inside the quota too).
+    assert used < 0.2 * 1.3 + 0.1, used
+    assert all(not Path(c).exists() for c in tb.state["cgroups"])

@@ -49,6 +49,15 @@ def test_two_groups_is_fast_inside_and_slow_between() -> None:
     assert between.rtt_s == pytest.approx(0.04)
 
 
+def test_sampled_pairs_cover_each_group_pair_once() -> None:
+    t = load_topology("two-groups")
+    sample = t.representative_pairs()
+    assert len(sample) == 4  # east-east, east-west, west-east, west-west
+    assert {(t.group_of(a), t.group_of(b)) for a, b in sample} == {
+        ("east", "east"), ("east", "west"), ("west", "east"), ("west", "west")}
+    assert len(load_topology("three-hosts").representative_pairs()) == 6
+
+
 def test_four_groups_has_the_papers_three_link_classes() -> None:
     t = load_topology("four-groups")
     rates = {t.link(a, b).bandwidth_bps for a, b in t.pairs()}

@@ -38,6 +38,8 @@ class Edge:
     src: int
     dst: int
     meta: ir.TensorMeta
+    producer: ir.Ref | None = None
+    """The value in the original graph: a node output, or the graph input (SOURCE edges)."""
 
     @property
     def id(self) -> str:
@@ -176,13 +178,13 @@ def _build_partition(
                 if key not in seen_in:
                     seen_in.add(key)
                     meta = graph.meta_of(a)
-                    in_edges.append(Edge(key, producer[a.name], p, meta))
+                    in_edges.append(Edge(key, producer[a.name], p, meta, a))
                     sub_inputs.append(ir.InputSpec(key, meta))
                 return ir.Ref(ir.RefKind.INPUT, key)
             if a.kind is ir.RefKind.INPUT and a.name not in seen_in:
                 seen_in.add(a.name)
                 meta = graph.meta_of(a)
-                in_edges.append(Edge(a.name, SOURCE, p, meta))
+                in_edges.append(Edge(a.name, SOURCE, p, meta, a))
                 sub_inputs.append(ir.InputSpec(a.name, meta))
             return a
         if isinstance(a, tuple):
@@ -212,11 +214,11 @@ def _build_partition(
         if r.name in node_ids:
             meta = graph.meta_of(r)
             sub_outputs.append(ir.OutputSpec(key, r))
-            out_edges.extend(Edge(key, p, d, meta) for d in dsts)
+            out_edges.extend(Edge(key, p, d, meta, r) for d in dsts)
     for o in graph.outputs:
         if o.ref.kind is ir.RefKind.NODE and o.ref.name in node_ids:
             sub_outputs.append(ir.OutputSpec(o.name, o.ref))
-            out_edges.append(Edge(o.name, p, SINK, graph.meta_of(o.ref)))
+            out_edges.append(Edge(o.name, p, SINK, graph.meta_of(o.ref), o.ref))
     updates = {b: r for b, r in graph.buffer_updates.items() if r.name in node_ids}
     params.update(dict.fromkeys(updates))
     pmap = graph.param_map

@@ -207,3 +207,17 @@ def test_received_tensors_need_not_keep_traced_strides() -> None:
     for n, p in m.named_parameters():
         assert p.grad is not None
         assert_close_rel(got[n], p.grad, n)
+
+
+def test_edges_name_their_producer() -> None:
+    g = case("gpt2").captured.graph
+    parts = partition(g, interleaved_assignment(g, 3, seed=1))
+    nodes_of = {p.id: set(p.node_ids) for p in parts}
+    for p in parts:
+        for e in (*p.inputs, *p.outputs):
+            assert e.producer is not None
+            assert g.meta_of(e.producer) == e.meta
+            if e.src == SOURCE:
+                assert e.producer == ir.Ref(ir.RefKind.INPUT, e.value)
+            else:
+                assert e.producer.name in nodes_of[e.src]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from deploy.testbed.bed import (
     DEFAULT_STATE_DIR,
+    LATENCY_MODES,
     Testbed,
     TestbedError,
     recorded_testbeds,
@@ -53,8 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("up", help="build a testbed from a topology (file or bundled name)")
     up.add_argument("topology")
     up.add_argument("--name", default=None, help="testbed name (default fzt<pid>)")
-    up.add_argument("--no-delay", action="store_true",
-                    help="do not emulate latency (no NFQUEUE stage): rates only")
+    up.add_argument("--latency", choices=LATENCY_MODES, default="auto",
+                    help="how RTTs are emulated: netem (kernel qdisc), nfqueue (userspace "
+                    "delay stage on the bridge), auto (netem if the kernel has it, else "
+                    "nfqueue; default), none (rates only)")
     up.add_argument("--start-cmd", default=None, metavar="TEMPLATE",
                     help="shell command started in each host; placeholders {host} {addr} "
                     "{index} {ns} {name} {work} {peers} {first}")
@@ -100,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             path = str(resolve_path(args.topology).resolve())
             tb = Testbed(load_topology(path), name=args.name, state_dir=args.state_dir,
                          topology_path=path)
-            tb.up(delay=not args.no_delay)
+            tb.up(latency=args.latency)
             try:
                 if args.start_cmd:
                     tb.start_each(args.start_cmd)

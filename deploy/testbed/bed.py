@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -136,6 +136,43 @@ def detect_cgroup() -> CgroupSupport:
             return CgroupSupport("v1", Path(path))
     return CgroupSupport("none", None, "no writable cgroup v2 with the cpu controller, "
                          "nor a cgroup v1 cpu hierarchy")
+
+
+def shaping_commands(topo: Topology, host: str, address: Callable[[str], str], *,
+                     netem: bool = False) -> list[list[str]]:
+    """The tc commands shaping `host`'s egress (``eth0``): htb, one class per destination at
+    the pair's rate, a u32 filter on the destination address; with `netem`, each class's leaf
+    is a netem qdisc adding half the pair's RTT (the other half is added the other way)."""
+    # default 0: traffic no filter claims (ARP) leaves unshaped.
+    cmds = [["tc", "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "0"]]
+    for j, dst in enumerate(topo.hosts):
+        if dst == host:
+            continue
+        spec = topo.link(host, dst)
+        rate = spec.bandwidth_bps
+        byte_rate = rate // 8
+        # Burst: 1 ms at the rate (at least a few MTUs), so a fast class is not starved by
+        # timer granularity; quantum within htb's sane range to share fairly.
+        burst = max(4 * topo.mtu, byte_rate // 1000)
+        quantum = max(topo.mtu + 14, min(200_000, byte_rate // 1000))
+        minor = 0x100 + j
+        cls = f"1:{minor:x}"
+        cmds.append(["tc", "class", "add", "dev", "eth0", "parent", "1:", "classid", cls, "htb",
+                     "rate", f"{rate}bit", "ceil", f"{rate}bit", "burst", str(burst),
+                     "cburst", str(burst), "quantum", str(quantum)])
+        if netem and spec.rtt_s > 0:
+            # The leaf queue holds a bandwidth-delay product and more, or netem drops.
+            limit = max(1000, int(byte_rate * spec.rtt_s / topo.mtu) * 4)
+            cmds.append(["tc", "qdisc", "add", "dev", "eth0", "parent", cls, "handle",
+                         f"{minor:x}:", "netem", "delay", f"{spec.rtt_s / 2 * 1e6:.0f}us",
+                         "limit", str(limit)])
+        cmds.append(["tc", "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip",
+                     "prio", "1", "u32", "match", "ip", "dst", f"{address(dst)}/32",
+                     "flowid", cls])
+    return cmds
+
+
+LATENCY_MODES = ("auto", "netem", "nfqueue", "none")
 
 
 @dataclass
@@ -259,8 +296,14 @@ class Testbed:
 
     # -- up --------------------------------------------------------------------------------
 
-    def up(self, *, delay: bool = True, tcp_buffers: bool = True) -> None:
-        """Build the testbed; on any failure, remove what was made and raise TestbedError."""
+    def up(self, *, latency: str = "auto", tcp_buffers: bool = True) -> None:
+        """Build the testbed; on any failure, remove what was made and raise TestbedError.
+
+        `latency`: "netem" (a netem leaf per htb class), "nfqueue" (the userspace delay stage
+        on the bridge), "auto" (netem where the kernel has it, else nfqueue) or "none".
+        """
+        if latency not in LATENCY_MODES:
+            raise TestbedError(f"latency {latency!r}: one of {', '.join(LATENCY_MODES)}")
         if self.state_file.exists():
             raise TestbedError(f"testbed {self.name} already exists ({self.state_file}); "
                                f"run `python -m deploy.testbed down {self.name}` first")
@@ -272,7 +315,7 @@ class Testbed:
                       "cgroups": [], "pids": [], "warnings": []}
         self._save()
         try:
-            self._build(delay=delay, tcp_buffers=tcp_buffers)
+            self._build(latency=latency, tcp_buffers=tcp_buffers)
         except BaseException:
             self.down()
             raise
@@ -284,8 +327,15 @@ class Testbed:
         _run(["ip", "netns", "add", ns])
         _run(["ip", "-n", ns, "link", "set", "lo", "up"])
 
-    def _build(self, *, delay: bool, tcp_buffers: bool) -> None:
+    def _build(self, *, latency: str, tcp_buffers: bool) -> None:
         topo, br = self.topology, self.bridge_ns
+        rtts = [(a, b) for a, b in topo.pairs() if topo.link(a, b).rtt_s > 0]
+        if rtts and latency == "auto":
+            latency = "netem" if kernel_has_netem() else "nfqueue"
+        elif not rtts:
+            latency = "none"
+        self.state["delay"] = latency
+        self._save()
         mtu = str(topo.mtu)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._add_ns(br)
@@ -305,42 +355,21 @@ class Testbed:
                 # A fresh measurement must not start from a previous connection's cwnd.
                 _run(["ip", "netns", "exec", ns, "sysctl", "-qw",
                       "net.ipv4.tcp_no_metrics_save=1"])
-            self._shape(host)
+            self._shape(host, netem=latency == "netem")
         self._cpu_quotas()
-        rtts = [(a, b) for a, b in topo.pairs() if topo.link(a, b).rtt_s > 0]
-        self.state["delay"] = "none"
-        if rtts and delay:
+        if latency == "nfqueue":
             self._start_delay(rtts)
-        elif rtts:
-            self._warn("latency not emulated (--no-delay): RTTs are the bare veth's")
+        elif rtts and latency == "none":
+            self._warn("latency not emulated (latency none): RTTs are the bare veth's")
 
     def _warn(self, msg: str) -> None:
         self.state.setdefault("warnings", []).append(msg)
         self._save()
         warnings.warn(f"testbed {self.name}: {msg}", RuntimeWarning, stacklevel=3)
 
-    def _shape(self, host: str) -> None:
-        """htb on the host's egress: one class per destination at the pair's rate."""
-        topo, ns = self.topology, self.ns(host)
-        tc = ["ip", "netns", "exec", ns, "tc"]
-        # default 0: traffic no filter claims (ARP) leaves unshaped.
-        _run([*tc, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "0"])
-        for j, dst in enumerate(topo.hosts):
-            if dst == host:
-                continue
-            rate = topo.link(host, dst).bandwidth_bps
-            byte_rate = rate // 8
-            # Burst: 1 ms at the rate (at least a few MTUs), so a fast class is not starved by
-            # timer granularity; quantum within htb's sane range to share fairly.
-            burst = max(4 * topo.mtu, byte_rate // 1000)
-            quantum = max(topo.mtu + 14, min(200_000, byte_rate // 1000))
-            cls = f"1:{0x100 + j:x}"
-            _run([*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", cls, "htb",
-                  "rate", f"{rate}bit", "ceil", f"{rate}bit", "burst", str(burst),
-                  "cburst", str(burst), "quantum", str(quantum)])
-            _run([*tc, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip",
-                  "prio", "1", "u32", "match", "ip", "dst", f"{self.address(dst)}/32",
-                  "flowid", cls])
+    def _shape(self, host: str, netem: bool) -> None:
+        for cmd in shaping_commands(self.topology, host, self.address, netem=netem):
+            _run(["ip", "netns", "exec", self.ns(host), *cmd])
 
     def _cpu_quotas(self) -> None:
         quotas = self.topology.cpu
@@ -366,16 +395,12 @@ class Testbed:
     def _start_delay(self, pairs: list[tuple[str, str]]) -> None:
         """The NFQUEUE delay stage in the bridge namespace, then the iptables rules feeding it."""
         topo, br = self.topology, self.bridge_ns
-        if kernel_has_netem():
-            # A kernel with netem could use it on the bridge ports; this one (and CI's) has
-            # none, and one mechanism everywhere keeps results comparable.
-            self._warn("netem is available but the userspace delay stage is used")
         try:
             import netfilterqueue  # noqa: F401
         except ImportError as exc:
             raise TestbedError("latency needs the NetfilterQueue package (pip install "
-                               "NetfilterQueue; Debian: libnetfilter-queue-dev), or run with "
-                               "--no-delay") from exc
+                               "NetfilterQueue; Debian: libnetfilter-queue-dev), or use "
+                               "--latency none") from exc
         _run(["which", "iptables"])
         _run(["ip", "netns", "exec", br, "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=1"])
         cfg = self.work_dir / "delays.json"
@@ -384,7 +409,6 @@ class Testbed:
         log = self.work_dir / "delay.log"
         proc = self._spawn(br, [sys.executable, "-m", "deploy.testbed.delay", "--queue", "0",
                                 "--config", str(cfg)], log, cgroup=None)
-        self.state["delay"] = "nfqueue"
         self.wait_ready(proc, log, "delay stage")
         for a, b in pairs:
             _run(["ip", "netns", "exec", br, "iptables", "-w", "-A", "FORWARD",
@@ -629,13 +653,13 @@ def remove_stray(state_dir: Path = DEFAULT_STATE_DIR) -> list[str]:
 
 @contextlib.contextmanager
 def testbed(topology: str | Path | Topology, *, name: str | None = None,
-            state_dir: Path = DEFAULT_STATE_DIR, delay: bool = True) -> Iterator[Testbed]:
+            state_dir: Path = DEFAULT_STATE_DIR, latency: str = "auto") -> Iterator[Testbed]:
     """``with testbed("three-hosts") as tb:`` builds it and always removes it."""
     if isinstance(topology, Topology):
         raise TestbedError("pass a topology path or name: `down` reloads it from the state")
     path = str(resolve_path(topology).resolve())
     tb = Testbed(load_topology(path), name=name, state_dir=state_dir, topology_path=path)
-    tb.up(delay=delay)
+    tb.up(latency=latency)
     try:
         yield tb
     finally:

@@ -29,7 +29,11 @@ needs_netns = pytest.mark.skipif(NETNS_SKIP is not None, reason=NETNS_SKIP or ""
 
 
 def needs_delay_stage() -> str | None:
-    """Why latency cannot be emulated here (None: it can)."""
+    """Why latency cannot be emulated here (None: it can, by netem or the NFQUEUE stage)."""
+    from deploy.testbed.bed import kernel_has_netem
+
+    if kernel_has_netem():
+        return None
     if shutil.which("iptables") is None:
         return "needs iptables (Debian package iptables) for the NFQUEUE delay stage"
     try:

@@ -6,6 +6,7 @@ import tomllib
 
 import pytest
 
+from deploy.testbed.bed import shaping_commands
 from deploy.testbed.topology import (
     TOPOLOGY_DIR,
     TopologyError,
@@ -123,3 +124,27 @@ def test_bad_topologies_name_what_is_wrong(doc: str, match: str) -> None:
 def test_an_unknown_topology_lists_the_bundled_ones() -> None:
     with pytest.raises(TopologyError, match="three-hosts"):
         load_topology("no-such-topology")
+
+
+def test_shaping_has_one_htb_class_and_filter_per_destination() -> None:
+    t = load_topology("three-hosts")
+    addr = {"a": "10.250.0.1", "b": "10.250.0.2", "c": "10.250.0.3"}.__getitem__
+    cmds = [" ".join(c) for c in shaping_commands(t, "a", addr)]
+    assert cmds[0].startswith("tc qdisc add dev eth0 root handle 1: htb default 0")
+    classes = [c for c in cmds if " class add " in c]
+    filters = [c for c in cmds if " filter add " in c]
+    assert len(classes) == len(filters) == 2
+    assert "rate 50000000bit ceil 50000000bit" in classes[0]  # a -> b
+    assert "rate 20000000bit ceil 20000000bit" in classes[1]  # a -> c
+    assert filters[0].endswith("match ip dst 10.250.0.2/32 flowid 1:101")
+    assert filters[1].endswith("match ip dst 10.250.0.3/32 flowid 1:102")
+    assert not any("netem" in c for c in cmds)
+
+
+def test_with_netem_each_class_delays_half_the_rtt() -> None:
+    t = load_topology("three-hosts")
+    addr = {"a": "10.250.0.1", "b": "10.250.0.2", "c": "10.250.0.3"}.__getitem__
+    netem = [" ".join(c) for c in shaping_commands(t, "c", addr, netem=True) if "netem" in c]
+    assert len(netem) == 2
+    assert "parent 1:100 handle 100: netem delay 15000us" in netem[0]  # c -> a: 30 ms RTT
+    assert "parent 1:101 handle 101: netem delay 2000us" in netem[1]  # c -> b: 4 ms RTT

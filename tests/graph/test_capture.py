@@ -126,3 +126,22 @@ def test_bad_dynamic_spec_is_refused() -> None:
             loss=nn.functional.mse_loss,
             dynamic=[{0: "batch"}],
         )
+
+
+class ReturnsLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.lin(x), y)
+
+
+def test_model_that_returns_its_loss() -> None:
+    m = ReturnsLoss()
+    c = capture(m, (torch.randn(3, 4), torch.randn(3, 2)))
+    assert [i.name for i in c.graph.inputs] == ["input0", "input1"]
+    assert c.graph.inputs[1].meta.shape == ("batch", 2)
+    x, y = torch.randn(5, 4), torch.randn(5, 2)
+    (loss,) = build_program(c.graph, c.state)(x, y)
+    torch.testing.assert_close(loss, m(x, y))

@@ -221,3 +221,16 @@ def test_edges_name_their_producer() -> None:
                 assert e.producer == ir.Ref(ir.RefKind.INPUT, e.value)
             else:
                 assert e.producer.name in nodes_of[e.src]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_scattered_assignments_stay_exact(seed: int) -> None:
+    c = case("fanout")
+    want_loss, want_grads = c.eager()
+    g = c.captured.graph
+    for parts in (2, 4, 6):
+        d = Driver(g, interleaved_assignment(g, parts, seed=seed), c.captured.state)
+        assert_close_rel(d.forward_backward(list(c.batch))["loss"], want_loss, "loss")
+        got = d.named_grads()
+        for name, w in want_grads.items():
+            assert_close_rel(got[name], w, f"seed {seed}, {parts} parts: {name}")

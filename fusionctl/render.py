@@ -147,6 +147,8 @@ def render_status(data: Mapping[str, Any]) -> None:
                 f"torch {prof.get('torch_version')}")
     if data.get("warning"):
         c.print(f"WARNING    {data['warning']}")
+    if node.get("denied"):
+        c.print(f"refusing   {', '.join(node['denied'])} (removed)")
     if view is None:
         c.print("scheduler  (none)")
         c.print("peers      (none)")

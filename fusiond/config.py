@@ -100,7 +100,11 @@ class ClusterSection:
     gossip_fanout: int = 3
     """Random live peers each gossip round goes to (plus one dead one, to heal partitions)."""
     gossip_full_every: int = 4
-    """Every n-th gossip round carries profiles and links; the others only heartbeats."""
+    """Every n-th gossip round carries our own profile and links to every target; the others
+    only heartbeats."""
+    gossip_sync_every: int = 10
+    """Every n-th gossip round one random target gets the whole view with everyone's profile
+    and links (anti-entropy)."""
     suspect_after_s: float = 5.0
     """No news of a member for this long: it is suspect."""
     dead_after_s: float = 15.0

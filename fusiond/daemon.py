@@ -58,6 +58,9 @@ log = logging.getLogger("fusiond")
 
 LEFT_MARKER = "left"
 """File in the state dir: this node left its cluster; do not rejoin until `fusionctl join`."""
+DENIED_FILE = "denied.json"
+"""Members removed here with `fusionctl remove`: the transport refuses them even though their
+certificates are still valid (there is no revocation yet; docs/security.md)."""
 BOOTSTRAP_FILE = "bootstrap.json"
 """Addresses learned from `fusionctl join`, kept so a restart finds the cluster again."""
 PLAINTEXT_CLUSTER_ID = "insecure-dev"
@@ -378,6 +381,20 @@ class Daemon:
         tmp.write_text(json.dumps(known))
         tmp.replace(self.state_dir / BOOTSTRAP_FILE)
 
+    def _load_denied(self) -> set[str]:
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            data = json.loads((self.state_dir / DENIED_FILE).read_text())
+            if isinstance(data, list):
+                return {a for a in data if isinstance(a, str)}
+        return set()
+
+    def _deny(self, node_id: str) -> set[str]:
+        denied = self._load_denied() | {node_id}
+        tmp = self.state_dir / (DENIED_FILE + ".tmp")
+        tmp.write_text(json.dumps(sorted(denied)))
+        tmp.replace(self.state_dir / DENIED_FILE)
+        return denied
+
     def _load_bootstrap_file(self) -> list[str]:
         with contextlib.suppress(FileNotFoundError, ValueError):
             data = json.loads((self.state_dir / BOOTSTRAP_FILE).read_text())
@@ -420,6 +437,11 @@ class Daemon:
             )
             self.net = net
             await self._start_service("net", net)
+            denied = self._load_denied()
+            if denied:
+                net.set_denied(denied)
+                log.info("refusing %d removed member(s): %s", len(denied),
+                         ", ".join(sorted(denied)))
             self.address = advertise_address(cfg, net.address)
             net.advertise = self.address
             if is_loopback(self.address[0]) and not is_loopback(net.address[0]):
@@ -518,6 +540,7 @@ class Daemon:
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started_at, 3),
             "profile": self.profiler() if self.profiler else None,
+            "denied": sorted(self._load_denied()),
         }
 
     def status(self) -> dict[str, Any]:
@@ -687,7 +710,10 @@ class Daemon:
         if node_id == self.node_id:
             raise ApiError(400, "self", "use `fusionctl leave` to remove this node")
         await self.cluster.remove(node_id)
-        return {"removed": node_id, "next": "fusionctl status"}
+        denied = self._deny(node_id)
+        if self.net is not None:
+            self.net.set_denied(denied)
+        return {"removed": node_id, "denied": sorted(denied), "next": "fusionctl status"}
 
     async def test_block(self, node_ids: list[str]) -> dict[str, Any]:
         if not self.cfg.net.test_drop_switch or self.net is None:

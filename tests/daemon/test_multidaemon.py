@@ -288,6 +288,16 @@ def test_lost_majority_is_recovered_by_removing_the_dead(
         assert fusionctl(["--socket", survivor.socket, "remove", nid]) == 0
     agreed, _ = c.wait_agreement([survivor], timeout=AGREE_S)
     assert agreed["leader"] == c.node_id(survivor)
+    # a removed member that comes back with its still-valid certificate is refused here
+    back = gone[0]
+    back.settings = merge(back.settings, {"cluster": {"bootstrap": [c.address(survivor)]}})
+    back.start()
+    c.wait_for(lambda: (f"node {gone_ids[0]} was removed" in survivor.log_text(), "not yet"),
+               AGREE_S, "the removed node refused")
+    again = summary(survivor.status())
+    assert again["alive"] == [c.node_id(survivor)] and again["leader"] == c.node_id(survivor)
+    st = survivor.status()
+    assert st is not None and gone_ids[0] in st["node"]["denied"]
 
 
 @pytest.mark.slow

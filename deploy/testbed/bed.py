@@ -383,6 +383,11 @@ class Testbed:
             path = cg.root / f"fusion-testbed-{self.name}-{host}"
             self._record("cgroups", str(path))
             try:
+                if cg.kind == "v2":
+                    # Children get a cpu.max only when the parent delegates the controller.
+                    ctl = cg.root / "cgroup.subtree_control"
+                    if "cpu" not in ctl.read_text().split():
+                        ctl.write_text("+cpu")
                 path.mkdir(exist_ok=True)
                 if cg.kind == "v2":
                     (path / "cpu.max").write_text(f"{int(cores * 100_000)} 100000")
@@ -450,21 +455,27 @@ class Testbed:
         raise TestbedError(f"{what} did not start: {log.read_text(errors='replace')[-2000:]}")
 
     def exec(self, host: str, argv: Sequence[str], *, log: Path | None = None,
-             env: Mapping[str, str] | None = None, **popen: Any) -> subprocess.Popen[bytes]:
-        """Start `argv` inside `host` (its namespace and CPU cgroup); `down` kills it.
+             env: Mapping[str, str] | None = None, cpu_quota: bool = True,
+             **popen: Any) -> subprocess.Popen[bytes]:
+        """Start `argv` inside `host` (its namespace and, unless `cpu_quota` is False, its CPU
+        cgroup); `down` kills it.
 
         Output goes to `log` (default ``<work_dir>/<host>.log``) unless `stdout` is given.
         """
         ns = self.ns(host)
         cg = next((c for c in self.state.get("cgroups", [])
                    if c.endswith(f"-{self.name}-{host}") and Path(c).is_dir()), None)
+        if not cpu_quota:
+            cg = None
         if log is None and "stdout" not in popen:
             log = self.work_dir / f"{host}.log"
         return self._spawn(ns, argv, log, cgroup=cg, env=env, **popen)
 
-    def run(self, host: str, argv: Sequence[str], timeout: float = 60.0) -> str:
+    def run(self, host: str, argv: Sequence[str], timeout: float = 60.0, *,
+            cpu_quota: bool = True) -> str:
         """Run `argv` in `host` to completion; its stdout (TestbedError when it fails)."""
-        proc = self.exec(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = self.exec(host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         cpu_quota=cpu_quota)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired as exc:
@@ -504,8 +515,11 @@ class Testbed:
             for host in topo.hosts:
                 log = self.work_dir / f"meter-{host}.log"
                 log.write_text("")
+                # The meters run outside the hosts' CPU quotas: check measures the network,
+                # not how fast a slowed-down host can push bytes.
                 proc = self.exec(host, [sys.executable, "-m", "deploy.testbed.meter", "serve",
-                                        self.address(host), str(METER_PORT)], log=log)
+                                        self.address(host), str(METER_PORT)], log=log,
+                                 cpu_quota=False)
                 servers.append(proc)
                 self.wait_ready(proc, log, f"meter on {host}")
             results = []
@@ -518,7 +532,7 @@ class Testbed:
                     out = self.run(a, [sys.executable, "-m", "deploy.testbed.meter", "measure",
                                        self.address(b), str(METER_PORT), "--bytes", str(nbytes),
                                        "--pings", str(pings)],
-                                   timeout=30 + 10 * duration_s)
+                                   timeout=30 + 10 * duration_s, cpu_quota=False)
                     got = json.loads(out.strip().splitlines()[-1])
                     res.measured_bps = got["bandwidth_bps"]
                     res.measured_rtt_s = got["rtt_s"]

@@ -16,6 +16,7 @@ from deploy.testbed.bed import (
     LATENCY_MODES,
     Testbed,
     TestbedError,
+    down_recorded,
     recorded_testbeds,
     remove_stray,
     stray_namespaces,
@@ -123,14 +124,16 @@ def main(argv: list[str] | None = None) -> int:
             if args.all:
                 bad = []
                 for name in recorded_testbeds(args.state_dir):
-                    bad += Testbed.load(name, args.state_dir).down()
+                    bad += down_recorded(name, args.state_dir)
                     print(f"removed {name}")
                 for ns in remove_stray(args.state_dir):
                     print(f"removed stray namespace {ns}")
             else:
-                tb = _find(args.testbed, args.state_dir)
-                bad = tb.down()
-                print(f"removed {tb.name}")
+                # By name from the state alone (works even if the topology no longer parses).
+                name = (args.testbed if args.testbed in recorded_testbeds(args.state_dir)
+                        else _find(args.testbed, args.state_dir).name)
+                bad = down_recorded(name, args.state_dir)
+                print(f"removed {name}")
             for b in bad:
                 print(f"NOT removed: {b}", file=sys.stderr)
             return 1 if bad else 0

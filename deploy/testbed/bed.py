@@ -25,17 +25,25 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import tomllib
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from deploy.testbed.topology import Topology, format_rate, load_topology, resolve_path
+from deploy.testbed.topology import (
+    Topology,
+    format_rate,
+    load_topology,
+    parse_topology,
+    resolve_path,
+)
 
 DEFAULT_STATE_DIR = Path(os.environ.get("FUSION_TESTBED_STATE", "/run/fusion-testbed"))
 SUBNET = "10.250.0"
@@ -289,8 +297,12 @@ class Testbed:
             state = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise TestbedError(f"no testbed {name!r} under {state_dir} ({exc})") from exc
-        tb = cls(load_topology(state["topology_path"]), name=name, state_dir=Path(state_dir),
-                 topology_path=state["topology_path"])
+        # The topology as it was at `up` (the file may have changed or gone since).
+        text = state.get("topology_toml")
+        topo = (parse_topology(tomllib.loads(text), state.get("topology_path", name)) if text
+                else load_topology(state["topology_path"]))
+        tb = cls(topo, name=name, state_dir=Path(state_dir),
+                 topology_path=state.get("topology_path", ""))
         tb.state = state
         return tb
 
@@ -308,11 +320,13 @@ class Testbed:
             raise TestbedError(f"testbed {self.name} already exists ({self.state_file}); "
                                f"run `python -m deploy.testbed down {self.name}` first")
         for tool in ("ip", "tc"):
-            _run(["which", tool])
+            if shutil.which(tool) is None:
+                raise TestbedError(f"`{tool}` not found: install iproute2")
         self.state = {"name": self.name, "topology_path": self.topology_path,
-                      "topology": self.topology.name, "created_at": time.time(),
-                      "creator_pid": os.getpid(), "complete": False, "namespaces": [],
-                      "cgroups": [], "pids": [], "warnings": []}
+                      "topology": self.topology.name, "topology_toml": self.topology.source,
+                      "created_at": time.time(), "creator_pid": os.getpid(),
+                      "complete": False, "namespaces": [], "cgroups": [], "pids": [],
+                      "warnings": []}
         self._save()
         try:
             self._build(latency=latency, tcp_buffers=tcp_buffers)
@@ -406,7 +420,8 @@ class Testbed:
             raise TestbedError("latency needs the NetfilterQueue package (pip install "
                                "NetfilterQueue; Debian: libnetfilter-queue-dev), or use "
                                "--latency none") from exc
-        _run(["which", "iptables"])
+        if shutil.which("iptables") is None:
+            raise TestbedError("the delay stage needs iptables (Debian package iptables)")
         _run(["ip", "netns", "exec", br, "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=1"])
         cfg = self.work_dir / "delays.json"
         cfg.write_text(json.dumps({"delays": [
@@ -575,38 +590,7 @@ class Testbed:
 
         Returns what could not be removed (empty when clean).
         """
-        problems: list[str] = []
-        namespaces = list(self.state.get("namespaces", []))
-        live = set(list_namespaces())
-        # Hosts first, the bridge (and its delay stage) last: no packet is stranded in a
-        # queue whose reader is gone while senders still run.
-        for ns in sorted(namespaces, key=lambda n: n == self.bridge_ns):
-            if ns in live:
-                kill_namespace_processes(ns)
-        for pid in self.state.get("pids", []):
-            # Wrappers (sh, ip netns exec) outside the namespace: ours, recorded at spawn.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                if _is_testbed_process(pid):
-                    os.kill(pid, signal.SIGKILL)
-        for ns in namespaces:
-            if ns in live:
-                res = _run(["ip", "netns", "del", ns], check=False)
-                if res.returncode != 0:
-                    problems.append(f"namespace {ns}: {res.stderr.strip()}")
-        for cg in self.state.get("cgroups", []):
-            path = Path(cg)
-            if path.is_dir():
-                try:
-                    path.rmdir()
-                except OSError as exc:
-                    problems.append(f"cgroup {cg}: {exc}")
-        if not problems:
-            for d in self.state.get("dirs", []):
-                _rmtree(Path(d))
-            with contextlib.suppress(FileNotFoundError):
-                self.state_file.unlink()
-            _rmtree(self.work_dir)
-        return problems
+        return teardown(self.name, self.state, self.state_dir)
 
     def __enter__(self) -> Testbed:
         return self
@@ -615,13 +599,49 @@ class Testbed:
         self.down()
 
 
-def _is_testbed_process(pid: int) -> bool:
-    """Whether `pid` still runs one of our wrappers (guards against a reused pid)."""
+def teardown(name: str, state: Mapping[str, Any], state_dir: Path) -> list[str]:
+    """Remove what `state` records for testbed `name`: the processes inside its namespaces
+    (found through the namespaces, never by pid or name: a pid may have been reused), the
+    namespaces (their veths, qdiscs and iptables rules go with them), cgroups, directories,
+    then the state file. Needs nothing but the state, so it works when the topology is gone.
+    Returns what could not be removed."""
+    problems: list[str] = []
+    namespaces = list(state.get("namespaces", []))
+    live = set(list_namespaces())
+    # Hosts first, the bridge (and its delay stage) last: senders stop before the stage that
+    # holds their packets.
+    for ns in sorted(namespaces, key=lambda n: n == f"{name}-bridge"):
+        if ns in live:
+            kill_namespace_processes(ns)
+    for ns in namespaces:
+        if ns in live:
+            res = _run(["ip", "netns", "del", ns], check=False)
+            if res.returncode != 0:
+                problems.append(f"namespace {ns}: {res.stderr.strip()}")
+    for cg in state.get("cgroups", []):
+        path = Path(cg)
+        if path.is_dir():
+            try:
+                path.rmdir()
+            except OSError as exc:
+                problems.append(f"cgroup {cg}: {exc}")
+    if not problems:
+        for d in state.get("dirs", []):
+            _rmtree(Path(d))
+        with contextlib.suppress(FileNotFoundError):
+            (Path(state_dir) / f"{name}.json").unlink()
+        _rmtree(Path(state_dir) / name)
+    return problems
+
+
+def down_recorded(name: str, state_dir: Path = DEFAULT_STATE_DIR) -> list[str]:
+    """`teardown` of a recorded testbed from its state file alone (any process, any time)."""
+    path = Path(state_dir) / f"{name}.json"
     try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return bool(cmd) and cmd[0] in (b"sh", b"ip")
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise TestbedError(f"no readable state for testbed {name!r} at {path} ({exc})") from exc
+    return teardown(name, state, Path(state_dir))
 
 
 def _rmtree(path: Path) -> None:
@@ -670,9 +690,10 @@ def testbed(topology: str | Path | Topology, *, name: str | None = None,
             state_dir: Path = DEFAULT_STATE_DIR, latency: str = "auto") -> Iterator[Testbed]:
     """``with testbed("three-hosts") as tb:`` builds it and always removes it."""
     if isinstance(topology, Topology):
-        raise TestbedError("pass a topology path or name: `down` reloads it from the state")
-    path = str(resolve_path(topology).resolve())
-    tb = Testbed(load_topology(path), name=name, state_dir=state_dir, topology_path=path)
+        tb = Testbed(topology, name=name, state_dir=state_dir)
+    else:
+        path = str(resolve_path(topology).resolve())
+        tb = Testbed(load_topology(path), name=name, state_dir=state_dir, topology_path=path)
     tb.up(latency=latency)
     try:
         yield tb

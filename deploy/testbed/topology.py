@@ -70,6 +70,8 @@ class Topology:
     """Host -> CPU quota in cores (0.5 = half a core); absent = unlimited."""
     mtu: int = 1500
     description: str = ""
+    source: str = ""
+    """The TOML text it was parsed from (kept in a testbed's state), when known."""
 
     def group_of(self, host: str) -> str | None:
         """The group `host` belongs to, if any."""
@@ -166,8 +168,12 @@ def _spec(table: Mapping[str, Any], where: str, fallback: LinkSpec | None,
     return LinkSpec(bw, rtt)
 
 
-def parse_topology(data: Mapping[str, Any], source: str = "<topology>") -> Topology:
-    """Validate a decoded TOML document into a Topology; TopologyError names what is wrong."""
+def parse_topology(data: Mapping[str, Any], source: str = "<topology>",
+                   text: str = "") -> Topology:
+    """Validate a decoded TOML document into a Topology; TopologyError names what is wrong.
+
+    `source` names the file in errors; `text` (the TOML itself) is kept as `Topology.source`.
+    """
     top_keys = {"name", "description", "mtu", "defaults", "group", "hosts", "link", "host"}
     unknown = set(data) - top_keys
     if unknown:
@@ -253,7 +259,7 @@ def parse_topology(data: Mapping[str, Any], source: str = "<topology>") -> Topol
         raise TopologyError(f"{source}: description must be a string")
     return Topology(name=name, hosts=tuple(hosts), groups=groups, default=default,
                     group_links=group_links, pair_links=pair_links, cpu=cpu, mtu=mtu,
-                    description=desc)
+                    description=desc, source=text)
 
 
 def resolve_path(name_or_path: str | Path) -> Path:
@@ -271,11 +277,12 @@ def resolve_path(name_or_path: str | Path) -> Path:
 def load_topology(name_or_path: str | Path) -> Topology:
     """Read and validate a topology file (a path or a bundled name)."""
     path = resolve_path(name_or_path)
+    text = path.read_text()
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise TopologyError(f"{path}: {exc}") from exc
-    return parse_topology(data, str(path))
+    return parse_topology(data, str(path), text)
 
 
 def format_rate(bps: float) -> str:

@@ -166,3 +166,19 @@ def test_cpu_quota_limits_a_hosts_processes(state_dir: Path, tmp_path: Path) -> 
     # 0.2 of a core for ~1 s of wall clock (plus interpreter start-up inside the quota too).
     assert used < 0.2 * 1.3 + 0.1, used
     assert all(not Path(c).exists() for c in tb.state["cgroups"])
+
+
+def test_the_state_keeps_the_topology_when_its_file_is_gone(
+        state_dir: Path, tmp_path: Path) -> None:
+    before = snapshot()
+    name = f"fzt{os.getpid() % 100000}g"
+    topo = tmp_path / "gone.toml"
+    topo.write_text('name = "gone"\nhosts = ["x", "y"]\n[defaults]\nbandwidth = "10mbit"\n')
+    tb = Testbed(load_topology(topo), name=name, state_dir=state_dir, topology_path=str(topo))
+    tb.up(latency="none")
+    topo.unlink()
+    again = Testbed.load(name, state_dir)
+    assert again.topology.link("x", "y").bandwidth_bps == 10_000_000
+    assert f"{name}-y" in again.describe()
+    assert again.down() == []
+    _assert_gone(tb, [], before)

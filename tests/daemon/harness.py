@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -111,7 +112,13 @@ class Cluster:
         for n in self.nodes:
             n.signal(15)
         for n in self.nodes:
-            n.stop(10.0)
+            t0 = time.monotonic()
+            code = n.stop(10.0)
+            if time.monotonic() - t0 > 5 or code not in (0, None, -9):
+                # Visible in pytest's warnings summary: a daemon slow to drain, or failing.
+                warnings.warn(f"node{n.index} stopped with code {code} after "
+                              f"{time.monotonic() - t0:.1f} s; log tail:\n"
+                              + "\n".join(n.log_text().splitlines()[-20:]), stacklevel=2)
 
 
 def iter_members(status: Mapping[str, Any] | None) -> Iterator[Mapping[str, Any]]:

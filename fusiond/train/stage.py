@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import enum
 import functools
+import inspect
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -176,6 +177,33 @@ class StepReport:
     def busy_fraction(self) -> float:
         """Share of the step's wall time this stage's worker spent computing."""
         return self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_figures(self) -> dict[str, Any]:
+        """The msgpack-able `StageStep.figures` map of this report."""
+        return {
+            "loss": self.loss, "lr": self.lr, "wall_s": self.wall_s, "busy_s": self.busy_s,
+            "edges": [
+                {"edge": e.edge, "kind": str(e.kind), "peer": e.peer, "wire_bytes": e.wire_bytes,
+                 "dense_bytes": e.dense_bytes, "density": e.density}
+                for e in self.edges
+            ],
+        }
+
+    @classmethod
+    def from_figures(cls, stage: int, step: int, figures: Mapping[str, Any]) -> StepReport:
+        """Rebuild a report from `StageStep.figures`; `RemoteError` names a bad field."""
+        try:
+            loss = figures.get("loss")
+            edges = [
+                EdgeStats(str(e["edge"]), PacketKind(e["kind"]), int(e["peer"]),
+                          int(e["wire_bytes"]), int(e["dense_bytes"]),
+                          None if e.get("density") is None else float(e["density"]))
+                for e in figures.get("edges", [])
+            ]
+            return cls(stage, step, None if loss is None else float(loss), float(figures["lr"]),
+                       float(figures["wall_s"]), float(figures["busy_s"]), edges)
+        except (KeyError, TypeError, ValueError) as e:
+            raise RemoteError(f"StageStep.figures from stage {stage}: bad or missing {e}") from e
 
 
 @dataclass
@@ -330,6 +358,11 @@ class StageExecutor:
             raise RemoteError(f"stage {self.stage}: duplicate {key}")
         else:
             self._inbox[key] = packet.payload
+
+    @property
+    def current_step(self) -> int:
+        """The step being run (or last run)."""
+        return self._step
 
     def fail(self, exc: BaseException) -> None:
         """Abort: every pending and future wait raises `exc` (e.g. a peer stage died)."""
@@ -570,13 +603,20 @@ class StageExecutor:
 
     async def run(self, first: int, count: int,
                   on_step: Callable[[StepReport], Any] | None = None) -> list[StepReport]:
-        """Run steps `first .. first+count-1`; then flush the outbound queues."""
+        """Run steps `first .. first+count-1`; then flush the outbound queues.
+
+        `on_step(report)` is called after each step; if it returns an awaitable (e.g. sending
+        the report to the scheduler), it is awaited before the next step.
+        """
         reports: list[StepReport] = []
+        self._step = first  # packets for `first` may arrive before run_step starts
         for s in range(first, first + count):
             rep = await self.run_step(s)
             reports.append(rep)
             if on_step is not None:
-                on_step(rep)
+                res = on_step(rep)
+                if inspect.isawaitable(res):
+                    await res
         await self.flush()
         return reports
 

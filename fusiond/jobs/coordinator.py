@@ -1,0 +1,299 @@
+"""The scheduler side of a running job: assign, wait for Ready, start, follow, finish or fail.
+
+`JobCoordinator(...).run()` sends each machine its Assign, waits (bounded) for every Ready,
+sends JobStart, merges the stages' StageStep reports into per-step `StepMetrics` (`on_step`
+gets each), and ends with a `JobOutcome`: the gathered model state (ok), or a `FailureReport`
+naming the machine, stage, step and cause of the FIRST failure (torchrun-style), after sending
+JobCancel to every other stage. Failures come from a stage (JobResult not ok, an Error to the
+Assign), from the membership layer (`node_failed`, e.g. a daemon died), from `cancel()`, or from
+a bounded wait expiring. Route the job's Ready/Error/StageStep/JobResult to `handle`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fusiond.errors import LocalError
+from fusiond.graph import CapturedModel, state_from_bytes
+from fusiond.jobs.assign import JobLayout, assign_messages
+from fusiond.jobs.results import gather_state, save_model, write_metrics
+from fusiond.jobs.worker import SendFn
+from fusiond.train.local import StepMetrics, merge_reports
+from fusiond.train.spec import JobSpec
+from fusiond.train.stage import StepReport
+from protocol.messages import (
+    Address,
+    Error,
+    JobCancel,
+    JobResult,
+    JobStart,
+    Message,
+    Ready,
+    StageStep,
+)
+
+__all__ = ["FailureReport", "JobCoordinator", "JobOutcome", "write_outputs"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FailureReport:
+    """The first failure of a job."""
+
+    node: str
+    stage: int
+    step: int
+    cause: str
+
+    def __str__(self) -> str:
+        where = f"step {self.step}" if self.step >= 0 else "before the first step"
+        return f"job failed on {self.node} (stage {self.stage}, {where}): {self.cause}"
+
+
+@dataclass
+class JobOutcome:
+    """How a job ended."""
+
+    job_id: str
+    ok: bool
+    metrics: list[StepMetrics]
+    state: dict[str, torch.Tensor] | None
+    failure: FailureReport | None
+    wall_s: float
+    stage_nodes: dict[int, str] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready summary (for metrics.json and the API)."""
+        losses = [m.loss for m in self.metrics if m.loss is not None]
+        return {
+            "job_id": self.job_id, "ok": self.ok, "steps": len(self.metrics),
+            "first_loss": losses[0] if losses else None,
+            "final_loss": losses[-1] if losses else None, "wall_s": self.wall_s,
+            "failure": None if self.failure is None else str(self.failure),
+            "stages": {str(s): n for s, n in sorted(self.stage_nodes.items())},
+        }
+
+
+class JobCoordinator:
+    """Runs one job from the scheduler's node."""
+
+    def __init__(
+        self,
+        *,
+        send: SendFn,
+        spec: JobSpec,
+        captured: CapturedModel,
+        layout: JobLayout,
+        addresses: Mapping[str, Address],
+        term: int,
+        plan_version: int = 1,
+        first_step: int = 0,
+        ready_timeout_s: float = 120.0,
+        failure_grace_s: float = 2.0,
+        tokens_per_sample: int = 0,
+        on_step: Callable[[StepMetrics], Any] | None = None,
+    ) -> None:
+        self.send = send
+        self.spec = spec
+        self.captured = captured
+        self.layout = layout
+        self.job_id = layout.job_id
+        self.addresses = dict(addresses)
+        self.term = term
+        self.plan_version = plan_version
+        self.first_step = first_step
+        self.ready_timeout_s = ready_timeout_s
+        self.failure_grace_s = failure_grace_s
+        self.tokens_per_sample = tokens_per_sample
+        self.on_step = on_step
+        self.stage_nodes = layout.stage_nodes
+        self._node_stage = {n: s for s, n in self.stage_nodes.items()}
+        self._ready: dict[str, asyncio.Future[None]] = {}
+        self._results: dict[int, bytes] = {}
+        self._done = asyncio.Event()
+        self._failure: FailureReport | None = None
+        self._per_step: dict[int, dict[int, StepReport]] = {}
+        self._metrics: list[StepMetrics] = []
+        self._last_step_t = 0.0
+        self._step_of: dict[int, int] = {}
+        self._request_ids: dict[int, str] = {}
+        self._reported: set[int] = set()  # stages that sent a JobResult (ok or not)
+        self._result_arrived = asyncio.Event()
+        self._blame_silent = True  # False once the failure's cause is known for sure
+
+    # -- inputs ---------------------------------------------------------------------------
+
+    async def handle(self, peer: str, msg: Message) -> bool:
+        """Take this job's Ready/Error/StageStep/JobResult; False for anything else."""
+        if isinstance(msg, Ready) and msg.job_id == self.job_id:
+            fut = self._ready.get(peer)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+            return True
+        if isinstance(msg, Error) and msg.request_id in self._request_ids:
+            node = self._request_ids[msg.request_id]
+            self._fail(node, -1, f"{msg.code}: {msg.message}")
+            fut = self._ready.get(node)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+            return True
+        if isinstance(msg, StageStep) and msg.job_id == self.job_id:
+            self._on_step(peer, msg)
+            return True
+        if isinstance(msg, JobResult) and msg.job_id == self.job_id:
+            self._reported.add(msg.partition)
+            self._result_arrived.set()
+            if msg.ok:
+                self._results[msg.partition] = bytes(msg.payload)
+                if len(self._results) == len(self.stage_nodes):
+                    self._done.set()
+            else:
+                self._fail(peer, msg.step, msg.message)
+            return True
+        return False
+
+    def node_failed(self, node: str, cause: str) -> None:
+        """The membership layer says `node` is gone: fail the job if it runs a stage."""
+        if node in self._node_stage:
+            if self._failure is None:
+                self._blame_silent = False
+            self._fail(node, self._step_of.get(self._node_stage[node], -1), cause)
+
+    async def cancel(self, reason: str = "cancelled by the user") -> None:
+        """Stop the job: every stage gets JobCancel; `run()` returns a failed outcome."""
+        if self._failure is None:
+            self._blame_silent = False
+        self._fail("scheduler", -1, reason, stage=-1)
+
+    def _fail(self, node: str, step: int, cause: str, stage: int | None = None) -> None:
+        if self._failure is None:
+            st = self._node_stage.get(node, -1) if stage is None else stage
+            self._failure = FailureReport(node, st, step, cause)
+            log.warning("%s", self._failure)
+        self._done.set()
+
+    def _on_step(self, peer: str, msg: StageStep) -> None:
+        rep = StepReport.from_figures(msg.partition, msg.step, msg.figures)
+        self._step_of[msg.partition] = msg.step + 1
+        got = self._per_step.setdefault(msg.step, {})
+        got[msg.partition] = rep
+        if len(got) < len(self.stage_nodes):
+            return
+        now = time.perf_counter()
+        m = merge_reports(list(got.values()), samples=self.spec.batch.size,
+                          tokens=self.spec.batch.size * self.tokens_per_sample,
+                          wall_s=now - self._last_step_t)
+        self._last_step_t = now
+        del self._per_step[msg.step]
+        self._metrics.append(m)
+        if self.on_step is not None:
+            self.on_step(m)
+
+    # -- the run --------------------------------------------------------------------------
+
+    async def run(self) -> JobOutcome:
+        """Assign, wait for Ready, start, and wait for the end (or the first failure)."""
+        t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        assigns = assign_messages(self.layout, self.spec, self.captured.state, term=self.term,
+                                  plan_version=self.plan_version, addresses=self.addresses)
+        for node, (msg, _) in assigns.items():
+            self._ready[node] = loop.create_future()
+            self._request_ids[msg.request_id] = node
+        try:
+            for node, (msg, payload) in assigns.items():
+                await self.send(node, msg, (payload,))
+            waiting: asyncio.Future[Any] = asyncio.gather(*self._ready.values())
+            done_wait: asyncio.Future[Any] = asyncio.ensure_future(self._done.wait())
+            try:
+                finished, _ = await asyncio.wait(
+                    {waiting, done_wait}, timeout=self.ready_timeout_s,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                done_wait.cancel()
+            if waiting not in finished:
+                waiting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await waiting
+                if self._failure is None:
+                    late = [n for n, f in self._ready.items() if not f.done()] or ["scheduler"]
+                    self._fail(late[0], -1, f"no Ready within {self.ready_timeout_s:g}s")
+            if self._failure is None:
+                self._last_step_t = time.perf_counter()
+                for node in assigns:
+                    await self.send(node, JobStart(job_id=self.job_id,
+                                                   plan_version=self.plan_version,
+                                                   first_step=self.first_step), ())
+                await self._done.wait()
+        except asyncio.CancelledError:
+            await self._cancel_all("the scheduler stopped")
+            raise
+        except Exception as e:
+            self._fail("scheduler", -1, f"{type(e).__name__}: {e}", stage=-1)
+        if self._failure is not None and self._blame_silent and self._failure.stage >= 0:
+            await self._find_silent()
+        if self._failure is not None:
+            await self._cancel_all(self._failure.cause)
+            return JobOutcome(self.job_id, False, self._metrics, None, self._failure,
+                              time.perf_counter() - t0, dict(self.stage_nodes))
+        states = [await asyncio.to_thread(state_from_bytes, self._results[s])
+                  for s in sorted(self._results)]
+        state = gather_state(self.captured.graph, states)
+        return JobOutcome(self.job_id, True, self._metrics, state, None,
+                          time.perf_counter() - t0, dict(self.stage_nodes))
+
+    async def _find_silent(self) -> None:
+        """A stage that times out waiting may only be a victim: its neighbour (or the one behind
+        it) died. Give the others `failure_grace_s` to report; if some stage stays silent while
+        every other one failed, the silent one is the first failure."""
+        deadline = time.perf_counter() + self.failure_grace_s
+        stages = set(self.stage_nodes)
+        while len(self._reported) < len(stages) - 1:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            self._result_arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._result_arrived.wait(), left)
+        silent = sorted(stages - self._reported)
+        if len(silent) == 1 and self._failure is not None:
+            s = silent[0]
+            first = self._failure
+            self._failure = FailureReport(
+                self.stage_nodes[s], s, self._step_of.get(s, first.step),
+                f"stopped responding (its neighbours timed out; first: {first.cause})",
+            )
+            log.warning("%s", self._failure)
+
+    async def _cancel_all(self, reason: str) -> None:
+        # The failed node too: if the failure detector was wrong, it must not keep a zombie
+        # stage; if it is dead, the send is dropped (bounded by the timeout below).
+        for node in self.stage_nodes.values():
+            try:
+                await asyncio.wait_for(
+                    self.send(node, JobCancel(job_id=self.job_id, reason=reason), ()), 5.0
+                )
+            except (TimeoutError, LocalError, OSError) as e:
+                log.info("JobCancel to %s not sent: %s", node, e)
+
+
+def write_outputs(outcome: JobOutcome, output: Path) -> dict[str, Path]:
+    """Write `model.safetensors` (if the job succeeded) and `metrics.json` under `output`."""
+    paths: dict[str, Path] = {}
+    if outcome.state is not None:
+        paths["model"] = save_model(output / "model.safetensors", outcome.state,
+                                    metadata={"job_id": outcome.job_id})
+    paths["metrics"] = write_metrics(output / "metrics.json",
+                                     [m.as_dict() for m in outcome.metrics], outcome.summary())
+    return paths

@@ -1,0 +1,217 @@
+"""The daemon side of a job: host the stages the scheduler assigns to this node.
+
+`JobWorker.handle(peer, msg) -> handled` takes the job messages addressed to this node (plug it
+into the daemon's message dispatch):
+
+- Assign -> build the partition (off the event loop) and answer Ready, or Error naming what was
+  wrong (`code="assign_failed"`);
+- JobStart -> run every step; after each, StageStep to the scheduler; at the end JobResult
+  (ok + the partition's final weights as safetensors payload, or not ok + the failure);
+- Forward / Backward -> the stage's executor;
+- JobCancel -> stop the stage and free it.
+
+`send(peer, msg, payload)` is how the worker talks: `PeerNetwork.send`, or `local_sender(...)`,
+which hands messages for this node itself (a scheduler that also runs a stage) straight to a
+local dispatch function instead of the network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fusiond.graph import state_to_bytes
+from fusiond.train.remote import StageHost
+from fusiond.train.stage import StageConfig, StepReport
+from protocol.limits import DEFAULT_LIMITS, Limits
+from protocol.messages import (
+    Assign,
+    Backward,
+    Error,
+    Forward,
+    JobCancel,
+    JobResult,
+    JobStart,
+    Message,
+    Ready,
+    StageStep,
+)
+
+__all__ = ["JobWorker", "SendFn", "local_sender"]
+
+log = logging.getLogger(__name__)
+
+SendFn = Callable[[str, Message, Sequence[Any]], Awaitable[None]]
+"""`send(peer, msg, payload)`: queue a message for a peer (awaits under backpressure)."""
+DispatchFn = Callable[[str, Message], Awaitable[Any]]
+
+
+def local_sender(node_id: str, net_send: SendFn, dispatch: DispatchFn) -> SendFn:
+    """A `SendFn` that delivers messages for `node_id` itself to `dispatch(node_id, msg)`
+    (with the payload attached as `msg.payload`) and everything else to `net_send`."""
+
+    async def send(peer: str, msg: Message, payload: Sequence[Any] = ()) -> None:
+        if peer != node_id:
+            await net_send(peer, msg, payload)
+            return
+        data = b"".join(bytes(p) for p in payload)
+        await dispatch(node_id, dataclasses.replace(msg, payload=memoryview(data)))
+
+    return send
+
+
+@dataclass
+class _Job:
+    host: StageHost
+    scheduler: str
+    task: asyncio.Task[None] | None = None
+    steps_done: int = 0
+    started: float = field(default=0.0)
+
+
+class JobWorker:
+    """Hosts this node's stages; a service (start/ready/close)."""
+
+    def __init__(self, *, node_id: str, send: SendFn, stage_config: StageConfig | None = None,
+                 limits: Limits = DEFAULT_LIMITS) -> None:
+        self.node_id = node_id
+        self.send = send
+        self.stage_config = stage_config
+        self.limits = limits
+        self._jobs: dict[str, _Job] = {}
+        self._ready = asyncio.Event()
+        self._closed = False
+
+    async def start(self) -> None:
+        """Nothing to open: jobs arrive as messages."""
+        self._ready.set()
+
+    async def ready(self) -> None:
+        """Return once started."""
+        await self._ready.wait()
+
+    async def close(self) -> None:
+        """Cancel every running job (tasks cancelled and awaited) and free them; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for job_id in list(self._jobs):
+            await self._drop(job_id)
+
+    def jobs(self) -> dict[str, dict[str, Any]]:
+        """job id -> {stage, scheduler, running, steps_done}: for the local API."""
+        return {
+            j: {"stage": s.host.assignment.stage, "scheduler": s.scheduler,
+                "running": s.task is not None and not s.task.done(), "steps_done": s.steps_done}
+            for j, s in self._jobs.items()
+        }
+
+    async def handle(self, peer: str, msg: Message) -> bool:
+        """Take a job message; False if it is not one (someone else's)."""
+        if isinstance(msg, (Forward, Backward)):
+            job = self._jobs.get(msg.job_id)
+            if job is None:
+                log.debug("%s for unknown job %s from %s dropped", type(msg).__name__,
+                          msg.job_id, peer)
+            else:
+                job.host.on_message(peer, msg)
+            return True
+        if isinstance(msg, Assign):
+            await self._assign(peer, msg)
+            return True
+        if isinstance(msg, JobStart):
+            self._start(peer, msg)
+            return True
+        if isinstance(msg, JobCancel):
+            if msg.job_id in self._jobs:
+                log.info("job %s cancelled by %s: %s", msg.job_id, peer, msg.reason or "-")
+                await self._drop(msg.job_id)
+            return True
+        return False
+
+    async def _assign(self, peer: str, msg: Assign) -> None:
+        if msg.job_id in self._jobs:
+            await self.send(peer, Error(code="assign_failed", request_id=msg.request_id,
+                                        message=f"job {msg.job_id} already runs here"), ())
+            return
+        try:
+            # Decoding the IR and building the partition can take seconds: off the loop.
+            host = await asyncio.to_thread(
+                StageHost, msg, bytes(msg.payload), self._net_for_stage(),
+                config=self.stage_config, limits=self.limits,
+            )
+            await host.start()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("Assign of job %s refused: %s", msg.job_id, e)
+            await self.send(peer, Error(code="assign_failed", request_id=msg.request_id,
+                                        message=f"{self.node_id}: {e}"), ())
+            return
+        self._jobs[msg.job_id] = _Job(host, peer)
+        await self.send(peer, Ready(request_id=msg.request_id, job_id=msg.job_id,
+                                    plan_version=msg.plan_version, partition=msg.partition,
+                                    node_id=self.node_id), ())
+
+    def _net_for_stage(self) -> Any:
+        worker = self
+
+        class _Net:
+            async def send(self, peer: str, msg: Message, payload: Sequence[Any] = ()) -> None:
+                await worker.send(peer, msg, payload)
+
+        return _Net()
+
+    def _start(self, peer: str, msg: JobStart) -> None:
+        job = self._jobs.get(msg.job_id)
+        if job is None or job.task is not None:
+            log.warning("JobStart for %s job %s from %s ignored",
+                        "unknown" if job is None else "running", msg.job_id, peer)
+            return
+        job.task = asyncio.create_task(self._run(msg.job_id, job, msg.first_step),
+                                       name=f"job {msg.job_id}")
+
+    async def _run(self, job_id: str, job: _Job, first: int) -> None:
+        host = job.host
+        sa = host.assignment
+
+        async def progress(rep: StepReport) -> None:
+            job.steps_done += 1
+            await self.send(job.scheduler, StageStep(
+                job_id=job_id, plan_version=sa.plan_version, partition=sa.stage, step=rep.step,
+                figures=rep.to_figures()), ())
+
+        result: JobResult
+        payload: bytes = b""
+        try:
+            await host.run(progress, first=first)
+            payload = await asyncio.to_thread(state_to_bytes, host.state_dict())
+            result = JobResult(job_id=job_id, plan_version=sa.plan_version, partition=sa.stage,
+                               ok=True)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("job %s stage %d failed: %s", job_id, sa.stage, e)
+            result = JobResult(job_id=job_id, plan_version=sa.plan_version, partition=sa.stage,
+                               ok=False, message=f"{self.node_id}: {e}",
+                               step=host.executor.current_step)
+        try:
+            await self.send(job.scheduler, result, (payload,) if payload else ())
+        finally:
+            self._jobs.pop(job_id, None)
+            await host.close()
+
+    async def _drop(self, job_id: str) -> None:
+        job = self._jobs.pop(job_id, None)
+        if job is None:
+            return
+        if job.task is not None and job.task is not asyncio.current_task():
+            job.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await job.task
+        await job.host.close()

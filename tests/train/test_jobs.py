@@ -1,0 +1,166 @@
+"""A job end to end over loopback peer links: Assign -> Ready -> JobStart -> StageStep ->
+JobResult, with the scheduler also running a stage; a dead stage and a cancel end the job with
+a report, and leave every worker empty."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fusiond.graph import contiguous_assignment
+from fusiond.jobs.assign import layout_job
+from fusiond.jobs.coordinator import JobCoordinator, write_outputs
+from fusiond.jobs.results import load_model_state
+from fusiond.jobs.worker import JobWorker, local_sender
+from fusiond.net.transport import NetConfig, PeerNetwork
+from fusiond.train.data import make_source
+from fusiond.train.local import ReferenceTrainer, StepMetrics
+from fusiond.train.model import build_model, loss_fn
+from fusiond.train.stage import StageConfig
+from protocol.messages import Message
+
+pytestmark = pytest.mark.slow
+
+NAMES = ["n0", "n1", "n2"]
+
+
+@dataclass
+class Node:
+    name: str
+    net: PeerNetwork
+    worker: JobWorker
+    coordinators: list[JobCoordinator] = field(default_factory=list)
+
+    async def dispatch(self, peer: str, msg: Message) -> None:
+        for c in self.coordinators:
+            if await c.handle(peer, msg):
+                return
+        await self.worker.handle(peer, msg)
+
+
+@contextlib.asynccontextmanager
+async def cluster(stage_config: StageConfig | None = None) -> AsyncIterator[dict[str, Node]]:
+    nodes: dict[str, Node] = {}
+    cfg = NetConfig(connect_timeout_s=2, handshake_timeout_s=2, backoff_max_s=0.5)
+    async with contextlib.AsyncExitStack() as stack:
+        for n in NAMES:
+            def handler_for(me: str):  # type: ignore[no-untyped-def]
+                async def handler(peer: str, msg: Message) -> None:
+                    await nodes[me].dispatch(peer, msg)
+                return handler
+
+            net = PeerNetwork(node_id=n, cluster_id="t", listen=("127.0.0.1", 0), tls=None,
+                              handler=handler_for(n), config=cfg)
+            await net.start()
+            stack.push_async_callback(net.close)
+            send = local_sender(n, net.send, lambda p, m, me=n: nodes[me].dispatch(p, m))
+            worker = JobWorker(node_id=n, send=send, stage_config=stage_config)
+            await worker.start()
+            stack.push_async_callback(worker.close)
+            nodes[n] = Node(n, net, worker)
+        for a in nodes.values():
+            for b in nodes.values():
+                a.net.add_peer_address(b.name, b.net.address)
+        yield nodes
+
+
+def coordinator(nodes: dict[str, Node], spec: Any, cap: Any, job_id: str = "job-7",
+                **kw: Any) -> JobCoordinator:
+    cut = contiguous_assignment(cap.graph, 3)
+    layout = layout_job(job_id, cap.graph, cap.state, {op: NAMES[p] for op, p in cut.items()})
+    n0 = nodes["n0"]
+    c = JobCoordinator(send=local_sender("n0", n0.net.send, n0.dispatch), spec=spec,
+                       captured=cap, layout=layout,
+                       addresses={n: x.net.address for n, x in nodes.items()}, term=1, **kw)
+    n0.coordinators.append(c)
+    return c
+
+
+async def test_job_runs_to_a_model_equal_to_single_process(captured_tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    spec, cap = captured_tiny
+    spec = replace(spec, steps=6)
+    seen: list[StepMetrics] = []
+    async with cluster() as nodes:
+        c = coordinator(nodes, spec, cap, on_step=seen.append, tokens_per_sample=32)
+        out = await asyncio.wait_for(c.run(), 120)
+        assert out.ok, out.failure
+        assert all(not n.worker.jobs() for n in nodes.values())
+    model = build_model(spec.model, seed=spec.seed)
+    rt = ReferenceTrainer(model, loss_fn(spec.loss), spec.optimizer,
+                          data=make_source(spec.data, spec.seed), batch_size=spec.batch.size,
+                          micro_batches=spec.batch.micro_batches, total_steps=spec.steps)
+    want = rt.train(0, spec.steps)
+    assert [m.step for m in seen] == list(range(spec.steps))
+    for m, w in zip(seen, want, strict=True):
+        assert m.loss == pytest.approx(w, rel=1e-4)
+        assert set(m.stage_busy) == {0, 1, 2} and m.wire_bytes > 0
+    paths = write_outputs(out, tmp_path / "run")
+    fresh = build_model(spec.model)
+    fresh.load_state_dict(load_model_state(paths["model"]), strict=True)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(fresh.state_dict()[k], v, rtol=1e-4, atol=1e-5, msg=k)
+    text = paths["metrics"].read_text()
+    assert '"ok": true' in text and text.count('"tokens_per_s"') == spec.steps
+
+
+async def test_dead_stage_fails_the_job_with_a_report(captured_tiny) -> None:  # type: ignore[no-untyped-def]
+    spec, cap = captured_tiny
+    spec = replace(spec, steps=10_000)
+    async with cluster(StageConfig(recv_timeout_s=5)) as nodes:
+        killed = asyncio.Event()
+
+        def on_step(m: StepMetrics) -> None:
+            if m.step == 2 and not killed.is_set():
+                killed.set()
+                # the daemon on n2 dies: its sockets close, its stage stops
+                asyncio.get_running_loop().create_task(kill(nodes["n2"]))
+
+        async def kill(node: Node) -> None:
+            await node.worker.close()
+            await node.net.close()
+
+        c = coordinator(nodes, spec, cap, on_step=on_step)
+        t0 = asyncio.get_running_loop().time()
+        out = await asyncio.wait_for(c.run(), 60)
+        took = asyncio.get_running_loop().time() - t0
+        assert not out.ok and out.failure is not None
+        # no membership signal here: the neighbours' bounded waits expire, and the one stage
+        # that stays silent is named
+        assert (out.failure.node, out.failure.stage) == ("n2", 2), out.failure
+        assert out.failure.step >= 2 and "stopped responding" in out.failure.cause
+        assert "no backward" in out.failure.cause
+        assert took < 30
+        await asyncio.sleep(0.5)
+        assert not nodes["n0"].worker.jobs() and not nodes["n1"].worker.jobs()
+
+
+async def test_membership_failure_and_cancel_free_every_stage(captured_tiny) -> None:  # type: ignore[no-untyped-def]
+    spec, cap = captured_tiny
+    spec = replace(spec, steps=10_000)
+    async with cluster() as nodes:
+        c = coordinator(nodes, spec, cap,
+                        on_step=lambda m: m.step == 1 and c.node_failed("n1", "heartbeats lost"))
+        out = await asyncio.wait_for(c.run(), 60)
+        assert not out.ok and out.failure is not None
+        assert (out.failure.node, out.failure.stage) == ("n1", 1)
+        assert "heartbeats lost" in str(out.failure) and "stage 1" in str(out.failure)
+        await asyncio.sleep(0.5)
+        # every stage got JobCancel (n1 too: the detector may have been wrong) and is gone
+        assert all(not n.worker.jobs() for n in nodes.values())
+        # cancel: a second job on the same workers
+        stepped = asyncio.Event()
+        c2 = coordinator(nodes, spec, cap, job_id="job-8", on_step=lambda m: stepped.set())
+        task = asyncio.create_task(c2.run())
+        await asyncio.wait_for(stepped.wait(), 30)
+        await c2.cancel()
+        out2 = await asyncio.wait_for(task, 30)
+        assert not out2.ok and out2.failure is not None and "cancelled" in out2.failure.cause
+        await asyncio.sleep(0.5)
+        assert all(not n.worker.jobs() for n in nodes.values())

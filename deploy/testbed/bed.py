@@ -270,7 +270,10 @@ class Testbed:
         """A directory with a short path (``/tmp/<name>-<what>``: Unix socket paths must stay
         under 108 bytes), recorded so `down` removes it."""
         path = Path("/tmp") / f"{self.name}-{what}"
-        self._record("dirs", str(path))
+        if str(path) not in self.state.get("dirs", []):
+            if path.exists():
+                raise TestbedError(f"{path} already exists and is not this testbed's")
+            self._record("dirs", str(path))
         path.mkdir(mode=0o700, exist_ok=True)
         return path
 
@@ -337,6 +340,10 @@ class Testbed:
         self._save()
 
     def _add_ns(self, ns: str) -> None:
+        if ns in list_namespaces():
+            # Never record (and so never delete) a namespace this testbed did not make.
+            raise TestbedError(f"namespace {ns} already exists (another testbed named "
+                               f"{self.name}?); pick another --name, or `down --all`")
         self._record("namespaces", ns)
         _run(["ip", "netns", "add", ns])
         _run(["ip", "-n", ns, "link", "set", "lo", "up"])
@@ -395,6 +402,9 @@ class Testbed:
             return
         for host, cores in quotas.items():
             path = cg.root / f"fusion-testbed-{self.name}-{host}"
+            if path.exists():
+                self._warn(f"CPU quota for {host} NOT applied: {path} exists and is not ours")
+                continue
             self._record("cgroups", str(path))
             try:
                 if cg.kind == "v2":

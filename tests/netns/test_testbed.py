@@ -182,3 +182,22 @@ def test_the_state_keeps_the_topology_when_its_file_is_gone(
     assert f"{name}-y" in again.describe()
     assert again.down() == []
     _assert_gone(tb, [], before)
+
+
+def test_up_never_claims_a_namespace_it_did_not_make(state_dir: Path) -> None:
+    """A namespace that happens to carry one of our names makes `up` fail, and the cleanup
+    of the failed `up` leaves that namespace alone."""
+    name = f"fzt{os.getpid() % 100000}n"
+    foreign = f"{name}-b"
+    subprocess.run(["ip", "netns", "add", foreign], check=True)
+    try:
+        from deploy.testbed import TestbedError
+
+        tb = Testbed(load_topology("three-hosts"), name=name, state_dir=state_dir)
+        with pytest.raises(TestbedError, match="already exists"):
+            tb.up(latency="none")
+        ours = sorted(ns for ns in list_namespaces() if ns.startswith(f"{name}-"))
+        assert ours == [foreign]
+        assert not tb.state_file.exists()
+    finally:
+        subprocess.run(["ip", "netns", "del", foreign], check=False)

@@ -1,0 +1,83 @@
+"""The submitting side of a job (what `fusionctl submit` runs before talking to its daemon).
+
+`prepare_job(path)` loads and validates the job file, builds the model (the only place user
+code runs), captures it with its loss, and returns the IR and initial weights as bytes for the
+daemon. Every refusal is a `FusionError` with a clear message, raised before anything starts:
+a bad field (`JobSpecError` naming it), an unknown model or a factory that fails, data that does
+not exist or is too short, a model torch.export cannot capture or that uses an op the registry
+does not run (naming the op). `check_capacity` refuses a job that cannot fit the cluster's
+memory at all, before the planner looks for a cut.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from fusiond.errors import LocalError
+from fusiond.graph import CapturedModel
+from fusiond.train.data import make_source
+from fusiond.train.programs import capture_job
+from fusiond.train.spec import JobSpec, load_job
+from protocol import ir
+
+__all__ = ["CapacityError", "PreparedJob", "check_capacity", "memory_estimate", "prepare_job"]
+
+
+class CapacityError(LocalError):
+    """The job cannot fit the cluster's memory; the message gives both sizes."""
+
+
+@dataclass(frozen=True)
+class PreparedJob:
+    """A validated, captured job, ready to hand to the daemon."""
+
+    spec: JobSpec
+    captured: CapturedModel
+    graph_bytes: bytes
+    state_bytes: bytes
+    prepare_s: float
+
+    @property
+    def tokens_per_sample(self) -> int:
+        """Tokens in one sample (text jobs), else 0."""
+        return self.spec.data.seq_len if self.spec.data.kind == "text" else 0
+
+
+def prepare_job(path: str | Path) -> PreparedJob:
+    """Validate, build, capture; raise a `FusionError` naming what is wrong."""
+    t0 = time.perf_counter()
+    spec = load_job(path)
+    make_source(spec.data, spec.seed)  # data exists and is long enough (DataError otherwise)
+    _, captured = capture_job(spec)
+    return PreparedJob(spec, captured, ir.dumps(captured.graph), captured.state_bytes(),
+                       time.perf_counter() - t0)
+
+
+def memory_estimate(captured: CapturedModel, spec: JobSpec) -> int:
+    """A lower bound of the job's memory, in bytes: parameters, their gradients and the
+    optimizer state (AdamW: two moments; SGD with momentum: one), summed over the cluster."""
+    params = sum(
+        t.numel() * t.element_size() for k, t in captured.state.items()
+        if (p := captured.graph.param_map.get(k)) is not None
+        and p.kind is ir.ParamKind.PARAMETER and p.requires_grad
+    )
+    others = sum(t.numel() * t.element_size() for t in captured.state.values()) - params
+    opt_copies = 2 if spec.optimizer.kind == "adamw" else (1 if spec.optimizer.momentum else 0)
+    return int(params * (2 + opt_copies) + others)
+
+
+def check_capacity(captured: CapturedModel, spec: JobSpec,
+                   free_bytes: Mapping[str, int]) -> None:
+    """Refuse a job whose parameters, gradients and optimizer state alone exceed the cluster's
+    free memory (`free_bytes`: node -> bytes it offers). The planner refines this per machine."""
+    need = memory_estimate(captured, spec)
+    have = sum(free_bytes.values())
+    if need > have:
+        raise CapacityError(
+            f"job {spec.name!r} needs at least {need / 2**30:.2f} GiB for parameters, gradients "
+            f"and optimizer state; the cluster's {len(free_bytes)} machines offer "
+            f"{have / 2**30:.2f} GiB"
+        )

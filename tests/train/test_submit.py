@@ -1,0 +1,99 @@
+"""Submit-side refusals: each bad job is refused before anything starts, naming the problem."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fusiond.errors import FusionError
+from fusiond.graph import CaptureError
+from fusiond.jobs.submit import CapacityError, check_capacity, memory_estimate, prepare_job
+from fusiond.models.gpt2 import gpt2
+from fusiond.train.data import DataError
+from fusiond.train.sample import sample_bytes
+from fusiond.train.spec import JobSpecError
+
+
+class _DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(256, 8)
+        self.out = nn.Linear(8, 256)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        if h.sum() > 0:  # data-dependent control flow: torch.export cannot capture it
+            h = h * 2
+        return self.out(h)
+
+
+def data_dependent() -> nn.Module:
+    return _DataDependent()
+
+
+def broken(**_: object) -> nn.Module:
+    raise RuntimeError("factory exploded")
+
+
+def not_a_module() -> int:
+    return 3
+
+
+def _job(tmp_path: Path, model: str, data: str = "") -> Path:
+    (tmp_path / "corpus.txt").write_text("def f(x):\n    return x + 1\n" * 200)
+    p = tmp_path / "job.toml"
+    p.write_text(f"[job]\nsteps = 2\n[model]\n{model}\n[data]\nseq_len = 16\n"
+                 f"path = \"{data or 'corpus.txt'}\"\n[batch]\nsize = 4\nmicro_batches = 2\n")
+    return p
+
+
+@pytest.mark.parametrize(("model", "data", "err", "match"), [
+    ('zoo = "alexnet"', "", JobSpecError, "model.zoo: unknown model 'alexnet'"),
+    ('factory = "no_such_pkg.models:build"', "", JobSpecError, "model.factory: cannot import"),
+    ('factory = "tests.train.test_submit:missing"', "", JobSpecError, "no callable 'missing'"),
+    ('factory = "tests.train.test_submit:broken"', "", JobSpecError, "factory exploded"),
+    ('factory = "tests.train.test_submit:not_a_module"', "", JobSpecError, "not nn.Module"),
+    ('zoo = "gpt2"', "nowhere/at/all", JobSpecError, "data.path: no such file"),
+])
+def test_bad_jobs_are_refused_naming_the_problem(
+    tmp_path: Path, model: str, data: str, err: type[Exception], match: str
+) -> None:
+    with pytest.raises(err, match=match) as ei:
+        prepare_job(_job(tmp_path, model, data))
+    assert isinstance(ei.value, FusionError)
+
+
+def test_too_short_data_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "tiny.txt").write_text("abc")
+    p = _job(tmp_path, 'zoo = "gpt2"\nconfig = { size = "tiny" }', "tiny.txt")
+    with pytest.raises(DataError, match="needs more than"):
+        prepare_job(p)
+
+
+def test_uncapturable_model_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(CaptureError, match="_DataDependent"):
+        prepare_job(_job(tmp_path, 'factory = "tests.train.test_submit:data_dependent"'))
+
+
+@pytest.mark.slow
+def test_prepare_and_capacity(tmp_path: Path) -> None:
+    job = prepare_job(_job(tmp_path, 'zoo = "gpt2"\nconfig = { size = "tiny" }'))
+    assert job.graph_bytes and job.state_bytes and job.tokens_per_sample == 16
+    need = memory_estimate(job.captured, job.spec)
+    n_params = sum(p.numel() for p in gpt2("tiny").parameters())  # tied weight once
+    assert need >= 4 * n_params * 4  # params + grads + two AdamW moments, fp32
+    check_capacity(job.captured, job.spec, {"a": need, "b": 1})
+    with pytest.raises(CapacityError, match="GiB"):
+        check_capacity(job.captured, job.spec, {"a": need // 3, "b": need // 3})
+
+
+def test_sample_bytes_is_seeded_text() -> None:
+    torch.manual_seed(0)
+    m = gpt2("tiny")
+    a = sample_bytes(m, "def ", length=20, seed=1)
+    b = sample_bytes(m, "def ", length=20, seed=1)
+    assert a == b and a.startswith("def ") and len(a.encode("utf-8", "replace")) >= 20
+    assert m.training  # mode restored

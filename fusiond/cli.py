@@ -87,7 +87,7 @@ def run(argv: Sequence[str]) -> int:
         log.warning("%s", w)
     log.info("fusiond %s starting on the %s event loop (config: %s)", fusiond.__version__,
              loop_name, loaded.file or "defaults")
-    daemon = Daemon(loaded, flags=ns, config_path=ns.config)
+    daemon = Daemon(loaded, flags=ns, config_path=ns.config, owns_process=True)
     kwargs: dict[str, Any] = {"loop_factory": factory} if factory else {}
     try:
         with asyncio.Runner(**kwargs) as runner:

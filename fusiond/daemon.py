@@ -131,10 +131,13 @@ class Daemon:
     """One fusiond. `run()` until stopped; returns the process exit code (0 clean, 1 failed).
 
     `flags` are the parsed command-line flags, kept so SIGHUP can re-layer the config.
+    `owns_process` (the `fusiond` command): once drained, further SIGTERM/SIGINT/SIGHUP are
+    ignored until exit (in-process tests leave the host's signal handling alone).
     """
 
     def __init__(self, loaded: LoadedConfig, *, flags: argparse.Namespace | None = None,
-                 config_path: str | None = None) -> None:
+                 config_path: str | None = None, owns_process: bool = False) -> None:
+        self._owns_process = owns_process
         self.loaded = loaded
         self.cfg: DaemonConfig = loaded.config
         self._flags = flags
@@ -212,6 +215,11 @@ class Daemon:
         finally:
             for sig in installed:
                 loop.remove_signal_handler(sig)
+                if self._owns_process:
+                    # A second SIGTERM during the last moments of shutdown (systemd, a
+                    # supervisor, an impatient operator) must not turn a clean drain into
+                    # death by signal: the exit code stays the drain's.
+                    signal.signal(sig, signal.SIG_IGN)
             self.phase = "stopped"
         if self._failure is not None:  # a failure reported through the API (init/join)
             log.error("fusiond stopped because %s", _describe(self._failure))

@@ -62,6 +62,9 @@ def test_sigterm_exits_zero_and_sighup_reloads(root: Path) -> None:
         assert "another fusiond is already serving" in second.stderr
         assert node.status() is not None  # the first one is unharmed
     finally:
+        node.signal(signal.SIGTERM)
+        time.sleep(0.05)
+        node.signal(signal.SIGTERM)  # impatient: a second one must not change the outcome
         code = node.stop(15)
     assert code == 0, node.log_text()
     assert "fusiond stopped cleanly" in node.log_text()

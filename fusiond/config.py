@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
+import json
 import os
 import re
 import socket
@@ -632,3 +633,43 @@ def config_keys_table() -> Sequence[tuple[str, str, str, str]]:
     """(key, env, flag, default) rows, for docs and tests."""
     d = DaemonConfig()
     return [(k.path, k.env, k.flag, repr(get(d, k.path))) for k in keys()]
+
+
+def toml_value(v: Any) -> str:
+    """One value in TOML syntax (str, int, float, bool, lists of those)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a valid TOML basic string
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def example_body() -> str:
+    """Every key, commented out at its default under its docstring: the body of
+    deploy/fusiond.toml (regenerate: python -c 'from fusiond.config import example_body as
+    e; print(e(), end="")' and keep the file's header)."""
+    import textwrap
+
+    d = DaemonConfig()
+    out: list[str] = []
+    section: str | None = "-"
+    for k in keys():
+        if k.section != section:
+            section = k.section
+            if section:
+                out += ["", f"[{section}]"]
+        out.append("")
+        out += [f"# {line}" for line in textwrap.wrap(_DOCS.get(k.path, ""), 94)]
+        out.append(f"# {k.name} = {toml_value(get(d, k.path))}")
+    return "\n".join(out) + "\n"
+
+
+def keys_markdown() -> str:
+    """The key table of docs/daemon.md."""
+    rows = ["| key | environment | flag | default |", "|---|---|---|---|"]
+    rows += [f"| `{k}` | `{e}` | `{f}` | `{d}` |" for k, e, f, d in config_keys_table()]
+    return "\n".join(rows) + "\n"

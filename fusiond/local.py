@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fusiond.config import toml_value
 from fusiond.errors import LocalError
 
 STATE_FILE = "local.json"
@@ -60,26 +61,14 @@ def default_dir() -> str:
 # -- config files -------------------------------------------------------------------------------
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)  # a JSON string is a valid TOML basic string
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {type(v).__name__} to TOML")
-
-
 def to_toml(settings: Mapping[str, Any]) -> str:
     """Write a two-level settings dict (top-level keys and [section] tables) as TOML."""
-    top = [f"{k} = {_toml_value(v)}" for k, v in settings.items() if not isinstance(v, Mapping)]
+    top = [f"{k} = {toml_value(v)}" for k, v in settings.items() if not isinstance(v, Mapping)]
     out = ["# written by fusiond.local", *top]
     for k, v in settings.items():
         if isinstance(v, Mapping):
             out.append(f"\n[{k}]")
-            out.extend(f"{kk} = {_toml_value(vv)}" for kk, vv in v.items())
+            out.extend(f"{kk} = {toml_value(vv)}" for kk, vv in v.items())
     return "\n".join(out) + "\n"
 
 

@@ -87,9 +87,21 @@ def test_example_config_documents_every_key_and_is_valid(tmp_path: Path) -> None
 
 
 def test_daemon_docs_list_every_key() -> None:
+    from fusiond.config import keys_markdown
+
     text = (ROOT / "docs" / "daemon.md").read_text()
     missing = [k.path for k in keys() if f"| `{k.path}` | `{k.env}` | `{k.flag}` |" not in text]
     assert not missing, f"docs/daemon.md lacks {missing}"
+    assert keys_markdown() in text, ("docs/daemon.md's key table is stale: replace it with "
+                                     "fusiond.config.keys_markdown()")
+
+
+def test_example_config_is_generated_from_the_dataclasses() -> None:
+    from fusiond.config import example_body
+
+    assert EXAMPLE.read_text().endswith(example_body()), (
+        "deploy/fusiond.toml is stale: keep its header, replace the rest with "
+        "fusiond.config.example_body()")
 
 
 def test_every_key_is_documented_in_help_and_example() -> None:

@@ -5,7 +5,8 @@ connection starts with one mode byte: ``P`` echoes each byte back (RTT), ``B`` s
 stream until EOF and then answers with a JSON timeline of what arrived (one sample about every
 5 ms: seconds since the first byte, cumulative bytes).
 
-``measure``: connects from the sender's namespace, times ``--pings`` echoes (median RTT), then
+``measure``: connects from the sender's namespace, times ``--pings`` echoes (median RTT; both
+ends of the echo run SCHED_RR for those few milliseconds where allowed, see `realtime`), then
 sends ``--bytes`` and computes the rate from the receiver's timeline, leaving out the first
 quarter of the transfer (or six RTTs, whichever is longer) so TCP slow start does not count.
 Prints one JSON object: ``{"rtt_s": ..., "rtt_min_s": ..., "bandwidth_bps": ..., ...}``.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import sys
@@ -26,11 +28,26 @@ _CHUNK = 1 << 20
 _SAMPLE_S = 0.005
 
 
+def realtime(on: bool) -> None:
+    """Switch the calling thread to SCHED_RR (or back to normal). Echo timing is what `check`
+    reports as the RTT: on a loaded machine a normal-priority thread can wait milliseconds for a
+    CPU after each packet, which is the host's scheduler, not the emulated link. Only the
+    short ping phases run real-time; bulk transfers never do. No-op where not permitted."""
+    try:
+        if on:
+            os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(5))
+        else:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    except (OSError, AttributeError):
+        pass
+
+
 def _serve_conn(conn: socket.socket) -> None:
     with conn:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         mode = conn.recv(1)
         if mode == b"P":
+            realtime(True)  # this thread only (Linux schedules threads individually)
             while True:
                 b = conn.recv(1)
                 if not b:
@@ -85,15 +102,19 @@ def rate_from_samples(samples: Sequence[Sequence[float]], rtt_s: float) -> float
 def measure(addr: str, port: int, nbytes: int, pings: int, timeout: float) -> dict[str, float]:
     """RTT (median of `pings` echoes) and bandwidth (a bulk transfer of `nbytes`) to addr:port."""
     rtts: list[float] = []
-    with socket.create_connection((addr, port), timeout=timeout) as s:
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        s.sendall(b"P")
-        for _ in range(pings + 1):
-            t = time.monotonic()
-            s.sendall(b"x")
-            if s.recv(1) != b"x":
-                raise ConnectionError("echo server closed early")
-            rtts.append(time.monotonic() - t)
+    realtime(True)
+    try:
+        with socket.create_connection((addr, port), timeout=timeout) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.sendall(b"P")
+            for _ in range(pings + 1):
+                t = time.monotonic()
+                s.sendall(b"x")
+                if s.recv(1) != b"x":
+                    raise ConnectionError("echo server closed early")
+                rtts.append(time.monotonic() - t)
+    finally:
+        realtime(False)
     rtts = rtts[1:]  # the first echo pays for lazy setup (ARP, thread start)
     rtt = statistics.median(rtts)
     t0 = time.monotonic()

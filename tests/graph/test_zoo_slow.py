@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import Any
+
 import pytest
 import torch
 
@@ -15,13 +18,13 @@ pytestmark = pytest.mark.slow
 
 def _check(
     model: torch.nn.Module,
-    cap_args: dict,
-    batch: tuple[torch.Tensor, ...],  # type: ignore[type-arg]
-    loss_fn: object,
+    cap_args: Mapping[str, Any],
+    batch: tuple[torch.Tensor, ...],
+    loss_fn: Callable[..., torch.Tensor],
 ) -> None:
     c = capture(model, **cap_args)
     model.zero_grad(set_to_none=True)
-    loss = loss_fn(model(*batch[:-1]), batch[-1])  # type: ignore[operator]
+    loss = loss_fn(model(*batch[:-1]), batch[-1])
     loss.backward()
     g = c.graph
     for asg in (contiguous_assignment(g, 4, by="params"), interleaved_assignment(g, 4)):

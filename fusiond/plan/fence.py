@@ -304,6 +304,57 @@ def _sequences(
     return out
 
 
+def _local_search(
+    arrays: GraphArrays, best: _Candidate | None, compress: bool, modes: list[bool]
+) -> _Candidate | None:
+    """Small clusters: improve the machine order by pairwise swaps (machines in one fence
+    differ in speed and memory, which the fastest-first order ignores); when no order was
+    feasible, first look for one among seeded random orders."""
+    K = len(arrays.cluster)
+    searches = [_Search(arrays, np.arange(arrays.n + 1, dtype=np.int64), m) for m in modes]
+    if best is None:
+        rng = np.random.default_rng(0)
+        for _ in range(60):
+            seq = [int(x) for x in rng.permutation(K)]
+            for srch in searches:
+                if srch.run(seq, math.inf, K) is not None:
+                    cand = _search_sequence(srch, seq, K, False, compress)
+                    if cand is not None and (best is None or cand.evaluation.iteration_s
+                                             < best.evaluation.iteration_s):
+                        best = cand
+            if best is not None:
+                break
+        if best is None:
+            return None
+    used = [s.machine for s in best.stages]
+    seq0 = used + [m for m in range(K) if m not in used]
+    for _ in range(4):
+        improved = False
+        moves: list[list[int]] = []
+        for i, j in itertools.permutations(range(K), 2):
+            if i < j:  # swap
+                seq = list(seq0)
+                seq[i], seq[j] = seq[j], seq[i]
+                moves.append(seq)
+            if abs(i - j) > 1:  # move machine i to position j
+                seq = list(seq0)
+                seq.insert(j, seq.pop(i))
+                moves.append(seq)
+        for seq in moves:
+            nu = len(best.stages)
+            # truncations tighten the DP's 1F1B bound min(M, machines left in the sequence)
+            for cut in sorted({max(1, nu - 1), nu, min(K, nu + 1), K}):
+                for srch in searches:
+                    cand = _search_sequence(srch, seq[:cut], K, False, compress)
+                    if cand is not None and cand.evaluation.iteration_s < (
+                        best.evaluation.iteration_s * (1 - 1e-9)
+                    ):
+                        best, seq0, improved = cand, seq, True
+        if not improved:
+            break
+    return best
+
+
 def plan_opfence(
     graph: CostGraph,
     cluster: Cluster,
@@ -331,8 +382,9 @@ def plan_opfence(
         q = _candidate_cuts(arrays, max_cuts, mode)
         search = _Search(arrays, q, mode)
         cf, cb = arrays.cut_bytes(settings.density_floor if mode else 1.0)
+        per_mode = orders if len(modes) == 1 else max(2, (orders + 1) // 2)
         for order in _group_orders(arrays, fast_first, cf, cb,
-                                   max(orders, 24) if small else orders):
+                                   max(orders, 24) if small else per_mode):
             for seq in _sequences(arrays, order, fast_first, small):
                 window = len(seq) if len(seq) <= 12 else max(len(g) for g in groups) + 1
                 cand = _search_sequence(search, seq, window, small, compress)
@@ -340,6 +392,8 @@ def plan_opfence(
                     best is None or cand.evaluation.iteration_s < best.evaluation.iteration_s
                 ):
                     best = cand
+    if small:
+        best = _local_search(arrays, best, compress, modes)
     if best is None:
         raise PlanError(
             f"no cut of {graph.name!r} fits the machines' memory "

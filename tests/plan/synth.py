@@ -72,7 +72,7 @@ def random_instance(rng: np.random.Generator, *, max_machines: int = 6,
     machines = []
     for a in range(k):
         speed = float(rng.choice([1e12, 2e12, 4e12])) * float(rng.uniform(0.9, 1.1))
-        mem = float(rng.uniform(0.3, 1.5)) * (total_static + 4e9) / max(1, k - 1)
+        mem = float(rng.uniform(0.5, 3.0)) * (total_static + 4e9) / max(1, k - 1)
         machines.append(MachineProfile(
             id=f"m{a}", flops={"matmul": speed, "other": speed / 3}, mem_bw=speed / 20,
             op_overhead_s=1e-5, memory_bytes=mem,

@@ -1,0 +1,66 @@
+"""A plan as a readable plain-text table (what `fusionctl plan JOB` prints)."""
+
+from __future__ import annotations
+
+from fusiond.plan.pipeline import Plan
+
+
+def _si(x: float, unit: str) -> str:
+    for div, p in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.3g} {p}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.2f}"
+
+
+def render_plan(plan: Plan) -> str:
+    """Stages, links (with AdaTopK densities), the prediction, the bottleneck and idle machines."""
+    ev = plan.evaluation
+    c = plan.arrays.cluster
+    st = plan.arrays.settings
+    lines = [
+        f"plan {plan.method} for {plan.arrays.graph.name!r}: {len(plan.stages)} stages on "
+        f"{len(c)} machines; micro-batch {st.micro_batch_size} x {st.num_micro_batches} "
+        f"({st.schedule})",
+        "",
+        f"{'stage':>5}  {'machine':<14}{'ops':>6}  {'first op':<28}{'last op':<28}"
+        f"{'compute ms':>11}{'memory':>12}{'of':>11}",
+    ]
+    for r in ev.stages:
+        lines.append(
+            f"{r.index:>5}  {r.machine_id:<14}{r.stop - r.start:>6}  {r.first_op[:27]:<28}"
+            f"{r.last_op[:27]:<28}{_ms(r.compute_s):>11}{_si(r.memory_bytes, 'B'):>12}"
+            f"{_si(r.memory_cap, 'B'):>11}"
+        )
+    lines += ["", f"{'link':<30}{'Mbit/s':>10}{'dense MB':>10}{'wire MB':>10}{'density':>9}"
+                  f"{'ms':>10}{'dense ms':>10}"]
+    dense_links = {(lk.src_stage, lk.dst_stage): lk for lk in plan.dense.links}
+    for lk in ev.links:
+        d = dense_links.get((lk.src_stage, lk.dst_stage), lk)
+        name = f"{lk.src_stage}:{c.machines[lk.src].id} -> {lk.dst_stage}:{c.machines[lk.dst].id}"
+        lines.append(
+            f"{name[:29]:<30}{lk.bw_fwd * 8 / 1e6:>10.4g}"
+            f"{(lk.dense_fwd_bytes + lk.dense_bwd_bytes) / 1e6:>10.3g}"
+            f"{(lk.fwd_bytes + lk.bwd_bytes) / 1e6:>10.3g}{lk.density:>9.3f}"
+            f"{_ms(lk.time_s):>10}{_ms(d.time_s):>10}"
+        )
+    lines += [
+        "",
+        f"bottleneck: {ev.bottleneck} ({_ms(ev.bottleneck_s)} ms per micro-batch); "
+        f"compute bottleneck {_ms(ev.compute_bottleneck_s)} ms",
+        f"iteration: {ev.iteration_s:.4g} s = ({st.num_micro_batches} - 1) x bottleneck + fill "
+        f"{ev.fill_s:.4g} s + optimizer {ev.optimizer_s:.3g} s + tied-weight sync "
+        f"{ev.sync_s:.3g} s",
+        f"throughput: {ev.samples_per_s:.4g} samples/s"
+        + (f"; AdaTopK gain {plan.gain:.2f}x over the same cut dense" if plan.densities else ""),
+    ]
+    if ev.over_memory:
+        lines.append(f"OVER MEMORY on: {', '.join(ev.over_memory)}")
+    if plan.idle:
+        lines.append("idle machines:")
+        lines += [f"  {m}: {why}" for m, why in sorted(plan.idle.items())]
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)

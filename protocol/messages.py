@@ -574,3 +574,14 @@ class JobResult(Message):
     message: str = ""
     step: int = -1
     """The step the stage was in when it failed (-1: not applicable)."""
+
+
+@dataclass(frozen=True)
+class JobDensities(Message):
+    """Scheduler -> a stage: new top-k densities for edges it sends (AdaTopK re-adaptation from
+    measured link throughput), edge id -> density (1.0 = exact), from its next forward on."""
+
+    TYPE_ID: ClassVar[int] = 44
+    job_id: str
+    plan_version: int
+    densities: dict[str, float] = field(default_factory=dict)

@@ -34,6 +34,7 @@ from protocol.messages import (
     Address,
     Error,
     JobCancel,
+    JobDensities,
     JobResult,
     JobStart,
     Message,
@@ -168,6 +169,23 @@ class JobCoordinator:
             if self._failure is None:
                 self._blame_silent = False
             self._fail(node, self._step_of.get(self._node_stage[node], -1), cause)
+
+    async def set_densities(self, densities: Mapping[str, float]) -> None:
+        """Re-adapt top-k densities while the job runs (edge id -> density, 1.0 = exact), e.g.
+        from `fusiond.plan.adatopk.readapt` after links were re-measured. Each edge's sending
+        stage switches at its next forward; receivers need no notice."""
+        by_node: dict[str, dict[str, float]] = {}
+        src_of = {e.edge: e.src_node for e in self.layout.edges()}
+        for edge, d in densities.items():
+            if edge not in src_of:
+                raise LocalError(f"edge {edge!r} is not a cut edge of job {self.job_id}")
+            if not 0.0 < d <= 1.0:
+                raise LocalError(f"edge {edge!r}: density {d} not in (0, 1]")
+            by_node.setdefault(src_of[edge], {})[edge] = float(d)
+        for node, dens in by_node.items():
+            await self.send(node, JobDensities(job_id=self.job_id,
+                                               plan_version=self.plan_version,
+                                               densities=dens), ())
 
     async def cancel(self, reason: str = "cancelled by the user") -> None:
         """Stop the job: every stage gets JobCancel; `run()` returns a failed outcome."""

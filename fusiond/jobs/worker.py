@@ -8,6 +8,7 @@ into the daemon's message dispatch):
 - JobStart -> run every step; after each, StageStep to the scheduler; at the end JobResult
   (ok + the partition's final weights as safetensors payload, or not ok + the failure);
 - Forward / Backward -> the stage's executor;
+- JobDensities -> new top-k densities for edges this stage sends (AdaTopK re-adaptation);
 - JobCancel -> stop the stage and free it.
 
 `send(peer, msg, payload)` is how the worker talks: `PeerNetwork.send`, or `local_sender(...)`,
@@ -25,6 +26,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fusiond.errors import FusionError
 from fusiond.graph import state_to_bytes
 from fusiond.train.remote import StageHost
 from fusiond.train.stage import StageConfig, StepReport
@@ -35,6 +37,7 @@ from protocol.messages import (
     Error,
     Forward,
     JobCancel,
+    JobDensities,
     JobResult,
     JobStart,
     Message,
@@ -126,6 +129,15 @@ class JobWorker:
             return True
         if isinstance(msg, JobStart):
             self._start(peer, msg)
+            return True
+        if isinstance(msg, JobDensities):
+            job = self._jobs.get(msg.job_id)
+            if job is not None:
+                try:
+                    for edge, d in msg.densities.items():
+                        job.host.executor.set_density(edge, d)
+                except FusionError as e:
+                    log.warning("JobDensities for job %s from %s refused: %s", msg.job_id, peer, e)
             return True
         if isinstance(msg, JobCancel):
             if msg.job_id in self._jobs:

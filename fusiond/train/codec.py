@@ -19,6 +19,7 @@ from protocol.limits import DEFAULT_LIMITS, Limits
 
 __all__ = [
     "Encoded",
+    "decode_any",
     "decode_dense",
     "decode_topk",
     "decode_values",
@@ -114,6 +115,19 @@ def decode_topk(
     if indices is None:
         raise RemoteProtocolError("a top-k edge carried a tensor that is not TOPK-encoded")
     return _tensor(dense), np.asarray(indices, dtype=np.int64)
+
+
+def decode_any(
+    payload: bytes | memoryview, limits: Limits = DEFAULT_LIMITS
+) -> tuple[torch.Tensor, np.ndarray | None]:
+    """Decode whatever the sender chose: dense, or TOPK with its kept indices (else None).
+
+    The receiver follows the payload, so a sender may change an edge's density between any two
+    micro-batches without telling the receiver first.
+    """
+    dense, indices = wire.decode_with_indices(payload, limits=limits)
+    idx = None if indices is None else np.asarray(indices, dtype=np.int64)
+    return _tensor(dense), idx
 
 
 def decode_values(

@@ -192,8 +192,9 @@ def merge_reports(reports: Sequence[StepReport], *, samples: int, tokens: int,
                 src, dst = r.stage, st.peer
             else:
                 src, dst = st.peer, r.stage
-            fig = edges.setdefault(st.edge, EdgeFigures(st.edge, src, dst, st.density))
+            fig = edges.setdefault(st.edge, EdgeFigures(st.edge, src, dst, None))
             if st.kind == PacketKind.FORWARD:
+                fig.density = st.density  # the sender owns the density
                 fig.forward_wire += st.wire_bytes
                 fig.forward_dense += st.dense_bytes
             else:
@@ -241,8 +242,11 @@ async def run_pipeline(
     config: StageConfig | None = None,
     queue_size: int = 4,
     on_step: Callable[[StepMetrics], Any] | None = None,
+    on_executors: Callable[[Sequence[StageExecutor]], Any] | None = None,
 ) -> PipelineResult:
     """Train `steps` steps of a pipelined model in this process; stage i is `programs[i]`.
+
+    `on_executors(executors)` is called once they exist (e.g. to change densities mid-run).
 
     Every stage draws the same deterministic batches from `data` (only the stages whose program
     reads data use them). The first stage failure cancels the others and is raised.
@@ -266,6 +270,8 @@ async def run_pipeline(
     ]
     for ex in execs:
         hub.attach(ex)
+    if on_executors is not None:
+        on_executors(execs)
     per_step: dict[int, dict[int, StepReport]] = {}
     metrics: list[StepMetrics] = []
     t_prev = [time.perf_counter()]

@@ -268,6 +268,7 @@ class StageExecutor:
                 raise StageError(f"stage {stage}: shared parameter {name!r} is not in the module")
         self._in = {e.edge_id: e for e in program.in_edges}
         self._out = {e.edge_id: e for e in program.out_edges}
+        self._density: dict[str, float | None] = {e.edge_id: e.density for e in program.out_edges}
         self._pool: ThreadPoolExecutor | None = None
         self._queues: dict[int, asyncio.Queue[Packet | None]] = {}
         self._senders: list[asyncio.Task[None]] = []
@@ -359,6 +360,24 @@ class StageExecutor:
         else:
             self._inbox[key] = packet.payload
 
+    def set_density(self, edge_id: str, density: float | None) -> None:
+        """Change an outgoing edge's top-k density (None: exact) from the next forward on.
+
+        Only the sender needs to know: receivers decode whatever encoding arrives, and each
+        backward uses the indices of its own forward. AdaTopK re-adaptation calls this when
+        measured link throughput changes.
+        """
+        if edge_id not in self._out:
+            raise StageError(f"stage {self.stage} sends no edge {edge_id!r}")
+        if density is not None and not 0.0 < density <= 1.0:
+            raise StageError(f"edge {edge_id!r}: density {density} not in (0, 1]")
+        self._density[edge_id] = None if density is not None and density >= 1.0 else density
+
+    @property
+    def densities(self) -> dict[str, float | None]:
+        """Outgoing edge id -> current density (None: exact)."""
+        return dict(self._density)
+
     @property
     def current_step(self) -> int:
         """The step being run (or last run)."""
@@ -435,10 +454,10 @@ class StageExecutor:
         leaves: dict[str, torch.Tensor] = {}
         recv_idx: dict[str, np.ndarray] = {}
         for edge_id, payload in payloads.items():
-            if self._in[edge_id].density is None:
-                t = codec.decode_dense(payload)
-            else:
-                t, recv_idx[edge_id] = codec.decode_topk(payload)
+            # Follow the payload, not our config: the sender owns the edge's density.
+            t, idx = codec.decode_any(payload)
+            if idx is not None:
+                recv_idx[edge_id] = idx
             if _is_float(t):
                 t.requires_grad_(True)
             leaves[edge_id] = t
@@ -459,14 +478,15 @@ class StageExecutor:
             if edge_id not in out:
                 raise StageError(f"stage {self.stage}: module produced no output for {edge_id!r}")
             t = out[edge_id]
-            if e.density is None or not _is_float(t):
+            density = self._density[edge_id]
+            if density is None or not _is_float(t):
                 enc = codec.encode_dense(t)
             else:
-                enc, sent_idx[edge_id] = codec.encode_topk(t, e.density, e.per_row)
+                enc, sent_idx[edge_id] = codec.encode_topk(t, density, e.per_row)
             if _is_float(t):
                 grad_edges.add(edge_id)
             pkt = Packet(PacketKind.FORWARD, step, micro, edge_id, self.stage, e.dst, enc.payload)
-            packets.append((pkt, enc, e.density))
+            packets.append((pkt, enc, density))
         ctx = _Ctx(leaves, out, loss, recv_idx, sent_idx, grad_edges)
         return ctx, packets
 

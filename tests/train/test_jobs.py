@@ -164,3 +164,26 @@ async def test_membership_failure_and_cancel_free_every_stage(captured_tiny) -> 
         assert not out2.ok and out2.failure is not None and "cancelled" in out2.failure.cause
         await asyncio.sleep(0.5)
         assert all(not n.worker.jobs() for n in nodes.values())
+
+
+async def test_densities_readapt_during_the_job(captured_tiny) -> None:  # type: ignore[no-untyped-def]
+    spec, cap = captured_tiny
+    spec = replace(spec, steps=6)
+    seen: list[StepMetrics] = []
+    async with cluster() as nodes:
+        c: JobCoordinator
+
+        def on_step(m: StepMetrics) -> None:
+            seen.append(m)
+            if m.step == 1:
+                edges = {e.edge for e in c.layout.edges()}
+                asyncio.get_running_loop().create_task(c.set_densities(dict.fromkeys(edges, 0.1)))
+
+        c = coordinator(nodes, spec, cap, on_step=on_step)
+        out = await asyncio.wait_for(c.run(), 120)
+        assert out.ok, out.failure
+        with pytest.raises(Exception, match="not a cut edge"):
+            await c.set_densities({"nope->1": 0.5})
+    assert all(e.density is None for e in seen[0].edges)
+    assert all(e.density == 0.1 for e in seen[-1].edges)
+    assert seen[-1].wire_bytes < 0.25 * seen[0].wire_bytes

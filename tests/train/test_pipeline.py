@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from typing import Any
 
 import pytest
 import torch
@@ -162,3 +163,33 @@ async def test_deliver_rejects_unexpected_packets(adamw: OptimizerSpec) -> None:
         with pytest.raises(RemoteError):
             ex.deliver(p)
     await ex.close()
+
+
+async def test_density_changes_mid_run_without_telling_the_receiver(
+    small_text: TextWindows, adamw: OptimizerSpec
+) -> None:
+    from fusiond.train.stage import StageExecutor
+
+    torch.manual_seed(0)
+    g = gpt2("tiny")
+    execs: list[StageExecutor] = []
+
+    def adapt(m: Any) -> None:
+        if m.step == 2:  # AdaTopK re-adaptation: only the senders are told
+            for ex in execs:
+                for edge in ex.densities:
+                    ex.set_density(edge, 0.1)
+
+    res = await run_pipeline(three_stages(g), data=small_text, batch_size=8, micro_batches=4,
+                             optimizer=adamw, steps=6, on_step=adapt, on_executors=execs.extend)
+    want, _ = _reference(g, adamw, small_text, 6)
+    # steps 0-2 ran dense: exactly the reference; step 3 on compressed, cheaper and still sane
+    for got, exp in zip(res.losses[:3], want[:3], strict=True):
+        assert got == pytest.approx(exp, rel=1e-4)
+    dense, sparse = res.metrics[2], res.metrics[4]
+    assert all(e.density is None for e in dense.edges)
+    assert all(e.density == 0.1 for e in sparse.edges)
+    assert sparse.wire_bytes < 0.25 * dense.wire_bytes
+    assert all(abs(x) < 10 for x in res.losses)
+    with pytest.raises(StageError, match="sends no edge"):
+        execs[2].set_density("h0", 0.5)

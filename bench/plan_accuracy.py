@@ -58,6 +58,10 @@ def measure(size: str, batch: int, seq: int, parts: int, repeats: int) -> list[d
         r.forward = _timed(r.forward, fw[i])  # type: ignore[method-assign]
         r.backward = _timed(r.backward, bw[i])  # type: ignore[method-assign]
     best = [float("inf")] * len(drv.runners)
+    t0 = time.perf_counter()
+    drv.forward_backward({"input": x, "targets": x})  # warm-up, and sizes the repeat count
+    one = time.perf_counter() - t0
+    repeats = max(repeats, min(50, int(0.5 / max(one, 1e-6))))  # >= ~0.5 s of samples
     for rep in range(repeats + 1):
         for i in range(len(drv.runners)):
             fw[i].clear()

@@ -58,14 +58,22 @@ def calibrate(
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
-    with torch.no_grad():
-        m = max(64, int(1024 * scale))
-        k = max(64, int(768 * scale))
-        a = torch.randn(m, k, device=dev)
-        w = torch.randn(k, k, device=dev)
-        t_mm = _best_time(lambda: a @ w, repeats, sync)
-        mm_rate = 2.0 * m * k * k / t_mm
+    # matmul: forward + backward of a transformer-shaped linear layer, so the transposed
+    # products of backward are in the rate (6 FLOPs per multiply-add triple)
+    m = max(64, int(1024 * scale))
+    k = max(64, int(768 * scale))
+    nout = 3 * k
+    a = torch.randn(m, k, device=dev, requires_grad=True)
+    w = torch.randn(nout, k, device=dev, requires_grad=True)
+    go = torch.randn(m, nout, device=dev)
 
+    def linear_fb() -> None:
+        torch.nn.functional.linear(a, w).backward(go)  # type: ignore[no-untyped-call]
+
+    t_mm = _best_time(linear_fb, repeats, sync)
+    mm_rate = 6.0 * m * k * nout / t_mm
+
+    with torch.no_grad():
         c = max(8, int(64 * scale))
         x = torch.randn(4, c, 28, 28, device=dev)
         wc = torch.randn(c, c, 3, 3, device=dev)

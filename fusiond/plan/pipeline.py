@@ -334,3 +334,27 @@ class Plan:
     def gain(self) -> float:
         """Predicted speed-up of the compressed plan over the same cut sent dense."""
         return self.dense.iteration_s / self.evaluation.iteration_s
+
+    def stage_assignment(self) -> dict[str, int]:
+        """Op (IR node id) -> stage index: the `assignment` for `fusiond.graph.partition`
+        (partition id = stage index, so stage s runs on `stages[s].machine`)."""
+        return {self.arrays.graph.ops[i].name: k
+                for k, s in enumerate(self.stages) for i in range(s.start, s.stop)}
+
+    def machine_of_stage(self) -> list[str]:
+        """Stage index -> machine id."""
+        ids = self.arrays.cluster.ids()
+        return [ids[s.machine] for s in self.stages]
+
+    def edge_densities(self) -> dict[str, float]:
+        """Compressed cut edges by `fusiond.graph.partition.Edge.id` (`"<value>-><dst stage>"`)
+        -> density; edges not listed travel dense."""
+        return {f"{name}->{dst}": d for (name, dst), d in self.densities.items()}
+
+    def value_densities(self) -> dict[str, float]:
+        """Per value (`Edge.value`), the lowest density over its destinations (for
+        `fusiond.graph.driver.Driver(topk=...)`, which takes one density per value)."""
+        out: dict[str, float] = {}
+        for (name, _dst), d in self.densities.items():
+            out[name] = min(d, out.get(name, 1.0))
+        return out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fusiond.plan.pipeline import Plan
+from fusiond.plan.pipeline import LinkReport, Plan
 
 
 def _si(x: float, unit: str) -> str:
@@ -16,7 +16,7 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.2f}"
 
 
-def render_plan(plan: Plan) -> str:
+def render_plan(plan: Plan, *, max_links: int = 24) -> str:
     """Stages, links (with AdaTopK densities), the prediction, the bottleneck and idle machines."""
     ev = plan.evaluation
     c = plan.arrays.cluster
@@ -38,7 +38,17 @@ def render_plan(plan: Plan) -> str:
     lines += ["", f"{'link':<30}{'Mbit/s':>10}{'dense MB':>10}{'wire MB':>10}{'density':>9}"
                   f"{'ms':>10}{'dense ms':>10}"]
     dense_links = {(lk.src_stage, lk.dst_stage): lk for lk in plan.dense.links}
-    for lk in ev.links:
+    # the busiest links first; size arithmetic fans out tiny scalars to every stage, so
+    # links that carry next to nothing are summarised in one line
+    def dense_time(lk: LinkReport) -> float:
+        d = dense_links.get((lk.src_stage, lk.dst_stage))
+        return (d or lk).time_s
+
+    ranked = sorted(ev.links, key=lambda lk: -dense_time(lk))
+    shown = [lk for lk in ranked if lk.time_s >= 1e-5 or lk.fwd_bytes + lk.bwd_bytes >= 1e4]
+    shown = shown[:max_links]
+    hidden = len(ev.links) - len(shown)
+    for lk in shown:
         d = dense_links.get((lk.src_stage, lk.dst_stage), lk)
         name = f"{lk.src_stage}:{c.machines[lk.src].id} -> {lk.dst_stage}:{c.machines[lk.dst].id}"
         lines.append(
@@ -47,6 +57,10 @@ def render_plan(plan: Plan) -> str:
             f"{(lk.fwd_bytes + lk.bwd_bytes) / 1e6:>10.3g}{lk.density:>9.3f}"
             f"{_ms(lk.time_s):>10}{_ms(d.time_s):>10}"
         )
+    if hidden:
+        lines.append(f"({hidden} more links, each under "
+                     f"{_ms(max((lk.time_s for lk in ev.links if lk not in shown), default=0))}"
+                     " ms)")
     lines += [
         "",
         f"bottleneck: {ev.bottleneck} ({_ms(ev.bottleneck_s)} ms per micro-batch); "

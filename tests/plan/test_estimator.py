@@ -113,3 +113,37 @@ def test_real_gpt2_capture_plans_and_partitions() -> None:
     out = drv.forward_backward({"input": x, "targets": x})
     ref = lm_loss(model(x), x).detach()
     assert float(next(iter(out.values()))) == pytest.approx(float(ref), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_plan_real_gpt2_small_on_48_machines_fast() -> None:
+    """The issue's speed target: GPT-2 small's full ATen graph, 48 machines in 6 groups, <= 2 s."""
+    import json
+    import time
+    from pathlib import Path
+
+    torch = pytest.importorskip("torch")
+    from fusiond.graph.capture import capture
+    from fusiond.models.gpt2 import gpt2, lm_loss
+    from fusiond.plan import cluster_from_topology, fence_groups
+
+    model = gpt2("small")
+    x = torch.randint(0, model.config.vocab_size, (2, 16))
+    cm = capture(model, [x], targets=x, loss=lm_loss,
+                 dynamic=[{0: "batch", 1: "seq"}, {0: "batch", 1: "seq"}])
+    cg = cost_graph_from_ir(cm.graph, {"batch": 8, "seq": 512})
+    spec = json.loads((Path(__file__).resolve().parents[2] / "bench" / "topologies" /
+                       "geo.json").read_text())
+    cluster, _ = cluster_from_topology(spec)
+    assert len(cluster) == 48 and len(fence_groups(cluster)) == 6
+    st = JobSettings(micro_batch_size=8, num_micro_batches=16)
+    t0 = time.perf_counter()
+    plan = plan_opfence(cg, cluster, st)
+    dt = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    plan_c = plan_opfence(cg, cluster, st, compress=True)
+    dt_c = time.perf_counter() - t0
+    print(f"planning GPT-2 small ({len(cg.ops)} ops) on 48 machines: {dt:.2f} s, "
+          f"with AdaTopK {dt_c:.2f} s")
+    assert plan.evaluation.memory_ok and plan_c.evaluation.memory_ok
+    assert dt <= 2.0

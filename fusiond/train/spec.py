@@ -418,9 +418,13 @@ def _compression(t: _Table) -> CompressionSpec:
     )
 
 
-def job_from_dict(data: Mapping[str, Any], *, base: Path | None = None) -> JobSpec:
-    """Validate a parsed TOML document; relative paths resolve against `base` (default: cwd)."""
+def job_from_dict(data: Mapping[str, Any], *, base: Path | None = None,
+                  out_base: Path | None = None) -> JobSpec:
+    """Validate a parsed TOML document. Relative input paths (data, tokenizer) resolve against
+    `base`, the relative output path against `out_base` (both default: the current directory).
+    """
     base = Path.cwd() if base is None else base
+    out_base = Path.cwd() if out_base is None else out_base
     root = _Table(data, "")
     job = root.sub("job", required=True)
     name = job.string("name", "job")
@@ -429,7 +433,7 @@ def job_from_dict(data: Mapping[str, Any], *, base: Path | None = None) -> JobSp
     steps = job.integer("steps", lo=1, hi=10**9)
     seed = job.integer("seed", 0, hi=2**63 - 1)
     ckpt = job.integer("checkpoint_interval", 0, hi=10**9)
-    output = (base / job.string("output", f"runs/{name}")).expanduser()
+    output = (out_base / job.string("output", f"runs/{name}")).expanduser()
     job.finish()
     loss_t = root.sub("loss")
     loss = LossSpec(
@@ -457,17 +461,19 @@ def job_from_dict(data: Mapping[str, Any], *, base: Path | None = None) -> JobSp
     return spec
 
 
-def parse_job(text: str, *, base: Path | None = None) -> JobSpec:
+def parse_job(text: str, *, base: Path | None = None, out_base: Path | None = None) -> JobSpec:
     """Parse and validate TOML text; a syntax error is a `JobSpecError` naming the line."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise JobSpecError("<toml>", f"not valid TOML: {e}") from e
-    return job_from_dict(data, base=base)
+    return job_from_dict(data, base=base, out_base=out_base)
 
 
 def load_job(path: str | Path) -> JobSpec:
-    """Read and validate a job file; relative paths inside resolve against its directory."""
+    """Read and validate a job file. Its relative data paths resolve against its directory (the
+    job and its data travel together); its relative output path against the current directory
+    (results land where the user runs the job)."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")

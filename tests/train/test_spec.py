@@ -37,7 +37,7 @@ def test_examples_load() -> None:
 
 
 def test_defaults() -> None:
-    spec = parse_job(MINIMAL, base=Path("/tmp"))
+    spec = parse_job(MINIMAL, base=Path("/tmp"), out_base=Path("/tmp"))
     assert spec.model.target == "fusiond.models.gpt2:gpt2"
     assert spec.data.kind == "text" and spec.data.path == default_text_path()
     assert spec.data.tokenizer == "bytes"
@@ -121,4 +121,4 @@ def test_relative_paths_resolve_against_the_job_file(tmp_path: Path) -> None:
     job.write_text(MINIMAL + '[data]\npath = "corpus.txt"\n')
     spec = load_job(job)
     assert spec.data.path == tmp_path / "corpus.txt"
-    assert spec.output == tmp_path / "runs" / "job"
+    assert spec.output == Path.cwd() / "runs" / "job"  # results land where the user is

@@ -585,3 +585,17 @@ class JobDensities(Message):
     job_id: str
     plan_version: int
     densities: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StageCheckpoint(Message):
+    """Stage -> scheduler every `checkpoint_interval` steps: the partition's state after `step`
+    (safetensors bytes in the payload); the scheduler writes the whole model once every stage's
+    checkpoint of that step arrived."""
+
+    TYPE_ID: ClassVar[int] = 45
+    lane: ClassVar[Lane] = Lane.BULK
+    job_id: str
+    plan_version: int
+    partition: int
+    step: int

@@ -39,10 +39,11 @@ from protocol.messages import (
     JobStart,
     Message,
     Ready,
+    StageCheckpoint,
     StageStep,
 )
 
-__all__ = ["FailureReport", "JobCoordinator", "JobOutcome", "write_outputs"]
+__all__ = ["FailureReport", "JobCoordinator", "JobOutcome", "save_checkpoint", "write_outputs"]
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ class JobCoordinator:
         failure_grace_s: float = 2.0,
         tokens_per_sample: int = 0,
         on_step: Callable[[StepMetrics], Any] | None = None,
+        on_checkpoint: Callable[[int, dict[str, torch.Tensor]], Any] | None = None,
     ) -> None:
         self.send = send
         self.spec = spec
@@ -117,6 +119,8 @@ class JobCoordinator:
         self.failure_grace_s = failure_grace_s
         self.tokens_per_sample = tokens_per_sample
         self.on_step = on_step
+        self.on_checkpoint = on_checkpoint
+        self._checkpoints: dict[int, dict[int, bytes]] = {}
         self.stage_nodes = layout.stage_nodes
         self._node_stage = {n: s for s, n in self.stage_nodes.items()}
         self._ready: dict[str, asyncio.Future[None]] = {}
@@ -150,6 +154,15 @@ class JobCoordinator:
             return True
         if isinstance(msg, StageStep) and msg.job_id == self.job_id:
             self._on_step(peer, msg)
+            return True
+        if isinstance(msg, StageCheckpoint) and msg.job_id == self.job_id:
+            got = self._checkpoints.setdefault(msg.step, {})
+            got[msg.partition] = bytes(msg.payload)
+            if len(got) == len(self.stage_nodes):
+                del self._checkpoints[msg.step]
+                if self.on_checkpoint is not None:
+                    states = [state_from_bytes(got[s]) for s in sorted(got)]
+                    self.on_checkpoint(msg.step, gather_state(self.captured.graph, states))
             return True
         if isinstance(msg, JobResult) and msg.job_id == self.job_id:
             self._reported.add(msg.partition)
@@ -304,6 +317,12 @@ class JobCoordinator:
                 )
             except (TimeoutError, LocalError, OSError) as e:
                 log.info("JobCancel to %s not sent: %s", node, e)
+
+
+def save_checkpoint(output: Path, step: int, state: Mapping[str, torch.Tensor]) -> Path:
+    """Write the whole model after `step` as `checkpoint-<steps done>.safetensors`."""
+    return save_model(output / f"checkpoint-{step + 1}.safetensors", state,
+                      metadata={"step": str(step)})
 
 
 def write_outputs(outcome: JobOutcome, output: Path) -> dict[str, Path]:

@@ -14,10 +14,11 @@ import argparse
 import asyncio
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from fusiond.errors import FusionError
-from fusiond.jobs.coordinator import write_outputs
+from fusiond.jobs.coordinator import save_checkpoint, write_outputs
 from fusiond.jobs.inproc import inproc_cluster, run_job
 from fusiond.jobs.submit import prepare_job
 from fusiond.train.local import StepMetrics
@@ -25,7 +26,7 @@ from fusiond.train.model import build_model
 from fusiond.train.sample import sample_bytes
 
 
-def _progress(total: int, t0: float) -> tuple[list[float], object]:
+def _progress(total: int, t0: float) -> tuple[list[float], Callable[[StepMetrics], None]]:
     losses: list[float] = []
     every = max(1, total // 20)
 
@@ -62,9 +63,11 @@ async def _main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     losses, on_step = _progress(spec.steps, t0)
     async with inproc_cluster(args.stages) as nodes:
-        outcome = await run_job(nodes, spec, job.captured, job_id=spec.name,
-                                density=args.density, tokens_per_sample=job.tokens_per_sample,
-                                on_step=on_step)  # type: ignore[arg-type]
+        outcome = await run_job(
+            nodes, spec, job.captured, job_id=spec.name, density=args.density,
+            tokens_per_sample=job.tokens_per_sample, on_step=on_step,
+            on_checkpoint=lambda step, state: save_checkpoint(spec.output, step, state),
+        )
     paths = write_outputs(outcome, spec.output)
     if not outcome.ok:
         print(f"fusion: {outcome.failure}", file=sys.stderr)

@@ -92,6 +92,7 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
         "version": CONFIG_VERSION,
         "steps": spec.steps,
         "seed": spec.seed,
+        "checkpoint_interval": spec.checkpoint_interval,
         "batch_size": spec.batch.size,
         "micro_batches": spec.batch.micro_batches,
         "pipeline": spec.batch.pipeline,
@@ -130,6 +131,7 @@ class StageAssignment:
     """stage -> node id of every stage this one talks to."""
     steps: int
     seed: int
+    checkpoint_interval: int
     batch: BatchSpec
     optimizer: OptimizerSpec
     data: DataSpec
@@ -229,7 +231,9 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         job_id=msg.job_id, plan_version=msg.plan_version, stage=stage, graph=graph, state=state,
         edges=tuple(edges), stages=stages, stage_nodes=stage_nodes,
         steps=_get(cfg, "steps", int, ""),
-        seed=_get(cfg, "seed", int, ""), batch=batch, optimizer=optimizer, data=data,
+        seed=_get(cfg, "seed", int, ""),
+        checkpoint_interval=int(cfg.get("checkpoint_interval", 0) or 0),
+        batch=batch, optimizer=optimizer, data=data,
         per_row=bool(cfg.get("per_row", True)), input_name=_get(cfg, "input_name", str, ""),
         targets_name=targets if isinstance(targets, str) else None,
         loss_name=_get(cfg, "loss_name", str, ""), shared=shared,

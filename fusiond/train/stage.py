@@ -318,7 +318,8 @@ class StageExecutor:
             if not fut.done():
                 fut.cancel()
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            # Waiting for a running task (seconds on a big model) must not block the loop.
+            await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
         self._inbox.clear()
 
     async def flush(self) -> None:

@@ -85,10 +85,12 @@ def coordinator(nodes: dict[str, Node], spec: Any, cap: Any, job_id: str = "job-
 
 async def test_job_runs_to_a_model_equal_to_single_process(captured_tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     spec, cap = captured_tiny
-    spec = replace(spec, steps=6)
+    spec = replace(spec, steps=6, checkpoint_interval=2)
     seen: list[StepMetrics] = []
+    ckpts: dict[int, dict[str, torch.Tensor]] = {}
     async with cluster() as nodes:
-        c = coordinator(nodes, spec, cap, on_step=seen.append, tokens_per_sample=32)
+        c = coordinator(nodes, spec, cap, on_step=seen.append, tokens_per_sample=32,
+                        on_checkpoint=lambda s, st: ckpts.__setitem__(s, st))
         out = await asyncio.wait_for(c.run(), 120)
         assert out.ok, out.failure
         assert all(not n.worker.jobs() for n in nodes.values())
@@ -96,7 +98,11 @@ async def test_job_runs_to_a_model_equal_to_single_process(captured_tiny, tmp_pa
     rt = ReferenceTrainer(model, loss_fn(spec.loss), spec.optimizer,
                           data=make_source(spec.data, spec.seed), batch_size=spec.batch.size,
                           micro_batches=spec.batch.micro_batches, total_steps=spec.steps)
-    want = rt.train(0, spec.steps)
+    want = rt.train(0, 2)
+    assert sorted(ckpts) == [1, 3]  # after 2 and 4 steps; the final model is the result
+    for k, v in model.state_dict().items():  # the checkpoint after 2 steps is the eager model's
+        torch.testing.assert_close(ckpts[1][k], v, rtol=1e-4, atol=1e-5, msg=k)
+    want += rt.train(2, spec.steps - 2)
     assert [m.step for m in seen] == list(range(spec.steps))
     for m, w in zip(seen, want, strict=True):
         assert m.loss == pytest.approx(w, rel=1e-4)

@@ -325,7 +325,10 @@ def _local_search(
             if best is not None:
                 break
         if best is None:
-            return None
+            seed = _memory_feasible_cut(arrays)
+            if seed is None:
+                return None
+            best = _score(arrays, seed, compress)
     used = [s.machine for s in best.stages]
     seq0 = used + [m for m in range(K) if m not in used]
     for _ in range(4):
@@ -350,6 +353,116 @@ def _local_search(
                         best.evaluation.iteration_s * (1 - 1e-9)
                     ):
                         best, seq0, improved = cand, seq, True
+        if not improved:
+            break
+    return best
+
+
+def _memory_feasible_cut(arrays: GraphArrays) -> list[StageSpec] | None:
+    """Any cut that fits memory, over every machine order (small clusters only): a DP over
+    (machines used by the suffix, first machine of the suffix, first op), from the last stage
+    back, so each stage knows how many stages follow it (its exact 1F1B in-flight count)."""
+    K, n = len(arrays.cluster), arrays.n
+    st = arrays.settings
+    M = st.num_micro_batches
+    caps = arrays.caps
+    reach: dict[tuple[int, int], npt.NDArray[np.bool_]] = {}
+    # largest op output in [p, e): the stage's workspace, exactly (n is small here)
+    outmax = np.zeros((n + 1, n + 1))
+    for p0 in range(n):
+        outmax[p0, p0 + 1:] = np.maximum.accumulate(arrays.out[p0:])
+    upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)
+    for size in range(1, K + 1):
+        infl = M if st.schedule == "gpipe" else min(M, size)
+        mem = arrays.static_prefix + infl * arrays.saved_prefix
+        need = mem[None, :] - mem[:, None] + outmax  # [p, e]: a stage running ops [p, e)
+        for mask in (m for m in range(1 << K) if bin(m).count("1") == size):
+            for first in (x for x in range(K) if mask >> x & 1):
+                rest = mask & ~(1 << first)
+                ends = np.zeros(n + 1, dtype=bool)
+                if rest == 0:
+                    ends[n] = True
+                else:
+                    for f2 in (x for x in range(K) if rest >> x & 1):
+                        ends |= reach.get((rest, f2), ends & False)
+                ok = np.any(upper & (need <= caps[first]) & ends[None, :], axis=1)
+                if ok.any():
+                    reach[(mask, first)] = ok
+    starts = [(mask, f) for (mask, f), ok in reach.items() if ok[0]]
+    if not starts:
+        return None
+    mask, first = min(starts, key=lambda x: bin(x[0]).count("1"))
+    stages: list[StageSpec] = []
+    p = 0
+    while True:
+        size = bin(mask).count("1")
+        infl = M if st.schedule == "gpipe" else min(M, size)
+        mem = arrays.static_prefix + infl * arrays.saved_prefix
+        rest = mask & ~(1 << first)
+        if rest == 0:
+            stages.append(StageSpec(first, p, n))
+            return stages
+        nxt = None
+        for e in range(n - 1, p, -1):
+            if mem[e] - mem[p] + outmax[p, e] > caps[first]:
+                continue
+            for f2 in (x for x in range(K) if rest >> x & 1):
+                r = reach.get((rest, f2))
+                if r is not None and r[e]:
+                    nxt = (e, f2)
+                    break
+            if nxt:
+                break
+        if nxt is None:
+            return None
+        stages.append(StageSpec(first, p, nxt[0]))
+        p, mask, first = nxt[0], rest, nxt[1]
+
+
+def _neighbours(stages: list[StageSpec], K: int) -> list[list[StageSpec]]:
+    """Cuts one edit away: a boundary moved, a stage split onto an idle machine, two stages
+    merged, a stage moved to another (idle or busy) machine."""
+    out: list[list[StageSpec]] = []
+    S = len(stages)
+    used = {s.machine for s in stages}
+    idle = [m for m in range(K) if m not in used]
+    for i in range(S - 1):
+        a, b = stages[i], stages[i + 1]
+        for d in (-2, -1, 1, 2):
+            cut = a.stop + d
+            if a.start < cut < b.stop:
+                out.append([*stages[:i], StageSpec(a.machine, a.start, cut),
+                            StageSpec(b.machine, cut, b.stop), *stages[i + 2:]])
+        out.append([*stages[:i], StageSpec(a.machine, a.start, b.stop), *stages[i + 2:]])
+        out.append([*stages[:i], StageSpec(b.machine, a.start, b.stop), *stages[i + 2:]])
+    for i, st in enumerate(stages):
+        for u in idle:
+            out.append([*stages[:i], StageSpec(u, st.start, st.stop), *stages[i + 1:]])
+            for cut in range(st.start + 1, st.stop):
+                lo, hi = StageSpec(st.machine, st.start, cut), StageSpec(u, cut, st.stop)
+                out.append([*stages[:i], lo, hi, *stages[i + 1:]])
+                lo, hi = StageSpec(u, st.start, cut), StageSpec(st.machine, cut, st.stop)
+                out.append([*stages[:i], lo, hi, *stages[i + 1:]])
+        for j in range(i + 1, S):
+            sw = list(stages)
+            sw[i] = StageSpec(stages[j].machine, st.start, st.stop)
+            sw[j] = StageSpec(st.machine, stages[j].start, stages[j].stop)
+            out.append(sw)
+    return out
+
+
+def _refine(arrays: GraphArrays, best: _Candidate, compress: bool) -> _Candidate:
+    """Hill-climb on the exact evaluator (small problems): repairs what the DP approximates
+    (skip edges charged on the next link, the conservative 1F1B memory bound)."""
+    K = len(arrays.cluster)
+    for _ in range(20):
+        improved = False
+        for stages in _neighbours(best.stages, K):
+            cand = _score(arrays, stages, compress)
+            if cand.evaluation.memory_ok and cand.evaluation.iteration_s < (
+                best.evaluation.iteration_s * (1 - 1e-9)
+            ):
+                best, improved = cand, True
         if not improved:
             break
     return best
@@ -394,6 +507,8 @@ def plan_opfence(
                     best = cand
     if small:
         best = _local_search(arrays, best, compress, modes)
+        if best is not None:
+            best = _refine(arrays, best, compress)
     if best is None:
         raise PlanError(
             f"no cut of {graph.name!r} fits the machines' memory "

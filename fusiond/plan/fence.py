@@ -524,14 +524,25 @@ def plan_opfence(
         evaluation=best.evaluation,
         dense=dense,
         groups=tuple(tuple(cluster.machines[m].id for m in g) for g in groups),
-        idle=_idle_reasons(arrays, groups, best.stages),
+        idle=_idle_reasons(arrays, groups, best.stages, best.evaluation),
     )
 
 
 def _idle_reasons(
-    arrays: GraphArrays, groups: list[list[int]], stages: Sequence[StageSpec]
+    arrays: GraphArrays, groups: list[list[int]], stages: Sequence[StageSpec],
+    ev: Evaluation,
 ) -> dict[str, str]:
     used = {s.machine for s in stages}
+    busy = "a stage here would add more transfer and pipeline fill than it saves"
+    if ev.bottleneck.startswith("compute"):
+        # a bottleneck made of one op cannot be split further by adding machines
+        r = max(ev.stages, key=lambda x: x.compute_s)
+        t = arrays.times[r.machine, r.start:r.stop]
+        top = int(np.argmax(t))
+        if t[top] >= 0.5 * r.compute_s:
+            busy = (f"the bottleneck is the single op {arrays.graph.ops[r.start + top].name} "
+                    f"({t[top] * 1e3:.3g} ms on {r.machine_id}), which no cut can split; "
+                    "more stages would only add fill")
     ms = arrays.cluster.machines
     out: dict[str, str] = {}
     bw = np.minimum(arrays.cluster.bandwidth, arrays.cluster.bandwidth.T)
@@ -548,9 +559,7 @@ def _idle_reasons(
                     f"{best * 8 / 1e6:.3g} Mbit/s; a stage there was predicted slower"
                 )
             else:
-                out[ms[m].id] = (
-                    "a stage here would add more transfer and pipeline fill than it saves"
-                )
+                out[ms[m].id] = busy
     return out
 
 

@@ -75,6 +75,11 @@ def render_plan(plan: Plan, *, max_links: int = 24) -> str:
         lines.append(f"OVER MEMORY on: {', '.join(ev.over_memory)}")
     if plan.idle:
         lines.append("idle machines:")
-        lines += [f"  {m}: {why}" for m, why in sorted(plan.idle.items())]
+        by_reason: dict[str, list[str]] = {}
+        for m, why in sorted(plan.idle.items()):
+            by_reason.setdefault(why, []).append(m)
+        for why, ms in by_reason.items():
+            names = ", ".join(ms) if len(ms) <= 6 else f"{', '.join(ms[:5])}, ... ({len(ms)})"
+            lines.append(f"  {names}: {why}")
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)

@@ -3,7 +3,7 @@
 Algorithm (docs/planner.md has the reasoning):
 
 1. Groups: Kruskal over links by decreasing bandwidth; two groups merge when their link is at
-   least 1/`group_ratio` of the slowest link inside either, so fences sit on the slow links.
+   least 1/`group_ratio` of the slowest link inside each, so fences sit on the slow links.
 2. Machine sequence: machines of a group fastest first; group orders (ordered subsets, so a
    badly connected group can be left out) are ranked by a cheap estimate that puts each group
    boundary where the work splits by capacity and charges the cheapest nearby cut over the
@@ -53,10 +53,12 @@ def fence_groups(cluster: Cluster, ratio: float = 4.0) -> list[list[int]]:
         ri, rj = find(i), find(j)
         if ri == rj:
             continue
-        inner = min(slowest[ri], slowest[rj])
-        if not math.isfinite(inner) or w * ratio >= inner:
+        # the link must be within `ratio` of the slowest link inside *both* groups (a single
+        # machine has none), so a slow group cannot chain fast groups together
+        inner = max(x if math.isfinite(x) else w for x in (slowest[ri], slowest[rj]))
+        if w * ratio >= inner:
             parent[rj] = ri
-            slowest[ri] = min(inner, w)
+            slowest[ri] = min(slowest[ri], slowest[rj], w)
     groups: dict[int, list[int]] = {}
     for i in range(k):
         groups.setdefault(find(i), []).append(i)

@@ -1,1 +1,10 @@
-"""fusiond.jobs."""
+"""fusiond.jobs: the job lifecycle around the stage executor.
+
+- `submit`: what the submitter runs (validate, build, capture; refusals named).
+- `planning`: plan a job on the cluster's profile (OP-Fence, AdaTopK) -> `JobLayout`.
+- `assign`: lay a graph out on machines and build each machine's `Assign`.
+- `coordinator`: the scheduler side of a running job (start, follow, fail first, cancel,
+  re-adapt densities, checkpoints, gather the result); `worker`: the daemon side (host stages).
+- `results`: gather weights into one state dict, write model and metrics.
+- `inproc`: several nodes in one process over loopback (tests, benches, the local run).
+"""

@@ -296,7 +296,8 @@ class JobCoordinator:
                 break
             self._result_arrived.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._result_arrived.wait(), left)
+                async with asyncio.timeout(left):
+                    await self._result_arrived.wait()
         silent = sorted(stages - self._reported)
         if len(silent) == 1 and self._failure is not None:
             s = silent[0]
@@ -312,9 +313,8 @@ class JobCoordinator:
         # stage; if it is dead, the send is dropped (bounded by the timeout below).
         for node in self.stage_nodes.values():
             try:
-                await asyncio.wait_for(
-                    self.send(node, JobCancel(job_id=self.job_id, reason=reason), ()), 5.0
-                )
+                async with asyncio.timeout(5.0):
+                    await self.send(node, JobCancel(job_id=self.job_id, reason=reason), ())
             except (TimeoutError, LocalError, OSError) as e:
                 log.info("JobCancel to %s not sent: %s", node, e)
 

@@ -17,13 +17,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fusiond.errors import LocalError
-from fusiond.graph import CapturedModel
+from fusiond.graph import CapturedModel, state_from_bytes
 from fusiond.train.data import make_source
 from fusiond.train.programs import capture_job
-from fusiond.train.spec import JobSpec, load_job
+from fusiond.train.spec import JobSpec, load_job, parse_job
 from protocol import ir
 
-__all__ = ["CapacityError", "PreparedJob", "check_capacity", "memory_estimate", "prepare_job"]
+__all__ = [
+    "CapacityError",
+    "PreparedJob",
+    "check_capacity",
+    "memory_estimate",
+    "prepare_job",
+    "restore_job",
+]
 
 
 class CapacityError(LocalError):
@@ -32,13 +39,21 @@ class CapacityError(LocalError):
 
 @dataclass(frozen=True)
 class PreparedJob:
-    """A validated, captured job, ready to hand to the daemon."""
+    """A validated, captured job, ready to hand to the daemon.
+
+    What crosses to the daemon: `toml_text`, `base` (the job file's directory, for its relative
+    data paths) and `out_base` (the submitter's cwd), `graph_bytes` (IR) and `state_bytes`
+    (safetensors); `restore_job` rebuilds the spec and the captured model from them.
+    """
 
     spec: JobSpec
     captured: CapturedModel
     graph_bytes: bytes
     state_bytes: bytes
     prepare_s: float
+    toml_text: str = ""
+    base: str = ""
+    out_base: str = ""
 
     @property
     def tokens_per_sample(self) -> int:
@@ -52,8 +67,23 @@ def prepare_job(path: str | Path) -> PreparedJob:
     spec = load_job(path)
     make_source(spec.data, spec.seed)  # data exists and is long enough (DataError otherwise)
     _, captured = capture_job(spec)
+    p = Path(path).resolve()
     return PreparedJob(spec, captured, ir.dumps(captured.graph), captured.state_bytes(),
-                       time.perf_counter() - t0)
+                       time.perf_counter() - t0, p.read_text(encoding="utf-8"), str(p.parent),
+                       str(Path.cwd()))
+
+
+def restore_job(toml_text: str, base: str, out_base: str, graph_bytes: bytes,
+                state_bytes: bytes) -> tuple[JobSpec, CapturedModel]:
+    """The daemon's side of a submission: the spec and the captured model, validated again
+    (the IR by `protocol.ir.loads`, the weights by safetensors; no pickle, no user code)."""
+    spec = parse_job(toml_text, base=Path(base), out_base=Path(out_base))
+    graph = ir.loads(graph_bytes)
+    state = state_from_bytes(state_bytes)
+    missing = [p.name for p in graph.params if p.name not in state]
+    if missing:
+        raise LocalError(f"submitted weights lack {missing[:3]} ({len(missing)} missing)")
+    return spec, CapturedModel(graph, state)
 
 
 def memory_estimate(captured: CapturedModel, spec: JobSpec) -> int:

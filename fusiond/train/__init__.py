@@ -1,1 +1,12 @@
-"""fusiond.train."""
+"""fusiond.train: training a partitioned model.
+
+- `spec`: the job file (TOML) -> validated `JobSpec`; `data`: deterministic data sources;
+  `model`: model factories and losses; `optim`: optimizers and LR schedules.
+- `schedule`: 1F1B / GPipe task orders; `stage`: the `StageExecutor` (one partition's tasks,
+  optimizer and links); `codec`: edge tensors through `protocol.tensors` (RAW, TOPK/VALUES).
+- `programs`: capture a job and build stage programs from `fusiond.graph` partitions;
+  `remote`: a stage built from an `Assign`, talking over the peer network (`StageHost`).
+- `local`: the whole pipeline in one process over in-memory links, and the eager reference
+  trainer; `loopback`: the same over real loopback peer links; `sample`: text generation.
+- `python -m fusiond.train JOB.toml`: a job end to end on loopback (see docs/jobs.md).
+"""

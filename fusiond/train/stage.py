@@ -401,7 +401,10 @@ class StageExecutor:
         fut: asyncio.Future[bytes | memoryview] = asyncio.get_running_loop().create_future()
         self._waiters[key] = fut
         try:
-            return await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation
+            # that races with the packet's arrival, leaving a cancelled job's stage waiting.
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                return await fut
         except TimeoutError:
             raise StageError(
                 f"stage {self.stage}, step {key[1]}, {what}: no {key[0]} on edge {key[3]!r} "

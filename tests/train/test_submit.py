@@ -10,7 +10,13 @@ from torch import nn
 
 from fusiond.errors import FusionError
 from fusiond.graph import CaptureError
-from fusiond.jobs.submit import CapacityError, check_capacity, memory_estimate, prepare_job
+from fusiond.jobs.submit import (
+    CapacityError,
+    check_capacity,
+    memory_estimate,
+    prepare_job,
+    restore_job,
+)
 from fusiond.models.gpt2 import gpt2
 from fusiond.train.data import DataError
 from fusiond.train.sample import sample_bytes
@@ -82,6 +88,10 @@ def test_uncapturable_model_is_refused(tmp_path: Path) -> None:
 def test_prepare_and_capacity(tmp_path: Path) -> None:
     job = prepare_job(_job(tmp_path, 'zoo = "gpt2"\nconfig = { size = "tiny" }'))
     assert job.graph_bytes and job.state_bytes and job.tokens_per_sample == 16
+    spec, cap = restore_job(job.toml_text, job.base, job.out_base, job.graph_bytes,
+                            job.state_bytes)
+    assert spec == job.spec and cap.graph == job.captured.graph
+    assert all(torch.equal(cap.state[k], v) for k, v in job.captured.state.items())
     need = memory_estimate(job.captured, job.spec)
     n_params = sum(p.numel() for p in gpt2("tiny").parameters())  # tied weight once
     assert need >= 4 * n_params * 4  # params + grads + two AdamW moments, fp32

@@ -360,6 +360,111 @@ def _local_search(
     return best
 
 
+class _SubsetSearch:
+    """Tiny clusters (<= 7 machines): the cut DP over every machine order at once, by machine
+    subsets, from the last stage back (each stage knows how many follow: exact 1F1B memory).
+    Minimises fill with every resource under a bound, like `_Search`."""
+
+    def __init__(self, arrays: GraphArrays, compress: bool) -> None:
+        self.a = arrays
+        st = arrays.settings
+        n = arrays.n
+        self.cf, self.cb = arrays.cut_bytes(st.density_floor if compress else 1.0)
+        outmax = np.zeros((n + 1, n + 1))
+        for p0 in range(n):
+            outmax[p0, p0 + 1:] = np.maximum.accumulate(arrays.out[p0:])
+        self.outmax = outmax
+        self.upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)
+        self.comp = arrays.prefix[:, None, :] - arrays.prefix[:, :, None]  # [m, p, e]
+
+    def run(self, bound: float) -> tuple[float, list[StageSpec]] | None:
+        a, st = self.a, self.a.settings
+        K, n, M = len(a.cluster), a.n, st.num_micro_batches
+        bw, rtt = a.cluster.bandwidth, a.cluster.rtt
+        val: dict[tuple[int, int], F64] = {}
+        arg: dict[tuple[int, int], tuple[I64, I64]] = {}
+        for size in range(1, K + 1):
+            infl = M if st.schedule == "gpipe" else min(M, size)
+            mem = a.static_prefix + infl * a.saved_prefix
+            need = mem[None, :] - mem[:, None] + self.outmax
+            for mask in (m for m in range(1 << K) if bin(m).count("1") == size):
+                rest = mask
+                for first in (x for x in range(K) if mask >> x & 1):
+                    rest = mask & ~(1 << first)
+                    tail = np.full(n + 1, np.inf)
+                    nxt = np.full(n + 1, -1, dtype=np.int64)
+                    if rest == 0:
+                        tail[n] = 0.0
+                    else:
+                        for f2 in (x for x in range(K) if rest >> x & 1):
+                            v = val.get((rest, f2))
+                            if v is None:
+                                continue
+                            tf = self.cf / bw[first, f2]
+                            tb = self.cb / bw[f2, first]
+                            cand = v + tf + tb + rtt[first, f2]
+                            cand[np.maximum(tf, tb) > bound] = np.inf
+                            better = cand < tail
+                            tail = np.where(better, cand, tail)
+                            nxt = np.where(better, f2, nxt)
+                    c = self.comp[first]
+                    ok = self.upper & (c <= bound) & (need <= a.caps[first])
+                    tot = np.where(ok, c + tail[None, :], np.inf)
+                    e = np.argmin(tot, axis=1)
+                    best = tot[np.arange(n + 1), e]
+                    if np.isfinite(best).any():
+                        val[(mask, first)] = best
+                        arg[(mask, first)] = (e.astype(np.int64), nxt)
+        starts = [(v[0], key) for key, v in val.items() if np.isfinite(v[0])]
+        if not starts:
+            return None
+        fill, (mask, first) = min(starts)
+        stages: list[StageSpec] = []
+        p = 0
+        while True:
+            e_arr, nxt = arg[(mask, first)]
+            e = int(e_arr[p])
+            stages.append(StageSpec(first, p, e))
+            if e == n:
+                return float(fill), stages
+            mask, first, p = mask & ~(1 << first), int(nxt[e]), e
+
+
+def _subset_candidate(arrays: GraphArrays, compress: bool, modes: list[bool]) -> _Candidate | None:
+    """Best of the subset DP over a bisection for the least bound and a ladder above it."""
+    best: _Candidate | None = None
+    for mode in modes:
+        ss = _SubsetSearch(arrays, mode)
+        top = ss.run(math.inf)
+        if top is None:
+            continue
+        hi = evaluate(arrays, top[1]).bottleneck_s
+        speed = sum(1.0 / max(float(arrays.prefix[m, -1]), 1e-300)
+                    for m in range(len(arrays.cluster)))
+        lo = min(hi, 1.0 / speed) * 0.999
+        feasible_at = hi
+        for _ in range(14):
+            if hi / lo < 1.005:
+                break
+            mid = math.sqrt(lo * hi)
+            if ss.run(mid) is None:
+                lo = mid
+            else:
+                hi = feasible_at = mid
+        results = [top[1]]
+        for f in [1.02 ** i for i in range(21)] + [1.6, 2.0, 3.0]:
+            res = ss.run(feasible_at * f)
+            if res is not None:
+                results.append(res[1])
+        for stages in results:
+            cand = _score(arrays, stages, compress)
+            if cand.evaluation.memory_ok and (
+                best is None or cand.evaluation.iteration_s < best.evaluation.iteration_s
+            ):
+                best = cand
+    return best
+
+
 def _memory_feasible_cut(arrays: GraphArrays) -> list[StageSpec] | None:
     """Any cut that fits memory, over every machine order (small clusters only): a DP over
     (machines used by the suffix, first machine of the suffix, first op), from the last stage
@@ -507,6 +612,11 @@ def plan_opfence(
                     best is None or cand.evaluation.iteration_s < best.evaluation.iteration_s
                 ):
                     best = cand
+    if len(cluster) <= 7 and arrays.n <= 64:
+        sub = _subset_candidate(arrays, compress, modes)
+        if sub is not None and (best is None
+                                or sub.evaluation.iteration_s < best.evaluation.iteration_s):
+            best = sub
     if small:
         best = _local_search(arrays, best, compress, modes)
         if best is not None:

@@ -15,9 +15,26 @@ the time from the first frame's arrival to the last one's. Two estimates follow:
 The sample is the smaller of the two (the sender's alone when the receiver's span is too short
 to time, e.g. all frames in one read).
 
-Each probe is sized from the previous estimate to last about ``target_s``; a sample counts only
-if the transfer lasted at least a third of that (or the size hit ``max_bytes``), so the first
-small sizing probe and TCP slow start do not skew it. Counted samples feed an EWMA.
+A round (``probe``) is one RTT measurement, then one warm-up transfer, then timed transfers:
+
+- the warm-up is never counted: after an idle period TCP restarts in slow start (and a new
+  connection starts there), so the first transfer of a round runs below the link's rate for
+  several RTTs however it is sized (measured on a 20 Mbit/s, 30 ms link: 9.3 Mbit/s for a
+  256 KiB warm-up, 18.6-19.2 for the transfers after it). It opens the window (it carries
+  ``warmup_rtts`` RTTs of the last estimate, or ``initial_bytes`` without one) and sizes the
+  next transfer;
+- each timed transfer is sized from the latest sample to last ``duration = max(target_s,
+  rtt_factor * RTT)``: a transfer of about one RTT barely opens TCP's window further, so on
+  a long fat link a first round would never reach the link's rate (200 Mbit/s at 250 ms:
+  31.5 Mbit/s with 0.3 s transfers, 191 with 2 RTTs);
+- a sample counts only if its transfer lasted at least a third of ``duration`` (or hit
+  ``max_bytes``): one sized from a far too low guess says little; and only if it is not more
+  than ``rising`` above the sample before it: a rate still climbing means the window was still
+  opening (a first round on a long fat link, where the warm-up is sized blind: 100 Mbit/s at
+  60 ms read 70, 83, 95 Mbit/s in a row);
+- the round's result is the median of its ``repeats`` counted samples (a stalled sample does
+  not drag it), and rounds feed an EWMA. A round spends at most ``repeats + extra_transfers``
+  timed transfers; if none of them settled in a first round, the latest sample stands.
 """
 
 from __future__ import annotations
@@ -26,6 +43,7 @@ import asyncio
 import itertools
 import math
 import os
+import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -45,14 +63,27 @@ class ProbeConfig:
     """Sizes and timeouts of link probes."""
 
     target_s: float = 0.3
+    """Shortest duration of a timed transfer, seconds."""
+    rtt_factor: float = 2.0
+    """A timed transfer lasts at least this many RTTs too."""
+    warmup_rtts: float = 4.0
+    """The uncounted warm-up transfer carries this many RTTs of the last estimate (slow start
+    sends about two windows' worth before the window reaches the link's bandwidth-delay
+    product)."""
     repeats: int = 3
+    """Counted samples per round."""
+    extra_transfers: int = 6
+    """Timed transfers a round may spend beyond ``repeats`` on samples that do not count."""
+    rising: float = 0.1
+    """A sample more than this fraction above the one before is not counted (the window was
+    still opening)."""
     max_bytes: int = 64 << 20
     min_bytes: int = 64 << 10
     initial_bytes: int = 256 << 10
     chunk_bytes: int = 1 << 20
     min_frames: int = 4
     ewma: float = 0.3
-    """Weight of a new sample in the bandwidth and RTT averages."""
+    """Weight of a new round's result in the bandwidth and RTT averages."""
     timeout_s: float = 5.0
     """A ping or a bulk probe not answered within this is a failure."""
 
@@ -84,6 +115,18 @@ def ewma(old: float | None, new: float, alpha: float) -> float:
     return new if old is None else alpha * new + (1.0 - alpha) * old
 
 
+def transfer_duration(config: ProbeConfig, rtt_s: float) -> float:
+    """How long a timed transfer should last on a link with this RTT."""
+    return max(config.target_s, config.rtt_factor * rtt_s)
+
+
+def transfer_size(config: ProbeConfig, bandwidth_bps: float | None, seconds: float) -> int:
+    """Bytes that take `seconds` at `bandwidth_bps` (``initial_bytes`` when unknown), within
+    ``min_bytes`` and ``max_bytes``."""
+    size = config.initial_bytes if not bandwidth_bps else int(bandwidth_bps / 8 * seconds)
+    return max(config.min_bytes, min(config.max_bytes, size))
+
+
 def bandwidth_from_ack(ack: ProbeAck, frames: int, sent_bytes: int, duration_s: float,
                        rtt_s: float) -> tuple[float, float]:
     """(bits per second, seconds the transfer took) from a probe's ack and the sender's timing:
@@ -102,7 +145,9 @@ class LinkProber:
 
     def __init__(self, *, send: SendFn, config: ProbeConfig) -> None:
         self._send = send
-        self._cfg = config
+        self.config = config
+        """Sizes and timeouts; may be replaced between rounds (frames stay within the first
+        config's ``chunk_bytes``: the filler is allocated once)."""
         self._ids = itertools.count(1)
         self._pings: dict[int, asyncio.Future[float]] = {}
         self._acks: dict[int, asyncio.Future[ProbeAck]] = {}
@@ -115,12 +160,12 @@ class LinkProber:
     async def rtt(self, peer: str) -> float:
         """Smallest of ``repeats`` ping round trips to `peer`; ProbeFailed if none answered."""
         best = math.inf
-        for _ in range(self._cfg.repeats):
+        for _ in range(self.config.repeats):
             rid = next(self._ids)
             fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
             self._pings[rid] = fut
             try:
-                async with asyncio.timeout(self._cfg.timeout_s):
+                async with asyncio.timeout(self.config.timeout_s):
                     await self._send(peer, Ping(request_id=rid, sent_at=time.monotonic()), ())
                     best = min(best, await fut)
             except TimeoutError:
@@ -128,12 +173,12 @@ class LinkProber:
             finally:
                 self._pings.pop(rid, None)
         if not math.isfinite(best):
-            raise ProbeFailed(f"no Pong from {peer} within {self._cfg.timeout_s}s")
+            raise ProbeFailed(f"no Pong from {peer} within {self.config.timeout_s}s")
         return best
 
     async def bulk(self, peer: str, nbytes: int, rtt_s: float) -> tuple[float, float]:
         """One timed transfer of about `nbytes`: (bits per second, seconds it took)."""
-        cfg = self._cfg
+        cfg = self.config
         frames = max(cfg.min_frames, math.ceil(nbytes / cfg.chunk_bytes))
         chunk = min(max(1, math.ceil(nbytes / frames)), len(self._filler))
         probe_id = next(self._ids)
@@ -161,28 +206,40 @@ class LinkProber:
         return bandwidth_from_ack(ack, frames, frames * chunk, duration, rtt_s)
 
     async def probe(self, peer: str) -> LinkEstimate:
-        """Measure RTT then bandwidth to `peer`, update and return its estimate.
+        """Measure RTT then bandwidth to `peer` (one round, see the module docstring), update
+        and return its estimate.
 
         Raises ProbeFailed when the peer does not answer (the estimate is kept); errors of the
         transport (peer unreachable, ...) propagate.
         """
-        cfg = self._cfg
+        cfg = self.config
         rtt = await self.rtt(peer)
         old = self.links.get(peer)
         avg = old.bandwidth_bps if old is not None else None
         rtt_avg = ewma(old.rtt_s if old is not None else None, rtt, cfg.ewma)
-        guess = avg
-        counted = 0
-        for _ in range(cfg.repeats + 4):
-            size = cfg.initial_bytes if guess is None else int(guess / 8 * cfg.target_s)
-            size = max(cfg.min_bytes, min(cfg.max_bytes, size))
+        duration = transfer_duration(cfg, rtt)
+        # Warm-up: opens TCP's window after an idle period; its sample only sizes the next.
+        guess, _ = await self.bulk(peer, transfer_size(cfg, avg, cfg.warmup_rtts * rtt), rtt)
+        # A rate well above the one before means the window was still opening (slow start
+        # outlasted the warm-up, e.g. a first round on a long fat link): not counted. The first
+        # timed transfer compares with the last round's result where there is one, since the
+        # warm-up's own sample is low by design.
+        prev = avg if avg is not None else guess
+        samples: list[float] = []
+        sample = guess
+        for _ in range(cfg.repeats + cfg.extra_transfers):
+            size = transfer_size(cfg, guess, duration)
             sample, took = await self.bulk(peer, size, rtt)
-            guess = sample  # the next probe is sized from the latest sample
-            if took >= cfg.target_s / 3 or size >= cfg.max_bytes:
-                avg = ewma(avg, sample, cfg.ewma)
-                counted += 1
-                if counted >= cfg.repeats:
+            rising = sample > prev * (1.0 + cfg.rising)
+            guess = prev = sample  # the next transfer is sized from the latest sample
+            if (took >= duration / 3 or size >= cfg.max_bytes) and not rising:
+                samples.append(sample)
+                if len(samples) >= cfg.repeats:
                     break
+        if not samples and avg is None:
+            samples.append(sample)  # nothing settled: the latest is the best there is
+        if samples:
+            avg = ewma(avg, statistics.median(samples), cfg.ewma)
         est = LinkEstimate(avg, rtt_avg, time.time())
         self.links[peer] = est
         return est

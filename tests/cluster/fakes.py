@@ -2,8 +2,8 @@
 
 Every message goes through the real codec (encode_message -> FrameDecoder -> decode_message),
 so what the cluster sends must be valid on the wire. Links deliver in order after a latency,
-optionally serialised at a bandwidth; the hub can partition nodes into groups, cut single
-links, and "crash" a node (its traffic is dropped from then on).
+optionally serialised at a bandwidth, optionally with TCP's slow start; the hub can partition
+nodes into groups, cut single links, and "crash" a node (its traffic is dropped from then on).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
@@ -38,9 +39,16 @@ class _Item:
 class FakeHub:
     """The 'network' joining FakeNets: addresses, partitions, per-link latency and bandwidth."""
 
-    def __init__(self, *, latency_s: float = 0.0005, bandwidth_bps: float | None = None) -> None:
+    def __init__(self, *, latency_s: float = 0.0005, bandwidth_bps: float | None = None,
+                 initial_window: int | None = None, idle_restart_s: float = 0.2) -> None:
+        """`latency_s` one way; with `initial_window` (bytes; needs `bandwidth_bps`) each link
+        models slow start: it sends at ``ln 2 * (initial_window + bytes sent) / RTT`` (the
+        window grows by what is acknowledged: it doubles every RTT), capped at the bandwidth,
+        and starts over after `idle_restart_s` without traffic (TCP's restart after idle)."""
         self.latency_s = latency_s
         self.bandwidth_bps = bandwidth_bps
+        self.initial_window = initial_window
+        self.idle_restart_s = idle_restart_s
         self.link_bandwidth: dict[tuple[str, str], float] = {}
         self.nets: dict[str, FakeNet] = {}
         self.by_address: dict[Address, str] = {}
@@ -90,6 +98,7 @@ class FakeNet:
         self._queues: dict[str, asyncio.Queue[_Item]] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._link_free: dict[str, float] = {}
+        self._window_sent: dict[str, int] = {}
         hub.nets[node_id] = self
         hub.by_address[self.address] = node_id
 
@@ -115,8 +124,10 @@ class FakeNet:
         loop = asyncio.get_running_loop()
         now = loop.time()
         bw = self.hub.link_bandwidth.get((self.node_id, peer), self.hub.bandwidth_bps)
-        start = max(now, self._link_free.get(peer, now))
-        done = start + (len(data) * 8 / bw if bw else 0.0)
+        free = self._link_free.get(peer)
+        start = max(now, free if free is not None else now)
+        done = start + (self._transmit_s(peer, len(data), bw, idle=free is None or (
+            now - free > self.hub.idle_restart_s)) if bw else 0.0)
         self._link_free[peer] = done
         queue = self._queues.get(peer)
         if queue is None:
@@ -124,6 +135,27 @@ class FakeNet:
             self._workers[peer] = asyncio.ensure_future(self._deliver(peer, queue))
         self.hub.sent[type(msg).__name__] += 1
         await queue.put(_Item(done + self.hub.latency_s, decoded))
+
+    def _transmit_s(self, peer: str, nbytes: int, bw: float, *, idle: bool) -> float:
+        """Seconds to put `nbytes` on the link to `peer`: at `bw`, or slower while the slow
+        start window (see FakeHub) is below the bandwidth-delay product."""
+        iw = self.hub.initial_window
+        if iw is None:
+            return nbytes * 8 / bw
+        if idle:
+            self._window_sent[peer] = 0
+        sent = self._window_sent.get(peer, 0)
+        self._window_sent[peer] = sent + nbytes
+        rtt = 2 * self.hub.latency_s
+        rate = bw / 8  # bytes/s
+        # Window-limited while ln2 * (iw + sent) / rtt < rate, where
+        # d(sent)/dt = ln2 * (iw + sent) / rtt, i.e. sent(t) = (iw + sent0) * 2**(t/rtt) - iw.
+        ramp_end = max(0.0, rate * rtt / math.log(2) - iw)
+        ramped = min(sent + nbytes, ramp_end)
+        t = 0.0
+        if ramped > sent:
+            t += rtt / math.log(2) * math.log((iw + ramped) / (iw + sent))
+        return t + (sent + nbytes - max(ramped, sent)) / rate
 
     async def _deliver(self, peer: str, queue: asyncio.Queue[_Item]) -> None:
         loop = asyncio.get_running_loop()

@@ -243,6 +243,35 @@ class Swarm:
         return {n: self.nodes[n].view() for n in (ids or list(self.nodes))}
 
 
+class LoopLag:
+    """How far this event loop fell behind while the block ran: a task sleeps `interval` over
+    and over and sums how late each wake-up was. A test's wall-clock bound adds ``total``, so
+    a starved machine (a stalled process, a busy CPU) does not fail it while an implementation
+    that is late by itself still does."""
+
+    def __init__(self, interval: float = 0.01) -> None:
+        self.interval = interval
+        self.total = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(self.interval)
+            self.total += max(0.0, loop.time() - t0 - self.interval)
+
+    async def __aenter__(self) -> LoopLag:
+        self._task = asyncio.ensure_future(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
 async def until(pred: Callable[[], bool], within: float, what: str,
                 interval: float = 0.02) -> float:
     """Wait until `pred()`; return seconds waited; AssertionError naming `what` on timeout."""

@@ -1,10 +1,13 @@
-"""Benchmark: distributed GPT-2 tiny on 3 loopback peers vs single-process training.
+"""Benchmark: distributed GPT-2 (tiny by default) on 3 loopback peers vs single process.
 
 Measures, in the same run:
 - tokens/s of single-process eager training (same batches, micro-batches and optimizer);
 - tokens/s of the pipelined job on 3 stage hosts, each with its own PeerNetwork on 127.0.0.1
   (real TCP sockets and frames; one process, so the stages share this machine's cores), dense
   and with top-k at `--density` on every cut edge;
+- the same job through the full job protocol (Assign/Ready/JobStart/StageStep/JobResult) with
+  stages 1 and 2 in their own processes (`fusiond.jobs.node`) and the scheduler + stage 0 here:
+  three "daemons" without membership or API;
 - bytes on the wire per iteration: the tensor payloads the stages sent (and their dense size),
   every byte the sockets carried (frames, headers, tied-weight gradients included), and what the
   planner's byte model (`fusiond.plan.model.wire_bytes`) predicts for the same cut edges.
@@ -27,10 +30,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fusiond.graph import SINK
+from fusiond.graph import SINK, contiguous_assignment
+from fusiond.jobs.assign import layout_job
+from fusiond.jobs.coordinator import JobCoordinator
+from fusiond.jobs.inproc import inproc_cluster
+from fusiond.jobs.node import spawn_nodes
 from fusiond.plan.model import JobSettings, TensorEdge, wire_bytes
 from fusiond.train.data import make_source
-from fusiond.train.local import ReferenceTrainer
+from fusiond.train.local import ReferenceTrainer, StepMetrics
 from fusiond.train.loopback import LoopbackResult, run_loopback
 from fusiond.train.model import build_model, loss_fn
 from fusiond.train.programs import capture_job
@@ -46,7 +53,7 @@ steps = {args.steps}
 seed = 0
 [model]
 zoo = "gpt2"
-config = {{ size = "tiny" }}
+config = {{ size = "{args.size}", vocab_size = 256 }}
 [data]
 seq_len = {args.seq}
 [optimizer]
@@ -116,8 +123,42 @@ def distributed(spec: JobSpec, captured: Any, density: float | None, warmup: int
     return row, res
 
 
+async def _processes(spec: JobSpec, captured: Any, density: float | None
+                     ) -> list[StepMetrics]:
+    """Stage 0 + scheduler here, stages 1 and 2 in their own processes (3 'daemons')."""
+    seen: list[StepMetrics] = []
+    async with inproc_cluster(1) as here:
+        n0 = here["node0"]
+        async with spawn_nodes(["node1", "node2"], extra={"node0": n0.net.address}) as procs:
+            for p in procs.values():
+                n0.net.add_peer_address(p.name, p.address)
+            names = ["node0", "node1", "node2"]
+            cut = contiguous_assignment(captured.graph, 3)
+            layout = layout_job("bench", captured.graph, captured.state,
+                                {op: names[i] for op, i in cut.items()}, density=density)
+            addresses = {"node0": n0.net.address} | {n: p.address for n, p in procs.items()}
+            coord = JobCoordinator(send=n0.send_fn(), spec=spec, captured=captured,
+                                   layout=layout, addresses=addresses, term=1,
+                                   tokens_per_sample=spec.data.seq_len, on_step=seen.append)
+            n0.coordinators.append(coord)
+            out = await coord.run()
+            if not out.ok:
+                raise SystemExit(f"benchmark job failed: {out.failure}")
+    return seen
+
+
+def distributed_processes(spec: JobSpec, captured: Any, density: float | None,
+                          warmup: int) -> dict[str, Any]:
+    ms = asyncio.run(_processes(spec, captured, density))[warmup:]
+    tokens = spec.batch.size * spec.data.seq_len
+    return {"tokens_per_s": tokens / mean(m.wall_s for m in ms), "loss": ms[-1].loss,
+            "payload_bytes": mean(m.wire_bytes for m in ms),
+            "busy": {str(k): round(v, 3) for k, v in sorted(ms[-1].stage_busy.items())}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--size", default="tiny", help="GPT-2 size: tiny (default), mini, small")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16)
@@ -125,6 +166,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--density", type=float, default=0.1)
     ap.add_argument("--json", action="store_true", help="print one JSON object instead")
+    ap.add_argument("--no-processes", dest="processes", action="store_false",
+                    help="skip the run with stages 1 and 2 in their own processes")
     args = ap.parse_args()
     if args.steps <= args.warmup:
         ap.error("--steps must exceed --warmup")
@@ -136,23 +179,31 @@ def main() -> None:
     single = single_process(spec, tokens_per_step, args.warmup)
     dense, _ = distributed(spec, captured, None, args.warmup)
     topk, _ = distributed(spec, captured, args.density, args.warmup)
+    procs: dict[str, Any] = {}
+    if args.processes:
+        procs["dense"] = distributed_processes(spec, captured, None, args.warmup)
+        procs["topk"] = distributed_processes(spec, captured, args.density, args.warmup)
     out = {
         "config": {**vars(args), "threads": os.environ.get("OMP_NUM_THREADS"),
                    "cpus": os.cpu_count(), "capture_s": round(capture_s, 2)},
-        "single": single, "dense": dense, "topk": topk,
+        "single": single, "dense": dense, "topk": topk, "processes": procs,
     }
     if args.json:
         print(json.dumps(out, indent=1))
         return
-    print(f"GPT-2 tiny, batch {args.batch} x {args.seq} tokens, {args.micro} micro-batches, "
+    print(f"GPT-2 {args.size}, batch {args.batch} x {args.seq} tokens, {args.micro} micro-batches, "
           f"{args.steps} steps ({args.warmup} warm-up excluded); 3 stages on loopback peers "
           f"(one process, {os.cpu_count()} CPUs); capture {capture_s:.1f} s")
     print()
-    print(f"{'run':<22}{'tokens/s':>10}{'vs single':>11}{'final loss':>12}")
-    print(f"{'single process':<22}{single['tokens_per_s']:>10.0f}{1.0:>10.2f}x"
+    print(f"{'run':<26}{'tokens/s':>10}{'vs single':>11}{'final loss':>12}")
+    print(f"{'single process':<26}{single['tokens_per_s']:>10.0f}{1.0:>10.2f}x"
           f"{single['loss']:>12.3f}")
-    for name, row in (("3 stages, dense", dense), (f"3 stages, top-k {args.density}", topk)):
-        print(f"{name:<22}{row['tokens_per_s']:>10.0f}"
+    rows = [("3 stages, dense", dense), (f"3 stages, top-k {args.density}", topk)]
+    if procs:
+        rows += [("3 processes, dense", procs["dense"]),
+                 (f"3 processes, top-k {args.density}", procs["topk"])]
+    for name, row in rows:
+        print(f"{name:<26}{row['tokens_per_s']:>10.0f}"
               f"{row['tokens_per_s'] / single['tokens_per_s']:>10.2f}x{row['loss']:>12.3f}")
     print()
     print("bytes per iteration (activations + gradients on the cut edges, all micro-batches)")

@@ -193,3 +193,35 @@ async def test_densities_readapt_during_the_job(captured_tiny) -> None:  # type:
     assert all(e.density is None for e in seen[0].edges)
     assert all(e.density == 0.1 for e in seen[-1].edges)
     assert seen[-1].wire_bytes < 0.25 * seen[0].wire_bytes
+
+
+async def test_stages_in_their_own_processes(captured_tiny) -> None:  # type: ignore[no-untyped-def]
+    from fusiond.jobs.inproc import inproc_cluster
+    from fusiond.jobs.node import spawn_nodes
+
+    spec, cap = captured_tiny
+    spec = replace(spec, steps=3)
+    losses: list[float | None] = []
+    async with inproc_cluster(1) as here:
+        n0 = here["node0"]
+        async with spawn_nodes(["node1", "node2"], extra={"node0": n0.net.address}) as procs:
+            for p in procs.values():
+                n0.net.add_peer_address(p.name, p.address)
+            names = ["node0", "node1", "node2"]
+            cut = contiguous_assignment(cap.graph, 3)
+            layout = layout_job("procs", cap.graph, cap.state,
+                                {op: names[i] for op, i in cut.items()})
+            c = JobCoordinator(send=n0.send_fn(), spec=spec, captured=cap, layout=layout,
+                               addresses={"node0": n0.net.address}
+                               | {n: p.address for n, p in procs.items()},
+                               term=1, on_step=lambda m: losses.append(m.loss))
+            n0.coordinators.append(c)
+            out = await asyncio.wait_for(c.run(), 120)
+        assert all(p.proc.returncode == 0 for p in procs.values())
+    assert out.ok, out.failure
+    rt = ReferenceTrainer(build_model(spec.model, seed=spec.seed), loss_fn(spec.loss),
+                          spec.optimizer, data=make_source(spec.data, spec.seed),
+                          batch_size=spec.batch.size, micro_batches=spec.batch.micro_batches,
+                          total_steps=spec.steps)
+    for got, exp in zip(losses, rt.train(0, spec.steps), strict=True):
+        assert got == pytest.approx(exp, rel=1e-4)

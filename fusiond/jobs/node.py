@@ -19,12 +19,13 @@ from dataclasses import dataclass
 
 from fusiond.jobs.worker import JobWorker, local_sender
 from fusiond.net.transport import NetConfig, PeerNetwork
+from fusiond.train.stage import StageConfig
 from protocol.messages import Address, Message
 
 __all__ = ["NodeProcess", "spawn_nodes"]
 
 
-async def _serve(name: str, cluster: str) -> None:
+async def _serve(name: str, cluster: str, recv_timeout_s: float) -> None:
     worker: JobWorker | None = None
 
     async def dispatch(peer: str, msg: Message) -> None:
@@ -35,7 +36,8 @@ async def _serve(name: str, cluster: str) -> None:
                       handler=dispatch, config=NetConfig(connect_timeout_s=5,
                                                          handshake_timeout_s=5))
     await net.start()
-    worker = JobWorker(node_id=name, send=local_sender(name, net.send, dispatch))
+    worker = JobWorker(node_id=name, send=local_sender(name, net.send, dispatch),
+                       stage_config=StageConfig(recv_timeout_s=recv_timeout_s))
     await worker.start()
     host, port = net.address
     print(f"READY {host} {port}", flush=True)
@@ -64,7 +66,8 @@ class NodeProcess:
 @contextlib.asynccontextmanager
 async def spawn_nodes(names: list[str], *, cluster: str = "inproc",
                       extra: Mapping[str, Address] | None = None,
-                      start_timeout_s: float = 60.0) -> AsyncIterator[dict[str, NodeProcess]]:
+                      start_timeout_s: float = 60.0,
+                      recv_timeout_s: float = 120.0) -> AsyncIterator[dict[str, NodeProcess]]:
     """Start one process per name, tell each every other's address (and `extra`'s); on exit
     close their stdin and wait for them (killed after 10 s)."""
     procs: dict[str, NodeProcess] = {}
@@ -72,6 +75,7 @@ async def spawn_nodes(names: list[str], *, cluster: str = "inproc",
         for name in names:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "fusiond.jobs.node", name, "--cluster", cluster,
+                "--recv-timeout", str(recv_timeout_s),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 env=dict(os.environ),
             )
@@ -106,8 +110,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m fusiond.jobs.node")
     ap.add_argument("name")
     ap.add_argument("--cluster", default="inproc")
+    ap.add_argument("--recv-timeout", type=float, default=120.0,
+                    help="seconds a stage waits for an input before failing the job")
     args = ap.parse_args()
-    asyncio.run(_serve(args.name, args.cluster))
+    asyncio.run(_serve(args.name, args.cluster, args.recv_timeout))
 
 
 if __name__ == "__main__":

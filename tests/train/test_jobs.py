@@ -225,3 +225,41 @@ async def test_stages_in_their_own_processes(captured_tiny) -> None:  # type: ig
                           total_steps=spec.steps)
     for got, exp in zip(losses, rt.train(0, spec.steps), strict=True):
         assert got == pytest.approx(exp, rel=1e-4)
+
+
+async def test_killing_a_stage_process_fails_the_job_naming_it(captured_tiny) -> None:  # type: ignore[no-untyped-def]
+    from fusiond.jobs.inproc import inproc_cluster
+    from fusiond.jobs.node import spawn_nodes
+
+    spec, cap = captured_tiny
+    spec = replace(spec, steps=10_000)
+    async with inproc_cluster(1, stage_config=StageConfig(recv_timeout_s=5)) as here:
+        n0 = here["node0"]
+        async with spawn_nodes(["node1", "node2"], extra={"node0": n0.net.address},
+                               recv_timeout_s=5) as procs:
+            for p in procs.values():
+                n0.net.add_peer_address(p.name, p.address)
+            names = ["node0", "node1", "node2"]
+            cut = contiguous_assignment(cap.graph, 3)
+            layout = layout_job("kill", cap.graph, cap.state,
+                                {op: names[i] for op, i in cut.items()})
+
+            def on_step(m: StepMetrics) -> None:
+                if m.step == 2 and procs["node2"].proc.returncode is None:
+                    procs["node2"].proc.kill()  # SIGKILL: no goodbye
+
+            c = JobCoordinator(send=n0.send_fn(), spec=spec, captured=cap, layout=layout,
+                               addresses={"node0": n0.net.address}
+                               | {n: p.address for n, p in procs.items()},
+                               term=1, on_step=on_step)
+            n0.coordinators.append(c)
+            t0 = asyncio.get_running_loop().time()
+            out = await asyncio.wait_for(c.run(), 60)
+            took = asyncio.get_running_loop().time() - t0
+            assert not out.ok and out.failure is not None
+            assert (out.failure.node, out.failure.stage) == ("node2", 2), out.failure
+            assert took < 30
+            await asyncio.sleep(0.5)
+            assert not n0.worker.jobs()
+        # node1 took the JobCancel and shut down cleanly when asked
+        assert procs["node1"].proc.returncode == 0

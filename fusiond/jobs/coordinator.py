@@ -132,6 +132,8 @@ class JobCoordinator:
         self._last_step_t = 0.0
         self._step_of: dict[int, int] = {}
         self._request_ids: dict[int, str] = {}
+        self._totals: dict[tuple[str, str], list[int]] = {}  # (edge, dir) -> [wire, dense]
+        self._state = "created"
         self._reported: set[int] = set()  # stages that sent a JobResult (ok or not)
         self._result_arrived = asyncio.Event()
         self._blame_silent = True  # False once the failure's cause is known for sure
@@ -227,8 +229,46 @@ class JobCoordinator:
         self._last_step_t = now
         del self._per_step[msg.step]
         self._metrics.append(m)
+        for e in m.edges:
+            for direction, wire, dense in (("forward", e.forward_wire, e.forward_dense),
+                                           ("backward", e.backward_wire, e.backward_dense)):
+                tot = self._totals.setdefault((e.edge, direction), [0, 0])
+                tot[0] += wire
+                tot[1] += dense
         if self.on_step is not None:
             self.on_step(m)
+
+    def status(self) -> dict[str, Any]:
+        """Live figures for `fusionctl job ID` and Prometheus (JSON-ready)."""
+        last = self._metrics[-1] if self._metrics else None
+        d = last.as_dict() if last is not None else {}
+        # 1.0 = exact (as on the wire in EdgeRoute); the last step's figures win (re-adaptation)
+        densities: dict[str, float] = {e.edge: e.density for e in self.layout.edges()}
+        if last is not None:
+            densities.update({e.edge: 1.0 if e.density is None else e.density
+                              for e in last.edges})
+        return {
+            "job_id": self.job_id,
+            "state": self._state,
+            "steps": self.spec.steps,
+            "step": None if last is None else last.step,
+            "loss": None if last is None else last.loss,
+            "tokens_per_s": d.get("tokens_per_s"),
+            "samples_per_s": d.get("samples_per_s"),
+            "stages": [
+                {"stage": s, "node": n,
+                 "busy": None if last is None else last.stage_busy.get(s)}
+                for s, n in sorted(self.stage_nodes.items())
+            ],
+            "edges": [
+                {"edge": e.edge, "src": e.src_partition, "dst": e.dst_partition,
+                 "density": densities.get(e.edge),
+                 "wire_bytes": {k[1]: v[0] for k, v in self._totals.items() if k[0] == e.edge},
+                 "dense_bytes": {k[1]: v[1] for k, v in self._totals.items() if k[0] == e.edge}}
+                for e in self.layout.edges()
+            ],
+            "failure": None if self._failure is None else str(self._failure),
+        }
 
     # -- the run --------------------------------------------------------------------------
 
@@ -236,6 +276,7 @@ class JobCoordinator:
         """Assign, wait for Ready, start, and wait for the end (or the first failure)."""
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
+        self._state = "assigning"
         assigns = assign_messages(self.layout, self.spec, self.captured.state, term=self.term,
                                   plan_version=self.plan_version, addresses=self.addresses)
         for node, (msg, _) in assigns.items():
@@ -261,6 +302,7 @@ class JobCoordinator:
                     late = [n for n, f in self._ready.items() if not f.done()] or ["scheduler"]
                     self._fail(late[0], -1, f"no Ready within {self.ready_timeout_s:g}s")
             if self._failure is None:
+                self._state = "running"
                 self._last_step_t = time.perf_counter()
                 for node in assigns:
                     await self.send(node, JobStart(job_id=self.job_id,
@@ -275,12 +317,14 @@ class JobCoordinator:
         if self._failure is not None and self._blame_silent and self._failure.stage >= 0:
             await self._find_silent()
         if self._failure is not None:
+            self._state = "failed"
             await self._cancel_all(self._failure.cause)
             return JobOutcome(self.job_id, False, self._metrics, None, self._failure,
                               time.perf_counter() - t0, dict(self.stage_nodes))
         states = [await asyncio.to_thread(state_from_bytes, self._results[s])
                   for s in sorted(self._results)]
         state = gather_state(self.captured.graph, states)
+        self._state = "done"
         return JobOutcome(self.job_id, True, self._metrics, state, None,
                           time.perf_counter() - t0, dict(self.stage_nodes))
 

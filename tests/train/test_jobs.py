@@ -107,6 +107,20 @@ async def test_job_runs_to_a_model_equal_to_single_process(captured_tiny, tmp_pa
     for m, w in zip(seen, want, strict=True):
         assert m.loss == pytest.approx(w, rel=1e-4)
         assert set(m.stage_busy) == {0, 1, 2} and m.wire_bytes > 0
+    st = c.status()
+    assert st["state"] == "done" and st["step"] == spec.steps - 1 and st["loss"] == seen[-1].loss
+    assert [s["node"] for s in st["stages"]] == NAMES
+    assert all(e["wire_bytes"]["forward"] > 0 and e["density"] == 1.0 for e in st["edges"]
+               if e["dense_bytes"].get("backward", 0) > 0)
+    from prometheus_client import generate_latest
+
+    from fusiond.jobs.metrics import JobCollector
+    from fusiond.metrics import make_registry
+
+    text = generate_latest(make_registry(JobCollector(lambda: [c]))).decode()
+    assert 'fusion_job_loss{job="job-7"}' in text
+    assert 'fusion_job_edge_wire_bytes_total{direction="forward"' in text
+    assert 'fusion_job_stage_busy_ratio{job="job-7",node="n1",stage="1"}' in text
     paths = write_outputs(out, tmp_path / "run")
     fresh = build_model(spec.model)
     fresh.load_state_dict(load_model_state(paths["model"]), strict=True)

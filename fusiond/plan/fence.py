@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fusiond.plan.adatopk import adapt_densities
-from fusiond.plan.model import F64, Cluster, CostGraph, JobSettings, PlanError
+from fusiond.plan.model import F64, Cluster, CostGraph, JobSettings, PlanError, wire_bytes
 from fusiond.plan.pipeline import Evaluation, GraphArrays, Plan, StageSpec, evaluate
 
 I64 = npt.NDArray[np.int64]
@@ -369,7 +369,17 @@ class _SubsetSearch:
         self.a = arrays
         st = arrays.settings
         n = arrays.n
-        self.cf, self.cb = arrays.cut_bytes(st.density_floor if compress else 1.0)
+        # [p, e]: bytes a stage running ops [p, e) sends on (its own outputs read at >= e),
+        # so tensors passing over a stage are not charged to it (they travel directly)
+        d = st.density_floor if compress else 1.0
+        self.of = np.zeros((n + 1, n + 1))
+        self.ob = np.zeros((n + 1, n + 1))
+        for t, last in zip(arrays.graph.tensors, arrays.last_use, strict=True):
+            if last <= t.src:
+                continue
+            f, g = wire_bytes(t, st.micro_batch_size, d, st)
+            self.of[: t.src + 1, t.src + 1 : last + 1] += f
+            self.ob[: t.src + 1, t.src + 1 : last + 1] += g
         outmax = np.zeros((n + 1, n + 1))
         for p0 in range(n):
             outmax[p0, p0 + 1:] = np.maximum.accumulate(arrays.out[p0:])
@@ -377,7 +387,11 @@ class _SubsetSearch:
         self.upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)
         self.comp = arrays.prefix[:, None, :] - arrays.prefix[:, :, None]  # [m, p, e]
 
-    def run(self, bound: float) -> tuple[float, list[StageSpec]] | None:
+    def run(self, bound: float, conservative: bool = False) -> tuple[float, list[StageSpec]
+                                                                   ] | None:
+        """`conservative`: charge a stage's outgoing bytes on its slowest link into the rest
+        of the pipeline (a tensor that skips the next stage may land on any later machine);
+        otherwise on the link to the next stage."""
         a, st = self.a, self.a.settings
         K, n, M = len(a.cluster), a.n, st.num_micro_batches
         bw, rtt = a.cluster.bandwidth, a.cluster.rtt
@@ -391,30 +405,37 @@ class _SubsetSearch:
                 rest = mask
                 for first in (x for x in range(K) if mask >> x & 1):
                     rest = mask & ~(1 << first)
-                    tail = np.full(n + 1, np.inf)
-                    nxt = np.full(n + 1, -1, dtype=np.int64)
+                    tail = np.full((n + 1, n + 1), np.inf)
+                    nxt = np.full((n + 1, n + 1), -1, dtype=np.int64)
                     if rest == 0:
-                        tail[n] = 0.0
+                        tail[:, n] = 0.0
                     else:
                         for f2 in (x for x in range(K) if rest >> x & 1):
                             v = val.get((rest, f2))
                             if v is None:
                                 continue
-                            tf = self.cf / bw[first, f2]
-                            tb = self.cb / bw[f2, first]
-                            cand = v + tf + tb + rtt[first, f2]
+                            if conservative:
+                                others = [x for x in range(K) if rest >> x & 1]
+                                bf = min(float(bw[first, x]) for x in others)
+                                bb = min(float(bw[x, first]) for x in others)
+                            else:
+                                bf, bb = float(bw[first, f2]), float(bw[f2, first])
+                            tf = self.of / bf
+                            tb = self.ob / bb
+                            cand = v[None, :] + tf + tb + rtt[first, f2]
                             cand[np.maximum(tf, tb) > bound] = np.inf
                             better = cand < tail
                             tail = np.where(better, cand, tail)
                             nxt = np.where(better, f2, nxt)
                     c = self.comp[first]
                     ok = self.upper & (c <= bound) & (need <= a.caps[first])
-                    tot = np.where(ok, c + tail[None, :], np.inf)
+                    tot = np.where(ok, c + tail, np.inf)
                     e = np.argmin(tot, axis=1)
                     best = tot[np.arange(n + 1), e]
                     if np.isfinite(best).any():
                         val[(mask, first)] = best
-                        arg[(mask, first)] = (e.astype(np.int64), nxt)
+                        arg[(mask, first)] = (e.astype(np.int64),
+                                              nxt[np.arange(n + 1), e].astype(np.int64))
         starts = [(v[0], key) for key, v in val.items() if np.isfinite(v[0])]
         if not starts:
             return None
@@ -427,15 +448,15 @@ class _SubsetSearch:
             stages.append(StageSpec(first, p, e))
             if e == n:
                 return float(fill), stages
-            mask, first, p = mask & ~(1 << first), int(nxt[e]), e
+            mask, first, p = mask & ~(1 << first), int(nxt[p]), e
 
 
 def _subset_candidate(arrays: GraphArrays, compress: bool, modes: list[bool]) -> _Candidate | None:
     """Best of the subset DP over a bisection for the least bound and a ladder above it."""
     best: _Candidate | None = None
-    for mode in modes:
+    for mode, conservative in itertools.product(modes, (False, True)):
         ss = _SubsetSearch(arrays, mode)
-        top = ss.run(math.inf)
+        top = ss.run(math.inf, conservative)
         if top is None:
             continue
         hi = evaluate(arrays, top[1]).bottleneck_s
@@ -447,13 +468,13 @@ def _subset_candidate(arrays: GraphArrays, compress: bool, modes: list[bool]) ->
             if hi / lo < 1.005:
                 break
             mid = math.sqrt(lo * hi)
-            if ss.run(mid) is None:
+            if ss.run(mid, conservative) is None:
                 lo = mid
             else:
                 hi = feasible_at = mid
         results = [top[1]]
         for f in [1.02 ** i for i in range(21)] + [1.6, 2.0, 3.0]:
-            res = ss.run(feasible_at * f)
+            res = ss.run(feasible_at * f, conservative)
             if res is not None:
                 results.append(res[1])
         for stages in results:

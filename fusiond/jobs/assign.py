@@ -16,13 +16,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fusiond.errors import LocalError
 from fusiond.graph import SINK, SOURCE, Partition, partition, state_to_bytes
+from fusiond.train.data import text_tokens
 from fusiond.train.programs import cut_densities, shared_params
-from fusiond.train.remote import job_config
-from fusiond.train.spec import JobSpec
+from fusiond.train.remote import DATA_TOKENS_KEY, job_config
+from fusiond.train.spec import JobSpec, default_text_path
 from protocol import ir
 from protocol.messages import Address, Assign, EdgeRoute
 
@@ -134,6 +136,17 @@ def layout_job(
                      graph.outputs[0].name)
 
 
+def _shipped_tokens(spec: JobSpec) -> torch.Tensor | None:
+    """The corpus as a compact tensor, when the job's text is not the default corpus (the
+    standard library every machine has): the stages that read data get it in their Assign."""
+    d = spec.data
+    if d.kind != "text" or d.path is None or d.path.resolve() == default_text_path().resolve():
+        return None
+    tokens = text_tokens(d)
+    dtype = np.uint8 if tokens.size and int(tokens.max()) < 256 else np.int32
+    return torch.from_numpy(tokens.astype(dtype))
+
+
 def assign_messages(
     layout: JobLayout,
     spec: JobSpec,
@@ -144,7 +157,8 @@ def assign_messages(
     addresses: Mapping[str, Address],
     first_request_id: int = 1,
 ) -> dict[str, tuple[Assign, bytes]]:
-    """Per machine, its Assign and the payload (its partition's weights, safetensors)."""
+    """Per machine, its Assign and the payload (its partition's weights, safetensors; plus the
+    corpus tokens under `DATA_TOKENS_KEY` for stages that read data of a non-default corpus)."""
     nodes = layout.stage_nodes
     absent = [n for n in nodes.values() if n not in addresses]
     if absent:
@@ -154,10 +168,13 @@ def assign_messages(
                         loss_name=layout.loss_name)
     routes = layout.edges()
     job_nodes = {n: tuple(addresses[n]) for n in nodes.values()}
+    shipped = _shipped_tokens(spec)
     out: dict[str, tuple[Assign, bytes]] = {}
     for i, s in enumerate(layout.stages):
         mine = tuple(r for r in routes if s.stage in (r.src_partition, r.dst_partition))
         weights = {k: state[k] for k in s.partition.param_names if k in state}
+        if shipped is not None and any(e.src == SOURCE for e in s.partition.inputs):
+            weights[DATA_TOKENS_KEY] = shipped
         msg = Assign(
             request_id=first_request_id + i, term=term, job_id=layout.job_id,
             plan_version=plan_version, partition=s.stage, graph=ir.dumps(s.partition.graph),

@@ -28,9 +28,12 @@ __all__ = [
     "make_source",
     "split_micro_batches",
     "text_files",
+    "text_tokens",
 ]
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
+DEFAULT_MAX_BYTES = 64 << 20
+"""Corpus bytes read (the first files in sorted order up to this size)."""
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", ".git"}
 
 
@@ -119,6 +122,12 @@ def _load_tokens(root: str, tokenizer: str, max_bytes: int) -> np.ndarray:
     return tokens
 
 
+def text_tokens(spec: DataSpec) -> np.ndarray:
+    """The token array of a text data spec (what a submitter ships to machines lacking it)."""
+    assert spec.kind == "text" and spec.path is not None
+    return _load_tokens(str(spec.path), spec.tokenizer, DEFAULT_MAX_BYTES)
+
+
 class TextWindows:
     """Random windows of `seq_len + 1` tokens from a corpus; targets are inputs shifted by one.
 
@@ -126,15 +135,19 @@ class TextWindows:
     the seed and the step.
     """
 
-    def __init__(self, path: Path, *, seq_len: int, seed: int, tokenizer: str = "bytes",
-                 max_bytes: int = 64 << 20) -> None:
-        self.tokens = _load_tokens(str(path), tokenizer, max_bytes)
+    def __init__(self, path: Path | None, *, seq_len: int, seed: int, tokenizer: str = "bytes",
+                 max_bytes: int = DEFAULT_MAX_BYTES, tokens: np.ndarray | None = None) -> None:
+        if tokens is None:
+            if path is None:
+                raise DataError("a text source needs a path or its tokens")
+            tokens = _load_tokens(str(path), tokenizer, max_bytes)
+        self.tokens = np.asarray(tokens, dtype=np.int64)
         self.seq_len = seq_len
         self.seed = seed
-        if self.tokens.size < seq_len + 2:
+        if self.tokens.ndim != 1 or self.tokens.size < seq_len + 2:
             raise DataError(
-                f"corpus {path} has {self.tokens.size} tokens, needs more than seq_len+1="
-                f"{seq_len + 1}"
+                f"corpus {path or '(shipped)'} has {self.tokens.size} tokens, needs more than "
+                f"seq_len+1={seq_len + 1}"
             )
         self.vocab_size = int(self.tokens.max()) + 1
 

@@ -24,11 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from fusiond.errors import RemoteError
 from fusiond.graph import state_from_bytes
-from fusiond.train.data import DataSource, make_source
+from fusiond.train.data import DataSource, TextWindows, make_source
 from fusiond.train.programs import build_stage_module
 from fusiond.train.schedule import schedule
 from fusiond.train.spec import (
@@ -52,6 +53,7 @@ from protocol.messages import Assign, Backward, Forward, Message
 
 __all__ = [
     "CONFIG_VERSION",
+    "DATA_TOKENS_KEY",
     "PARAM_PREFIX",
     "NetStageLink",
     "PeerSender",
@@ -65,6 +67,8 @@ log = logging.getLogger(__name__)
 
 CONFIG_VERSION = 1
 """Version of the `Assign.config` map written by `job_config`."""
+DATA_TOKENS_KEY = "__fusion_data__.tokens"
+"""Entry of an Assign's safetensors payload carrying the shipped text corpus (token ids)."""
 PARAM_PREFIX = "param:"
 """Edge name prefix of a Backward carrying a shared (tied) parameter's gradient."""
 
@@ -140,6 +144,8 @@ class StageAssignment:
     targets_name: str | None
     loss_name: str
     shared: dict[str, tuple[int, ...]]
+    data_tokens: np.ndarray | None = None
+    """The corpus shipped by the submitter (token ids), when it is not the default one."""
 
 
 def _get(cfg: Mapping[str, Any], key: str, typ: type | tuple[type, ...], where: str) -> Any:
@@ -165,6 +171,11 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         state = state_from_bytes(bytes(payload))
     except Exception as e:
         raise RemoteError(f"Assign payload (safetensors weights): {e}") from e
+    shipped = state.pop(DATA_TOKENS_KEY, None)
+    if shipped is not None and (shipped.ndim != 1 or shipped.dtype not in (torch.uint8,
+                                                                           torch.int32)):
+        raise RemoteError(f"Assign payload: {DATA_TOKENS_KEY} must be 1-D uint8 or int32")
+    data_tokens = None if shipped is None else shipped.numpy().astype(np.int64)
     stage = msg.partition
     edges: list[EdgeSpec] = []
     stage_nodes: dict[int, str] = {}
@@ -236,7 +247,7 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         batch=batch, optimizer=optimizer, data=data,
         per_row=bool(cfg.get("per_row", True)), input_name=_get(cfg, "input_name", str, ""),
         targets_name=targets if isinstance(targets, str) else None,
-        loss_name=_get(cfg, "loss_name", str, ""), shared=shared,
+        loss_name=_get(cfg, "loss_name", str, ""), shared=shared, data_tokens=data_tokens,
     )
 
 
@@ -327,7 +338,11 @@ class StageHost:
         self.program = program_from_assignment(sa)
         self._node_stage = {n: s for s, n in sa.stage_nodes.items() if s != sa.stage}
         if self.program.data_inputs and data is None:
-            data = make_source(sa.data, sa.seed)
+            if sa.data_tokens is not None:
+                data = TextWindows(None, seq_len=sa.data.seq_len, seed=sa.seed,
+                                   tokens=sa.data_tokens)
+            else:
+                data = make_source(sa.data, sa.seed)
         tasks = schedule(sa.batch.pipeline, sa.stages, sa.batch.micro_batches)
         self.executor = StageExecutor(
             stage=sa.stage, program=self.program,

@@ -277,3 +277,36 @@ async def test_killing_a_stage_process_fails_the_job_naming_it(captured_tiny) ->
             assert not n0.worker.jobs()
         # node1 took the JobCancel and shut down cleanly when asked
         assert procs["node1"].proc.returncode == 0
+
+
+def test_custom_text_is_shipped_to_the_data_stages(captured_tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from fusiond.graph import state_from_bytes
+    from fusiond.jobs.assign import assign_messages
+    from fusiond.train.data import TextWindows, _load_tokens
+    from fusiond.train.remote import DATA_TOKENS_KEY, StageHost
+
+    spec, cap = captured_tiny
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("for i in range(10):\n    print(i * i)\n" * 300)
+    spec = replace(spec, data=replace(spec.data, path=corpus))
+    want = TextWindows(corpus, seq_len=spec.data.seq_len, seed=spec.seed).batch(3, 8)
+    cut = contiguous_assignment(cap.graph, 3)
+    layout = layout_job("ship", cap.graph, cap.state, {op: NAMES[p] for op, p in cut.items()})
+    assigns = assign_messages(layout, spec, cap.state, term=1, plan_version=1,
+                              addresses={n: ("127.0.0.1", 1) for n in NAMES})
+    has = {n: DATA_TOKENS_KEY in state_from_bytes(p) for n, (_, p) in assigns.items()}
+    assert has == {"n0": True, "n1": False, "n2": True}  # inputs on stage 0, targets on 2
+    corpus.unlink()  # the machines do not have the file
+    _load_tokens.cache_clear()
+
+    class _NoNet:
+        async def send(self, peer: str, msg: Message, payload: Any = ()) -> None:
+            raise AssertionError("nothing is sent while building")
+
+    for n in ("n0", "n2"):
+        msg, payload = assigns[n]
+        host = StageHost(msg, payload, _NoNet())
+        data = host.executor.data
+        assert data is not None
+        got = data.batch(3, 8)
+        assert torch.equal(got.inputs, want.inputs) and torch.equal(got.targets, want.targets)

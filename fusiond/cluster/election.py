@@ -168,6 +168,13 @@ class Election:
         self.enabled = True
         """False once this node has left or been removed: it neither campaigns nor votes."""
 
+    def restore(self, term: int, voted_for: str | None) -> None:
+        """Resume from a term and vote made durable before a restart (call before anything
+        else): the node then never grants a second vote in a term it already voted in."""
+        if term > self.term:
+            self.term = term
+            self.voted_for = voted_for
+
     # -- queries -----------------------------------------------------------------------------
 
     def leader(self, now: float) -> str | None:

@@ -13,10 +13,12 @@ import asyncio
 import dataclasses
 import logging
 import math
+import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from fusiond.cluster.discovery import SERVICE_TYPE, BootstrapDialer, MdnsDiscovery
@@ -32,6 +34,12 @@ from fusiond.cluster.membership import (
     MemberState,
     Transition,
     new_incarnation,
+)
+from fusiond.cluster.persist import (
+    ElectionState,
+    ElectionStateError,
+    load_election_state,
+    save_election_state,
 )
 from fusiond.cluster.probes import LinkProber, ProbeConfig, ProbeFailed
 from fusiond.errors import ConfigError
@@ -325,7 +333,10 @@ class Cluster:
         profile: Callable[[], dict[str, Any]],
         config: ClusterConfig,
         incarnation: int | None = None,
+        state_path: str | os.PathLike[str] | None = None,
     ) -> None:
+        """`state_path`: where the election's term and vote persist across restarts (the
+        daemon passes a file in its state directory); None keeps them in memory only."""
         self.node_id = node_id
         self.cluster_id = cluster_id
         self._net = net
@@ -357,6 +368,9 @@ class Cluster:
         self._closing = False
         self._closed = False
         self._warned_profile = False
+        self._state_path = Path(state_path) if state_path is not None else None
+        self._persisted = ElectionState()
+        self._persist_error = ""
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -378,6 +392,19 @@ class Cluster:
                                       heartbeat_s=c.leader_heartbeat_s, lease_s=c.leader_lease_s,
                                       stagger_s=c.election_stagger_s,
                                       jitter_s=c.election_jitter_s, grace_s=c.election_grace_s))
+        if self._state_path is not None:
+            try:
+                saved = load_election_state(self._state_path, cluster_id=self.cluster_id,
+                                            node_id=self.node_id)
+            except ElectionStateError as exc:
+                # Not fatal: the start grace still keeps a restarted node from voting at once.
+                log.warning("cluster: ignoring the election state: %s", exc)
+                saved = None
+            if saved is not None:
+                self._election.restore(saved.term, saved.voted_for)
+                self._persisted = saved
+                log.debug("cluster: resuming at term %d (voted for %s)", saved.term,
+                          saved.voted_for)
         self._spawn(self._gossip_loop(), "gossip")
         self._spawn(self._tick_loop(), "tick")
         if c.probes:
@@ -570,6 +597,7 @@ class Cluster:
             else:
                 assert isinstance(msg, LeaderAck)
                 outs = el.on_leader_ack(peer, msg, now)
+            self._persist_election()  # a vote or a new term is durable before it is sent
             for dst, out in outs:
                 self._send_bg(dst, out)
             if (el.leader(now), el.term) != before:
@@ -592,6 +620,7 @@ class Cluster:
         self._learn_addresses()
         before = (el.leader(now), el.term)
         el.observe(msg.term, now)
+        self._persist_election()
         if result.self_removed:
             el.disable(now)
             log.warning("cluster: this node was removed from the cluster by an operator; "
@@ -689,8 +718,9 @@ class Cluster:
                          if r is not None]
                 return rank_order(alive, ms.links())
 
-            for dst, out in el.tick(now, voters=voters, ranked_alive=ranked,
-                                    reachable=self._reachable()):
+            outs = el.tick(now, voters=voters, ranked_alive=ranked, reachable=self._reachable())
+            self._persist_election()  # a campaign's new term and self-vote, before asking
+            for dst, out in outs:
                 self._send_bg(dst, out)
             if (el.leader(now), el.term) != before:
                 self._log_leadership(before, now)
@@ -736,6 +766,29 @@ class Cluster:
             await asyncio.sleep(min(1.0, cfg.probe_interval_s / 4))
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _persist_election(self) -> None:
+        """Make the election's term and vote durable if they changed (synchronous: a few
+        hundred bytes and an fsync, only when a term or vote changes)."""
+        el = self._election
+        if self._state_path is None or el is None:
+            return
+        state = ElectionState(el.term, el.voted_for)
+        if state == self._persisted:
+            return
+        try:
+            save_election_state(self._state_path, state, cluster_id=self.cluster_id,
+                                node_id=self.node_id)
+        except OSError as exc:
+            # Not fatal (the start grace still guards a restart); retried at the next call,
+            # said once per distinct error rather than every tick.
+            msg = f"cannot persist the election state to {self._state_path}: {exc}"
+            if msg != self._persist_error:
+                log.error("cluster: %s", msg)
+                self._persist_error = msg
+            return
+        self._persisted = state
+        self._persist_error = ""
 
     def _safe_profile(self, fallback: Mapping[str, Any]) -> dict[str, Any]:
         try:

@@ -213,7 +213,8 @@ class Swarm:
 
     async def add(self, node_id: str, *, bootstrap: Sequence[Address] = (),
                   profile: dict[str, object] | None = None, incarnation: int | None = None,
-                  config: ClusterConfig | None = None) -> Cluster:
+                  config: ClusterConfig | None = None,
+                  state_path: str | None = None) -> Cluster:
         """Start a node (reusing its old address if it ran before: a restart)."""
         net = FakeNet(self.hub, node_id, self.addresses.get(node_id))
         self.addresses[node_id] = net.address
@@ -221,7 +222,8 @@ class Swarm:
         cfg = replace(cfg, bootstrap=tuple(bootstrap))
         prof = dict(profile or {"gflops": 10.0, "memory_bytes": 1 << 30})
         node = Cluster(node_id=node_id, cluster_id="test", net=net, advertise=net.address,
-                       profile=lambda: prof, config=cfg, incarnation=incarnation)
+                       profile=lambda: prof, config=cfg, incarnation=incarnation,
+                       state_path=state_path)
         net.handler = node.handle
         await node.start()
         await node.ready()

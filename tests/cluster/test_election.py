@@ -133,6 +133,25 @@ def test_one_vote_per_term_and_stale_terms_refused() -> None:
     assert v.leader(1.0) is None and v.term == 3
 
 
+def test_a_restored_vote_is_not_granted_twice_in_its_term() -> None:
+    voters = frozenset({"v", "x", "y"})
+    v = Election("v", timing=T, now=0.0)
+    v.restore(3, "x")  # voted for x in term 3 before a restart
+    assert v.term == 3 and v.voted_for == "x"
+    out = v.on_vote_request("y", VoteRequest(request_id=1, term=3, candidate="y"), 1.0, voters)
+    vote = out[0][1]
+    assert isinstance(vote, Vote) and not vote.granted and vote.reason == "voted for x"
+    out = v.on_vote_request("x", VoteRequest(request_id=2, term=3, candidate="x"), 1.0, voters)
+    assert isinstance(out[0][1], Vote) and out[0][1].granted  # the same candidate again: yes
+    out = v.on_vote_request("y", VoteRequest(request_id=3, term=4, candidate="y"), 1.0, voters)
+    assert isinstance(out[0][1], Vote) and out[0][1].granted and v.voted_for == "y"
+    # Restoring never lowers a term.
+    w = Election("w", timing=T, now=0.0)
+    w.restore(5, None)
+    w.restore(2, "x")
+    assert w.term == 5 and w.voted_for is None
+
+
 def test_no_vote_during_grace_nor_for_strangers_nor_while_a_leader_lives() -> None:
     v = Election("v", timing=T, now=0.0)
     voters = frozenset({"v", "x", "y"})

@@ -61,6 +61,9 @@ LEFT_MARKER = "left"
 DENIED_FILE = "denied.json"
 """Members removed here with `fusionctl remove`: the transport refuses them even though their
 certificates are still valid (there is no revocation yet; docs/security.md)."""
+ELECTION_FILE = "election.json"
+"""The election's term and vote (fusiond.cluster.persist): no second vote in a term after a
+restart."""
 BOOTSTRAP_FILE = "bootstrap.json"
 """Addresses learned from `fusionctl join`, kept so a restart finds the cluster again."""
 PLAINTEXT_CLUSTER_ID = "insecure-dev"
@@ -461,6 +464,7 @@ class Daemon:
                 node_id=self.node_id, cluster_id=cluster_id, net=net,
                 advertise=self.address, profile=self.profiler,
                 config=_cluster_config(ClusterConfig, cfg, bootstrap),
+                state_path=self.state_dir / ELECTION_FILE,
             )
             self.cluster = cluster
             await self._start_service("cluster", cluster)

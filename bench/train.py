@@ -30,19 +30,27 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fusiond.graph import SINK, contiguous_assignment
+from fusiond.graph import contiguous_assignment
 from fusiond.jobs.assign import layout_job
 from fusiond.jobs.coordinator import JobCoordinator
 from fusiond.jobs.inproc import inproc_cluster
 from fusiond.jobs.node import spawn_nodes
-from fusiond.plan.model import JobSettings, TensorEdge, wire_bytes
+from fusiond.jobs.planning import job_settings
+from fusiond.plan import (
+    Cluster,
+    GraphArrays,
+    MachineProfile,
+    StageSpec,
+    batch_symbol,
+    cost_graph_from_ir,
+    evaluate,
+)
 from fusiond.train.data import make_source
 from fusiond.train.local import ReferenceTrainer, StepMetrics
 from fusiond.train.loopback import LoopbackResult, run_loopback
 from fusiond.train.model import build_model, loss_fn
 from fusiond.train.programs import capture_job
 from fusiond.train.spec import JobSpec, parse_job
-from protocol import ir
 
 
 def make_spec(args: argparse.Namespace) -> JobSpec:
@@ -64,29 +72,31 @@ micro_batches = {args.micro}
 """)
 
 
-def predicted_bytes(res: LoopbackResult, spec: JobSpec, density: float | None) -> float:
-    """The planner's byte model for this layout's cut edges, per iteration (all micro-batches)."""
-    g = res.layout.graph
-    settings = JobSettings(micro_batch_size=spec.batch.micro_batch_size,
-                           num_micro_batches=spec.batch.micro_batches,
-                           density_floor=min(density or 1.0, 0.05))
-    mbs = spec.batch.micro_batch_size
-    syms = dict(g.symbols)
-    total = 0.0
-    for s in res.layout.stages:
-        for e in s.partition.outputs:
-            if e.dst == SINK:
-                continue
-            numel = 1
-            for d in ir.eval_shape(e.meta.shape, {**syms, "batch": 1}):
-                numel *= d
-            elem = ir.DTYPE_BYTES[e.meta.dtype]
-            t = TensorEdge(name=e.id, src=0, dsts=(1,), nbytes=float(numel * elem),
-                           numel=float(numel), grad=e.meta.is_float,
-                           compressible=e.meta.is_float)
-            f, b = wire_bytes(t, mbs, res.layout.densities.get(e.id, 1.0), settings)
-            total += (f + b) * spec.batch.micro_batches
-    return total
+def predicted_bytes(res: LoopbackResult, spec: JobSpec, captured: Any,
+                    density: float | None) -> float:
+    """The planner's prediction for the cut this run used, per iteration (all micro-batches):
+    `fusiond.plan.evaluate` of the same stages on the IR's cost graph, with `density` on every
+    compressible cut tensor (`LinkReport` bytes are per micro-batch)."""
+    g = captured.graph
+    sym = batch_symbol(g)
+    cost = cost_graph_from_ir(g, {sym: spec.batch.micro_batch_size} if sym else {})
+    index = cost.index()
+    # The contiguous cut: stage i starts at its first op (in the cost graph's order).
+    starts = sorted(min(index[n] for n in s.partition.node_ids if n in index)
+                    for s in res.layout.stages)
+    starts[0] = 0
+    ends = [*starts[1:], len(cost)]
+    stages = [StageSpec(machine=i, start=a, stop=b)
+              for i, (a, b) in enumerate(zip(starts, ends, strict=True))]
+    machines = [MachineProfile(id=f"m{i}", flops={"other": 1e10}, mem_bw=1e10,
+                               op_overhead_s=1e-5, memory_bytes=64e9) for i in range(len(stages))]
+    arrays = GraphArrays(cost, Cluster.build(machines, [[1e9] * len(stages)] * len(stages)),
+                         job_settings(spec))
+    ev = evaluate(arrays, stages)
+    if density is not None:
+        dens = {(t, lk.dst_stage): density for lk in ev.links for t in lk.tensors}
+        ev = evaluate(arrays, stages, dens)
+    return sum(lk.fwd_bytes + lk.bwd_bytes for lk in ev.links) * spec.batch.micro_batches
 
 
 def single_process(spec: JobSpec, tokens_per_step: int, warmup: int) -> dict[str, Any]:
@@ -116,7 +126,7 @@ def distributed(spec: JobSpec, captured: Any, density: float | None, warmup: int
         "dense_bytes": mean(m.dense_bytes for m in ms),
         "shared_bytes": mean(m.shared_bytes for m in ms),
         "socket_bytes": mean(res.socket_bytes[warmup:]),
-        "predicted_bytes": predicted_bytes(res, spec, density),
+        "predicted_bytes": predicted_bytes(res, spec, captured, density),
         "busy": {str(k): round(v, 3) for k, v in sorted(ms[-1].stage_busy.items())},
         "cut_edges": len(res.metrics[-1].edges),
     }

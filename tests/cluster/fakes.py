@@ -254,6 +254,8 @@ class LoopLag:
     def __init__(self, interval: float = 0.01) -> None:
         self.interval = interval
         self.total = 0.0
+        self.worst = 0.0
+        """The longest single stall."""
         self._task: asyncio.Task[None] | None = None
 
     async def _run(self) -> None:
@@ -261,7 +263,9 @@ class LoopLag:
         while True:
             t0 = loop.time()
             await asyncio.sleep(self.interval)
-            self.total += max(0.0, loop.time() - t0 - self.interval)
+            late = max(0.0, loop.time() - t0 - self.interval)
+            self.total += late
+            self.worst = max(self.worst, late)
 
     async def __aenter__(self) -> LoopLag:
         self._task = asyncio.ensure_future(self._run())

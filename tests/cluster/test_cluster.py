@@ -160,19 +160,25 @@ async def test_partition_minority_has_no_leader_majority_keeps_one_heal_gives_on
 
     await until(lambda: minority_lost() and majority_led(), 6, "2 leaderless, 3 led")
     # It stays that way: the minority never gets a working scheduler, its term stays put
-    # (pre-votes fail), and the majority keeps its leader.
+    # (pre-votes fail), and the majority keeps its leader. Keeping it needs this process to
+    # run: a stall longer than the lease (a loaded machine) legitimately deposes a leader, so
+    # then only the safety half is judged.
     minority_terms = {n: v.term for n, v in swarm.views(minority).items()}
     majority_leader = agreed_leader(swarm.views(majority_ids))
-    for _ in range(int(1.5 / 0.05)):
-        await asyncio.sleep(0.05)
-        assert minority_lost()
-        assert agreed_leader(swarm.views(majority_ids)) == majority_leader
-    assert {n: v.term for n, v in swarm.views(minority).items()} == minority_terms
-    swarm.hub.heal()
-    await until(lambda: all_alive(swarm, IDS, IDS) and agreed_leader(swarm.views()) is not None,
-                8, "one leader after healing")
+    async with LoopLag() as lag:
+        for _ in range(int(1.5 / 0.05)):
+            await asyncio.sleep(0.05)
+            assert minority_lost()
+            if lag.worst < FAST.leader_lease_s / 2:
+                assert agreed_leader(swarm.views(majority_ids)) == majority_leader, lag.worst
+        assert {n: v.term for n, v in swarm.views(minority).items()} == minority_terms
+        swarm.hub.heal()
+        await until(lambda: all_alive(swarm, IDS, IDS)
+                    and agreed_leader(swarm.views()) is not None, 8, "one leader after healing")
     views = swarm.views()
-    assert agreed_leader(views) == majority_leader  # pre-vote: the rejoiners did not depose it
+    if lag.worst < FAST.leader_lease_s / 2:
+        # Pre-vote: the rejoiners did not depose it.
+        assert agreed_leader(views) == majority_leader, lag.worst
     assert all(v.has_quorum for v in views.values())
 
 

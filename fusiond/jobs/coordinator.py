@@ -235,6 +235,15 @@ class JobCoordinator:
                 tot = self._totals.setdefault((e.edge, direction), [0, 0])
                 tot[0] += wire
                 tot[1] += dense
+        every = max(1, self.spec.steps // 20)
+        if (m.step + 1) % every == 0 or m.step + 1 == self.spec.steps:
+            d = m.as_dict()
+            rate = d["tokens_per_s"] or d["samples_per_s"] or 0.0
+            log.info("job %s step %d/%d loss %s %.0f %s/s busy %s wire %d B/step", self.job_id,
+                     m.step + 1, self.spec.steps, "-" if m.loss is None else f"{m.loss:.4f}",
+                     rate, "tokens" if d["tokens_per_s"] else "samples",
+                     " ".join(f"{v:.2f}" for _, v in sorted(m.stage_busy.items())),
+                     m.wire_bytes)
         if self.on_step is not None:
             self.on_step(m)
 

@@ -17,9 +17,14 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+import torch
+
 from fusiond.errors import FusionError
-from fusiond.jobs.coordinator import save_checkpoint, write_outputs
+from fusiond.graph import contiguous_assignment
+from fusiond.jobs.assign import layout_job
+from fusiond.jobs.coordinator import JobCoordinator, save_checkpoint, write_outputs
 from fusiond.jobs.inproc import inproc_cluster, run_job
+from fusiond.jobs.node import spawn_nodes
 from fusiond.jobs.submit import prepare_job
 from fusiond.train.local import StepMetrics
 from fusiond.train.model import build_model
@@ -58,16 +63,43 @@ async def _main(args: argparse.Namespace) -> int:
     spec = job.spec
     if args.steps is not None:
         spec = replace(spec, steps=args.steps)
+    where = "processes" if args.processes else "one process"
     print(f"{spec.name}: {len(job.captured.graph.nodes)} ops captured in {job.prepare_s:.1f}s; "
-          f"{spec.steps} steps on {args.stages} stages (loopback)", file=sys.stderr)
+          f"{spec.steps} steps on {args.stages} stages (loopback, {where})", file=sys.stderr)
     t0 = time.perf_counter()
     losses, on_step = _progress(spec.steps, t0)
-    async with inproc_cluster(args.stages) as nodes:
-        outcome = await run_job(
-            nodes, spec, job.captured, job_id=spec.name, density=args.density,
-            tokens_per_sample=job.tokens_per_sample, on_step=on_step,
-            on_checkpoint=lambda step, state: save_checkpoint(spec.output, step, state),
-        )
+    def on_checkpoint(step: int, state: dict[str, torch.Tensor]) -> None:
+        save_checkpoint(spec.output, step, state)
+
+    if not args.processes:
+        async with inproc_cluster(args.stages) as nodes:
+            outcome = await run_job(
+                nodes, spec, job.captured, job_id=spec.name, density=args.density,
+                tokens_per_sample=job.tokens_per_sample, on_step=on_step,
+                on_checkpoint=on_checkpoint,
+            )
+    else:
+        async with inproc_cluster(1) as here:
+            n0 = here["node0"]
+            others = [f"node{i}" for i in range(1, args.stages)]
+            async with spawn_nodes(others, extra={"node0": n0.net.address}) as procs:
+                for p in procs.values():
+                    n0.net.add_peer_address(p.name, p.address)
+                names = ["node0", *others]
+                cut = contiguous_assignment(job.captured.graph, args.stages)
+                density = args.density if args.density is not None else spec.compression.density
+                layout = layout_job(spec.name, job.captured.graph, job.captured.state,
+                                    {op: names[i] for op, i in cut.items()}, density=density,
+                                    exact=spec.compression.exact_edges)
+                coord = JobCoordinator(
+                    send=n0.send_fn(), spec=spec, captured=job.captured, layout=layout,
+                    addresses={"node0": n0.net.address}
+                    | {n: p.address for n, p in procs.items()},
+                    term=1, tokens_per_sample=job.tokens_per_sample, on_step=on_step,
+                    on_checkpoint=on_checkpoint,
+                )
+                n0.coordinators.append(coord)
+                outcome = await coord.run()
     paths = write_outputs(outcome, spec.output)
     if not outcome.ok:
         print(f"fusion: {outcome.failure}", file=sys.stderr)
@@ -94,6 +126,9 @@ def main() -> None:
                     help="top-k density on every cut edge (default: compression.density)")
     ap.add_argument("--sample", type=int, default=200, help="bytes of text to generate")
     ap.add_argument("--prompt", default="def ", help="prompt for the sample")
+    ap.add_argument("--processes", action="store_true",
+                    help="run stages 1.. in their own processes (the scheduler and stage 0 "
+                         "stay here)")
     args = ap.parse_args()
     if args.stages < 1:
         ap.error("--stages must be >= 1")

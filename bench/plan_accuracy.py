@@ -47,7 +47,8 @@ def measure(size: str, batch: int, seq: int, parts: int, repeats: int) -> list[d
                  dynamic=[{0: "batch", 1: "seq"}, {0: "batch", 1: "seq"}])
     graph = cm.graph
     cg = cost_graph_from_ir(graph, {"batch": batch, "seq": seq})
-    prof = calibrate()
+    prof = calibrate(repeats=7)
+    print(f"calibrated: {prof.to_dict()}", file=sys.stderr)
     pred_op = op_times(cg, prof, batch)
     idx = cg.index()
     assign = contiguous_assignment(graph, parts)

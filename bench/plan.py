@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print("predicted samples/s: (a) uniform, (b) OP-Fence, (c) OP-Fence + AdaTopK; "
           "GPT-2 small: micro-batch 8 x 512 tokens, ResNet-101: 32 x 224^2; 16 micro-batches")
-    hdr = (f"{'model':<11}{'topology':<10}{'(a)':>9}{'(b)':>9}{'(c)':>9}{'b/a':>9}{'c/a':>9}{'c/b':>6}"
+    hdr = (f"{'model':<11}{'topology':<10}{'(a)':>9}{'(b)':>9}{'(c)':>9}"
+           f"{'b/a':>9}{'c/a':>9}{'c/b':>6}"
            f"  {'bottleneck (a)':<24}{'bottleneck (b)':<24}{'bottleneck (c)':<24}"
            f"{'stages b/c':>11}{'plan s b/c':>12}  densities (c)")
     print(hdr)
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         worst = min(worst, r["c/a"])
         dens = ",".join(f"{d:g}" for d in r["densities"][:4]) or "-"
         print(f"{r['model']:<11}{r['topology']:<10}{r['a']:>9.3g}{r['b']:>9.3g}{r['c']:>9.3g}"
-              f"{r['b/a']:>9.1f}{r['c/a']:>9.1f}{r['c']/r['b']:>6.2f}  {r['bott_a'][:23]:<24}{r['bott_b'][:23]:<24}"
+              f"{r['b/a']:>9.1f}{r['c/a']:>9.1f}{r['c'] / r['b']:>6.2f}"
+              f"  {r['bott_a'][:23]:<24}{r['bott_b'][:23]:<24}"
               f"{r['bott_c'][:23]:<24}{r['stages_b']:>5}/{r['stages_c']:<5}"
               f"{r['plan_s_b']:>6.2f}/{r['plan_s_c']:<5.2f}  {dens}"
               + ("" if r["mem_a"] == "ok" else "  (a) over memory"))

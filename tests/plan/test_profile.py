@@ -57,3 +57,18 @@ def test_reference_topologies(path: Path) -> None:
 def test_topology_errors_name_the_field() -> None:
     with pytest.raises(PlanError, match="kinds"):
         cluster_from_topology({"name": "x", "groups": []})
+
+
+def test_planner_is_pure() -> None:
+    """fusiond.plan (all but calibrate, which imports torch lazily) pulls in no I/O or torch."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys, json, fusiond.plan, fusiond.plan.calibrate\n"
+            "print(json.dumps(sorted(sys.modules)))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         check=True)
+    loaded = json.loads(out.stdout)
+    bad = [m for m in loaded if m.split(".")[0] in ("torch", "asyncio", "socket", "aiohttp")]
+    assert not bad, f"fusiond.plan imported {bad[:5]}"

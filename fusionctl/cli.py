@@ -8,6 +8,8 @@ Exit codes (also in ``--help`` and docs/cli.md):
 2   usage error (bad arguments)
 3   no daemon answers at the API address (the message says how to start one)
 4   timed out waiting (``local up`` waiting for the daemons to agree)
+5   ``submit``: the job failed (the first-failure report names machine, stage, step, cause)
+6   ``submit``: the job was cancelled
 ==  ===========================================================================
 """
 
@@ -44,6 +46,8 @@ EXIT_CODES_HELP = """exit codes:
   3  no daemon answers at the API address (start one: `systemctl start fusiond`,
      or `fusiond --config PATH`, or `fusionctl local up -n 3` for a dev cluster)
   4  timed out waiting (local up)
+  5  submit: the job failed (the report names machine, stage, step and cause)
+  6  submit: the job was cancelled
 
 environment: FUSION_API_SOCKET (default /run/fusion/fusiond.sock), FUSION_API_TCP with
 FUSION_API_TOKEN or FUSION_API_TOKEN_FILE."""
@@ -121,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     sp = cmd("remove", "remove a member that is gone for good (restores quorum)", read=True)
     sp.add_argument("node", metavar="NODE")
+    from fusionctl import jobs as job_cmds
+
+    job_cmds.add_parsers(cmd)
     sp = cmd("local", "a development cluster of N daemons on this machine (loopback)")
     lsub = sp.add_subparsers(dest="local_cmd", metavar="up|down|status")
     up = lsub.add_parser("up", help="start N daemons, wait until they agree on a scheduler")
@@ -279,6 +286,16 @@ _COMMANDS: dict[str, Callable[[Client, argparse.Namespace, Out], int]] = {
     "status": _status, "links": _links, "paths": _paths, "version": _version, "init": _init,
     "token": _token, "join": _join, "leave": _leave, "remove": _remove,
 }
+
+
+def _job_commands() -> None:
+    from fusionctl import jobs as j
+
+    _COMMANDS.update({"submit": j.submit, "plan": j.plan, "jobs": j.list_jobs,
+                      "job": j.show_job, "cancel": j.cancel, "logs": j.logs})
+
+
+_job_commands()
 
 
 def _local(ns: argparse.Namespace, out: Out) -> int:

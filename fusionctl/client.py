@@ -96,19 +96,26 @@ class Client:
         assert ep.socket_path is not None
         return _UnixConnection(ep.socket_path, self.timeout)
 
-    def request(self, method: str, path: str, body: dict[str, Any] | None = None
-                ) -> dict[str, Any]:
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None,
+                raw: bytes | None = None) -> dict[str, Any]:
+        """One request; `body` as JSON, or `raw` bytes (application/octet-stream)."""
         headers = {"Accept": "application/json"}
         data: bytes | None = None
         if body is not None:
             data = json.dumps(body).encode()
             headers["Content-Type"] = "application/json"
+        elif raw is not None:
+            data = raw
+            headers["Content-Type"] = "application/octet-stream"
         if self.endpoint.token:
             headers["Authorization"] = f"Bearer {self.endpoint.token}"
         conn = self._conn()
         try:
             try:
                 conn.request(method, path, body=data, headers=headers)
+            except BrokenPipeError:
+                # The daemon refused a large upload before reading it all: its answer says why.
+                pass
             except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError) as e:
                 raise Unreachable(f"no fusiond answers at {self.endpoint.describe()} "
                                   f"({e.strerror or e})") from None

@@ -207,3 +207,70 @@ def render_links(data: Mapping[str, Any]) -> None:
             t.add_row(*row)
         c.print(t)
         c.print()
+
+
+def _si_bytes(n: Any) -> str:
+    if not isinstance(n, int | float):
+        return "-"
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def render_jobs(data: Mapping[str, Any]) -> None:
+    """`fusionctl jobs`: the jobs submitted here, then the stages hosted here."""
+    c = _console()
+    t = Table(title=f"jobs submitted to {_short(data.get('node_id'), 40)}")
+    for col in ("job", "state", "step", "loss", "stages", "output"):
+        t.add_column(col)
+    for j in data.get("jobs", []):
+        loss = j.get("loss")
+        t.add_row(j["job_id"], j["state"], f"{j['step']}/{j['steps']}",
+                  "-" if loss is None else f"{loss:.4f}", str(j["stages"]), j["output"])
+    c.print(t)
+    stages = data.get("stages", [])
+    if stages:
+        s = Table(title="stages hosted here")
+        for col in ("job", "stage", "scheduler", "running", "steps done"):
+            s.add_column(col)
+        for x in stages:
+            s.add_row(x["job_id"], str(x["stage"]), _short(x["scheduler"], 40),
+                      str(x["running"]), str(x["steps_done"]))
+        c.print(s)
+
+
+def render_job(d: Mapping[str, Any]) -> None:
+    """`fusionctl job ID`: state, the plan, per-stage and per-link live figures."""
+    c = _console()
+    st = d.get("status") or {}
+    h = d["history"][-1] if d.get("history") else {}
+    rate = (f"{h['tokens_per_s']:,.0f} tokens/s" if h.get("tokens_per_s")
+            else f"{h['samples_per_s']:,.1f} samples/s" if h.get("samples_per_s") else "-")
+    loss = "-" if d.get("loss") is None else f"{d['loss']:.4f}"
+    first = "-" if d.get("first_loss") is None else f"{d['first_loss']:.4f}"
+    eta = "-" if d.get("eta_s") is None else f"{d['eta_s']:.0f}s"
+    c.print(f"job {d['job_id']} ({d['name']}): {d['state']}, step {d['step']}/{d['steps']}, "
+            f"loss {first} -> {loss}, {rate}, ETA {eta}, output {d['output']}")
+    outcome = d.get("outcome") or {}
+    if outcome.get("failure"):
+        c.print(f"[red]{outcome['failure']}[/red]")
+    c.print(d.get("plan", ""))
+    s = Table(title="stages")
+    for col in ("stage", "machine", "busy"):
+        s.add_column(col)
+    for x in st.get("stages", []):
+        busy = x.get("busy")
+        s.add_row(str(x["stage"]), str(x["node"]), "-" if busy is None else f"{busy:.0%}")
+    c.print(s)
+    e = Table(title="links (cut edges)")
+    for col in ("edge", "stages", "density", "wire fwd", "wire bwd", "dense fwd", "dense bwd"):
+        e.add_column(col)
+    for x in st.get("edges", []):
+        w, dn = x.get("wire_bytes", {}), x.get("dense_bytes", {})
+        dens = x.get("density")
+        e.add_row(x["edge"], f"{x['src']}->{x['dst']}",
+                  "exact" if dens in (None, 1.0) else f"{dens:g}",
+                  _si_bytes(w.get("forward")), _si_bytes(w.get("backward")),
+                  _si_bytes(dn.get("forward")), _si_bytes(dn.get("backward")))
+    c.print(e)

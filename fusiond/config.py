@@ -157,6 +157,8 @@ class ApiSection:
     """Loopback host:port instead of (or besides) the socket; requests need the token."""
     token_file: str = ""
     """Where the TCP token is written; empty: <state_dir>/api.token."""
+    max_upload_bytes: int = 4 << 30
+    """Largest job upload (IR + weights + shipped data) `fusionctl submit` may send."""
 
 
 @dataclass
@@ -188,6 +190,8 @@ class DaemonConfig:
     """Each service must be ready within this long, or the daemon stops non-zero."""
     stop_timeout_s: float = 10.0
     """Each service must close within this long on shutdown."""
+    job_memory_gib: float = 0.0
+    """GiB of memory this node offers to jobs (gossiped in its profile); 0: its free memory."""
     net: NetSection = field(default_factory=NetSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
     api: ApiSection = field(default_factory=ApiSection)

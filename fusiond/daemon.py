@@ -156,6 +156,8 @@ class Daemon:
         self.metrics: MetricsServer | None = None
         self.net: Any = None
         self.cluster: Any = None
+        self.jobs: Any = None
+        """The job service (`fusiond.jobs.service.JobService`), once the peer network runs."""
         self.address: tuple[str, int] | None = None
         self._running: list[_Running] = []
         self._stop = asyncio.Event()
@@ -245,6 +247,7 @@ class Daemon:
             tcp=parse_hostport(cfg.api.tcp) if cfg.api.tcp else None,
             token_path=cfg.token_path,
             test_endpoints=cfg.net.test_drop_switch,
+            max_upload_bytes=cfg.api.max_upload_bytes,
         )
         await self._start_service("api", self.api)
         self.registry.register(DaemonCollector(
@@ -258,6 +261,8 @@ class Daemon:
             await self._start_service("metrics", self.metrics)
         static = await asyncio.to_thread(profiling.compute_profile, cfg.cache_dir,
                                          benchmark=cfg.profile_benchmark)
+        if cfg.job_memory_gib > 0:  # gossiped: the memory the planner gives this node
+            static["job_memory_bytes"] = int(cfg.job_memory_gib * 2**30)
         self.profiler = profiling.Profiler(static)
         log.info("profile: %s %s, %.1f GFLOP/s", static["device_kind"], static["device_name"],
                  static["gflops"])
@@ -468,6 +473,7 @@ class Daemon:
             )
             self.cluster = cluster
             await self._start_service("cluster", cluster)
+            await self._start_jobs()
             self.phase = "running"
             log.info("peer services up: cluster %s, %s links, listening on %s, advertising %s",
                      self.cluster_id, self.security, _fmt_addr(tuple(net.address)),
@@ -495,6 +501,30 @@ class Daemon:
             self.cluster = None
             self.net = None
             self.address = None
+
+    async def _start_jobs(self) -> None:
+        """The job service (once): hosts stages, runs the jobs submitted here, and follows
+        membership so a dead stage machine fails its job; its figures go on /metrics."""
+        if self.jobs is not None:
+            if self.cluster is not None:
+                self.cluster.on_change(self.jobs.on_view)
+            return
+        from fusiond.jobs.metrics import JobCollector
+        from fusiond.jobs.service import JobService
+
+        async def send(peer: str, msg: Any, payload: Any = ()) -> None:
+            if self.net is None:
+                raise LocalError(f"cannot send {type(msg).__name__} to {peer}: not in a cluster")
+            await self.net.send(peer, msg, payload)
+
+        jobs = JobService(node_id=self.node_id, send_raw=send,
+                          view=lambda: self.cluster.view() if self.cluster is not None else None)
+        self.jobs = jobs
+        await self._start_service("jobs", jobs)
+        self.add_message_handler(jobs.dispatch)
+        if self.cluster is not None:
+            self.cluster.on_change(jobs.on_view)
+        self.registry.register(JobCollector(jobs.coordinators))
 
     def add_message_handler(self, handler: Callable[[str, Any], Awaitable[bool]]) -> None:
         """Offer peer messages the cluster does not take to `handler(peer, msg) -> handled`
@@ -726,6 +756,42 @@ class Daemon:
         if self.net is not None:
             self.net.set_denied(denied)
         return {"removed": node_id, "denied": sorted(denied), "next": "fusionctl status"}
+
+    def _job_service(self) -> Any:
+        if self.jobs is None:
+            raise ApiError(409, "not_member", "this node is not in a cluster: jobs need one "
+                           "(`fusionctl init`, `fusionctl join TOKEN`, or `fusionctl local up`)")
+        return self.jobs
+
+    async def submit_job(self, data: bytes, dry_run: bool) -> dict[str, Any]:
+        from fusiond.jobs.upload import decode_upload
+
+        jobs = self._job_service()
+        upload = decode_upload(data)
+        return dict(await jobs.submit(upload, dry_run=dry_run))
+
+    def list_jobs(self) -> dict[str, Any]:
+        if self.jobs is None:
+            return {"node_id": self.node_id, "jobs": [], "stages": []}
+        return dict(self.jobs.jobs())
+
+    def _known_job(self, job_id: str) -> Any:
+        jobs = self._job_service()
+        try:
+            jobs.get(job_id)
+        except KeyError:
+            raise ApiError(404, "unknown_job", f"no job {job_id!r} was submitted to this "
+                           "daemon (`fusionctl jobs` lists them)") from None
+        return jobs
+
+    def job(self, job_id: str, history: int) -> dict[str, Any]:
+        return dict(self._known_job(job_id).job(job_id, history))
+
+    def job_logs(self, job_id: str) -> dict[str, Any]:
+        return dict(self._known_job(job_id).logs(job_id))
+
+    async def cancel_job(self, job_id: str) -> dict[str, Any]:
+        return dict(await self._known_job(job_id).cancel(job_id))
 
     async def test_block(self, node_ids: list[str]) -> dict[str, Any]:
         if not self.cfg.net.test_drop_switch or self.net is None:

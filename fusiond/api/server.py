@@ -13,6 +13,13 @@ POST     /v1/token             {"ttl_s": float, "one_time": bool}: a new join to
 POST     /v1/leave             leave the cluster for good (stops counting toward quorum)
 POST     /v1/remove            {"node_id": ...}: an operator removes a member
 POST     /v1/test/block        {"node_ids": [...]}: TEST ONLY, 404 unless enabled in config
+POST     /v1/jobs              a job upload (binary, `fusiond.jobs.upload`; streamed, at most
+                               `api.max_upload_bytes`); ``?dry_run=1`` plans only
+GET      /v1/jobs              jobs submitted here, stages hosted here
+GET      /v1/jobs/{id}         one job: state, plan, live per-stage / per-link figures, history
+                               (``?history=N`` last steps)
+GET      /v1/jobs/{id}/logs    the job's log lines
+POST     /v1/jobs/{id}/cancel  stop every partition of the job
 =======  ====================  ======================================================
 """
 
@@ -64,6 +71,11 @@ class Backend(Protocol):
     async def leave(self) -> dict[str, Any]: ...
     async def remove(self, node_id: str) -> dict[str, Any]: ...
     async def test_block(self, node_ids: list[str]) -> dict[str, Any]: ...
+    async def submit_job(self, data: bytes, dry_run: bool) -> dict[str, Any]: ...
+    def list_jobs(self) -> dict[str, Any]: ...
+    def job(self, job_id: str, history: int) -> dict[str, Any]: ...
+    def job_logs(self, job_id: str) -> dict[str, Any]: ...
+    async def cancel_job(self, job_id: str) -> dict[str, Any]: ...
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -112,12 +124,14 @@ class ApiServer:
         tcp: tuple[str, int] | None = None,
         token_path: Path | None = None,
         test_endpoints: bool = False,
+        max_upload_bytes: int = 4 << 30,
     ) -> None:
         self.backend = backend
         self.socket_path = socket_path or None
         self.tcp = tcp
         self.token_path = token_path
         self.test_endpoints = test_endpoints
+        self.max_upload_bytes = max_upload_bytes
         self.tcp_address: tuple[str, int] | None = None
         self._token: str | None = None
         self._runner: web.AppRunner | None = None
@@ -139,6 +153,11 @@ class ApiServer:
         r.add_post("/v1/token", self._post(lambda b: self.backend.token(b)))
         r.add_post("/v1/leave", self._post(lambda b: self.backend.leave()))
         r.add_post("/v1/remove", self._post(self._remove))
+        r.add_post("/v1/jobs", self._upload)
+        r.add_get("/v1/jobs", self._get(self.backend.list_jobs))
+        r.add_get("/v1/jobs/{job_id}", self._job)
+        r.add_get("/v1/jobs/{job_id}/logs", self._job_logs)
+        r.add_post("/v1/jobs/{job_id}/cancel", self._job_cancel)
         if self.test_endpoints:
             r.add_post("/v1/test/block", self._post(self._block))
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -270,3 +289,31 @@ class ApiServer:
         if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
             raise ApiError(400, "bad_request", "test/block needs {\"node_ids\": [..]}")
         return await self.backend.test_block(list(ids))
+
+    async def _upload(self, request: web.Request) -> web.StreamResponse:
+        """Read a job upload as a stream, refusing it as soon as it passes the limit."""
+        limit = self.max_upload_bytes
+        declared = request.content_length
+        if declared is not None and declared > limit:
+            raise ApiError(413, "too_large", f"job upload of {declared} bytes exceeds "
+                           f"api.max_upload_bytes={limit} of this daemon")
+        buf = bytearray()
+        async for chunk in request.content.iter_chunked(1 << 20):
+            buf += chunk
+            if len(buf) > limit:
+                raise ApiError(413, "too_large", f"job upload exceeds api.max_upload_bytes="
+                               f"{limit} of this daemon")
+        dry = request.query.get("dry_run", "") in ("1", "true", "yes")
+        return _json(await self.backend.submit_job(bytes(buf), dry))
+
+    async def _job(self, request: web.Request) -> web.StreamResponse:
+        raw = request.query.get("history", "20")
+        if not raw.isdigit():
+            raise ApiError(400, "bad_request", "history must be a non-negative integer")
+        return _json(self.backend.job(request.match_info["job_id"], int(raw)))
+
+    async def _job_logs(self, request: web.Request) -> web.StreamResponse:
+        return _json(self.backend.job_logs(request.match_info["job_id"]))
+
+    async def _job_cancel(self, request: web.Request) -> web.StreamResponse:
+        return _json(await self.backend.cancel_job(request.match_info["job_id"]))

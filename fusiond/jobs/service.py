@@ -1,0 +1,383 @@
+"""The daemon's job service: hosts stages (JobWorker) and runs the jobs submitted here.
+
+Every daemon runs one `JobService` once its peer network is up. It
+
+- hosts the stages the scheduler of a job assigns to this node (`JobWorker`);
+- takes submissions from the local API (`submit`): restores the job (IR + weights, validated
+  again), refuses it if the cluster's memory cannot hold it (`check_capacity`), plans it on the
+  live cluster view (`plan_job`: the members' gossiped profiles and the measured link matrix)
+  or cuts it over a requested number of machines, and runs a `JobCoordinator` for it;
+- writes the outputs (model.safetensors + metrics.json) here, on the submitting machine;
+- fails a job whose stage machine the membership layer declares dead (`node_failed`);
+- answers the API's read commands (`jobs`, `job`, `logs`) and `cancel`.
+
+The coordinator of a job runs on the daemon that took the submission (the submitter's), so
+the result lands where the submitter is without a second transfer. Routing submissions to
+the elected scheduler needs a submission message on the peer protocol (not there yet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fusiond.errors import LocalError
+from fusiond.graph import contiguous_assignment
+from fusiond.jobs.assign import JobLayout, layout_job
+from fusiond.jobs.coordinator import JobCoordinator, JobOutcome, save_checkpoint, write_outputs
+from fusiond.jobs.planning import layout_from_plan, plan_job
+from fusiond.jobs.submit import check_capacity, memory_estimate, restore_job
+from fusiond.jobs.upload import Upload
+from fusiond.jobs.worker import JobWorker, SendFn, local_sender
+from fusiond.plan import Cluster, MachineProfile
+from fusiond.plan.render import render_plan
+from fusiond.train.local import StepMetrics
+from fusiond.train.spec import JobSpec
+from fusiond.train.stage import StageConfig
+from protocol.messages import Address, Message
+
+__all__ = ["JobService", "cluster_for_planner"]
+
+log = logging.getLogger("fusiond.jobs")
+
+LOG_LINES = 500
+"""Log lines kept per job (`fusionctl logs`)."""
+HISTORY = 100_000
+"""Step records kept per job (the API returns the last few)."""
+DEFAULT_GFLOPS = 10.0
+"""A member that did not benchmark itself (profile_benchmark off) counts as this fast."""
+DEFAULT_LINK_BPS = 125e6
+"""An unmeasured link counts as 1 Gbit/s (the prober fills in the real figure)."""
+
+
+class JobRefused(LocalError):
+    """A submission the cluster cannot run; nothing was started."""
+
+
+@dataclass
+class _Record:
+    job_id: str
+    spec: JobSpec
+    layout: JobLayout
+    coord: JobCoordinator
+    plan_text: str
+    submitted_at: float
+    tokens_per_sample: int
+    state: str = "running"
+    task: asyncio.Task[None] | None = None
+    cancel_requested: bool = False
+    history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    logs: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_LINES))
+    outcome: dict[str, Any] | None = None
+    outputs: dict[str, str] = field(default_factory=dict)
+    first_loss: float | None = None
+
+    def log(self, text: str) -> None:
+        stamp = time.strftime("%H:%M:%S", time.gmtime())
+        self.logs.append(f"{stamp} {text}")
+        log.info("job %s: %s", self.job_id, text)
+
+
+def _member_memory(profile: Mapping[str, Any]) -> float:
+    for key in ("job_memory_bytes", "free_memory_bytes", "memory_bytes"):
+        v = profile.get(key)
+        if isinstance(v, int | float) and not isinstance(v, bool) and v > 0:
+            return float(v)
+    return 0.0
+
+
+def cluster_for_planner(view: Any) -> tuple[Cluster, dict[str, Address], dict[str, int]]:
+    """The planner's `Cluster` from a `ClusterView`: alive members, their gossiped profiles
+    (speed, memory offered to jobs) and the measured bandwidth/RTT matrix (an unmeasured link
+    counts as `DEFAULT_LINK_BPS`). Also every member's address and memory (for the capacity
+    check)."""
+    members = sorted((m for m in view.members if m.state == "alive"), key=lambda m: m.node_id)
+    if not members:
+        raise JobRefused("no alive member to run a job on")
+    machines = []
+    memory: dict[str, int] = {}
+    for m in members:
+        prof = dict(m.profile or {})
+        gflops = prof.get("gflops")
+        rate = float(gflops) * 1e9 if isinstance(gflops, int | float) and gflops > 0 \
+            else DEFAULT_GFLOPS * 1e9
+        mem = _member_memory(prof)
+        memory[m.node_id] = int(mem)
+        machines.append(MachineProfile(id=m.node_id, flops={"other": rate}, mem_bw=rate / 2,
+                                       op_overhead_s=2e-5, memory_bytes=max(mem, 1.0),
+                                       kind=str(prof.get("device_kind", ""))))
+    ids = [m.node_id for m in members]
+    links = dict(getattr(view, "links", {}) or {})
+    k = len(ids)
+    bw = [[DEFAULT_LINK_BPS] * k for _ in range(k)]
+    rtt = [[0.0] * k for _ in range(k)]
+    for i, a in enumerate(ids):
+        for j, b in enumerate(ids):
+            got = links.get((a, b)) or links.get((b, a))
+            if got is not None:
+                if got[0] > 0:
+                    bw[i][j] = float(got[0])
+                rtt[i][j] = max(0.0, float(got[1]))
+    addresses = {m.node_id: (str(m.address[0]), int(m.address[1])) for m in members}
+    return Cluster.build(machines, bw, rtt), addresses, memory
+
+
+def _stages_table(layout: JobLayout, densities: Mapping[str, float]) -> str:
+    lines = [f"{'stage':>5}  {'machine':<40}{'ops':>6}  {'params':>10}"]
+    for s in layout.stages:
+        lines.append(f"{s.stage:>5}  {s.node_id:<40}{len(s.partition.node_ids):>6}  "
+                     f"{len(s.partition.param_names):>10}")
+    if densities:
+        lines.append("top-k edges: " + ", ".join(f"{e} {d:g}" for e, d in densities.items()))
+    return "\n".join(lines)
+
+
+class JobService:
+    """One per daemon (a service). `send_raw(peer, msg, payload)` is the peer network's send;
+    `view()` the cluster's current view (None while not in a cluster)."""
+
+    def __init__(self, *, node_id: str, send_raw: SendFn, view: Callable[[], Any],
+                 stage_config: StageConfig | None = None, ready_timeout_s: float = 120.0,
+                 failure_grace_s: float = 2.0) -> None:
+        self.node_id = node_id
+        self.view = view
+        self.ready_timeout_s = ready_timeout_s
+        self.failure_grace_s = failure_grace_s
+        self.send: SendFn = local_sender(node_id, send_raw, self.dispatch)
+        self.worker = JobWorker(node_id=node_id, send=self.send, stage_config=stage_config)
+        self._jobs: dict[str, _Record] = {}
+        self._closed = False
+
+    # -- service ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.worker.start()
+
+    async def ready(self) -> None:
+        await self.worker.ready()
+
+    async def close(self) -> None:
+        """Cancel the jobs coordinated here (their stages get JobCancel), then the stages
+        hosted here; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for rec in list(self._jobs.values()):
+            if rec.task is not None and not rec.task.done():
+                rec.cancel_requested = True
+                await rec.coord.cancel("the submitting daemon is stopping")
+        tasks = [r.task for r in self._jobs.values() if r.task is not None and not r.task.done()]
+        if tasks:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10.0)
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+        await self.worker.close()
+
+    def coordinators(self) -> Iterable[JobCoordinator]:
+        """Running coordinators (the Prometheus JobCollector reads these)."""
+        return [r.coord for r in self._jobs.values() if r.state == "running"]
+
+    # -- messages -----------------------------------------------------------------------------
+
+    async def dispatch(self, peer: str, msg: Message) -> bool:
+        """Offer a peer message to the coordinators here, then the worker."""
+        for rec in list(self._jobs.values()):
+            if await rec.coord.handle(peer, msg):
+                return True
+        return await self.worker.handle(peer, msg)
+
+    def on_view(self, view: Any) -> None:
+        """Membership changed: a stage machine declared dead (or gone) fails its job."""
+        gone = {m.node_id: m.state for m in view.members if m.state in ("dead", "left")}
+        for rec in self._jobs.values():
+            if rec.state != "running":
+                continue
+            for node in rec.layout.stage_nodes.values():
+                if node in gone:
+                    rec.coord.node_failed(node, f"the membership layer declared {node} "
+                                                f"{gone[node]} (daemon stopped or unreachable)")
+
+    # -- submit -------------------------------------------------------------------------------
+
+    async def submit(self, upload: Upload, *, dry_run: bool = False) -> dict[str, Any]:
+        """Plan (and unless `dry_run`, start) a job; `JobRefused`/`FusionError` if it cannot
+        run, before anything starts."""
+        meta = upload.meta
+        spec, captured = await asyncio.to_thread(
+            restore_job, meta["toml"], meta["base"], meta["out_base"], upload.graph_bytes,
+            upload.state_bytes)
+        steps = meta.get("steps")
+        if steps is not None:
+            if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+                raise JobRefused(f"steps must be an integer >= 1, got {steps!r}")
+            spec = replace(spec, steps=steps)
+        stages = meta.get("stages")
+        if stages is not None and (not isinstance(stages, int) or isinstance(stages, bool)
+                                   or stages < 1):
+            raise JobRefused(f"stages must be an integer >= 1, got {stages!r}")
+        view = self.view()
+        if view is None:
+            raise JobRefused("this daemon is not in a cluster: `fusionctl init` or `join` first")
+        cluster, addresses, memory = cluster_for_planner(view)
+        check_capacity(captured, spec, memory)
+        job_id = f"{spec.name}-{secrets.token_hex(3)}"
+        if stages is not None:
+            ids = [self.node_id] + [n for n in cluster.ids() if n != self.node_id]
+            if stages > len(ids):
+                raise JobRefused(f"{stages} stages asked, the cluster has {len(ids)} alive "
+                                 "members")
+            cut = contiguous_assignment(captured.graph, stages)
+            op_nodes = {op: ids[p] for op, p in cut.items()}
+            layout = await asyncio.to_thread(
+                layout_job, job_id, captured.graph, captured.state, op_nodes,
+                density=spec.compression.density, exact=spec.compression.exact_edges)
+            plan_text = (f"contiguous cut over {stages} machines (--stages); need at least "
+                         f"{memory_estimate(captured, spec) / 2**20:.1f} MiB\n"
+                         + _stages_table(layout, layout.densities))
+        else:
+            plan = await asyncio.to_thread(plan_job, spec, captured, cluster)
+            layout = await asyncio.to_thread(layout_from_plan, job_id, captured.graph,
+                                             captured.state, plan, spec)
+            plan_text = render_plan(plan) + "\n" + _stages_table(layout, layout.densities)
+        summary = {
+            "job_id": job_id, "name": spec.name, "steps": spec.steps,
+            "stages": [{"stage": s.stage, "node": s.node_id} for s in layout.stages],
+            "densities": dict(layout.densities), "plan": plan_text,
+            "output": str(spec.output),
+        }
+        if dry_run:
+            return summary
+        tps = spec.data.seq_len if spec.data.kind == "text" else 0
+        rec_box: list[_Record] = []
+
+        def on_step(m: StepMetrics) -> None:
+            self._on_step(rec_box[0], m)
+
+        def on_checkpoint(step: int, state: dict[str, torch.Tensor]) -> None:
+            p = save_checkpoint(spec.output, step, state)
+            rec_box[0].log(f"checkpoint {p}")
+
+        coord = JobCoordinator(
+            send=self.send, spec=spec, captured=captured, layout=layout, addresses=addresses,
+            term=int(getattr(view, "term", 0)), ready_timeout_s=self.ready_timeout_s,
+            failure_grace_s=self.failure_grace_s, tokens_per_sample=tps, on_step=on_step,
+            on_checkpoint=on_checkpoint)
+        rec = _Record(job_id, spec, layout, coord, plan_text, time.time(), tps)
+        rec_box.append(rec)
+        self._jobs[job_id] = rec
+        rec.log(f"submitted: {spec.steps} steps on {len(layout.stages)} stages ("
+                + ", ".join(f"{s.stage}:{s.node_id}" for s in layout.stages) + ")")
+        rec.task = asyncio.create_task(self._run(rec), name=f"job {job_id}")
+        return summary
+
+    def _on_step(self, rec: _Record, m: StepMetrics) -> None:
+        d = m.as_dict()
+        if rec.first_loss is None and m.loss is not None:
+            rec.first_loss = m.loss
+        rec.history.append(d)
+        every = max(1, rec.spec.steps // 20)
+        if (m.step + 1) % every == 0 or m.step + 1 == rec.spec.steps:
+            rate = d.get("tokens_per_s") or d.get("samples_per_s") or 0.0
+            rec.log(f"step {m.step + 1}/{rec.spec.steps} loss "
+                    f"{'-' if m.loss is None else f'{m.loss:.4f}'} {rate:.0f} "
+                    f"{'tokens' if d.get('tokens_per_s') else 'samples'}/s wire "
+                    f"{m.wire_bytes} B/step")
+
+    async def _run(self, rec: _Record) -> None:
+        outcome: JobOutcome | None = None
+        try:
+            outcome = await rec.coord.run()
+        except asyncio.CancelledError:
+            rec.state = "cancelled"
+            raise
+        except Exception as e:  # a bug: the job fails, the daemon stays up
+            log.exception("job %s: coordinator crashed", rec.job_id)
+            rec.state = "failed"
+            rec.outcome = {"ok": False, "failure": f"scheduler error: {type(e).__name__}: {e}"}
+            rec.log(rec.outcome["failure"])
+            return
+        try:
+            paths = await asyncio.to_thread(write_outputs, outcome, rec.spec.output)
+            rec.outputs = {k: str(v) for k, v in paths.items()}
+        except OSError as e:
+            rec.log(f"could not write the outputs to {rec.spec.output}: {e}")
+            if outcome.ok:
+                outcome.ok = False
+        rec.outcome = outcome.summary()
+        if outcome.ok:
+            rec.state = "done"
+            rec.log(f"done in {outcome.wall_s:.1f}s; outputs {rec.outputs}")
+        else:
+            rec.state = "cancelled" if rec.cancel_requested else "failed"
+            rec.log(f"{rec.state}: {outcome.failure}")
+
+    # -- API ----------------------------------------------------------------------------------
+
+    def jobs(self) -> dict[str, Any]:
+        """Jobs submitted here and stages hosted here."""
+        return {
+            "node_id": self.node_id,
+            "jobs": [self._brief(r) for r in self._jobs.values()],
+            "stages": [{"job_id": j, **v} for j, v in self.worker.jobs().items()],
+        }
+
+    def _brief(self, r: _Record) -> dict[str, Any]:
+        last = r.history[-1] if r.history else {}
+        return {"job_id": r.job_id, "name": r.spec.name, "state": r.state,
+                "steps": r.spec.steps, "step": len(r.history),
+                "loss": last.get("loss"), "first_loss": r.first_loss,
+                "stages": len(r.layout.stages), "submitted_at": r.submitted_at,
+                "output": str(r.spec.output)}
+
+    def get(self, job_id: str) -> _Record:
+        rec = self._jobs.get(job_id)
+        if rec is None:
+            raise KeyError(job_id)
+        return rec
+
+    def job(self, job_id: str, history: int = 20) -> dict[str, Any]:
+        """Everything `fusionctl job ID` shows."""
+        r = self.get(job_id)
+        elapsed = time.time() - r.submitted_at
+        done = len(r.history)
+        eta = None
+        if r.state == "running" and done > 0:
+            recent = list(r.history)[-20:]
+            per_step = sum(float(h.get("wall_s") or 0.0) for h in recent) / len(recent)
+            eta = per_step * (r.spec.steps - done)
+        return {**self._brief(r), **{"status": r.coord.status()}, "plan": r.plan_text,
+                "elapsed_s": elapsed, "eta_s": eta, "outcome": r.outcome,
+                "outputs": r.outputs, "history": list(r.history)[-history:] if history else [],
+                "tokens_per_sample": r.tokens_per_sample}
+
+    def logs(self, job_id: str) -> dict[str, Any]:
+        return {"job_id": job_id, "lines": list(self.get(job_id).logs)}
+
+    async def cancel(self, job_id: str) -> dict[str, Any]:
+        r = self.get(job_id)
+        if r.state != "running":
+            return {"job_id": job_id, "state": r.state, "cancelled": False}
+        r.cancel_requested = True
+        r.log("cancel requested")
+        await r.coord.cancel()
+        if r.task is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(r.task), 15.0)
+        return {"job_id": job_id, "state": r.state, "cancelled": True}
+
+    def output_dir(self, job_id: str) -> Path:
+        return self.get(job_id).spec.output

@@ -1,0 +1,439 @@
+"""Side-by-side on the emulated WAN (issue 6): fusion vs DDP vs hivemind on the same links.
+
+For each reference topology (`deploy/testbed/topologies/`), it brings the testbed up (root),
+then runs, one after another and each for the same wall-clock budget, the same model, data,
+global batch and optimizer (`bench.wan_common.Workload`; GPT-2 `mini` at vocab 256 by default):
+
+1. fusion, uniform split (equal op counts per host, host order), dense;
+2. fusion, OP-Fence, dense;
+3. fusion, OP-Fence + AdaTopK;
+4. PyTorch DDP over gloo, one process per host (`bench/wan_ddp.py`);
+5. hivemind 1.1.12 `hivemind.Optimizer`, one peer per host, in its own venv
+   (`bench/wan_hivemind.py`; build the venv with `bench/hivemind/setup.sh`).
+
+Fusion runs are a `JobWorker` over a `PeerNetwork` in every host (`bench/wan_fusion.py`) and
+the `JobCoordinator` in host 0, planned on the testbed's configured links (no daemons).
+Every process is limited to one thread and runs in its host's CPU cgroup (the topology's
+quotas). Bytes on the wire = what every host's eth0 transmitted during the run (all traffic:
+setup, model shipping, activations, gradients, DHT). Writes a Markdown table per topology to
+`--doc` and a PNG of loss vs wall-clock per topology; prints PASS/FAIL for the issue's targets.
+The testbed (namespaces, processes) is removed on exit, also on failure or Ctrl-C.
+
+    sudo .venv/bin/python bench/wan.py --quick                 # four-groups, 4 hosts, < 10 min
+    sudo .venv/bin/python bench/wan.py                         # all three topologies
+    sudo .venv/bin/python bench/wan.py --topology two-groups --hosts 4 --budget 90
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.wan_common import (  # noqa: E402
+    LABELS,
+    SYSTEMS,
+    Figures,
+    Trace,
+    Verdict,
+    Workload,
+    figures,
+    markdown_table,
+    verdicts,
+)
+from deploy.testbed.bed import Testbed  # noqa: E402
+from deploy.testbed.topology import Topology, format_rate, load_topology  # noqa: E402
+
+TOPOLOGIES = ("two-groups", "four-groups", "mixed-slow")
+FUSION_PORT = 7600
+DDP_PORT = 7700
+HIVEMIND_PORT = 7800
+
+
+def select_hosts(topo: Topology, cap: int | None) -> list[str]:
+    """At most `cap` hosts, dealt round-robin over the groups (then group-less hosts), so a
+    capped topology keeps every group and so every kind of link."""
+    if cap is None or cap >= len(topo.hosts):
+        return list(topo.hosts)
+    buckets = [list(m) for m in topo.groups.values()]
+    grouped = {h for m in buckets for h in m}
+    buckets += [[h] for h in topo.hosts if h not in grouped]
+    out: list[str] = []
+    i = 0
+    while len(out) < cap:
+        for b in buckets:
+            if i < len(b) and len(out) < cap:
+                out.append(b[i])
+        i += 1
+    return [h for h in topo.hosts if h in out]
+
+
+def restrict(topo: Topology, hosts: Sequence[str]) -> Topology:
+    """The topology with only `hosts` (links between them are unchanged)."""
+    keep = set(hosts)
+    return dataclasses.replace(
+        topo, hosts=tuple(h for h in topo.hosts if h in keep),
+        groups={g: tuple(h for h in m if h in keep) for g, m in topo.groups.items()
+                if any(h in keep for h in m)},
+        cpu={h: c for h, c in topo.cpu.items() if h in keep})
+
+
+def cluster_desc(topo: Topology) -> dict[str, Any]:
+    """The configured link matrix and CPU quotas, for the planner in the fusion lead."""
+    hs = list(topo.hosts)
+    return {
+        "hosts": hs,
+        "bandwidth_bps": {a: {b: topo.link(a, b).bandwidth_bps for b in hs if b != a}
+                          for a in hs},
+        "rtt_s": {a: {b: topo.link(a, b).rtt_s for b in hs if b != a} for a in hs},
+        "cpu": dict(topo.cpu),
+    }
+
+
+def make_credentials(root: Path, hosts: Sequence[str]) -> dict[str, str]:
+    """A cluster CA (key with the first host, as after `fusionctl init`) and a node
+    certificate per host under `root/<host>`; returns each host's node id."""
+    from fusiond.net import pki
+
+    ids: dict[str, str] = {}
+    ca, ident, _ = pki.init_cluster(root / hosts[0])
+    ids[hosts[0]] = pki.TLSMaterial.in_state_dir(root / hosts[0]).node_id()
+    for h in hosts[1:]:
+        ident = pki.load_or_create_node_identity(root / h)
+        cert = pki.issue_node_certificate(ca, ident.key.public_key())
+        ids[h] = pki.store_node_credentials(root / h, cert, ca.cert).node_id()
+    return ids
+
+
+def slowest_mbit(topo: Topology) -> float:
+    return min(topo.link(a, b).bandwidth_bps for a, b in topo.pairs()) / 1e6
+
+
+def tx_bytes(tb: Testbed, hosts: Sequence[str]) -> int:
+    """Bytes all `hosts` have sent on eth0 so far."""
+    total = 0
+    for h in hosts:
+        out = tb.run(h, ["cat", "/sys/class/net/eth0/statistics/tx_bytes"], cpu_quota=False)
+        total += int(out.strip())
+    return total
+
+
+def stop(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = 5.0) -> None:
+    """SIGTERM each process group we started, then SIGKILL what is left after `grace_s`."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+class Runner:
+    """Runs the five systems on one testbed; each run returns its trace (or a failed one)."""
+
+    def __init__(self, tb: Testbed, work: Path, args: argparse.Namespace, wl: Workload) -> None:
+        self.tb = tb
+        self.work = work
+        self.args = args
+        self.wl = wl
+        self.hosts = list(tb.topology.hosts)
+        self.env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                    "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+        (work / "workload.json").write_text(json.dumps(wl.to_dict()))
+        self.creds = make_credentials(work / "creds", self.hosts)
+        desc = cluster_desc(tb.topology) | {"node_ids": self.creds}
+        (work / "cluster.json").write_text(json.dumps(desc))
+
+    def _wait(self, main: subprocess.Popen[bytes], others: Sequence[subprocess.Popen[bytes]],
+              out: Path, system: str, timeout: float) -> Trace:
+        try:
+            main.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            stop([main, *others])
+        if out.exists():
+            return Trace.load(out)
+        logs = sorted(self.work.glob(f"{system}-*.log"))
+        tail = " | ".join(p.name + ": " + p.read_text(errors="replace")[-600:].replace("\n", " ")
+                          for p in logs[:2])
+        return Trace(system, [], {}, f"no trace (exit {main.returncode}); {tail}"[:1500])
+
+    def fusion(self, mode: str) -> Trace:
+        addr = {h: (self.tb.address(h), FUSION_PORT) for h in self.hosts}
+        peers = [f"--peer={self.creds[h]}={a}:{p}" for h, (a, p) in addr.items()]
+        out = self.work / f"{mode}.json"
+        procs = []
+        py = sys.executable
+        script = str(REPO / "bench" / "wan_fusion.py")
+        for h in self.hosts[1:]:
+            log = self.work / f"{mode}-{h}.log"
+            others = [p for p in peers if not p.startswith(f"--peer={self.creds[h]}=")]
+            procs.append(self.tb.exec(h, [py, script, "node", h,
+                                          f"--state-dir={self.work / 'creds' / h}",
+                                          f"--listen={addr[h][0]}:{FUSION_PORT}", *others],
+                                      log=log, env=self.env))
+        for h, p in zip(self.hosts[1:], procs, strict=True):
+            self.tb.wait_ready(p, self.work / f"{mode}-{h}.log", f"fusion node {h}", timeout=120)
+        h0 = self.hosts[0]
+        lead = self.tb.exec(h0, [
+            py, script, "lead", h0, f"--listen={addr[h0][0]}:{FUSION_PORT}",
+            f"--state-dir={self.work / 'creds' / h0}",
+            *[p for p in peers if not p.startswith(f"--peer={self.creds[h0]}=")],
+            f"--mode={mode}",
+            f"--budget={self.args.budget}", f"--cluster={self.work / 'cluster.json'}",
+            f"--workload={self.work / 'workload.json'}", f"--out={out}",
+        ], log=self.work / f"{mode}-{h0}.log", env=self.env)
+        # capture + calibration + plan before the budget starts; Assign and steps inside it
+        return self._wait(lead, procs, out, mode, timeout=self.args.budget + 240)
+
+    def ddp(self) -> Trace:
+        out = self.work / "ddp.json"
+        master = f"{self.tb.address(self.hosts[0])}:{DDP_PORT}"
+        procs = [self.tb.exec(h, [
+            sys.executable, str(REPO / "bench" / "wan_ddp.py"), f"--rank={i}",
+            f"--world={len(self.hosts)}", f"--master={master}", f"--budget={self.args.budget}",
+            f"--workload={self.work / 'workload.json'}", f"--out={out}",
+        ], log=self.work / f"ddp-{h}.log", env=self.env | {"GLOO_SOCKET_IFNAME": "eth0"})
+            for i, h in enumerate(self.hosts)]  # gloo would advertise 127.0.0.1 otherwise
+        return self._wait(procs[0], procs[1:], out, "ddp", timeout=self.args.budget + 240)
+
+    def hivemind(self) -> Trace:
+        py = Path(self.args.hivemind_python)
+        if not py.exists():
+            return Trace("hivemind", [], {}, f"no hivemind venv at {py} "
+                                             "(run bench/hivemind/setup.sh)")
+        out = self.work / "hivemind.json"
+        maddrs = self.work / "hivemind-maddrs.txt"
+        maddrs.unlink(missing_ok=True)
+        tokens = self.work / "tokens.npy"
+        if not tokens.exists():
+            import numpy as np
+
+            from fusiond.train.data import TextWindows, make_source
+            from fusiond.train.spec import parse_job
+
+            spec = parse_job(self.wl.job_toml(adatopk=False))
+            src = make_source(spec.data, spec.seed)
+            assert isinstance(src, TextWindows)
+            np.save(tokens, src.tokens)
+        procs = [self.tb.exec(h, [
+            str(py), str(REPO / "bench" / "wan_hivemind.py"), f"--rank={i}",
+            f"--world={len(self.hosts)}", f"--listen={self.tb.address(h)}:{HIVEMIND_PORT}",
+            f"--maddr-file={maddrs}", f"--budget={self.args.budget}",
+            f"--workload={self.work / 'workload.json'}", f"--tokens={tokens}", f"--out={out}",
+        ], log=self.work / f"hivemind-{h}.log", env=self.env) for i, h in enumerate(self.hosts)]
+        return self._wait(procs[0], procs[1:], out, "hivemind", timeout=self.args.budget + 240)
+
+    def run(self, system: str) -> tuple[Trace, int]:
+        """One run and the bytes the hosts sent during it."""
+        before = tx_bytes(self.tb, self.hosts)
+        if system == "ddp":
+            trace = self.ddp()
+        elif system == "hivemind":
+            trace = self.hivemind()
+        else:
+            trace = self.fusion(system)
+        return trace, tx_bytes(self.tb, self.hosts) - before
+
+
+def plot(traces: dict[str, Trace], title: str, path: Path, target: float) -> bool:
+    """Loss vs wall-clock for every run with events; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for s in SYSTEMS:
+        t = traces.get(s)
+        if t is None or not t.events:
+            continue
+        pts = [(e[0], e[2]) for e in t.events if e[2] is not None]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=LABELS[s], linewidth=1.2)
+    ax.axhline(target, color="grey", linestyle=":", linewidth=1, label="target loss")
+    ax.set_xlabel("wall-clock (s)")
+    ax.set_ylabel("training loss")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def explain_miss(trace: Trace) -> str:
+    """Where a prediction missed: the stage the run found busiest vs the planner's stages."""
+    extra = trace.extra
+    last = extra.get("last_step") or {}
+    busy = last.get("busy") or {}
+    parts = [f"stages on {extra.get('stages')}"]
+    if busy:
+        top = max(busy.items(), key=lambda kv: kv[1])
+        parts.append(f"busiest stage {top[0]} ({float(top[1]):.0%} busy)")
+    edges = last.get("edges") or []
+    if edges:
+        parts.append(f"{len(edges)} cut edges, {sum(int(e.get('forward_wire', 0)) + int(e.get('backward_wire', 0)) for e in edges) / 1e3:.0f} kB/step")  # noqa: E501
+    if extra.get("densities"):
+        parts.append(f"densities {extra['densities']}")
+    return "; ".join(parts)
+
+
+def run_topology(name: str, args: argparse.Namespace, wl: Workload
+                 ) -> tuple[str, dict[str, Figures], list[Verdict]]:
+    topo = load_topology(name)
+    hosts = select_hosts(topo, args.hosts)
+    topo = restrict(topo, hosts)
+    traces: dict[str, Trace] = {}
+    wire: dict[str, int] = {}
+    tb = Testbed(topo)
+    try:
+        tb.up(latency=args.latency)
+        work = tb.work_dir / "wan"
+        work.mkdir(parents=True, exist_ok=True)
+        os.chmod(work, 0o777)
+        runner = Runner(tb, work, args, wl)
+        for s in args.systems:
+            t0 = time.monotonic()
+            print(f"[{name}] {LABELS[s]} ...", flush=True)
+            trace, nbytes = runner.run(s)
+            traces[s], wire[s] = trace, nbytes
+            status = trace.error or f"{len(trace.events)} steps"
+            print(f"[{name}] {LABELS[s]}: {status} ({time.monotonic() - t0:.0f} s)", flush=True)
+            Path(args.traces).mkdir(parents=True, exist_ok=True)
+            (Path(args.traces) / f"{name}-{s}.json").write_text(trace.to_json())
+    finally:
+        tb.down()
+    rows = {s: figures(t, target=args.target_loss, window=args.window, skip=args.skip,
+                       wire_bytes=wire.get(s)) for s, t in traces.items()}
+    slow = slowest_mbit(topo)
+    vs = verdicts(rows, slowest_mbit=slow)
+    png = Path(args.doc).with_name(f"benchmarks-{name}.png")
+    has_plot = plot(traces, f"{name} ({len(hosts)} hosts), GPT-2 {wl.size}", png,
+                    args.target_loss)
+    links = sorted({(topo.link(a, b).bandwidth_bps, topo.link(a, b).rtt_s)
+                    for a, b in topo.pairs()})
+    md = [f"### {name}: {', '.join(hosts)}", "",
+          "links: " + ", ".join(f"{format_rate(bw)}/{rtt * 1e3:g} ms" for bw, rtt in links)
+          + (f"; CPU quotas {dict(topo.cpu)}" if topo.cpu else ""), "",
+          markdown_table(rows), ""]
+    for v in vs:
+        md.append(f"- {v.line()}")
+    for s in ("opfence", "adatopk"):
+        f = rows.get(s)
+        if f and f.tokens_per_s and f.predicted_tokens_per_s and abs(
+                f.tokens_per_s / f.predicted_tokens_per_s - 1) > 0.25:
+            md.append(f"- {LABELS[s]} prediction missed: {explain_miss(traces[s])}")
+    for s, t in traces.items():
+        if t.error:
+            md.append(f"- {LABELS[s]}: {t.error}")
+    if has_plot:
+        md += ["", f"![loss vs wall-clock on {name}]({png.name})"]
+    return "\n".join(md), rows, vs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--topology", action="append", help=f"default: {', '.join(TOPOLOGIES)}")
+    ap.add_argument("--quick", action="store_true",
+                    help="four-groups only, 4 hosts, 45 s budget per run")
+    ap.add_argument("--hosts", type=int, help="at most this many hosts per topology")
+    ap.add_argument("--budget", type=float, default=90.0, help="wall-clock seconds per run")
+    ap.add_argument("--systems", default=",".join(SYSTEMS),
+                    help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    ap.add_argument("--size", default="mini", help="GPT-2 size (fusiond.models.gpt2)")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--target-loss", type=float, default=3.0,
+                    help="loss (smoothed over --window steps) that counts as reached")
+    ap.add_argument("--window", type=int, default=5)
+    ap.add_argument("--skip", type=int, default=2,
+                    help="steps excluded from throughput (model shipping, warm-up)")
+    ap.add_argument("--latency", default="auto", help="testbed latency mode")
+    ap.add_argument("--hivemind-python", default=str(REPO / "bench" / ".venv-hivemind" / "bin"
+                                                      / "python"))
+    ap.add_argument("--doc", default=str(REPO / "docs" / "benchmarks.md"))
+    ap.add_argument("--traces", default=str(REPO / "out" / "wan"),
+                    help="where each run's raw trace is kept (JSON)")
+    args = ap.parse_args()
+    if args.quick:
+        args.topology = args.topology or ["four-groups"]
+        args.hosts = args.hosts or 4
+        args.budget = min(args.budget, 45.0)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    bad = [s for s in args.systems if s not in SYSTEMS]
+    if bad:
+        ap.error(f"unknown systems {bad}; known: {', '.join(SYSTEMS)}")
+    if os.geteuid() != 0:
+        ap.error("the testbed needs root")
+    wl = Workload(size=args.size, batch=args.batch, micro_batches=args.micro,
+                  seq_len=args.seq, lr=args.lr)
+    sections = []
+    all_ok = True
+    for name in args.topology or TOPOLOGIES:
+        md, _, vs = run_topology(name, args, wl)
+        print(md, flush=True)
+        sections.append(md)
+        all_ok &= all(v.ok is not False for v in vs)
+    header = [
+        "# Benchmarks: fusion vs DDP vs hivemind on the emulated WAN",
+        "",
+        f"Generated by `bench/wan.py` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+        f"command: `{' '.join(sys.argv[1:]) or '(defaults)'}`).",
+        "",
+        f"Workload (all five): GPT-2 `{wl.size}` (fusiond.models.gpt2, vocab {wl.vocab_size}, "
+        f"byte tokens of the default corpus), global batch {wl.batch} x {wl.seq_len} tokens, "
+        f"AdamW lr {wl.lr} constant, seed {wl.seed}; {args.budget:g} s wall-clock per run; "
+        f"one thread per process, each host in its CPU quota. Target loss {args.target_loss} "
+        f"(mean of the last {args.window} steps); tokens/s leave out the first {args.skip} "
+        "steps. 'wire bytes' = all bytes the hosts' eth0 sent during the run. "
+        "Time ratios are 'x sooner' (the other run's time / this run's).",
+        "",
+    ]
+    doc = Path(args.doc)
+    doc.write_text("\n".join(header + sections) + "\n" + NOTES)
+    print(f"wrote {doc}")
+    sys.exit(0 if all_ok else 1)
+
+
+NOTES = """
+## Notes
+
+- All hosts share this machine's cores: a run's throughput is bounded by the sum of its
+  hosts' compute on those cores as well as by the links. The lead re-measures on a quiet
+  machine; the figures above are what this run saw.
+- Fusion runs: `bench/wan_fusion.py` (JobWorker + PeerNetwork per host, plaintext; the
+  JobCoordinator in the first host), planned on the configured links at 95 % goodput and one
+  calibration of the first host scaled by each host's CPU quota. Each job is cancelled when
+  the budget is over.
+- DDP: every rank takes its share of the same global batch per step; loss = the global mean.
+- hivemind: `target_batch_size` = the global batch, `matchmaking_time` 2 s; loss = the first
+  peer's mean local loss between global steps.
+"""
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""Pure parts of `bench/wan.py`: the job every system trains, the runners' trace format, and the
+figures, ratios, targets and table computed from the traces (no torch, no I/O beyond JSON).
+
+A runner writes one JSON trace: ``{"system": ..., "events": [[t_s, step, loss, tokens], ...],
+"extra": {...}}`` where `t_s` is seconds since the runner's t0 (just before it ships the model:
+the coordinator's Assign, DDP's parameter broadcast, hivemind's Optimizer), `step` the global
+optimizer step that just finished, `loss` that step's loss (None where unknown), `tokens` the
+tokens of the global batches finished so far.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SYSTEMS = ("uniform", "opfence", "adatopk", "ddp", "hivemind")
+"""The five runs, in the issue's order (1)..(5)."""
+
+LABELS = {
+    "uniform": "(1) fusion uniform, dense",
+    "opfence": "(2) fusion OP-Fence, dense",
+    "adatopk": "(3) fusion OP-Fence + AdaTopK",
+    "ddp": "(4) PyTorch DDP (gloo)",
+    "hivemind": "(5) hivemind 1.1.12",
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every system trains: the same model, data, global batch and optimizer."""
+
+    size: str = "mini"
+    vocab_size: int = 256
+    seq_len: int = 64
+    batch: int = 16
+    micro_batches: int = 4
+    lr: float = 1e-3
+    seed: int = 0
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch * self.seq_len
+
+    def job_toml(self, *, adatopk: bool, steps: int = 1_000_000) -> str:
+        """The fusion job file: constant learning rate (a wall-clock budget has no 'last step'
+        for a schedule to decay to), AdamW, byte tokens of the default corpus."""
+        return f"""
+[job]
+name = "bench-wan"
+steps = {steps}
+seed = {self.seed}
+[model]
+zoo = "gpt2"
+config = {{ size = "{self.size}", vocab_size = {self.vocab_size} }}
+[data]
+seq_len = {self.seq_len}
+[optimizer]
+kind = "adamw"
+lr = {self.lr}
+[batch]
+size = {self.batch}
+micro_batches = {self.micro_batches}
+[compression]
+adatopk = {"true" if adatopk else "false"}
+"""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"size": self.size, "vocab_size": self.vocab_size, "seq_len": self.seq_len,
+                "batch": self.batch, "micro_batches": self.micro_batches, "lr": self.lr,
+                "seed": self.seed}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Workload:
+        return cls(size=str(d["size"]), vocab_size=int(d["vocab_size"]),
+                   seq_len=int(d["seq_len"]), batch=int(d["batch"]),
+                   micro_batches=int(d["micro_batches"]), lr=float(d["lr"]),
+                   seed=int(d["seed"]))
+
+
+def window_offsets(n_tokens: int, seq_len: int, seed: int, step: int, size: int) -> Any:
+    """Start offsets of `step`'s windows: the same function as `fusiond.train.data.TextWindows`
+    (numpy `default_rng([seed, step])`), so a runner without fusiond draws the same samples."""
+    import numpy as np
+
+    rng = np.random.default_rng([seed, step])
+    return rng.integers(0, n_tokens - seq_len - 1, size=size)
+
+
+# -- traces --------------------------------------------------------------------------------
+
+
+@dataclass
+class Trace:
+    """One run's events (see the module docstring) and whatever else the runner reported."""
+
+    system: str
+    events: list[tuple[float, int, float | None, int]]
+    extra: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({"system": self.system, "events": self.events, "extra": self.extra,
+                           "error": self.error})
+
+    @classmethod
+    def load(cls, path: Path) -> Trace:
+        d = json.loads(path.read_text())
+        ev = [(float(t), int(s), None if loss is None else float(loss), int(tok))
+              for t, s, loss, tok in d["events"]]
+        return cls(str(d["system"]), ev, dict(d.get("extra") or {}), d.get("error"))
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What the table shows for one run."""
+
+    system: str
+    steps: int
+    tokens_per_s: float | None
+    time_to_target_s: float | None
+    final_loss: float | None
+    wire_bytes: int | None
+    wire_bytes_per_token: float | None
+    predicted_tokens_per_s: float | None = None
+    error: str | None = None
+
+
+def smoothed(losses: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over `window` values (fewer at the start): one step's loss is noisy."""
+    out: list[float] = []
+    acc = 0.0
+    for i, x in enumerate(losses):
+        acc += x
+        if i >= window:
+            acc -= losses[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def throughput(events: Sequence[tuple[float, int, float | None, int]], skip: int) -> float | None:
+    """Tokens/s between the end of event `skip - 1` (warm-up: the model shipping, first steps)
+    and the last event; None when fewer than `skip + 1` events."""
+    if len(events) <= skip or skip < 1:
+        return None
+    t0, _, _, tok0 = events[skip - 1]
+    t1, _, _, tok1 = events[-1]
+    if t1 <= t0:
+        return None
+    return (tok1 - tok0) / (t1 - t0)
+
+
+def time_to_target(events: Sequence[tuple[float, int, float | None, int]], target: float,
+                   window: int) -> float | None:
+    """Seconds until the smoothed loss first reaches `target` (None: never within the budget)."""
+    known = [(t, loss) for t, _, loss, _ in events if loss is not None]
+    sm = smoothed([loss for _, loss in known], window)
+    for (t, _), v in zip(known, sm, strict=True):
+        if v <= target:
+            return t
+    return None
+
+
+def final_loss(events: Sequence[tuple[float, int, float | None, int]], window: int
+               ) -> float | None:
+    """The smoothed loss at the end of the budget."""
+    losses = [loss for _, _, loss, _ in events if loss is not None]
+    return smoothed(losses, window)[-1] if losses else None
+
+
+def figures(trace: Trace, *, target: float, window: int, skip: int,
+            wire_bytes: int | None) -> Figures:
+    """A run's row. `wire_bytes`: what the hosts' interfaces sent during the run."""
+    ev = trace.events
+    tokens = ev[-1][3] if ev else 0
+    pred = trace.extra.get("predicted_tokens_per_s")
+    return Figures(
+        system=trace.system,
+        steps=ev[-1][1] + 1 if ev else 0,
+        tokens_per_s=throughput(ev, skip),
+        time_to_target_s=time_to_target(ev, target, window),
+        final_loss=final_loss(ev, window),
+        wire_bytes=wire_bytes,
+        wire_bytes_per_token=(wire_bytes / tokens) if wire_bytes is not None and tokens else None,
+        predicted_tokens_per_s=float(pred) if pred is not None else None,
+        error=trace.error,
+    )
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, None when either is unknown or b is 0."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+# -- targets -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One target on one topology."""
+
+    name: str
+    ok: bool | None
+    """None: could not be judged (a run missing or failed)."""
+    detail: str
+
+    def line(self) -> str:
+        word = {True: "PASS", False: "FAIL", None: "N/A "}[self.ok]
+        return f"{word}  {self.name}: {self.detail}"
+
+
+def verdicts(rows: Mapping[str, Figures], *, slowest_mbit: float,
+             prediction_tolerance: float = 0.25) -> list[Verdict]:
+    """The issue's targets for one topology (slowest link among the hosts used, Mbit/s)."""
+    out: list[Verdict] = []
+    u, a = rows.get("uniform"), rows.get("adatopk")
+    need = 3.0 if slowest_mbit <= 8.0 else 1.45
+    r = ratio(a.tokens_per_s if a else None, u.tokens_per_s if u else None)
+    out.append(Verdict(f"(3)/(1) throughput >= {need:g}x", None if r is None else r >= need,
+                       "missing run" if r is None else f"{r:.2f}x"))
+    if slowest_mbit <= 100.0:
+        t3 = a.time_to_target_s if a else None
+        for other in ("ddp", "hivemind"):
+            o = rows.get(other)
+            if a is None or o is None or a.error or o.error:
+                out.append(Verdict(f"(3) reaches target before {LABELS[other][:3]}", None,
+                                   "missing or failed run"))
+                continue
+            to = o.time_to_target_s
+            if t3 is None:
+                ok: bool | None = False if to is not None else None
+                detail = "(3) never reached it" + ("" if to is not None else ", nor the other")
+            else:
+                ok = to is None or t3 < to
+                detail = f"{t3:.1f} s vs " + ("never" if to is None else f"{to:.1f} s")
+            out.append(Verdict(f"(3) reaches target before {LABELS[other][:3]}", ok, detail))
+    for s in ("opfence", "adatopk"):
+        f = rows.get(s)
+        q = ratio(f.tokens_per_s if f else None, f.predicted_tokens_per_s if f else None)
+        out.append(Verdict(
+            f"{LABELS[s][:3]} within {prediction_tolerance:.0%} of the planner",
+            None if q is None else abs(q - 1.0) <= prediction_tolerance,
+            "missing run" if q is None else f"measured/predicted {q:.2f}"))
+    return out
+
+
+# -- rendering -----------------------------------------------------------------------------
+
+
+def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
+    return "—" if x is None else f"{x:{spec}}{suffix}"
+
+
+def _bytes(n: float | None) -> str:
+    if n is None:
+        return "—"
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def markdown_table(rows: Mapping[str, Figures]) -> str:
+    """The per-topology table: one line per system present, ratios to (1) and (4)."""
+    head = ("| run | steps | tokens/s | vs (1) | vs (4) | time to target | vs (1) | vs (4) "
+            "| final loss | wire bytes | bytes/token | predicted tokens/s | meas/pred |")
+    lines = [head, "|" + "---|" * 13]
+    u, d = rows.get("uniform"), rows.get("ddp")
+    for s in SYSTEMS:
+        f = rows.get(s)
+        if f is None:
+            continue
+        if f.error and not f.steps:
+            lines.append(f"| {LABELS[s]} | failed: {f.error} |" + " |" * 11)
+            continue
+        tp, tt = f.tokens_per_s, f.time_to_target_s
+        lines.append(
+            f"| {LABELS[s]} | {f.steps} | {_fmt(tp, '.0f')} "
+            f"| {_fmt(ratio(tp, u.tokens_per_s if u else None), '.2f', 'x')} "
+            f"| {_fmt(ratio(tp, d.tokens_per_s if d else None), '.2f', 'x')} "
+            f"| {_fmt(tt, '.1f', ' s') if tt is not None else 'not reached'} "
+            # time ratios are 'how much sooner': the other's time over this one's
+            f"| {_fmt(ratio(u.time_to_target_s if u else None, tt), '.2f', 'x')} "
+            f"| {_fmt(ratio(d.time_to_target_s if d else None, tt), '.2f', 'x')} "
+            f"| {_fmt(f.final_loss, '.3f')} | {_bytes(f.wire_bytes)} "
+            f"| {_fmt(f.wire_bytes_per_token, '.0f')} "
+            f"| {_fmt(f.predicted_tokens_per_s, '.0f')} "
+            f"| {_fmt(ratio(tp, f.predicted_tokens_per_s), '.2f')} |"
+        )
+    return "\n".join(lines)

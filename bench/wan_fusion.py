@@ -1,0 +1,243 @@
+"""A fusion host for `bench/wan.py`, run inside one testbed namespace.
+
+`node` mode: a PeerNetwork (mutual TLS, credentials made by wan.py) on this host's address
+and a JobWorker; serves until SIGTERM/SIGINT. `lead` mode (host 0): the same, plus the
+scheduler side: it captures the job, plans it on the testbed's configured links (uniform
+split, OP-Fence, or OP-Fence + AdaTopK), runs a `JobCoordinator` for the wall-clock
+budget, then cancels the job and writes a trace
+(`bench/wan_common.py`) with the planner's prediction.
+
+    python bench/wan_fusion.py node NAME --listen ADDR:PORT --peer N=ADDR:PORT ...
+    python bench/wan_fusion.py lead NAME --listen ... --peer ... --mode adatopk --budget 60 \
+        --cluster cluster.json --workload workload.json --out trace.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from bench.wan_common import Trace, Workload
+from fusiond.jobs.assign import layout_job
+from fusiond.jobs.coordinator import JobCoordinator
+from fusiond.jobs.planning import job_settings, plan_job
+from fusiond.jobs.worker import JobWorker, local_sender
+from fusiond.net.pki import TLSMaterial
+from fusiond.net.transport import NetConfig, PeerNetwork
+from fusiond.plan import (
+    Cluster,
+    MachineProfile,
+    Plan,
+    batch_symbol,
+    cost_graph_from_ir,
+    uniform_plan,
+)
+from fusiond.plan.calibrate import calibrate
+from fusiond.train.local import StepMetrics
+from fusiond.train.programs import capture_job
+from fusiond.train.spec import parse_job
+from fusiond.train.stage import StageConfig
+from protocol.messages import Message
+
+
+def _addr(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host, int(port)
+
+
+def build_cluster(desc: dict[str, Any], hosts: list[str]) -> tuple[Cluster, dict[str, Any]]:
+    """The planner's cluster: machine ids are `<index>-<host>` (so a uniform split takes
+    the hosts in topology order; `node_of` maps them to the nodes' TLS ids); links as
+    configured on the testbed (bytes/s at the measured 95 % goodput of a shaped link, RTT);
+    each machine's speed is this host's calibration (1 thread, as every stage runs) times
+    its CPU quota (<= 1)."""
+    base = calibrate("calib", repeats=3)
+    machines = []
+    for h in hosts:
+        q = min(1.0, float(desc["cpu"].get(h, 1.0)))
+        machines.append(MachineProfile(
+            id=machine_id(hosts, h), flops={k: v * q for k, v in base.flops.items()},
+            mem_bw=base.mem_bw * q,
+            op_overhead_s=base.op_overhead_s / q, memory_bytes=4 * 2**30))
+    bw = [[desc["bandwidth_bps"][a][b] * 0.95 / 8 if a != b else float("inf") for b in hosts]
+          for a in hosts]
+    rtt = [[desc["rtt_s"][a][b] if a != b else 0.0 for b in hosts] for a in hosts]
+    return Cluster.build(machines, bw, rtt), base.to_dict()
+
+
+def machine_id(hosts: list[str], h: str) -> str:
+    return f"{hosts.index(h):02d}-{h}"
+
+
+def layout_for(plan: Plan, spec: Any, captured: Any, node_of: dict[str, str]) -> Any:
+    """`fusiond.jobs.planning.layout_from_plan` with the plan's machine ids mapped to node
+    ids (the TLS identities the stages run under)."""
+    machines = [node_of[m] for m in plan.machine_of_stage()]
+    op_nodes = {op: machines[s] for op, s in plan.stage_assignment().items()}
+    densities = plan.edge_densities() if spec.compression.adatopk else {}
+    return layout_job("wan", captured.graph, captured.state, op_nodes, densities=densities)
+
+
+def make_plan(mode: str, spec: Any, captured: Any, cluster: Cluster) -> Plan:
+    """(1) uniform: equal op counts per machine in host order, dense; (2) OP-Fence dense;
+    (3) OP-Fence + AdaTopK (the spec's `compression.adatopk` decides 2 vs 3)."""
+    if mode == "uniform":
+        sym = batch_symbol(captured.graph)
+        cost = cost_graph_from_ir(captured.graph,
+                                  {sym: spec.batch.micro_batch_size} if sym else {})
+        return uniform_plan(cost, cluster, job_settings(spec))
+    return plan_job(spec, captured, cluster)
+
+
+async def serve(tls: TLSMaterial, listen: tuple[str, int],
+                peers: dict[str, tuple[str, int]], lead: argparse.Namespace | None) -> None:
+    name = tls.node_id()
+    coordinators: list[JobCoordinator] = []
+    worker: JobWorker | None = None
+
+    async def dispatch(peer: str, msg: Message) -> None:
+        for c in coordinators:
+            if await c.handle(peer, msg):
+                return
+        assert worker is not None
+        await worker.handle(peer, msg)
+
+    net = PeerNetwork(node_id=name, cluster_id=tls.cluster_id(), listen=listen, tls=tls,
+                      handler=dispatch,
+                      config=NetConfig(connect_timeout_s=10, handshake_timeout_s=10,
+                                       backoff_max_s=1.0))
+    await net.start()
+    send = local_sender(name, net.send, dispatch)
+    worker = JobWorker(node_id=name, send=send,
+                       stage_config=StageConfig(recv_timeout_s=120.0))
+    await worker.start()
+    for n, a in peers.items():
+        net.add_peer_address(n, a)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"READY {name} {listen[0]} {listen[1]}", flush=True)
+    try:
+        if lead is None:
+            await stop.wait()
+        else:
+            await run_lead(name, send, coordinators, peers | {name: listen}, lead, stop)
+    finally:
+        await worker.close()
+        await net.close()
+
+
+async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
+                   addresses: dict[str, tuple[str, int]], args: argparse.Namespace,
+                   stop: asyncio.Event) -> None:
+    wl = Workload.from_dict(args.workload_data)
+    desc = args.cluster_data
+    hosts: list[str] = list(desc["hosts"])
+    spec = parse_job(wl.job_toml(adatopk=args.mode == "adatopk"))
+    _, captured = capture_job(spec)
+    cluster, profile = build_cluster(desc, hosts)
+    plan = make_plan(args.mode, spec, captured, cluster)
+    node_of = {machine_id(hosts, h): desc["node_ids"][h] for h in hosts}
+    layout = layout_for(plan, spec, captured, node_of)
+    extra: dict[str, Any] = {
+        "mode": args.mode,
+        "predicted_tokens_per_s": plan.samples_per_s * wl.seq_len,
+        "predicted_iteration_s": plan.iteration_s,
+        "stages": plan.machine_of_stage(),
+        "densities": plan.edge_densities(),
+        "idle": dict(plan.idle),
+        "profile": profile,
+        "prediction": prediction_detail(plan),
+    }
+    events: list[tuple[float, int, float | None, int]] = []
+    tokens = 0
+    t0 = time.perf_counter()
+
+    def on_step(m: StepMetrics) -> None:
+        nonlocal tokens
+        tokens += m.tokens
+        events.append((time.perf_counter() - t0, m.step, m.loss, tokens))
+        extra["last_step"] = {"busy": {str(k): v for k, v in m.stage_busy.items()},
+                              "edges": [e.__dict__ for e in m.edges] if m.edges else [],
+                              "wall_s": m.wall_s}
+
+    coord = JobCoordinator(send=send, spec=spec, captured=captured, layout=layout,
+                           addresses=addresses, term=1, tokens_per_sample=wl.seq_len,
+                           on_step=on_step, ready_timeout_s=300.0)
+    coordinators.append(coord)
+    task = asyncio.create_task(coord.run())
+    stopper = asyncio.create_task(stop.wait())
+    error: str | None = None
+    try:
+        done, _ = await asyncio.wait({task, stopper}, timeout=args.budget,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            out = task.result()
+            error = None if out.ok else str(out.failure)
+        else:
+            await coord.cancel("wall-clock budget over")
+            async with asyncio.timeout(60):
+                await task
+    finally:
+        stopper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await stopper
+    args.trace = Trace(args.mode, events, extra, error)
+
+
+def prediction_detail(plan: Plan) -> dict[str, Any]:
+    """What the planner expects per stage and per link, to name what a prediction missed."""
+    ev = plan.evaluation
+    detail: dict[str, Any] = {"repr": repr(ev)[:2000]}
+    with contextlib.suppress(Exception):
+        from fusiond.plan import render_plan
+
+        detail["table"] = render_plan(plan)
+    return detail
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("role", choices=["node", "lead"])
+    ap.add_argument("name", help="the host's name (logs only)")
+    ap.add_argument("--state-dir", required=True, type=Path,
+                    help="this host's TLS credentials (ca.crt, node.crt, node key)")
+    ap.add_argument("--listen", type=_addr, required=True)
+    ap.add_argument("--peer", action="append", default=[], help="NODE_ID=ADDR:PORT")
+    ap.add_argument("--mode", choices=["uniform", "opfence", "adatopk"], default="adatopk")
+    ap.add_argument("--budget", type=float, default=60.0)
+    ap.add_argument("--cluster", help="JSON: hosts, bandwidth_bps, rtt_s, cpu")
+    ap.add_argument("--workload", help="JSON of bench.wan_common.Workload")
+    ap.add_argument("--out", help="where the lead writes its trace")
+    args = ap.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    peers = {}
+    for p in args.peer:
+        n, _, a = p.partition("=")
+        peers[n] = _addr(a)
+    if args.role == "lead":
+        args.workload_data = json.loads(Path(args.workload).read_text())
+        args.cluster_data = json.loads(Path(args.cluster).read_text())
+        args.trace = None
+    asyncio.run(serve(TLSMaterial.in_state_dir(args.state_dir), args.listen, peers,
+                      args if args.role == "lead" else None))
+    if args.role == "lead" and args.trace is not None:
+        Path(args.out).write_text(args.trace.to_json())
+
+
+if __name__ == "__main__":
+    main()

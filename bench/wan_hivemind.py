@@ -1,0 +1,112 @@
+"""hivemind 1.1.12 baseline for `bench/wan.py`: one peer per testbed host, run with the
+hivemind venv's Python (`bench/hivemind/setup.sh`), not the project's.
+
+Every peer builds the same GPT-2 (`fusiond.models.gpt2`, torch only, same seed as fusion's
+`build_model`) and trains with `hivemind.Optimizer` (AdamW, same lr) toward a global
+`target_batch_size` equal to fusion's global batch; each local step is the peer's 1/world share
+of a batch drawn like fusion's (`window_offsets` over the same corpus tokens, saved by wan.py).
+Peer 0 starts the DHT and writes its multiaddrs to `--maddr-file`; the others join from it.
+A trace event is written each time the collaboration finishes a global step (epoch), with the
+mean of peer 0's local losses since the previous one. Each peer stops at its own budget.
+
+    .venv-hivemind/bin/python bench/wan_hivemind.py --rank R --world W --listen ADDR:PORT \
+        --maddr-file F --budget 60 --workload workload.json --tokens tokens.npy --out trace.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+import torch
+
+from bench.wan_common import Trace, Workload, window_offsets
+from fusiond.models.gpt2 import gpt2, lm_loss
+
+
+def main() -> None:
+    import hivemind
+
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--listen", required=True, help="ADDR:PORT for this peer's libp2p host")
+    ap.add_argument("--maddr-file", required=True)
+    ap.add_argument("--budget", type=float, default=60.0)
+    ap.add_argument("--workload", required=True)
+    ap.add_argument("--tokens", required=True, help=".npy of the corpus tokens (int64)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--matchmaking-time", type=float, default=2.0,
+                    help="hivemind's wait to form an averaging group (default 15 s there; "
+                         "lowered so a short budget sees steps)")
+    args = ap.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    wl = Workload.from_dict(json.loads(Path(args.workload).read_text()))
+    tokens = np.load(args.tokens)
+    addr, _, port = args.listen.rpartition(":")
+    maddr_file = Path(args.maddr_file)
+    initial: list[str] = []
+    if args.rank > 0:
+        deadline = time.monotonic() + 120
+        while not maddr_file.exists() or not maddr_file.read_text().strip():
+            if time.monotonic() > deadline:
+                raise SystemExit("peer 0 never published its multiaddrs")
+            time.sleep(0.2)
+        initial = maddr_file.read_text().split()
+    dht = hivemind.DHT(host_maddrs=[f"/ip4/{addr}/tcp/{port}"], initial_peers=initial,
+                       start=True)
+    if args.rank == 0:
+        maddrs = [str(a) for a in dht.get_visible_maddrs() if addr in str(a)]
+        tmp = maddr_file.with_suffix(".tmp")
+        tmp.write_text("\n".join(maddrs))
+        tmp.rename(maddr_file)
+    torch.manual_seed(wl.seed)
+    model = gpt2(wl.size, vocab_size=wl.vocab_size)
+    share = wl.batch // args.world
+    t0 = time.perf_counter()  # like fusion's Assign and DDP's broadcast: model state sync counts
+    opt = hivemind.Optimizer(
+        dht=dht, run_id="bench-wan", batch_size_per_step=share, target_batch_size=wl.batch,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=wl.lr, betas=(0.9, 0.95),
+                                                   eps=1e-8, weight_decay=0.0),
+        params=model.parameters(), use_local_updates=False,
+        matchmaking_time=args.matchmaking_time, averaging_timeout=60.0, verbose=False,
+    )
+    events: list[tuple[float, int, float | None, int]] = []
+    pending: list[float] = []
+    local_step = 0
+    epoch = opt.local_epoch
+    try:
+        while time.perf_counter() - t0 < args.budget:
+            offs = window_offsets(tokens.size, wl.seq_len, wl.seed,
+                                  local_step * args.world + args.rank, share)
+            win = torch.from_numpy(tokens[offs[:, None] + np.arange(wl.seq_len + 1)[None, :]])
+            loss = lm_loss(model(win[:, :-1]), win[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            pending.append(float(loss.detach()))
+            local_step += 1
+            if opt.local_epoch != epoch:
+                epoch = opt.local_epoch
+                events.append((time.perf_counter() - t0, epoch - 1,
+                               sum(pending) / len(pending), epoch * wl.tokens_per_step))
+                pending.clear()
+    finally:
+        if args.rank == 0:
+            Path(args.out).write_text(Trace("hivemind", events, {
+                "world": args.world, "local_steps": local_step,
+                "matchmaking_time": args.matchmaking_time}).to_json())
+        opt.shutdown()
+        dht.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""The pure parts of bench/wan.py: figures, ratios, targets, host selection, same batches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.wan import restrict, select_hosts, slowest_mbit
+from bench.wan_common import (
+    Figures,
+    Trace,
+    Workload,
+    figures,
+    markdown_table,
+    smoothed,
+    throughput,
+    time_to_target,
+    verdicts,
+    window_offsets,
+)
+from deploy.testbed.topology import load_topology
+
+
+def _trace(system: str, step_s: float, losses: list[float], tokens: int = 1024,
+           pred: float | None = None) -> Trace:
+    ev = [((i + 1) * step_s, i, x, (i + 1) * tokens) for i, x in enumerate(losses)]
+    return Trace(system, ev, {"predicted_tokens_per_s": pred} if pred else {})
+
+
+def test_throughput_leaves_out_warmup_steps() -> None:
+    # first step slow (model shipping), then 0.5 s per step of 1024 tokens
+    ev = [(10.0, 0, 5.0, 1024), (10.5, 1, 4.0, 2048), (11.0, 2, 3.0, 3072)]
+    assert throughput(ev, 1) == pytest.approx(2048.0)
+    assert throughput(ev, 3) is None
+
+
+def test_time_to_target_uses_the_smoothed_loss() -> None:
+    ev = [(1.0, 0, 5.0, 1), (2.0, 1, 1.0, 2), (3.0, 2, 1.0, 3), (4.0, 3, 1.0, 4)]
+    assert smoothed([5.0, 1.0, 1.0], 2) == [5.0, 3.0, 1.0]
+    assert time_to_target(ev, 2.0, window=1) == 2.0
+    assert time_to_target(ev, 2.0, window=2) == 3.0
+    assert time_to_target(ev, 0.5, window=1) is None
+
+
+def test_verdicts_on_a_slow_topology() -> None:
+    rows = {
+        "uniform": figures(_trace("uniform", 1.0, [5, 4, 3, 2.5]), target=3.0, window=1,
+                           skip=1, wire_bytes=100),
+        "adatopk": figures(_trace("adatopk", 0.25, [5, 4, 3, 2.5], pred=4096.0 * 1.1),
+                           target=3.0, window=1, skip=1, wire_bytes=10),
+        "ddp": figures(_trace("ddp", 0.5, [5, 4, 3.5, 3.2]), target=3.0, window=1, skip=1,
+                       wire_bytes=1000),
+    }
+    vs = {v.name: v for v in verdicts(rows, slowest_mbit=8.0)}
+    assert vs["(3)/(1) throughput >= 3x"].ok is True  # 4096 vs 1024 tokens/s
+    assert vs["(3) reaches target before (4)"].ok is True  # ddp never reaches 3.0
+    assert vs["(3) reaches target before (5)"].ok is None  # no hivemind run
+    assert vs["(3) within 25% of the planner"].ok is True
+    assert vs["(2) within 25% of the planner"].ok is None
+    vs100 = {v.name: v for v in verdicts(rows, slowest_mbit=1000.0)}
+    assert "(3)/(1) throughput >= 1.45x" in vs100
+    assert not any("reaches target" in n for n in vs100)
+    table = markdown_table(rows)
+    assert "4.00x" in table  # (3) vs (1) throughput
+    assert table.count("\n") == 4  # header, rule, 3 rows
+
+
+def test_a_failed_run_is_a_row_not_a_figure() -> None:
+    f = figures(Trace("hivemind", [], {}, "no venv"), target=3.0, window=1, skip=1,
+                wire_bytes=None)
+    assert isinstance(f, Figures) and f.steps == 0 and f.tokens_per_s is None
+    assert "failed: no venv" in markdown_table({"hivemind": f})
+
+
+def test_trace_round_trip(tmp_path: Path) -> None:
+    t = _trace("ddp", 0.5, [5.0, 4.0])
+    p = tmp_path / "t.json"
+    p.write_text(t.to_json())
+    assert Trace.load(p) == t
+
+
+def test_host_cap_keeps_every_group() -> None:
+    topo = load_topology("four-groups")
+    hosts = select_hosts(topo, 4)
+    assert hosts == ["a1", "b1", "c1", "d1"]
+    sub = restrict(topo, hosts)
+    assert sub.hosts == tuple(hosts) and slowest_mbit(sub) == 8.0
+    assert select_hosts(load_topology("two-groups"), 4) == ["e1", "e2", "w1", "w2"]
+
+
+def test_runners_draw_the_same_windows_as_fusion() -> None:
+    import numpy as np
+
+    from fusiond.train.data import TextWindows
+
+    tokens = np.arange(1000, dtype=np.int64) % 251
+    wl = Workload(seq_len=16)
+    src = TextWindows(None, seq_len=16, seed=wl.seed, tokens=tokens)
+    offs = window_offsets(tokens.size, 16, wl.seed, 3, 4)
+    win = tokens[offs[:, None] + np.arange(17)[None, :]]
+    b = src.batch(3, 4)
+    assert (b.inputs.numpy() == win[:, :-1]).all() and (b.targets.numpy() == win[:, 1:]).all()

@@ -322,8 +322,13 @@ class JobService:
             rec.state = "done"
             rec.log(f"done in {outcome.wall_s:.1f}s; outputs {rec.outputs}")
         else:
-            rec.state = "cancelled" if rec.cancel_requested else "failed"
-            rec.log(f"{rec.state}: {outcome.failure}")
+            if rec.cancel_requested:
+                rec.state = "cancelled"
+                rec.log(f"cancelled after {len(rec.history)} of {rec.spec.steps} steps; every "
+                        "stage was told to stop and free its partition")
+            else:
+                rec.state = "failed"
+                rec.log(f"failed: {outcome.failure}")
 
     # -- API ----------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from fusionctl.client import Client, Unreachable
+from fusionctl.client import ApiFailure, Client, Unreachable
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -98,7 +98,11 @@ def plan(c: Client, ns: argparse.Namespace, out: Any) -> int:
     body = _prepare(ns)
     if body is None:
         return EXIT_FAILED
-    data = _upload_client(c).request("POST", "/v1/jobs?dry_run=1", raw=body)
+    try:
+        data = _upload_client(c).request("POST", "/v1/jobs?dry_run=1", raw=body)
+    except ApiFailure as e:
+        print(f"fusionctl plan: job refused by the cluster: {e.message}", file=sys.stderr)
+        return EXIT_FAILED
     out.result(data, lambda: print(data["plan"]))
     return EXIT_OK
 
@@ -107,7 +111,11 @@ def submit(c: Client, ns: argparse.Namespace, out: Any) -> int:
     body = _prepare(ns)
     if body is None:
         return EXIT_FAILED
-    data = _upload_client(c).request("POST", "/v1/jobs", raw=body)
+    try:
+        data = _upload_client(c).request("POST", "/v1/jobs", raw=body)
+    except ApiFailure as e:
+        print(f"fusionctl submit: job refused by the cluster: {e.message}", file=sys.stderr)
+        return EXIT_FAILED
     job_id = data["job_id"]
     if ns.detach:
         out.result(data, lambda: print(

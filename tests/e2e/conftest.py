@@ -1,0 +1,57 @@
+"""Real daemons on loopback for end-to-end job tests: a module-wide 3-node cluster (TLS, one
+bootstrap address), and helpers to submit through fusionctl's own entry point."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fusiond.local import merge
+from tests.daemon.harness import Cluster
+
+JOB_MEMORY_GIB = 0.03
+"""What each test daemon offers to jobs: the small test jobs fit, a 170 MB one does not."""
+
+
+def start_cluster(root: Path, n: int = 3) -> Cluster:
+    """`n` daemons, node0 first, the others with node0 as their only bootstrap address."""
+    c = Cluster(root, n, {"job_memory_gib": JOB_MEMORY_GIB})
+    c.start(c.nodes[:1])
+    c.wait_up(c.nodes[:1])
+    addr = c.address(c.nodes[0])
+    for node in c.nodes[1:]:
+        node.settings = merge(node.settings, {"cluster": {"bootstrap": [addr]}})
+    c.start(c.nodes[1:])
+    c.wait_up()
+    c.wait_agreement(timeout=30.0)
+    return c
+
+
+@pytest.fixture(scope="module")
+def cluster3() -> Iterator[Cluster]:
+    root = Path(tempfile.mkdtemp(prefix="fze"))
+    c = start_cluster(root)
+    try:
+        yield c
+    finally:
+        c.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def ctl(node: Any, *args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, Any, str]:
+    """Run fusionctl against `node` in this process; (exit code, stdout JSON or text, stderr)."""
+    from fusionctl.cli import run
+
+    capsys.readouterr()
+    rc = run(["--socket", node.socket, *args])
+    out, err = capsys.readouterr()
+    try:
+        return rc, json.loads(out), err
+    except ValueError:
+        return rc, out, err

@@ -1,0 +1,68 @@
+"""A stage daemon killed mid-job (SIGKILL): the job fails within 30 s with the first-failure
+report naming that machine and its stage, `fusionctl submit` exits 5, the other daemons free
+their stages and stay healthy."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import ctl, start_cluster
+from tests.e2e.test_jobs import GPT2, _write
+
+pytestmark = [pytest.mark.multidaemon, pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+def test_killing_a_stage_daemon_fails_the_job_with_a_report(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = Path(tempfile.mkdtemp(prefix="fzk"))
+    c = start_cluster(root)
+    try:
+        node0 = c.nodes[0]
+        job = _write(tmp_path, GPT2.replace("steps = 20", "steps = 100000"))
+        rc, res, err = ctl(node0, "submit", str(job), "--stages", "3", "--detach", "--json",
+                           capsys=capsys)
+        assert rc == 0, err
+        job_id = res["job_id"]
+        victim_id = next(s["node"] for s in res["stages"] if s["stage"] == 2)
+        victim = next(n for n in c.nodes if c.node_id(n) == victim_id)
+        assert victim is not node0
+
+        def stepping() -> tuple[bool, str]:
+            d = node0.api("GET", f"/v1/jobs/{job_id}?history=0")
+            return d["step"] >= 3, f"{d['state']} at step {d['step']}"
+
+        c.wait_for(stepping, 60.0, "the job running")
+        victim.kill()
+        t0 = time.monotonic()
+
+        def ended() -> tuple[bool, str]:
+            d = node0.api("GET", f"/v1/jobs/{job_id}?history=0")
+            return d["state"] != "running", d["state"]
+
+        took = c.wait_for(ended, 30.0, "the job ending after the kill")
+        d = node0.api("GET", f"/v1/jobs/{job_id}?history=0")
+        assert d["state"] == "failed"
+        report = d["outcome"]["failure"]
+        assert report.startswith(f"job failed on {victim_id} (stage 2, step "), report
+        assert took < 30.0 and time.monotonic() - t0 < 30.0
+        rc, shown, err = ctl(node0, "job", job_id, "--json", capsys=capsys)
+        assert rc == 0 and shown["status"]["failure"] == report, err
+        survivors = [n for n in c.nodes if n is not victim]
+
+        def freed() -> tuple[bool, str]:
+            for n in survivors:
+                if n.status(2.0) is None:
+                    return False, f"node{n.index} does not answer"
+                if n.api("GET", "/v1/jobs")["stages"]:
+                    return False, f"node{n.index} still hosts a stage"
+            return True, "freed"
+
+        c.wait_for(freed, 15.0, "the survivors freeing their stages")
+    finally:
+        c.stop()
+        shutil.rmtree(root, ignore_errors=True)

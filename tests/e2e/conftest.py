@@ -21,7 +21,8 @@ JOB_MEMORY_GIB = 0.03
 
 def start_cluster(root: Path, n: int = 3) -> Cluster:
     """`n` daemons, node0 first, the others with node0 as their only bootstrap address."""
-    c = Cluster(root, n, {"job_memory_gib": JOB_MEMORY_GIB})
+    c = Cluster(root, n, {"job_memory_gib": JOB_MEMORY_GIB,
+                          "metrics": {"listen": "127.0.0.1:0"}})
     c.start(c.nodes[:1])
     c.wait_up(c.nodes[:1])
     addr = c.address(c.nodes[0])

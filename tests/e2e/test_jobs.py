@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +204,13 @@ def test_cancel_mid_job_then_the_next_job_succeeds(cluster3: Cluster, tmp_path: 
         return d["step"] >= 3, f"{d['state']} at step {d['step']}"
 
     cluster3.wait_for(running, 60.0, "the long job running")
+    # Prometheus: the coordinating daemon exports the job's live figures
+    url = node0.api("GET", "/v1/paths")["metrics"]
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    assert f'fusion_job_steps{{job="{job_id}"}} 100000.0' in text, text[-2000:]
+    assert f'fusion_job_step{{job="{job_id}"}}' in text
+    assert "fusion_job_edge_wire_bytes_total" in text
     rc, res, err = ctl(node0, "cancel", job_id, "--json", capsys=capsys)
     assert rc == 0 and res["cancelled"], err
     assert node0.api("GET", f"/v1/jobs/{job_id}?history=0")["state"] == "cancelled"

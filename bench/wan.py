@@ -160,6 +160,8 @@ class Runner:
         (work / "workload.json").write_text(json.dumps(wl.to_dict()))
         self.creds = make_credentials(work / "creds", self.hosts)
         desc = cluster_desc(tb.topology) | {"node_ids": self.creds}
+        if args.host_memory_mb:
+            desc["memory_bytes"] = args.host_memory_mb * 1e6
         (work / "cluster.json").write_text(json.dumps(desc))
 
     def _wait(self, main: subprocess.Popen[bytes], others: Sequence[subprocess.Popen[bytes]],
@@ -282,20 +284,34 @@ def plot(traces: dict[str, Trace], title: str, path: Path, target: float) -> boo
     return True
 
 
-def explain_miss(trace: Trace) -> str:
-    """Where a prediction missed: the stage the run found busiest vs the planner's stages."""
+def explain_miss(trace: Trace, measured_tokens_per_s: float, tokens_per_step: int) -> str:
+    """Where a prediction missed: the measured step time against the planner's iteration, and
+    the stage whose measured compute (busy fraction x step time) is furthest from its
+    predicted compute, or the predicted bottleneck link when compute was on time."""
     extra = trace.extra
+    pred = extra.get("prediction") or {}
     last = extra.get("last_step") or {}
-    busy = last.get("busy") or {}
-    parts = [f"stages on {extra.get('stages')}"]
-    if busy:
-        top = max(busy.items(), key=lambda kv: kv[1])
-        parts.append(f"busiest stage {top[0]} ({float(top[1]):.0%} busy)")
-    edges = last.get("edges") or []
-    if edges:
-        parts.append(f"{len(edges)} cut edges, {sum(int(e.get('forward_wire', 0)) + int(e.get('backward_wire', 0)) for e in edges) / 1e3:.0f} kB/step")  # noqa: E501
-    if extra.get("densities"):
-        parts.append(f"densities {extra['densities']}")
+    busy = {int(k): float(v) for k, v in (last.get("busy") or {}).items()}
+    step_s = tokens_per_step / measured_tokens_per_s
+    parts = [f"step {step_s:.3f} s measured vs {float(pred.get('iteration_s', 0)):.3f} s "
+             f"predicted (planner's bottleneck: {pred.get('bottleneck', '?')})"]
+    worst: tuple[float, str] | None = None
+    for st in pred.get("stages", []):
+        b = busy.get(int(st["stage"]))
+        if b is None or st["compute_s"] <= 0:
+            continue
+        r = b * step_s / st["compute_s"]
+        text = (f"stage {st['stage']} on {st['machine']}: compute {b * step_s:.3f} s/step "
+                f"measured vs {st['compute_s']:.3f} s predicted ({r:.1f}x)")
+        if worst is None or abs(r - 1) > abs(worst[0] - 1):
+            worst = (r, text)
+    if worst is not None:
+        parts.append(worst[1])
+    slow_links = sorted(pred.get("links", []), key=lambda lk: -lk["time_s"])[:1]
+    for lk in slow_links:
+        parts.append(f"slowest predicted link: stage {lk['src_stage']} -> {lk['dst_stage']} "
+                     f"at {lk['mbit']:.1f} Mbit/s, {lk['bytes'] / 1e3:.0f} kB, "
+                     f"{lk['time_s']:.3f} s/step")
     return "; ".join(parts)
 
 
@@ -343,7 +359,8 @@ def run_topology(name: str, args: argparse.Namespace, wl: Workload
         f = rows.get(s)
         if f and f.tokens_per_s and f.predicted_tokens_per_s and abs(
                 f.tokens_per_s / f.predicted_tokens_per_s - 1) > 0.25:
-            md.append(f"- {LABELS[s]} prediction missed: {explain_miss(traces[s])}")
+            md.append(f"- {LABELS[s]} prediction missed: "
+                      f"{explain_miss(traces[s], f.tokens_per_s, wl.tokens_per_step)}")
     for s, t in traces.items():
         if t.error:
             md.append(f"- {LABELS[s]}: {t.error}")
@@ -372,6 +389,12 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=5)
     ap.add_argument("--skip", type=int, default=2,
                     help="steps excluded from throughput (model shipping, warm-up)")
+    ap.add_argument("--host-memory-mb", type=float,
+                    help="memory the planner may use per host (default 4 GiB): a small value "
+                         "makes the model too big for one host, as in the paper's setting, so "
+                         "fusion must split it (DDP and hivemind still hold a full copy)")
+    ap.add_argument("--append", action="store_true",
+                    help="add the sections to --doc instead of rewriting it")
     ap.add_argument("--latency", default="auto", help="testbed latency mode")
     ap.add_argument("--hivemind-python", default=str(REPO / "bench" / ".venv-hivemind" / "bin"
                                                       / "python"))
@@ -410,11 +433,20 @@ def main() -> None:
         f"one thread per process, each host in its CPU quota. Target loss {args.target_loss} "
         f"(mean of the last {args.window} steps); tokens/s leave out the first {args.skip} "
         "steps. 'wire bytes' = all bytes the hosts' eth0 sent during the run. "
-        "Time ratios are 'x sooner' (the other run's time / this run's).",
+        "Time ratios are 'x sooner' (the other run's time / this run's)."
+        + (f" Planner memory per host: {args.host_memory_mb:g} MB (forces fusion to split the "
+           "model; DDP and hivemind hold full copies regardless)." if args.host_memory_mb
+           else " Planner memory per host: 4 GiB (the model fits one host)."),
         "",
     ]
     doc = Path(args.doc)
-    doc.write_text("\n".join(header + sections) + "\n" + NOTES)
+    if args.append and doc.exists():
+        old = doc.read_text()
+        body = old[:old.index("\n## Notes")] if "\n## Notes" in old else old
+        doc.write_text(body.rstrip("\n") + "\n\n## Run: " + " ".join(sys.argv[1:]) + "\n\n"
+                       + "\n".join(header[2:] + sections) + "\n" + NOTES)
+    else:
+        doc.write_text("\n".join(header + sections) + "\n" + NOTES)
     print(f"wrote {doc}")
     sys.exit(0 if all_ok else 1)
 

@@ -70,7 +70,8 @@ def build_cluster(desc: dict[str, Any], hosts: list[str]) -> tuple[Cluster, dict
         machines.append(MachineProfile(
             id=machine_id(hosts, h), flops={k: v * q for k, v in base.flops.items()},
             mem_bw=base.mem_bw * q,
-            op_overhead_s=base.op_overhead_s / q, memory_bytes=4 * 2**30))
+            op_overhead_s=base.op_overhead_s / q,
+            memory_bytes=float(desc.get("memory_bytes") or 4 * 2**30)))
     bw = [[desc["bandwidth_bps"][a][b] * 0.95 / 8 if a != b else float("inf") for b in hosts]
           for a in hosts]
     rtt = [[desc["rtt_s"][a][b] if a != b else 0.0 for b in hosts] for a in hosts]
@@ -160,7 +161,7 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
         "densities": plan.edge_densities(),
         "idle": dict(plan.idle),
         "profile": profile,
-        "prediction": prediction_detail(plan),
+        "prediction": prediction_detail(plan, wl.micro_batches),
     }
     events: list[tuple[float, int, float | None, int]] = []
     tokens = 0
@@ -198,15 +199,20 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
     args.trace = Trace(args.mode, events, extra, error)
 
 
-def prediction_detail(plan: Plan) -> dict[str, Any]:
-    """What the planner expects per stage and per link, to name what a prediction missed."""
+def prediction_detail(plan: Plan, micro_batches: int) -> dict[str, Any]:
+    """What the planner expects per stage and per link (per step of all micro-batches), so the
+    table can name the stage or link a prediction missed."""
     ev = plan.evaluation
-    detail: dict[str, Any] = {"repr": repr(ev)[:2000]}
-    with contextlib.suppress(Exception):
-        from fusiond.plan import render_plan
-
-        detail["table"] = render_plan(plan)
-    return detail
+    return {
+        "iteration_s": ev.iteration_s,
+        "bottleneck": ev.bottleneck,
+        "stages": [{"stage": st.index, "machine": st.machine_id,
+                    "compute_s": st.compute_s * micro_batches} for st in ev.stages],
+        "links": [{"src_stage": lk.src_stage, "dst_stage": lk.dst_stage,
+                   "time_s": lk.time_s * micro_batches,
+                   "bytes": (lk.fwd_bytes + lk.bwd_bytes) * micro_batches,
+                   "mbit": lk.bw_fwd * 8 / 1e6, "density": lk.density} for lk in ev.links],
+    }
 
 
 def main() -> None:

@@ -24,7 +24,8 @@ from deploy.testbed.topology import load_topology
 
 def _trace(system: str, step_s: float, losses: list[float], tokens: int = 1024,
            pred: float | None = None) -> Trace:
-    ev = [((i + 1) * step_s, i, x, (i + 1) * tokens) for i, x in enumerate(losses)]
+    ev: list[tuple[float, int, float | None, int]] = [
+        ((i + 1) * step_s, i, x, (i + 1) * tokens) for i, x in enumerate(losses)]
     return Trace(system, ev, {"predicted_tokens_per_s": pred} if pred else {})
 
 
@@ -101,3 +102,21 @@ def test_runners_draw_the_same_windows_as_fusion() -> None:
     win = tokens[offs[:, None] + np.arange(17)[None, :]]
     b = src.batch(3, 4)
     assert (b.inputs.numpy() == win[:, :-1]).all() and (b.targets.numpy() == win[:, 1:]).all()
+
+
+def test_a_missed_prediction_names_the_stage_furthest_off() -> None:
+    from bench.wan import explain_miss
+
+    t = Trace("adatopk", [], {
+        "prediction": {"iteration_s": 0.5, "bottleneck": "link 00-a1->01-b1",
+                       "stages": [{"stage": 0, "machine": "00-a1", "compute_s": 0.2},
+                                  {"stage": 1, "machine": "01-b1", "compute_s": 0.1}],
+                       "links": [{"src_stage": 0, "dst_stage": 1, "time_s": 0.4,
+                                  "bytes": 4e5, "mbit": 8.0, "density": 0.1}]},
+        "last_step": {"busy": {"0": 0.2, "1": 0.5}},
+    })
+    # 1024 tokens at 1024 tokens/s: a 1 s step; stage 1 computed 0.5 s vs 0.1 s predicted
+    text = explain_miss(t, 1024.0, 1024)
+    assert "step 1.000 s measured vs 0.500 s predicted" in text
+    assert "stage 1 on 01-b1" in text and "(5.0x)" in text
+    assert "8.0 Mbit/s" in text

@@ -223,3 +223,17 @@ def test_cancel_mid_job_then_the_next_job_succeeds(cluster3: Cluster, tmp_path: 
     assert rc == 0 and res["state"] == "done", err
     assert time.monotonic() - t0 < 60
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_plan_prints_the_planners_table_and_starts_nothing(
+        cluster3: Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    node0 = cluster3.nodes[0]
+    before = node0.api("GET", "/v1/jobs")["jobs"]
+    rc, res, err = ctl(node0, "plan", str(_write(tmp_path, GPT2)), "--json", capsys=capsys)
+    assert rc == 0, err
+    # the planner ran on the live view: its machines are this cluster's members
+    ids = {cluster3.node_id(n) for n in cluster3.nodes}
+    assert {s["node"] for s in res["stages"]} <= ids and res["stages"]
+    assert res["plan"].startswith("plan ") and "iteration:" in res["plan"]
+    assert node0.api("GET", "/v1/jobs")["jobs"] == before
+    assert not (tmp_path / "out").exists()

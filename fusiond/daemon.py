@@ -17,7 +17,8 @@ not stopping) is logged with its cause, every other service is closed, and `run`
 the daemon is never left half alive.
 
 Message routing: PeerNetwork calls `Daemon._on_message` for each message, which offers it to
-the cluster (``await cluster.handle(peer, msg) -> bool``); later, jobs.
+the cluster (``await cluster.handle(peer, msg) -> bool``), then the job service
+(`fusiond.jobs.service.JobService`: stages hosted here, jobs coordinated here).
 """
 
 from __future__ import annotations

@@ -765,11 +765,8 @@ class Daemon:
         return self.jobs
 
     async def submit_job(self, data: bytes, dry_run: bool) -> dict[str, Any]:
-        from fusiond.jobs.upload import decode_upload
-
         jobs = self._job_service()
-        upload = decode_upload(data)
-        return dict(await jobs.submit(upload, dry_run=dry_run))
+        return dict(await jobs.submit_upload(data, dry_run=dry_run))
 
     def list_jobs(self) -> dict[str, Any]:
         if self.jobs is None:

@@ -599,3 +599,53 @@ class StageCheckpoint(Message):
     plan_version: int
     partition: int
     step: int
+
+
+# --- job submission through the scheduler (appended by the jobs helper; ids 46..49) ---------
+
+
+@dataclass(frozen=True)
+class JobSubmit(Message):
+    """Submitting daemon -> the elected scheduler: run (or with `dry_run` only plan) a job. The
+    payload is the job upload (fusiond.jobs.upload: job file text, IR, initial weights)."""
+
+    TYPE_ID: ClassVar[int] = 46
+    lane: ClassVar[Lane] = Lane.BULK
+    request_id: str
+    dry_run: bool = False
+
+
+@dataclass(frozen=True)
+class JobSubmitReply(Message):
+    """Scheduler -> submitting daemon: the job started (`summary`: id, stages, plan) or was
+    refused (`message` says why; nothing started)."""
+
+    TYPE_ID: ClassVar[int] = 47
+    request_id: str
+    ok: bool
+    message: str = ""
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class JobUpdate(Message):
+    """Scheduler -> submitting daemon: the job's status (what `GET /v1/jobs/ID` shows, with its
+    log lines), about twice a second and once at the end, after its outputs. BULK so it stays
+    behind the JobOutput frames sent before it."""
+
+    TYPE_ID: ClassVar[int] = 48
+    lane: ClassVar[Lane] = Lane.BULK
+    job_id: str
+    status: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class JobOutput(Message):
+    """Scheduler -> submitting daemon: one output file of the job (`name`: model.safetensors,
+    metrics.json, checkpoint-N.safetensors); the payload is its bytes, written under the job's
+    output directory on the submitting machine."""
+
+    TYPE_ID: ClassVar[int] = 49
+    lane: ClassVar[Lane] = Lane.BULK
+    job_id: str
+    name: str

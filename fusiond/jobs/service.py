@@ -11,17 +11,21 @@ Every daemon runs one `JobService` once its peer network is up. It
 - fails a job whose stage machine the membership layer declares dead (`node_failed`);
 - answers the API's read commands (`jobs`, `job`, `logs`) and `cancel`.
 
-The coordinator of a job runs on the daemon that took the submission (the submitter's), so
-the result lands where the submitter is without a second transfer. Routing submissions to
-the elected scheduler needs a submission message on the peer protocol (not there yet).
+A submission goes to the elected scheduler (`JobSubmit` over the peer network) when this
+daemon is not the scheduler; the scheduler runs the coordinator, streams `JobUpdate`s back and
+sends the outputs (`JobOutput`), which the submitting daemon writes at `job.output` on its own
+machine. Without a scheduler (no quorum yet) the submitting daemon coordinates the job itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import secrets
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -37,14 +41,22 @@ from fusiond.jobs.assign import JobLayout, layout_job
 from fusiond.jobs.coordinator import JobCoordinator, JobOutcome, save_checkpoint, write_outputs
 from fusiond.jobs.planning import layout_from_plan, plan_job
 from fusiond.jobs.submit import check_capacity, memory_estimate, restore_job
-from fusiond.jobs.upload import Upload
+from fusiond.jobs.upload import Upload, decode_upload
 from fusiond.jobs.worker import JobWorker, SendFn, local_sender
 from fusiond.plan import Cluster, MachineProfile
 from fusiond.plan.render import render_plan
 from fusiond.train.local import StepMetrics
-from fusiond.train.spec import JobSpec
+from fusiond.train.spec import JobSpec, parse_job
 from fusiond.train.stage import StageConfig
-from protocol.messages import Address, Message
+from protocol.messages import (
+    Address,
+    JobCancel,
+    JobOutput,
+    JobSubmit,
+    JobSubmitReply,
+    JobUpdate,
+    Message,
+)
 
 __all__ = ["JobService", "cluster_for_planner"]
 
@@ -58,10 +70,34 @@ DEFAULT_GFLOPS = 10.0
 """A member that did not benchmark itself (profile_benchmark off) counts as this fast."""
 DEFAULT_LINK_BPS = 125e6
 """An unmeasured link counts as 1 Gbit/s (the prober fills in the real figure)."""
+UPDATE_S = 0.5
+"""How often the scheduler sends a remote submitter the job's status."""
+SUBMIT_TIMEOUT_S = 300.0
+"""How long a forwarded submission waits for the scheduler's answer (planning a big model)."""
+FINAL = ("done", "failed", "cancelled")
 
 
 class JobRefused(LocalError):
     """A submission the cluster cannot run; nothing was started."""
+
+
+@dataclass
+class _Remote:
+    """A job submitted here and coordinated by the scheduler elsewhere: its last status."""
+
+    job_id: str
+    scheduler: str
+    output: Path
+    status: dict[str, Any]
+    outputs: dict[str, str] = field(default_factory=dict)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def state(self) -> str:
+        return str(self.status.get("state", "running"))
+
+    def view(self) -> dict[str, Any]:
+        return {**self.status, "outputs": dict(self.outputs), "scheduler": self.scheduler}
 
 
 @dataclass
@@ -81,6 +117,8 @@ class _Record:
     outcome: dict[str, Any] | None = None
     outputs: dict[str, str] = field(default_factory=dict)
     first_loss: float | None = None
+    submitter: str = ""
+    """The daemon that took the submission; its outputs go there (empty: this one)."""
 
     def log(self, text: str) -> None:
         stamp = time.strftime("%H:%M:%S", time.gmtime())
@@ -156,6 +194,9 @@ class JobService:
         self.send: SendFn = local_sender(node_id, send_raw, self.dispatch)
         self.worker = JobWorker(node_id=node_id, send=self.send, stage_config=stage_config)
         self._jobs: dict[str, _Record] = {}
+        self._remote: dict[str, _Remote] = {}
+        self._pending: dict[str, asyncio.Future[JobSubmitReply]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
     # -- service ------------------------------------------------------------------------------
@@ -180,12 +221,17 @@ class JobService:
         if tasks:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10.0)
-        for t in tasks:
+        for t in [*tasks, *self._tasks]:
             if not t.done():
                 t.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await t
         await self.worker.close()
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        t = asyncio.create_task(coro, name=name)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
 
     def coordinators(self) -> Iterable[JobCoordinator]:
         """Running coordinators (the Prometheus JobCollector reads these)."""
@@ -194,15 +240,42 @@ class JobService:
     # -- messages -----------------------------------------------------------------------------
 
     async def dispatch(self, peer: str, msg: Message) -> bool:
-        """Offer a peer message to the coordinators here, then the worker."""
+        """Offer a peer message to the submission protocol, the coordinators here, then the
+        worker."""
+        if isinstance(msg, JobSubmit):
+            self._spawn(self._on_remote_submit(peer, msg), f"submit from {peer}")
+            return True
+        if isinstance(msg, JobSubmitReply):
+            fut = self._pending.get(msg.request_id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+            return True
+        if isinstance(msg, JobUpdate):
+            self._on_update(peer, msg)
+            return True
+        if isinstance(msg, JobOutput):
+            await self._on_output(peer, msg)
+            return True
+        if isinstance(msg, JobCancel):
+            rec = self._jobs.get(msg.job_id)
+            if rec is not None and rec.submitter and peer == rec.submitter:
+                self._spawn(self.cancel(msg.job_id), f"cancel {msg.job_id}")
+                return True
         for rec in list(self._jobs.values()):
             if await rec.coord.handle(peer, msg):
                 return True
         return await self.worker.handle(peer, msg)
 
     def on_view(self, view: Any) -> None:
-        """Membership changed: a stage machine declared dead (or gone) fails its job."""
+        """Membership changed: a stage machine declared dead (or gone) fails its job; a dead
+        scheduler fails the jobs it coordinated for us."""
         gone = {m.node_id: m.state for m in view.members if m.state in ("dead", "left")}
+        for r in self._remote.values():
+            if r.state not in FINAL and r.scheduler in gone:
+                r.status = {**r.status, "state": "failed", "outcome": {
+                    "ok": False, "failure": f"job failed on {r.scheduler} (the scheduler): "
+                    f"the membership layer declared it {gone[r.scheduler]}"}}
+                r.ended.set()
         for rec in self._jobs.values():
             if rec.state != "running":
                 continue
@@ -213,7 +286,100 @@ class JobService:
 
     # -- submit -------------------------------------------------------------------------------
 
-    async def submit(self, upload: Upload, *, dry_run: bool = False) -> dict[str, Any]:
+    async def submit_upload(self, data: bytes, *, dry_run: bool = False) -> dict[str, Any]:
+        """The API's entry: hand the upload to the elected scheduler, or run it here when this
+        daemon is the scheduler (or there is none yet)."""
+        upload = decode_upload(data)
+        view = self.view()
+        leader = getattr(view, "leader", None) if view is not None else None
+        if leader is None or leader == self.node_id:
+            return await self.submit(upload, dry_run=dry_run)
+        # Validate what we can here: a bad job file is refused without a round trip.
+        spec = await asyncio.to_thread(parse_job, upload.meta["toml"], base=Path(
+            upload.meta["base"]), out_base=Path(upload.meta["out_base"]))
+        rid = secrets.token_hex(8)
+        fut: asyncio.Future[JobSubmitReply] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        try:
+            await self.send(leader, JobSubmit(request_id=rid, dry_run=dry_run), (data,))
+            async with asyncio.timeout(SUBMIT_TIMEOUT_S):
+                reply = await fut
+        except TimeoutError:
+            raise JobRefused(f"the scheduler {leader} did not answer the submission within "
+                             f"{SUBMIT_TIMEOUT_S:g}s") from None
+        finally:
+            self._pending.pop(rid, None)
+        if not reply.ok:
+            raise JobRefused(f"{reply.message} (refused by the scheduler {leader})")
+        summary = dict(reply.summary)
+        summary["scheduler"] = leader
+        if not dry_run:
+            job_id = str(summary["job_id"])
+            self._remote[job_id] = _Remote(job_id, leader, spec.output, {
+                "job_id": job_id, "name": spec.name, "state": "running", "steps": spec.steps,
+                "step": 0, "loss": None, "first_loss": None, "stages": len(summary["stages"]),
+                "output": str(spec.output), "plan": summary["plan"], "history": [],
+                "status": {}, "lines": [], "outcome": None, "eta_s": None})
+        return summary
+
+    async def _on_remote_submit(self, peer: str, msg: JobSubmit) -> None:
+        """A submission forwarded by `peer`: plan and start it; answer either way."""
+        try:
+            summary = await self.submit(decode_upload(bytes(msg.payload)), dry_run=msg.dry_run,
+                                        submitter=peer)
+            reply = JobSubmitReply(request_id=msg.request_id, ok=True,
+                                   summary=json.loads(json.dumps(summary)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            reply = JobSubmitReply(request_id=msg.request_id, ok=False, message=str(e))
+        await self.send(peer, reply, ())
+
+    def _on_update(self, peer: str, msg: JobUpdate) -> None:
+        r = self._remote.get(msg.job_id)
+        if r is None or peer != r.scheduler or r.state in FINAL:
+            return
+        r.status = dict(msg.status)
+        if r.state in FINAL:
+            r.ended.set()
+
+    async def _on_output(self, peer: str, msg: JobOutput) -> None:
+        r = self._remote.get(msg.job_id)
+        name = msg.name
+        if r is None or peer != r.scheduler:
+            return
+        if "/" in name or name.startswith(".") or not name:
+            log.warning("job %s: output name %r from %s refused", msg.job_id, name, peer)
+            return
+        path = r.output / name
+        data = bytes(msg.payload)
+
+        def write() -> None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+
+        await asyncio.to_thread(write)
+        r.outputs[name.split(".")[0] if name in ("model.safetensors", "metrics.json")
+                  else name] = str(path)
+
+    async def _push(self, rec: _Record) -> None:
+        """Send a remote submitter the job's status every UPDATE_S until it ends."""
+        while rec.state == "running":
+            await self._send_update(rec)
+            await asyncio.sleep(UPDATE_S)
+
+    async def _send_update(self, rec: _Record) -> None:
+        st = json.loads(json.dumps(self.job(rec.job_id, history=1), default=str))
+        st["lines"] = list(rec.logs)
+        try:
+            await self.send(rec.submitter, JobUpdate(job_id=rec.job_id, status=st), ())
+        except (LocalError, OSError) as e:
+            log.info("job %s: update to %s not sent: %s", rec.job_id, rec.submitter, e)
+
+    async def submit(self, upload: Upload, *, dry_run: bool = False,
+                     submitter: str = "") -> dict[str, Any]:
         """Plan (and unless `dry_run`, start) a job; `JobRefused`/`FusionError` if it cannot
         run, before anything starts."""
         meta = upload.meta
@@ -268,20 +434,31 @@ class JobService:
             self._on_step(rec_box[0], m)
 
         def on_checkpoint(step: int, state: dict[str, torch.Tensor]) -> None:
-            p = save_checkpoint(spec.output, step, state)
-            rec_box[0].log(f"checkpoint {p}")
+            r = rec_box[0]
+            if not r.submitter:
+                r.log(f"checkpoint {save_checkpoint(spec.output, step, state)}")
+                return
+            with tempfile.TemporaryDirectory() as tmp:
+                p = save_checkpoint(Path(tmp), step, state)
+                blob = p.read_bytes()
+            self._spawn(self.send(r.submitter, JobOutput(job_id=r.job_id, name=p.name),
+                                  (blob,)), f"checkpoint {r.job_id}")
+            r.log(f"checkpoint {p.name} sent to {r.submitter}")
 
         coord = JobCoordinator(
             send=self.send, spec=spec, captured=captured, layout=layout, addresses=addresses,
             term=int(getattr(view, "term", 0)), ready_timeout_s=self.ready_timeout_s,
             failure_grace_s=self.failure_grace_s, tokens_per_sample=tps, on_step=on_step,
             on_checkpoint=on_checkpoint)
-        rec = _Record(job_id, spec, layout, coord, plan_text, time.time(), tps)
+        rec = _Record(job_id, spec, layout, coord, plan_text, time.time(), tps,
+                      submitter=submitter if submitter != self.node_id else "")
         rec_box.append(rec)
         self._jobs[job_id] = rec
         rec.log(f"submitted: {spec.steps} steps on {len(layout.stages)} stages ("
                 + ", ".join(f"{s.stage}:{s.node_id}" for s in layout.stages) + ")")
         rec.task = asyncio.create_task(self._run(rec), name=f"job {job_id}")
+        if rec.submitter:
+            self._spawn(self._push(rec), f"updates {job_id}")
         return summary
 
     def _on_step(self, rec: _Record, m: StepMetrics) -> None:
@@ -311,8 +488,11 @@ class JobService:
             rec.log(rec.outcome["failure"])
             return
         try:
-            paths = await asyncio.to_thread(write_outputs, outcome, rec.spec.output)
-            rec.outputs = {k: str(v) for k, v in paths.items()}
+            if rec.submitter:
+                await self._send_outputs(rec, outcome)
+            else:
+                paths = await asyncio.to_thread(write_outputs, outcome, rec.spec.output)
+                rec.outputs = {k: str(v) for k, v in paths.items()}
         except OSError as e:
             rec.log(f"could not write the outputs to {rec.spec.output}: {e}")
             if outcome.ok:
@@ -329,6 +509,18 @@ class JobService:
             else:
                 rec.state = "failed"
                 rec.log(f"failed: {outcome.failure}")
+        if rec.submitter:
+            await self._send_update(rec)  # the final status, behind the outputs (both BULK)
+
+    async def _send_outputs(self, rec: _Record, outcome: JobOutcome) -> None:
+        """Write the outputs to a scratch directory and send each file to the submitter."""
+        with tempfile.TemporaryDirectory() as tmp:
+            paths = await asyncio.to_thread(write_outputs, outcome, Path(tmp))
+            for key, p in paths.items():
+                blob = await asyncio.to_thread(p.read_bytes)
+                await self.send(rec.submitter, JobOutput(job_id=rec.job_id, name=p.name),
+                                (blob,))
+                rec.outputs[key] = f"{rec.submitter}:{rec.spec.output / p.name}"
 
     # -- API ----------------------------------------------------------------------------------
 
@@ -336,7 +528,13 @@ class JobService:
         """Jobs submitted here and stages hosted here."""
         return {
             "node_id": self.node_id,
-            "jobs": [self._brief(r) for r in self._jobs.values()],
+            "jobs": [self._brief(r) for r in self._jobs.values() if not r.submitter]
+            + [{k: r.status.get(k) for k in ("job_id", "name", "state", "steps", "step",
+                                             "loss", "first_loss", "stages", "submitted_at",
+                                             "output")} | {"scheduler": r.scheduler}
+               for r in self._remote.values()],
+            "coordinating": [self._brief(r) | {"submitter": r.submitter}
+                             for r in self._jobs.values() if r.submitter],
             "stages": [{"job_id": j, **v} for j, v in self.worker.jobs().items()],
         }
 
@@ -346,17 +544,21 @@ class JobService:
                 "steps": r.spec.steps, "step": len(r.history),
                 "loss": last.get("loss"), "first_loss": r.first_loss,
                 "stages": len(r.layout.stages), "submitted_at": r.submitted_at,
-                "output": str(r.spec.output)}
+                "output": str(r.spec.output), "scheduler": self.node_id}
 
-    def get(self, job_id: str) -> _Record:
-        rec = self._jobs.get(job_id)
+    def get(self, job_id: str) -> _Record | _Remote:
+        """The job submitted here (or coordinated here); KeyError if unknown."""
+        rec: _Record | _Remote | None = self._remote.get(job_id) or self._jobs.get(job_id)
         if rec is None:
             raise KeyError(job_id)
         return rec
 
     def job(self, job_id: str, history: int = 20) -> dict[str, Any]:
         """Everything `fusionctl job ID` shows."""
-        r = self.get(job_id)
+        got = self.get(job_id)
+        if isinstance(got, _Remote):
+            return got.view()
+        r = got
         elapsed = time.time() - r.submitted_at
         done = len(r.history)
         eta = None
@@ -370,10 +572,21 @@ class JobService:
                 "tokens_per_sample": r.tokens_per_sample}
 
     def logs(self, job_id: str) -> dict[str, Any]:
-        return {"job_id": job_id, "lines": list(self.get(job_id).logs)}
+        r = self.get(job_id)
+        lines = list(r.status.get("lines", [])) if isinstance(r, _Remote) else list(r.logs)
+        return {"job_id": job_id, "lines": lines}
 
     async def cancel(self, job_id: str) -> dict[str, Any]:
-        r = self.get(job_id)
+        got = self.get(job_id)
+        if isinstance(got, _Remote):
+            if got.state in FINAL:
+                return {"job_id": job_id, "state": got.state, "cancelled": False}
+            await self.send(got.scheduler, JobCancel(job_id=job_id, reason="cancelled by the "
+                                                     f"user on {self.node_id}"), ())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(got.ended.wait(), 20.0)
+            return {"job_id": job_id, "state": got.state, "cancelled": got.state == "cancelled"}
+        r = got
         if r.state != "running":
             return {"job_id": job_id, "state": r.state, "cancelled": False}
         r.cancel_requested = True
@@ -384,5 +597,3 @@ class JobService:
                 await asyncio.wait_for(asyncio.shield(r.task), 15.0)
         return {"job_id": job_id, "state": r.state, "cancelled": True}
 
-    def output_dir(self, job_id: str) -> Path:
-        return self.get(job_id).spec.output

@@ -45,6 +45,14 @@ def cluster3() -> Iterator[Cluster]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def leader_and_other(c: Cluster) -> tuple[Any, Any]:
+    """The node that is the elected scheduler, and one that is not."""
+    st = c.nodes[0].status()
+    assert st is not None and st["cluster"]["leader"], st
+    lead = next(n for n in c.nodes if c.node_id(n) == st["cluster"]["leader"])
+    return lead, next(n for n in c.nodes if n is not lead)
+
+
 def ctl(node: Any, *args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, Any, str]:
     """Run fusionctl against `node` in this process; (exit code, stdout JSON or text, stderr)."""
     from fusionctl.cli import run

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import ctl, start_cluster
+from tests.e2e.conftest import ctl, leader_and_other, start_cluster
 from tests.e2e.test_jobs import GPT2, _write
 
 pytestmark = [pytest.mark.multidaemon, pytest.mark.slow, pytest.mark.timeout(180)]
@@ -22,7 +22,7 @@ def test_killing_a_stage_daemon_fails_the_job_with_a_report(
     root = Path(tempfile.mkdtemp(prefix="fzk"))
     c = start_cluster(root)
     try:
-        node0 = c.nodes[0]
+        node0, _ = leader_and_other(c)  # the scheduler: stages 1 and 2 run elsewhere
         job = _write(tmp_path, GPT2.replace("steps = 20", "steps = 100000"))
         rc, res, err = ctl(node0, "submit", str(job), "--stages", "3", "--detach", "--json",
                            capsys=capsys)

@@ -25,7 +25,7 @@ from fusiond.train.local import ReferenceTrainer
 from fusiond.train.model import build_model, loss_fn
 from fusiond.train.spec import default_text_path, load_job
 from tests.daemon.harness import Cluster
-from tests.e2e.conftest import ctl
+from tests.e2e.conftest import ctl, leader_and_other
 
 pytestmark = [pytest.mark.multidaemon, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -146,10 +146,16 @@ def test_three_daemons_match_single_process(cluster3: Cluster, tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str],
                                             template: str) -> None:
     job = _write(tmp_path, template)
-    rc, res, err = ctl(cluster3.nodes[0], "submit", str(job), "--stages", "3", "--json",
+    lead, other = leader_and_other(cluster3)
+    # GPT-2 goes through a daemon that is not the scheduler: forwarded (JobSubmit), trained,
+    # and its outputs sent back (JobOutput) to be written here; the others go to the scheduler.
+    submitter = other if template is GPT2 else lead
+    rc, res, err = ctl(submitter, "submit", str(job), "--stages", "3", "--json",
                        capsys=capsys)
     assert rc == 0, err + cluster3.explain("job failed")
     assert res["state"] == "done"
+    assert res["scheduler"] == cluster3.node_id(lead)
+    assert res["outputs"]["model"] == str(tmp_path / "out" / "model.safetensors")
     assert len({s["node"] for s in res["status"]["stages"]}) == 3  # three daemons trained it
     import json
 
@@ -192,7 +198,7 @@ def test_bad_jobs_are_refused_at_submit(cluster3: Cluster, tmp_path: Path,
 
 def test_cancel_mid_job_then_the_next_job_succeeds(cluster3: Cluster, tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    node0 = cluster3.nodes[0]
+    lead, node0 = leader_and_other(cluster3)  # submitted to a non-scheduler: cancel travels
     long_job = _write(tmp_path, GPT2.replace("steps = 20", "steps = 100000"), "long.toml")
     rc, res, err = ctl(node0, "submit", str(long_job), "--stages", "3", "--detach", "--json",
                        capsys=capsys)
@@ -204,8 +210,8 @@ def test_cancel_mid_job_then_the_next_job_succeeds(cluster3: Cluster, tmp_path: 
         return d["step"] >= 3, f"{d['state']} at step {d['step']}"
 
     cluster3.wait_for(running, 60.0, "the long job running")
-    # Prometheus: the coordinating daemon exports the job's live figures
-    url = node0.api("GET", "/v1/paths")["metrics"]
+    # Prometheus: the coordinating daemon (the scheduler) exports the job's live figures
+    url = lead.api("GET", "/v1/paths")["metrics"]
     with urllib.request.urlopen(url, timeout=5) as r:
         text = r.read().decode()
     assert f'fusion_job_steps{{job="{job_id}"}} 100000.0' in text, text[-2000:]

@@ -75,6 +75,10 @@ UPDATE_S = 0.5
 SUBMIT_TIMEOUT_S = 300.0
 """How long a forwarded submission waits for the scheduler's answer (planning a big model)."""
 FINAL = ("done", "failed", "cancelled")
+REMOTE_SEND_S = 10.0
+"""Bound on one status update to a remote submitter."""
+REMOTE_OUTPUTS_S = 600.0
+"""Bound on sending a job's outputs back to its submitter."""
 
 
 class JobRefused(LocalError):
@@ -279,6 +283,11 @@ class JobService:
         for rec in self._jobs.values():
             if rec.state != "running":
                 continue
+            if rec.submitter in gone:  # nowhere to write the outputs: stop, free the stages
+                rec.cancel_requested = True
+                self._spawn(rec.coord.cancel(f"the submitting daemon {rec.submitter} is "
+                                             f"{gone[rec.submitter]}"), f"orphan {rec.job_id}")
+                continue
             for node in rec.layout.stage_nodes.values():
                 if node in gone:
                     rec.coord.node_failed(node, f"the membership layer declared {node} "
@@ -374,8 +383,9 @@ class JobService:
         st = json.loads(json.dumps(self.job(rec.job_id, history=1), default=str))
         st["lines"] = list(rec.logs)
         try:
-            await self.send(rec.submitter, JobUpdate(job_id=rec.job_id, status=st), ())
-        except (LocalError, OSError) as e:
+            async with asyncio.timeout(REMOTE_SEND_S):  # a dead submitter must not stall us
+                await self.send(rec.submitter, JobUpdate(job_id=rec.job_id, status=st), ())
+        except (LocalError, OSError, TimeoutError) as e:
             log.info("job %s: update to %s not sent: %s", rec.job_id, rec.submitter, e)
 
     async def submit(self, upload: Upload, *, dry_run: bool = False,
@@ -489,12 +499,13 @@ class JobService:
             return
         try:
             if rec.submitter:
-                await self._send_outputs(rec, outcome)
+                async with asyncio.timeout(REMOTE_OUTPUTS_S):
+                    await self._send_outputs(rec, outcome)
             else:
                 paths = await asyncio.to_thread(write_outputs, outcome, rec.spec.output)
                 rec.outputs = {k: str(v) for k, v in paths.items()}
-        except OSError as e:
-            rec.log(f"could not write the outputs to {rec.spec.output}: {e}")
+        except (OSError, LocalError, TimeoutError) as e:
+            rec.log(f"could not write the outputs to {rec.spec.output}: {e!r}")
             if outcome.ok:
                 outcome.ok = False
         rec.outcome = outcome.summary()

@@ -200,3 +200,22 @@ def test_local_up_fails_fast_with_the_cause() -> None:
         busy.close()
         local.down(d)
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_job_commands_without_a_cluster(daemon: LocalNode, tmp_path: Path,
+                                        capsys: Capture) -> None:
+    """The job commands' exit codes are documented; before the node is in a cluster (or
+    after it left) `jobs` is empty, an unknown job is named, and a missing job file is
+    refused here before anything is sent."""
+    assert run(["submit", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "5  submit: the job failed" in out and "6  submit: the job was cancelled" in out
+    sock = ["--socket", daemon.socket]
+    jobs = _json(capsys, [*sock, "jobs", "--json"])
+    assert jobs["jobs"] == []
+    assert run([*sock, "job", "nope-123"]) == EXIT_FAILED
+    err = capsys.readouterr().err  # which one depends on whether the module's node left yet
+    assert "no job 'nope-123'" in err or "this node is not in a cluster" in err, err
+    assert run([*sock, "submit", str(tmp_path / "missing.toml")]) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "job refused" in err and "missing.toml: no such file" in err

@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -339,6 +340,11 @@ def run_topology(name: str, args: argparse.Namespace, wl: Workload
             Path(args.traces).mkdir(parents=True, exist_ok=True)
             (Path(args.traces) / f"{name}-{s}.json").write_text(trace.to_json())
     finally:
+        keep = Path(args.traces) / f"{name}-logs"
+        with contextlib.suppress(OSError):
+            keep.mkdir(parents=True, exist_ok=True)
+            for log in (tb.work_dir / "wan").glob("*.log"):
+                shutil.copyfile(log, keep / log.name)
         tb.down()
     rows = {s: figures(t, target=args.target_loss, window=args.window, skip=args.skip,
                        wire_bytes=wire.get(s)) for s, t in traces.items()}
@@ -454,16 +460,31 @@ def main() -> None:
 NOTES = """
 ## Notes
 
-- All hosts share this machine's cores: a run's throughput is bounded by the sum of its
-  hosts' compute on those cores as well as by the links. The lead re-measures on a quiet
-  machine; the figures above are what this run saw.
-- Fusion runs: `bench/wan_fusion.py` (JobWorker + PeerNetwork per host, plaintext; the
-  JobCoordinator in the first host), planned on the configured links at 95 % goodput and one
-  calibration of the first host scaled by each host's CPU quota. Each job is cancelled when
-  the budget is over.
-- DDP: every rank takes its share of the same global batch per step; loss = the global mean.
-- hivemind: `target_batch_size` = the global batch, `matchmaking_time` 2 s; loss = the first
-  peer's mean local loss between global steps.
+- Model: GPT-2 `mini` of `fusiond.models.gpt2` (4 layers, width 128, 4 heads) at vocab 256
+  (byte tokens), about 0.8 M parameters: what eight host processes on this machine's 2 cores
+  can train at all. Same initial weights (seed) everywhere.
+- This machine has 2 cores for every host (and for the other engineers' work): a run's
+  throughput is bounded by the sum of its hosts' compute on those cores as well as by the
+  links, and load from elsewhere moves every figure. The lead re-measures on a quiet machine;
+  the figures above are what these runs saw, nothing is adjusted.
+- Fusion runs: `bench/wan_fusion.py` in each host (a JobWorker over a PeerNetwork with mutual
+  TLS, credentials made per run); the JobCoordinator in the first host runs the job planned on
+  the configured links (95 % of the shaped rate: the measured goodput) and on one calibration
+  of the first host (1 thread) scaled by each host's CPU quota. The job is cancelled when the
+  budget is over. The clock starts just before the Assign messages (weights included) go out.
+- With `--host-memory-mb`, the memory cap exists for the planner only (nothing enforces it at
+  run time): it emulates machines that cannot hold the whole model, the paper's setting.
+  The uniform split ignores it (it may be "over memory"), as a naive pipeline would.
+  Without it the model fits one host and OP-Fence rightly keeps it there (no network at all).
+- DDP (`bench/wan_ddp.py`): every rank takes its contiguous share of the same global batch
+  per step, gradients all-reduced over gloo (ring); loss = the global mean; the clock starts
+  before DDP's constructor (its parameter broadcast counts).
+- hivemind (`bench/wan_hivemind.py`, venv from `bench/hivemind/setup.sh`): `target_batch_size`
+  = the global batch, each peer's local step = its share, `matchmaking_time` 2 s (the default
+  15 s would leave a 45 s budget with one or two steps); loss = the first peer's mean local
+  loss between global steps (noisier than the others: a quarter of the batch).
+- Bytes on the wire count everything the hosts' eth0 sent (TCP/IP headers, weights shipped at
+  the start, tied-weight gradients, DHT traffic), so they are comparable across systems.
 """
 
 

@@ -4,12 +4,14 @@
 micro-batch size; a job that fits no cut of the machines' memory is refused with the planner's
 `PlanError` naming the sizes. `layout_from_plan` turns the plan into the `JobLayout` that
 `assign_messages` / `JobCoordinator` take: machines per stage from the plan, densities from its
-AdaTopK policy (or the job's forced `compression.density`).
+AdaTopK policy (or the job's forced `compression.density`). `readapted_densities` is the
+scheduler's re-adaptation decision while the job runs: the same cut, densities recomputed for
+the links as measured now.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -22,11 +24,12 @@ from fusiond.plan import (
     batch_symbol,
     cost_graph_from_ir,
     plan_opfence,
+    readapt,
 )
 from fusiond.train.spec import JobSpec
 from protocol import ir
 
-__all__ = ["job_settings", "layout_from_plan", "plan_job"]
+__all__ = ["job_settings", "layout_from_plan", "plan_job", "readapted_densities"]
 
 
 def job_settings(spec: JobSpec) -> JobSettings:
@@ -61,3 +64,25 @@ def layout_from_plan(job_id: str, graph: ir.Graph, state: Mapping[str, torch.Ten
                           exact=spec.compression.exact_edges)
     densities = plan.edge_densities() if spec.compression.adatopk else {}
     return layout_job(job_id, graph, state, op_nodes, densities=densities)
+
+
+def readapted_densities(plan: Plan, cluster: Cluster, current: Mapping[str, float],
+                        edges: Iterable[str], *, tolerance: float = 0.1) -> dict[str, float] | None:
+    """AdaTopK re-adaptation: the densities of `plan`'s cut edges under `cluster`'s measured
+    links (`fusiond.plan.readapt`), for every edge in `edges` (the layout's cut edges; 1.0 =
+    exact). `current` holds the densities in force (an edge absent = exact).
+
+    None when nothing should be sent: the cluster's machines are not the plan's (a changed
+    membership needs a re-plan, not new densities), or no edge's density moved by more than
+    `tolerance` (relative), so measurement noise does not make stages switch every period.
+    """
+    if cluster.ids() != plan.arrays.cluster.ids():
+        return None
+    fresh = readapt(plan, cluster).densities
+    by_edge = {f"{name}->{dst}": d for (name, dst), d in fresh.items()}
+    new = {e: float(by_edge.get(e, 1.0)) for e in edges}
+    for e, d in new.items():
+        old = float(current.get(e, 1.0))
+        if abs(d - old) > tolerance * old:
+            return new
+    return None

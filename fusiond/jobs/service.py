@@ -8,6 +8,8 @@ Every daemon runs one `JobService` once its peer network is up. It
   live cluster view (`plan_job`: the members' gossiped profiles and the measured link matrix)
   or cuts it over a requested number of machines, and runs a `JobCoordinator` for it;
 - writes the outputs (model.safetensors + metrics.json) here, on the submitting machine;
+- re-adapts a planned job's AdaTopK densities to the measured links every
+  `compression.readapt_interval_s` (`_readapt`);
 - fails a job whose stage machine the membership layer declares dead (`node_failed`);
 - answers the API's read commands (`jobs`, `job`, `logs`) and `cancel`.
 
@@ -39,11 +41,11 @@ from fusiond.errors import LocalError
 from fusiond.graph import contiguous_assignment
 from fusiond.jobs.assign import JobLayout, layout_job
 from fusiond.jobs.coordinator import JobCoordinator, JobOutcome, save_checkpoint, write_outputs
-from fusiond.jobs.planning import layout_from_plan, plan_job
+from fusiond.jobs.planning import layout_from_plan, plan_job, readapted_densities
 from fusiond.jobs.submit import check_capacity, memory_estimate, restore_job
 from fusiond.jobs.upload import Upload, decode_upload
 from fusiond.jobs.worker import JobWorker, SendFn, local_sender
-from fusiond.plan import Cluster, MachineProfile
+from fusiond.plan import Cluster, MachineProfile, Plan
 from fusiond.plan.render import render_plan
 from fusiond.train.local import StepMetrics
 from fusiond.train.spec import JobSpec, parse_job
@@ -123,6 +125,8 @@ class _Record:
     first_loss: float | None = None
     submitter: str = ""
     """The daemon that took the submission; its outputs go there (empty: this one)."""
+    plan: Plan | None = None
+    """The planner's plan (None for a `--stages` cut): AdaTopK re-adapts on its cut."""
 
     def log(self, text: str) -> None:
         stamp = time.strftime("%H:%M:%S", time.gmtime())
@@ -411,6 +415,7 @@ class JobService:
         cluster, addresses, memory = cluster_for_planner(view)
         check_capacity(captured, spec, memory)
         job_id = f"{spec.name}-{secrets.token_hex(3)}"
+        plan: Plan | None = None
         if stages is not None:
             ids = [self.node_id] + [n for n in cluster.ids() if n != self.node_id]
             if stages > len(ids):
@@ -461,7 +466,7 @@ class JobService:
             failure_grace_s=self.failure_grace_s, tokens_per_sample=tps, on_step=on_step,
             on_checkpoint=on_checkpoint)
         rec = _Record(job_id, spec, layout, coord, plan_text, time.time(), tps,
-                      submitter=submitter if submitter != self.node_id else "")
+                      submitter=submitter if submitter != self.node_id else "", plan=plan)
         rec_box.append(rec)
         self._jobs[job_id] = rec
         rec.log(f"submitted: {spec.steps} steps on {len(layout.stages)} stages ("
@@ -469,7 +474,38 @@ class JobService:
         rec.task = asyncio.create_task(self._run(rec), name=f"job {job_id}")
         if rec.submitter:
             self._spawn(self._push(rec), f"updates {job_id}")
+        c = spec.compression
+        if plan is not None and c.adatopk and c.density is None and c.readapt_interval_s > 0:
+            self._spawn(self._readapt(rec, plan, c.readapt_interval_s), f"readapt {job_id}")
         return summary
+
+    async def _readapt(self, rec: _Record, plan: Plan, interval_s: float) -> None:
+        """AdaTopK re-adaptation while `rec` runs: every `interval_s`, densities for the plan's
+        cut under the links as measured now; changed ones go to the sending stages."""
+        current = dict(rec.layout.densities)
+        edges = [e.edge for e in rec.layout.edges()]
+        while rec.state == "running":
+            await asyncio.sleep(interval_s)
+            if rec.state != "running" or rec.coord.status()["state"] != "running":
+                continue
+            view = self.view()
+            if view is None:
+                continue
+            try:
+                cluster, _, _ = cluster_for_planner(view)
+                new = await asyncio.to_thread(readapted_densities, plan, cluster, current, edges)
+                if new is None:
+                    continue
+                await rec.coord.set_densities(new)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the job goes on with the densities it has
+                rec.log(f"re-adaptation skipped: {type(e).__name__}: {e}")
+                continue
+            rec.log("AdaTopK re-adapted to the measured links: " + ", ".join(
+                f"{k} {current.get(k, 1.0):.3g}->{v:.3g}" for k, v in sorted(new.items())
+                if v != current.get(k, 1.0)))
+            current = {k: v for k, v in new.items() if v < 1.0}
 
     def _on_step(self, rec: _Record, m: StepMetrics) -> None:
         d = m.as_dict()

@@ -156,6 +156,8 @@ class CompressionSpec:
     `exact_edges`: edge ids or producing node ids never compressed.
     `per_row`: top-k over each row of the last axis (each token's features) rather than the
     whole tensor.
+    `readapt_interval_s`: with `adatopk` (and no forced `density`), every this many seconds the
+    scheduler recomputes the densities from the links as measured then; 0 = never.
     """
 
     adatopk: bool
@@ -163,6 +165,7 @@ class CompressionSpec:
     density: float | None
     exact_edges: tuple[str, ...]
     per_row: bool = True
+    readapt_interval_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -412,9 +415,11 @@ def _compression(t: _Table) -> CompressionSpec:
     else:
         raise JobSpecError(t.name("exact_edges"), f"must be a list of edge ids, got {exact_raw!r}")
     per_row = t.boolean("per_row", True)
+    readapt_s = t.number("readapt_interval_s", 10.0, lo=0.0)
     t.finish()
     return CompressionSpec(
-        adatopk=adatopk, density_floor=floor, density=density, exact_edges=exact, per_row=per_row
+        adatopk=adatopk, density_floor=floor, density=density, exact_edges=exact, per_row=per_row,
+        readapt_interval_s=readapt_s,
     )
 
 

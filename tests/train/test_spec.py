@@ -46,6 +46,7 @@ def test_defaults() -> None:
     assert spec.batch.micro_batch_size * spec.batch.micro_batches == spec.batch.size
     assert spec.output == Path("/tmp/runs/job")
     assert spec.compression.density is None and spec.compression.exact_edges == ()
+    assert spec.compression.readapt_interval_s == 10.0
 
 
 def _doc(**tables: dict[str, Any]) -> dict[str, Any]:
@@ -94,6 +95,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     (_doc(compression={"density_floor": 2}), "compression.density_floor"),
     (_doc(compression={"adatopk": "yes"}), "compression.adatopk"),
     (_doc(compression={"exact_edges": "e1"}), "compression.exact_edges"),
+    (_doc(compression={"readapt_interval_s": -1}), "compression.readapt_interval_s"),
     (_doc(extra={"x": 1}), "extra"),
     ({"job": {"steps": 1}, "model": {"zoo": "gpt2"}, "optimizer": []}, "optimizer"),
 ]

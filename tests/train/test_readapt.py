@@ -1,0 +1,128 @@
+"""AdaTopK re-adaptation during a job: the scheduler's decision (which densities to send) from a
+plan and the links as measured now, and the service loop that sends them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fusiond.jobs.planning import readapted_densities
+from fusiond.plan import (
+    Cluster,
+    CostGraph,
+    JobSettings,
+    MachineProfile,
+    OpCost,
+    Plan,
+    StageSpec,
+    TensorEdge,
+    plan_from_stages,
+)
+
+EDGES = ["b->1", "ids->1"]  # the cut's edges as the layout names them
+
+
+def _plan(bw: float) -> tuple[Plan, Cluster]:
+    """Two machines, one cut carrying a float activation `b` (4 MB) and int ids (exact);
+    60 ms of compute per micro-batch per stage."""
+    ops = tuple(OpCost(f"op{i}", fwd_flops=1e10, bwd_flops=2e10) for i in range(4))
+    ts = (TensorEdge("a", 0, (1,), 4e6, 1e6), TensorEdge("b", 1, (2,), 4e6, 1e6),
+          TensorEdge("ids", 1, (2,), 1e5, 1.25e4, grad=False, compressible=False),
+          TensorEdge("c", 2, (3,), 4e6, 1e6))
+    ms = [MachineProfile(f"m{i}", {"other": 1e12}, 1e12, 0.0, 1e12) for i in range(2)]
+    cl = Cluster.build(ms, np.array([[np.inf, bw], [bw, np.inf]]))
+    st = JobSettings(micro_batch_size=1, num_micro_batches=8, density_floor=0.05)
+    return plan_from_stages(CostGraph(ops, ts), cl, st, [StageSpec(0, 0, 2), StageSpec(1, 2, 4)],
+                            compress=True), cl
+
+
+def _bw(cl: Cluster, bw: float) -> Cluster:
+    return cl.with_bandwidth(np.array([[np.inf, bw], [bw, np.inf]]))
+
+
+def test_a_link_that_slows_down_gets_compressed_and_back() -> None:
+    plan, cl = _plan(1e9)  # fast link: the plan keeps every edge exact
+    assert plan.edge_densities() == {}
+    assert readapted_densities(plan, cl, {}, EDGES) is None  # nothing changed: nothing sent
+    slow = readapted_densities(plan, _bw(cl, 2e7), {}, EDGES)  # 200 ms > 60 ms compute
+    assert slow is not None and set(slow) == set(EDGES)
+    assert 0.05 <= slow["b->1"] < 0.5 and slow["ids->1"] == 1.0  # non-float stays exact
+    current = {k: v for k, v in slow.items() if v < 1}
+    # Measurement noise (1 %) moves the density by less than the tolerance: nothing sent.
+    assert readapted_densities(plan, _bw(cl, 2.02e7), current, EDGES) is None
+    # Slower still: a lower density; fast again: every edge back to exact.
+    slower = readapted_densities(plan, _bw(cl, 5e6), current, EDGES)
+    assert slower is not None and slower["b->1"] < current["b->1"]
+    back = readapted_densities(plan, _bw(cl, 1e9), current, EDGES)
+    assert back == {"b->1": 1.0, "ids->1": 1.0}
+
+
+def test_changed_membership_is_not_readapted() -> None:
+    plan, _ = _plan(1e9)
+    ms = [MachineProfile(f"x{i}", {"other": 1e12}, 1e12, 0.0, 1e12) for i in range(2)]
+    other = Cluster.build(ms, np.array([[np.inf, 1e6], [1e6, np.inf]]))
+    assert readapted_densities(plan, other, {}, EDGES) is None
+
+
+@pytest.mark.parametrize("tolerance", [0.01, 0.5])
+def test_tolerance_is_relative(tolerance: float) -> None:
+    plan, cl = _plan(1e9)
+    d = readapted_densities(plan, _bw(cl, 2e7), {}, EDGES)
+    assert d is not None
+    near = {"b->1": d["b->1"] * 1.2}  # 20 % off the fresh figure
+    got = readapted_densities(plan, _bw(cl, 2e7), near, EDGES, tolerance=tolerance)
+    assert (got is None) == (tolerance > 0.2)
+
+
+class _Coord:
+    def __init__(self) -> None:
+        self.sent: list[dict[str, float]] = []
+
+    def status(self) -> dict[str, str]:
+        return {"state": "running"}
+
+    async def set_densities(self, densities: dict[str, float]) -> None:
+        self.sent.append(dict(densities))
+
+
+async def test_service_sends_densities_when_the_measured_link_slows() -> None:
+    """The scheduler's loop reads the cluster view's link matrix and sends JobDensities
+    (through `JobCoordinator.set_densities`) only when the measurement moved the densities."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from fusiond.jobs.service import JobService
+
+    plan, _ = _plan(1e9)
+    links: dict[tuple[str, str], tuple[float, float]] = {("m0", "m1"): (1e9, 0.0)}
+    members = [SimpleNamespace(node_id=f"m{i}", state="alive", address=("127.0.0.1", 1),
+                               profile={"gflops": 1000.0, "memory_bytes": 1e12})
+               for i in range(2)]
+    view = SimpleNamespace(members=members, links=links)
+
+    async def send_raw(peer: str, msg: object, payload: object = ()) -> None:
+        raise AssertionError("nothing goes on the wire here")
+
+    svc = JobService(node_id="m0", send_raw=send_raw, view=lambda: view)
+    coord = _Coord()
+    lines: list[str] = []
+    layout = SimpleNamespace(densities={}, edges=lambda: [SimpleNamespace(edge=e) for e in EDGES])
+    rec = SimpleNamespace(state="running", coord=coord, layout=layout, log=lines.append)
+    task = asyncio.create_task(svc._readapt(rec, plan, 0.01))  # type: ignore[arg-type]
+    try:
+        await asyncio.sleep(0.1)
+        assert coord.sent == []  # fast link as planned: nothing to send
+        links[("m0", "m1")] = (2e7, 0.0)  # the prober measured a slower link
+        for _ in range(200):
+            if coord.sent:
+                break
+            await asyncio.sleep(0.01)
+        assert len(coord.sent) == 1 and coord.sent[0]["b->1"] < 0.5
+        assert "b->1 1->" in lines[-1]
+        await asyncio.sleep(0.1)
+        assert len(coord.sent) == 1  # same measurement: not sent again
+    finally:
+        rec.state = "done"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task

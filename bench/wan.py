@@ -350,7 +350,8 @@ def run_topology(name: str, args: argparse.Namespace, wl: Workload
                        wire_bytes=wire.get(s)) for s, t in traces.items()}
     slow = slowest_mbit(topo)
     vs = verdicts(rows, slowest_mbit=slow)
-    png = Path(args.doc).with_name(f"benchmarks-{name}.png")
+    suffix = f"-mem{args.host_memory_mb:g}" if args.host_memory_mb else ""
+    png = Path(args.doc).with_name(f"benchmarks-{name}{suffix}.png")
     has_plot = plot(traces, f"{name} ({len(hosts)} hosts), GPT-2 {wl.size}", png,
                     args.target_loss)
     links = sorted({(topo.link(a, b).bandwidth_bps, topo.link(a, b).rtt_s)
@@ -450,9 +451,9 @@ def main() -> None:
         old = doc.read_text()
         body = old[:old.index("\n## Notes")] if "\n## Notes" in old else old
         doc.write_text(body.rstrip("\n") + "\n\n## Run: " + " ".join(sys.argv[1:]) + "\n\n"
-                       + "\n".join(header[2:] + sections) + "\n" + NOTES)
+                       + "\n".join(header[2:]) + "\n" + "\n\n".join(sections) + "\n" + NOTES)
     else:
-        doc.write_text("\n".join(header + sections) + "\n" + NOTES)
+        doc.write_text("\n".join(header) + "\n" + "\n\n".join(sections) + "\n" + NOTES)
     print(f"wrote {doc}")
     sys.exit(0 if all_ok else 1)
 
@@ -482,7 +483,11 @@ NOTES = """
 - hivemind (`bench/wan_hivemind.py`, venv from `bench/hivemind/setup.sh`): `target_batch_size`
   = the global batch, each peer's local step = its share, `matchmaking_time` 2 s (the default
   15 s would leave a 45 s budget with one or two steps); loss = the first peer's mean local
-  loss between global steps (noisier than the others: a quarter of the batch).
+  loss between global steps (noisier than the others: a quarter of the batch). Caveat that
+  favours hivemind: its first peer starts training before the others have joined (its
+  progress tracker lets a lone peer fill the target batch), so the first 10-20 global steps
+  of its traces are that peer alone, without averaging (see `local_steps` in the trace);
+  once all peers average over the slow links, steps take 5-40 s.
 - Bytes on the wire count everything the hosts' eth0 sent (TCP/IP headers, weights shipped at
   the start, tied-weight gradients, DHT traffic), so they are comparable across systems.
 """

@@ -136,6 +136,17 @@ def layout_job(
                      graph.outputs[0].name)
 
 
+@dataclass(frozen=True)
+class Corpus:
+    """A text job's corpus as the submitting machine read it: its content hash (`digest`,
+    `fusiond.train.data.corpus_digest`) and, unless it is the default corpus (`default`: each
+    stage reads its own standard library and checks the hash), the token ids to ship."""
+
+    digest: str
+    default: bool
+    tokens: torch.Tensor | None = None
+
+
 def _shipped_tokens(spec: JobSpec) -> torch.Tensor | None:
     """The corpus as a compact tensor, when the job's text is not the default corpus (the
     standard library every machine has): the stages that read data get it in their Assign."""
@@ -156,19 +167,25 @@ def assign_messages(
     plan_version: int,
     addresses: Mapping[str, Address],
     first_request_id: int = 1,
+    corpus: Corpus | None = None,
 ) -> dict[str, tuple[Assign, bytes]]:
     """Per machine, its Assign and the payload (its partition's weights, safetensors; plus the
-    corpus tokens under `DATA_TOKENS_KEY` for stages that read data of a non-default corpus)."""
+    corpus tokens under `DATA_TOKENS_KEY` for stages that read data of a non-default corpus).
+
+    `corpus`: what the submitter read (a job submitted to a daemon); None reads a non-default
+    corpus here (in-process drivers, where here is the submitting machine)."""
     nodes = layout.stage_nodes
     absent = [n for n in nodes.values() if n not in addresses]
     if absent:
         raise LayoutError(f"no address for machine {absent[0]!r}")
     config = job_config(spec, stage_nodes=nodes, shared=layout.shared,
                         input_name=layout.input_name, targets_name=layout.targets_name,
-                        loss_name=layout.loss_name)
+                        loss_name=layout.loss_name,
+                        corpus_digest="" if corpus is None else corpus.digest,
+                        default_corpus=corpus is not None and corpus.default)
     routes = layout.edges()
     job_nodes = {n: tuple(addresses[n]) for n in nodes.values()}
-    shipped = _shipped_tokens(spec)
+    shipped = _shipped_tokens(spec) if corpus is None else corpus.tokens
     out: dict[str, tuple[Assign, bytes]] = {}
     for i, s in enumerate(layout.stages):
         mine = tuple(r for r in routes if s.stage in (r.src_partition, r.dst_partition))

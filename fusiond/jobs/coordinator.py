@@ -24,7 +24,7 @@ import torch
 
 from fusiond.errors import LocalError
 from fusiond.graph import CapturedModel, state_from_bytes
-from fusiond.jobs.assign import JobLayout, assign_messages
+from fusiond.jobs.assign import Corpus, JobLayout, assign_messages
 from fusiond.jobs.results import gather_state, save_model, write_metrics
 from fusiond.jobs.worker import SendFn
 from fusiond.train.local import StepMetrics, merge_reports
@@ -105,8 +105,10 @@ class JobCoordinator:
         tokens_per_sample: int = 0,
         on_step: Callable[[StepMetrics], Any] | None = None,
         on_checkpoint: Callable[[int, dict[str, torch.Tensor]], Any] | None = None,
+        corpus: Corpus | None = None,
     ) -> None:
         self.send = send
+        self.corpus = corpus  # what the submitter read (None: read a shipped corpus here)
         self.spec = spec
         self.captured = captured
         self.layout = layout
@@ -287,7 +289,8 @@ class JobCoordinator:
         loop = asyncio.get_running_loop()
         self._state = "assigning"
         assigns = assign_messages(self.layout, self.spec, self.captured.state, term=self.term,
-                                  plan_version=self.plan_version, addresses=self.addresses)
+                                  plan_version=self.plan_version, addresses=self.addresses,
+                                  corpus=self.corpus)
         for node, (msg, _) in assigns.items():
             self._ready[node] = loop.create_future()
             self._request_ids[msg.request_id] = node

@@ -38,12 +38,12 @@ from typing import Any
 import torch
 
 from fusiond.errors import LocalError
-from fusiond.graph import contiguous_assignment
-from fusiond.jobs.assign import JobLayout, layout_job
+from fusiond.graph import contiguous_assignment, state_from_bytes
+from fusiond.jobs.assign import Corpus, JobLayout, layout_job
 from fusiond.jobs.coordinator import JobCoordinator, JobOutcome, save_checkpoint, write_outputs
 from fusiond.jobs.planning import layout_from_plan, plan_job, readapted_densities
-from fusiond.jobs.submit import check_capacity, memory_estimate, restore_job
-from fusiond.jobs.upload import Upload, decode_upload
+from fusiond.jobs.submit import check_capacity, corpus_for_upload, memory_estimate, restore_job
+from fusiond.jobs.upload import Upload, decode_upload, encode_upload
 from fusiond.jobs.worker import JobWorker, SendFn, local_sender
 from fusiond.plan import Cluster, MachineProfile, Plan
 from fusiond.plan.render import render_plan
@@ -178,6 +178,25 @@ def cluster_for_planner(view: Any) -> tuple[Cluster, dict[str, Address], dict[st
     return Cluster.build(machines, bw, rtt), addresses, memory
 
 
+def _corpus(upload: Upload) -> Corpus | None:
+    """The corpus the submitting daemon read (`corpus_for_upload`), or None for an upload that
+    did not pass through one (then a non-default corpus is read here)."""
+    digest = upload.meta.get("data_digest")
+    if not isinstance(digest, str) or not digest:
+        return None
+    tokens = None
+    if upload.data_bytes:
+        try:
+            tokens = state_from_bytes(upload.data_bytes).get("tokens")
+        except Exception as e:
+            raise JobRefused(f"the upload's corpus section is not a safetensors file: {e}") \
+                from None
+        if tokens is None or tokens.ndim != 1 or tokens.dtype not in (torch.uint8, torch.int32):
+            raise JobRefused("the upload's corpus section must hold one 1-D uint8/int32 "
+                             "tensor `tokens`")
+    return Corpus(digest, upload.meta.get("data_default") is True and tokens is None, tokens)
+
+
 def _stages_table(layout: JobLayout, densities: Mapping[str, float]) -> str:
     lines = [f"{'stage':>5}  {'machine':<40}{'ops':>6}  {'params':>10}"]
     for s in layout.stages:
@@ -303,13 +322,20 @@ class JobService:
         """The API's entry: hand the upload to the elected scheduler, or run it here when this
         daemon is the scheduler (or there is none yet)."""
         upload = decode_upload(data)
+        # Validate what we can here: a bad job file is refused without a round trip.
+        spec = await asyncio.to_thread(parse_job, upload.meta["toml"], base=Path(
+            upload.meta["base"]), out_base=Path(upload.meta["out_base"]))
+        if "data_digest" not in upload.meta:  # read the corpus here, on the submitting machine
+            digest, blob = await asyncio.to_thread(corpus_for_upload, spec)
+            upload = Upload({**upload.meta, "data_digest": digest,
+                             "data_default": digest != "" and not blob},
+                            upload.graph_bytes, upload.state_bytes, blob)
         view = self.view()
         leader = getattr(view, "leader", None) if view is not None else None
         if leader is None or leader == self.node_id:
             return await self.submit(upload, dry_run=dry_run)
-        # Validate what we can here: a bad job file is refused without a round trip.
-        spec = await asyncio.to_thread(parse_job, upload.meta["toml"], base=Path(
-            upload.meta["base"]), out_base=Path(upload.meta["out_base"]))
+        data = encode_upload(upload.meta, upload.graph_bytes, upload.state_bytes,
+                             upload.data_bytes)
         rid = secrets.token_hex(8)
         fut: asyncio.Future[JobSubmitReply] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
@@ -399,7 +425,8 @@ class JobService:
         meta = upload.meta
         spec, captured = await asyncio.to_thread(
             restore_job, meta["toml"], meta["base"], meta["out_base"], upload.graph_bytes,
-            upload.state_bytes)
+            upload.state_bytes, check_paths=not upload.data_bytes)
+        corpus = await asyncio.to_thread(_corpus, upload)
         steps = meta.get("steps")
         if steps is not None:
             if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
@@ -464,7 +491,7 @@ class JobService:
             send=self.send, spec=spec, captured=captured, layout=layout, addresses=addresses,
             term=int(getattr(view, "term", 0)), ready_timeout_s=self.ready_timeout_s,
             failure_grace_s=self.failure_grace_s, tokens_per_sample=tps, on_step=on_step,
-            on_checkpoint=on_checkpoint)
+            on_checkpoint=on_checkpoint, corpus=corpus)
         rec = _Record(job_id, spec, layout, coord, plan_text, time.time(), tps,
                       submitter=submitter if submitter != self.node_id else "", plan=plan)
         rec_box.append(rec)

@@ -7,6 +7,10 @@ a bad field (`JobSpecError` naming it), an unknown model or a factory that fails
 not exist or is too short, a model torch.export cannot capture or that uses an op the registry
 does not run (naming the op). `check_capacity` refuses a job that cannot fit the cluster's
 memory at all, before the planner looks for a cut.
+
+`corpus_for_upload(spec)` runs in the submitting daemon: the corpus's content hash, and the
+corpus itself (token ids) unless it is the default one, which every stage reads from its own
+Python's standard library and checks against the hash.
 """
 
 from __future__ import annotations
@@ -16,17 +20,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from fusiond.errors import LocalError
-from fusiond.graph import CapturedModel, state_from_bytes
-from fusiond.train.data import make_source
+from fusiond.graph import CapturedModel, state_from_bytes, state_to_bytes
+from fusiond.train.data import corpus_digest, make_source, text_tokens
 from fusiond.train.programs import capture_job
-from fusiond.train.spec import JobSpec, load_job, parse_job
+from fusiond.train.spec import JobSpec, default_text_path, load_job, parse_job
 from protocol import ir
 
 __all__ = [
     "CapacityError",
     "PreparedJob",
     "check_capacity",
+    "corpus_for_upload",
     "memory_estimate",
     "prepare_job",
     "restore_job",
@@ -73,11 +81,34 @@ def prepare_job(path: str | Path) -> PreparedJob:
                        str(Path.cwd()))
 
 
+def is_default_corpus(spec: JobSpec) -> bool:
+    """Whether a text job reads the default corpus (this Python's standard library)."""
+    d = spec.data
+    return d.kind == "text" and d.path is not None and d.tokenizer == "bytes" \
+        and d.path.resolve() == default_text_path().resolve()
+
+
+def corpus_for_upload(spec: JobSpec) -> tuple[str, bytes]:
+    """(content hash, corpus as safetensors bytes) of a text job's corpus, read here (the
+    submitting machine); the bytes are empty for the default corpus (every stage has one of its
+    own and checks its hash). ("", b"") for image jobs."""
+    if spec.data.kind != "text":
+        return "", b""
+    tokens = text_tokens(spec.data)
+    digest = corpus_digest(tokens)
+    if is_default_corpus(spec):
+        return digest, b""
+    compact = tokens.astype(np.uint8 if tokens.size and int(tokens.max()) < 256 else np.int32)
+    return digest, state_to_bytes({"tokens": torch.from_numpy(compact)})
+
+
 def restore_job(toml_text: str, base: str, out_base: str, graph_bytes: bytes,
-                state_bytes: bytes) -> tuple[JobSpec, CapturedModel]:
+                state_bytes: bytes, *, check_paths: bool = True) -> tuple[JobSpec, CapturedModel]:
     """The daemon's side of a submission: the spec and the captured model, validated again
-    (the IR by `protocol.ir.loads`, the weights by safetensors; no pickle, no user code)."""
-    spec = parse_job(toml_text, base=Path(base), out_base=Path(out_base))
+    (the IR by `protocol.ir.loads`, the weights by safetensors; no pickle, no user code).
+    `check_paths=False` when the corpus came with the upload (the data need not exist here)."""
+    spec = parse_job(toml_text, base=Path(base), out_base=Path(out_base),
+                     check_paths=check_paths)
     graph = ir.loads(graph_bytes)
     state = state_from_bytes(state_bytes)
     missing = [p.name for p in graph.params if p.name not in state]

@@ -3,7 +3,9 @@
 One binary document, so the weights never pass through JSON: the magic line ``FUSIONJOB1\\n``,
 then three sections, each an 8-byte big-endian length and its bytes: a JSON object (the job
 file's text and where it came from, plus submit options), the IR (`protocol.ir.dumps`), the
-initial weights (safetensors). The daemon reads it as a stream, bounded by
+initial weights (safetensors), and optionally a fourth: the job's text corpus as token ids
+(safetensors, one tensor `tokens`), which the submitting daemon adds when the corpus is not the
+default one (`fusiond.jobs.submit.corpus_for_upload`). The daemon reads it as a stream, bounded by
 `api.max_upload_bytes`, and validates each section (`restore_job`: no pickle, no user code).
 """
 
@@ -31,18 +33,22 @@ class UploadError(LocalError):
 
 @dataclass(frozen=True)
 class Upload:
-    """A decoded upload: `meta` (toml, base, out_base, and options), IR bytes, weights bytes."""
+    """A decoded upload: `meta` (toml, base, out_base, and options), IR bytes, weights bytes,
+    and the shipped corpus (safetensors bytes; empty when the stages read it themselves)."""
 
     meta: dict[str, Any]
     graph_bytes: bytes
     state_bytes: bytes
+    data_bytes: bytes = b""
 
 
-def encode_upload(meta: Mapping[str, Any], graph_bytes: bytes, state_bytes: bytes) -> bytes:
-    """The upload as one bytes object (what the client sends)."""
+def encode_upload(meta: Mapping[str, Any], graph_bytes: bytes, state_bytes: bytes,
+                  data_bytes: bytes = b"") -> bytes:
+    """The upload as one bytes object (what the client sends); `data_bytes` (the corpus) only
+    when not empty."""
     head = json.dumps(dict(meta)).encode()
     parts = [MAGIC]
-    for blob in (head, graph_bytes, state_bytes):
+    for blob in (head, graph_bytes, state_bytes, *((data_bytes,) if data_bytes else ())):
         parts += [_LEN.pack(len(blob)), blob]
     return b"".join(parts)
 
@@ -54,7 +60,9 @@ def decode_upload(data: bytes | memoryview) -> Upload:
         raise UploadError("not a job upload (bad magic): use `fusionctl submit`")
     pos = len(MAGIC)
     blobs: list[bytes] = []
-    for name in ("meta", "graph", "weights"):
+    for name in ("meta", "graph", "weights", "data"):
+        if name == "data" and pos == len(view):
+            break  # the optional corpus section
         if pos + _LEN.size > len(view):
             raise UploadError(f"upload truncated before its {name} section")
         (n,) = _LEN.unpack_from(view, pos)
@@ -76,4 +84,4 @@ def decode_upload(data: bytes | memoryview) -> Upload:
     for key in ("toml", "base", "out_base"):
         if not isinstance(meta.get(key), str):
             raise UploadError(f"upload meta.{key} must be a string")
-    return Upload(meta, blobs[1], blobs[2])
+    return Upload(meta, blobs[1], blobs[2], blobs[3] if len(blobs) > 3 else b"")

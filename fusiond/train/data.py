@@ -25,6 +25,7 @@ __all__ = [
     "DataSource",
     "SyntheticImages",
     "TextWindows",
+    "corpus_digest",
     "make_source",
     "split_micro_batches",
     "text_files",
@@ -120,6 +121,14 @@ def _load_tokens(root: str, tokenizer: str, max_bytes: int) -> np.ndarray:
         ids = tok.encode(raw.decode("utf-8", errors="replace")).ids
         tokens = np.asarray(ids, dtype=np.int64)
     return tokens
+
+
+def corpus_digest(tokens: np.ndarray) -> str:
+    """Content hash of a token array (xxh3-128 of its int64 little-endian bytes): equal on two
+    machines iff they would train on the same tokens."""
+    import xxhash
+
+    return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(tokens, dtype="<i8").tobytes())
 
 
 def text_tokens(spec: DataSpec) -> np.ndarray:

@@ -19,6 +19,7 @@ builds the partition, and runs it; the daemon routes each Forward/Backward of th
 from __future__ import annotations
 
 import logging
+import platform
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ import torch
 
 from fusiond.errors import RemoteError
 from fusiond.graph import state_from_bytes
-from fusiond.train.data import DataSource, TextWindows, make_source
+from fusiond.train.data import DataSource, TextWindows, corpus_digest, make_source
 from fusiond.train.programs import build_stage_module
 from fusiond.train.schedule import schedule
 from fusiond.train.spec import (
@@ -37,6 +38,7 @@ from fusiond.train.spec import (
     DataSpec,
     JobSpec,
     OptimizerSpec,
+    default_text_path,
 )
 from fusiond.train.stage import (
     EdgeSpec,
@@ -83,12 +85,15 @@ class PeerSender(Protocol):
 
 def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
                shared: Mapping[int, Mapping[str, Sequence[int]]],
-               input_name: str, targets_name: str | None, loss_name: str) -> dict[str, Any]:
+               input_name: str, targets_name: str | None, loss_name: str,
+               corpus_digest: str = "", default_corpus: bool = False) -> dict[str, Any]:
     """The `Assign.config` map for a job (the same for every stage; msgpack-able).
 
     `stage_nodes`: stage -> node id for every stage; `shared`: stage -> {tied parameter -> the
     other stages holding it}; the names say which sub-graph inputs are data and which output
-    is the loss.
+    is the loss. `corpus_digest`: the content hash of the submitter's corpus (a stage reading
+    data checks its tokens against it); `default_corpus`: the stages read the default corpus
+    from their own standard library (not from the path written here).
     """
     o = spec.optimizer
     d = spec.data
@@ -110,6 +115,7 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
             "kind": d.kind, "path": None if d.path is None else str(d.path),
             "tokenizer": d.tokenizer, "seq_len": d.seq_len, "image_size": d.image_size,
             "channels": d.channels, "num_classes": d.num_classes,
+            "digest": corpus_digest, "default_corpus": default_corpus,
         },
         "input_name": input_name,
         "targets_name": targets_name,
@@ -146,6 +152,8 @@ class StageAssignment:
     shared: dict[str, tuple[int, ...]]
     data_tokens: np.ndarray | None = None
     """The corpus shipped by the submitter (token ids), when it is not the default one."""
+    data_digest: str = ""
+    """The submitter's corpus hash ("" = unchecked): the stage's tokens must match it."""
 
 
 def _get(cfg: Mapping[str, Any], key: str, typ: type | tuple[type, ...], where: str) -> Any:
@@ -221,6 +229,11 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
             min_lr=float(_get(o, "min_lr", (int, float), "optimizer.")),
         )
         path = d.get("path")
+        if d.get("default_corpus") is True:  # this machine's own standard library
+            path = str(default_text_path())
+        digest = d.get("digest", "")
+        if not isinstance(digest, str):
+            raise RemoteError("Assign.config.data.digest: wrong type")
         data = DataSpec(
             kind=_get(d, "kind", str, "data."), path=None if path is None else Path(str(path)),
             tokenizer=_get(d, "tokenizer", str, "data."), seq_len=_get(d, "seq_len", int, "data."),
@@ -248,6 +261,7 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         per_row=bool(cfg.get("per_row", True)), input_name=_get(cfg, "input_name", str, ""),
         targets_name=targets if isinstance(targets, str) else None,
         loss_name=_get(cfg, "loss_name", str, ""), shared=shared, data_tokens=data_tokens,
+        data_digest=digest,
     )
 
 
@@ -343,6 +357,16 @@ class StageHost:
                                    tokens=sa.data_tokens)
             else:
                 data = make_source(sa.data, sa.seed)
+            if sa.data_digest and isinstance(data, TextWindows):
+                here = corpus_digest(data.tokens)
+                if here != sa.data_digest:
+                    where = "shipped" if sa.data_tokens is not None else \
+                        f"{sa.data.path} (Python {platform.python_version()})"
+                    raise RemoteError(
+                        f"job {sa.job_id} stage {sa.stage}: the corpus here, {where}, is not the "
+                        f"submitter's (hash {here[:12]} vs {sa.data_digest[:12]}): the default "
+                        "corpus differs between Python versions; give the job a data.path "
+                        "(shipped from the submitter) to train on the same tokens everywhere")
         tasks = schedule(sa.batch.pipeline, sa.stages, sa.batch.micro_batches)
         self.executor = StageExecutor(
             stage=sa.stage, program=self.program,

@@ -311,18 +311,18 @@ def _model(t: _Table) -> ModelSpec:
     return ModelSpec(zoo=zoo, factory=factory, config=dict(config))
 
 
-def _data(t: _Table, base: Path) -> DataSpec:
+def _data(t: _Table, base: Path, check_paths: bool = True) -> DataSpec:
     kind = t.choice("kind", "text", ("text", "images"))
     raw_path = t.opt_string("path")
     path: Path | None = None
     tokenizer = t.string("tokenizer", "bytes")
     if kind == "text":
         path = default_text_path() if raw_path is None else (base / raw_path).expanduser()
-        if not path.exists():
+        if check_paths and not path.exists():
             raise JobSpecError(t.name("path"), f"no such file or directory: {path}")
         if tokenizer != "bytes":
             tok_path = (base / tokenizer).expanduser()
-            if not tok_path.is_file():
+            if check_paths and not tok_path.is_file():
                 raise JobSpecError(
                     t.name("tokenizer"), f"must be 'bytes' or a tokenizers JSON file: {tok_path}"
                 )
@@ -424,9 +424,11 @@ def _compression(t: _Table) -> CompressionSpec:
 
 
 def job_from_dict(data: Mapping[str, Any], *, base: Path | None = None,
-                  out_base: Path | None = None) -> JobSpec:
+                  out_base: Path | None = None, check_paths: bool = True) -> JobSpec:
     """Validate a parsed TOML document. Relative input paths (data, tokenizer) resolve against
     `base`, the relative output path against `out_base` (both default: the current directory).
+    `check_paths=False`: the data and tokenizer need not exist here (the scheduler of a job
+    whose corpus the submitter shipped).
     """
     base = Path.cwd() if base is None else base
     out_base = Path.cwd() if out_base is None else out_base
@@ -450,7 +452,7 @@ def job_from_dict(data: Mapping[str, Any], *, base: Path | None = None,
     spec = JobSpec(
         name=name,
         model=_model(root.sub("model", required=True)),
-        data=_data(root.sub("data"), base),
+        data=_data(root.sub("data"), base, check_paths),
         loss=loss,
         optimizer=_optimizer(root.sub("optimizer"), steps),
         batch=_batch(root.sub("batch")),
@@ -466,13 +468,14 @@ def job_from_dict(data: Mapping[str, Any], *, base: Path | None = None,
     return spec
 
 
-def parse_job(text: str, *, base: Path | None = None, out_base: Path | None = None) -> JobSpec:
+def parse_job(text: str, *, base: Path | None = None, out_base: Path | None = None,
+              check_paths: bool = True) -> JobSpec:
     """Parse and validate TOML text; a syntax error is a `JobSpecError` naming the line."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise JobSpecError("<toml>", f"not valid TOML: {e}") from e
-    return job_from_dict(data, base=base, out_base=out_base)
+    return job_from_dict(data, base=base, out_base=out_base, check_paths=check_paths)
 
 
 def load_job(path: str | Path) -> JobSpec:

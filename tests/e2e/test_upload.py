@@ -20,13 +20,18 @@ META = {"toml": "[job]\nsteps = 1\n", "base": "/tmp", "out_base": "/tmp", "stage
 def test_upload_round_trip() -> None:
     up = decode_upload(encode_upload(META, b"graph", b"\x00weights"))
     assert up.meta == META and up.graph_bytes == b"graph" and up.state_bytes == b"\x00weights"
+    assert up.data_bytes == b""  # no corpus section: the stages read the default corpus
+    up = decode_upload(encode_upload(META, b"graph", b"w", b"corpus"))
+    assert up.state_bytes == b"w" and up.data_bytes == b"corpus"
 
 
 @pytest.mark.parametrize(("body", "needle"), [
     (b"GARBAGE", "bad magic"),
     (MAGIC + b"\x00\x00", "before its meta"),
     (encode_upload(META, b"graph", b"w")[:-1], "truncated in its weights"),
-    (encode_upload(META, b"graph", b"w") + b"x", "after the last section"),
+    (encode_upload(META, b"graph", b"w") + b"x", "before its data"),
+    (encode_upload(META, b"graph", b"w", b"d")[:-1], "truncated in its data"),
+    (encode_upload(META, b"graph", b"w", b"d") + b"x", "after the last section"),
     (encode_upload({"toml": 1, "base": "", "out_base": ""}, b"", b""), "meta.toml"),
 ])
 def test_malformed_uploads_are_refused(body: bytes, needle: str) -> None:

@@ -310,3 +310,45 @@ def test_custom_text_is_shipped_to_the_data_stages(captured_tiny, tmp_path: Path
         assert data is not None
         got = data.batch(3, 8)
         assert torch.equal(got.inputs, want.inputs) and torch.equal(got.targets, want.targets)
+
+
+def test_corpus_is_read_where_needed_and_checked_against_the_submitters_hash(
+        captured_tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """A daemon-submitted job carries the submitter's corpus hash: the data stages read the
+    default corpus from their own standard library (not the scheduler's path) and refuse to
+    train on different tokens; a shipped corpus needs no file anywhere."""
+    import numpy as np
+
+    from fusiond.errors import RemoteError
+    from fusiond.jobs.assign import Corpus, assign_messages
+    from fusiond.train import remote
+    from fusiond.train.data import corpus_digest, text_tokens
+    from fusiond.train.remote import StageHost
+
+    spec, cap = captured_tiny
+    tokens = text_tokens(spec.data)  # the submitter's read (the stdlib's json package)
+    # "this machine's standard library" is, for the test, the same json package
+    monkeypatch.setattr(remote, "default_text_path", lambda: spec.data.path)
+    away = replace(spec, data=replace(spec.data, path=Path("/nonexistent/scheduler/stdlib")))
+    cut = contiguous_assignment(cap.graph, 3)
+    layout = layout_job("corpus", cap.graph, cap.state, {op: NAMES[p] for op, p in cut.items()})
+
+    class _NoNet:
+        async def send(self, peer: str, msg: Message, payload: Any = ()) -> None:
+            raise AssertionError("nothing is sent while building")
+
+    def build(corpus: Corpus) -> list[StageHost]:
+        assigns = assign_messages(layout, away, cap.state, term=1, plan_version=1,
+                                  addresses={n: ("127.0.0.1", 1) for n in NAMES}, corpus=corpus)
+        return [StageHost(*assigns[n], _NoNet()) for n in ("n0", "n2")]  # the data stages
+
+    want = make_source(spec.data, spec.seed).batch(2, 8)
+    for host in build(Corpus(corpus_digest(tokens), default=True)):
+        data = host.executor.data
+        assert data is not None and torch.equal(data.batch(2, 8).inputs, want.inputs)
+    with pytest.raises(RemoteError, match="is not the submitter's"):
+        build(Corpus(corpus_digest(tokens[:-1]), default=True))  # another Python's stdlib
+    shipped = torch.from_numpy(tokens.astype(np.uint8))
+    for host in build(Corpus(corpus_digest(tokens), default=False, tokens=shipped)):
+        data = host.executor.data
+        assert data is not None and torch.equal(data.batch(2, 8).targets, want.targets)

@@ -19,10 +19,18 @@ JOB_MEMORY_GIB = 0.03
 """What each test daemon offers to jobs: the small test jobs fit, a 170 MB one does not."""
 
 
+JOB_TIMERS = {"suspect_after_s": 4.0, "dead_after_s": 8.0, "election_timeout_s": 4.0,
+              "leader_heartbeat_s": 0.3, "leader_lease_s": 3.0}
+"""Membership timers for job tests: 3 daemons training and a reference trainer share 2 cores,
+so an event loop can stall for a second; the harness's 1 s lease would then move the scheduler
+between tests. A dead stage is still declared within 8 s (the failure test allows 30 s)."""
+
+
 def start_cluster(root: Path, n: int = 3) -> Cluster:
     """`n` daemons, node0 first, the others with node0 as their only bootstrap address."""
     c = Cluster(root, n, {"job_memory_gib": JOB_MEMORY_GIB,
-                          "metrics": {"listen": "127.0.0.1:0"}})
+                          "metrics": {"listen": "127.0.0.1:0"},
+                          "cluster": JOB_TIMERS})
     c.start(c.nodes[:1])
     c.wait_up(c.nodes[:1])
     addr = c.address(c.nodes[0])
@@ -46,10 +54,9 @@ def cluster3() -> Iterator[Cluster]:
 
 
 def leader_and_other(c: Cluster) -> tuple[Any, Any]:
-    """The node that is the elected scheduler, and one that is not."""
-    st = c.nodes[0].status()
-    assert st is not None and st["cluster"]["leader"], st
-    lead = next(n for n in c.nodes if c.node_id(n) == st["cluster"]["leader"])
+    """The node that is the elected scheduler (once all agree on one), and one that is not."""
+    agreed, _ = c.wait_agreement(timeout=30.0)
+    lead = next(n for n in c.nodes if c.node_id(n) == agreed["leader"])
     return lead, next(n for n in c.nodes if n is not lead)
 
 

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import urllib.request
 from pathlib import Path
@@ -118,12 +119,27 @@ def _write(tmp_path: Path, template: str, name: str = "job.toml") -> Path:
     return p
 
 
+def _daemon_threads() -> int:
+    """The intra-op thread count the test daemons run with: `LocalNode.start` passes this
+    environment's OMP_NUM_THREADS, or 1 when it is unset."""
+    return int(os.environ.get("OMP_NUM_THREADS") or "1")
+
+
 def _reference(spec: Any) -> tuple[list[float], torch.nn.Module]:
-    model = build_model(spec.model, seed=spec.seed)
-    rt = ReferenceTrainer(model, loss_fn(spec.loss), spec.optimizer,
-                          data=make_source(spec.data, spec.seed), batch_size=spec.batch.size,
-                          micro_batches=spec.batch.micro_batches, total_steps=spec.steps)
-    return rt.train(0, spec.steps), model
+    """Single-process training with the daemons' thread count. It must be the same: ResNet-18 on
+    16 px images is chaotic (layer3/4 are 1x1, so BatchNorm normalises 4 values whose variance
+    can be ~1e-4), and the float32 rounding of another summation order (2 threads instead of 1)
+    grows from 5e-7 at step 0 to 2 % at step 2; with the same count the losses agree to 1e-7."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(_daemon_threads())
+    try:
+        model = build_model(spec.model, seed=spec.seed)
+        rt = ReferenceTrainer(model, loss_fn(spec.loss), spec.optimizer,
+                              data=make_source(spec.data, spec.seed), batch_size=spec.batch.size,
+                              micro_batches=spec.batch.micro_batches, total_steps=spec.steps)
+        return rt.train(0, spec.steps), model
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _no_stages_left(c: Cluster) -> None:

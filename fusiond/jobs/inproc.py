@@ -46,9 +46,10 @@ class InProcNode:
 
 @contextlib.asynccontextmanager
 async def inproc_cluster(n: int, *, stage_config: StageConfig | None = None,
-                         net_config: NetConfig | None = None
+                         net_config: NetConfig | None = None, prefix: str = "node"
                          ) -> AsyncIterator[dict[str, InProcNode]]:
-    """Start `n` nodes (`node0`.. `node{n-1}`) that know each other; close them on exit."""
+    """Start `n` nodes (`{prefix}0`.. `{prefix}{n-1}`) that know each other; close them on
+    exit."""
     nodes: dict[str, InProcNode] = {}
     cfg = net_config or NetConfig(connect_timeout_s=5, handshake_timeout_s=5, backoff_max_s=1.0)
 
@@ -60,7 +61,7 @@ async def inproc_cluster(n: int, *, stage_config: StageConfig | None = None,
 
     async with contextlib.AsyncExitStack() as stack:
         for i in range(n):
-            name = f"node{i}"
+            name = f"{prefix}{i}"
             net = PeerNetwork(node_id=name, cluster_id="inproc", listen=("127.0.0.1", 0),
                               tls=None, handler=handler_for(name), config=cfg)
             await net.start()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +17,10 @@ import torch
 from fusiond.graph import contiguous_assignment
 from fusiond.jobs.assign import layout_job
 from fusiond.jobs.coordinator import JobCoordinator, write_outputs
+from fusiond.jobs.inproc import InProcNode, inproc_cluster
 from fusiond.jobs.results import load_model_state
-from fusiond.jobs.worker import JobWorker, local_sender
-from fusiond.net.transport import NetConfig, PeerNetwork
+from fusiond.jobs.worker import local_sender
+from fusiond.net.transport import NetConfig
 from fusiond.train.data import make_source
 from fusiond.train.local import ReferenceTrainer, StepMetrics
 from fusiond.train.model import build_model, loss_fn
@@ -31,43 +32,14 @@ pytestmark = pytest.mark.slow
 NAMES = ["n0", "n1", "n2"]
 
 
-@dataclass
-class Node:
-    name: str
-    net: PeerNetwork
-    worker: JobWorker
-    coordinators: list[JobCoordinator] = field(default_factory=list)
-
-    async def dispatch(self, peer: str, msg: Message) -> None:
-        for c in self.coordinators:
-            if await c.handle(peer, msg):
-                return
-        await self.worker.handle(peer, msg)
+Node = InProcNode
 
 
 @contextlib.asynccontextmanager
 async def cluster(stage_config: StageConfig | None = None) -> AsyncIterator[dict[str, Node]]:
-    nodes: dict[str, Node] = {}
     cfg = NetConfig(connect_timeout_s=2, handshake_timeout_s=2, backoff_max_s=0.5)
-    async with contextlib.AsyncExitStack() as stack:
-        for n in NAMES:
-            def handler_for(me: str):  # type: ignore[no-untyped-def]
-                async def handler(peer: str, msg: Message) -> None:
-                    await nodes[me].dispatch(peer, msg)
-                return handler
-
-            net = PeerNetwork(node_id=n, cluster_id="t", listen=("127.0.0.1", 0), tls=None,
-                              handler=handler_for(n), config=cfg)
-            await net.start()
-            stack.push_async_callback(net.close)
-            send = local_sender(n, net.send, lambda p, m, me=n: nodes[me].dispatch(p, m))
-            worker = JobWorker(node_id=n, send=send, stage_config=stage_config)
-            await worker.start()
-            stack.push_async_callback(worker.close)
-            nodes[n] = Node(n, net, worker)
-        for a in nodes.values():
-            for b in nodes.values():
-                a.net.add_peer_address(b.name, b.net.address)
+    async with inproc_cluster(len(NAMES), stage_config=stage_config, net_config=cfg,
+                              prefix="n") as nodes:
         yield nodes
 
 

@@ -24,13 +24,15 @@ their own core and GIL, as two daemons would. Each trial sends N tensors of 64 M
 
 Every process runs with `fusiond.net.tune_allocator()` (what PeerNetwork applies at start).
 The sender starts its clock before the first send and stops it when the receiver's reply says
-it has all N tensors. Each mode runs `--trials` times and keeps the best. Besides GB/s, the
+it has all N tensors. The modes run in `--trials` interleaved rounds (every mode once per
+round, each against a fresh receiver) and each keeps its best round, so the baseline and the
+modes compared with it meet the same background load. Besides GB/s, the
 table shows GB moved per CPU-second of the sending and the receiving process: the cost per
 byte, which a busy machine does not distort the way it distorts wall-clock throughput.
 Targets (issue 7): net-tls >= 0.5 x raw, net-plain >= 0.8 x raw. Exit 1 on a miss. The
 "x ceil" column gives every mode against raw-discard as well.
 
-    python bench/links.py [--count 8] [--trials 3] [--loop uvloop|asyncio]
+    python bench/links.py [--count 8] [--trials 5] [--loop uvloop|asyncio] [--modes net-tls,...]
 """
 
 from __future__ import annotations
@@ -322,19 +324,20 @@ async def _net_trials(mode: str, port: int, root: Path, arr: np.ndarray[Any, Any
 
 async def _run_mode(mode: str, args: argparse.Namespace, root: Path,
                     arr: np.ndarray[Any, Any]) -> _Result:
+    """One trial of `mode` against a fresh receiver process."""
     times: list[float] = []
     child = _Child(mode, args.count, args.loop, root)
     payload = memoryview(arr).cast("B")
     try:
         cpu0 = time.process_time()
         if mode == "raw":
-            await _stream_trials(child.port, payload, args.count, args.trials, times)
+            await _stream_trials(child.port, payload, args.count, 1, times)
         elif mode == "raw-discard":
-            await _raw_trials(child.port, payload, args.count, args.trials, times)
+            await _raw_trials(child.port, payload, args.count, 1, times)
         elif mode == "tls-socket":
-            _tls_socket_trials(child.port, root, payload, args.count, args.trials, times)
+            _tls_socket_trials(child.port, root, payload, args.count, 1, times)
         else:
-            await _net_trials(mode, child.port, root, arr, args.count, args.trials, times)
+            await _net_trials(mode, child.port, root, arr, args.count, 1, times)
         send_cpu = time.process_time() - cpu0
     finally:
         recv_cpu = child.stop()
@@ -344,21 +347,35 @@ async def _run_mode(mode: str, args: argparse.Namespace, root: Path,
 async def _main(args: argparse.Namespace) -> int:
     arr = np.random.default_rng(0).standard_normal(TENSOR_BYTES // 4, dtype=np.float32)
     total = args.count * TENSOR_BYTES
-    results: dict[str, _Result] = {}
+    wanted = {"raw", "raw-discard", *args.modes.split(",")}
+    unknown = wanted - set(MODES)
+    if unknown:
+        print(f"unknown mode(s) {sorted(unknown)}; choose from {', '.join(MODES)}",
+              file=sys.stderr)
+        return 2
+    modes = [m for m in MODES if m in wanted]
+    results = {m: _Result([], 0.0, 0.0) for m in modes}
     with tempfile.TemporaryDirectory(prefix="fusion-links-") as tmp:
         root = Path(tmp)
         _make_credentials(root)  # both processes read them from here
-        for mode in MODES:
-            res = await _run_mode(mode, args, root, arr)
-            results[mode] = res
-            rates = ", ".join(f"{total / t / 1e9:.2f}" for t in res.times)
-            print(f"  {mode:10s} trials: {rates} GB/s", file=sys.stderr)
+        # Rounds, not one mode after another: each round runs every mode once, so a baseline
+        # and the modes compared with it see the same background load (this machine is noisy
+        # and its load drifts over a minute); each mode keeps its best round.
+        for rnd in range(args.trials):
+            for mode in modes:
+                res = await _run_mode(mode, args, root, arr)
+                r = results[mode]
+                r.times += res.times
+                r.send_cpu_s += res.send_cpu_s
+                r.recv_cpu_s += res.recv_cpu_s
+                print(f"  round {rnd + 1}: {mode:11s} {total / res.times[0] / 1e9:.2f} GB/s",
+                      file=sys.stderr)
     raw_gbs = total / min(results["raw"].times) / 1e9
     ceil_gbs = total / min(results["raw-discard"].times) / 1e9
     ok = True
     print(f"\nfusion peer links on loopback: {args.count} x 64 MiB fp32 per trial, best of "
-          f"{args.trials}, loop={args.loop}, sender and receiver in 2 processes, "
-          f"{os.cpu_count()} CPUs")
+          f"{args.trials} interleaved rounds, loop={args.loop}, sender and receiver in 2 "
+          f"processes, {os.cpu_count()} CPUs")
     print(f"{'mode':12s}{'GB/s':>7s}{'x raw':>7s}{'x ceil':>7s}{'target':>8s}  {'result':9s}"
           f"{'send GB/cpu-s':>14s}{'recv GB/cpu-s':>14s}")
     for mode, r in results.items():
@@ -381,8 +398,11 @@ async def _main(args: argparse.Namespace) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--count", type=int, default=8, help="64 MiB tensors per trial")
-    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--trials", type=int, default=5,
+                    help="rounds; each round runs every mode once, each mode keeps its best")
     ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="comma-separated modes to run (raw and raw-discard always run)")
     ap.add_argument("--serve", choices=MODES, help=argparse.SUPPRESS)
     ap.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()

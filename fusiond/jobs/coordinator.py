@@ -143,7 +143,14 @@ class JobCoordinator:
     # -- inputs ---------------------------------------------------------------------------
 
     async def handle(self, peer: str, msg: Message) -> bool:
-        """Take this job's Ready/Error/StageStep/JobResult; False for anything else."""
+        """Take this job's Ready/Error/StageStep/JobResult; False for anything else. Messages
+        of the job's other plan versions (a stage of the attempt before a restart) are taken
+        and dropped."""
+        if (isinstance(msg, (Ready, StageStep, StageCheckpoint, JobResult))
+                and msg.job_id == self.job_id and msg.plan_version != self.plan_version):
+            log.debug("%s of job %s v%d from %s dropped (running v%d)", type(msg).__name__,
+                      self.job_id, msg.plan_version, peer, self.plan_version)
+            return True
         if isinstance(msg, Ready) and msg.job_id == self.job_id:
             fut = self._ready.get(peer)
             if fut is not None and not fut.done():

@@ -10,7 +10,9 @@ Every daemon runs one `JobService` once its peer network is up. It
 - writes the outputs (model.safetensors + metrics.json) here, on the submitting machine;
 - re-adapts a planned job's AdaTopK densities to the measured links every
   `compression.readapt_interval_s` (`_readapt`);
-- fails a job whose stage machine the membership layer declares dead (`node_failed`);
+- fails a job's attempt when a stage machine is declared dead (`node_failed`) or a stage
+  fails, then restarts it on the machines left, from its last checkpoint (`_restart`, up to
+  `job.max_restarts` times);
 - answers the API's read commands (`jobs`, `job`, `logs`) and `cancel`.
 
 A submission goes to the elected scheduler (`JobSubmit` over the peer network) when this
@@ -37,8 +39,8 @@ from typing import Any
 
 import torch
 
-from fusiond.errors import LocalError
-from fusiond.graph import contiguous_assignment, state_from_bytes
+from fusiond.errors import FusionError, LocalError
+from fusiond.graph import CapturedModel, contiguous_assignment, state_from_bytes
 from fusiond.jobs.assign import Corpus, JobLayout, layout_job
 from fusiond.jobs.coordinator import JobCoordinator, JobOutcome, save_checkpoint, write_outputs
 from fusiond.jobs.planning import layout_from_plan, plan_job, readapted_densities
@@ -127,6 +129,15 @@ class _Record:
     """The daemon that took the submission; its outputs go there (empty: this one)."""
     plan: Plan | None = None
     """The planner's plan (None for a `--stages` cut): AdaTopK re-adapts on its cut."""
+    stages: int | None = None
+    """The `--stages` count asked for (None: planned)."""
+    restarts: int = 0
+    checkpoint: tuple[int, dict[str, torch.Tensor]] | None = None
+    """The last whole-model checkpoint: (step, state after that step), to resume from."""
+    excluded: set[str] = field(default_factory=set)
+    """Machines that failed this job: later attempts are planned without them."""
+    earlier: list[StepMetrics] = field(default_factory=list)
+    """Metrics of the steps earlier attempts made and the current one resumed from."""
 
     def log(self, text: str) -> None:
         stamp = time.strftime("%H:%M:%S", time.gmtime())
@@ -142,12 +153,15 @@ def _member_memory(profile: Mapping[str, Any]) -> float:
     return 0.0
 
 
-def cluster_for_planner(view: Any) -> tuple[Cluster, dict[str, Address], dict[str, int]]:
-    """The planner's `Cluster` from a `ClusterView`: alive members, their gossiped profiles
-    (speed, memory offered to jobs) and the measured bandwidth/RTT matrix (an unmeasured link
-    counts as `DEFAULT_LINK_BPS`). Also every member's address and memory (for the capacity
-    check)."""
-    members = sorted((m for m in view.members if m.state == "alive"), key=lambda m: m.node_id)
+def cluster_for_planner(view: Any, exclude: Iterable[str] = ()
+                        ) -> tuple[Cluster, dict[str, Address], dict[str, int]]:
+    """The planner's `Cluster` from a `ClusterView`: alive members (less `exclude`), their
+    gossiped profiles (speed, memory offered to jobs) and the measured bandwidth/RTT matrix (an
+    unmeasured link counts as `DEFAULT_LINK_BPS`). Also every member's address and memory (for
+    the capacity check)."""
+    skip = set(exclude)
+    members = sorted((m for m in view.members if m.state == "alive" and m.node_id not in skip),
+                     key=lambda m: m.node_id)
     if not members:
         raise JobRefused("no alive member to run a job on")
     machines = []
@@ -442,25 +456,8 @@ class JobService:
         cluster, addresses, memory = cluster_for_planner(view)
         check_capacity(captured, spec, memory)
         job_id = f"{spec.name}-{secrets.token_hex(3)}"
-        plan: Plan | None = None
-        if stages is not None:
-            ids = [self.node_id] + [n for n in cluster.ids() if n != self.node_id]
-            if stages > len(ids):
-                raise JobRefused(f"{stages} stages asked, the cluster has {len(ids)} alive "
-                                 "members")
-            cut = contiguous_assignment(captured.graph, stages)
-            op_nodes = {op: ids[p] for op, p in cut.items()}
-            layout = await asyncio.to_thread(
-                layout_job, job_id, captured.graph, captured.state, op_nodes,
-                density=spec.compression.density, exact=spec.compression.exact_edges)
-            plan_text = (f"contiguous cut over {stages} machines (--stages); need at least "
-                         f"{memory_estimate(captured, spec) / 2**20:.1f} MiB\n"
-                         + _stages_table(layout, layout.densities))
-        else:
-            plan = await asyncio.to_thread(plan_job, spec, captured, cluster)
-            layout = await asyncio.to_thread(layout_from_plan, job_id, captured.graph,
-                                             captured.state, plan, spec)
-            plan_text = render_plan(plan) + "\n" + _stages_table(layout, layout.densities)
+        layout, plan, plan_text = await self._layout(job_id, spec, captured, captured.state,
+                                                     cluster, memory, stages)
         summary = {
             "job_id": job_id, "name": spec.name, "steps": spec.steps,
             "stages": [{"stage": s.stage, "node": s.node_id} for s in layout.stages],
@@ -477,6 +474,7 @@ class JobService:
 
         def on_checkpoint(step: int, state: dict[str, torch.Tensor]) -> None:
             r = rec_box[0]
+            r.checkpoint = (step, state)
             if not r.submitter:
                 r.log(f"checkpoint {save_checkpoint(spec.output, step, state)}")
                 return
@@ -493,7 +491,8 @@ class JobService:
             failure_grace_s=self.failure_grace_s, tokens_per_sample=tps, on_step=on_step,
             on_checkpoint=on_checkpoint, corpus=corpus)
         rec = _Record(job_id, spec, layout, coord, plan_text, time.time(), tps,
-                      submitter=submitter if submitter != self.node_id else "", plan=plan)
+                      submitter=submitter if submitter != self.node_id else "", plan=plan,
+                      stages=stages)
         rec_box.append(rec)
         self._jobs[job_id] = rec
         rec.log(f"submitted: {spec.steps} steps on {len(layout.stages)} stages ("
@@ -503,20 +502,52 @@ class JobService:
             self._spawn(self._push(rec), f"updates {job_id}")
         c = spec.compression
         if plan is not None and c.adatopk and c.density is None and c.readapt_interval_s > 0:
-            self._spawn(self._readapt(rec, plan, c.readapt_interval_s), f"readapt {job_id}")
+            self._spawn(self._readapt(rec, c.readapt_interval_s), f"readapt {job_id}")
         return summary
 
-    async def _readapt(self, rec: _Record, plan: Plan, interval_s: float) -> None:
+    async def _layout(self, job_id: str, spec: JobSpec, captured: CapturedModel,
+                      state: Mapping[str, torch.Tensor], cluster: Cluster,
+                      memory: Mapping[str, int], stages: int | None,
+                      ) -> tuple[JobLayout, Plan | None, str]:
+        """Cut the job over `stages` machines of `cluster` (this node first), or plan it on
+        `cluster` (OP-Fence); the stages start from `state`. `JobRefused` if it cannot run."""
+        if stages is not None:
+            ids = [self.node_id] + [n for n in cluster.ids() if n != self.node_id]
+            if stages > len(ids):
+                raise JobRefused(f"{stages} stages asked, the cluster has {len(ids)} alive "
+                                 "members")
+            cut = contiguous_assignment(captured.graph, stages)
+            op_nodes = {op: ids[p] for op, p in cut.items()}
+            layout = await asyncio.to_thread(
+                layout_job, job_id, captured.graph, state, op_nodes,
+                density=spec.compression.density, exact=spec.compression.exact_edges)
+            text = (f"contiguous cut over {stages} machines (--stages); need at least "
+                    f"{memory_estimate(captured, spec) / 2**20:.1f} MiB\n"
+                    + _stages_table(layout, layout.densities))
+            return layout, None, text
+        plan = await asyncio.to_thread(plan_job, spec, captured, cluster)
+        layout = await asyncio.to_thread(layout_from_plan, job_id, captured.graph, state, plan,
+                                         spec)
+        return layout, plan, render_plan(plan) + "\n" + _stages_table(layout, layout.densities)
+
+    async def _readapt(self, rec: _Record, interval_s: float) -> None:
         """AdaTopK re-adaptation while `rec` runs: every `interval_s`, densities for the plan's
-        cut under the links as measured now; changed ones go to the sending stages."""
-        current = dict(rec.layout.densities)
-        edges = [e.edge for e in rec.layout.edges()]
+        cut under the links as measured now; changed ones go to the sending stages. Follows
+        the job across restarts (a new plan, a new cut)."""
+        layout = rec.layout
+        current = dict(layout.densities)
+        edges = [e.edge for e in layout.edges()]
         while rec.state == "running":
             await asyncio.sleep(interval_s)
             if rec.state != "running" or rec.coord.status()["state"] != "running":
                 continue
+            plan = rec.plan
+            if rec.layout is not layout:
+                layout = rec.layout
+                current = dict(layout.densities)
+                edges = [e.edge for e in layout.edges()]
             view = self.view()
-            if view is None:
+            if view is None or plan is None:
                 continue
             try:
                 cluster, _, _ = cluster_for_planner(view)
@@ -550,7 +581,10 @@ class JobService:
     async def _run(self, rec: _Record) -> None:
         outcome: JobOutcome | None = None
         try:
-            outcome = await rec.coord.run()
+            while True:
+                outcome = await rec.coord.run()
+                if not await self._restart(rec, outcome):
+                    break
         except asyncio.CancelledError:
             rec.state = "cancelled"
             raise
@@ -560,6 +594,9 @@ class JobService:
             rec.outcome = {"ok": False, "failure": f"scheduler error: {type(e).__name__}: {e}"}
             rec.log(rec.outcome["failure"])
             return
+        if rec.restarts:
+            outcome.metrics = [*rec.earlier, *outcome.metrics]
+            outcome.wall_s = time.time() - rec.submitted_at
         try:
             if rec.submitter:
                 async with asyncio.timeout(REMOTE_OUTPUTS_S):
@@ -571,7 +608,7 @@ class JobService:
             rec.log(f"could not write the outputs to {rec.spec.output}: {e!r}")
             if outcome.ok:
                 outcome.ok = False
-        rec.outcome = outcome.summary()
+        rec.outcome = outcome.summary() | {"restarts": rec.restarts}
         if outcome.ok:
             rec.state = "done"
             rec.log(f"done in {outcome.wall_s:.1f}s; outputs {rec.outputs}")
@@ -585,6 +622,58 @@ class JobService:
                 rec.log(f"failed: {outcome.failure}")
         if rec.submitter:
             await self._send_update(rec)  # the final status, behind the outputs (both BULK)
+
+    async def _restart(self, rec: _Record, outcome: JobOutcome) -> bool:
+        """After a failed attempt: when a stage machine other than this one failed and
+        `max_restarts` allows, plan the job again on the machines still alive (the failed ones
+        left out) and start it from the last checkpoint (step 0 without one). True when a new
+        attempt is ready in `rec.coord`; False to end the job with `outcome`."""
+        failure = outcome.failure
+        if (outcome.ok or failure is None or rec.cancel_requested or self._closed
+                or failure.node in (self.node_id, "scheduler")
+                or rec.restarts >= rec.spec.max_restarts):
+            return False
+        rec.excluded.add(failure.node)
+        rec.log(f"attempt {rec.restarts + 1} failed: {failure}")
+        view = self.view()
+        try:
+            if view is None:
+                raise JobRefused("this daemon left the cluster")
+            cluster, addresses, memory = cluster_for_planner(view, exclude=rec.excluded)
+            old = rec.coord
+            captured = old.captured
+            first, state = 0, captured.state
+            if rec.checkpoint is not None:
+                step, ckpt = rec.checkpoint
+                first = step + 1
+                state = {k: ckpt.get(k, v) for k, v in captured.state.items()}
+            check_capacity(captured, rec.spec, memory)
+            stages = None if rec.stages is None else min(rec.stages, len(cluster.ids()))
+            version = old.plan_version + 1
+            layout, plan, text = await self._layout(rec.job_id, rec.spec, captured, state,
+                                                    cluster, memory, stages)
+            captured = replace(captured, state=state)  # what the new Assigns ship
+        except (FusionError, ValueError) as e:
+            rec.log(f"cannot restart the job: {e}")
+            return False
+        rec.restarts += 1
+        rec.earlier = [*rec.earlier, *outcome.metrics][:first]
+        while rec.history and int(rec.history[-1].get("step", 0)) >= first:
+            rec.history.pop()
+        rec.layout, rec.plan, rec.plan_text = layout, plan, text
+        rec.coord = JobCoordinator(
+            send=self.send, spec=rec.spec, captured=captured, layout=layout,
+            addresses=addresses, term=int(getattr(view, "term", 0)), plan_version=version,
+            first_step=first, ready_timeout_s=self.ready_timeout_s,
+            failure_grace_s=self.failure_grace_s, tokens_per_sample=old.tokens_per_sample,
+            on_step=old.on_step, on_checkpoint=old.on_checkpoint, corpus=old.corpus)
+        rec.log(f"restart {rec.restarts}/{rec.spec.max_restarts}: "
+                + ("from step 0 (no checkpoint yet)" if first == 0 else
+                   f"from the checkpoint after step {first}")
+                + f" on {len(layout.stages)} stages ("
+                + ", ".join(f"{s.stage}:{s.node_id}" for s in layout.stages)
+                + f"), without {', '.join(sorted(rec.excluded))}")
+        return True
 
     async def _send_outputs(self, rec: _Record, outcome: JobOutcome) -> None:
         """Write the outputs to a scratch directory and send each file to the submitter."""

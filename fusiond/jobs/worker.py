@@ -123,6 +123,11 @@ class JobWorker:
             if job is None:
                 log.debug("%s for unknown job %s from %s dropped", type(msg).__name__,
                           msg.job_id, peer)
+            elif msg.plan_version != job.host.assignment.plan_version:
+                # In flight from the job's previous plan (before a restart): not ours any more.
+                log.debug("%s of job %s v%d from %s dropped (the stage runs v%d)",
+                          type(msg).__name__, msg.job_id, msg.plan_version, peer,
+                          job.host.assignment.plan_version)
             else:
                 job.host.on_message(peer, msg)
             return True
@@ -149,6 +154,13 @@ class JobWorker:
         return False
 
     async def _assign(self, peer: str, msg: Assign) -> None:
+        old = self._jobs.get(msg.job_id)
+        if old is not None and old.host.assignment.plan_version < msg.plan_version:
+            # The scheduler restarted the job on a new plan: the old stage is superseded (its
+            # JobCancel rides the control lane and may arrive after this Assign).
+            log.info("job %s: plan v%d supersedes v%d here", msg.job_id, msg.plan_version,
+                     old.host.assignment.plan_version)
+            await self._drop(msg.job_id)
         if msg.job_id in self._jobs:
             await self.send(peer, Error(code="assign_failed", request_id=msg.request_id,
                                         message=f"job {msg.job_id} already runs here"), ())

@@ -183,6 +183,9 @@ class JobSpec:
     seed: int
     checkpoint_interval: int
     output: Path
+    max_restarts: int = 2
+    """After a stage machine fails, re-plan on the machines still alive and resume from the
+    last checkpoint (or step 0 without one) at most this many times; 0 = fail at once."""
 
 
 # -- field readers: each names the field it rejects ------------------------------------------
@@ -440,6 +443,7 @@ def job_from_dict(data: Mapping[str, Any], *, base: Path | None = None,
     steps = job.integer("steps", lo=1, hi=10**9)
     seed = job.integer("seed", 0, hi=2**63 - 1)
     ckpt = job.integer("checkpoint_interval", 0, hi=10**9)
+    restarts = job.integer("max_restarts", 2, hi=100)
     output = (out_base / job.string("output", f"runs/{name}")).expanduser()
     job.finish()
     loss_t = root.sub("loss")
@@ -461,6 +465,7 @@ def job_from_dict(data: Mapping[str, Any], *, base: Path | None = None,
         seed=seed,
         checkpoint_interval=ckpt,
         output=output,
+        max_restarts=restarts,
     )
     root.finish()
     if spec.data.kind == "images" and spec.loss.kind == "lm_cross_entropy":

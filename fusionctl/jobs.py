@@ -36,6 +36,9 @@ def add_parsers(cmd: Any) -> None:
                              "letting the planner choose")
         sp.add_argument("--steps", type=int, default=None, metavar="N",
                         help="override job.steps")
+        sp.add_argument("--resume", default=None, metavar="FILE.safetensors",
+                        help="start from a checkpoint-N.safetensors of an earlier run of this "
+                             "job (at step N), or from a model.safetensors (at step 0)")
         if name == "submit":
             sp.add_argument("--detach", action="store_true",
                             help="return once the job started (exit 0) instead of following it")
@@ -61,7 +64,8 @@ def _info(text: str) -> None:
 def _prepare(ns: argparse.Namespace) -> bytes | None:
     """Validate and capture the job here; None (after printing why) if it is refused."""
     from fusiond.errors import FusionError
-    from fusiond.jobs.submit import prepare_job
+    from fusiond.graph import state_to_bytes
+    from fusiond.jobs.submit import prepare_job, resume_state
     from fusiond.jobs.upload import encode_upload
 
     if ns.stages is not None and ns.stages < 1:
@@ -82,11 +86,29 @@ def _prepare(ns: argparse.Namespace) -> bytes | None:
         _info(f"captured {job.spec.name}: {len(job.captured.graph.nodes)} ops, "
               f"{len(job.state_bytes) / 1e6:.1f} MB of weights in {job.prepare_s:.1f}s")
     meta: dict[str, Any] = {"toml": job.toml_text, "base": job.base, "out_base": job.out_base}
+    state_bytes = job.state_bytes
+    if ns.resume is not None:
+        try:
+            state, first = resume_state(job.captured, ns.resume)
+        except FusionError as e:
+            print(f"fusionctl {ns.cmd}: --resume refused: {e}", file=sys.stderr)
+            return None
+        steps = ns.steps if ns.steps is not None else job.spec.steps
+        if first >= steps:
+            print(f"fusionctl {ns.cmd}: --resume refused: {ns.resume} follows step {first} and "
+                  f"the job has {steps} steps; train longer with --steps N (N > {first})",
+                  file=sys.stderr)
+            return None
+        state_bytes = state_to_bytes(state)
+        meta["first_step"] = first
+        if not ns.json:
+            _info(f"resuming from {ns.resume} at step {first}" if first else
+                  f"starting from the weights in {ns.resume} (no step: a new run)")
     if ns.stages is not None:
         meta["stages"] = ns.stages
     if ns.steps is not None:
         meta["steps"] = ns.steps
-    return encode_upload(meta, job.graph_bytes, job.state_bytes)
+    return encode_upload(meta, job.graph_bytes, state_bytes)
 
 
 def _upload_client(c: Client) -> Client:

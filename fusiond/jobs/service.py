@@ -131,6 +131,8 @@ class _Record:
     """The planner's plan (None for a `--stages` cut): AdaTopK re-adapts on its cut."""
     stages: int | None = None
     """The `--stages` count asked for (None: planned)."""
+    first_step: int = 0
+    """The step the job started at (> 0: resumed from a checkpoint with `--resume`)."""
     restarts: int = 0
     checkpoint: tuple[int, dict[str, torch.Tensor]] | None = None
     """The last whole-model checkpoint: (step, state after that step), to resume from."""
@@ -143,6 +145,11 @@ class _Record:
         stamp = time.strftime("%H:%M:%S", time.gmtime())
         self.logs.append(f"{stamp} {text}")
         log.info("job %s: %s", self.job_id, text)
+
+
+def _steps_done(r: _Record) -> int:
+    """Steps of the job done so far (a resumed job counts the steps before it started)."""
+    return int(r.history[-1]["step"]) + 1 if r.history else r.first_step
 
 
 def _member_memory(profile: Mapping[str, Any]) -> float:
@@ -450,6 +457,10 @@ class JobService:
         if stages is not None and (not isinstance(stages, int) or isinstance(stages, bool)
                                    or stages < 1):
             raise JobRefused(f"stages must be an integer >= 1, got {stages!r}")
+        first = meta.get("first_step", 0)
+        if not isinstance(first, int) or isinstance(first, bool) or not 0 <= first < spec.steps:
+            raise JobRefused(f"first_step must be an integer in [0, {spec.steps}) (the job's "
+                             f"steps), got {first!r}")
         view = self.view()
         if view is None:
             raise JobRefused("this daemon is not in a cluster: `fusionctl init` or `join` first")
@@ -487,15 +498,17 @@ class JobService:
 
         coord = JobCoordinator(
             send=self.send, spec=spec, captured=captured, layout=layout, addresses=addresses,
-            term=int(getattr(view, "term", 0)), ready_timeout_s=self.ready_timeout_s,
-            failure_grace_s=self.failure_grace_s, tokens_per_sample=tps, on_step=on_step,
-            on_checkpoint=on_checkpoint, corpus=corpus)
+            term=int(getattr(view, "term", 0)), first_step=first,
+            ready_timeout_s=self.ready_timeout_s, failure_grace_s=self.failure_grace_s,
+            tokens_per_sample=tps, on_step=on_step, on_checkpoint=on_checkpoint, corpus=corpus)
         rec = _Record(job_id, spec, layout, coord, plan_text, time.time(), tps,
                       submitter=submitter if submitter != self.node_id else "", plan=plan,
-                      stages=stages)
+                      stages=stages, first_step=first)
         rec_box.append(rec)
         self._jobs[job_id] = rec
-        rec.log(f"submitted: {spec.steps} steps on {len(layout.stages)} stages ("
+        rec.log(f"submitted: {spec.steps} steps"
+                + (f" from step {first} (resumed)" if first else "")
+                + f" on {len(layout.stages)} stages ("
                 + ", ".join(f"{s.stage}:{s.node_id}" for s in layout.stages) + ")")
         rec.task = asyncio.create_task(self._run(rec), name=f"job {job_id}")
         if rec.submitter:
@@ -615,7 +628,7 @@ class JobService:
         else:
             if rec.cancel_requested:
                 rec.state = "cancelled"
-                rec.log(f"cancelled after {len(rec.history)} of {rec.spec.steps} steps; every "
+                rec.log(f"cancelled after {_steps_done(rec)} of {rec.spec.steps} steps; every "
                         "stage was told to stop and free its partition")
             else:
                 rec.state = "failed"
@@ -642,7 +655,7 @@ class JobService:
             cluster, addresses, memory = cluster_for_planner(view, exclude=rec.excluded)
             old = rec.coord
             captured = old.captured
-            first, state = 0, captured.state
+            first, state = rec.first_step, captured.state
             if rec.checkpoint is not None:
                 step, ckpt = rec.checkpoint
                 first = step + 1
@@ -657,7 +670,7 @@ class JobService:
             rec.log(f"cannot restart the job: {e}")
             return False
         rec.restarts += 1
-        rec.earlier = [*rec.earlier, *outcome.metrics][:first]
+        rec.earlier = [m for m in [*rec.earlier, *outcome.metrics] if m.step < first]
         while rec.history and int(rec.history[-1].get("step", 0)) >= first:
             rec.history.pop()
         rec.layout, rec.plan, rec.plan_text = layout, plan, text
@@ -668,7 +681,7 @@ class JobService:
             failure_grace_s=self.failure_grace_s, tokens_per_sample=old.tokens_per_sample,
             on_step=old.on_step, on_checkpoint=old.on_checkpoint, corpus=old.corpus)
         rec.log(f"restart {rec.restarts}/{rec.spec.max_restarts}: "
-                + ("from step 0 (no checkpoint yet)" if first == 0 else
+                + (f"from step {first} (no checkpoint yet)" if rec.checkpoint is None else
                    f"from the checkpoint after step {first}")
                 + f" on {len(layout.stages)} stages ("
                 + ", ".join(f"{s.stage}:{s.node_id}" for s in layout.stages)
@@ -704,7 +717,7 @@ class JobService:
     def _brief(self, r: _Record) -> dict[str, Any]:
         last = r.history[-1] if r.history else {}
         return {"job_id": r.job_id, "name": r.spec.name, "state": r.state,
-                "steps": r.spec.steps, "step": len(r.history),
+                "steps": r.spec.steps, "step": _steps_done(r),
                 "loss": last.get("loss"), "first_loss": r.first_loss,
                 "stages": len(r.layout.stages), "submitted_at": r.submitted_at,
                 "output": str(r.spec.output), "scheduler": self.node_id}
@@ -723,9 +736,9 @@ class JobService:
             return got.view()
         r = got
         elapsed = time.time() - r.submitted_at
-        done = len(r.history)
+        done = _steps_done(r)
         eta = None
-        if r.state == "running" and done > 0:
+        if r.state == "running" and r.history:
             recent = list(r.history)[-20:]
             per_step = sum(float(h.get("wall_s") or 0.0) for h in recent) / len(recent)
             eta = per_step * (r.spec.steps - done)

@@ -8,6 +8,10 @@ not exist or is too short, a model torch.export cannot capture or that uses an o
 does not run (naming the op). `check_capacity` refuses a job that cannot fit the cluster's
 memory at all, before the planner looks for a cut.
 
+`resume_state(captured, path)` reads a checkpoint (or a finished model) written by an earlier
+run of the same job, checks it against the captured graph, and gives the weights and the step
+to start from (`fusionctl submit --resume`).
+
 `corpus_for_upload(spec)` runs in the submitting daemon: the corpus's content hash, and the
 corpus itself (token ids) unless it is the default one, which every stage reads from its own
 Python's standard library and checks against the hash.
@@ -38,6 +42,7 @@ __all__ = [
     "memory_estimate",
     "prepare_job",
     "restore_job",
+    "resume_state",
 ]
 
 
@@ -79,6 +84,54 @@ def prepare_job(path: str | Path) -> PreparedJob:
     return PreparedJob(spec, captured, ir.dumps(captured.graph), captured.state_bytes(),
                        time.perf_counter() - t0, p.read_text(encoding="utf-8"), str(p.parent),
                        str(Path.cwd()))
+
+
+def resume_state(captured: CapturedModel, path: str | Path
+                 ) -> tuple[dict[str, torch.Tensor], int]:
+    """(weights, first step) to resume `captured`'s job from the file at `path`: a
+    `checkpoint-N.safetensors` resumes at step N (its metadata says which step it follows); a
+    finished `model.safetensors` (no step) starts a new run at step 0 from its weights.
+    `LocalError` naming the first tensor that is missing, unknown, or of another shape or dtype
+    (a checkpoint of another model or config), or an unreadable file."""
+    from safetensors import SafetensorError, safe_open
+
+    p = Path(path)
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            meta = f.metadata() or {}
+            loaded = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+    except (OSError, SafetensorError) as e:
+        raise LocalError(f"cannot read {p} as safetensors: {e}") from e
+    graph = captured.graph
+    known = set(captured.state) | set(graph.aliases)
+    unknown = sorted(set(loaded) - known)
+    if unknown:
+        raise LocalError(f"{p}: tensor {unknown[0]!r} is not in this job's model "
+                         f"({len(unknown)} unknown): a checkpoint of another model?")
+    state = dict(captured.state)
+    for prm in graph.params:
+        keep = prm.kind is ir.ParamKind.PARAMETER or (
+            prm.kind is ir.ParamKind.BUFFER and prm.persistent)
+        if not keep:
+            continue  # constants and non-persistent buffers come from the capture
+        t = loaded.get(prm.name)
+        if t is None:
+            raise LocalError(f"{p} lacks {prm.name!r}: a checkpoint of another model?")
+        want = captured.state[prm.name]
+        if t.shape != want.shape or t.dtype != want.dtype:
+            raise LocalError(f"{p}: {prm.name!r} is {t.dtype} {tuple(t.shape)}, this job's "
+                             f"model has {want.dtype} {tuple(want.shape)}")
+        state[prm.name] = t
+    step = meta.get("step")
+    if step is None:
+        return state, 0
+    try:
+        first = int(step) + 1
+    except ValueError as e:
+        raise LocalError(f"{p}: metadata step {step!r} is not an integer") from e
+    if first < 1:
+        raise LocalError(f"{p}: metadata step {step!r} is negative")
+    return state, first
 
 
 def is_default_corpus(spec: JobSpec) -> bool:

@@ -259,3 +259,53 @@ def test_plan_prints_the_planners_table_and_starts_nothing(
     assert res["plan"].startswith("plan ") and "iteration:" in res["plan"]
     assert node0.api("GET", "/v1/jobs")["jobs"] == before
     assert not (tmp_path / "out").exists()
+
+
+def test_resume_from_a_checkpoint_matches_single_process(
+        cluster3: Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`submit --resume checkpoint-5.safetensors` trains steps 5.. from those weights: each
+    loss equals single-process training from the same weights (with a fresh optimizer, as the
+    checkpoint holds weights only) on the same batches and learning rates."""
+    lead, _ = leader_and_other(cluster3)
+    first_dir, second_dir = tmp_path / "a", tmp_path / "b"
+    first_dir.mkdir()
+    second_dir.mkdir()
+    template = GPT2.replace("steps = 20", "steps = 10\ncheckpoint_interval = 5")
+    job = _write(first_dir, template)
+    rc, res, err = ctl(lead, "submit", str(job), "--stages", "3", "--json", capsys=capsys)
+    assert rc == 0 and res["state"] == "done", err
+    ckpt = first_dir / "out" / "checkpoint-5.safetensors"
+    assert ckpt.exists(), sorted(p.name for p in (first_dir / "out").iterdir())
+    # a checkpoint of another model is refused before anything starts
+    other = _write(second_dir, template.replace('{ size = "tiny" }',
+                                                '{ size = "tiny", n_layer = 3 }'), "other.toml")
+    rc, _, err = ctl(lead, "submit", str(other), "--resume", str(ckpt), capsys=capsys)
+    assert rc == 1 and "--resume refused" in err and "another model" in err, err
+    # past the job's end: refused with the flag to use
+    rc, _, err = ctl(lead, "submit", str(job), "--resume", str(ckpt), "--steps", "5",
+                     capsys=capsys)
+    assert rc == 1 and "--steps" in err, err
+    job2 = _write(second_dir, template)
+    rc, res, err = ctl(lead, "submit", str(job2), "--stages", "3", "--resume", str(ckpt),
+                       "--json", capsys=capsys)
+    assert rc == 0 and res["state"] == "done", err
+    import json
+
+    metrics = json.loads((second_dir / "out" / "metrics.json").read_text())
+    assert [s["step"] for s in metrics["steps"]] == list(range(5, 10))
+    spec = load_job(job2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(_daemon_threads())
+    try:
+        model = build_model(spec.model, seed=spec.seed)
+        model.load_state_dict(load_model_state(ckpt), strict=True)
+        rt = ReferenceTrainer(model, loss_fn(spec.loss), spec.optimizer,
+                              data=make_source(spec.data, spec.seed), batch_size=spec.batch.size,
+                              micro_batches=spec.batch.micro_batches, total_steps=spec.steps)
+        want = rt.train(5, 5)
+    finally:
+        torch.set_num_threads(threads)
+    got = [s["loss"] for s in metrics["steps"]]
+    for g, w in zip(got, want, strict=True):
+        assert g == pytest.approx(w, rel=1e-4)
+    _no_stages_left(cluster3)

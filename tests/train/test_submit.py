@@ -16,6 +16,7 @@ from fusiond.jobs.submit import (
     memory_estimate,
     prepare_job,
     restore_job,
+    resume_state,
 )
 from fusiond.models.gpt2 import gpt2
 from fusiond.train.data import DataError
@@ -107,3 +108,40 @@ def test_sample_bytes_is_seeded_text() -> None:
     b = sample_bytes(m, "def ", length=20, seed=1)
     assert a == b and a.startswith("def ") and len(a.encode("utf-8", "replace")) >= 20
     assert m.training  # mode restored
+
+
+def test_resume_state_checks_the_file_against_the_model(tmp_path: Path) -> None:
+    from fusiond.errors import LocalError
+    from fusiond.jobs.coordinator import save_checkpoint
+    from fusiond.jobs.results import save_model
+
+    job = prepare_job(_job(tmp_path, 'zoo = "gpt2"\nconfig = { size = "tiny" }'))
+    cap = job.captured
+    trained = {k: v + 1.0 if v.is_floating_point() else v for k, v in cap.state.items()}
+    ckpt = save_checkpoint(tmp_path, 4, trained)
+    assert ckpt.name == "checkpoint-5.safetensors"
+    state, first = resume_state(cap, ckpt)
+    assert first == 5
+    assert all(torch.equal(state[k], trained[k]) for k in cap.state)
+    # a finished model: its weights, a new run from step 0
+    state, first = resume_state(cap, save_model(tmp_path / "model.safetensors", trained))
+    assert first == 0 and all(torch.equal(state[k], trained[k]) for k in cap.state)
+    name = next(k for k, v in cap.state.items() if v.dim() == 2)
+    cases = {
+        "missing": ({k: v for k, v in trained.items() if k != name}, f"lacks '{name}'"),
+        "unknown": ({**trained, "extra.weight": torch.zeros(1)}, "'extra.weight' is not in"),
+        "shape": ({**trained, name: torch.zeros(3, 3)}, "this job's model has"),
+        "dtype": ({**trained, name: trained[name].double()}, "float64"),
+    }
+    for case, (bad, match) in cases.items():
+        path = save_model(tmp_path / f"{case}.safetensors", bad, metadata={"step": "1"})
+        with pytest.raises(LocalError, match=match):
+            resume_state(cap, path)
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(LocalError, match="cannot read"):
+        resume_state(cap, tmp_path / "junk.safetensors")
+    with pytest.raises(LocalError, match="cannot read"):
+        resume_state(cap, tmp_path / "absent.safetensors")
+    path = save_model(tmp_path / "badstep.safetensors", trained, metadata={"step": "x"})
+    with pytest.raises(LocalError, match="not an integer"):
+        resume_state(cap, path)

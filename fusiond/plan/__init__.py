@@ -16,6 +16,7 @@ from fusiond.plan.model import (
     OpCost,
     PlanError,
     TensorEdge,
+    scale_machine,
 )
 from fusiond.plan.pipeline import Evaluation, GraphArrays, Plan, StageSpec, evaluate
 from fusiond.plan.render import render_plan
@@ -44,5 +45,6 @@ __all__ = [
     "plan_opfence",
     "readapt",
     "render_plan",
+    "scale_machine",
     "uniform_plan",
 ]

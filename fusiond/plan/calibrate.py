@@ -6,6 +6,13 @@ units: a matmul of transformer-like shape (FLOP/s of class "matmul"), a 3x3 conv
 ("conv"), GELU on a large tensor at the estimator's 16 FLOPs per element ("other"), a large add
 (memory bandwidth: 3 x 4 bytes per element), and a chain of tiny ops with autograd forward and
 backward (the fixed cost per kernel dispatch, which dominates small graphs on a CPU).
+
+On a CPU every time is CPU time of this process (`time.process_time`), not wall-clock: a
+benchmark of milliseconds under a CFS quota runs inside the first period at full speed, and
+other tenants' load would bend wall-clock times either way. `calibrate` then scales the rates
+per CPU second to the cores this process may really use (`fusiond.profile.cpu_allowance`:
+cgroup quota, affinity) with `scale_machine`, so the planner's compute time of a stage is its
+work over the speed at the host's real CPU share (see `fusiond.profile` for the contract).
 """
 
 from __future__ import annotations
@@ -13,20 +20,22 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
-from fusiond.plan.model import MachineProfile
+from fusiond.plan.model import MachineProfile, scale_machine, slower_of
 
 
-def _best_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
+def _best_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None],
+               clock: Callable[[], float] = time.perf_counter) -> float:
     fn()  # warm-up: allocator, kernels, caches
     sync()
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
         sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        best = min(best, clock() - t0)
+    return max(best, 1e-9)
 
 
 def _total_memory(device: str) -> float:
@@ -47,16 +56,78 @@ def calibrate(
     repeats: int = 3,
     scale: float = 1.0,
     memory_bytes: float | None = None,
+    cpu_cores: float | None = None,
 ) -> MachineProfile:
-    """Measure this machine (takes about a second on a CPU core; `scale` < 1 shrinks the
-    problem sizes for tests). The thread count is whatever torch is set to."""
+    """This machine's sustained speed as the planner should see it (about a second of CPU on
+    one core; `scale` < 1 shrinks the problem sizes for tests). The thread count is whatever
+    torch is set to. On a CPU: `measure` per CPU second on one thread, scaled to `cpu_cores`
+    (default: this process's `cpu_allowance().cores`) by `at_allowance`, and with more than
+    one thread capped by the wall-clock rates at that thread count."""
+    kw: dict[str, Any] = {"device": device, "repeats": repeats, "scale": scale,
+                          "memory_bytes": memory_bytes}
+    if not device.startswith("cpu"):
+        return measure(machine_id, **kw)
+    import torch
+
+    if cpu_cores is None:
+        from fusiond.profile import cpu_allowance
+
+        cpu_cores = cpu_allowance().cores
+    threads = torch.get_num_threads()
+    raw = measure(machine_id, per_cpu_second=True, **kw)
+    wall = measure(machine_id, per_cpu_second=False, **kw) if threads > 1 else None
+    return at_allowance(raw, threads, cpu_cores, wall)
+
+
+def at_allowance(raw: MachineProfile, threads: int, cpu_cores: float,
+                 wall: MachineProfile | None = None) -> MachineProfile:
+    """A one-thread calibration per CPU second -> what `threads` threads sustain on
+    `cpu_cores` cores: rates x min(threads, cores), the one-thread dispatch cost /
+    min(1, cores); never faster than `wall` (the wall-clock rates at `threads` threads, where
+    measured: threads rarely scale perfectly)."""
+    cores = max(cpu_cores, 1e-3)
+    out = scale_machine(raw, parallel=min(float(max(1, threads)), cores),
+                        serial=min(1.0, cores), note=f"{cores:.3g}c")
+    return out if wall is None else slower_of(out, wall)
+
+
+def measure(
+    machine_id: str = "local",
+    *,
+    device: str = "cpu",
+    repeats: int = 3,
+    scale: float = 1.0,
+    memory_bytes: float | None = None,
+    per_cpu_second: bool | None = None,
+) -> MachineProfile:
+    """The raw calibration. `per_cpu_second` (default: on a CPU): one torch thread, timed in
+    CPU time of the calling thread (`time.thread_time`: exact for it, while the accounting of
+    other threads' in-flight CPU time lags), so no quota or neighbour changes it and
+    `at_allowance` makes it sustained. Otherwise wall-clock time at torch's thread count."""
     import torch
 
     dev = torch.device(device)
+    cpu_s = dev.type == "cpu" if per_cpu_second is None else per_cpu_second
+    if cpu_s and dev.type == "cpu":
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return _measure(machine_id, dev, repeats, scale, memory_bytes, time.thread_time)
+        finally:
+            torch.set_num_threads(threads)
+    return _measure(machine_id, dev, repeats, scale, memory_bytes, time.perf_counter)
+
+
+def _measure(machine_id: str, dev: Any, repeats: int, scale: float,
+             memory_bytes: float | None, clock: Callable[[], float]) -> MachineProfile:
+    import torch
 
     def sync() -> None:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
+
+    def best(fn: Callable[[], object]) -> float:
+        return _best_time(fn, repeats, sync, clock)
 
     # matmul: forward + backward of a transformer-shaped linear layer, so the transposed
     # products of backward are in the rate (6 FLOPs per multiply-add triple)
@@ -70,22 +141,22 @@ def calibrate(
     def linear_fb() -> None:
         torch.nn.functional.linear(a, w).backward(go)  # type: ignore[no-untyped-call]
 
-    t_mm = _best_time(linear_fb, repeats, sync)
+    t_mm = best(linear_fb)
     mm_rate = 6.0 * m * k * nout / t_mm
 
     with torch.no_grad():
         c = max(8, int(64 * scale))
         x = torch.randn(4, c, 28, 28, device=dev)
         wc = torch.randn(c, c, 3, 3, device=dev)
-        t_conv = _best_time(lambda: torch.nn.functional.conv2d(x, wc, padding=1), repeats, sync)
+        t_conv = best(lambda: torch.nn.functional.conv2d(x, wc, padding=1))
         conv_rate = 2.0 * (4 * c * 28 * 28) * c * 9 / t_conv
 
         n = max(1 << 16, int((1 << 23) * scale))
         u = torch.randn(n, device=dev)
         v = torch.randn(n, device=dev)
-        t_add = _best_time(lambda: u + v, repeats, sync)
+        t_add = best(lambda: u + v)
         mem_bw = 12.0 * n / t_add
-        t_gelu = _best_time(lambda: torch.nn.functional.gelu(u), repeats, sync)
+        t_gelu = best(lambda: torch.nn.functional.gelu(u))
         # GELU is partly memory bound: what is left after the traffic is the FLOP rate
         compute = max(t_gelu - 8.0 * n / mem_bw, t_gelu * 0.25)
         other_rate = 16.0 * n / compute
@@ -99,13 +170,61 @@ def calibrate(
             y = y * 1.0001
         y.sum().backward()  # type: ignore[no-untyped-call]
 
-    t_tiny = _best_time(tiny, repeats, sync)
+    t_tiny = best(tiny)
     overhead = t_tiny / (2 * chain + 2)
+    wire_bytes = max(1 << 20, int((1 << 22) * scale))
+    wire = best(_wire_round_trip(wire_bytes))
     return MachineProfile(
         id=machine_id,
         flops={"matmul": mm_rate, "conv": conv_rate, "other": other_rate},
         mem_bw=mem_bw,
         op_overhead_s=overhead,
-        memory_bytes=memory_bytes if memory_bytes is not None else _total_memory(device),
+        memory_bytes=memory_bytes if memory_bytes is not None else _total_memory(str(dev)),
         kind=f"{dev.type}:{torch.get_num_threads()}t" if dev.type == "cpu" else str(dev),
+        wire_s_per_byte=wire / wire_bytes / 2,
     )
+
+
+def _wire_round_trip(nbytes: int) -> Callable[[], None]:
+    """One tensor of `nbytes` through what a stage's cut edge costs its hosts' CPU: the
+    tensor's bytes, AES-GCM in 16 kB records (TLS 1.3's record layer), a loopback TCP socket
+    (the kernel's copies; a socket pair where no loopback is up), decryption and a tensor
+    again. Both ends run here, so half of its time is one side's cost per byte."""
+    import socket
+
+    import torch
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    aes = AESGCM(bytes(32))
+    nonce = bytes(12)  # a benchmark, not a channel: the key never protects anything
+    src = torch.randn(nbytes // 4)
+    record = 1 << 14
+
+    def connect() -> tuple[socket.socket, socket.socket]:
+        try:
+            with socket.create_server(("127.0.0.1", 0)) as srv:
+                a = socket.create_connection(srv.getsockname()[:2], timeout=5)
+                b, _ = srv.accept()
+                return a, b
+        except OSError:
+            return socket.socketpair()
+
+    def run() -> None:
+        a, b = connect()
+        try:
+            data = src.numpy().tobytes()
+            view = memoryview(data)
+            out = bytearray()
+            for off in range(0, len(data), record):
+                sealed = aes.encrypt(nonce, view[off:off + record], None)
+                a.sendall(sealed)
+                got = bytearray()
+                while len(got) < len(sealed):
+                    got += b.recv(len(sealed) - len(got))
+                out += aes.decrypt(nonce, bytes(got), None)
+            torch.frombuffer(out, dtype=torch.float32).clone()
+        finally:
+            a.close()
+            b.close()
+
+    return run

@@ -20,6 +20,7 @@ graph's topological order on one machine. Model (see docs/planner.md):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -59,6 +60,14 @@ class StageReport:
     memory_bytes: float
     memory_cap: float
     inflight: int
+    wire_cpu_s: float = 0.0
+    """The stage's own time per micro-batch to send and receive its cut tensors
+    (`MachineProfile.wire_s_per_byte`); it adds to `compute_s` as the stage's busy time."""
+
+    @property
+    def busy_s(self) -> float:
+        """Compute plus wire handling: what the stage's host spends per micro-batch."""
+        return self.compute_s + self.wire_cpu_s
 
 
 @dataclass(frozen=True)
@@ -262,16 +271,25 @@ def evaluate(
             tuple(names_on[(ps, ds)]), dmin,
         ))
 
-    compute_b = max(r.compute_s for r in reports)
+    # a stage's host also pays for every byte it sends and receives (encoding, TLS, socket
+    # copies): on a small CPU share that is time the stage is not computing
+    handled = [0.0] * S
+    for lk in links:
+        handled[lk.src_stage] += lk.fwd_bytes + lk.bwd_bytes
+        handled[lk.dst_stage] += lk.fwd_bytes + lk.bwd_bytes
+    reports = [dataclasses.replace(
+        r, wire_cpu_s=handled[i] * c.machines[r.machine].wire_s_per_byte)
+        for i, r in enumerate(reports)]
+    compute_b = max(r.busy_s for r in reports)
     bottleneck_s, bottleneck = compute_b, f"compute {reports[0].machine_id}"
     for r in reports:
-        if r.compute_s >= bottleneck_s:
-            bottleneck_s, bottleneck = r.compute_s, f"compute {r.machine_id}"
+        if r.busy_s >= bottleneck_s:
+            bottleneck_s, bottleneck = r.busy_s, f"compute {r.machine_id}"
     for lk in links:
         if lk.time_s > bottleneck_s:
             bottleneck_s = lk.time_s
             bottleneck = f"link {c.machines[lk.src].id}->{c.machines[lk.dst].id}"
-    fill = sum(r.compute_s for r in reports)
+    fill = sum(r.busy_s for r in reports)
     fill += sum(lk.fwd_bytes / lk.bw_fwd + lk.bwd_bytes / lk.bw_bwd for lk in links)
     fill += sum(float(c.rtt[stages[i].machine, stages[i + 1].machine]) for i in range(S - 1))
     # tied weights held by several stages: their gradients are exchanged once per iteration

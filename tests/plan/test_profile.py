@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fusiond.plan import MachineProfile, PlanError, cluster_from_topology, fence_groups
 
@@ -72,3 +74,59 @@ def test_planner_is_pure() -> None:
     loaded = json.loads(out.stdout)
     bad = [m for m in loaded if m.split(".")[0] in ("torch", "asyncio", "socket", "aiohttp")]
     assert not bad, f"fusiond.plan imported {bad[:5]}"
+
+
+_BASE = MachineProfile("m", {"matmul": 4e10, "conv": 2e10, "other": 1e9}, mem_bw=2e10,
+                       op_overhead_s=1e-5, memory_bytes=2**30, kind="cpu:1t")
+
+
+@given(st.floats(min_value=0.05, max_value=64))
+def test_stage_compute_is_work_over_the_speed_at_the_cpu_share(cores: float) -> None:
+    """A host on a quota of `cores` (one thread) computes every op min(1, cores) times slower:
+    rates, memory bandwidth and the dispatch cost all follow the share."""
+    from fusiond.plan.calibrate import at_allowance
+    from fusiond.plan.model import op_times
+    from tests.plan.synth import random_instance
+
+    g = random_instance(np.random.default_rng(3)).graph
+    slow = at_allowance(_BASE, 1, cores)
+    share = min(1.0, cores)
+    assert op_times(g, slow, 4) == pytest.approx(op_times(g, _BASE, 4) / share, rel=1e-9)
+    # more threads than cores: the quota binds, not the thread count
+    many = at_allowance(_BASE, 8, cores)
+    assert many.rate("matmul") == pytest.approx(_BASE.rate("matmul") * min(8.0, cores))
+    assert many.op_overhead_s == pytest.approx(_BASE.op_overhead_s / share)
+
+
+def test_wall_clock_rates_cap_an_optimistic_thread_count() -> None:
+    from fusiond.plan.calibrate import at_allowance
+    from fusiond.plan.model import slower_of
+
+    wall = MachineProfile("w", {"matmul": 6e10, "other": 5e9}, mem_bw=3e10,
+                          op_overhead_s=2e-5, memory_bytes=1.0)
+    got = at_allowance(_BASE, 2, 2.0, wall)  # perfect scaling would say 8e10 for matmul
+    assert got.rate("matmul") == 6e10 and got.rate("other") == 2e9
+    assert got.rate("conv") == 5e9  # wall has no conv: its "other" rate caps it
+    assert got.mem_bw == 3e10 and got.op_overhead_s == 2e-5
+    assert got.id == "m" and got.memory_bytes == 2**30
+    assert slower_of(_BASE, _BASE) == _BASE
+
+
+def test_cpu_share_must_be_positive() -> None:
+    from fusiond.plan.model import scale_machine
+
+    with pytest.raises(PlanError, match="CPU shares"):
+        scale_machine(_BASE, parallel=0.0, serial=1.0)
+    with pytest.raises(PlanError, match="CPU shares"):
+        scale_machine(_BASE, parallel=1.0, serial=math.inf)
+
+
+def test_calibration_is_per_cpu_second_then_scaled() -> None:
+    pytest.importorskip("torch")
+    from fusiond.plan.calibrate import calibrate
+
+    full = calibrate("a", scale=0.1, repeats=2, cpu_cores=1.0)
+    quarter = calibrate("a", scale=0.1, repeats=2, cpu_cores=0.25)
+    # separate measurements: the same machine within noise, a quarter of it on 0.25 core
+    assert 2.0 < full.rate("matmul") / quarter.rate("matmul") < 8.0
+    assert quarter.kind.endswith("@0.25c")

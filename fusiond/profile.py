@@ -1,9 +1,22 @@
-"""What this node can do: device, memory, measured compute speed, versions.
+"""What this node can do: device, memory, measured compute speed, CPU allowance, versions.
 
 The profile is gossiped to every member (the election ranks on it and the planner sizes
-partitions with it), so it is a plain JSON-able dict of str/int/float values. Computing it is
-cheap except the matmul benchmark, which runs once and is cached by (device, torch version) in
-the cache directory; `free_memory_bytes` is re-read every time the profile is asked for.
+partitions with it), so it is a plain JSON-able dict of str/int/float values (plus the
+planner's calibrated `machine` dict). Computing it is cheap except the benchmarks, which run
+once and are cached by (device, torch version) in the cache directory; `free_memory_bytes` is
+re-read every time the profile is asked for.
+
+CPU contract (a CPU node): speeds are measured in work per *CPU second* of this process
+(`time.process_time`), so neither a CFS quota's throttling nor other tenants' load bends them,
+and then multiplied by the cores this process may really use: `cpu_allowance()` = the
+tightest of the cgroup v2 `cpu.max` limits from its cgroup up to the root (cgroup v1
+`cpu.cfs_quota_us / cpu.cfs_period_us` where v2 has no cpu controller) and its CPU affinity.
+A wall-clock benchmark of a few milliseconds under a quota runs in the first CFS period at full
+speed and would overstate a 0.25-core container fourfold. The sustained rate of a job running
+`threads` threads is per-CPU-second rate x min(threads, allowed cores); fixed per-dispatch
+costs (one thread) are divided by min(1, allowed cores). A quota that is not visible (no cgroup
+filesystem mounted in this mount namespace) counts as none: the profile then says what the
+node would do alone on its allowed cores, not what other tenants leave it.
 """
 
 from __future__ import annotations
@@ -14,17 +27,165 @@ import logging
 import os
 import platform
 import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import fusiond
 import protocol
+from fusiond.plan.model import MachineProfile, PlanError
 
 log = logging.getLogger("fusiond.profile")
 
 BENCH_N = 512
 """Matrix size of the benchmark: big enough to be compute bound, small enough to take ~10 ms."""
 BENCH_REPEATS = 5
+CACHE_VERSION = 2
+"""Bumped when the cached numbers change meaning (2: per CPU second, before the allowance)."""
+
+
+# -- the CPU this process may use (pure parsing, then the one function that reads files) ------
+
+
+@dataclass(frozen=True)
+class CpuAllowance:
+    """How many cores this process may keep busy: `cores` = min(quota, affinity).
+
+    `quota_cores`: the tightest cgroup CPU limit on the way to the root (None: unlimited or not
+    visible); `affinity`: CPUs in the scheduler affinity mask; `source`: where the binding
+    limit comes from (for logs and the profile: "cgroup2:/path", "cgroup1:/path", "affinity").
+    """
+
+    cores: float
+    quota_cores: float | None
+    affinity: int
+    source: str
+
+
+def parse_cpu_max(text: str) -> float | None:
+    """cgroup v2 `cpu.max` ("QUOTA PERIOD", QUOTA "max" = unlimited) -> cores, or None for
+    unlimited or unparsable."""
+    parts = text.split()
+    if not parts or parts[0] == "max":
+        return None
+    try:
+        quota = float(parts[0])
+        period = float(parts[1]) if len(parts) > 1 else 100_000.0
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def parse_cfs(quota_text: str, period_text: str) -> float | None:
+    """cgroup v1 `cpu.cfs_quota_us` (-1 = unlimited) over `cpu.cfs_period_us` -> cores."""
+    try:
+        quota, period = float(quota_text.strip()), float(period_text.strip())
+    except ValueError:
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def parse_proc_cgroup(text: str) -> tuple[str | None, str | None]:
+    """/proc/self/cgroup -> (cgroup v2 path, cgroup v1 path of the hierarchy holding the `cpu`
+    controller); None where the file has no such line."""
+    v2: str | None = None
+    v1: str | None = None
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hid, ctl, path = parts
+        if hid == "0" and ctl == "":
+            v2 = path
+        elif "cpu" in ctl.split(","):
+            v1 = path
+    return v2, v1
+
+
+def parse_mountinfo(text: str) -> list[tuple[str, str, str, str]]:
+    """/proc/self/mountinfo -> [(mount root, mount point, fs type, super options)] of the
+    cgroup filesystems (v1 "cgroup" and v2 "cgroup2")."""
+    out = []
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        lf, rf = left.split(), right.split()
+        if not sep or len(lf) < 5 or len(rf) < 3 or rf[0] not in ("cgroup", "cgroup2"):
+            continue
+        out.append((lf[3], lf[4], rf[0], rf[2]))
+    return out
+
+
+def cgroup_dirs(mount_root: str, mount_point: str, path: str) -> list[str]:
+    """The directories of cgroup `path` and each ancestor (leaf first) under a mount of the
+    hierarchy whose root is `mount_root` (a container sees only its own subtree); [] when the
+    path is outside the mounted subtree."""
+    root = mount_root.rstrip("/")
+    if root and not (path == root or path.startswith(root + "/")):
+        return []
+    rel = [p for p in path[len(root):].split("/") if p and p not in (".", "..")]
+    return [os.path.join(mount_point, *rel[:i]) for i in range(len(rel), -1, -1)]
+
+
+def tightest(limits: Iterable[tuple[float | None, str]]) -> tuple[float | None, str]:
+    """The smallest limit and its source, ignoring None (unlimited); (None, "") when none."""
+    best: tuple[float | None, str] = (None, "")
+    for cores, src in limits:
+        if cores is not None and (best[0] is None or cores < best[0]):
+            best = (cores, src)
+    return best
+
+
+def combine_allowance(quota: tuple[float | None, str], affinity: int) -> CpuAllowance:
+    """The allowance from the tightest cgroup limit and the affinity mask."""
+    cores, src = quota
+    aff = max(1, affinity)
+    if cores is None or cores >= aff:
+        return CpuAllowance(float(aff), cores, aff, "affinity")
+    return CpuAllowance(cores, cores, aff, src)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _affinity() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def cpu_allowance(proc: str = "/proc/self") -> CpuAllowance:
+    """This process's CPU allowance (see `CpuAllowance`): cgroup v2 `cpu.max` files on the way
+    from its cgroup to the root where present, else the v1 cpu hierarchy's CFS quota, and the
+    affinity mask. Never raises: what cannot be read counts as unlimited."""
+    v2, v1 = parse_proc_cgroup(_read(f"{proc}/cgroup") or "")
+    mounts = parse_mountinfo(_read(f"{proc}/mountinfo") or "")
+    limits: list[tuple[float | None, str]] = []
+    for root, point, fstype, opts in mounts:
+        if fstype == "cgroup2" and v2 is not None:
+            for d in cgroup_dirs(root, point, v2):
+                text = _read(os.path.join(d, "cpu.max"))
+                if text is not None:
+                    limits.append((parse_cpu_max(text), "cgroup2:" + d))
+        elif fstype == "cgroup" and v1 is not None and "cpu" in opts.split(","):
+            for d in cgroup_dirs(root, point, v1):
+                q = _read(os.path.join(d, "cpu.cfs_quota_us"))
+                p = _read(os.path.join(d, "cpu.cfs_period_us"))
+                if q is not None and p is not None:
+                    limits.append((parse_cfs(q, p), "cgroup1:" + d))
+    return combine_allowance(tightest(limits), _affinity())
+
+
+def sustained(rate_per_cpu_s: float, threads: int, cores: float) -> float:
+    """What a job with `threads` busy threads sustains, from a rate per CPU second: it can keep
+    min(threads, cores) cores busy (a quota of 0.25 core gives a quarter of one)."""
+    return rate_per_cpu_s * min(float(max(1, threads)), max(cores, 1e-3))
 
 
 def _total_memory_bytes() -> int:
@@ -63,24 +224,35 @@ def device_info() -> dict[str, Any]:
     return _cpu_info()
 
 
-def matmul_gflops(device_kind: str = "cpu", n: int = BENCH_N, repeats: int = BENCH_REPEATS
-                  ) -> float:
-    """Measured float32 matmul throughput in GFLOP/s (best of `repeats`, after a warm-up)."""
+def matmul_gflops(device_kind: str = "cpu", n: int = BENCH_N, repeats: int = BENCH_REPEATS,
+                  *, per_cpu_second: bool | None = None) -> float:
+    """Measured float32 matmul throughput in GFLOP/s (best of `repeats`, after a warm-up).
+    `per_cpu_second` (default: on a CPU): on one thread, per CPU second of that thread
+    (`sustained` turns it into what the node's allowance gives); else per wall-clock second
+    at torch's thread count."""
     import torch
 
     dev = torch.device("cuda" if device_kind == "cuda" else "cpu")
-    a = torch.randn(n, n, device=dev)
-    b = torch.randn(n, n, device=dev)
-    torch.mm(a, b)  # warm-up: first call pays for allocation and kernel selection
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
+    cpu_s = dev.type == "cpu" if per_cpu_second is None else per_cpu_second and dev.type == "cpu"
+    clock = time.thread_time if cpu_s else time.perf_counter
+    threads = torch.get_num_threads()
+    if cpu_s:
+        torch.set_num_threads(1)
+    try:
+        a = torch.randn(n, n, device=dev)
+        b = torch.randn(n, n, device=dev)
+        torch.mm(a, b)  # warm-up: first call pays for allocation and kernel selection
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = clock()
+            torch.mm(a, b)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, clock() - t0)
+    finally:
+        torch.set_num_threads(threads)
     return (2.0 * n**3) / max(best, 1e-9) / 1e9
 
 
@@ -98,12 +270,52 @@ def _torch_version() -> str:
         return "none"
 
 
-def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> dict[str, Any]:
-    """The static part of the profile, with the benchmark cached in `cache_dir` when given.
+PLAN_FIELDS = {"matmul": "plan_flops_matmul", "conv": "plan_flops_conv",
+               "other": "plan_flops_other"}
+"""Profile keys of the planner's calibrated FLOP rates per op class (sustained, at the node's
+CPU allowance), beside ``plan_mem_bw``, ``plan_op_overhead_s`` and ``plan_wire_s_per_byte``."""
 
-    `benchmark` False skips importing torch altogether (device probing and the matmul): the
-    profile then reports the CPU with ``gflops`` 0. Tests that start many daemons use it.
+
+def planner_fields(m: MachineProfile) -> dict[str, float]:
+    """The flat profile keys carrying a calibration (the gossiped profile holds scalars)."""
+    out = {key: float(m.flops[c]) for c, key in PLAN_FIELDS.items() if c in m.flops}
+    out["plan_mem_bw"] = float(m.mem_bw)
+    out["plan_op_overhead_s"] = float(m.op_overhead_s)
+    out["plan_wire_s_per_byte"] = float(m.wire_s_per_byte)
+    return out
+
+
+def machine_from_profile(node_id: str, profile: Mapping[str, Any],
+                         memory_bytes: float) -> MachineProfile | None:
+    """The planner's view of a node from its gossiped profile (`planner_fields`), or None when
+    the profile carries no calibration (an older daemon, or one started without benchmark)."""
+
+    def num(key: str) -> float:
+        v = profile.get(key)
+        return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else 0.0
+
+    flops = {c: num(key) for c, key in PLAN_FIELDS.items() if num(key) > 0}
+    if "other" not in flops or num("plan_mem_bw") <= 0:
+        return None
+    return MachineProfile(id=node_id, flops=flops, mem_bw=num("plan_mem_bw"),
+                          op_overhead_s=max(0.0, num("plan_op_overhead_s")),
+                          memory_bytes=max(memory_bytes, 1.0),
+                          kind=str(profile.get("device_kind", "")),
+                          wire_s_per_byte=max(0.0, num("plan_wire_s_per_byte")))
+
+
+def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> dict[str, Any]:
+    """The static part of the profile, with the benchmarks cached in `cache_dir` when given.
+
+    `benchmark` False skips importing torch altogether (device probing, the matmul and the
+    planner's calibration): the profile then reports the CPU with ``gflops`` 0. Tests that
+    start many daemons use it. On a CPU the cache holds rates per CPU second; the allowance
+    (`cpu_allowance`) is read again on every start, so a changed quota needs no re-measuring.
+    Keys: ``gflops`` (sustained matmul GFLOP/s at the allowance), ``gflops_per_cpu_s``,
+    ``threads``, ``cpu_cores`` (allowed), ``cpu_quota_cores`` (0: none seen), ``cpu_limit``
+    (where the binding limit comes from) and the `planner_fields`.
     """
+    allowance = cpu_allowance()
     info = device_info() if benchmark else _cpu_info()
     prof: dict[str, Any] = {
         **info,
@@ -113,31 +325,72 @@ def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> 
         "python_version": platform.python_version(),
         "cpu_count": os.cpu_count() or 1,
         "memory_bytes": _total_memory_bytes(),
+        "cpu_cores": allowance.cores,
+        "cpu_quota_cores": allowance.quota_cores or 0.0,
+        "cpu_limit": allowance.source,
         "gflops": 0.0,
     }
     if not benchmark:
         return prof
-    key = f"{info['device_kind']}|{info['device_name']}|{prof['torch_version']}|{BENCH_N}"
+    import torch
+
+    from fusiond.plan.calibrate import at_allowance, measure
+
+    kind = str(info["device_kind"])
+    threads = torch.get_num_threads()
+    key = (f"v{CACHE_VERSION}|{kind}|{info['device_name']}|{prof['torch_version']}|{BENCH_N}"
+           f"|{threads}t")
     cache = Path(cache_dir) / "profile.json" if cache_dir else None
+    data: dict[str, Any] | None = None
     if cache is not None:
         try:
             data = json.loads(cache.read_text())
-            if data.get("key") == key and isinstance(data.get("gflops"), int | float):
-                prof["gflops"] = float(data["gflops"])
-                return prof
+            if not isinstance(data, dict) or data.get("key") != key:
+                data = None
         except (OSError, ValueError):
-            pass  # no cache yet, or a corrupt one: measure again
-    gflops = matmul_gflops(info["device_kind"])
+            data = None  # no cache yet, or a corrupt one: measure again
+    try:
+        raw = _raw_benchmarks(data, kind) if data is not None else None
+    except (KeyError, TypeError, ValueError, PlanError):
+        raw = None  # an older or damaged cache
+    if raw is None:
+        dev = "cuda" if kind == "cuda" else "cpu"
+        multi = kind == "cpu" and threads > 1
+        data = {"key": key, "gflops": matmul_gflops(kind),
+                "machine": measure("local", device=dev).to_dict(),
+                "gflops_wall": matmul_gflops(kind, per_cpu_second=False) if multi else None,
+                "machine_wall": measure("local", device=dev, per_cpu_second=False).to_dict()
+                if multi else None}
+        raw = _raw_benchmarks(data, kind)
+        if cache is not None:
+            try:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                tmp = cache.with_suffix(".tmp")
+                tmp.write_text(json.dumps(data))
+                tmp.replace(cache)
+            except OSError as e:
+                log.warning("cannot cache the profile benchmark in %s: %s", cache, e)
+    gflops, machine, gflops_wall, machine_wall = raw
+    prof["threads"] = threads
+    if kind == "cpu":
+        prof["gflops_per_cpu_s"] = round(gflops, 2)
+        gflops = sustained(gflops, threads, allowance.cores)
+        if gflops_wall is not None:
+            gflops = min(gflops, gflops_wall)
+        machine = at_allowance(machine, threads, allowance.cores, machine_wall)
     prof["gflops"] = round(gflops, 2)
-    if cache is not None:
-        try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"key": key, "gflops": prof["gflops"]}))
-            tmp.replace(cache)
-        except OSError as e:
-            log.warning("cannot cache the profile benchmark in %s: %s", cache, e)
+    prof.update(planner_fields(machine))
     return prof
+
+
+def _raw_benchmarks(data: Mapping[str, Any], kind: str
+                    ) -> tuple[float, MachineProfile, float | None, MachineProfile | None]:
+    """(matmul GFLOP/s, calibration) per CPU second on one thread (per wall second on a GPU),
+    and the wall-clock ones at the thread count where that is > 1, from the cache's dict."""
+    gw, mw = data.get("gflops_wall"), data.get("machine_wall")
+    return (float(data["gflops"]), MachineProfile.from_dict(data["machine"]),
+            float(gw) if gw is not None else None,
+            MachineProfile.from_dict(mw) if mw is not None and kind == "cpu" else None)
 
 
 class Profiler:

@@ -49,6 +49,7 @@ from fusiond.jobs.upload import Upload, decode_upload, encode_upload
 from fusiond.jobs.worker import JobWorker, SendFn, local_sender
 from fusiond.plan import Cluster, MachineProfile, Plan
 from fusiond.plan.render import render_plan
+from fusiond.profile import machine_from_profile
 from fusiond.train.local import StepMetrics
 from fusiond.train.spec import JobSpec, parse_job
 from fusiond.train.stage import StageConfig
@@ -175,14 +176,19 @@ def cluster_for_planner(view: Any, exclude: Iterable[str] = ()
     memory: dict[str, int] = {}
     for m in members:
         prof = dict(m.profile or {})
-        gflops = prof.get("gflops")
-        rate = float(gflops) * 1e9 if isinstance(gflops, int | float) and gflops > 0 \
-            else DEFAULT_GFLOPS * 1e9
         mem = _member_memory(prof)
         memory[m.node_id] = int(mem)
-        machines.append(MachineProfile(id=m.node_id, flops={"other": rate}, mem_bw=rate / 2,
-                                       op_overhead_s=2e-5, memory_bytes=max(mem, 1.0),
-                                       kind=str(prof.get("device_kind", ""))))
+        # the member's own calibration at its CPU allowance (fusiond.profile); else its matmul
+        # rate for every op class (sustained too), else a default
+        machine = machine_from_profile(m.node_id, prof, mem)
+        if machine is None:
+            gflops = prof.get("gflops")
+            rate = float(gflops) * 1e9 if isinstance(gflops, int | float) and gflops > 0 \
+                else DEFAULT_GFLOPS * 1e9
+            machine = MachineProfile(id=m.node_id, flops={"other": rate}, mem_bw=rate / 2,
+                                     op_overhead_s=2e-5, memory_bytes=max(mem, 1.0),
+                                     kind=str(prof.get("device_kind", "")))
+        machines.append(machine)
     ids = [m.node_id for m in members]
     links = dict(getattr(view, "links", {}) or {})
     k = len(ids)

@@ -1,0 +1,180 @@
+"""The CPU a node may use (cgroup v2 cpu.max, v1 CFS quota, affinity) and the profile on it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fusiond import profile
+from fusiond.plan import MachineProfile
+from fusiond.profile import (
+    CpuAllowance,
+    cgroup_dirs,
+    combine_allowance,
+    cpu_allowance,
+    machine_from_profile,
+    parse_cfs,
+    parse_cpu_max,
+    parse_mountinfo,
+    parse_proc_cgroup,
+    planner_fields,
+    sustained,
+    tightest,
+)
+
+quotas = st.integers(min_value=1000, max_value=10**7)
+periods = st.integers(min_value=1000, max_value=10**6)
+
+
+@given(quotas, periods)
+def test_cpu_max_is_quota_over_period(q: int, p: int) -> None:
+    assert parse_cpu_max(f"{q} {p}\n") == pytest.approx(q / p)
+    assert parse_cfs(f"{q}\n", f"{p}\n") == pytest.approx(q / p)
+
+
+@given(periods)
+def test_unlimited_and_garbage_mean_no_limit(p: int) -> None:
+    assert parse_cpu_max(f"max {p}") is None
+    assert parse_cpu_max("") is None
+    assert parse_cpu_max("lots 100000") is None
+    assert parse_cfs("-1", str(p)) is None
+    assert parse_cfs("", "") is None
+    assert parse_cpu_max("50000") == pytest.approx(0.5)  # period defaults to the kernel's 100 ms
+
+
+def test_proc_cgroup_finds_the_v2_path_and_the_v1_cpu_hierarchy() -> None:
+    text = ("12:pids:/a\n4:cpu,cpuacct:/docker/abc\n2:cpuset:/x\n1:name=systemd:/s\n"
+            "0::/user.slice/app.scope\n")
+    assert parse_proc_cgroup(text) == ("/user.slice/app.scope", "/docker/abc")
+    assert parse_proc_cgroup("0::/\n") == ("/", None)
+    assert parse_proc_cgroup("3:cpuacct:/q\n") == (None, None)  # cpuacct is not cpu
+
+
+def test_mountinfo_keeps_cgroup_mounts_with_their_root() -> None:
+    text = ("31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
+            "32 31 0:29 /docker/abc /sys/fs/cgroup/cpu rw,nosuid shared:9 - cgroup cgroup "
+            "rw,cpu,cpuacct\n"
+            "41 31 0:38 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n")
+    assert parse_mountinfo(text) == [
+        ("/docker/abc", "/sys/fs/cgroup/cpu", "cgroup", "rw,cpu,cpuacct"),
+        ("/", "/sys/fs/cgroup/unified", "cgroup2", "rw")]
+
+
+def test_cgroup_dirs_walk_from_the_leaf_to_the_visible_root() -> None:
+    assert cgroup_dirs("/", "/m", "/a/b") == ["/m/a/b", "/m/a", "/m"]
+    assert cgroup_dirs("/", "/m", "/") == ["/m"]
+    # a container sees its own subtree mounted as the root
+    assert cgroup_dirs("/docker/abc", "/m", "/docker/abc/x") == ["/m/x", "/m"]
+    assert cgroup_dirs("/docker/abc", "/m", "/other") == []
+
+
+@given(st.lists(st.one_of(st.none(), st.floats(min_value=0.01, max_value=64)), max_size=6),
+       st.integers(min_value=1, max_value=256))
+def test_allowance_is_the_tightest_limit_and_never_above_the_affinity(
+        limits: list[float | None], affinity: int) -> None:
+    a = combine_allowance(tightest((x, f"l{i}") for i, x in enumerate(limits)), affinity)
+    finite = [x for x in limits if x is not None]
+    assert a.cores == pytest.approx(min([*finite, float(affinity)]))
+    assert 0 < a.cores <= affinity
+    if finite and min(finite) < affinity:
+        assert a.source == f"l{limits.index(min(finite))}"
+    else:
+        assert a.source == "affinity"
+
+
+@given(st.floats(min_value=1e6, max_value=1e13), st.integers(min_value=1, max_value=64),
+       st.floats(min_value=0.01, max_value=64))
+def test_sustained_rate_is_per_cpu_second_times_the_cores_threads_can_use(
+        rate: float, threads: int, cores: float) -> None:
+    got = sustained(rate, threads, cores)
+    assert got == pytest.approx(rate * min(threads, cores))
+    assert got <= rate * threads * (1 + 1e-12)
+
+
+def _fake_proc(tmp_path: Path, cgroup: str, mountinfo: str) -> str:
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cgroup").write_text(cgroup)
+    (proc / "mountinfo").write_text(mountinfo)
+    return str(proc)
+
+
+def test_cpu_allowance_reads_v2_cpu_max_up_to_the_root(tmp_path: Path) -> None:
+    root = tmp_path / "cg2"
+    (root / "job" / "task").mkdir(parents=True)
+    (root / "cpu.max").write_text("max 100000\n")
+    (root / "job" / "cpu.max").write_text("150000 100000\n")  # 1.5 cores for the job
+    (root / "job" / "task" / "cpu.max").write_text("max 100000\n")
+    proc = _fake_proc(tmp_path, "0::/job/task\n",
+                      f"41 31 0:38 / {root} rw - cgroup2 cgroup2 rw\n")
+    a = cpu_allowance(proc)
+    aff = len(os.sched_getaffinity(0))
+    if aff > 1.5:
+        assert a == CpuAllowance(1.5, 1.5, aff, f"cgroup2:{root / 'job'}")
+    else:
+        assert a.cores == aff and a.quota_cores == pytest.approx(1.5)
+
+
+def test_cpu_allowance_falls_back_to_v1_cfs_quota(tmp_path: Path) -> None:
+    root = tmp_path / "cpu"
+    (root / "bed-h1").mkdir(parents=True)
+    (root / "cpu.cfs_quota_us").write_text("-1\n")
+    (root / "cpu.cfs_period_us").write_text("100000\n")
+    (root / "bed-h1" / "cpu.cfs_quota_us").write_text("25000\n")
+    (root / "bed-h1" / "cpu.cfs_period_us").write_text("100000\n")
+    # a hybrid host: cgroup2 mounted without the cpu controller (no cpu.max files)
+    (tmp_path / "unified").mkdir()
+    proc = _fake_proc(tmp_path, "1:cpu:/bed-h1\n0::/\n",
+                      f"32 31 0:29 / {root} rw - cgroup cgroup rw,cpu\n"
+                      f"41 31 0:38 / {tmp_path / 'unified'} rw - cgroup2 cgroup2 rw\n")
+    a = cpu_allowance(proc)
+    assert a.cores == pytest.approx(0.25) and a.quota_cores == pytest.approx(0.25)
+    assert a.source == f"cgroup1:{root / 'bed-h1'}"
+
+
+def test_cpu_allowance_without_a_visible_cgroup_is_the_affinity(tmp_path: Path) -> None:
+    a = cpu_allowance(_fake_proc(tmp_path, "1:cpu:/x\n", ""))
+    assert a.quota_cores is None and a.source == "affinity"
+    assert a.cores == len(os.sched_getaffinity(0))
+
+
+def test_planner_fields_round_trip_through_the_gossiped_profile() -> None:
+    m = MachineProfile("x", {"matmul": 4e10, "conv": 3e10, "other": 1e9}, mem_bw=5e9,
+                       op_overhead_s=2e-5, memory_bytes=1.0)
+    prof = {"device_kind": "cpu", **planner_fields(m)}
+    back = machine_from_profile("node-1", prof, 2**30)
+    assert back is not None
+    assert back.flops == m.flops and back.mem_bw == m.mem_bw
+    assert back.op_overhead_s == m.op_overhead_s and back.memory_bytes == 2**30
+    assert back.id == "node-1"
+    assert machine_from_profile("n", {"gflops": 10.0}, 1.0) is None  # no calibration
+
+
+@pytest.mark.slow  # imports torch and calibrates
+def test_profile_speed_follows_the_allowance(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: no wall-clock cap, the shares are exact
+    try:
+        full = profile.compute_profile(tmp_path, benchmark=True)
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    aff = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(profile, "cpu_allowance",
+                        lambda proc="/proc/self": CpuAllowance(0.25, 0.25, aff, "test"))
+    quarter = profile.compute_profile(tmp_path, benchmark=True)  # cached: same raw numbers
+    assert quarter["cpu_cores"] == 0.25 and quarter["cpu_limit"] == "test"
+    assert full["threads"] == 1 and quarter["threads"] == 1
+    share = min(1.0, full["cpu_cores"]) / 0.25
+    assert quarter["gflops"] == pytest.approx(full["gflops_per_cpu_s"] * 0.25, rel=0.01)
+    assert full["gflops"] / quarter["gflops"] == pytest.approx(share, rel=0.01)
+    assert full["plan_flops_matmul"] / quarter["plan_flops_matmul"] == pytest.approx(share)
+    assert quarter["plan_op_overhead_s"] / full["plan_op_overhead_s"] == pytest.approx(share)
+    assert quarter["plan_wire_s_per_byte"] / full["plan_wire_s_per_byte"] == pytest.approx(share)

@@ -115,6 +115,25 @@ def kernel_has_netem() -> bool:
         _run(["ip", "netns", "del", ns], check=False)
 
 
+CFS_PERIOD_US = 10_000
+"""CFS period of the hosts' CPU quotas: 10 ms, not the kernel's default 100 ms. A quota is
+emulating a slower machine; within one period a throttled host waits up to
+period x (1 - share) with its work half done, and a pipeline that hands micro-batches from
+host to host many times a step would feel that as up to 77 ms of extra latency per hop at
+0.225 core with the default period (what a slow CPU does not do). Shorter periods cost a
+little more scheduler work."""
+
+_MOUNT_CGROUP = (
+    'r="$0"; k="$1"; o="$2"; shift 2; '
+    'if [ ! -e "$r/cgroup.procs" ]; then '
+    '{ mountpoint -q /sys/fs/cgroup || mount -t tmpfs -o mode=755 tmpfs /sys/fs/cgroup; } '
+    '&& mkdir -p "$r" && if [ "$k" = v2 ]; then mount -t cgroup2 cgroup2 "$r"; '
+    'else mount -t cgroup -o "$o" cgroup "$r"; fi '
+    '|| echo "testbed: cannot mount the cgroup hierarchy at $r: quota not visible" >&2; fi; '
+    'exec "$@"')
+"""sh script run inside a host: ROOT KIND OPTIONS ARGV... -> the cpu cgroup mounted at ROOT."""
+
+
 @dataclass(frozen=True)
 class CgroupSupport:
     """Where CPU quotas can be set: `kind` is "v2", "v1" or "none" (with the reason)."""
@@ -122,6 +141,8 @@ class CgroupSupport:
     kind: str
     root: Path | None
     reason: str = ""
+    options: str = ""
+    """The hierarchy's mount options (v1: its controllers), to mount it again in a host."""
 
 
 def detect_cgroup() -> CgroupSupport:
@@ -137,11 +158,11 @@ def detect_cgroup() -> CgroupSupport:
             ctl = Path(path) / "cgroup.controllers"
             with contextlib.suppress(OSError):
                 if "cpu" in ctl.read_text().split() and os.access(path, os.W_OK):
-                    return CgroupSupport("v2", Path(path))
+                    return CgroupSupport("v2", Path(path), options="")
     for path, fstype, opts in mounts:
         if (fstype == "cgroup" and "cpu" in opts.split(",")
                 and (Path(path) / "cpu.cfs_quota_us").exists() and os.access(path, os.W_OK)):
-            return CgroupSupport("v1", Path(path))
+            return CgroupSupport("v1", Path(path), options=opts)
     return CgroupSupport("none", None, "no writable cgroup v2 with the cpu controller, "
                          "nor a cgroup v1 cpu hierarchy")
 
@@ -413,11 +434,12 @@ class Testbed:
                     if "cpu" not in ctl.read_text().split():
                         ctl.write_text("+cpu")
                 path.mkdir(exist_ok=True)
+                quota = max(1000, int(cores * CFS_PERIOD_US))  # the kernel's minimum: 1 ms
                 if cg.kind == "v2":
-                    (path / "cpu.max").write_text(f"{int(cores * 100_000)} 100000")
+                    (path / "cpu.max").write_text(f"{quota} {CFS_PERIOD_US}")
                 else:
-                    (path / "cpu.cfs_period_us").write_text("100000")
-                    (path / "cpu.cfs_quota_us").write_text(str(int(cores * 100_000)))
+                    (path / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+                    (path / "cpu.cfs_quota_us").write_text(str(quota))
             except OSError as exc:
                 self._warn(f"CPU quota for {host} NOT applied ({cg.kind} at {path}): {exc}")
 
@@ -450,6 +472,12 @@ class Testbed:
     def _spawn(self, ns: str, argv: Sequence[str], log: Path | None, *, cgroup: str | None,
                env: Mapping[str, str] | None = None, **kw: Any) -> subprocess.Popen[bytes]:
         cmd = ["ip", "netns", "exec", ns, *argv]
+        if cgroup is not None and self.cgroup.root is not None:
+            # `ip netns exec` gives the host a fresh /sys, without /sys/fs/cgroup: mount the
+            # quota's hierarchy again (in that private mount namespace only), so a process can
+            # read its own CPU limit there as in a container (fusiond.profile.cpu_allowance).
+            cmd = ["ip", "netns", "exec", ns, "sh", "-c", _MOUNT_CGROUP,
+                   str(self.cgroup.root), self.cgroup.kind, self.cgroup.options, *argv]
         if cgroup is not None:
             # Join the cgroup before exec so every child process inherits the quota.
             cmd = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', f"{cgroup}/cgroup.procs", *cmd]

@@ -163,8 +163,15 @@ def test_cpu_quota_limits_a_hosts_processes(state_dir: Path, tmp_path: Path) -> 
     with testbed(topo, name=f"fzt{os.getpid() % 100000}q", state_dir=state_dir) as tb:
         assert tb.state["cgroups"] and all(Path(c).is_dir() for c in tb.state["cgroups"])
         used = float(tb.run("y", [sys.executable, "-c", spin]))
+        # the host sees its own quota where a container would (fusiond.profile reads it)
+        seen = tb.run("y", [sys.executable, "-c", "from fusiond.profile import cpu_allowance; "
+                            "a = cpu_allowance(); print(a.cores, a.source)"]).split()
+        free = tb.run("x", [sys.executable, "-c", "from fusiond.profile import cpu_allowance; "
+                            "print(cpu_allowance().quota_cores)"]).strip()
     # 0.2 of a core for ~1 s of wall clock (plus interpreter start-up inside the quota too).
     assert used < 0.2 * 1.3 + 0.1, used
+    assert float(seen[0]) == pytest.approx(0.2) and seen[1].endswith("-y"), seen
+    assert free == "None"  # a host without a quota has none to see
     assert all(not Path(c).exists() for c in tb.state["cgroups"])
 
 

@@ -28,6 +28,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import tempfile
 import time
@@ -40,11 +41,17 @@ from typing import Any
 import torch
 
 from fusiond.errors import FusionError, LocalError
-from fusiond.graph import CapturedModel, contiguous_assignment, state_from_bytes
+from fusiond.graph import CapturedModel, contiguous_assignment, state_from_bytes, state_to_bytes
 from fusiond.jobs.assign import Corpus, JobLayout, layout_job
 from fusiond.jobs.coordinator import JobCoordinator, JobOutcome, save_checkpoint, write_outputs
 from fusiond.jobs.planning import layout_from_plan, plan_job, readapted_densities
-from fusiond.jobs.submit import check_capacity, corpus_for_upload, memory_estimate, restore_job
+from fusiond.jobs.submit import (
+    check_capacity,
+    corpus_for_upload,
+    memory_estimate,
+    restore_job,
+    resume_state,
+)
 from fusiond.jobs.upload import Upload, decode_upload, encode_upload
 from fusiond.jobs.worker import JobWorker, SendFn, local_sender
 from fusiond.plan import Cluster, MachineProfile, Plan
@@ -84,6 +91,14 @@ REMOTE_SEND_S = 10.0
 """Bound on one status update to a remote submitter."""
 REMOTE_OUTPUTS_S = 600.0
 """Bound on sending a job's outputs back to its submitter."""
+PLAN_EPOCH = 1024
+"""A job's first plan version at a scheduler is `term * PLAN_EPOCH + 1`, and each restart adds
+one (`max_restarts` <= 100): versions grow across restarts and across schedulers, so a stage's
+newer Assign supersedes a stale one and stale tensors are told apart by version alone."""
+FAILOVER_WAIT_S = 120.0
+"""How long a submitting daemon waits for a new scheduler after the old one died."""
+_CHECKPOINT = re.compile(r"checkpoint-(\d+)\.safetensors")
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}-[0-9a-f]{6}")
 
 
 class JobRefused(LocalError):
@@ -100,6 +115,15 @@ class _Remote:
     status: dict[str, Any]
     outputs: dict[str, str] = field(default_factory=dict)
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+    upload: Upload | None = None
+    """What was forwarded (kept to resubmit if the scheduler dies)."""
+    max_restarts: int = 0
+    restarts: int = 0
+    checkpoint: Path | None = None
+    """The last checkpoint the scheduler sent here (a resubmission resumes from it)."""
+    failing_over: bool = False
+    notes: list[str] = field(default_factory=list)
+    """This daemon's own log lines for the job (failover), before the scheduler's."""
 
     @property
     def state(self) -> str:
@@ -324,12 +348,18 @@ class JobService:
         """Membership changed: a stage machine declared dead (or gone) fails its job; a dead
         scheduler fails the jobs it coordinated for us."""
         gone = {m.node_id: m.state for m in view.members if m.state in ("dead", "left")}
-        for r in self._remote.values():
-            if r.state not in FINAL and r.scheduler in gone:
-                r.status = {**r.status, "state": "failed", "outcome": {
-                    "ok": False, "failure": f"job failed on {r.scheduler} (the scheduler): "
-                    f"the membership layer declared it {gone[r.scheduler]}"}}
-                r.ended.set()
+        for r in list(self._remote.values()):
+            if r.state in FINAL or r.scheduler not in gone or r.failing_over:
+                continue
+            why = (f"job failed on {r.scheduler} (the scheduler): the membership layer "
+                   f"declared it {gone[r.scheduler]}")
+            if r.upload is not None and r.restarts < r.max_restarts and not self._closed:
+                r.failing_over = True
+                self._spawn(self._failover(r, why), f"failover {r.job_id}")
+                continue
+            r.status = {**r.status, "state": "failed",
+                        "outcome": {"ok": False, "failure": why}}
+            r.ended.set()
         for rec in self._jobs.values():
             if rec.state != "running":
                 continue
@@ -361,6 +391,19 @@ class JobService:
         leader = getattr(view, "leader", None) if view is not None else None
         if leader is None or leader == self.node_id:
             return await self.submit(upload, dry_run=dry_run)
+        summary = await self._forward(upload, leader, dry_run=dry_run)
+        if not dry_run:
+            job_id = str(summary["job_id"])
+            self._remote[job_id] = _Remote(job_id, leader, spec.output, {
+                "job_id": job_id, "name": spec.name, "state": "running", "steps": spec.steps,
+                "step": 0, "loss": None, "first_loss": None, "stages": len(summary["stages"]),
+                "output": str(spec.output), "plan": summary["plan"], "history": [],
+                "status": {}, "lines": [], "outcome": None, "eta_s": None},
+                upload=upload, max_restarts=spec.max_restarts)
+        return summary
+
+    async def _forward(self, upload: Upload, leader: str, *, dry_run: bool) -> dict[str, Any]:
+        """Hand `upload` to the scheduler `leader`; its summary, or `JobRefused`."""
         data = encode_upload(upload.meta, upload.graph_bytes, upload.state_bytes,
                              upload.data_bytes)
         rid = secrets.token_hex(8)
@@ -379,14 +422,75 @@ class JobService:
             raise JobRefused(f"{reply.message} (refused by the scheduler {leader})")
         summary = dict(reply.summary)
         summary["scheduler"] = leader
-        if not dry_run:
-            job_id = str(summary["job_id"])
-            self._remote[job_id] = _Remote(job_id, leader, spec.output, {
-                "job_id": job_id, "name": spec.name, "state": "running", "steps": spec.steps,
-                "step": 0, "loss": None, "first_loss": None, "stages": len(summary["stages"]),
-                "output": str(spec.output), "plan": summary["plan"], "history": [],
-                "status": {}, "lines": [], "outcome": None, "eta_s": None})
         return summary
+
+    async def _failover(self, r: _Remote, why: str) -> None:
+        """The scheduler of a job submitted here died: once a new scheduler is elected, submit
+        the job to it again under the same id, from the last checkpoint it sent here (or from
+        the start), or run it here if this daemon is the new scheduler. On any refusal the job
+        ends failed with both reasons."""
+        assert r.upload is not None
+        lines = r.notes
+        lines += list(r.status.get("lines", []))  # the dead scheduler's, before they are gone
+        stamp = time.strftime("%H:%M:%S", time.gmtime())
+        lines.append(f"{stamp} {why}; waiting for a new scheduler to resubmit the job")
+        log.warning("job %s: %s; resubmitting once a new scheduler is elected", r.job_id, why)
+        try:
+            leader, alive = None, 0
+            async with asyncio.timeout(FAILOVER_WAIT_S):
+                while True:
+                    view = self.view()
+                    leader = getattr(view, "leader", None) if view is not None else None
+                    if leader is not None and leader != r.scheduler:
+                        alive = sum(1 for m in view.members if m.state == "alive")
+                        break
+                    await asyncio.sleep(0.2)
+            meta = {**r.upload.meta, "job_id": r.job_id, "restarts": r.restarts + 1}
+            state_bytes = r.upload.state_bytes
+            if r.checkpoint is not None:
+                state_bytes, first = await asyncio.to_thread(self._resume_bytes, r.upload,
+                                                             r.checkpoint)
+                meta["first_step"] = first
+            if isinstance(meta.get("stages"), int):
+                meta["stages"] = max(1, min(meta["stages"], alive))
+            upload = Upload(meta, r.upload.graph_bytes, state_bytes, r.upload.data_bytes)
+            if leader == self.node_id:
+                summary = await self.submit(upload)  # `get` finds the local record first
+                self._remote.pop(r.job_id, None)
+                took = self._jobs[r.job_id]
+                lines.append(f"{time.strftime('%H:%M:%S', time.gmtime())} this daemon is the "
+                             "new scheduler: it runs the job"
+                             + (f" from {r.checkpoint.name}" if r.checkpoint else ""))
+                took.logs = deque([*lines, *took.logs], maxlen=LOG_LINES)
+            else:
+                summary = await self._forward(upload, leader, dry_run=False)
+        except asyncio.CancelledError:
+            raise
+        except (FusionError, TimeoutError, OSError, ValueError) as e:
+            cause = (f"no new scheduler within {FAILOVER_WAIT_S:g}s"
+                     if isinstance(e, TimeoutError) else str(e))
+            r.status = {**r.status, "state": "failed", "outcome": {
+                "ok": False, "failure": f"{why}; resubmitting failed: {cause}"}}
+            r.ended.set()
+            return
+        r.restarts += 1
+        r.failing_over = False
+        if leader != self.node_id:
+            r.scheduler = leader
+            lines.append(f"{time.strftime('%H:%M:%S', time.gmtime())} resubmitted to the new "
+                         f"scheduler {leader}" + (f" from {r.checkpoint.name}" if r.checkpoint
+                                                  else " from step 0"))
+            r.status = {**r.status, "lines": [], "stages": len(summary["stages"])}
+        log.info("job %s resubmitted to %s", r.job_id, leader)
+
+    @staticmethod
+    def _resume_bytes(upload: Upload, checkpoint: Path) -> tuple[bytes, int]:
+        """The upload's weights replaced by `checkpoint`'s (checked), and the step to start."""
+        meta = upload.meta
+        _, captured = restore_job(meta["toml"], meta["base"], meta["out_base"],
+                                  upload.graph_bytes, upload.state_bytes, check_paths=False)
+        state, first = resume_state(captured, checkpoint)
+        return state_to_bytes(state), first
 
     async def _on_remote_submit(self, peer: str, msg: JobSubmit) -> None:
         """A submission forwarded by `peer`: plan and start it; answer either way."""
@@ -429,6 +533,8 @@ class JobService:
         await asyncio.to_thread(write)
         r.outputs[name.split(".")[0] if name in ("model.safetensors", "metrics.json")
                   else name] = str(path)
+        if _CHECKPOINT.fullmatch(name):
+            r.checkpoint = path
 
     async def _push(self, rec: _Record) -> None:
         """Send a remote submitter the job's status every UPDATE_S until it ends."""
@@ -472,7 +578,12 @@ class JobService:
             raise JobRefused("this daemon is not in a cluster: `fusionctl init` or `join` first")
         cluster, addresses, memory = cluster_for_planner(view)
         check_capacity(captured, spec, memory)
-        job_id = f"{spec.name}-{secrets.token_hex(3)}"
+        job_id = meta.get("job_id") or f"{spec.name}-{secrets.token_hex(3)}"
+        if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id) or job_id in self._jobs:
+            raise JobRefused(f"job id {job_id!r} is malformed or already in use here")
+        used = meta.get("restarts", 0)
+        if not isinstance(used, int) or isinstance(used, bool) or not 0 <= used <= 100:
+            raise JobRefused(f"restarts must be an integer in [0, 100], got {used!r}")
         layout, plan, plan_text = await self._layout(job_id, spec, captured, captured.state,
                                                      cluster, memory, stages)
         summary = {
@@ -505,11 +616,12 @@ class JobService:
         coord = JobCoordinator(
             send=self.send, spec=spec, captured=captured, layout=layout, addresses=addresses,
             term=int(getattr(view, "term", 0)), first_step=first,
+            plan_version=int(getattr(view, "term", 0)) * PLAN_EPOCH + 1,
             ready_timeout_s=self.ready_timeout_s, failure_grace_s=self.failure_grace_s,
             tokens_per_sample=tps, on_step=on_step, on_checkpoint=on_checkpoint, corpus=corpus)
         rec = _Record(job_id, spec, layout, coord, plan_text, time.time(), tps,
                       submitter=submitter if submitter != self.node_id else "", plan=plan,
-                      stages=stages, first_step=first)
+                      stages=stages, first_step=first, restarts=used)
         rec_box.append(rec)
         self._jobs[job_id] = rec
         rec.log(f"submitted: {spec.steps} steps"
@@ -730,7 +842,8 @@ class JobService:
 
     def get(self, job_id: str) -> _Record | _Remote:
         """The job submitted here (or coordinated here); KeyError if unknown."""
-        rec: _Record | _Remote | None = self._remote.get(job_id) or self._jobs.get(job_id)
+        # A job this daemon took over from a dead scheduler is in both for a moment.
+        rec: _Record | _Remote | None = self._jobs.get(job_id) or self._remote.get(job_id)
         if rec is None:
             raise KeyError(job_id)
         return rec
@@ -755,7 +868,8 @@ class JobService:
 
     def logs(self, job_id: str) -> dict[str, Any]:
         r = self.get(job_id)
-        lines = list(r.status.get("lines", [])) if isinstance(r, _Remote) else list(r.logs)
+        lines = ([*r.notes, *r.status.get("lines", [])] if isinstance(r, _Remote)
+                 else list(r.logs))
         return {"job_id": job_id, "lines": lines}
 
     async def cancel(self, job_id: str) -> dict[str, Any]:

@@ -124,3 +124,54 @@ def test_a_job_survives_a_stage_daemon_killed_mid_job(
     finally:
         c.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_job_survives_its_scheduler_killed_mid_job(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The daemon that took the submission resubmits the job, under the same id, to the
+    scheduler the survivors elect (or runs it itself if that is this daemon), from the last
+    checkpoint the dead scheduler sent it; `fusionctl` following the job sees it end done."""
+    import json
+
+    root = Path(tempfile.mkdtemp(prefix="fzs"))
+    c = start_cluster(root)
+    try:
+        lead, submitter = leader_and_other(c)
+        steps = 60
+        job = _write(tmp_path, GPT2.replace("steps = 20",
+                                            f"steps = {steps}\ncheckpoint_interval = 5"))
+        rc, res, err = ctl(submitter, "submit", str(job), "--stages", "3", "--detach", "--json",
+                           capsys=capsys)
+        assert rc == 0, err
+        job_id = res["job_id"]
+        lead_id = c.node_id(lead)
+        assert res["scheduler"] == lead_id
+
+        def past_a_checkpoint() -> tuple[bool, str]:
+            d = submitter.api("GET", f"/v1/jobs/{job_id}?history=0")
+            return d["step"] >= 12, f"{d['state']} at step {d['step']}"
+
+        c.wait_for(past_a_checkpoint, 90.0, "the job past its second checkpoint")
+        out = tmp_path / "out"
+        assert (out / "checkpoint-10.safetensors").exists()
+        lead.kill()
+
+        def ended() -> tuple[bool, str]:
+            d = submitter.api("GET", f"/v1/jobs/{job_id}?history=0")
+            return d["state"] != "running", f"{d['state']} at step {d['step']}"
+
+        c.wait_for(ended, 180.0, "the job ending after the scheduler died")
+        rc, d, err = ctl(submitter, "job", job_id, "--json", capsys=capsys)
+        assert rc == 0, err
+        lines = submitter.api("GET", f"/v1/jobs/{job_id}/logs")["lines"]
+        assert d["state"] == "done", (d.get("outcome"), lines[-10:])
+        assert any("declared it dead" in x for x in lines), lines
+        assert d["scheduler"] != lead_id
+        metrics = json.loads((out / "metrics.json").read_text())
+        resumed_at = metrics["steps"][0]["step"]
+        assert resumed_at >= 10 and resumed_at % 5 == 0, resumed_at
+        assert metrics["steps"][-1]["step"] == steps - 1
+        assert (out / "model.safetensors").exists()
+    finally:
+        c.stop()
+        shutil.rmtree(root, ignore_errors=True)

@@ -12,16 +12,23 @@ global batch and optimizer (`bench.wan_common.Workload`; GPT-2 `mini` at vocab 2
    (`bench/wan_hivemind.py`; build the venv with `bench/hivemind/setup.sh`).
 
 Fusion runs are a `JobWorker` over a `PeerNetwork` in every host (`bench/wan_fusion.py`) and
-the `JobCoordinator` in host 0, planned on the testbed's configured links (no daemons).
-Every process is limited to one thread and runs in its host's CPU cgroup (the topology's
-quotas). Bytes on the wire = what every host's eth0 transmitted during the run (all traffic:
-setup, model shipping, activations, gradients, DHT). Writes a Markdown table per topology to
-`--doc` and a PNG of loss vs wall-clock per topology; prints PASS/FAIL for the issue's targets.
+the `JobCoordinator` in host 0, planned on the testbed's configured links (no daemons) and on
+the profile every host measures of itself (`fusiond.profile`, as a daemon gossips it).
+Every process is limited to one thread and runs in its host's CPU cgroup: the hosts share this
+machine's cores, so every host gets a quota and the quotas sum to at most `--cpu-cores`
+(default 80 % of the CPUs; the topology's own quotas stay relative, see `share_quotas`). A host
+reads its quota like a container does and the planner sees each host at its share.
+Defaults: all topologies, GPT-2 mini, 45 s per run, 12 MB planner memory per host (the model
+must be split), hosts per `DEFAULT_HOSTS`. Bytes on the wire = what every host's eth0
+transmitted during the run (all traffic: setup, model shipping, activations, gradients,
+DHT). Writes a Markdown table per topology to `--doc` and a PNG of loss vs wall-clock per
+topology; prints PASS/FAIL for the issue's targets.
 The testbed (namespaces, processes) is removed on exit, also on failure or Ctrl-C.
 
     sudo .venv/bin/python bench/wan.py --quick                 # four-groups, 4 hosts, < 10 min
-    sudo .venv/bin/python bench/wan.py                         # all three topologies
+    sudo .venv/bin/python bench/wan.py                         # all three, < 30 min
     sudo .venv/bin/python bench/wan.py --topology two-groups --hosts 4 --budget 90
+    sudo .venv/bin/python bench/wan.py --quick --host-memory-mb 0  # the model fits one host
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import shutil
 import signal
@@ -58,6 +66,11 @@ from deploy.testbed.bed import Testbed  # noqa: E402
 from deploy.testbed.topology import Topology, format_rate, load_topology  # noqa: E402
 
 TOPOLOGIES = ("two-groups", "four-groups", "mixed-slow")
+DEFAULT_HOSTS: dict[str, int | None] = {"two-groups": None, "four-groups": 4, "mixed-slow": None}
+"""Hosts per topology without --hosts: all of two-groups (8: its two groups of 4) and of
+mixed-slow (5); four-groups with one host per group (its 8 would add about 4 minutes of
+process start-up on 2 cores to a run that must fit in 30 minutes, and 4 keep every kind of
+link)."""
 FUSION_PORT = 7600
 DDP_PORT = 7700
 HIVEMIND_PORT = 7800
@@ -89,6 +102,19 @@ def restrict(topo: Topology, hosts: Sequence[str]) -> Topology:
         groups={g: tuple(h for h in m if h in keep) for g, m in topo.groups.items()
                 if any(h in keep for h in m)},
         cpu={h: c for h, c in topo.cpu.items() if h in keep})
+
+
+def share_quotas(hosts: Sequence[str], relative: dict[str, float], cores: float
+                 ) -> dict[str, float]:
+    """A CPU quota (cores) for every host such that they sum to at most `cores`: hosts emulated
+    on one machine share its cores, and a host without a quota would be profiled (and planned)
+    as if it had the machine to itself. The topology's quotas stay relative (a 0.5-core host
+    gets half of a full host's share); nothing is scaled up past the topology's own quota."""
+    weights = {h: min(1.0, relative.get(h, 1.0)) for h in hosts}
+    total = sum(weights.values())
+    scale = min(1.0, cores / total) if total > 0 else 1.0
+    # rounded down to 1/1000 core, so rounding never lifts the sum over `cores`
+    return {h: math.floor(w * scale * 1000) / 1000 for h, w in weights.items()}
 
 
 def cluster_desc(topo: Topology) -> dict[str, Any]:
@@ -184,13 +210,14 @@ class Runner:
         addr = {h: (self.tb.address(h), FUSION_PORT) for h in self.hosts}
         peers = [f"--peer={self.creds[h]}={a}:{p}" for h, (a, p) in addr.items()]
         out = self.work / f"{mode}.json"
+        profiles = f"--profile-dir={self.work / f'profiles-{mode}'}"
         procs = []
         py = sys.executable
         script = str(REPO / "bench" / "wan_fusion.py")
         for h in self.hosts[1:]:
             log = self.work / f"{mode}-{h}.log"
             others = [p for p in peers if not p.startswith(f"--peer={self.creds[h]}=")]
-            procs.append(self.tb.exec(h, [py, script, "node", h,
+            procs.append(self.tb.exec(h, [py, script, "node", h, profiles,
                                           f"--state-dir={self.work / 'creds' / h}",
                                           f"--listen={addr[h][0]}:{FUSION_PORT}", *others],
                                       log=log, env=self.env))
@@ -198,7 +225,7 @@ class Runner:
             self.tb.wait_ready(p, self.work / f"{mode}-{h}.log", f"fusion node {h}", timeout=120)
         h0 = self.hosts[0]
         lead = self.tb.exec(h0, [
-            py, script, "lead", h0, f"--listen={addr[h0][0]}:{FUSION_PORT}",
+            py, script, "lead", h0, profiles, f"--listen={addr[h0][0]}:{FUSION_PORT}",
             f"--state-dir={self.work / 'creds' / h0}",
             *[p for p in peers if not p.startswith(f"--peer={self.creds[h0]}=")],
             f"--mode={mode}",
@@ -227,6 +254,8 @@ class Runner:
         out = self.work / "hivemind.json"
         maddrs = self.work / "hivemind-maddrs.txt"
         maddrs.unlink(missing_ok=True)
+        barrier = self.work / "hivemind-barrier"
+        shutil.rmtree(barrier, ignore_errors=True)
         tokens = self.work / "tokens.npy"
         if not tokens.exists():
             import numpy as np
@@ -241,7 +270,7 @@ class Runner:
         procs = [self.tb.exec(h, [
             str(py), str(REPO / "bench" / "wan_hivemind.py"), f"--rank={i}",
             f"--world={len(self.hosts)}", f"--listen={self.tb.address(h)}:{HIVEMIND_PORT}",
-            f"--maddr-file={maddrs}", f"--budget={self.args.budget}",
+            f"--maddr-file={maddrs}", f"--barrier-dir={barrier}", f"--budget={self.args.budget}",
             f"--workload={self.work / 'workload.json'}", f"--tokens={tokens}", f"--out={out}",
         ], log=self.work / f"hivemind-{h}.log", env=self.env) for i, h in enumerate(self.hosts)]
         return self._wait(procs[0], procs[1:], out, "hivemind", timeout=self.args.budget + 240)
@@ -316,11 +345,45 @@ def explain_miss(trace: Trace, measured_tokens_per_s: float, tokens_per_step: in
     return "; ".join(parts)
 
 
+def bytes_by_link(trace: Trace, topo: Topology) -> dict[float, float]:
+    """Measured payload bytes per step (forward + backward, all edges of the last step) by the
+    rate of the link each cut edge crosses, from the trace's stages (machine ids
+    `<index>-<host>`) and the topology: shows where a partition puts its traffic."""
+    stages = [str(m).split("-", 1)[1] for m in trace.extra.get("stages", [])]
+    edges = (trace.extra.get("last_step") or {}).get("edges") or []
+    out: dict[float, float] = {}
+    for e in edges:
+        a, b = int(e["src"]), int(e["dst"])
+        if not (0 <= a < len(stages) and 0 <= b < len(stages)) or stages[a] == stages[b]:
+            continue
+        rate = topo.link(stages[a], stages[b]).bandwidth_bps
+        out[rate] = out.get(rate, 0.0) + float(e["forward_wire"]) + float(e["backward_wire"])
+    return out
+
+
+def traffic_note(traces: dict[str, Trace], topo: Topology) -> str | None:
+    """One line comparing (2) and (3)'s bytes per step on each kind of link, or None."""
+    parts = []
+    for s in ("opfence", "adatopk"):
+        t = traces.get(s)
+        got = bytes_by_link(t, topo) if t is not None else {}
+        if got:
+            parts.append(f"{LABELS[s][:3]} " + ", ".join(
+                f"{format_rate(r)}: {b / 1e6:.2f} MB" for r, b in sorted(got.items())))
+    if not parts:
+        return None
+    return ("payload per step by link rate (last step, forward + backward; a different "
+            "partition can move traffic onto fast links while AdaTopK shrinks the slow ones): "
+            + "; ".join(parts))
+
+
 def run_topology(name: str, args: argparse.Namespace, wl: Workload
                  ) -> tuple[str, dict[str, Figures], list[Verdict]]:
     topo = load_topology(name)
-    hosts = select_hosts(topo, args.hosts)
+    hosts = select_hosts(topo, args.hosts if args.hosts else DEFAULT_HOSTS.get(name))
     topo = restrict(topo, hosts)
+    relative = dict(topo.cpu)
+    topo = dataclasses.replace(topo, cpu=share_quotas(hosts, relative, args.cpu_cores))
     traces: dict[str, Trace] = {}
     wire: dict[str, int] = {}
     tb = Testbed(topo)
@@ -358,7 +421,9 @@ def run_topology(name: str, args: argparse.Namespace, wl: Workload
                     for a, b in topo.pairs()})
     md = [f"### {name}: {', '.join(hosts)}", "",
           "links: " + ", ".join(f"{format_rate(bw)}/{rtt * 1e3:g} ms" for bw, rtt in links)
-          + (f"; CPU quotas {dict(topo.cpu)}" if topo.cpu else ""), "",
+          + f"; CPU quota per host (cores, sum <= {args.cpu_cores:g}): "
+          + ", ".join(f"{h} {c:g}" for h, c in topo.cpu.items())
+          + (f" (topology's relative quotas {relative})" if relative else ""), "",
           markdown_table(rows), ""]
     for v in vs:
         md.append(f"- {v.line()}")
@@ -368,6 +433,9 @@ def run_topology(name: str, args: argparse.Namespace, wl: Workload
                 f.tokens_per_s / f.predicted_tokens_per_s - 1) > 0.25:
             md.append(f"- {LABELS[s]} prediction missed: "
                       f"{explain_miss(traces[s], f.tokens_per_s, wl.tokens_per_step)}")
+    note = traffic_note(traces, topo)
+    if note:
+        md.append(f"- {note}")
     for s, t in traces.items():
         if t.error:
             md.append(f"- {LABELS[s]}: {t.error}")
@@ -383,7 +451,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="four-groups only, 4 hosts, 45 s budget per run")
     ap.add_argument("--hosts", type=int, help="at most this many hosts per topology")
-    ap.add_argument("--budget", type=float, default=90.0, help="wall-clock seconds per run")
+    ap.add_argument("--budget", type=float, default=45.0, help="wall-clock seconds per run")
     ap.add_argument("--systems", default=",".join(SYSTEMS),
                     help=f"comma-separated subset of {','.join(SYSTEMS)}")
     ap.add_argument("--size", default="mini", help="GPT-2 size (fusiond.models.gpt2)")
@@ -396,13 +464,21 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=5)
     ap.add_argument("--skip", type=int, default=2,
                     help="steps excluded from throughput (model shipping, warm-up)")
-    ap.add_argument("--host-memory-mb", type=float,
-                    help="memory the planner may use per host (default 4 GiB): a small value "
-                         "makes the model too big for one host, as in the paper's setting, so "
-                         "fusion must split it (DDP and hivemind still hold a full copy)")
+    ap.add_argument("--host-memory-mb", type=float, default=12.0,
+                    help="memory the planner may use per host (default 12 MB; 0: 4 GiB, the "
+                         "model fits one host). A planner input only, nothing enforces it at "
+                         "run time: GPT-2 mini needs 23.5 MB on one host in the planner's "
+                         "accounting, so 12 MB makes it too big for one host, as in the "
+                         "paper's setting, and fusion must split it over at least 3 hosts "
+                         "(DDP and hivemind still hold a full copy)")
     ap.add_argument("--append", action="store_true",
                     help="add the sections to --doc instead of rewriting it")
     ap.add_argument("--latency", default="auto", help="testbed latency mode")
+    ap.add_argument("--cpu-cores", type=float,
+                    default=round(0.8 * len(os.sched_getaffinity(0)), 2),
+                    help="cores the hosts' quotas share (default 80 %% of this process's "
+                         "CPUs: the rest is for the delay stage, the bench, the kernel's "
+                         "shaping and whatever else runs on the machine)")
     ap.add_argument("--hivemind-python", default=str(REPO / "bench" / ".venv-hivemind" / "bin"
                                                       / "python"))
     ap.add_argument("--doc", default=str(REPO / "docs" / "benchmarks.md"))
@@ -464,30 +540,48 @@ NOTES = """
 - Model: GPT-2 `mini` of `fusiond.models.gpt2` (4 layers, width 128, 4 heads) at vocab 256
   (byte tokens), about 0.8 M parameters: what eight host processes on this machine's 2 cores
   can train at all. Same initial weights (seed) everywhere.
-- This machine has 2 cores for every host (and for the other engineers' work): a run's
-  throughput is bounded by the sum of its hosts' compute on those cores as well as by the
-  links, and load from elsewhere moves every figure. The lead re-measures on a quiet machine;
-  the figures above are what these runs saw, nothing is adjusted.
+- CPU: the emulated hosts share this machine's cores, so every host runs in a CPU quota
+  (cgroup, 10 ms CFS period) and the quotas sum to at most `--cpu-cores` (80 % of the cores
+  by default: the rest is for the NFQUEUE delay stage, the bench itself and the machine's other
+  work). A topology's own quotas (mixed-slow's 0.5 and 0.25 cores) stay relative: they scale
+  into the share with everyone else (the quotas used are on each topology's `links:` line).
+  The figures are what these runs saw on a machine shared with other engineers' tests;
+  nothing is adjusted.
+- Fusion's planner sees each host as it profiled itself, with the daemon's code
+  (`fusiond.profile.compute_profile`, read by `machine_from_profile` as the daemon's
+  `cluster_for_planner` does): the calibration is timed in CPU seconds of one thread (what no
+  quota or neighbour bends) and multiplied by the cores the host may use, read from its cgroup
+  (`cpu.max` on cgroup v2, `cpu.cfs_quota_us` on v1, up to the root) and its affinity. A
+  host's time per byte it sends or receives (encoding, TLS, socket copies) is calibrated the
+  same way and adds to its stages' busy time. So a stage's predicted compute is its work over
+  the speed the host really has. Links: the configured rates at 95 % (the measured goodput).
 - Fusion runs: `bench/wan_fusion.py` in each host (a JobWorker over a PeerNetwork with mutual
-  TLS, credentials made per run); the JobCoordinator in the first host runs the job planned on
-  the configured links (95 % of the shaped rate: the measured goodput) and on one calibration
-  of the first host (1 thread) scaled by each host's CPU quota. The job is cancelled when the
-  budget is over. The clock starts just before the Assign messages (weights included) go out.
-- With `--host-memory-mb`, the memory cap exists for the planner only (nothing enforces it at
-  run time): it emulates machines that cannot hold the whole model, the paper's setting.
-  The uniform split ignores it (it may be "over memory"), as a naive pipeline would.
-  Without it the model fits one host and OP-Fence rightly keeps it there (no network at all).
+  TLS, credentials made per run); the JobCoordinator in the first host runs the planned job.
+  The job is cancelled when the budget is over. The clock starts just before the Assign
+  messages (weights included) go out.
+- The planner memory cap (`--host-memory-mb`, 12 MB by default) is an input to the planner
+  only: nothing enforces it at run time (every host process holds Python and torch, hundreds
+  of MB). It emulates machines that cannot hold the whole model, the paper's setting: in the
+  planner's accounting GPT-2 mini needs 23.5 MB on one host (3.5 MB of parameters, their
+  gradients and Adam state, the activations of the micro-batches in flight), and 90 % of 12 MB
+  per host forces a split over at least 3 hosts. The uniform split ignores it, as a naive
+  pipeline would. With `--host-memory-mb 0` the model fits one host and OP-Fence rightly keeps
+  it there (no network at all).
+- OP-Fence + AdaTopK may send more bytes in all than OP-Fence alone: with the slow links
+  compressed, a different partition becomes best, and it may cut wide tensors (the MLP's
+  4x hidden activation) on the fast links, where AdaTopK keeps them dense because they are
+  not the bottleneck. The `payload per step by link rate` line under each table shows it:
+  on the slow links (3) sends a fraction of (2)'s bytes.
 - DDP (`bench/wan_ddp.py`): every rank takes its contiguous share of the same global batch
   per step, gradients all-reduced over gloo (ring); loss = the global mean; the clock starts
-  before DDP's constructor (its parameter broadcast counts).
+  after the rendezvous, before DDP's constructor (its parameter broadcast counts).
 - hivemind (`bench/wan_hivemind.py`, venv from `bench/hivemind/setup.sh`): `target_batch_size`
   = the global batch, each peer's local step = its share, `matchmaking_time` 2 s (the default
   15 s would leave a 45 s budget with one or two steps); loss = the first peer's mean local
-  loss between global steps (noisier than the others: a quarter of the batch). Caveat that
-  favours hivemind: its first peer starts training before the others have joined (its
-  progress tracker lets a lone peer fill the target batch), so the first 10-20 global steps
-  of its traces are that peer alone, without averaging (see `local_steps` in the trace);
-  once all peers average over the slow links, steps take 5-40 s.
+  loss between global steps (noisier than the others: a share of the batch). All peers start
+  the clock together: each waits, with its DHT and Optimizer up, until every peer is (a start
+  barrier, as DDP's rendezvous), so no peer fills the target batch alone while the others
+  are still starting.
 - Bytes on the wire count everything the hosts' eth0 sent (TCP/IP headers, weights shipped at
   the start, tied-weight gradients, DHT traffic), so they are comparable across systems.
 """

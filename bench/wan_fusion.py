@@ -38,13 +38,12 @@ from fusiond.net.pki import TLSMaterial
 from fusiond.net.transport import NetConfig, PeerNetwork
 from fusiond.plan import (
     Cluster,
-    MachineProfile,
     Plan,
     batch_symbol,
     cost_graph_from_ir,
     uniform_plan,
 )
-from fusiond.plan.calibrate import calibrate
+from fusiond.profile import compute_profile, machine_from_profile
 from fusiond.train.local import StepMetrics
 from fusiond.train.programs import capture_job
 from fusiond.train.spec import parse_job
@@ -57,25 +56,48 @@ def _addr(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def build_cluster(desc: dict[str, Any], hosts: list[str]) -> tuple[Cluster, dict[str, Any]]:
+def build_cluster(desc: dict[str, Any], hosts: list[str], profiles: dict[str, dict[str, Any]]
+                  ) -> Cluster:
     """The planner's cluster: machine ids are `<index>-<host>` (so a uniform split takes
     the hosts in topology order; `node_of` maps them to the nodes' TLS ids); links as
     configured on the testbed (bytes/s at the measured 95 % goodput of a shaped link, RTT);
-    each machine's speed is this host's calibration (1 thread, as every stage runs) times
-    its CPU quota (<= 1)."""
-    base = calibrate("calib", repeats=3)
+    each machine as its own host profiled itself (`fusiond.profile.compute_profile`, the
+    daemon's profile: calibration per CPU second at the host's cgroup quota and 1 thread),
+    read through `machine_from_profile` as the daemon's `cluster_for_planner` does."""
     machines = []
     for h in hosts:
-        q = min(1.0, float(desc["cpu"].get(h, 1.0)))
-        machines.append(MachineProfile(
-            id=machine_id(hosts, h), flops={k: v * q for k, v in base.flops.items()},
-            mem_bw=base.mem_bw * q,
-            op_overhead_s=base.op_overhead_s / q,
-            memory_bytes=float(desc.get("memory_bytes") or 4 * 2**30)))
+        m = machine_from_profile(machine_id(hosts, h), profiles[h],
+                                 float(desc.get("memory_bytes") or 4 * 2**30))
+        if m is None:
+            raise SystemExit(f"host {h}'s profile has no calibration: {profiles[h]}")
+        machines.append(m)
     bw = [[desc["bandwidth_bps"][a][b] * 0.95 / 8 if a != b else float("inf") for b in hosts]
           for a in hosts]
     rtt = [[desc["rtt_s"][a][b] if a != b else 0.0 for b in hosts] for a in hosts]
-    return Cluster.build(machines, bw, rtt), base.to_dict()
+    return Cluster.build(machines, bw, rtt)
+
+
+def host_profile(state_dir: Path) -> dict[str, Any]:
+    """This host's profile as its daemon would gossip it (benchmarks cached in the host's
+    state dir, so the later runs of a topology re-read only the CPU allowance)."""
+    return compute_profile(state_dir / "cache", benchmark=True)
+
+
+def read_profiles(profile_dir: Path, hosts: list[str], timeout_s: float = 300.0
+                  ) -> dict[str, dict[str, Any]]:
+    """Every host's profile (`<host>.json`, written by each host before READY)."""
+    deadline = time.monotonic() + timeout_s
+    out: dict[str, dict[str, Any]] = {}
+    while len(out) < len(hosts):
+        for h in hosts:
+            p = profile_dir / f"{h}.json"
+            if h not in out and p.exists():
+                out[h] = json.loads(p.read_text())
+        if len(out) < len(hosts):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no profile from {sorted(set(hosts) - set(out))}")
+            time.sleep(0.1)
+    return out
 
 
 def machine_id(hosts: list[str], h: str) -> str:
@@ -149,7 +171,8 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
     hosts: list[str] = list(desc["hosts"])
     spec = parse_job(wl.job_toml(adatopk=args.mode == "adatopk"))
     _, captured = capture_job(spec)
-    cluster, profile = build_cluster(desc, hosts)
+    profiles = read_profiles(Path(args.profile_dir), hosts)
+    cluster = build_cluster(desc, hosts, profiles)
     plan = make_plan(args.mode, spec, captured, cluster)
     node_of = {machine_id(hosts, h): desc["node_ids"][h] for h in hosts}
     layout = layout_for(plan, spec, captured, node_of)
@@ -160,7 +183,7 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
         "stages": plan.machine_of_stage(),
         "densities": plan.edge_densities(),
         "idle": dict(plan.idle),
-        "profile": profile,
+        "profiles": profiles,
         "prediction": prediction_detail(plan, wl.micro_batches),
     }
     events: list[tuple[float, int, float | None, int]] = []
@@ -207,7 +230,8 @@ def prediction_detail(plan: Plan, micro_batches: int) -> dict[str, Any]:
         "iteration_s": ev.iteration_s,
         "bottleneck": ev.bottleneck,
         "stages": [{"stage": st.index, "machine": st.machine_id,
-                    "compute_s": st.compute_s * micro_batches} for st in ev.stages],
+                    "compute_s": st.busy_s * micro_batches,
+                    "wire_cpu_s": st.wire_cpu_s * micro_batches} for st in ev.stages],
         "links": [{"src_stage": lk.src_stage, "dst_stage": lk.dst_stage,
                    "time_s": lk.time_s * micro_batches,
                    "bytes": (lk.fwd_bytes + lk.bwd_bytes) * micro_batches,
@@ -229,8 +253,16 @@ def main() -> None:
     ap.add_argument("--cluster", help="JSON: hosts, bandwidth_bps, rtt_s, cpu")
     ap.add_argument("--workload", help="JSON of bench.wan_common.Workload")
     ap.add_argument("--out", help="where the lead writes its trace")
+    ap.add_argument("--profile-dir", type=Path, required=True,
+                    help="where every host writes its profile (NAME.json) before serving")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    # profiled in the host's own namespace and cgroup, with the thread count the stages use
+    prof = host_profile(args.state_dir)
+    args.profile_dir.mkdir(parents=True, exist_ok=True)
+    tmp = args.profile_dir / f"{args.name}.tmp"
+    tmp.write_text(json.dumps(prof))
+    tmp.replace(args.profile_dir / f"{args.name}.json")
     peers = {}
     for p in args.peer:
         n, _, a = p.partition("=")

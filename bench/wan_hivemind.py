@@ -7,7 +7,11 @@ Every peer builds the same GPT-2 (`fusiond.models.gpt2`, torch only, same seed a
 of a batch drawn like fusion's (`window_offsets` over the same corpus tokens, saved by wan.py).
 Peer 0 starts the DHT and writes its multiaddrs to `--maddr-file`; the others join from it.
 A trace event is written each time the collaboration finishes a global step (epoch), with the
-mean of peer 0's local losses since the previous one. Each peer stops at its own budget.
+mean of peer 0's local losses since the previous one. All peers start the clock together:
+each one, once its DHT and Optimizer are up, marks itself ready in `--barrier-dir` and waits for
+all `--world` marks (as DDP's rendezvous holds every rank until all are there); without it the
+first peer would fill the target batch alone while the others are still starting. Each peer
+stops at its own budget from that common start.
 
     .venv-hivemind/bin/python bench/wan_hivemind.py --rank R --world W --listen ADDR:PORT \
         --maddr-file F --budget 60 --workload workload.json --tokens tokens.npy --out trace.json
@@ -31,6 +35,19 @@ from bench.wan_common import Trace, Workload, window_offsets
 from fusiond.models.gpt2 import gpt2, lm_loss
 
 
+def barrier(root: Path, rank: int, world: int, timeout_s: float = 300.0) -> None:
+    """Mark `rank` ready under `root` and return once all `world` ranks are (SystemExit after
+    `timeout_s`: a peer that never came up). The directory is shared by every host (one
+    machine); polling a few files costs nothing next to a training step."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / f"ready-{rank}").touch()
+    deadline = time.monotonic() + timeout_s
+    while sum(1 for r in range(world) if (root / f"ready-{r}").exists()) < world:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"start barrier: not every peer of {world} became ready")
+        time.sleep(0.02)
+
+
 def main() -> None:
     import hivemind
 
@@ -44,6 +61,9 @@ def main() -> None:
     ap.add_argument("--workload", required=True)
     ap.add_argument("--tokens", required=True, help=".npy of the corpus tokens (int64)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--barrier-dir", required=True,
+                    help="shared directory: every peer's ready mark; training starts when all "
+                         "--world peers are there")
     ap.add_argument("--matchmaking-time", type=float, default=2.0,
                     help="hivemind's wait to form an averaging group (default 15 s there; "
                          "lowered so a short budget sees steps)")
@@ -71,7 +91,6 @@ def main() -> None:
     torch.manual_seed(wl.seed)
     model = gpt2(wl.size, vocab_size=wl.vocab_size)
     share = wl.batch // args.world
-    t0 = time.perf_counter()  # like fusion's Assign and DDP's broadcast: model state sync counts
     opt = hivemind.Optimizer(
         dht=dht, run_id="bench-wan", batch_size_per_step=share, target_batch_size=wl.batch,
         optimizer=lambda params: torch.optim.AdamW(params, lr=wl.lr, betas=(0.9, 0.95),
@@ -79,6 +98,9 @@ def main() -> None:
         params=model.parameters(), use_local_updates=False,
         matchmaking_time=args.matchmaking_time, averaging_timeout=60.0, verbose=False,
     )
+    barrier(Path(args.barrier_dir), args.rank, args.world)
+    # the common start (hivemind ships no weights: every peer built the same seeded model)
+    t0 = time.perf_counter()
     events: list[tuple[float, int, float | None, int]] = []
     pending: list[float] = []
     local_step = 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from bench.wan import restrict, select_hosts, slowest_mbit
 from bench.wan_common import (
@@ -120,3 +122,71 @@ def test_a_missed_prediction_names_the_stage_furthest_off() -> None:
     assert "step 1.000 s measured vs 0.500 s predicted" in text
     assert "stage 1 on 01-b1" in text and "(5.0x)" in text
     assert "8.0 Mbit/s" in text
+
+
+@given(st.dictionaries(st.sampled_from([f"h{i}" for i in range(10)]),
+                       st.floats(min_value=0.01, max_value=1.0), max_size=10),
+       st.integers(min_value=1, max_value=10), st.floats(min_value=0.1, max_value=16.0))
+def test_host_quotas_share_the_machine_and_stay_relative(
+        relative: dict[str, float], n: int, cores: float) -> None:
+    from bench.wan import share_quotas
+
+    hosts = [f"h{i}" for i in range(n)]
+    q = share_quotas(hosts, relative, cores)
+    assert set(q) == set(hosts)
+    assert sum(q.values()) <= cores + 1e-9
+    for h in hosts:
+        w = relative.get(h, 1.0)
+        assert q[h] <= w + 1e-9  # never above the topology's own quota
+    full = [h for h in hosts if h not in relative]
+    for h in hosts:  # a 0.5-core host keeps half of a full host's share
+        if full and relative.get(h) is not None:
+            assert q[h] == pytest.approx(q[full[0]] * relative[h], abs=2e-3)
+
+
+def test_traffic_note_puts_each_cut_edge_on_its_link() -> None:
+    from bench.wan import bytes_by_link, traffic_note
+
+    topo = restrict(load_topology("two-groups"), ["e1", "e2", "w1", "w2"])
+
+    def trace(system: str, edges: list[tuple[int, int, int]]) -> Trace:
+        return Trace(system, [], {"stages": ["00-e1", "01-e2", "02-w1", "03-w2"],
+                                  "last_step": {"edges": [
+                                      {"src": a, "dst": b, "forward_wire": n,
+                                       "backward_wire": n} for a, b, n in edges]}})
+
+    dense = trace("opfence", [(0, 1, 500_000), (1, 2, 500_000), (2, 3, 500_000)])
+    sparse = trace("adatopk", [(0, 1, 2_500_000), (1, 2, 150_000), (2, 3, 1_000_000)])
+    assert bytes_by_link(dense, topo) == {100e6: 1e6, 10e9: 2e6}
+    assert bytes_by_link(sparse, topo) == {100e6: 3e5, 10e9: 7e6}
+    note = traffic_note({"opfence": dense, "adatopk": sparse}, topo)
+    assert note is not None
+    assert "(2) 100 Mbit/s: 1.00 MB, 10 Gbit/s: 2.00 MB" in note
+    assert "(3) 100 Mbit/s: 0.30 MB, 10 Gbit/s: 7.00 MB" in note
+    assert traffic_note({}, topo) is None
+
+
+def test_hivemind_peers_start_together(tmp_path: Path) -> None:
+    import threading
+    import time
+
+    from bench.wan_hivemind import barrier
+
+    released: dict[int, float] = {}
+
+    def peer(rank: int, delay: float) -> None:
+        time.sleep(delay)
+        barrier(tmp_path, rank, 3, timeout_s=20)
+        released[rank] = time.monotonic()
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=peer, args=(r, 0.3 * r)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # nobody starts before the last peer (0.6 s late) is ready
+    assert min(released.values()) - t0 >= 0.55
+    assert max(released.values()) - min(released.values()) < 0.5
+    with pytest.raises(SystemExit, match="not every peer"):
+        barrier(tmp_path / "other", 0, 2, timeout_s=0.2)

@@ -226,8 +226,11 @@ def render_jobs(data: Mapping[str, Any]) -> None:
         t.add_column(col)
     for j in data.get("jobs", []):
         loss = j.get("loss")
-        t.add_row(j["job_id"], j["state"], f"{j['step']}/{j['steps']}",
-                  "-" if loss is None else f"{loss:.4f}", str(j["stages"]), j["output"])
+        # a record from before the daemon's restart may lack live figures
+        t.add_row(str(j.get("job_id")), str(j.get("state")),
+                  f"{j.get('step') or 0}/{j.get('steps') or '?'}",
+                  "-" if loss is None else f"{loss:.4f}", str(j.get("stages") or "-"),
+                  str(j.get("output") or "-"))
     c.print(t)
     stages = data.get("stages", [])
     if stages:

@@ -519,7 +519,8 @@ class Daemon:
             await self.net.send(peer, msg, payload)
 
         jobs = JobService(node_id=self.node_id, send_raw=send,
-                          view=lambda: self.cluster.view() if self.cluster is not None else None)
+                          view=lambda: self.cluster.view() if self.cluster is not None else None,
+                          state_dir=self.state_dir)
         self.jobs = jobs
         await self._start_service("jobs", jobs)
         self.add_message_handler(jobs.dispatch)
@@ -775,11 +776,9 @@ class Daemon:
 
     def _known_job(self, job_id: str) -> Any:
         jobs = self._job_service()
-        try:
-            jobs.get(job_id)
-        except KeyError:
+        if not jobs.knows(job_id):
             raise ApiError(404, "unknown_job", f"no job {job_id!r} was submitted to this "
-                           "daemon (`fusionctl jobs` lists them)") from None
+                           "daemon (`fusionctl jobs` lists them)")
         return jobs
 
     def job(self, job_id: str, history: int) -> dict[str, Any]:

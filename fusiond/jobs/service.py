@@ -44,6 +44,7 @@ from fusiond.errors import FusionError, LocalError
 from fusiond.graph import CapturedModel, contiguous_assignment, state_from_bytes, state_to_bytes
 from fusiond.jobs.assign import Corpus, JobLayout, layout_job
 from fusiond.jobs.coordinator import JobCoordinator, JobOutcome, save_checkpoint, write_outputs
+from fusiond.jobs.history import HISTORY_KEPT, JobHistory
 from fusiond.jobs.planning import layout_from_plan, plan_job, readapted_densities
 from fusiond.jobs.submit import (
     check_capacity,
@@ -264,8 +265,11 @@ class JobService:
 
     def __init__(self, *, node_id: str, send_raw: SendFn, view: Callable[[], Any],
                  stage_config: StageConfig | None = None, ready_timeout_s: float = 120.0,
-                 failure_grace_s: float = 2.0) -> None:
+                 failure_grace_s: float = 2.0, state_dir: Path | None = None) -> None:
         self.node_id = node_id
+        self._history = JobHistory(state_dir / "jobs") if state_dir is not None else None
+        self._past: dict[str, dict[str, Any]] = {}
+        """Records of jobs submitted here before this daemon's start (`JobHistory`)."""
         self.view = view
         self.ready_timeout_s = ready_timeout_s
         self.failure_grace_s = failure_grace_s
@@ -280,6 +284,8 @@ class JobService:
     # -- service ------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self._history is not None:
+            self._past = await asyncio.to_thread(self._history.load)
         await self.worker.start()
 
     async def ready(self) -> None:
@@ -310,6 +316,26 @@ class JobService:
         t = asyncio.create_task(coro, name=name)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
+
+    def _persist(self, job_id: str) -> None:
+        """Write the record of a job submitted here (running or ended) to the state dir."""
+        if self._history is None:
+            return
+        try:
+            rec = self._jobs.get(job_id)
+            if rec is not None and not rec.submitter:
+                record = self.job(job_id, history=HISTORY_KEPT) | {"lines": list(rec.logs)}
+            elif (r := self._remote.get(job_id)) is not None:
+                record = r.view() | {"lines": self.logs(job_id)["lines"]}
+            else:
+                return
+            self._history.save(job_id, json.loads(json.dumps(record, default=str)))
+        except (OSError, ValueError) as e:  # the job goes on; only its record is missing
+            log.warning("job %s: record not written: %s", job_id, e)
+
+    def _remote_ended(self, r: _Remote) -> None:
+        r.ended.set()
+        self._persist(r.job_id)
 
     def coordinators(self) -> Iterable[JobCoordinator]:
         """Running coordinators (the Prometheus JobCollector reads these)."""
@@ -359,7 +385,7 @@ class JobService:
                 continue
             r.status = {**r.status, "state": "failed",
                         "outcome": {"ok": False, "failure": why}}
-            r.ended.set()
+            self._remote_ended(r)
         for rec in self._jobs.values():
             if rec.state != "running":
                 continue
@@ -398,8 +424,10 @@ class JobService:
                 "job_id": job_id, "name": spec.name, "state": "running", "steps": spec.steps,
                 "step": 0, "loss": None, "first_loss": None, "stages": len(summary["stages"]),
                 "output": str(spec.output), "plan": summary["plan"], "history": [],
-                "status": {}, "lines": [], "outcome": None, "eta_s": None},
+                "status": {}, "lines": [], "outcome": None, "eta_s": None,
+                "submitted_at": time.time()},
                 upload=upload, max_restarts=spec.max_restarts)
+            self._persist(job_id)
         return summary
 
     async def _forward(self, upload: Upload, leader: str, *, dry_run: bool) -> dict[str, Any]:
@@ -471,7 +499,7 @@ class JobService:
                      if isinstance(e, TimeoutError) else str(e))
             r.status = {**r.status, "state": "failed", "outcome": {
                 "ok": False, "failure": f"{why}; resubmitting failed: {cause}"}}
-            r.ended.set()
+            self._remote_ended(r)
             return
         r.restarts += 1
         r.failing_over = False
@@ -511,7 +539,7 @@ class JobService:
             return
         r.status = dict(msg.status)
         if r.state in FINAL:
-            r.ended.set()
+            self._remote_ended(r)
 
     async def _on_output(self, peer: str, msg: JobOutput) -> None:
         r = self._remote.get(msg.job_id)
@@ -629,6 +657,7 @@ class JobService:
                 + f" on {len(layout.stages)} stages ("
                 + ", ".join(f"{s.stage}:{s.node_id}" for s in layout.stages) + ")")
         rec.task = asyncio.create_task(self._run(rec), name=f"job {job_id}")
+        self._persist(job_id)
         if rec.submitter:
             self._spawn(self._push(rec), f"updates {job_id}")
         c = spec.compression
@@ -710,6 +739,12 @@ class JobService:
                     f"{m.wire_bytes} B/step")
 
     async def _run(self, rec: _Record) -> None:
+        try:
+            await self._run_attempts(rec)
+        finally:  # also when the daemon stops (cancelled): the record says how it ended
+            self._persist(rec.job_id)
+
+    async def _run_attempts(self, rec: _Record) -> None:
         outcome: JobOutcome | None = None
         try:
             while True:
@@ -819,13 +854,17 @@ class JobService:
     # -- API ----------------------------------------------------------------------------------
 
     def jobs(self) -> dict[str, Any]:
-        """Jobs submitted here and stages hosted here."""
+        """Jobs submitted here (before this daemon's start too) and stages hosted here."""
+        keys = ("job_id", "name", "state", "steps", "step", "loss", "first_loss", "stages",
+                "submitted_at", "output", "scheduler")
+        live = set(self._jobs) | set(self._remote)
+        past = sorted((p for j, p in self._past.items() if j not in live),
+                      key=lambda p: float(p.get("submitted_at") or 0.0))
         return {
             "node_id": self.node_id,
-            "jobs": [self._brief(r) for r in self._jobs.values() if not r.submitter]
-            + [{k: r.status.get(k) for k in ("job_id", "name", "state", "steps", "step",
-                                             "loss", "first_loss", "stages", "submitted_at",
-                                             "output")} | {"scheduler": r.scheduler}
+            "jobs": [{k: p.get(k) for k in keys} for p in past]
+            + [self._brief(r) for r in self._jobs.values() if not r.submitter]
+            + [{k: r.status.get(k) for k in keys} | {"scheduler": r.scheduler}
                for r in self._remote.values()],
             "coordinating": [self._brief(r) | {"submitter": r.submitter}
                              for r in self._jobs.values() if r.submitter],
@@ -850,6 +889,10 @@ class JobService:
 
     def job(self, job_id: str, history: int = 20) -> dict[str, Any]:
         """Everything `fusionctl job ID` shows."""
+        past = self._past_only(job_id)
+        if past is not None:
+            hist = past.get("history") or []
+            return {**past, "history": hist[-history:] if history else []}
         got = self.get(job_id)
         if isinstance(got, _Remote):
             return got.view()
@@ -866,13 +909,29 @@ class JobService:
                 "outputs": r.outputs, "history": list(r.history)[-history:] if history else [],
                 "tokens_per_sample": r.tokens_per_sample}
 
+    def knows(self, job_id: str) -> bool:
+        """Whether `job_id` was submitted (or is coordinated) here, in this run or before."""
+        return job_id in self._jobs or job_id in self._remote or job_id in self._past
+
+    def _past_only(self, job_id: str) -> dict[str, Any] | None:
+        """The persisted record of `job_id` if it is not a job of this daemon's run."""
+        if job_id in self._jobs or job_id in self._remote:
+            return None
+        return self._past.get(job_id)
+
     def logs(self, job_id: str) -> dict[str, Any]:
+        past = self._past_only(job_id)
+        if past is not None:
+            return {"job_id": job_id, "lines": list(past.get("lines") or [])}
         r = self.get(job_id)
         lines = ([*r.notes, *r.status.get("lines", [])] if isinstance(r, _Remote)
                  else list(r.logs))
         return {"job_id": job_id, "lines": lines}
 
     async def cancel(self, job_id: str) -> dict[str, Any]:
+        past = self._past_only(job_id)
+        if past is not None:
+            return {"job_id": job_id, "state": past.get("state"), "cancelled": False}
         got = self.get(job_id)
         if isinstance(got, _Remote):
             if got.state in FINAL:

@@ -175,3 +175,49 @@ def test_a_job_survives_its_scheduler_killed_mid_job(
     finally:
         c.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_job_records_outlive_a_daemon_restart(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The daemon that took a submission keeps its jobs' records in its state dir: after a
+    restart `jobs`, `job ID` and `logs ID` still answer; a job its SIGKILL interrupted reads
+    failed, with the command that resumes it."""
+    root = Path(tempfile.mkdtemp(prefix="fzh"))
+    c = start_cluster(root)
+    try:
+        node, _ = leader_and_other(c)  # the scheduler: it coordinates what it takes
+        short = _write(tmp_path, GPT2.replace("steps = 20", "steps = 3"), "short.toml")
+        rc, done, err = ctl(node, "submit", str(short), "--stages", "2", "--json",
+                            capsys=capsys)
+        assert rc == 0 and done["state"] == "done", err
+        long = _write(tmp_path, GPT2.replace("steps = 20", "steps = 100000\nmax_restarts = 0"),
+                      "long.toml")
+        rc, res, err = ctl(node, "submit", str(long), "--stages", "2", "--detach", "--json",
+                           capsys=capsys)
+        assert rc == 0, err
+        long_id = res["job_id"]
+
+        def stepping() -> tuple[bool, str]:
+            d = node.api("GET", f"/v1/jobs/{long_id}?history=0")
+            return d["step"] >= 2, f"{d['state']} at step {d['step']}"
+
+        c.wait_for(stepping, 60.0, "the long job running")
+        node.kill()
+        c.start([node])
+        c.wait_up([node])
+        rc, listed, err = ctl(node, "jobs", "--json", capsys=capsys)
+        assert rc == 0, err
+        states = {j["job_id"]: j["state"] for j in listed["jobs"]}
+        assert states == {done["job_id"]: "done", long_id: "failed"}, states
+        rc, shown, err = ctl(node, "job", done["job_id"], "--json", capsys=capsys)
+        assert rc == 0 and shown["outcome"]["ok"] and shown["outputs"]["model"], err
+        assert shown["history"][-1]["step"] == 2
+        rc, logs, err = ctl(node, "logs", long_id, "--json", capsys=capsys)
+        assert rc == 0, err
+        assert "stopped while the job ran" in logs["lines"][-2]
+        assert logs["lines"][-1].startswith("resume it: fusionctl submit JOB.toml --resume ")
+        rc, res, err = ctl(node, "cancel", long_id, "--json", capsys=capsys)
+        assert rc == 0 and res["cancelled"] is False, err
+    finally:
+        c.stop()
+        shutil.rmtree(root, ignore_errors=True)

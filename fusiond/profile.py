@@ -21,6 +21,7 @@ node would do alone on its allowed cores, not what other tenants leave it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -41,8 +42,9 @@ log = logging.getLogger("fusiond.profile")
 BENCH_N = 512
 """Matrix size of the benchmark: big enough to be compute bound, small enough to take ~10 ms."""
 BENCH_REPEATS = 5
-CACHE_VERSION = 2
-"""Bumped when the cached numbers change meaning (2: per CPU second, before the allowance)."""
+CACHE_VERSION = 3
+"""Bumped when the cached numbers change meaning (2: per CPU second, before the allowance;
+3: with the transport's cost per message)."""
 
 
 # -- the CPU this process may use (pure parsing, then the one function that reads files) ------
@@ -270,10 +272,79 @@ def _torch_version() -> str:
         return "none"
 
 
+def transport_message_s(count: int = 200, size: int = 1024, rounds: int = 3) -> float:
+    """CPU seconds one end of the real transport spends per message (best of `rounds`): two
+    `PeerNetwork`s with mutual TLS (throwaway credentials) on loopback in this thread's event
+    loop exchange `count` small `Forward` messages, and half the process CPU time per message
+    is one end's share. 0.0 (with a warning) where it cannot run (no loopback, no TLS)."""
+    import asyncio
+    import tempfile
+
+    from fusiond.net import PeerNetwork, TLSMaterial
+    from fusiond.net.pki import (
+        create_cluster_ca,
+        issue_node_certificate,
+        load_or_create_node_identity,
+        store_node_credentials,
+    )
+    from protocol.messages import Forward, Message
+
+    async def run(root: Path) -> float:
+        ca = create_cluster_ca(root / "ca")
+        for n in ("a", "b"):
+            ident = load_or_create_node_identity(root / n)
+            store_node_credentials(root / n, issue_node_certificate(ca, ident.key.public_key()),
+                                   ca.cert)
+        ta, tb = TLSMaterial.in_state_dir(root / "a"), TLSMaterial.in_state_dir(root / "b")
+        done = asyncio.Event()
+        got = [0]
+
+        async def on_b(peer: str, msg: Message) -> None:
+            if isinstance(msg, Forward):
+                got[0] += 1
+                if got[0] >= count:
+                    done.set()
+
+        async def on_a(peer: str, msg: Message) -> None:
+            return None
+
+        b = PeerNetwork(node_id=tb.node_id(), cluster_id=tb.cluster_id(),
+                        listen=("127.0.0.1", 0), tls=tb, handler=on_b)
+        a = PeerNetwork(node_id=ta.node_id(), cluster_id=ta.cluster_id(),
+                        listen=("127.0.0.1", 0), tls=ta, handler=on_a)
+        await b.start()
+        await a.start()
+        try:
+            peer = await a.connect(b.address)
+            payload = [memoryview(bytes(size))]
+            best = float("inf")
+            for _ in range(rounds):
+                got[0] = 0
+                done.clear()
+                c0 = time.process_time()
+                for i in range(count):
+                    await a.send(peer, Forward(job_id="profile", plan_version=1, iteration=0,
+                                               microbatch=i, edge="e"), payload)
+                await asyncio.wait_for(done.wait(), 60)
+                best = min(best, time.process_time() - c0)
+            return best / count / 2
+        finally:
+            await a.close()
+            await b.close()
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="fusion-profile-") as d:
+            return asyncio.run(run(Path(d)))
+    except Exception as e:  # a profile must not fail for want of a loopback
+        log.warning("cannot measure the transport's cost per message: %r", e)
+        return 0.0
+
+
 PLAN_FIELDS = {"matmul": "plan_flops_matmul", "conv": "plan_flops_conv",
                "other": "plan_flops_other"}
 """Profile keys of the planner's calibrated FLOP rates per op class (sustained, at the node's
-CPU allowance), beside ``plan_mem_bw``, ``plan_op_overhead_s`` and ``plan_wire_s_per_byte``."""
+CPU allowance), beside ``plan_mem_bw``, ``plan_op_overhead_s``, ``plan_wire_s_per_byte`` and
+``plan_msg_s``."""
 
 
 def planner_fields(m: MachineProfile) -> dict[str, float]:
@@ -282,6 +353,7 @@ def planner_fields(m: MachineProfile) -> dict[str, float]:
     out["plan_mem_bw"] = float(m.mem_bw)
     out["plan_op_overhead_s"] = float(m.op_overhead_s)
     out["plan_wire_s_per_byte"] = float(m.wire_s_per_byte)
+    out["plan_msg_s"] = float(m.msg_s)
     return out
 
 
@@ -301,7 +373,8 @@ def machine_from_profile(node_id: str, profile: Mapping[str, Any],
                           op_overhead_s=max(0.0, num("plan_op_overhead_s")),
                           memory_bytes=max(memory_bytes, 1.0),
                           kind=str(profile.get("device_kind", "")),
-                          wire_s_per_byte=max(0.0, num("plan_wire_s_per_byte")))
+                          wire_s_per_byte=max(0.0, num("plan_wire_s_per_byte")),
+                          msg_s=max(0.0, num("plan_msg_s")))
 
 
 def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> dict[str, Any]:
@@ -356,8 +429,10 @@ def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> 
     if raw is None:
         dev = "cuda" if kind == "cuda" else "cpu"
         multi = kind == "cpu" and threads > 1
+        raw_machine = dataclasses.replace(measure("local", device=dev),
+                                          msg_s=transport_message_s())
         data = {"key": key, "gflops": matmul_gflops(kind),
-                "machine": measure("local", device=dev).to_dict(),
+                "machine": raw_machine.to_dict(),
                 "gflops_wall": matmul_gflops(kind, per_cpu_second=False) if multi else None,
                 "machine_wall": measure("local", device=dev, per_cpu_second=False).to_dict()
                 if multi else None}

@@ -118,7 +118,9 @@ class MachineProfile:
     memory traffic; `op_overhead_s`: fixed cost per kernel dispatch; `memory_bytes`: what a job
     may use; `wire_s_per_byte`: this machine's own time per byte a stage sends or receives
     (encoding, TLS, the kernel's socket copies: half a measured send + receive), which a host
-    on a small CPU share pays beside its compute (0: not calibrated, free).
+    on a small CPU share pays beside its compute (0: not calibrated, free); `msg_s`: its own
+    fixed time per message a stage sends or receives (framing, the event loop, a TLS record,
+    measured on the real transport by `fusiond.profile`; 0: not calibrated).
     """
 
     id: str
@@ -128,14 +130,17 @@ class MachineProfile:
     memory_bytes: float
     kind: str = ""
     wire_s_per_byte: float = 0.0
+    msg_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.flops or any(v <= 0 or not math.isfinite(v) for v in self.flops.values()):
             raise PlanError(f"machine {self.id!r}: flops must be positive and finite")
         if self.mem_bw <= 0 or self.op_overhead_s < 0 or self.memory_bytes <= 0:
             raise PlanError(f"machine {self.id!r}: mem_bw/memory must be > 0, overhead >= 0")
-        if not (self.wire_s_per_byte >= 0 and math.isfinite(self.wire_s_per_byte)):
-            raise PlanError(f"machine {self.id!r}: wire_s_per_byte must be >= 0 and finite")
+        for name in ("wire_s_per_byte", "msg_s"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise PlanError(f"machine {self.id!r}: {name} must be >= 0 and finite")
 
     def rate(self, op_class: str) -> float:
         r = self.flops.get(op_class)
@@ -153,6 +158,7 @@ class MachineProfile:
             "memory_bytes": self.memory_bytes,
             "kind": self.kind,
             "wire_s_per_byte": self.wire_s_per_byte,
+            "msg_s": self.msg_s,
         }
 
     @classmethod
@@ -168,6 +174,7 @@ class MachineProfile:
                 memory_bytes=float(d["memory_bytes"]),
                 kind=str(d.get("kind", "")),
                 wire_s_per_byte=float(d.get("wire_s_per_byte", 0.0)),
+                msg_s=float(d.get("msg_s", 0.0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"machine profile: bad or missing field ({e!r})") from e
@@ -176,10 +183,10 @@ class MachineProfile:
 def scale_machine(m: MachineProfile, *, parallel: float, serial: float,
                   note: str = "") -> MachineProfile:
     """`m` on a CPU share: FLOP rates and memory bandwidth x `parallel` (the cores its threads
-    may keep busy), the per-dispatch and per-wire-byte costs / `serial` (the share of one core
-    the dispatching thread gets). Both must be > 0. With rates per CPU second and the shares
-    from the host's quota and thread count, the planner's compute time of a stage is its work
-    over the speed the host really has (`fusiond.plan.calibrate.at_allowance`). `note` is
+    may keep busy), the per-dispatch, per-wire-byte and per-message costs / `serial` (the share
+    of one core the dispatching thread gets). Both must be > 0. With rates per CPU second and
+    the shares from the host's quota and thread count, the planner's compute time of a stage is
+    its work over the speed the host really has (`fusiond.plan.calibrate.at_allowance`). `note` is
     appended to `kind`."""
     if not (parallel > 0 and serial > 0 and math.isfinite(parallel) and math.isfinite(serial)):
         raise PlanError(f"machine {m.id!r}: CPU shares must be positive, got {parallel}, {serial}")
@@ -189,7 +196,7 @@ def scale_machine(m: MachineProfile, *, parallel: float, serial: float,
         memory_bytes=m.memory_bytes,
         kind=f"{m.kind}@{note}" if note and m.kind else (m.kind or note),
         # the event loop, the TLS record layer and the socket copies run on one thread
-        wire_s_per_byte=m.wire_s_per_byte / serial)
+        wire_s_per_byte=m.wire_s_per_byte / serial, msg_s=m.msg_s / serial)
 
 
 def slower_of(a: MachineProfile, b: MachineProfile) -> MachineProfile:
@@ -199,7 +206,8 @@ def slower_of(a: MachineProfile, b: MachineProfile) -> MachineProfile:
     return MachineProfile(id=a.id, flops=flops, mem_bw=min(a.mem_bw, b.mem_bw),
                           op_overhead_s=max(a.op_overhead_s, b.op_overhead_s),
                           memory_bytes=a.memory_bytes, kind=a.kind,
-                          wire_s_per_byte=max(a.wire_s_per_byte, b.wire_s_per_byte))
+                          wire_s_per_byte=max(a.wire_s_per_byte, b.wire_s_per_byte),
+                          msg_s=max(a.msg_s, b.msg_s))
 
 
 @dataclass(frozen=True, eq=False)

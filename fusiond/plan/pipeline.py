@@ -62,7 +62,8 @@ class StageReport:
     inflight: int
     wire_cpu_s: float = 0.0
     """The stage's own time per micro-batch to send and receive its cut tensors
-    (`MachineProfile.wire_s_per_byte`); it adds to `compute_s` as the stage's busy time."""
+    (`MachineProfile.wire_s_per_byte` per byte, `msg_s` per message); it adds to `compute_s`
+    as the stage's busy time."""
 
     @property
     def busy_s(self) -> float:
@@ -88,6 +89,9 @@ class LinkReport:
     time_s: float
     tensors: tuple[str, ...]
     density: float
+    fwd_msgs: float = 0.0
+    """Messages per micro-batch forward (one per tensor) and backward (one per gradient)."""
+    bwd_msgs: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -253,32 +257,37 @@ def evaluate(
             d = dens.get((t.name, ds), 1.0)
             f, bk = wire_bytes(t, b, d, st)
             df, db = wire_bytes(t, b, 1.0, st)
-            acc = traffic.setdefault((ps, ds), [0.0, 0.0, 0.0, 0.0, 1.0])
+            acc = traffic.setdefault((ps, ds), [0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0])
             acc[0] += f
             acc[1] += bk
             acc[2] += df
             acc[3] += db
             if t.compressible:
                 acc[4] = min(acc[4], d)
+            acc[5] += 1.0
+            acc[6] += 1.0 if t.grad else 0.0
             names_on.setdefault((ps, ds), []).append(t.name)
     links: list[LinkReport] = []
-    for (ps, ds), (f, bk, df, db, dmin) in sorted(traffic.items()):
+    for (ps, ds), (f, bk, df, db, dmin, nf, nb) in sorted(traffic.items()):
         a, z = stages[ps].machine, stages[ds].machine
         bwf, bwb = float(c.bandwidth[a, z]), float(c.bandwidth[z, a])
         t_link = max(f / bwf, bk / bwb)
         links.append(LinkReport(
             ps, ds, a, z, f, bk, df, db, bwf, bwb, float(c.rtt[a, z]), t_link,
-            tuple(names_on[(ps, ds)]), dmin,
+            tuple(names_on[(ps, ds)]), dmin, nf, nb,
         ))
 
     # a stage's host also pays for every byte it sends and receives (encoding, TLS, socket
     # copies): on a small CPU share that is time the stage is not computing
     handled = [0.0] * S
+    msgs = [0.0] * S
     for lk in links:
-        handled[lk.src_stage] += lk.fwd_bytes + lk.bwd_bytes
-        handled[lk.dst_stage] += lk.fwd_bytes + lk.bwd_bytes
+        for end in (lk.src_stage, lk.dst_stage):
+            handled[end] += lk.fwd_bytes + lk.bwd_bytes
+            msgs[end] += lk.fwd_msgs + lk.bwd_msgs
     reports = [dataclasses.replace(
-        r, wire_cpu_s=handled[i] * c.machines[r.machine].wire_s_per_byte)
+        r, wire_cpu_s=handled[i] * c.machines[r.machine].wire_s_per_byte
+        + msgs[i] * c.machines[r.machine].msg_s)
         for i, r in enumerate(reports)]
     compute_b = max(r.busy_s for r in reports)
     bottleneck_s, bottleneck = compute_b, f"compute {reports[0].machine_id}"

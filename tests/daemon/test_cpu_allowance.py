@@ -178,3 +178,6 @@ def test_profile_speed_follows_the_allowance(tmp_path: Path,
     assert full["plan_flops_matmul"] / quarter["plan_flops_matmul"] == pytest.approx(share)
     assert quarter["plan_op_overhead_s"] / full["plan_op_overhead_s"] == pytest.approx(share)
     assert quarter["plan_wire_s_per_byte"] / full["plan_wire_s_per_byte"] == pytest.approx(share)
+    # the real transport's cost per message (two PeerNetworks over loopback TLS) is measured
+    assert 1e-7 < full["plan_msg_s"] < 1e-2
+    assert quarter["plan_msg_s"] / full["plan_msg_s"] == pytest.approx(share)

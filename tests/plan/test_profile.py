@@ -121,12 +121,53 @@ def test_cpu_share_must_be_positive() -> None:
         scale_machine(_BASE, parallel=1.0, serial=math.inf)
 
 
-def test_calibration_is_per_cpu_second_then_scaled() -> None:
-    pytest.importorskip("torch")
-    from fusiond.plan.calibrate import calibrate
+def test_calibration_is_per_cpu_second_then_scaled(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    from fusiond.plan import calibrate as cal
 
-    full = calibrate("a", scale=0.1, repeats=2, cpu_cores=1.0)
-    quarter = calibrate("a", scale=0.1, repeats=2, cpu_cores=0.25)
-    # separate measurements: the same machine within noise, a quarter of it on 0.25 core
-    assert 2.0 < full.rate("matmul") / quarter.rate("matmul") < 8.0
-    assert quarter.kind.endswith("@0.25c")
+    seen: list[bool | None] = []
+
+    def fake_measure(machine_id: str = "local", **kw: object) -> MachineProfile:
+        seen.append(kw.get("per_cpu_second"))  # type: ignore[arg-type]
+        return MachineProfile(machine_id, dict(_BASE.flops), _BASE.mem_bw, _BASE.op_overhead_s,
+                              _BASE.memory_bytes, kind="cpu:1t", wire_s_per_byte=1e-9)
+
+    monkeypatch.setattr(cal, "measure", fake_measure)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    quarter = cal.calibrate("a", cpu_cores=0.25)
+    assert seen == [True]  # one thread: no wall-clock measurement
+    assert quarter.rate("matmul") == pytest.approx(_BASE.rate("matmul") * 0.25)
+    assert quarter.wire_s_per_byte == pytest.approx(4e-9)
+    assert quarter.kind == "cpu:1t@0.25c"
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    seen.clear()
+    cal.calibrate("a", cpu_cores=2.0)
+    assert seen == [True, False]  # more threads: capped by a wall-clock measurement
+
+
+@given(st.integers(min_value=0, max_value=10_000), st.floats(min_value=1e-10, max_value=1e-8),
+       st.floats(min_value=1e-6, max_value=1e-3))
+def test_a_stage_pays_for_every_byte_and_message_it_sends_or_receives(
+        seed: int, per_byte: float, per_msg: float) -> None:
+    from dataclasses import replace
+
+    from fusiond.plan.pipeline import GraphArrays, StageSpec, evaluate
+    from tests.plan.synth import random_instance
+
+    inst = random_instance(np.random.default_rng(seed))
+    n = len(inst.graph.ops)
+    stages = [StageSpec(0, 0, n // 2), StageSpec(1, n // 2, n)]
+    free = evaluate(GraphArrays(inst.graph, inst.cluster, inst.settings), stages)
+    costly = replace(inst.cluster, machines=tuple(
+        replace(m, wire_s_per_byte=per_byte, msg_s=per_msg) for m in inst.cluster.machines))
+    ev = evaluate(GraphArrays(inst.graph, costly, inst.settings), stages)
+    assert all(r.wire_cpu_s == 0 for r in free.stages)
+    nbytes = sum(lk.fwd_bytes + lk.bwd_bytes for lk in ev.links)
+    msgs = sum(lk.fwd_msgs + lk.bwd_msgs for lk in ev.links)
+    assert msgs == sum(1 + (1 if t.grad else 0) for t in inst.graph.tensors
+                       if t.src < n // 2 <= max(t.dsts))
+    for r, f in zip(ev.stages, free.stages, strict=True):
+        # both ends of the one cut pay for all of its traffic
+        assert r.wire_cpu_s == pytest.approx(nbytes * per_byte + msgs * per_msg)
+        assert r.compute_s == f.compute_s and r.busy_s == r.compute_s + r.wire_cpu_s
+    assert ev.iteration_s >= free.iteration_s

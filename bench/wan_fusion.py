@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,7 @@ def host_profile(state_dir: Path) -> dict[str, Any]:
 
 def read_profiles(profile_dir: Path, hosts: list[str], timeout_s: float = 300.0
                   ) -> dict[str, dict[str, Any]]:
-    """Every host's profile (`<host>.json`, written by each host before READY)."""
+    """Every host's profile (`<host>.json`, written by each host once it serves)."""
     deadline = time.monotonic() + timeout_s
     out: dict[str, dict[str, Any]] = {}
     while len(out) < len(hosts):
@@ -125,7 +126,8 @@ def make_plan(mode: str, spec: Any, captured: Any, cluster: Cluster) -> Plan:
 
 
 async def serve(tls: TLSMaterial, listen: tuple[str, int],
-                peers: dict[str, tuple[str, int]], lead: argparse.Namespace | None) -> None:
+                peers: dict[str, tuple[str, int]], lead: argparse.Namespace | None,
+                on_ready: Callable[[], None]) -> None:
     name = tls.node_id()
     coordinators: list[JobCoordinator] = []
     worker: JobWorker | None = None
@@ -152,6 +154,7 @@ async def serve(tls: TLSMaterial, listen: tuple[str, int],
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    on_ready()
     print(f"READY {name} {listen[0]} {listen[1]}", flush=True)
     try:
         if lead is None:
@@ -254,15 +257,20 @@ def main() -> None:
     ap.add_argument("--workload", help="JSON of bench.wan_common.Workload")
     ap.add_argument("--out", help="where the lead writes its trace")
     ap.add_argument("--profile-dir", type=Path, required=True,
-                    help="where every host writes its profile (NAME.json) before serving")
+                    help="where every host writes its profile (NAME.json) once it serves")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     # profiled in the host's own namespace and cgroup, with the thread count the stages use
     prof = host_profile(args.state_dir)
-    args.profile_dir.mkdir(parents=True, exist_ok=True)
-    tmp = args.profile_dir / f"{args.name}.tmp"
-    tmp.write_text(json.dumps(prof))
-    tmp.replace(args.profile_dir / f"{args.name}.json")
+
+    def publish() -> None:
+        """The profile goes out once this host serves: the lead plans, and sends, only when
+        every host's profile is there."""
+        args.profile_dir.mkdir(parents=True, exist_ok=True)
+        tmp = args.profile_dir / f"{args.name}.tmp"
+        tmp.write_text(json.dumps(prof))
+        tmp.replace(args.profile_dir / f"{args.name}.json")
+
     peers = {}
     for p in args.peer:
         n, _, a = p.partition("=")
@@ -272,7 +280,7 @@ def main() -> None:
         args.cluster_data = json.loads(Path(args.cluster).read_text())
         args.trace = None
     asyncio.run(serve(TLSMaterial.in_state_dir(args.state_dir), args.listen, peers,
-                      args if args.role == "lead" else None))
+                      args if args.role == "lead" else None, publish))
     if args.role == "lead" and args.trace is not None:
         Path(args.out).write_text(args.trace.to_json())
 

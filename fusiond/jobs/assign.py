@@ -168,12 +168,14 @@ def assign_messages(
     addresses: Mapping[str, Address],
     first_request_id: int = 1,
     corpus: Corpus | None = None,
+    recv_timeout_s: float | None = None,
 ) -> dict[str, tuple[Assign, bytes]]:
     """Per machine, its Assign and the payload (its partition's weights, safetensors; plus the
     corpus tokens under `DATA_TOKENS_KEY` for stages that read data of a non-default corpus).
 
     `corpus`: what the submitter read (a job submitted to a daemon); None reads a non-default
-    corpus here (in-process drivers, where here is the submitting machine)."""
+    corpus here (in-process drivers, where here is the submitting machine). `recv_timeout_s`:
+    the stages' bound on one wait for inputs (`job_config`)."""
     nodes = layout.stage_nodes
     absent = [n for n in nodes.values() if n not in addresses]
     if absent:
@@ -182,7 +184,8 @@ def assign_messages(
                         input_name=layout.input_name, targets_name=layout.targets_name,
                         loss_name=layout.loss_name,
                         corpus_digest="" if corpus is None else corpus.digest,
-                        default_corpus=corpus is not None and corpus.default)
+                        default_corpus=corpus is not None and corpus.default,
+                        recv_timeout_s=recv_timeout_s)
     routes = layout.edges()
     job_nodes = {n: tuple(addresses[n]) for n in nodes.values()}
     shipped = _shipped_tokens(spec) if corpus is None else corpus.tokens

@@ -106,9 +106,11 @@ class JobCoordinator:
         on_step: Callable[[StepMetrics], Any] | None = None,
         on_checkpoint: Callable[[int, dict[str, torch.Tensor]], Any] | None = None,
         corpus: Corpus | None = None,
+        recv_timeout_s: float | None = None,
     ) -> None:
         self.send = send
         self.corpus = corpus  # what the submitter read (None: read a shipped corpus here)
+        self.recv_timeout_s = recv_timeout_s  # the stages' input wait (None: their own)
         self.spec = spec
         self.captured = captured
         self.layout = layout
@@ -297,7 +299,7 @@ class JobCoordinator:
         self._state = "assigning"
         assigns = assign_messages(self.layout, self.spec, self.captured.state, term=self.term,
                                   plan_version=self.plan_version, addresses=self.addresses,
-                                  corpus=self.corpus)
+                                  corpus=self.corpus, recv_timeout_s=self.recv_timeout_s)
         for node, (msg, _) in assigns.items():
             self._ready[node] = loop.create_future()
             self._request_ids[msg.request_id] = node

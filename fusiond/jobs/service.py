@@ -98,6 +98,13 @@ one (`max_restarts` <= 100): versions grow across restarts and across schedulers
 newer Assign supersedes a stale one and stale tensors are told apart by version alone."""
 FAILOVER_WAIT_S = 120.0
 """How long a submitting daemon waits for a new scheduler after the old one died."""
+RECV_TIMEOUT_ITERATIONS = 10.0
+"""A stage waits for its inputs at least this many of the plan's predicted iterations (on the
+measured links), so an 8 Mbit/s link carrying big activations never trips the stage's own
+`recv_timeout_s`, which stays the floor."""
+SHIP_TIMEOUT_FACTOR = 3.0
+"""The scheduler waits for Ready at least this many times the time the largest partition's
+weights take over the measured link to its machine (plus the configured `ready_timeout_s`)."""
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)\.safetensors")
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}-[0-9a-f]{6}")
 
@@ -171,6 +178,25 @@ class _Record:
         stamp = time.strftime("%H:%M:%S", time.gmtime())
         self.logs.append(f"{stamp} {text}")
         log.info("job %s: %s", self.job_id, text)
+
+
+def derived_timeouts(layout: JobLayout, state: Mapping[str, torch.Tensor], plan: Plan | None,
+                     cluster: Cluster, scheduler: str, ready_floor_s: float
+                     ) -> tuple[float, float | None]:
+    """(ready timeout, stages' receive timeout) for a job, from the measured links: Ready may
+    take the configured `ready_floor_s` plus `SHIP_TIMEOUT_FACTOR` x the slowest partition's
+    weights over its link from the scheduler; a stage waits `RECV_TIMEOUT_ITERATIONS` x the
+    plan's predicted iteration (None without a plan: the stages' own bound)."""
+    ids = cluster.ids()
+    ship = 0.0
+    for s in layout.stages:
+        nbytes = sum(state[k].numel() * state[k].element_size()
+                     for k in s.partition.param_names if k in state)
+        if s.node_id != scheduler and scheduler in ids and s.node_id in ids:
+            bw = float(cluster.bandwidth[ids.index(scheduler), ids.index(s.node_id)])
+            ship = max(ship, nbytes / bw)
+    recv = None if plan is None else RECV_TIMEOUT_ITERATIONS * plan.iteration_s
+    return ready_floor_s + SHIP_TIMEOUT_FACTOR * ship, recv
 
 
 def _steps_done(r: _Record) -> int:
@@ -641,12 +667,15 @@ class JobService:
                                   (blob,)), f"checkpoint {r.job_id}")
             r.log(f"checkpoint {p.name} sent to {r.submitter}")
 
+        ready_s, recv_s = derived_timeouts(layout, captured.state, plan, cluster, self.node_id,
+                                           self.ready_timeout_s)
         coord = JobCoordinator(
             send=self.send, spec=spec, captured=captured, layout=layout, addresses=addresses,
             term=int(getattr(view, "term", 0)), first_step=first,
             plan_version=int(getattr(view, "term", 0)) * PLAN_EPOCH + 1,
-            ready_timeout_s=self.ready_timeout_s, failure_grace_s=self.failure_grace_s,
-            tokens_per_sample=tps, on_step=on_step, on_checkpoint=on_checkpoint, corpus=corpus)
+            ready_timeout_s=ready_s, failure_grace_s=self.failure_grace_s,
+            tokens_per_sample=tps, on_step=on_step, on_checkpoint=on_checkpoint, corpus=corpus,
+            recv_timeout_s=recv_s)
         rec = _Record(job_id, spec, layout, coord, plan_text, time.time(), tps,
                       submitter=submitter if submitter != self.node_id else "", plan=plan,
                       stages=stages, first_step=first, restarts=used)
@@ -656,6 +685,9 @@ class JobService:
                 + (f" from step {first} (resumed)" if first else "")
                 + f" on {len(layout.stages)} stages ("
                 + ", ".join(f"{s.stage}:{s.node_id}" for s in layout.stages) + ")")
+        rec.log(f"timeouts from the measured links: Ready within {ready_s:.0f}s; a stage waits "
+                + ("its own bound" if recv_s is None else f"at least {recv_s:.0f}s")
+                + " for its inputs")
         rec.task = asyncio.create_task(self._run(rec), name=f"job {job_id}")
         self._persist(job_id)
         if rec.submitter:
@@ -827,12 +859,15 @@ class JobService:
         while rec.history and int(rec.history[-1].get("step", 0)) >= first:
             rec.history.pop()
         rec.layout, rec.plan, rec.plan_text = layout, plan, text
+        ready_s, recv_s = derived_timeouts(layout, state, plan, cluster, self.node_id,
+                                           self.ready_timeout_s)
         rec.coord = JobCoordinator(
             send=self.send, spec=rec.spec, captured=captured, layout=layout,
             addresses=addresses, term=int(getattr(view, "term", 0)), plan_version=version,
-            first_step=first, ready_timeout_s=self.ready_timeout_s,
+            first_step=first, ready_timeout_s=ready_s,
             failure_grace_s=self.failure_grace_s, tokens_per_sample=old.tokens_per_sample,
-            on_step=old.on_step, on_checkpoint=old.on_checkpoint, corpus=old.corpus)
+            on_step=old.on_step, on_checkpoint=old.on_checkpoint, corpus=old.corpus,
+            recv_timeout_s=recv_s)
         rec.log(f"restart {rec.restarts}/{rec.spec.max_restarts}: "
                 + (f"from step {first} (no checkpoint yet)" if rec.checkpoint is None else
                    f"from the checkpoint after step {first}")

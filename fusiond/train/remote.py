@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import platform
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -73,6 +73,9 @@ DATA_TOKENS_KEY = "__fusion_data__.tokens"
 """Entry of an Assign's safetensors payload carrying the shipped text corpus (token ids)."""
 PARAM_PREFIX = "param:"
 """Edge name prefix of a Backward carrying a shared (tied) parameter's gradient."""
+MIN_RECV_TIMEOUT_S = 1.0
+MAX_RECV_TIMEOUT_S = 86_400.0
+"""Bounds on a scheduler's `recv_timeout_s` in an Assign (seconds)."""
 
 
 class PeerSender(Protocol):
@@ -86,18 +89,24 @@ class PeerSender(Protocol):
 def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
                shared: Mapping[int, Mapping[str, Sequence[int]]],
                input_name: str, targets_name: str | None, loss_name: str,
-               corpus_digest: str = "", default_corpus: bool = False) -> dict[str, Any]:
+               corpus_digest: str = "", default_corpus: bool = False,
+               recv_timeout_s: float | None = None) -> dict[str, Any]:
     """The `Assign.config` map for a job (the same for every stage; msgpack-able).
 
     `stage_nodes`: stage -> node id for every stage; `shared`: stage -> {tied parameter -> the
     other stages holding it}; the names say which sub-graph inputs are data and which output
     is the loss. `corpus_digest`: the content hash of the submitter's corpus (a stage reading
     data checks its tokens against it); `default_corpus`: the stages read the default corpus
-    from their own standard library (not from the path written here).
+    from their own standard library (not from the path written here). `recv_timeout_s`: the
+    scheduler's bound on one wait for a task's inputs, from the plan's predicted iteration on
+    the measured links (a stage waits at least its own configured bound).
     """
     o = spec.optimizer
     d = spec.data
-    return {
+    extra: dict[str, Any] = {}
+    if recv_timeout_s is not None:
+        extra["recv_timeout_s"] = float(recv_timeout_s)
+    return extra | {
         "version": CONFIG_VERSION,
         "steps": spec.steps,
         "seed": spec.seed,
@@ -154,6 +163,8 @@ class StageAssignment:
     """The corpus shipped by the submitter (token ids), when it is not the default one."""
     data_digest: str = ""
     """The submitter's corpus hash ("" = unchecked): the stage's tokens must match it."""
+    recv_timeout_s: float | None = None
+    """The scheduler's bound on one wait for inputs (None: the stage's own config)."""
 
 
 def _get(cfg: Mapping[str, Any], key: str, typ: type | tuple[type, ...], where: str) -> Any:
@@ -251,6 +262,12 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
     if optimizer.kind not in ("adamw", "sgd"):
         raise RemoteError(f"Assign.config.optimizer.kind: {optimizer.kind!r}")
     targets = cfg.get("targets_name")
+    recv_timeout = cfg.get("recv_timeout_s")
+    if recv_timeout is not None and (
+            isinstance(recv_timeout, bool) or not isinstance(recv_timeout, int | float)
+            or not MIN_RECV_TIMEOUT_S <= recv_timeout <= MAX_RECV_TIMEOUT_S):
+        raise RemoteError(f"Assign.config.recv_timeout_s: {recv_timeout!r} is not a number of "
+                          f"seconds in [{MIN_RECV_TIMEOUT_S:g}, {MAX_RECV_TIMEOUT_S:g}]")
     return StageAssignment(
         job_id=msg.job_id, plan_version=msg.plan_version, stage=stage, graph=graph, state=state,
         edges=tuple(edges), stages=stages, stage_nodes=stage_nodes,
@@ -262,6 +279,7 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         targets_name=targets if isinstance(targets, str) else None,
         loss_name=_get(cfg, "loss_name", str, ""), shared=shared, data_tokens=data_tokens,
         data_digest=digest,
+        recv_timeout_s=None if recv_timeout is None else float(recv_timeout),
     )
 
 
@@ -368,6 +386,10 @@ class StageHost:
                         "corpus differs between Python versions; give the job a data.path "
                         "(shipped from the submitter) to train on the same tokens everywhere")
         tasks = schedule(sa.batch.pipeline, sa.stages, sa.batch.micro_batches)
+        config = config or StageConfig()
+        if sa.recv_timeout_s is not None and sa.recv_timeout_s > config.recv_timeout_s:
+            # slow links: the plan says a step takes this long; never time out before it
+            config = replace(config, recv_timeout_s=sa.recv_timeout_s)
         self.executor = StageExecutor(
             stage=sa.stage, program=self.program,
             link=NetStageLink(net, sa.job_id, sa.plan_version, sa.stage_nodes),

@@ -324,3 +324,53 @@ def test_corpus_is_read_where_needed_and_checked_against_the_submitters_hash(
     for host in build(Corpus(corpus_digest(tokens), default=False, tokens=shipped)):
         data = host.executor.data
         assert data is not None and torch.equal(data.batch(2, 8).targets, want.targets)
+
+
+def test_timeouts_follow_the_measured_links(captured_tiny) -> None:  # type: ignore[no-untyped-def]
+    """The scheduler's Ready wait grows with the time the weights take over the measured link;
+    a stage's input wait with the plan's predicted iteration, never below its own bound; a
+    malformed bound in an Assign is refused."""
+    from types import SimpleNamespace
+
+    from fusiond.errors import RemoteError
+    from fusiond.jobs.assign import assign_messages
+    from fusiond.jobs.service import RECV_TIMEOUT_ITERATIONS, SHIP_TIMEOUT_FACTOR, derived_timeouts
+    from fusiond.plan import Cluster, MachineProfile
+    from fusiond.train.remote import StageHost
+
+    spec, cap = captured_tiny
+    cut = contiguous_assignment(cap.graph, 3)
+    layout = layout_job("t", cap.graph, cap.state, {op: NAMES[p] for op, p in cut.items()})
+    machines = [MachineProfile(id=n, flops={"other": 1e10}, mem_bw=5e9, op_overhead_s=2e-5,
+                               memory_bytes=1e9) for n in NAMES]
+    mbit = 1e6 / 8
+
+    def cluster(bps: float) -> Cluster:
+        return Cluster.build(machines, [[bps] * 3 for _ in range(3)], [[0.0] * 3] * 3)
+
+    biggest = max(sum(cap.state[k].numel() * cap.state[k].element_size()
+                      for k in s.partition.param_names if k in cap.state)
+                  for s in layout.stages if s.node_id != "n0")
+    plan = SimpleNamespace(iteration_s=7.5)
+    ready, recv = derived_timeouts(layout, cap.state, plan, cluster(8 * mbit), "n0", 120.0)
+    assert ready == pytest.approx(120.0 + SHIP_TIMEOUT_FACTOR * biggest / (8 * mbit))
+    assert recv == RECV_TIMEOUT_ITERATIONS * 7.5
+    fast, none = derived_timeouts(layout, cap.state, None, cluster(10_000 * mbit), "n0", 120.0)
+    assert 120.0 < fast < ready and none is None
+
+    class _NoNet:
+        async def send(self, peer: str, msg: Message, payload: Any = ()) -> None:
+            raise AssertionError("nothing is sent while building")
+
+    def host(recv_timeout_s: float | None, config: StageConfig | None = None) -> StageHost:
+        assigns = assign_messages(layout, spec, cap.state, term=1, plan_version=1,
+                                  addresses={n: ("127.0.0.1", 1) for n in NAMES},
+                                  recv_timeout_s=recv_timeout_s)
+        return StageHost(*assigns["n1"], _NoNet(), config=config)
+
+    assert host(None).executor.config.recv_timeout_s == StageConfig().recv_timeout_s
+    assert host(600.0).executor.config.recv_timeout_s == 600.0  # slow links: the plan's wait
+    assert host(5.0, StageConfig(recv_timeout_s=30.0)).executor.config.recv_timeout_s == 30.0
+    for bad in (0.0, -1.0, 1e9):
+        with pytest.raises(RemoteError, match="recv_timeout_s"):
+            host(bad)

@@ -12,13 +12,41 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests.daemon.harness import Cluster
 from tests.e2e.conftest import ctl, leader_and_other, start_cluster
 from tests.e2e.test_jobs import GPT2, _write
 
 pytestmark = [pytest.mark.multidaemon, pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+def _submit_until(c: Cluster, node: Any, job: Path, stages: int, step: int,
+                  capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    """Submit `job` through `node` (detached, `stages` machines); return its summary once the
+    job has done `step` steps."""
+    rc, res, err = ctl(node, "submit", str(job), "--stages", str(stages), "--detach", "--json",
+                       capsys=capsys)
+    assert rc == 0, err
+    job_id = res["job_id"]
+
+    def stepping() -> tuple[bool, str]:
+        d = node.api("GET", f"/v1/jobs/{job_id}?history=0")
+        return d["step"] >= step, f"{d['state']} at step {d['step']}"
+
+    c.wait_for(stepping, 90.0, f"job {job_id} at step {step}")
+    return dict(res)
+
+
+def _wait_ended(c: Cluster, node: Any, job_id: str, timeout: float) -> float:
+    """Wait until the job is no longer running; the seconds it took."""
+    def ended() -> tuple[bool, str]:
+        d = node.api("GET", f"/v1/jobs/{job_id}?history=0")
+        return d["state"] != "running", f"{d['state']} at step {d['step']}"
+
+    return c.wait_for(ended, timeout, f"job {job_id} ending")
 
 
 def test_killing_a_stage_daemon_fails_the_job_with_a_report(
@@ -28,27 +56,14 @@ def test_killing_a_stage_daemon_fails_the_job_with_a_report(
     try:
         node0, _ = leader_and_other(c)  # the scheduler: stages 1 and 2 run elsewhere
         job = _write(tmp_path, GPT2.replace("steps = 20", "steps = 100000\nmax_restarts = 0"))
-        rc, res, err = ctl(node0, "submit", str(job), "--stages", "3", "--detach", "--json",
-                           capsys=capsys)
-        assert rc == 0, err
+        res = _submit_until(c, node0, job, 3, 3, capsys)
         job_id = res["job_id"]
         victim_id = next(s["node"] for s in res["stages"] if s["stage"] == 2)
         victim = next(n for n in c.nodes if c.node_id(n) == victim_id)
         assert victim is not node0
-
-        def stepping() -> tuple[bool, str]:
-            d = node0.api("GET", f"/v1/jobs/{job_id}?history=0")
-            return d["step"] >= 3, f"{d['state']} at step {d['step']}"
-
-        c.wait_for(stepping, 60.0, "the job running")
         victim.kill()
         t0 = time.monotonic()
-
-        def ended() -> tuple[bool, str]:
-            d = node0.api("GET", f"/v1/jobs/{job_id}?history=0")
-            return d["state"] != "running", d["state"]
-
-        took = c.wait_for(ended, 30.0, "the job ending after the kill")
+        took = _wait_ended(c, node0, job_id, 30.0)
         d = node0.api("GET", f"/v1/jobs/{job_id}?history=0")
         assert d["state"] == "failed"
         report = d["outcome"]["failure"]
@@ -81,26 +96,13 @@ def test_a_job_survives_a_stage_daemon_killed_mid_job(
         steps = 60
         job = _write(tmp_path, GPT2.replace("steps = 20",
                                             f"steps = {steps}\ncheckpoint_interval = 5"))
-        rc, res, err = ctl(node0, "submit", str(job), "--stages", "3", "--detach", "--json",
-                           capsys=capsys)
-        assert rc == 0, err
+        res = _submit_until(c, node0, job, 3, 12, capsys)  # past its second checkpoint
         job_id = res["job_id"]
         victim_id = next(s["node"] for s in res["stages"] if s["stage"] == 1)
         victim = next(n for n in c.nodes if c.node_id(n) == victim_id)
         assert victim is not node0
-
-        def past_a_checkpoint() -> tuple[bool, str]:
-            d = node0.api("GET", f"/v1/jobs/{job_id}?history=0")
-            return d["step"] >= 12, f"{d['state']} at step {d['step']}"
-
-        c.wait_for(past_a_checkpoint, 90.0, "the job past its second checkpoint")
         victim.kill()
-
-        def ended() -> tuple[bool, str]:
-            d = node0.api("GET", f"/v1/jobs/{job_id}?history=0")
-            return d["state"] != "running", f"{d['state']} at step {d['step']}"
-
-        c.wait_for(ended, 150.0, "the job ending after the restart")
+        _wait_ended(c, node0, job_id, 150.0)
         d = node0.api("GET", f"/v1/jobs/{job_id}?history={steps + 10}")
         lines = node0.api("GET", f"/v1/jobs/{job_id}/logs")["lines"]
         assert d["state"] == "done", (d["outcome"], lines[-10:])
@@ -140,27 +142,14 @@ def test_a_job_survives_its_scheduler_killed_mid_job(
         steps = 60
         job = _write(tmp_path, GPT2.replace("steps = 20",
                                             f"steps = {steps}\ncheckpoint_interval = 5"))
-        rc, res, err = ctl(submitter, "submit", str(job), "--stages", "3", "--detach", "--json",
-                           capsys=capsys)
-        assert rc == 0, err
-        job_id = res["job_id"]
         lead_id = c.node_id(lead)
+        res = _submit_until(c, submitter, job, 3, 12, capsys)  # past its second checkpoint
+        job_id = res["job_id"]
         assert res["scheduler"] == lead_id
-
-        def past_a_checkpoint() -> tuple[bool, str]:
-            d = submitter.api("GET", f"/v1/jobs/{job_id}?history=0")
-            return d["step"] >= 12, f"{d['state']} at step {d['step']}"
-
-        c.wait_for(past_a_checkpoint, 90.0, "the job past its second checkpoint")
         out = tmp_path / "out"
         assert (out / "checkpoint-10.safetensors").exists()
         lead.kill()
-
-        def ended() -> tuple[bool, str]:
-            d = submitter.api("GET", f"/v1/jobs/{job_id}?history=0")
-            return d["state"] != "running", f"{d['state']} at step {d['step']}"
-
-        c.wait_for(ended, 180.0, "the job ending after the scheduler died")
+        _wait_ended(c, submitter, job_id, 150.0)
         rc, d, err = ctl(submitter, "job", job_id, "--json", capsys=capsys)
         assert rc == 0, err
         lines = submitter.api("GET", f"/v1/jobs/{job_id}/logs")["lines"]
@@ -192,16 +181,7 @@ def test_job_records_outlive_a_daemon_restart(
         assert rc == 0 and done["state"] == "done", err
         long = _write(tmp_path, GPT2.replace("steps = 20", "steps = 100000\nmax_restarts = 0"),
                       "long.toml")
-        rc, res, err = ctl(node, "submit", str(long), "--stages", "2", "--detach", "--json",
-                           capsys=capsys)
-        assert rc == 0, err
-        long_id = res["job_id"]
-
-        def stepping() -> tuple[bool, str]:
-            d = node.api("GET", f"/v1/jobs/{long_id}?history=0")
-            return d["step"] >= 2, f"{d['state']} at step {d['step']}"
-
-        c.wait_for(stepping, 60.0, "the long job running")
+        long_id = _submit_until(c, node, long, 2, 2, capsys)["job_id"]
         node.kill()
         c.start([node])
         c.wait_up([node])

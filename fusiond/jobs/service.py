@@ -59,6 +59,7 @@ from fusiond.plan import Cluster, MachineProfile, Plan
 from fusiond.plan.render import render_plan
 from fusiond.profile import machine_from_profile
 from fusiond.train.local import StepMetrics
+from fusiond.train.remote import MAX_RECV_TIMEOUT_S, MIN_RECV_TIMEOUT_S
 from fusiond.train.spec import JobSpec, parse_job
 from fusiond.train.stage import StageConfig
 from protocol.messages import (
@@ -195,7 +196,10 @@ def derived_timeouts(layout: JobLayout, state: Mapping[str, torch.Tensor], plan:
         if s.node_id != scheduler and scheduler in ids and s.node_id in ids:
             bw = float(cluster.bandwidth[ids.index(scheduler), ids.index(s.node_id)])
             ship = max(ship, nbytes / bw)
-    recv = None if plan is None else RECV_TIMEOUT_ITERATIONS * plan.iteration_s
+    recv = None
+    if plan is not None:  # within what an Assign may carry (a fast plan asks for little)
+        recv = min(MAX_RECV_TIMEOUT_S,
+                   max(MIN_RECV_TIMEOUT_S, RECV_TIMEOUT_ITERATIONS * plan.iteration_s))
     return ready_floor_s + SHIP_TIMEOUT_FACTOR * ship, recv
 
 

@@ -309,3 +309,19 @@ def test_resume_from_a_checkpoint_matches_single_process(
     for g, w in zip(got, want, strict=True):
         assert g == pytest.approx(w, rel=1e-4)
     _no_stages_left(cluster3)
+
+
+def test_a_planned_job_runs(cluster3: Cluster, tmp_path: Path,
+                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --stages the scheduler plans the job (OP-Fence + AdaTopK on the measured links),
+    as `fusionctl submit` does by default and the README's demo relies on; the log gives the
+    timeouts derived from those links."""
+    lead, _ = leader_and_other(cluster3)
+    job = _write(tmp_path, GPT2.replace("steps = 20", "steps = 3").replace(
+        "adatopk = false", "adatopk = true"))
+    rc, res, err = ctl(lead, "submit", str(job), "--json", capsys=capsys)
+    assert rc == 0 and res["state"] == "done", err + cluster3.explain("planned job")
+    assert res["plan"].startswith("plan ")
+    lines = lead.api("GET", f"/v1/jobs/{res['job_id']}/logs")["lines"]
+    assert any("timeouts from the measured links" in x for x in lines), lines
+    _no_stages_left(cluster3)

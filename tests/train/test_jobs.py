@@ -357,6 +357,10 @@ def test_timeouts_follow_the_measured_links(captured_tiny) -> None:  # type: ign
     assert recv == RECV_TIMEOUT_ITERATIONS * 7.5
     fast, none = derived_timeouts(layout, cap.state, None, cluster(10_000 * mbit), "n0", 120.0)
     assert 120.0 < fast < ready and none is None
+    # a fast plan (GPT-2 tiny on loopback: 26 ms) still asks for a bound an Assign may carry
+    _, tiny = derived_timeouts(layout, cap.state, SimpleNamespace(iteration_s=0.026),
+                               cluster(10_000 * mbit), "n0", 120.0)
+    assert tiny == 1.0
 
     class _NoNet:
         async def send(self, peer: str, msg: Message, payload: Any = ()) -> None:
@@ -369,6 +373,7 @@ def test_timeouts_follow_the_measured_links(captured_tiny) -> None:  # type: ign
         return StageHost(*assigns["n1"], _NoNet(), config=config)
 
     assert host(None).executor.config.recv_timeout_s == StageConfig().recv_timeout_s
+    assert host(tiny).executor.config.recv_timeout_s == StageConfig().recv_timeout_s
     assert host(600.0).executor.config.recv_timeout_s == 600.0  # slow links: the plan's wait
     assert host(5.0, StageConfig(recv_timeout_s=30.0)).executor.config.recv_timeout_s == 30.0
     for bad in (0.0, -1.0, 1e9):

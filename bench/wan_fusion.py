@@ -198,8 +198,17 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
         tokens += m.tokens
         events.append((time.perf_counter() - t0, m.step, m.loss, tokens))
         extra["last_step"] = {"busy": {str(k): v for k, v in m.stage_busy.items()},
+                              "wait": {str(k): v for k, v in m.stage_wait.items()},
                               "edges": [e.__dict__ for e in m.edges] if m.edges else [],
                               "wall_s": m.wall_s}
+        # the stages' task timelines of the last steps (the hosts share this machine's
+        # monotonic clock, so they line up): where a step's time goes
+        timelines = extra.setdefault("timelines", [])
+        timelines.append({str(k): {"start": r.start_mono, "wall_s": r.wall_s,
+                                   "tasks": [[t.task, t.ready_s, t.start_s, t.end_s, t.wait_s]
+                                             for t in r.timeline]}
+                          for k, r in m.reports.items()})
+        del timelines[:-8]
 
     coord = JobCoordinator(send=send, spec=spec, captured=captured, layout=layout,
                            addresses=addresses, term=1, tokens_per_sample=wl.seq_len,
@@ -234,7 +243,10 @@ def prediction_detail(plan: Plan, micro_batches: int) -> dict[str, Any]:
         "bottleneck": ev.bottleneck,
         "stages": [{"stage": st.index, "machine": st.machine_id,
                     "compute_s": st.busy_s * micro_batches,
-                    "wire_cpu_s": st.wire_cpu_s * micro_batches} for st in ev.stages],
+                    "wire_cpu_s": st.wire_cpu_s * micro_batches,
+                    "wake_s": plan.arrays.cluster.machines[st.machine].wake_s}
+                   for st in ev.stages],
+        "fill_s": ev.fill_s,
         "links": [{"src_stage": lk.src_stage, "dst_stage": lk.dst_stage,
                    "time_s": lk.time_s * micro_batches,
                    "bytes": (lk.fwd_bytes + lk.bwd_bytes) * micro_batches,

@@ -63,6 +63,18 @@ class CpuAllowance:
     quota_cores: float | None
     affinity: int
     source: str
+    period_s: float | None = None
+    """The CFS period of the binding quota (None: no quota binds)."""
+
+    def wake_s(self, threads: int) -> float:
+        """What a woken thread waits, on average, once `threads` busy threads have used the
+        quota's share of the current period: (1 - share) x period, share = quota / threads
+        (at most 1). 0 when no quota binds. A 0.2-core quota with the kernel's default 100 ms
+        period makes every hand-off wait 80 ms; with 10 ms, 8 ms."""
+        if self.quota_cores is None or self.period_s is None or self.source == "affinity":
+            return 0.0
+        share = min(1.0, self.quota_cores / max(1, threads))
+        return max(0.0, 1.0 - share) * self.period_s
 
 
 def parse_cpu_max(text: str) -> float | None:
@@ -77,6 +89,26 @@ def parse_cpu_max(text: str) -> float | None:
     except ValueError:
         return None
     return quota / period if quota > 0 and period > 0 else None
+
+
+def parse_cpu_max_period(text: str) -> float | None:
+    """The period of a cgroup v2 `cpu.max` in seconds (the kernel's default 100 ms when the
+    file gives none), or None when unparsable or out of the kernel's 1 ms..1 s range."""
+    parts = text.split()
+    try:
+        period_us = float(parts[1]) if len(parts) > 1 else 100_000.0
+    except ValueError:
+        return None
+    return period_us / 1e6 if 1_000 <= period_us <= 1_000_000 else None
+
+
+def parse_cfs_period(period_text: str) -> float | None:
+    """cgroup v1 `cpu.cfs_period_us` in seconds, or None (unparsable, outside 1 ms..1 s)."""
+    try:
+        period_us = float(period_text.strip())
+    except ValueError:
+        return None
+    return period_us / 1e6 if 1_000 <= period_us <= 1_000_000 else None
 
 
 def parse_cfs(quota_text: str, period_text: str) -> float | None:
@@ -138,13 +170,15 @@ def tightest(limits: Iterable[tuple[float | None, str]]) -> tuple[float | None, 
     return best
 
 
-def combine_allowance(quota: tuple[float | None, str], affinity: int) -> CpuAllowance:
-    """The allowance from the tightest cgroup limit and the affinity mask."""
+def combine_allowance(quota: tuple[float | None, str], affinity: int,
+                      periods: Mapping[str, float | None] | None = None) -> CpuAllowance:
+    """The allowance from the tightest cgroup limit and the affinity mask; `periods`: the CFS
+    period of each limit's source, where known."""
     cores, src = quota
     aff = max(1, affinity)
     if cores is None or cores >= aff:
         return CpuAllowance(float(aff), cores, aff, "affinity")
-    return CpuAllowance(cores, cores, aff, src)
+    return CpuAllowance(cores, cores, aff, src, (periods or {}).get(src))
 
 
 def _read(path: str) -> str | None:
@@ -169,19 +203,22 @@ def cpu_allowance(proc: str = "/proc/self") -> CpuAllowance:
     v2, v1 = parse_proc_cgroup(_read(f"{proc}/cgroup") or "")
     mounts = parse_mountinfo(_read(f"{proc}/mountinfo") or "")
     limits: list[tuple[float | None, str]] = []
+    periods: dict[str, float | None] = {}
     for root, point, fstype, opts in mounts:
         if fstype == "cgroup2" and v2 is not None:
             for d in cgroup_dirs(root, point, v2):
                 text = _read(os.path.join(d, "cpu.max"))
                 if text is not None:
                     limits.append((parse_cpu_max(text), "cgroup2:" + d))
+                    periods["cgroup2:" + d] = parse_cpu_max_period(text)
         elif fstype == "cgroup" and v1 is not None and "cpu" in opts.split(","):
             for d in cgroup_dirs(root, point, v1):
                 q = _read(os.path.join(d, "cpu.cfs_quota_us"))
                 p = _read(os.path.join(d, "cpu.cfs_period_us"))
                 if q is not None and p is not None:
                     limits.append((parse_cfs(q, p), "cgroup1:" + d))
-    return combine_allowance(tightest(limits), _affinity())
+                    periods["cgroup1:" + d] = parse_cfs_period(p)
+    return combine_allowance(tightest(limits), _affinity(), periods)
 
 
 def sustained(rate_per_cpu_s: float, threads: int, cores: float) -> float:
@@ -340,11 +377,14 @@ def transport_message_s(count: int = 200, size: int = 1024, rounds: int = 3) -> 
         return 0.0
 
 
+MAX_WAKE_S = 1.0
+"""The largest wake-up latency a profile may claim (a CFS period is at most 1 s)."""
+
 PLAN_FIELDS = {"matmul": "plan_flops_matmul", "conv": "plan_flops_conv",
                "other": "plan_flops_other"}
 """Profile keys of the planner's calibrated FLOP rates per op class (sustained, at the node's
 CPU allowance), beside ``plan_mem_bw``, ``plan_op_overhead_s``, ``plan_wire_s_per_byte`` and
-``plan_msg_s``."""
+``plan_msg_s`` and ``plan_wake_s``."""
 
 
 def planner_fields(m: MachineProfile) -> dict[str, float]:
@@ -354,6 +394,7 @@ def planner_fields(m: MachineProfile) -> dict[str, float]:
     out["plan_op_overhead_s"] = float(m.op_overhead_s)
     out["plan_wire_s_per_byte"] = float(m.wire_s_per_byte)
     out["plan_msg_s"] = float(m.msg_s)
+    out["plan_wake_s"] = float(m.wake_s)
     return out
 
 
@@ -374,7 +415,8 @@ def machine_from_profile(node_id: str, profile: Mapping[str, Any],
                           memory_bytes=max(memory_bytes, 1.0),
                           kind=str(profile.get("device_kind", "")),
                           wire_s_per_byte=max(0.0, num("plan_wire_s_per_byte")),
-                          msg_s=max(0.0, num("plan_msg_s")))
+                          msg_s=max(0.0, num("plan_msg_s")),
+                          wake_s=min(max(0.0, num("plan_wake_s")), MAX_WAKE_S))
 
 
 def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> dict[str, Any]:
@@ -385,8 +427,9 @@ def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> 
     start many daemons use it. On a CPU the cache holds rates per CPU second; the allowance
     (`cpu_allowance`) is read again on every start, so a changed quota needs no re-measuring.
     Keys: ``gflops`` (sustained matmul GFLOP/s at the allowance), ``gflops_per_cpu_s``,
-    ``threads``, ``cpu_cores`` (allowed), ``cpu_quota_cores`` (0: none seen), ``cpu_limit``
-    (where the binding limit comes from) and the `planner_fields`.
+    ``threads``, ``cpu_cores`` (allowed), ``cpu_quota_cores`` (0: none seen),
+    ``cpu_quota_period_s`` (its CFS period; 0: none), ``cpu_limit`` (where the binding limit
+    comes from) and the `planner_fields`.
     """
     allowance = cpu_allowance()
     info = device_info() if benchmark else _cpu_info()
@@ -400,6 +443,7 @@ def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> 
         "memory_bytes": _total_memory_bytes(),
         "cpu_cores": allowance.cores,
         "cpu_quota_cores": allowance.quota_cores or 0.0,
+        "cpu_quota_period_s": allowance.period_s or 0.0,
         "cpu_limit": allowance.source,
         "gflops": 0.0,
     }
@@ -453,6 +497,8 @@ def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> 
         if gflops_wall is not None:
             gflops = min(gflops, gflops_wall)
         machine = at_allowance(machine, threads, allowance.cores, machine_wall)
+    # a quota delays every wake-up of this host's threads, whatever the device
+    machine = dataclasses.replace(machine, wake_s=allowance.wake_s(threads))
     prof["gflops"] = round(gflops, 2)
     prof.update(planner_fields(machine))
     return prof

@@ -120,7 +120,11 @@ class MachineProfile:
     (encoding, TLS, the kernel's socket copies: half a measured send + receive), which a host
     on a small CPU share pays beside its compute (0: not calibrated, free); `msg_s`: its own
     fixed time per message a stage sends or receives (framing, the event loop, a TLS record,
-    measured on the real transport by `fusiond.profile`; 0: not calibrated).
+    measured on the real transport by `fusiond.profile`; 0: not calibrated); `wake_s`: how long
+    a thread of this machine that is woken (a tensor arrived, a task finished) waits on average
+    before it runs, when the machine has used up its CPU share: (1 - share) x the CFS period
+    under a cgroup CPU quota of `share` of a core per busy thread, 0 without a quota. Every
+    hand-off between stages pays it at both ends (`fusiond.plan.pipeline.evaluate`).
     """
 
     id: str
@@ -131,13 +135,14 @@ class MachineProfile:
     kind: str = ""
     wire_s_per_byte: float = 0.0
     msg_s: float = 0.0
+    wake_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.flops or any(v <= 0 or not math.isfinite(v) for v in self.flops.values()):
             raise PlanError(f"machine {self.id!r}: flops must be positive and finite")
         if self.mem_bw <= 0 or self.op_overhead_s < 0 or self.memory_bytes <= 0:
             raise PlanError(f"machine {self.id!r}: mem_bw/memory must be > 0, overhead >= 0")
-        for name in ("wire_s_per_byte", "msg_s"):
+        for name in ("wire_s_per_byte", "msg_s", "wake_s"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 raise PlanError(f"machine {self.id!r}: {name} must be >= 0 and finite")
@@ -159,6 +164,7 @@ class MachineProfile:
             "kind": self.kind,
             "wire_s_per_byte": self.wire_s_per_byte,
             "msg_s": self.msg_s,
+            "wake_s": self.wake_s,
         }
 
     @classmethod
@@ -175,6 +181,7 @@ class MachineProfile:
                 kind=str(d.get("kind", "")),
                 wire_s_per_byte=float(d.get("wire_s_per_byte", 0.0)),
                 msg_s=float(d.get("msg_s", 0.0)),
+                wake_s=float(d.get("wake_s", 0.0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"machine profile: bad or missing field ({e!r})") from e
@@ -196,7 +203,8 @@ def scale_machine(m: MachineProfile, *, parallel: float, serial: float,
         memory_bytes=m.memory_bytes,
         kind=f"{m.kind}@{note}" if note and m.kind else (m.kind or note),
         # the event loop, the TLS record layer and the socket copies run on one thread
-        wire_s_per_byte=m.wire_s_per_byte / serial, msg_s=m.msg_s / serial)
+        wire_s_per_byte=m.wire_s_per_byte / serial, msg_s=m.msg_s / serial,
+        wake_s=m.wake_s)
 
 
 def slower_of(a: MachineProfile, b: MachineProfile) -> MachineProfile:
@@ -306,6 +314,7 @@ def op_times(graph: CostGraph, machine: MachineProfile, batch: int) -> F64:
     b = np.maximum(batch * a["bf"] / rate, (batch * a["bb"] + 2 * a["pb"]) / bw)
     out: F64 = f + b + machine.op_overhead_s * a["launch"]
     return out
+
 
 
 _ARRAYS_CACHE: dict[int, tuple[CostGraph, dict[str, Any]]] = {}

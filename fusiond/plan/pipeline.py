@@ -11,8 +11,12 @@ graph's topological order on one machine. Model (see docs/planner.md):
 - Compute and transfers overlap (sends are asynchronous), so in steady state the pipeline
   advances one micro-batch per *bottleneck* = the slowest resource.
 - Iteration time = (M - 1) * bottleneck + fill + optimizer step + tied-weight sync, where fill
-  is one micro-batch's forward+backward through every stage and link (plus one RTT per hop
-  between consecutive stages): the GPipe/1F1B bubble model.
+  is one micro-batch's forward+backward through every stage and link, plus, per hop between
+  consecutive stages, one RTT and the *wake-up* of both hosts in each direction: the
+  GPipe/1F1B bubble model. A wake-up (`MachineProfile.wake_s`) is what a hand-off costs on a
+  host under a CFS CPU quota: once its share of the period is used, the woken thread waits
+  for the next period (8 ms per wake-up for 0.2 core with a 10 ms period; measured hand-offs
+  between 0.2-core stages took 20 ms on average, see docs/planner.md).
 - Memory of a stage: unique parameters + their gradients + optimizer state + saved activations
   of the micro-batches in flight (1F1B: min(M, S - s) on stage s; GPipe: M) + the largest
   output of one op as workspace, against `memory_fraction` of the machine's memory.
@@ -301,6 +305,10 @@ def evaluate(
     fill = sum(r.busy_s for r in reports)
     fill += sum(lk.fwd_bytes / lk.bw_fwd + lk.bwd_bytes / lk.bw_bwd for lk in links)
     fill += sum(float(c.rtt[stages[i].machine, stages[i + 1].machine]) for i in range(S - 1))
+    # every hand-off between consecutive stages, forward and backward, wakes both hosts
+    wake = sum(2 * (c.machines[stages[i].machine].wake_s + c.machines[stages[i + 1].machine].wake_s)
+               for i in range(S - 1))
+    fill += wake
     # tied weights held by several stages: their gradients are exchanged once per iteration
     sync = 0.0
     for p, hs in holders.items():

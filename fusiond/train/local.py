@@ -146,6 +146,10 @@ class StepMetrics:
     stage_busy: dict[int, float]
     edges: list[EdgeFigures]
     shared_bytes: int = 0
+    stage_wait: dict[int, float] = field(default_factory=dict)
+    """Per stage, the share of the step it waited for inputs (`StepReport.wait_s`)."""
+    reports: dict[int, StepReport] = field(default_factory=dict, repr=False)
+    """The stages' own reports (their task timelines), for diagnostics; not in `as_dict`."""
 
     @property
     def wire_bytes(self) -> int:
@@ -167,6 +171,7 @@ class StepMetrics:
             "samples_per_s": self.samples / self.wall_s if self.wall_s > 0 else None,
             "tokens_per_s": self.tokens / self.wall_s if self.wall_s > 0 and self.tokens else None,
             "stage_busy": {str(k): v for k, v in sorted(self.stage_busy.items())},
+            "stage_wait": {str(k): v for k, v in sorted(self.stage_wait.items())},
             "wire_bytes": self.wire_bytes,
             "dense_bytes": self.dense_bytes,
             "shared_bytes": self.shared_bytes,
@@ -210,6 +215,8 @@ def merge_reports(reports: Sequence[StepReport], *, samples: int, tokens: int,
         stage_busy={r.stage: r.busy_fraction for r in reports},
         edges=sorted(edges.values(), key=lambda e: e.edge),
         shared_bytes=shared,
+        stage_wait={r.stage: r.wait_s / r.wall_s if r.wall_s > 0 else 0.0 for r in reports},
+        reports={r.stage: r for r in reports},
     )
 
 

@@ -59,6 +59,7 @@ __all__ = [
     "StageLink",
     "StageProgram",
     "StepReport",
+    "TaskTiming",
 ]
 
 log = logging.getLogger(__name__)
@@ -161,6 +162,25 @@ class EdgeStats:
     density: float | None = None
 
 
+MAX_TIMELINE = 4096
+"""The most task timings one step report may carry (a StageStep from the network)."""
+
+
+@dataclass(frozen=True)
+class TaskTiming:
+    """One task of one step on one stage, in seconds from the step's start."""
+
+    task: str
+    ready_s: float
+    """Its inputs were all in (its turn came, or the last input arrived)."""
+    start_s: float
+    """The worker thread began it."""
+    end_s: float
+    """The worker thread finished it."""
+    wait_s: float
+    """How long the stage waited for this task's inputs with nothing else to do."""
+
+
 @dataclass
 class StepReport:
     """What one stage did in one step."""
@@ -172,6 +192,18 @@ class StepReport:
     wall_s: float
     busy_s: float
     edges: list[EdgeStats]
+    timeline: list[TaskTiming] = field(default_factory=list)
+    """Per task, in run order: when its inputs were in, when it ran (seconds from the step's
+    start); empty when a report came without one."""
+    start_mono: float | None = None
+    """The step's start on this host's monotonic clock (`time.perf_counter`): lines up the
+    timelines of stages that share a clock (hosts of one machine, as in the testbed)."""
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds this stage sat waiting for its inputs (from the previous task's end, or the
+        step's start, until the last input arrived)."""
+        return sum(t.wait_s for t in self.timeline)
 
     @property
     def busy_fraction(self) -> float:
@@ -187,6 +219,9 @@ class StepReport:
                  "dense_bytes": e.dense_bytes, "density": e.density}
                 for e in self.edges
             ],
+            "timeline": [[t.task, round(t.ready_s, 6), round(t.start_s, 6), round(t.end_s, 6),
+                          round(t.wait_s, 6)] for t in self.timeline],
+            "start_mono": self.start_mono,
         }
 
     @classmethod
@@ -200,9 +235,16 @@ class StepReport:
                           None if e.get("density") is None else float(e["density"]))
                 for e in figures.get("edges", [])
             ]
+            rows = figures.get("timeline") or []
+            if len(rows) > MAX_TIMELINE:
+                raise ValueError(f"timeline: {len(rows)} tasks, more than {MAX_TIMELINE}")
+            timeline = [TaskTiming(str(r[0])[:32], float(r[1]), float(r[2]), float(r[3]),
+                                   float(r[4])) for r in rows]
+            mono = figures.get("start_mono")
             return cls(stage, step, None if loss is None else float(loss), float(figures["lr"]),
-                       float(figures["wall_s"]), float(figures["busy_s"]), edges)
-        except (KeyError, TypeError, ValueError) as e:
+                       float(figures["wall_s"]), float(figures["busy_s"]), edges, timeline,
+                       None if mono is None else float(mono))
+        except (KeyError, TypeError, ValueError, IndexError) as e:
             raise RemoteError(f"StageStep.figures from stage {stage}: bad or missing {e}") from e
 
 
@@ -279,6 +321,7 @@ class StageExecutor:
         self._ready = asyncio.Event()
         self._closed = False
         self._busy = 0.0
+        self._last_run = (0.0, 0.0)
         self._stats: dict[tuple[str, PacketKind], EdgeStats] = {}
 
     # -- service --------------------------------------------------------------------------
@@ -444,13 +487,14 @@ class StageExecutor:
         assert self._pool is not None, "StageExecutor.start() was not called"
         loop = asyncio.get_running_loop()
 
-        def timed() -> tuple[T, float]:
+        def timed() -> tuple[T, float, float]:
             t0 = time.perf_counter()
             out = fn()
-            return out, time.perf_counter() - t0
+            return out, t0, time.perf_counter()
 
-        result, dt = await loop.run_in_executor(self._pool, timed)
-        self._busy += dt
+        result, start, end = await loop.run_in_executor(self._pool, timed)
+        self._busy += end - start
+        self._last_run = (start, end)
         return result
 
     def _forward(self, step: int, micro: int, payloads: Mapping[str, bytes | memoryview],
@@ -574,6 +618,8 @@ class StageExecutor:
             mbs = split_micro_batches(self.data.batch(step, self.batch_size), self.micro_batches)
         ctxs: dict[int, _Ctx] = {}
         losses: list[float] = []
+        timeline: list[TaskTiming] = []
+        free = t0  # when the stage last had nothing to do but wait
         for task in self.tasks:
             deadline = time.monotonic() + self.config.recv_timeout_s
             m = task.micro
@@ -583,6 +629,7 @@ class StageExecutor:
                     e: await self._recv((PacketKind.FORWARD, step, m, e), deadline, what)
                     for e in self._in
                 }
+                ready = time.perf_counter()
                 mb = mbs[m] if mbs is not None else None
                 ctx, packets = await self._guard(
                     what, step, functools.partial(self._forward, step, m, payloads, mb)
@@ -596,10 +643,15 @@ class StageExecutor:
                     e: await self._recv((PacketKind.BACKWARD, step, m, e), deadline, what)
                     for e in sorted(ctx.grad_edges)
                 }
+                ready = time.perf_counter()
                 packets = await self._guard(
                     what, step, functools.partial(self._backward, step, m, ctx, payloads)
                 )
+            start, end = self._last_run
+            timeline.append(TaskTiming(what, ready - t0, start - t0, end - t0,
+                                       max(0.0, ready - free)))
             await self._emit(packets)
+            free = time.perf_counter()
         if self.program.shared:
             await self._emit(await self._guard("shared grads", step,
                                                lambda: self._shared_grads(step)))
@@ -615,7 +667,8 @@ class StageExecutor:
         await self._guard("optimizer step", step, lambda: self._opt_step(lr))
         wall = time.perf_counter() - t0
         loss = sum(losses) / len(losses) if losses else None
-        return StepReport(self.stage, step, loss, lr, wall, self._busy, list(self._stats.values()))
+        return StepReport(self.stage, step, loss, lr, wall, self._busy, list(self._stats.values()),
+                          timeline, t0)
 
     async def _guard(self, what: str, step: int, fn: Callable[[], T]) -> T:
         try:

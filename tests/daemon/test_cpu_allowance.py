@@ -18,7 +18,9 @@ from fusiond.profile import (
     cpu_allowance,
     machine_from_profile,
     parse_cfs,
+    parse_cfs_period,
     parse_cpu_max,
+    parse_cpu_max_period,
     parse_mountinfo,
     parse_proc_cgroup,
     planner_fields,
@@ -34,6 +36,35 @@ periods = st.integers(min_value=1000, max_value=10**6)
 def test_cpu_max_is_quota_over_period(q: int, p: int) -> None:
     assert parse_cpu_max(f"{q} {p}\n") == pytest.approx(q / p)
     assert parse_cfs(f"{q}\n", f"{p}\n") == pytest.approx(q / p)
+
+
+@given(quotas, periods)
+def test_the_cfs_period_is_read_in_seconds(q: int, p: int) -> None:
+    assert parse_cpu_max_period(f"{q} {p}\n") == pytest.approx(p / 1e6)
+    assert parse_cfs_period(f"{p}\n") == pytest.approx(p / 1e6)
+    assert parse_cpu_max_period(f"{q}") == pytest.approx(0.1)  # the kernel's default
+    for bad in ("abc", "999", "1000001"):  # the kernel takes 1 ms .. 1 s
+        assert parse_cfs_period(bad) is None
+        assert parse_cpu_max_period(f"{q} {bad}") is None
+
+
+@given(st.floats(min_value=0.01, max_value=64), st.integers(min_value=1, max_value=64),
+       st.floats(min_value=0.001, max_value=1.0))
+def test_a_woken_thread_waits_out_the_throttled_part_of_the_period(
+        quota: float, threads: int, period: float) -> None:
+    a = CpuAllowance(quota, quota, 64, "cgroup2:/x", period)
+    share = min(1.0, quota / threads)
+    assert a.wake_s(threads) == pytest.approx((1 - share) * period)
+    assert 0 <= a.wake_s(threads) < period
+    # no quota, or the affinity binds: nothing throttles a woken thread
+    assert CpuAllowance(4.0, None, 4, "affinity").wake_s(threads) == 0
+    assert CpuAllowance(2.0, 3.0, 2, "affinity", period).wake_s(threads) == 0
+
+
+def test_the_binding_limit_brings_its_period() -> None:
+    a = combine_allowance((0.5, "cgroup2:/a"), 4, {"cgroup2:/a": 0.01, "cgroup2:/": 0.1})
+    assert a.period_s == 0.01 and a.wake_s(1) == pytest.approx(0.005)
+    assert combine_allowance((0.5, "cgroup2:/a"), 4).period_s is None
 
 
 @given(periods)
@@ -114,7 +145,7 @@ def test_cpu_allowance_reads_v2_cpu_max_up_to_the_root(tmp_path: Path) -> None:
     a = cpu_allowance(proc)
     aff = len(os.sched_getaffinity(0))
     if aff > 1.5:
-        assert a == CpuAllowance(1.5, 1.5, aff, f"cgroup2:{root / 'job'}")
+        assert a == CpuAllowance(1.5, 1.5, aff, f"cgroup2:{root / 'job'}", 0.1)
     else:
         assert a.cores == aff and a.quota_cores == pytest.approx(1.5)
 
@@ -134,6 +165,8 @@ def test_cpu_allowance_falls_back_to_v1_cfs_quota(tmp_path: Path) -> None:
     a = cpu_allowance(proc)
     assert a.cores == pytest.approx(0.25) and a.quota_cores == pytest.approx(0.25)
     assert a.source == f"cgroup1:{root / 'bed-h1'}"
+    assert a.period_s == pytest.approx(0.1)
+    assert a.wake_s(1) == pytest.approx(0.075)  # a quarter core: 75 of each 100 ms throttled
 
 
 def test_cpu_allowance_without_a_visible_cgroup_is_the_affinity(tmp_path: Path) -> None:
@@ -152,6 +185,11 @@ def test_planner_fields_round_trip_through_the_gossiped_profile() -> None:
     assert back.op_overhead_s == m.op_overhead_s and back.memory_bytes == 2**30
     assert back.id == "node-1"
     assert machine_from_profile("n", {"gflops": 10.0}, 1.0) is None  # no calibration
+    slow = machine_from_profile("n", {**prof, "plan_wake_s": 0.008}, 1.0)
+    assert slow is not None and slow.wake_s == 0.008 and back.wake_s == 0.0
+    # a gossiped profile cannot claim a wake-up beyond the longest CFS period
+    huge = machine_from_profile("n", {**prof, "plan_wake_s": 1e9}, 1.0)
+    assert huge is not None and huge.wake_s == profile.MAX_WAKE_S
 
 
 @pytest.mark.slow  # imports torch and calibrates
@@ -168,9 +206,11 @@ def test_profile_speed_follows_the_allowance(tmp_path: Path,
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     aff = len(os.sched_getaffinity(0))
     monkeypatch.setattr(profile, "cpu_allowance",
-                        lambda proc="/proc/self": CpuAllowance(0.25, 0.25, aff, "test"))
+                        lambda proc="/proc/self": CpuAllowance(0.25, 0.25, aff, "test", 0.01))
     quarter = profile.compute_profile(tmp_path, benchmark=True)  # cached: same raw numbers
     assert quarter["cpu_cores"] == 0.25 and quarter["cpu_limit"] == "test"
+    assert quarter["cpu_quota_period_s"] == 0.01
+    assert quarter["plan_wake_s"] == pytest.approx(0.0075)  # 0.75 of each 10 ms period
     assert full["threads"] == 1 and quarter["threads"] == 1
     share = min(1.0, full["cpu_cores"]) / 0.25
     assert quarter["gflops"] == pytest.approx(full["gflops_per_cpu_s"] * 0.25, rel=0.01)

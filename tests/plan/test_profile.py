@@ -171,3 +171,42 @@ def test_a_stage_pays_for_every_byte_and_message_it_sends_or_receives(
         assert r.wire_cpu_s == pytest.approx(nbytes * per_byte + msgs * per_msg)
         assert r.compute_s == f.compute_s and r.busy_s == r.compute_s + r.wire_cpu_s
     assert ev.iteration_s >= free.iteration_s
+
+
+@given(st.integers(min_value=0, max_value=10_000), st.floats(min_value=0.0, max_value=0.1),
+       st.floats(min_value=0.0, max_value=0.1))
+def test_every_hand_off_wakes_both_hosts_in_each_direction(
+        seed: int, wake_a: float, wake_b: float) -> None:
+    """Under a CFS quota a hand-off waits for the sender's and the receiver's next period:
+    each hop between consecutive stages pays both hosts' `wake_s`, forward and backward."""
+    from dataclasses import replace
+
+    from fusiond.plan.pipeline import GraphArrays, StageSpec, evaluate
+    from tests.plan.synth import random_instance
+
+    inst = random_instance(np.random.default_rng(seed))
+    n = len(inst.graph.ops)
+    if len(inst.cluster.machines) < 3 or n < 3:
+        return
+    stages = [StageSpec(0, 0, 1), StageSpec(1, 1, n - 1), StageSpec(2, n - 1, n)]
+    free = evaluate(GraphArrays(inst.graph, inst.cluster, inst.settings), stages)
+    wakes = [wake_a, wake_b] + [wake_a] * (len(inst.cluster.machines) - 2)
+    slow = replace(inst.cluster, machines=tuple(
+        replace(m, wake_s=w) for m, w in zip(inst.cluster.machines, wakes, strict=True)))
+    ev = evaluate(GraphArrays(inst.graph, slow, inst.settings), stages)
+    hops = 2 * (wake_a + wake_b) + 2 * (wake_b + wake_a)
+    assert ev.fill_s == pytest.approx(free.fill_s + hops)
+    assert ev.iteration_s == pytest.approx(free.iteration_s + hops)
+    assert ev.bottleneck_s == free.bottleneck_s  # latency, not a resource
+    one = evaluate(GraphArrays(inst.graph, slow, inst.settings), [StageSpec(0, 0, n)])
+    assert one.fill_s == evaluate(GraphArrays(inst.graph, inst.cluster, inst.settings),
+                                  [StageSpec(0, 0, n)]).fill_s  # no hand-off, no wake-up
+
+
+def test_wake_up_is_part_of_the_gossiped_machine() -> None:
+    m = MachineProfile("x", {"other": 1e9}, 1e9, 0.0, 1e9, wake_s=0.008)
+    assert MachineProfile.from_dict(m.to_dict()).wake_s == 0.008
+    with pytest.raises(PlanError, match="wake_s"):
+        MachineProfile("x", {"other": 1e9}, 1e9, 0.0, 1e9, wake_s=-1.0)
+    legacy = {k: v for k, v in m.to_dict().items() if k != "wake_s"}
+    assert MachineProfile.from_dict(legacy).wake_s == 0.0  # an older daemon's profile

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
+from fusiond.errors import RemoteError
 from fusiond.graph import contiguous_assignment, partition
 from fusiond.jobs.assign import assign_messages, layout_job
 from fusiond.jobs.results import gather_state, load_model_state, save_model, write_metrics
 from fusiond.net.transport import NetConfig, PeerNetwork
 from fusiond.train.data import make_source
-from fusiond.train.local import ReferenceTrainer, run_pipeline
+from fusiond.train.local import PipelineResult, ReferenceTrainer, run_pipeline
 from fusiond.train.model import build_model, loss_fn
 from fusiond.train.programs import stage_programs
 from fusiond.train.remote import StageHost
@@ -34,6 +36,33 @@ def _reference(spec):  # type: ignore[no-untyped-def]
     return rt.train(0, spec.steps), model
 
 
+def _check_timelines(res: PipelineResult, micro_batches: int) -> None:
+    """Every stage's task timeline holds its schedule, each task after its inputs and the one
+    before it; it crosses the wire (StageStep.figures) intact, and bounded."""
+    every = sorted([f"F{m}" for m in range(micro_batches)]
+                   + [f"B{m}" for m in range(micro_batches)])
+    for stage, reps in res.reports.items():
+        for rep in reps:
+            assert sorted(t.task for t in rep.timeline) == every
+            prev_end = 0.0
+            for t in rep.timeline:
+                assert 0 <= t.ready_s <= t.start_s <= t.end_s <= rep.wall_s
+                assert t.start_s >= prev_end and t.wait_s >= 0
+                prev_end = t.end_s
+            assert 0 <= rep.wait_s <= rep.wall_s and rep.start_mono is not None
+            back = StepReport.from_figures(stage, rep.step, rep.to_figures())
+            assert back.timeline == [
+                dataclasses.replace(t, ready_s=round(t.ready_s, 6), start_s=round(t.start_s, 6),
+                                    end_s=round(t.end_s, 6), wait_s=round(t.wait_s, 6))
+                for t in rep.timeline]
+    fig = next(iter(res.reports.values()))[0].to_figures()
+    with pytest.raises(RemoteError, match="timeline"):
+        StepReport.from_figures(0, 0, {**fig, "timeline": [["F0", 0, 0, 0, 0]] * 5000})
+    for bad in ([["F0", "x", 0, 0, 0]], [["F0", 0.1]], 7):
+        with pytest.raises(RemoteError, match=r"StageStep\.figures from stage 0"):
+            StepReport.from_figures(0, 0, {**fig, "timeline": bad})
+
+
 async def test_captured_partitions_match_eager(captured_tiny) -> None:  # type: ignore[no-untyped-def]
     spec, cap = captured_tiny
     parts = partition(cap.graph, contiguous_assignment(cap.graph, 3))
@@ -45,6 +74,7 @@ async def test_captured_partitions_match_eager(captured_tiny) -> None:  # type: 
     want, ref = _reference(spec)
     for got, exp in zip(res.losses, want, strict=True):
         assert got == pytest.approx(exp, rel=1e-4)
+    _check_timelines(res, spec.batch.micro_batches)
     state = gather_state(cap.graph, res.states.values())
     fresh = build_model(spec.model)
     fresh.load_state_dict(state, strict=True)
@@ -183,6 +213,7 @@ async def test_other_models_match_eager(name: str) -> None:
     want, ref = _reference(spec)
     for got, exp in zip(res.losses, want, strict=True):
         assert got == pytest.approx(exp, rel=1e-4)
+    _check_timelines(res, spec.batch.micro_batches)
     state = gather_state(cap.graph, res.states.values())
     build_model(spec.model).load_state_dict(state, strict=True)
     for k, v in ref.state_dict().items():  # BatchNorm running stats included

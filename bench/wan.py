@@ -601,7 +601,10 @@ NOTES = """
   (`cpu.max` on cgroup v2, `cpu.cfs_quota_us` on v1, up to the root) and its affinity. A
   host's time per byte it sends or receives (encoding, TLS, socket copies) is calibrated the
   same way and adds to its stages' busy time. So a stage's predicted compute is its work over
-  the speed the host really has. Links: the configured rates at 95 % (the measured goodput).
+  the speed the host really has. The quota's CFS period comes with it: once a host has used
+  its share of a period, a woken thread waits for the next one, so every hand-off between
+  stages pays both hosts' wake-up, (1 - share) x period (8 ms at 0.2 core and 10 ms), in the
+  pipeline's fill. Links: the configured rates at 95 % (the measured goodput).
 - Fusion runs: `bench/wan_fusion.py` in each host (a JobWorker over a PeerNetwork with mutual
   TLS, credentials made per run); the JobCoordinator in the first host runs the planned job.
   The job is cancelled when the budget is over. The clock starts just before the Assign

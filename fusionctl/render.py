@@ -260,11 +260,12 @@ def render_job(d: Mapping[str, Any]) -> None:
         c.print(f"[red]{outcome['failure']}[/red]")
     c.print(d.get("plan", ""))
     s = Table(title="stages")
-    for col in ("stage", "machine", "busy"):
+    for col in ("stage", "machine", "busy", "waiting"):
         s.add_column(col)
     for x in st.get("stages", []):
-        busy = x.get("busy")
-        s.add_row(str(x["stage"]), str(x["node"]), "-" if busy is None else f"{busy:.0%}")
+        busy, wait = x.get("busy"), x.get("wait")
+        s.add_row(str(x["stage"]), str(x["node"]), "-" if busy is None else f"{busy:.0%}",
+                  "-" if wait is None else f"{wait:.0%}")
     c.print(s)
     e = Table(title="links (cut edges)")
     for col in ("edge", "stages", "density", "wire fwd", "wire bwd", "dense fwd", "dense bwd"):

@@ -277,7 +277,8 @@ class JobCoordinator:
             "samples_per_s": d.get("samples_per_s"),
             "stages": [
                 {"stage": s, "node": n,
-                 "busy": None if last is None else last.stage_busy.get(s)}
+                 "busy": None if last is None else last.stage_busy.get(s),
+                 "wait": None if last is None else last.stage_wait.get(s)}
                 for s, n in sorted(self.stage_nodes.items())
             ],
             "edges": [

@@ -5,7 +5,8 @@ Register `JobCollector(lambda: coordinators)` with the daemon's registry
 
 - `fusion_job_step` / `fusion_job_steps` (current step, total), `fusion_job_loss`,
   `fusion_job_throughput_tokens_per_second` (or `..._samples_per_second`),
-- `fusion_job_stage_busy_ratio{stage,node}`,
+- `fusion_job_stage_busy_ratio{stage,node}` and `fusion_job_stage_wait_ratio{stage,node}`
+  (the share of the last step it computed, and the share it sat waiting for its inputs),
 - `fusion_job_edge_wire_bytes_total{edge,direction}` and `..._dense_bytes_total` (before
   compression), `fusion_job_edge_density{edge}` (1 = exact).
 """
@@ -45,6 +46,9 @@ class JobCollector(Collector):
         busy = GaugeMetricFamily("fusion_job_stage_busy_ratio",
                                  "Share of the last step a stage spent computing",
                                  labels=["job", "stage", "node"])
+        wait = GaugeMetricFamily("fusion_job_stage_wait_ratio",
+                                 "Share of the last step a stage sat waiting for its inputs",
+                                 labels=["job", "stage", "node"])
         wire = CounterMetricFamily("fusion_job_edge_wire_bytes",
                                    "Tensor bytes sent on a cut edge",
                                    labels=["job", "edge", "direction"])
@@ -69,6 +73,8 @@ class JobCollector(Collector):
             for s in st["stages"]:
                 if s["busy"] is not None:
                     busy.add_metric([job, str(s["stage"]), str(s["node"])], float(s["busy"]))
+                if s.get("wait") is not None:
+                    wait.add_metric([job, str(s["stage"]), str(s["node"])], float(s["wait"]))
             for e in st["edges"]:
                 if e["density"] is not None:
                     density.add_metric([job, e["edge"]], float(e["density"]))
@@ -76,4 +82,4 @@ class JobCollector(Collector):
                     wire.add_metric([job, e["edge"], direction], float(v))
                 for direction, v in e["dense_bytes"].items():
                     dense.add_metric([job, e["edge"], direction], float(v))
-        yield from (step, steps, loss, tps, sps, busy, wire, dense, density)
+        yield from (step, steps, loss, tps, sps, busy, wait, wire, dense, density)

@@ -93,6 +93,8 @@ async def test_job_runs_to_a_model_equal_to_single_process(captured_tiny, tmp_pa
     assert 'fusion_job_loss{job="job-7"}' in text
     assert 'fusion_job_edge_wire_bytes_total{direction="forward"' in text
     assert 'fusion_job_stage_busy_ratio{job="job-7",node="n1",stage="1"}' in text
+    assert 'fusion_job_stage_wait_ratio{job="job-7",node="n1",stage="1"}' in text
+    assert all(0 <= s["wait"] <= 1 for s in st["stages"])
     paths = write_outputs(out, tmp_path / "run")
     fresh = build_model(spec.model)
     fresh.load_state_dict(load_model_state(paths["model"]), strict=True)

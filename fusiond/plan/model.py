@@ -316,6 +316,15 @@ def op_times(graph: CostGraph, machine: MachineProfile, batch: int) -> F64:
     return out
 
 
+def op_forward_times(graph: CostGraph, machine: MachineProfile, batch: int) -> F64:
+    """The forward pass's part of `op_times` (its roofline and its own launches)."""
+    a = _op_arrays(graph)
+    rate = np.array([machine.rate(c) for c in a["classes"]])[a["cls"].astype(np.int64)]
+    f = np.maximum(batch * a["ff"] / rate, (batch * a["fb"] + a["pb"]) / machine.mem_bw)
+    out: F64 = f + machine.op_overhead_s * a["flaunch"]
+    return out
+
+
 
 _ARRAYS_CACHE: dict[int, tuple[CostGraph, dict[str, Any]]] = {}
 
@@ -337,6 +346,7 @@ def _op_arrays(graph: CostGraph) -> dict[str, Any]:
         "bb": np.array([o.bwd_bytes for o in ops], dtype=np.float64),
         "pb": np.array([o.param_bytes for o in ops], dtype=np.float64),
         "launch": np.array([o.fwd_launches + o.bwd_launches for o in ops], dtype=np.float64),
+        "flaunch": np.array([o.fwd_launches for o in ops], dtype=np.float64),
     }
     if len(_ARRAYS_CACHE) > 64:
         _ARRAYS_CACHE.clear()

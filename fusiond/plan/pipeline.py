@@ -15,8 +15,10 @@ graph's topological order on one machine. Model (see docs/planner.md):
   consecutive stages, one RTT and the *wake-up* of both hosts in each direction: the
   GPipe/1F1B bubble model. A wake-up (`MachineProfile.wake_s`) is what a hand-off costs on a
   host under a CFS CPU quota: once its share of the period is used, the woken thread waits
-  for the next period (8 ms per wake-up for 0.2 core with a 10 ms period; measured hand-offs
-  between 0.2-core stages took 20 ms on average, see docs/planner.md).
+  for the next period (8 ms for 0.2 core with a 10 ms period). Handing a task to the stage's
+  worker thread costs half a wake-up, counted in the stage's time (`StageReport.dispatch_s`).
+  The tied-weight sync counts only what the exchange takes beyond the next micro-batch's
+  forward to the later holder (`_tied_sync`). Measured against task timelines: docs/planner.md.
 - Memory of a stage: unique parameters + their gradients + optimizer state + saved activations
   of the micro-batches in flight (1F1B: min(M, S - s) on stage s; GPipe: M) + the largest
   output of one op as workspace, against `memory_fraction` of the machine's memory.
@@ -37,6 +39,7 @@ from fusiond.plan.model import (
     CostGraph,
     JobSettings,
     PlanError,
+    op_forward_times,
     op_times,
     wire_bytes,
 )
@@ -68,11 +71,15 @@ class StageReport:
     """The stage's own time per micro-batch to send and receive its cut tensors
     (`MachineProfile.wire_s_per_byte` per byte, `msg_s` per message); it adds to `compute_s`
     as the stage's busy time."""
+    dispatch_s: float = 0.0
+    """Per micro-batch, what handing its two tasks (forward, backward) to the worker thread
+    costs on a host under a CPU quota: half a wake-up each (`MachineProfile.wake_s`; the share
+    is used up about half the time a task is handed over)."""
 
     @property
     def busy_s(self) -> float:
-        """Compute plus wire handling: what the stage's host spends per micro-batch."""
-        return self.compute_s + self.wire_cpu_s
+        """Compute, wire handling and dispatch: the stage's time per micro-batch."""
+        return self.compute_s + self.wire_cpu_s + self.dispatch_s
 
 
 @dataclass(frozen=True)
@@ -131,6 +138,11 @@ class GraphArrays:
         #: [machine, op] forward+backward seconds of one micro-batch
         self.times = np.stack([op_times(graph, m, b) for m in cluster.machines])
         self.prefix = np.concatenate([np.zeros((len(cluster), 1)), np.cumsum(self.times, 1)], 1)
+        #: the forward pass's part of `prefix`
+        self.prefix_f = np.concatenate(
+            [np.zeros((len(cluster), 1)),
+             np.cumsum(np.stack([op_forward_times(graph, m, b) for m in cluster.machines]), 1)],
+            1)
         self.param = np.array([o.param_bytes for o in graph.ops])
         self.opt = np.array([o.opt_state_bytes for o in graph.ops])
         self.saved = np.array([o.saved_bytes for o in graph.ops]) * b
@@ -185,6 +197,53 @@ def _stage_static(graph: CostGraph, start: int, stop: int) -> tuple[float, float
         # scale optimizer state by the de-duplication of tied weights
         opt *= (uniq + unnamed) / (total_named + unnamed)
     return uniq + unnamed, opt, names
+
+
+def _tied_sync(arrays: GraphArrays, stages: Sequence[StageSpec],
+               reports: Sequence[StageReport], links: Sequence[LinkReport],
+               holders: Mapping[str, Sequence[int]], sizes: Mapping[str, float]) -> float:
+    """What the exchange of tied weights' gradients adds to an iteration.
+
+    The first holder h0 (the embedding's stage) finishes the iteration last; its gradient goes
+    to every later holder h, which needs it before its optimizer step, and h's next forward
+    waits for the next micro-batch from h0 anyway: one forward through the stages in between
+    (their forward compute, links, half RTTs and wake-ups). So the exchange shows only where
+    it takes longer than that forward; later holders' gradients, sent at their own last
+    backward, reach h0 during its drain. Exchanges with several holders run at once: the
+    slowest counts."""
+    c = arrays.cluster
+    pair_bytes: dict[tuple[int, int], float] = {}
+    for p, hs in holders.items():
+        for h in hs[1:]:
+            pair_bytes[(hs[0], h)] = pair_bytes.get((hs[0], h), 0.0) + sizes[p]
+    if not pair_bytes:
+        return 0.0
+    fwd_link: dict[tuple[int, int], LinkReport] = {(lk.src_stage, lk.dst_stage): lk
+                                                   for lk in links}
+
+    def wake(i: int) -> float:
+        return c.machines[stages[i].machine].wake_s
+
+    def forward(i: int) -> float:
+        s, r = stages[i], reports[i]
+        f = float(arrays.prefix_f[s.machine, s.stop] - arrays.prefix_f[s.machine, s.start])
+        share = f / r.compute_s if r.compute_s > 0 else 0.0
+        return f + share * r.wire_cpu_s + r.dispatch_s / 2
+
+    out = 0.0
+    for (h0, h), nbytes in pair_bytes.items():
+        a, z = stages[h0].machine, stages[h].machine
+        x = (nbytes / min(float(c.bandwidth[a, z]), float(c.bandwidth[z, a]))
+             + float(c.rtt[a, z]) / 2 + wake(h0) + wake(h))
+        ahead = 0.0
+        for i in range(h0, h):
+            ahead += forward(i)
+            lk = fwd_link.get((i, i + 1))
+            ahead += (lk.fwd_bytes / lk.bw_fwd if lk is not None else 0.0)
+            ahead += (float(c.rtt[stages[i].machine, stages[i + 1].machine]) / 2
+                      + wake(i) + wake(i + 1))
+        out = max(out, x - ahead)
+    return out
 
 
 def graph_param_sizes(graph: CostGraph) -> dict[str, float]:
@@ -291,7 +350,8 @@ def evaluate(
             msgs[end] += lk.fwd_msgs + lk.bwd_msgs
     reports = [dataclasses.replace(
         r, wire_cpu_s=handled[i] * c.machines[r.machine].wire_s_per_byte
-        + msgs[i] * c.machines[r.machine].msg_s)
+        + msgs[i] * c.machines[r.machine].msg_s,
+        dispatch_s=c.machines[r.machine].wake_s)
         for i, r in enumerate(reports)]
     compute_b = max(r.busy_s for r in reports)
     bottleneck_s, bottleneck = compute_b, f"compute {reports[0].machine_id}"
@@ -309,12 +369,7 @@ def evaluate(
     wake = sum(2 * (c.machines[stages[i].machine].wake_s + c.machines[stages[i + 1].machine].wake_s)
                for i in range(S - 1))
     fill += wake
-    # tied weights held by several stages: their gradients are exchanged once per iteration
-    sync = 0.0
-    for p, hs in holders.items():
-        for h in hs[1:]:
-            a, z = stages[hs[0]].machine, stages[h].machine
-            sync += sizes[p] / min(float(c.bandwidth[a, z]), float(c.bandwidth[z, a])) * 2
+    sync = _tied_sync(arrays, stages, reports, links, holders, sizes)
     iteration = (M - 1) * bottleneck_s + fill + opt_s + sync
     return Evaluation(
         stages=tuple(reports),

@@ -11,7 +11,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fusiond.plan import MachineProfile, PlanError, cluster_from_topology, fence_groups
+from fusiond.plan import (
+    Cluster,
+    CostGraph,
+    JobSettings,
+    MachineProfile,
+    OpCost,
+    PlanError,
+    TensorEdge,
+    cluster_from_topology,
+    fence_groups,
+)
 
 TOPOLOGIES = Path(__file__).resolve().parents[2] / "bench" / "topologies"
 
@@ -178,7 +188,8 @@ def test_a_stage_pays_for_every_byte_and_message_it_sends_or_receives(
 def test_every_hand_off_wakes_both_hosts_in_each_direction(
         seed: int, wake_a: float, wake_b: float) -> None:
     """Under a CFS quota a hand-off waits for the sender's and the receiver's next period:
-    each hop between consecutive stages pays both hosts' `wake_s`, forward and backward."""
+    each hop between consecutive stages pays both hosts' `wake_s`, forward and backward; and
+    handing each of a stage's two tasks per micro-batch to its worker costs half a wake-up."""
     from dataclasses import replace
 
     from fusiond.plan.pipeline import GraphArrays, StageSpec, evaluate
@@ -194,13 +205,48 @@ def test_every_hand_off_wakes_both_hosts_in_each_direction(
     slow = replace(inst.cluster, machines=tuple(
         replace(m, wake_s=w) for m, w in zip(inst.cluster.machines, wakes, strict=True)))
     ev = evaluate(GraphArrays(inst.graph, slow, inst.settings), stages)
+    assert [r.dispatch_s for r in ev.stages] == [wake_a, wake_b, wake_a]
+    assert all(r.busy_s == pytest.approx(f.busy_s + r.dispatch_s)
+               for r, f in zip(ev.stages, free.stages, strict=True))
     hops = 2 * (wake_a + wake_b) + 2 * (wake_b + wake_a)
-    assert ev.fill_s == pytest.approx(free.fill_s + hops)
-    assert ev.iteration_s == pytest.approx(free.iteration_s + hops)
-    assert ev.bottleneck_s == free.bottleneck_s  # latency, not a resource
+    assert ev.fill_s == pytest.approx(free.fill_s + hops + 2 * wake_a + wake_b)
+    assert ev.bottleneck_s >= free.bottleneck_s
+    assert ev.iteration_s >= free.iteration_s + hops - 1e-12
     one = evaluate(GraphArrays(inst.graph, slow, inst.settings), [StageSpec(0, 0, n)])
-    assert one.fill_s == evaluate(GraphArrays(inst.graph, inst.cluster, inst.settings),
-                                  [StageSpec(0, 0, n)]).fill_s  # no hand-off, no wake-up
+    alone = evaluate(GraphArrays(inst.graph, inst.cluster, inst.settings), [StageSpec(0, 0, n)])
+    assert one.fill_s == pytest.approx(alone.fill_s + wake_a)  # no hand-off: dispatch only
+
+
+def _tied_chain(holder_bw: float) -> tuple[CostGraph, Cluster, JobSettings]:
+    """Three ops on three machines; ops 0 and 2 share the weight "w" (an embedding and its
+    tied head); the consecutive links run at 1 GB/s, the holders' own link at `holder_bw`."""
+    ops = (OpCost("emb", fwd_flops=1e9, bwd_flops=2e9, param_bytes=4e6, params=("w",)),
+           OpCost("mid", fwd_flops=1e9, bwd_flops=2e9),
+           OpCost("head", fwd_flops=1e9, bwd_flops=2e9, param_bytes=4e6, params=("w",)))
+    ts = (TensorEdge("a", 0, (1,), 1e5, 1e5 / 4), TensorEdge("b", 1, (2,), 1e5, 1e5 / 4))
+    machines = [MachineProfile(f"m{i}", {"other": 1e11}, 1e11, 0.0, 1e12) for i in range(3)]
+    bw = [[math.inf, 1e9, holder_bw], [1e9, math.inf, 1e9], [holder_bw, 1e9, math.inf]]
+    return CostGraph(ops, ts), Cluster.build(machines, bw), JobSettings(num_micro_batches=4)
+
+
+def test_tied_weights_exchange_shows_only_beyond_the_next_forward() -> None:
+    """The embedding's stage sends its gradient of the tied weight to the head's stage at the
+    end of an iteration; the head needs it only before its next forward, which first runs
+    through the stages in between. So a fast exchange costs nothing, and a slow one costs
+    what it takes beyond that forward, one for one."""
+    from fusiond.plan.pipeline import GraphArrays, StageSpec, evaluate
+
+    stages = [StageSpec(0, 0, 1), StageSpec(1, 1, 2), StageSpec(2, 2, 3)]
+
+    def sync(bw: float) -> float:
+        return evaluate(GraphArrays(*_tied_chain(bw)), stages).sync_s
+
+    assert sync(1e9) == 0.0  # 4 ms of transfer hides behind a 20 ms forward
+    slow, slower = sync(1e6), sync(5e5)  # 4 s and 8 s
+    assert 3.9 < slow < 4.0  # the forward ahead of the head is ~20 ms
+    assert slower - slow == pytest.approx(4.0)
+    # one stage holding both: nothing to exchange
+    assert evaluate(GraphArrays(*_tied_chain(1e6)), [StageSpec(0, 0, 3)]).sync_s == 0.0
 
 
 def test_wake_up_is_part_of_the_gossiped_machine() -> None:

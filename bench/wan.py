@@ -18,9 +18,9 @@ Every process is limited to one thread and runs in its host's CPU cgroup: the ho
 machine's cores, so every host gets a quota and the quotas sum to at most `--cpu-cores`
 (default 80 % of the CPUs; the topology's own quotas stay relative, see `share_quotas`). A host
 reads its quota like a container does and the planner sees each host at its share.
-Defaults: all topologies, GPT-2 mini, 45 s per run, 12 MB planner memory per host (the model
-must be split), hosts per `DEFAULT_HOSTS`. Bytes on the wire = what every host's eth0
-transmitted during the run (all traffic: setup, model shipping, activations, gradients,
+Defaults: all topologies, GPT-2 mini, 60 s per run (45 s with --quick), 12 MB planner memory
+per host (the model must be split), hosts per `DEFAULT_HOSTS`. Bytes on the wire = what every
+host's eth0 transmitted during the run (all traffic: setup, model shipping, activations, gradients,
 DHT). Writes a Markdown table per topology to `--doc` and a PNG of loss vs wall-clock per
 topology; prints PASS/FAIL for the issue's targets.
 The testbed (namespaces, processes) is removed on exit, also on failure or Ctrl-C.
@@ -498,7 +498,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="four-groups only, 4 hosts, 45 s budget per run")
     ap.add_argument("--hosts", type=int, help="at most this many hosts per topology")
-    ap.add_argument("--budget", type=float, default=45.0, help="wall-clock seconds per run")
+    ap.add_argument("--budget", type=float, default=60.0,
+                    help="wall-clock seconds per run (two-groups' 0.2-core hosts need ~40 "
+                         "steps, 45-50 s, to reach the target loss)")
     ap.add_argument("--systems", default=",".join(SYSTEMS),
                     help=f"comma-separated subset of {','.join(SYSTEMS)}")
     ap.add_argument("--size", default="mini", help="GPT-2 size (fusiond.models.gpt2)")
@@ -627,7 +629,7 @@ NOTES = """
   after the rendezvous, before DDP's constructor (its parameter broadcast counts).
 - hivemind (`bench/wan_hivemind.py`, venv from `bench/hivemind/setup.sh`): `target_batch_size`
   = the global batch, each peer's local step = its share, `matchmaking_time` 2 s (the default
-  15 s would leave a 45 s budget with one or two steps); loss = the first peer's mean local
+  15 s would leave a 45-60 s budget with one or two steps); loss = the first peer's mean local
   loss between global steps (noisier than the others: a share of the batch). All peers start
   the clock together: each waits, with its DHT and Optimizer up, until every peer is (a start
   barrier, as DDP's rendezvous), so no peer fills the target batch alone while the others

@@ -606,7 +606,9 @@ NOTES = """
   the speed the host really has. The quota's CFS period comes with it: once a host has used
   its share of a period, a woken thread waits for the next one, so every hand-off between
   stages pays both hosts' wake-up, (1 - share) x period (8 ms at 0.2 core and 10 ms), in the
-  pipeline's fill. Links: the configured rates at 95 % (the measured goodput).
+  pipeline's fill, and handing a task to a stage's worker thread half of one. The tied
+  embedding/head gradient exchange counts only where it outlasts the next micro-batch's
+  forward to the head's stage. Links: the configured rates at 95 % (the measured goodput).
 - Fusion runs: `bench/wan_fusion.py` in each host (a JobWorker over a PeerNetwork with mutual
   TLS, credentials made per run); the JobCoordinator in the first host runs the planned job.
   The job is cancelled when the budget is over. The clock starts just before the Assign

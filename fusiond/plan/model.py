@@ -325,7 +325,6 @@ def op_forward_times(graph: CostGraph, machine: MachineProfile, batch: int) -> F
     return out
 
 
-
 _ARRAYS_CACHE: dict[int, tuple[CostGraph, dict[str, Any]]] = {}
 
 

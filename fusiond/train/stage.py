@@ -194,16 +194,13 @@ class StepReport:
     edges: list[EdgeStats]
     timeline: list[TaskTiming] = field(default_factory=list)
     """Per task, in run order: when its inputs were in, when it ran (seconds from the step's
-    start); empty when a report came without one."""
+    start); the first `MAX_TIMELINE` tasks of a step; empty when a report came without one."""
     start_mono: float | None = None
     """The step's start on this host's monotonic clock (`time.perf_counter`): lines up the
     timelines of stages that share a clock (hosts of one machine, as in the testbed)."""
-
-    @property
-    def wait_s(self) -> float:
-        """Seconds this stage sat waiting for its inputs (from the previous task's end, or the
-        step's start, until the last input arrived)."""
-        return sum(t.wait_s for t in self.timeline)
+    wait_s: float = 0.0
+    """Seconds this stage sat waiting for its inputs (from the previous task's end, or the
+    step's start, until the last input arrived), over all of the step's tasks."""
 
     @property
     def busy_fraction(self) -> float:
@@ -222,6 +219,7 @@ class StepReport:
             "timeline": [[t.task, round(t.ready_s, 6), round(t.start_s, 6), round(t.end_s, 6),
                           round(t.wait_s, 6)] for t in self.timeline],
             "start_mono": self.start_mono,
+            "wait_s": self.wait_s,
         }
 
     @classmethod
@@ -241,9 +239,12 @@ class StepReport:
             timeline = [TaskTiming(str(r[0])[:32], float(r[1]), float(r[2]), float(r[3]),
                                    float(r[4])) for r in rows]
             mono = figures.get("start_mono")
+            wait = float(figures.get("wait_s") or 0.0)
+            if not 0.0 <= wait < float("inf"):
+                raise ValueError(f"wait_s: {wait}")
             return cls(stage, step, None if loss is None else float(loss), float(figures["lr"]),
                        float(figures["wall_s"]), float(figures["busy_s"]), edges, timeline,
-                       None if mono is None else float(mono))
+                       None if mono is None else float(mono), wait)
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise RemoteError(f"StageStep.figures from stage {stage}: bad or missing {e}") from e
 
@@ -619,6 +620,7 @@ class StageExecutor:
         ctxs: dict[int, _Ctx] = {}
         losses: list[float] = []
         timeline: list[TaskTiming] = []
+        waited = 0.0
         free = t0  # when the stage last had nothing to do but wait
         for task in self.tasks:
             deadline = time.monotonic() + self.config.recv_timeout_s
@@ -648,8 +650,10 @@ class StageExecutor:
                     what, step, functools.partial(self._backward, step, m, ctx, payloads)
                 )
             start, end = self._last_run
-            timeline.append(TaskTiming(what, ready - t0, start - t0, end - t0,
-                                       max(0.0, ready - free)))
+            waited += max(0.0, ready - free)
+            if len(timeline) < MAX_TIMELINE:  # a bounded report, however many micro-batches
+                timeline.append(TaskTiming(what, ready - t0, start - t0, end - t0,
+                                           max(0.0, ready - free)))
             await self._emit(packets)
             free = time.perf_counter()
         if self.program.shared:
@@ -668,7 +672,7 @@ class StageExecutor:
         wall = time.perf_counter() - t0
         loss = sum(losses) / len(losses) if losses else None
         return StepReport(self.stage, step, loss, lr, wall, self._busy, list(self._stats.values()),
-                          timeline, t0)
+                          timeline, t0, waited)
 
     async def _guard(self, what: str, step: int, fn: Callable[[], T]) -> T:
         try:

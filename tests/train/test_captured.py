@@ -49,6 +49,7 @@ def _check_timelines(res: PipelineResult, micro_batches: int) -> None:
                 assert 0 <= t.ready_s <= t.start_s <= t.end_s <= rep.wall_s
                 assert t.start_s >= prev_end and t.wait_s >= 0
                 prev_end = t.end_s
+            assert rep.wait_s == pytest.approx(sum(t.wait_s for t in rep.timeline))
             assert 0 <= rep.wait_s <= rep.wall_s and rep.start_mono is not None
             back = StepReport.from_figures(stage, rep.step, rep.to_figures())
             assert back.timeline == [
@@ -61,6 +62,9 @@ def _check_timelines(res: PipelineResult, micro_batches: int) -> None:
     for bad in ([["F0", "x", 0, 0, 0]], [["F0", 0.1]], 7):
         with pytest.raises(RemoteError, match=r"StageStep\.figures from stage 0"):
             StepReport.from_figures(0, 0, {**fig, "timeline": bad})
+    for wait in (-1.0, float("nan"), "x"):
+        with pytest.raises(RemoteError, match=r"wait_s|could not convert"):
+            StepReport.from_figures(0, 0, {**fig, "wait_s": wait})
 
 
 async def test_captured_partitions_match_eager(captured_tiny) -> None:  # type: ignore[no-untyped-def]
@@ -87,6 +91,23 @@ def _wire_roundtrip(msg: Assign, payload: bytes) -> Message:
     frames = dec.feed(b"".join(bytes(x) for x in encode_message(msg, [payload])))
     assert len(frames) == 1
     return decode_message(frames[0])
+
+
+async def test_a_step_reports_a_bounded_timeline(captured_tiny, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """However many micro-batches a step has, its report carries at most MAX_TIMELINE task
+    timings (it travels in one StageStep); the waiting time still counts every task."""
+    import fusiond.train.stage as stage_mod
+
+    spec, cap = captured_tiny
+    monkeypatch.setattr(stage_mod, "MAX_TIMELINE", 3)
+    progs = stage_programs(cap.graph, partition(cap.graph, contiguous_assignment(cap.graph, 2)),
+                           cap.state)
+    res = await run_pipeline(progs, data=make_source(spec.data, spec.seed),
+                             batch_size=spec.batch.size, micro_batches=spec.batch.micro_batches,
+                             optimizer=spec.optimizer, steps=1)
+    for reps in res.reports.values():
+        assert len(reps[0].timeline) == 3 < 2 * spec.batch.micro_batches
+        assert reps[0].wait_s >= sum(t.wait_s for t in reps[0].timeline)
 
 
 async def test_three_peers_on_loopback_match_eager(captured_tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fusionctl.cli import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, run
-from fusionctl.render import render_status
+from fusionctl.render import render_job, render_status
 from fusiond.local import LocalNode, wait_until
 
 Capture = pytest.CaptureFixture[str]
@@ -135,6 +135,19 @@ def test_status_says_no_quorum_in_plain_words(capsys: Capture) -> None:
     assert "NO QUORUM: this node reaches 1 of 3 members and needs 2" in out
     assert f"fusionctl remove {a}; fusionctl remove {b}" in out
     assert f"{b} (10.0.0.1:7420) is dead" in out
+
+
+def test_job_view_shows_each_stage_busy_and_waiting(capsys: Capture) -> None:
+    status = {"stages": [{"stage": 0, "node": "n0", "busy": 0.42, "wait": 0.31},
+                         {"stage": 1, "node": "n1", "busy": None, "wait": None}],
+              "edges": [{"edge": "h->1", "src": 0, "dst": 1, "density": 0.1,
+                         "wire_bytes": {"forward": 2048}, "dense_bytes": {"forward": 20480}}]}
+    render_job({"job_id": "j1", "name": "gpt2", "state": "running", "step": 3, "steps": 10,
+                "loss": 4.2, "first_loss": 5.5, "eta_s": 12.0, "output": "runs/gpt2",
+                "plan": "2 stages", "history": [{"tokens_per_s": 1234.0}], "status": status})
+    out = capsys.readouterr().out
+    assert "waiting" in out and "42%" in out and "31%" in out
+    assert "1,234 tokens/s" in out and "0.1" in out
 
 
 @pytest.mark.multidaemon

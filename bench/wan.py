@@ -124,7 +124,7 @@ def cluster_desc(topo: Topology) -> dict[str, Any]:
     hs = list(topo.hosts)
     return {
         "hosts": hs,
-        "bandwidth_bps": {a: {b: topo.link(a, b).bandwidth_bps for b in hs if b != a}
+        "bandwidth_bits_per_s": {a: {b: topo.link(a, b).bandwidth_bits_per_s for b in hs if b != a}
                           for a in hs},
         "rtt_s": {a: {b: topo.link(a, b).rtt_s for b in hs if b != a} for a in hs},
         "cpu": dict(topo.cpu),
@@ -147,7 +147,7 @@ def make_credentials(root: Path, hosts: Sequence[str]) -> dict[str, str]:
 
 
 def slowest_mbit(topo: Topology) -> float:
-    return min(topo.link(a, b).bandwidth_bps for a, b in topo.pairs()) / 1e6
+    return min(topo.link(a, b).bandwidth_bits_per_s for a, b in topo.pairs()) / 1e6
 
 
 def tx_bytes(tb: Testbed, hosts: Sequence[str]) -> int:
@@ -403,7 +403,7 @@ def bytes_by_link(trace: Trace, topo: Topology) -> dict[float, float]:
         a, b = int(e["src"]), int(e["dst"])
         if not (0 <= a < len(stages) and 0 <= b < len(stages)) or stages[a] == stages[b]:
             continue
-        rate = topo.link(stages[a], stages[b]).bandwidth_bps
+        rate = topo.link(stages[a], stages[b]).bandwidth_bits_per_s
         out[rate] = out.get(rate, 0.0) + float(e["forward_wire"]) + float(e["backward_wire"])
     return out
 
@@ -464,7 +464,7 @@ def run_topology(name: str, args: argparse.Namespace, wl: Workload
     png = Path(args.doc).with_name(f"benchmarks-{name}{suffix}.png")
     has_plot = plot(traces, f"{name} ({len(hosts)} hosts), GPT-2 {wl.size}", png,
                     args.target_loss)
-    links = sorted({(topo.link(a, b).bandwidth_bps, topo.link(a, b).rtt_s)
+    links = sorted({(topo.link(a, b).bandwidth_bits_per_s, topo.link(a, b).rtt_s)
                     for a, b in topo.pairs()})
     md = [f"### {name}: {', '.join(hosts)}", "",
           "links: " + ", ".join(f"{format_rate(bw)}/{rtt * 1e3:g} ms" for bw, rtt in links)

@@ -49,6 +49,7 @@ from fusiond.train.local import StepMetrics
 from fusiond.train.programs import capture_job
 from fusiond.train.spec import parse_job
 from fusiond.train.stage import StageConfig
+from fusiond.units import bits_per_s_from_bytes_per_s, bytes_per_s_from_bits_per_s
 from protocol.messages import Message
 
 
@@ -72,10 +73,10 @@ def build_cluster(desc: dict[str, Any], hosts: list[str], profiles: dict[str, di
         if m is None:
             raise SystemExit(f"host {h}'s profile has no calibration: {profiles[h]}")
         machines.append(m)
-    bw = [[desc["bandwidth_bps"][a][b] * 0.95 / 8 if a != b else float("inf") for b in hosts]
-          for a in hosts]
-    rtt = [[desc["rtt_s"][a][b] if a != b else 0.0 for b in hosts] for a in hosts]
-    return Cluster.build(machines, bw, rtt)
+    bw_bytes_per_s = [[bytes_per_s_from_bits_per_s(desc["bandwidth_bits_per_s"][a][b] * 0.95)
+                       if a != b else float("inf") for b in hosts] for a in hosts]
+    rtt_s = [[desc["rtt_s"][a][b] if a != b else 0.0 for b in hosts] for a in hosts]
+    return Cluster.build(machines, bw_bytes_per_s, rtt_s)
 
 
 def host_profile(state_dir: Path) -> dict[str, Any]:
@@ -250,7 +251,8 @@ def prediction_detail(plan: Plan, micro_batches: int) -> dict[str, Any]:
         "links": [{"src_stage": lk.src_stage, "dst_stage": lk.dst_stage,
                    "time_s": lk.time_s * micro_batches,
                    "bytes": (lk.fwd_bytes + lk.bwd_bytes) * micro_batches,
-                   "mbit": lk.bw_fwd * 8 / 1e6, "density": lk.density} for lk in ev.links],
+                   "mbit": bits_per_s_from_bytes_per_s(lk.bandwidth_fwd_bytes_per_s) / 1e6,
+                   "density": lk.density} for lk in ev.links],
     }
 
 
@@ -265,7 +267,7 @@ def main() -> None:
     ap.add_argument("--peer", action="append", default=[], help="NODE_ID=ADDR:PORT")
     ap.add_argument("--mode", choices=["uniform", "opfence", "adatopk"], default="adatopk")
     ap.add_argument("--budget", type=float, default=60.0)
-    ap.add_argument("--cluster", help="JSON: hosts, bandwidth_bps, rtt_s, cpu")
+    ap.add_argument("--cluster", help="JSON: hosts, bandwidth_bits_per_s, rtt_s, cpu")
     ap.add_argument("--workload", help="JSON of bench.wan_common.Workload")
     ap.add_argument("--out", help="where the lead writes its trace")
     ap.add_argument("--profile-dir", type=Path, required=True,

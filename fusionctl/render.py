@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 from rich.console import Console
 from rich.table import Table
@@ -36,13 +36,34 @@ def fmt_rtt(s: Any) -> str:
     return f"{s * 1000:.2f} ms" if s < 1 else f"{s:.2f} s"
 
 
-def fmt_bw(bps: Any) -> str:
-    if not isinstance(bps, int | float) or bps <= 0:
+def fmt_bw(bits_per_s: Any) -> str:
+    """A rate in bits per second, as ``19.1 Mbit/s``."""
+    if not isinstance(bits_per_s, int | float) or bits_per_s <= 0:
         return "-"
     for unit, div in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if bps >= div:
-            return f"{bps / div:.1f} {unit}"
-    return f"{bps:.0f} bit/s"
+        if bits_per_s >= div:
+            return f"{bits_per_s / div:.1f} {unit}"
+    return f"{bits_per_s:.0f} bit/s"
+
+
+def fmt_bw_spread(bits_per_s: Any, spread_ratio: Any) -> str:
+    """A rate and the accuracy of the probe round behind it: ``19.1 Mbit/s ±2%``."""
+    text = fmt_bw(bits_per_s)
+    if text != "-" and isinstance(spread_ratio, int | float) and spread_ratio > 0:
+        text += f" ±{spread_ratio * 100:.0f}%"
+    return text
+
+
+def fmt_age(age_s: Any) -> str:
+    """How old a measurement is: ``12s``, ``3m05s``, ``2h10m``."""
+    if not isinstance(age_s, int | float) or age_s < 0:
+        return "-"
+    s = int(age_s)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _short(node_id: Any, width: int = 14) -> str:
@@ -50,19 +71,36 @@ def _short(node_id: Any, width: int = 14) -> str:
     return s if len(s) <= width else s[: width - 1] + "…"
 
 
-def link_pairs(links: Any) -> dict[tuple[str, str], tuple[float, float]]:
-    """Normalise the links of a cluster view to {(src, dst): (bandwidth_bps, rtt_s)}.
+class LinkRow(NamedTuple):
+    """One measured link as fusionctl shows it."""
 
-    Accepts a nested mapping ``{src: {dst: [bw, rtt]}}`` or ``{src: {dst: {"bandwidth_bps",
-    "rtt_s"}}}``, or a list of ``{"src", "dst", "bandwidth_bps", "rtt_s"}``.
+    bandwidth_bits_per_s: float
+    rtt_s: float
+    bandwidth_spread_ratio: float | None = None
+    """Accuracy of the probe round behind the figure (None: not reported)."""
+    age_s: float | None = None
+    """Seconds since that round (None: not reported)."""
+
+
+def _opt(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def link_pairs(links: Any) -> dict[tuple[str, str], LinkRow]:
+    """Normalise the links of a cluster view to {(src, dst): LinkRow}.
+
+    Accepts a nested mapping ``{src: {dst: [bw, rtt]}}`` or ``{src: {dst:
+    {"bandwidth_bits_per_s", "rtt_s", "bandwidth_spread_ratio", "age_s"}}}`` (the daemon's
+    `/v1/links`), or a list of such maps with ``"src"`` and ``"dst"``. Rates are bits/s.
     """
-    out: dict[tuple[str, str], tuple[float, float]] = {}
+    out: dict[tuple[str, str], LinkRow] = {}
 
-    def val(v: Any) -> tuple[float, float] | None:
-        if isinstance(v, list | tuple) and len(v) == 2:
-            return float(v[0] or 0), float(v[1] or 0)
+    def val(v: Any) -> LinkRow | None:
+        if isinstance(v, list | tuple) and len(v) >= 2:
+            return LinkRow(float(v[0] or 0), float(v[1] or 0))
         if isinstance(v, Mapping):
-            return float(v.get("bandwidth_bps") or 0), float(v.get("rtt_s") or 0)
+            return LinkRow(float(v.get("bandwidth_bits_per_s") or 0), float(v.get("rtt_s") or 0),
+                           _opt(v.get("bandwidth_spread_ratio")), _opt(v.get("age_s")))
         return None
 
     if isinstance(links, Mapping):
@@ -96,17 +134,19 @@ def health(view: Mapping[str, Any], me: str) -> list[str]:
             if m.get("state") in ("dead", "left")}
     pairs = {k: v for k, v in link_pairs(view.get("links")).items()
              if k[0] not in gone and k[1] not in gone}
-    bws = [bw for bw, _ in pairs.values() if bw > 0]
-    rtts = [r for _, r in pairs.values() if r > 0]
+    bws = [lk.bandwidth_bits_per_s for lk in pairs.values() if lk.bandwidth_bits_per_s > 0]
+    rtts = [lk.rtt_s for lk in pairs.values() if lk.rtt_s > 0]
     if len(bws) >= 3:
         med = statistics.median(bws)
-        for (a, b), (bw, _) in sorted(pairs.items()):
+        for (a, b), lk in sorted(pairs.items()):
+            bw = lk.bandwidth_bits_per_s
             if 0 < bw < med / SLOW_FACTOR:
                 lines.append(f"slow link {_short(a)} -> {_short(b)}: {fmt_bw(bw)} "
                              f"(median {fmt_bw(med)})")
     if len(rtts) >= 3:
         med = statistics.median(rtts)
-        for (a, b), (_, r) in sorted(pairs.items()):
+        for (a, b), lk in sorted(pairs.items()):
+            r = lk.rtt_s
             if r > med * SLOW_FACTOR and r > 0.005:
                 lines.append(f"high latency {_short(a)} -> {_short(b)}: {fmt_rtt(r)} "
                              f"(median {fmt_rtt(med)})")
@@ -175,7 +215,7 @@ def render_status(data: Mapping[str, Any]) -> None:
         for m in sorted(peers, key=lambda m: str(m.get("node_id"))):
             t.add_row(str(m.get("node_id")), fmt_addr(m.get("address")),
                       str(m.get("source") or "-"), fmt_rtt(m.get("rtt_s")),
-                      fmt_bw(m.get("bandwidth_bps")), str(m.get("role") or "-"),
+                      fmt_bw(m.get("bandwidth_bits_per_s")), str(m.get("role") or "-"),
                       str(m.get("state") or "-"))
         c.print(t)
     h = health(view, str(node.get("node_id")))
@@ -193,17 +233,22 @@ def render_links(data: Mapping[str, Any]) -> None:
     if not members or not pairs:
         c.print("links (none measured yet)")
         return
-    for title, idx, fmt in (("bandwidth (row -> column)", 0, fmt_bw),
-                            ("RTT (row -> column)", 1, fmt_rtt)):
-        t = Table(title=title, box=None, show_edge=False, title_justify="left")
+    cells: tuple[tuple[str, Callable[[LinkRow], str]], ...] = (
+        ("bandwidth ± the spread of its probe round (row -> column)",
+         lambda lk: fmt_bw_spread(lk.bandwidth_bits_per_s, lk.bandwidth_spread_ratio)),
+        ("RTT (row -> column)", lambda lk: fmt_rtt(lk.rtt_s)),
+        ("age of the measurement (row -> column)", lambda lk: fmt_age(lk.age_s)),
+    )
+    for title, fmt in cells:
+        c.print(title)
+        t = Table(box=None, show_edge=False)
         t.add_column("", no_wrap=True)
         for m in members:
             t.add_column(_short(m, 12), no_wrap=True, justify="right")
         for a in members:
             row = [_short(a, 12)]
             for b in members:
-                row.append("·" if a == b else fmt(pairs[(a, b)][idx]) if (a, b) in pairs
-                           else "-")
+                row.append("·" if a == b else fmt(pairs[(a, b)]) if (a, b) in pairs else "-")
             t.add_row(*row)
         c.print(t)
         c.print()

@@ -125,7 +125,8 @@ class ClusterSection:
     probe_timeout_s: float = 5.0
     """A probe that takes longer than this is abandoned."""
     bandwidth_ewma: float = 0.3
-    """Weight of a new bandwidth sample in the moving average, in (0, 1]."""
+    """Weight of a new probe round in a steady link's moving average, in (0, 1] (a round
+    clearly off the estimate replaces it)."""
     election_timeout_s: float = 3.0
     """No word from a scheduler for this long: elect a new one."""
     leader_heartbeat_s: float = 0.5

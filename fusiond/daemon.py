@@ -830,17 +830,30 @@ def _cluster_config(cls: Any, cfg: DaemonConfig, bootstrap: list[str]) -> Any:
     return cls(**{k: v for k, v in values.items() if k in names})
 
 
-def view_json(view: Any) -> dict[str, Any]:
-    """A ClusterView as JSON: links keyed (src, dst) become {src: {dst: {bandwidth_bps,
-    rtt_s}}} (JSON has no tuple keys)."""
+def view_json(view: Any, now: float | None = None) -> dict[str, Any]:
+    """A ClusterView as JSON: links keyed (src, dst) become ``{src: {dst: {...}}}`` (JSON has
+    no tuple keys), each with ``bandwidth_bits_per_s``, ``rtt_s``, ``bandwidth_spread_ratio``
+    (the accuracy of the probe round behind the figure), ``measured_at`` (its Unix time, on
+    the measurer's clock) and ``age_s`` (seconds since then by this daemon's clock; null when
+    unknown). `now`: this daemon's Unix time (default: the clock's)."""
     import dataclasses
 
+    from fusiond.cluster.membership import Link
+
+    now = time.time() if now is None else now
     out: dict[str, Any] = {f.name: to_jsonable(getattr(view, f.name))
                            for f in dataclasses.fields(view) if f.name != "links"}
-    links: dict[str, dict[str, dict[str, float]]] = {}
-    for (src, dst), (bw, rtt) in dict(getattr(view, "links", {}) or {}).items():
-        links.setdefault(str(src), {})[str(dst)] = {"bandwidth_bps": float(bw),
-                                                    "rtt_s": float(rtt)}
+    links: dict[str, dict[str, dict[str, float | None]]] = {}
+    for (src, dst), raw in dict(getattr(view, "links", {}) or {}).items():
+        lk = Link(*raw)
+        at = float(lk.measured_at)
+        links.setdefault(str(src), {})[str(dst)] = {
+            "bandwidth_bits_per_s": float(lk.bandwidth_bits_per_s),
+            "rtt_s": float(lk.rtt_s),
+            "bandwidth_spread_ratio": float(lk.bandwidth_spread_ratio),
+            "measured_at": at if at > 0 else None,
+            "age_s": round(max(0.0, now - at), 3) if at > 0 else None,
+        }
     out["links"] = links
     return out
 

@@ -17,6 +17,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from fusiond.units import bytes_per_s_from_bits_per_s
+
 log = logging.getLogger("fusiond.metrics")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -100,7 +102,8 @@ class DaemonCollector(Collector):
         rtt = GaugeMetricFamily("fusion_cluster_rtt_seconds", "Measured RTT to a peer",
                                 labels=["peer"])
         bw = GaugeMetricFamily("fusion_cluster_bandwidth_bytes_per_second",
-                               "Measured bandwidth to a peer (EWMA)", labels=["peer"])
+                               "Measured bandwidth to a peer (the prober's estimate)",
+                               labels=["peer"])
         members = GaugeMetricFamily("fusion_cluster_members", "Members by state",
                                     labels=["state"])
         counts: dict[str, int] = {}
@@ -112,9 +115,9 @@ class DaemonCollector(Collector):
             r = _num(m, "rtt_s")
             if r is not None:
                 rtt.add_metric([nid], r)
-            b = _num(m, "bandwidth_bps")
+            b = _num(m, "bandwidth_bits_per_s")
             if b is not None:
-                bw.add_metric([nid], b / 8.0)
+                bw.add_metric([nid], bytes_per_s_from_bits_per_s(b))
         for state, n in sorted(counts.items()):
             members.add_metric([state], n)
         term = GaugeMetricFamily("fusion_cluster_term", "Current election term")

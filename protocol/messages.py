@@ -150,12 +150,15 @@ class LinkMeasurement(Struct):
     """One measured link from the reporting node to `peer`."""
 
     peer: str
-    bandwidth_bps: float
+    bandwidth_bits_per_s: float
     """Measured goodput in bits per second (0 if unknown)."""
     rtt_s: float
     """Round-trip time in seconds."""
     measured_at: float = 0.0
-    """Unix time of the measurement."""
+    """Unix time (the measurer's clock) of the probe round that set the figure (0: unknown)."""
+    bandwidth_spread_ratio: float = 0.0
+    """Accuracy of that round: the relative half-range of its bandwidth samples
+    ((max - min) / 2 / median; 0.05 = +-5 %; 0: unknown or a single sample)."""
 
 
 @dataclass(frozen=True)

@@ -160,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                            rtt_tolerance_s=args.rtt_tolerance_ms / 1e3,
                            pairs=tb.topology.representative_pairs() if args.sample else None)
         if args.json:
-            print(json.dumps([{"src": r.src, "dst": r.dst, "rate_bps": r.rate_bps,
-                               "rtt_s": r.rtt_s, "measured_bps": r.measured_bps,
+            print(json.dumps([{"src": r.src, "dst": r.dst, "rate_bits_per_s": r.rate_bits_per_s,
+                               "rtt_s": r.rtt_s, "measured_bits_per_s": r.measured_bits_per_s,
                                "measured_rtt_s": r.measured_rtt_s, "ok": r.ok,
                                "error": r.error} for r in results]))
         else:

@@ -44,6 +44,7 @@ from deploy.testbed.topology import (
     parse_topology,
     resolve_path,
 )
+from fusiond.units import BITS_PER_BYTE, bytes_per_s_from_bits_per_s
 
 DEFAULT_STATE_DIR = Path(os.environ.get("FUSION_TESTBED_STATE", "/run/fusion-testbed"))
 SUBNET = "10.250.0"
@@ -167,6 +168,29 @@ def detect_cgroup() -> CgroupSupport:
                          "nor a cgroup v1 cpu hierarchy")
 
 
+def _htb_rate_args(topo: Topology, rate_bits_per_s: int) -> list[str]:
+    """An htb class's rate arguments: rate = ceil, burst 1 ms at the rate (at least a few MTUs,
+    so a fast class is not starved by timer granularity), quantum within htb's sane range to
+    share fairly."""
+    bytes_per_s = rate_bits_per_s // BITS_PER_BYTE
+    burst = max(4 * topo.mtu, bytes_per_s // 1000)
+    quantum = max(topo.mtu + 14, min(200_000, bytes_per_s // 1000))
+    return ["rate", f"{rate_bits_per_s}bit", "ceil", f"{rate_bits_per_s}bit", "burst",
+            str(burst), "cburst", str(burst), "quantum", str(quantum)]
+
+
+def reshape_command(topo: Topology, src: str, dst: str, rate_bits_per_s: int) -> list[str]:
+    """The tc command that changes the rate of `src`'s egress towards `dst` in place (the htb
+    class `shaping_commands` made; a running flow sees the new rate at once)."""
+    if src == dst or src not in topo.hosts or dst not in topo.hosts:
+        raise TestbedError(f"no link {src!r} -> {dst!r} in topology {topo.name!r}")
+    if not 8_000 <= rate_bits_per_s <= 100e9:
+        raise TestbedError(f"rate {rate_bits_per_s} bit/s is outside 8 kbit/s .. 100 Gbit/s")
+    cls = f"1:{0x100 + topo.hosts.index(dst):x}"
+    return ["tc", "class", "change", "dev", "eth0", "parent", "1:", "classid", cls, "htb",
+            *_htb_rate_args(topo, int(rate_bits_per_s))]
+
+
 def shaping_commands(topo: Topology, host: str, address: Callable[[str], str], *,
                      netem: bool = False) -> list[list[str]]:
     """The tc commands shaping `host`'s egress (``eth0``): htb, one class per destination at
@@ -178,20 +202,14 @@ def shaping_commands(topo: Topology, host: str, address: Callable[[str], str], *
         if dst == host:
             continue
         spec = topo.link(host, dst)
-        rate = spec.bandwidth_bps
-        byte_rate = rate // 8
-        # Burst: 1 ms at the rate (at least a few MTUs), so a fast class is not starved by
-        # timer granularity; quantum within htb's sane range to share fairly.
-        burst = max(4 * topo.mtu, byte_rate // 1000)
-        quantum = max(topo.mtu + 14, min(200_000, byte_rate // 1000))
+        bytes_per_s = spec.bandwidth_bits_per_s // BITS_PER_BYTE
         minor = 0x100 + j
         cls = f"1:{minor:x}"
         cmds.append(["tc", "class", "add", "dev", "eth0", "parent", "1:", "classid", cls, "htb",
-                     "rate", f"{rate}bit", "ceil", f"{rate}bit", "burst", str(burst),
-                     "cburst", str(burst), "quantum", str(quantum)])
+                     *_htb_rate_args(topo, spec.bandwidth_bits_per_s)])
         if netem and spec.rtt_s > 0:
             # The leaf queue holds a bandwidth-delay product and more, or netem drops.
-            limit = max(1000, int(byte_rate * spec.rtt_s / topo.mtu) * 4)
+            limit = max(1000, int(bytes_per_s * spec.rtt_s / topo.mtu) * 4)
             cmds.append(["tc", "qdisc", "add", "dev", "eth0", "parent", cls, "handle",
                          f"{minor:x}:", "netem", "delay", f"{spec.rtt_s / 2 * 1e6:.0f}us",
                          "limit", str(limit)])
@@ -210,9 +228,9 @@ class PairResult:
 
     src: str
     dst: str
-    rate_bps: int
+    rate_bits_per_s: int
     rtt_s: float
-    measured_bps: float | None
+    measured_bits_per_s: float | None
     measured_rtt_s: float | None
     error: str = ""
     rate_tolerance: float = 0.15
@@ -220,8 +238,9 @@ class PairResult:
 
     @property
     def rate_ok(self) -> bool:
-        return (self.measured_bps is not None
-                and abs(self.measured_bps - self.rate_bps) <= self.rate_tolerance * self.rate_bps)
+        got = self.measured_bits_per_s
+        return (got is not None
+                and abs(got - self.rate_bits_per_s) <= self.rate_tolerance * self.rate_bits_per_s)
 
     @property
     def rtt_ok(self) -> bool:
@@ -234,12 +253,13 @@ class PairResult:
 
     def line(self) -> str:
         """One human line: pair, configured, measured, PASS/FAIL."""
-        got_bw = format_rate(self.measured_bps) if self.measured_bps is not None else "-"
+        got = self.measured_bits_per_s
+        got_bw = format_rate(got) if got is not None else "-"
         got_rtt = (f"{self.measured_rtt_s * 1e3:.2f} ms" if self.measured_rtt_s is not None
                    else "-")
         verdict = "PASS" if self.ok else "FAIL"
         err = f"  ({self.error})" if self.error else ""
-        return (f"{self.src:>8} -> {self.dst:<8} {format_rate(self.rate_bps):>12} "
+        return (f"{self.src:>8} -> {self.dst:<8} {format_rate(self.rate_bits_per_s):>12} "
                 f"{got_bw:>12}   {self.rtt_s * 1e3:7.2f} ms {got_rtt:>10}   {verdict}{err}")
 
 
@@ -413,6 +433,13 @@ class Testbed:
         for cmd in shaping_commands(self.topology, host, self.address, netem=netem):
             _run(["ip", "netns", "exec", self.ns(host), *cmd])
 
+    def reshape(self, src: str, dst: str, rate_bits_per_s: int) -> None:
+        """Change the rate of the link from `src` to `dst` (that direction only) while the
+        testbed runs, as a route change or another tenant would; the topology is not changed
+        (`down` needs none of it)."""
+        _run(["ip", "netns", "exec", self.ns(src),
+              *reshape_command(self.topology, src, dst, rate_bits_per_s)])
+
     def _cpu_quotas(self) -> None:
         quotas = self.topology.cpu
         if not quotas:
@@ -578,8 +605,10 @@ class Testbed:
             results = []
             for a, b in pairs if pairs is not None else topo.pairs():
                 spec = topo.link(a, b)
-                nbytes = max(64 << 10, int(spec.bandwidth_bps / 8 * duration_s))
-                res = PairResult(a, b, spec.bandwidth_bps, spec.rtt_s, None, None,
+                nbytes = max(64 << 10,
+                             int(bytes_per_s_from_bits_per_s(spec.bandwidth_bits_per_s)
+                                 * duration_s))
+                res = PairResult(a, b, spec.bandwidth_bits_per_s, spec.rtt_s, None, None,
                                  rate_tolerance=rate_tolerance, rtt_tolerance_s=rtt_tolerance_s)
                 try:
                     out = self.run(a, [sys.executable, "-m", "deploy.testbed.meter", "measure",
@@ -587,7 +616,7 @@ class Testbed:
                                        "--pings", str(pings)],
                                    timeout=30 + 10 * duration_s, cpu_quota=False)
                     got = json.loads(out.strip().splitlines()[-1])
-                    res.measured_bps = got["bandwidth_bps"]
+                    res.measured_bits_per_s = got["bandwidth_bits_per_s"]
                     res.measured_rtt_s = got["rtt_s"]
                 except (TestbedError, ValueError, KeyError, IndexError) as exc:
                     res.error = str(exc)[-300:]
@@ -618,7 +647,7 @@ class Testbed:
         for i, a in enumerate(topo.hosts):
             for b in topo.hosts[i + 1:]:
                 spec = topo.link(a, b)
-                lines.append(f"    {a} <-> {b}: {format_rate(spec.bandwidth_bps)}, "
+                lines.append(f"    {a} <-> {b}: {format_rate(spec.bandwidth_bits_per_s)}, "
                              f"rtt {spec.rtt_s * 1e3:g} ms")
         lines.extend(f"  warning: {w}" for w in self.state.get("warnings", []))
         return "\n".join(lines)

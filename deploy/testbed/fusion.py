@@ -49,8 +49,15 @@ class FusiondCluster:
 
 
 def start_fusiond(tb: Testbed, *, insecure: bool = False, wait_s: float = 90.0,
-                  progress: Callable[[str], None] | None = None) -> FusiondCluster:
+                  progress: Callable[[str], None] | None = None,
+                  settings: Mapping[str, Any] | None = None,
+                  host_settings: Mapping[str, Mapping[str, Any]] | None = None
+                  ) -> FusiondCluster:
     """Start the daemons, wait until all agree on members, scheduler and term.
+
+    `settings` are merged into every daemon's config (e.g. ``{"cluster":
+    {"probe_interval_s": 2.0}}``), then `host_settings[host]` into that host's (e.g. the
+    memory it offers to jobs, ``{"job_memory_gib": 0.5}``).
 
     Raises TestbedError (naming the daemon's log) when they do not agree within `wait_s`; the
     daemons keep running until `down`.
@@ -72,9 +79,11 @@ def start_fusiond(tb: Testbed, *, insecure: bool = False, wait_s: float = 90.0,
         cluster = {"mdns": False, "bootstrap": [first] if i else [],
                    "probe_target_s": PROBE_TARGET_S, "probe_repeats": 3,
                    "probe_max_bytes": 64 << 20, "probe_interval_s": 30.0}
-        settings = merge(DEV_SETTINGS, {"name": host, "net": net, "cluster": cluster,
-                                        "metrics": {"listen": "127.0.0.1:9464"}})
-        nodes.append(_Node(i, root, settings, socket_path=str(sock_dir / f"{host}.sock")))
+        config = merge(DEV_SETTINGS, {"name": host, "net": net, "cluster": cluster,
+                                      "metrics": {"listen": "127.0.0.1:9464"}})
+        config = merge(config, dict(settings or {}))
+        config = merge(config, dict((host_settings or {}).get(host, {})))
+        nodes.append(_Node(i, root, config, socket_path=str(sock_dir / f"{host}.sock")))
     if not insecure:
         say("creating a cluster CA and a node certificate per host")
         make_credentials(nodes)

@@ -9,7 +9,7 @@ stream until EOF and then answers with a JSON timeline of what arrived (one samp
 ends of the echo run SCHED_RR for those few milliseconds where allowed, see `realtime`), then
 sends ``--bytes`` and computes the rate from the receiver's timeline, leaving out the first
 quarter of the transfer (or six RTTs, whichever is longer) so TCP slow start does not count.
-Prints one JSON object: ``{"rtt_s": ..., "rtt_min_s": ..., "bandwidth_bps": ..., ...}``.
+Prints one JSON object: ``{"rtt_s": ..., "rtt_min_s": ..., "bandwidth_bits_per_s": ..., ...}``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+
+from fusiond.units import bits_per_s_from_bytes_per_s
 
 _CHUNK = 1 << 20
 _SAMPLE_S = 0.005
@@ -96,7 +98,7 @@ def rate_from_samples(samples: Sequence[Sequence[float]], rtt_s: float) -> float
     end = samples[-1]
     if end[0] - start[0] <= 0:
         raise ValueError("transfer too short to time")
-    return (end[1] - start[1]) * 8.0 / (end[0] - start[0])
+    return bits_per_s_from_bytes_per_s((end[1] - start[1]) / (end[0] - start[0]))
 
 
 def measure(addr: str, port: int, nbytes: int, pings: int, timeout: float) -> dict[str, float]:
@@ -137,7 +139,7 @@ def measure(addr: str, port: int, nbytes: int, pings: int, timeout: float) -> di
     if report["bytes"] != nbytes:
         raise ConnectionError(f"receiver got {report['bytes']} of {nbytes} bytes")
     return {"rtt_s": rtt, "rtt_min_s": min(rtts),
-            "bandwidth_bps": rate_from_samples(report["samples"], rtt),
+            "bandwidth_bits_per_s": rate_from_samples(report["samples"], rtt),
             "bytes": float(nbytes), "wall_s": time.monotonic() - t0}
 
 

@@ -50,7 +50,7 @@ class TopologyError(ValueError):
 class LinkSpec:
     """One undirected pair: rate in bits/s each way, round-trip time in seconds."""
 
-    bandwidth_bps: int
+    bandwidth_bits_per_s: int
     rtt_s: float
 
 
@@ -121,19 +121,19 @@ def parse_rate(value: object, where: str) -> int:
     if isinstance(value, bool):
         raise TopologyError(f"{where}: a rate, not a boolean")
     if isinstance(value, int | float):
-        bps = float(value)
+        bits_per_s = float(value)
     elif isinstance(value, str):
         m = _RATE_RE.match(value)
         if m is None:
             raise TopologyError(f"{where}: {value!r} is not a rate (e.g. '100mbit', '1gbit')")
         if (m.group(3) or "bit").lower() == "bps":
             raise TopologyError(f"{where}: {value!r}: write rates in bits ('mbit'), as tc does")
-        bps = float(m.group(1)) * _RATE_UNITS[m.group(2).lower()]
+        bits_per_s = float(m.group(1)) * _RATE_UNITS[m.group(2).lower()]
     else:
         raise TopologyError(f"{where}: {value!r} is not a rate")
-    if not 8_000 <= bps <= 100e9:
+    if not 8_000 <= bits_per_s <= 100e9:
         raise TopologyError(f"{where}: {value!r} is outside 8 kbit/s .. 100 Gbit/s")
-    return int(bps)
+    return int(bits_per_s)
 
 
 def parse_time(value: object, where: str) -> float:
@@ -162,7 +162,7 @@ def _spec(table: Mapping[str, Any], where: str, fallback: LinkSpec | None,
     if fallback is None and "bandwidth" not in table:
         raise TopologyError(f"{where}: 'bandwidth' is required")
     bw = (parse_rate(table["bandwidth"], f"{where}.bandwidth") if "bandwidth" in table
-          else fallback.bandwidth_bps if fallback is not None else 0)
+          else fallback.bandwidth_bits_per_s if fallback is not None else 0)
     rtt = (parse_time(table["rtt"], f"{where}.rtt") if "rtt" in table
            else fallback.rtt_s if fallback is not None else 0.0)
     return LinkSpec(bw, rtt)
@@ -285,9 +285,9 @@ def load_topology(name_or_path: str | Path) -> Topology:
     return parse_topology(data, str(path), text)
 
 
-def format_rate(bps: float) -> str:
+def format_rate(bits_per_s: float) -> str:
     """``100 Mbit/s`` style."""
     for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if bps >= scale:
-            return f"{bps / scale:.4g} {unit}"
-    return f"{bps:.0f} bit/s"
+        if bits_per_s >= scale:
+            return f"{bits_per_s / scale:.4g} {unit}"
+    return f"{bits_per_s:.0f} bit/s"

@@ -26,13 +26,26 @@ import time
 import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 Address = tuple[str, int]
 MemberState = Literal["alive", "suspect", "dead", "left"]
 MemberSource = Literal["mdns", "bootstrap", "gossip", "self"]
-Link = tuple[float, float]
-"""(bandwidth in bits per second, RTT in seconds) of one measured link."""
+
+
+class Link(NamedTuple):
+    """One measured link, as its measurer gossips it (`protocol.messages.LinkMeasurement`)."""
+
+    bandwidth_bits_per_s: float
+    """Goodput in bits per second (0: RTT measured, no bandwidth sample counted yet)."""
+    rtt_s: float
+    """Round trip in seconds."""
+    bandwidth_spread_ratio: float = 0.0
+    """Accuracy of the last probe round: the relative half-range of its samples
+    ((max - min) / 2 / median; 0.05 = +-5 %); 0 when unknown."""
+    measured_at: float = 0.0
+    """Unix time (the measurer's clock) of the last probe round; 0 when unknown."""
+
 
 ELIDED: Mapping[str, Any] = types.MappingProxyType({})
 """Marks a record that carried no profile and no links (a heartbeat-only gossip entry): merging
@@ -58,7 +71,7 @@ class MemberRecord:
     """The sender's local judgement; only ``left`` is authoritative."""
     profile: Mapping[str, Any] = field(default_factory=dict)
     links: Mapping[str, Link] = field(default_factory=dict)
-    """peer id -> (bandwidth_bps, rtt_s) measured by this member."""
+    """peer id -> the link this member measured to it."""
 
     def version(self) -> tuple[int, int]:
         """The order in which records of one member supersede each other."""
@@ -146,11 +159,12 @@ class Membership:
         )
         self._members[self.node_id].last_update = now
 
-    def set_link(self, peer: str, bandwidth_bps: float, rtt_s: float) -> None:
+    def set_link(self, peer: str, link: Link) -> None:
         """Record a measurement of our link to `peer` (gossiped with our next heartbeat)."""
         me = self.me
         links = dict(me.links)
-        links[peer] = (float(bandwidth_bps), float(rtt_s))
+        links[peer] = Link(float(link.bandwidth_bits_per_s), float(link.rtt_s),
+                           float(link.bandwidth_spread_ratio), float(link.measured_at))
         self._set_me(
             MemberRecord(me.node_id, me.address, me.incarnation, me.heartbeat, me.state,
                          me.profile, links)
@@ -330,7 +344,7 @@ class Membership:
         return frozenset(n for n, m in self._members.items() if m.state != "left")
 
     def links(self) -> dict[tuple[str, str], Link]:
-        """The cluster's measured link matrix: (measurer, peer) -> (bandwidth_bps, rtt_s)."""
+        """The cluster's measured link matrix: (measurer, peer) -> its `Link`."""
         out: dict[tuple[str, str], Link] = {}
         for nid, member in self._members.items():
             for peer, link in member.record.links.items():

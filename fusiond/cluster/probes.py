@@ -33,13 +33,27 @@ A round (``probe``) is one RTT measurement, then one warm-up transfer, then time
   opening (a first round on a long fat link, where the warm-up is sized blind: 100 Mbit/s at
   60 ms read 70, 83, 95 Mbit/s in a row);
 - the round's result is the median of its ``repeats`` counted samples (a stalled sample does
-  not drag it), and rounds feed an EWMA. A round spends at most ``repeats + extra_transfers``
-  timed transfers; if none of them settled in a first round, the latest sample stands.
+  not drag it), and its accuracy their relative half-range (``spread``: (max - min) / 2 /
+  median). A round spends at most ``repeats + extra_transfers`` timed transfers; if none of
+  them settled in a first round, the latest sample stands.
+
+Rounds update the estimate by `next_bandwidth`: a round that agrees with the estimate (each
+figure's band, its spread but at least ``steady_band``, overlaps the other's) is blended in by
+an EWMA, so a steady link's estimate does not wander with measurement noise; a round whose band
+lies wholly outside the estimate's is a step change (the link was reshaped, a route moved,
+another tenant started or stopped) and *replaces* the estimate. An EWMA alone cannot follow a
+step: at weight 0.3 per 30 s round, a drop from 100 to 20 Mbit/s took 7 minutes to come within
+2x, and every plan made meanwhile used the stale figure. The price of replacing is that one
+consistent outlier round (a tight cluster of samples far off the estimate) shows for one round;
+the next round, back in its old band, replaces it again.
+
+Units: rates here are bits per second (``_bits_per_s``), sizes bytes; `fusiond.units` converts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import math
 import os
@@ -49,6 +63,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from fusiond.units import bits_per_s_from_bytes_per_s, bytes_per_s_from_bits_per_s
 from protocol.frames import Buffer
 from protocol.messages import Message, Ping, Pong, ProbeAck, ProbeData
 
@@ -83,7 +98,11 @@ class ProbeConfig:
     chunk_bytes: int = 1 << 20
     min_frames: int = 4
     ewma: float = 0.3
-    """Weight of a new round's result in the bandwidth and RTT averages."""
+    """Weight of a new round's result in the bandwidth and RTT averages (a round that agrees
+    with the estimate; see `next_bandwidth`)."""
+    steady_band: float = 0.1
+    """Least relative half-width of a bandwidth figure's band (its round's spread where that is
+    wider): rounds whose bands overlap the estimate's are blended in, others replace it."""
     timeout_s: float = 5.0
     """A ping or a bulk probe not answered within this is a failure."""
 
@@ -92,10 +111,15 @@ class ProbeConfig:
 class LinkEstimate:
     """What we know of our link to one peer."""
 
-    bandwidth_bps: float | None
+    bandwidth_bits_per_s: float | None
     rtt_s: float | None
     measured_at: float
-    """time.time() of the last update."""
+    """time.time() of the last round that measured the bandwidth (the figure's age)."""
+    bandwidth_spread_ratio: float = 0.0
+    """Accuracy of that round: the relative half-range of its counted samples (0: one sample)."""
+    changed: bool = False
+    """That round replaced the estimate (a step change, or the first round) rather than being
+    blended into it."""
 
 
 @dataclass
@@ -120,10 +144,12 @@ def transfer_duration(config: ProbeConfig, rtt_s: float) -> float:
     return max(config.target_s, config.rtt_factor * rtt_s)
 
 
-def transfer_size(config: ProbeConfig, bandwidth_bps: float | None, seconds: float) -> int:
-    """Bytes that take `seconds` at `bandwidth_bps` (``initial_bytes`` when unknown), within
-    ``min_bytes`` and ``max_bytes``."""
-    size = config.initial_bytes if not bandwidth_bps else int(bandwidth_bps / 8 * seconds)
+def transfer_size(config: ProbeConfig, bandwidth_bits_per_s: float | None, seconds: float
+                  ) -> int:
+    """Bytes that take `seconds` at `bandwidth_bits_per_s` (``initial_bytes`` when unknown),
+    within ``min_bytes`` and ``max_bytes``."""
+    size = (config.initial_bytes if not bandwidth_bits_per_s
+            else int(bytes_per_s_from_bits_per_s(bandwidth_bits_per_s) * seconds))
     return max(config.min_bytes, min(config.max_bytes, size))
 
 
@@ -131,13 +157,46 @@ def bandwidth_from_ack(ack: ProbeAck, frames: int, sent_bytes: int, duration_s: 
                        rtt_s: float) -> tuple[float, float]:
     """(bits per second, seconds the transfer took) from a probe's ack and the sender's timing:
     the smaller of the receiver's and the sender's estimate (see the module docstring)."""
-    span = max(duration_s - rtt_s, 1e-6)
-    sender = sent_bytes * 8.0 / span
+    span_s = max(duration_s - rtt_s, 1e-6)
+    sender_bits_per_s = bits_per_s_from_bytes_per_s(sent_bytes / span_s)
     if frames >= 2 and ack.received == frames and ack.elapsed_s >= 1e-3:
-        receiver = ack.nbytes * (frames - 1) / frames * 8.0 / ack.elapsed_s
-        if receiver < sender:
-            return receiver, ack.elapsed_s
-    return sender, span
+        receiver_bits_per_s = bits_per_s_from_bytes_per_s(
+            ack.nbytes * (frames - 1) / frames / ack.elapsed_s)
+        if receiver_bits_per_s < sender_bits_per_s:
+            return receiver_bits_per_s, ack.elapsed_s
+    return sender_bits_per_s, span_s
+
+
+def round_figure(samples: Sequence[float]) -> tuple[float, float]:
+    """(median, spread) of a round's counted samples: spread is the relative half-range,
+    (max - min) / 2 / median (0 for one sample). ValueError when `samples` is empty."""
+    if not samples:
+        raise ValueError("a round needs at least one sample")
+    median = statistics.median(samples)
+    if not median > 0:
+        return median, 0.0
+    return median, (max(samples) - min(samples)) / 2 / median
+
+
+def next_bandwidth(old_bits_per_s: float | None, old_spread_ratio: float,
+                   new_bits_per_s: float, new_spread_ratio: float, *, alpha: float,
+                   steady_band: float) -> tuple[float, bool]:
+    """(the estimate after a round, whether the round replaced it rather than being blended).
+
+    Each figure stands for a band around it, ``[x / (1 + b), x * (1 + b)]`` with ``b`` its
+    spread but at least `steady_band`. Bands that overlap are the same link measured with
+    noise: the round goes into the EWMA (weight `alpha`). A round whose band lies wholly
+    outside the estimate's saw a different link (a step change): it replaces the estimate, so
+    a step shows in the first round that measures it. No estimate yet: the round is it.
+    """
+    if old_bits_per_s is None or not old_bits_per_s > 0 or not new_bits_per_s > 0:
+        return new_bits_per_s, True
+    b_old = max(steady_band, old_spread_ratio)
+    b_new = max(steady_band, new_spread_ratio)
+    apart = abs(math.log(new_bits_per_s / old_bits_per_s))
+    if apart > math.log1p(b_old) + math.log1p(b_new):
+        return new_bits_per_s, True
+    return ewma(old_bits_per_s, new_bits_per_s, alpha), False
 
 
 class LinkProber:
@@ -187,9 +246,9 @@ class LinkProber:
         # Sending (backpressure) and the answer must fit in the timeout plus twice what the
         # last estimate says the transfer takes: a slow link is not a dead one.
         est = self.links.get(peer)
-        expected = (frames * chunk * 8 / est.bandwidth_bps
-                    if est is not None and est.bandwidth_bps else 0.0)
-        limit = cfg.timeout_s + 2 * expected
+        expected_s = (frames * chunk / bytes_per_s_from_bits_per_s(est.bandwidth_bits_per_s)
+                      if est is not None and est.bandwidth_bits_per_s else 0.0)
+        limit = cfg.timeout_s + 2 * expected_s
         try:
             async with asyncio.timeout(limit):
                 t0 = time.monotonic()
@@ -215,7 +274,7 @@ class LinkProber:
         cfg = self.config
         rtt = await self.rtt(peer)
         old = self.links.get(peer)
-        avg = old.bandwidth_bps if old is not None else None
+        avg = old.bandwidth_bits_per_s if old is not None else None
         rtt_avg = ewma(old.rtt_s if old is not None else None, rtt, cfg.ewma)
         duration = transfer_duration(cfg, rtt)
         # Warm-up: opens TCP's window after an idle period; its sample only sizes the next.
@@ -238,9 +297,15 @@ class LinkProber:
                     break
         if not samples and avg is None:
             samples.append(sample)  # nothing settled: the latest is the best there is
-        if samples:
-            avg = ewma(avg, statistics.median(samples), cfg.ewma)
-        est = LinkEstimate(avg, rtt_avg, time.time())
+        if not samples:  # nothing counted: the bandwidth figure (and its age) stands
+            assert old is not None
+            est = dataclasses.replace(old, rtt_s=rtt_avg, changed=False)
+        else:
+            median, spread = round_figure(samples)
+            rate, changed = next_bandwidth(
+                avg, old.bandwidth_spread_ratio if old is not None else 0.0, median, spread,
+                alpha=cfg.ewma, steady_band=cfg.steady_band)
+            est = LinkEstimate(rate, rtt_avg, time.time(), spread, changed)
         self.links[peer] = est
         return est
 

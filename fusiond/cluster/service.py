@@ -166,7 +166,8 @@ class MemberView:
     profile: Mapping[str, Any]
     rtt_s: float | None
     """Round trip between this node and the member (our measurement, else the member's)."""
-    bandwidth_bps: float | None
+    bandwidth_bits_per_s: float | None
+    """Goodput between this node and the member, bits per second (same source as `rtt_s`)."""
     role: Role
 
 
@@ -189,8 +190,9 @@ class ClusterView:
     needed: int
     """Voters needed for a majority."""
     links: Mapping[tuple[str, str], Link] = field(default_factory=dict)
-    """(measurer, peer) -> (bandwidth_bps, rtt_s), as gossiped by every measurer; a bandwidth
-    of 0 means RTT measured but no bandwidth sample counted yet."""
+    """(measurer, peer) -> its `Link` (bits per second, RTT, the round's spread and time), as
+    gossiped by every measurer; a bandwidth of 0 means RTT measured but no bandwidth sample
+    counted yet."""
 
     def member(self, node_id: str) -> MemberView | None:
         """The member `node_id`, or None."""
@@ -292,8 +294,10 @@ def record_to_wire(rec: MemberRecord, full: bool = True) -> MemberEntry:
         heartbeat=rec.heartbeat,
         state=WireState(rec.state),
         profile=profile_to_wire(rec.node_id, rec.profile) if full else None,
-        links=tuple(LinkMeasurement(peer=p, bandwidth_bps=bw, rtt_s=rtt)
-                    for p, (bw, rtt) in sorted(rec.links.items())) if full else (),
+        links=tuple(LinkMeasurement(peer=p, bandwidth_bits_per_s=lk.bandwidth_bits_per_s,
+                                    rtt_s=lk.rtt_s, measured_at=lk.measured_at,
+                                    bandwidth_spread_ratio=lk.bandwidth_spread_ratio)
+                    for p, lk in sorted(rec.links.items())) if full else (),
     )
 
 
@@ -313,7 +317,8 @@ def record_from_wire(entry: MemberEntry) -> MemberRecord:
         state=_STATE_FROM_WIRE[entry.state],
         # No profile: a heartbeat-only entry, which also leaves the links out.
         profile=profile_from_wire(entry.profile) if entry.profile is not None else ELIDED,
-        links={m.peer: (m.bandwidth_bps, m.rtt_s) for m in entry.links},
+        links={m.peer: Link(m.bandwidth_bits_per_s, m.rtt_s, m.bandwidth_spread_ratio,
+                            m.measured_at) for m in entry.links},
     )
 
 
@@ -548,8 +553,9 @@ class Cluster:
             members.append(MemberView(
                 node_id=nid, address=rec.address, source=source, state=state,
                 incarnation=rec.incarnation, heartbeat=rec.heartbeat, profile=rec.profile,
-                rtt_s=link[1] if link else None,
-                bandwidth_bps=link[0] if link and link[0] > 0 else None,
+                rtt_s=link.rtt_s if link else None,
+                bandwidth_bits_per_s=(link.bandwidth_bits_per_s
+                                      if link and link.bandwidth_bits_per_s > 0 else None),
                 role="scheduler" if nid == leader else "worker"))
         voters = ms.voters()
         alive = [v for v in voters if ms.state(v) == "alive"]
@@ -757,10 +763,15 @@ class Cluster:
                     continue
                 if ms.state(peer) in ("left", None):
                     continue
-                ms.set_link(peer, est.bandwidth_bps or 0.0, est.rtt_s or 0.0)
+                ms.set_link(peer, Link(est.bandwidth_bits_per_s or 0.0, est.rtt_s or 0.0,
+                                       est.bandwidth_spread_ratio, est.measured_at))
                 measured = True
-                log.debug("link %s -> %s: %.1f Mbit/s, rtt %.2f ms", self.node_id, peer,
-                          (est.bandwidth_bps or 0) / 1e6, (est.rtt_s or 0) * 1e3)
+                log.log(logging.INFO if est.changed and est.bandwidth_bits_per_s else
+                        logging.DEBUG,
+                        "link %s -> %s: %.1f Mbit/s (+-%.0f %%%s), rtt %.2f ms", self.node_id,
+                        peer, (est.bandwidth_bits_per_s or 0) / 1e6,
+                        est.bandwidth_spread_ratio * 100, ", a new figure" if est.changed else "",
+                        (est.rtt_s or 0) * 1e3)
             if measured:
                 self._notify(force=True)
             await asyncio.sleep(min(1.0, cfg.probe_interval_s / 4))

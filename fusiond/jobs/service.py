@@ -27,13 +27,14 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import secrets
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -56,12 +57,13 @@ from fusiond.jobs.submit import (
 from fusiond.jobs.upload import Upload, decode_upload, encode_upload
 from fusiond.jobs.worker import JobWorker, SendFn, local_sender
 from fusiond.plan import Cluster, MachineProfile, Plan
-from fusiond.plan.render import render_plan
+from fusiond.plan.render import plan_summary, render_plan
 from fusiond.profile import machine_from_profile
 from fusiond.train.local import StepMetrics
 from fusiond.train.remote import MAX_RECV_TIMEOUT_S, MIN_RECV_TIMEOUT_S
 from fusiond.train.spec import JobSpec, parse_job
 from fusiond.train.stage import StageConfig
+from fusiond.units import bytes_per_s_from_bits_per_s
 from protocol.messages import (
     Address,
     JobCancel,
@@ -82,7 +84,7 @@ HISTORY = 100_000
 """Step records kept per job (the API returns the last few)."""
 DEFAULT_GFLOPS = 10.0
 """A member that did not benchmark itself (profile_benchmark off) counts as this fast."""
-DEFAULT_LINK_BPS = 125e6
+DEFAULT_LINK_BYTES_PER_S = bytes_per_s_from_bits_per_s(1e9)
 """An unmeasured link counts as 1 Gbit/s (the prober fills in the real figure)."""
 UPDATE_S = 0.5
 """How often the scheduler sends a remote submitter the job's status."""
@@ -194,8 +196,9 @@ def derived_timeouts(layout: JobLayout, state: Mapping[str, torch.Tensor], plan:
         nbytes = sum(state[k].numel() * state[k].element_size()
                      for k in s.partition.param_names if k in state)
         if s.node_id != scheduler and scheduler in ids and s.node_id in ids:
-            bw = float(cluster.bandwidth[ids.index(scheduler), ids.index(s.node_id)])
-            ship = max(ship, nbytes / bw)
+            link_bytes_per_s = float(
+                cluster.bandwidth_bytes_per_s[ids.index(scheduler), ids.index(s.node_id)])
+            ship = max(ship, nbytes / link_bytes_per_s)
     recv = None
     if plan is not None:  # within what an Assign may carry (a fast plan asks for little)
         recv = min(MAX_RECV_TIMEOUT_S,
@@ -220,8 +223,11 @@ def cluster_for_planner(view: Any, exclude: Iterable[str] = ()
                         ) -> tuple[Cluster, dict[str, Address], dict[str, int]]:
     """The planner's `Cluster` from a `ClusterView`: alive members (less `exclude`), their
     gossiped profiles (speed, memory offered to jobs) and the measured bandwidth/RTT matrix (an
-    unmeasured link counts as `DEFAULT_LINK_BPS`). Also every member's address and memory (for
-    the capacity check)."""
+    unmeasured link counts as `DEFAULT_LINK_BYTES_PER_S`). Also every member's address and
+    memory (for the capacity check).
+
+    The view's links are in bits per second, as probed and gossiped; the planner's `Cluster`
+    is in bytes per second: `link_bytes_per_s` is the one conversion."""
     skip = set(exclude)
     members = sorted((m for m in view.members if m.state == "alive" and m.node_id not in skip),
                      key=lambda m: m.node_id)
@@ -247,17 +253,29 @@ def cluster_for_planner(view: Any, exclude: Iterable[str] = ()
     ids = [m.node_id for m in members]
     links = dict(getattr(view, "links", {}) or {})
     k = len(ids)
-    bw = [[DEFAULT_LINK_BPS] * k for _ in range(k)]
-    rtt = [[0.0] * k for _ in range(k)]
+    bw_bytes_per_s = [[DEFAULT_LINK_BYTES_PER_S] * k for _ in range(k)]
+    rtt_s = [[0.0] * k for _ in range(k)]
     for i, a in enumerate(ids):
         for j, b in enumerate(ids):
             got = links.get((a, b)) or links.get((b, a))
             if got is not None:
-                if got[0] > 0:
-                    bw[i][j] = float(got[0])
-                rtt[i][j] = max(0.0, float(got[1]))
+                measured_bytes_per_s = link_bytes_per_s(got)
+                if measured_bytes_per_s is not None:
+                    bw_bytes_per_s[i][j] = measured_bytes_per_s
+                rtt_s[i][j] = max(0.0, float(got[1]))
     addresses = {m.node_id: (str(m.address[0]), int(m.address[1])) for m in members}
-    return Cluster.build(machines, bw, rtt), addresses, memory
+    return Cluster.build(machines, bw_bytes_per_s, rtt_s), addresses, memory
+
+
+def link_bytes_per_s(link: Sequence[float]) -> float | None:
+    """The planner's rate (bytes per second) of one measured link of a `ClusterView`, whose
+    first field is the gossiped rate in bits per second (`fusiond.cluster.membership.Link`);
+    None while no bandwidth sample has counted (0). The only bits -> bytes conversion on the
+    way from the prober to the planner."""
+    bits_per_s = float(link[0])
+    if not (bits_per_s > 0 and math.isfinite(bits_per_s)):
+        return None
+    return bytes_per_s_from_bits_per_s(bits_per_s)
 
 
 def _corpus(upload: Upload) -> Corpus | None:
@@ -648,6 +666,9 @@ class JobService:
             "job_id": job_id, "name": spec.name, "steps": spec.steps,
             "stages": [{"stage": s.stage, "node": s.node_id} for s in layout.stages],
             "densities": dict(layout.densities), "plan": plan_text,
+            # the planner's decisions as data (None for a `--stages` cut): stages with machine
+            # ids and op ranges, links in bytes/s as the planner saw them
+            "plan_summary": plan_summary(plan) if plan is not None else None,
             "output": str(spec.output),
         }
         if dry_run:

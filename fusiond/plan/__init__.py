@@ -2,6 +2,7 @@
 
 Entry points: `cost_graph_from_ir` (IR -> costs), `plan_opfence` (the schedule),
 `adapt_densities` / `readapt` (AdaTopK), `uniform_plan` (baseline), `render_plan` (the table),
+`plan_summary` (the same as data),
 `calibrate` lives in `fusiond.plan.calibrate` (the one module that runs torch).
 """
 
@@ -19,7 +20,7 @@ from fusiond.plan.model import (
     scale_machine,
 )
 from fusiond.plan.pipeline import Evaluation, GraphArrays, Plan, StageSpec, evaluate
-from fusiond.plan.render import render_plan
+from fusiond.plan.render import PlanSummary, plan_summary, render_plan
 from fusiond.plan.topology import cluster_from_topology
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "OpCost",
     "Plan",
     "PlanError",
+    "PlanSummary",
     "Readaptation",
     "StageSpec",
     "TensorEdge",
@@ -43,6 +45,7 @@ __all__ = [
     "fence_groups",
     "plan_from_stages",
     "plan_opfence",
+    "plan_summary",
     "readapt",
     "render_plan",
     "scale_machine",

@@ -29,7 +29,8 @@ _BISECT_STEPS = 40
 
 
 def _link_time(
-    tensors: list[TensorEdge], arrays: GraphArrays, d: float, bwf: float, bwb: float
+    tensors: list[TensorEdge], arrays: GraphArrays, d: float, fwd_bytes_per_s: float,
+    bwd_bytes_per_s: float
 ) -> float:
     st = arrays.settings
     f = b = 0.0
@@ -37,7 +38,12 @@ def _link_time(
         tf, tb = wire_bytes(t, st.micro_batch_size, d, st)
         f += tf
         b += tb
-    return max(f / bwf, b / bwb)
+    return max(f / fwd_bytes_per_s, b / bwd_bytes_per_s)
+
+
+def _rates(lk: LinkReport) -> tuple[float, float]:
+    """(forward, backward) bytes per second of a link."""
+    return lk.bandwidth_fwd_bytes_per_s, lk.bandwidth_bwd_bytes_per_s
 
 
 def adapt_densities(
@@ -63,19 +69,19 @@ def adapt_densities(
     target = dense.compute_bottleneck_s
     for lk in dense.links:
         ts = per_link[(lk.src_stage, lk.dst_stage)]
-        target = max(target, _link_time(ts, arrays, floor, lk.bw_fwd, lk.bw_bwd))
+        target = max(target, _link_time(ts, arrays, floor, *_rates(lk)))
     out: dict[tuple[str, int], float] = {}
     for lk in dense.links:
         if lk.time_s <= target * (1 + 1e-9):
             continue
         ts = per_link[(lk.src_stage, lk.dst_stage)]
         lo, hi = floor, 1.0
-        if _link_time(ts, arrays, lo, lk.bw_fwd, lk.bw_bwd) > target * (1 + 1e-9):
+        if _link_time(ts, arrays, lo, *_rates(lk)) > target * (1 + 1e-9):
             d = lo
         else:
             for _ in range(_BISECT_STEPS):
                 mid = (lo + hi) / 2
-                if _link_time(ts, arrays, mid, lk.bw_fwd, lk.bw_bwd) <= target:
+                if _link_time(ts, arrays, mid, *_rates(lk)) <= target:
                     lo = mid
                 else:
                     hi = mid

@@ -30,6 +30,7 @@ import numpy.typing as npt
 from fusiond.plan.adatopk import adapt_densities
 from fusiond.plan.model import F64, Cluster, CostGraph, JobSettings, PlanError, wire_bytes
 from fusiond.plan.pipeline import Evaluation, GraphArrays, Plan, StageSpec, evaluate
+from fusiond.units import bits_per_s_from_bytes_per_s
 
 I64 = npt.NDArray[np.int64]
 
@@ -37,7 +38,7 @@ I64 = npt.NDArray[np.int64]
 def fence_groups(cluster: Cluster, ratio: float = 4.0) -> list[list[int]]:
     """Machine indices grouped so that links inside a group are within `ratio` of each other."""
     k = len(cluster)
-    bw = np.minimum(cluster.bandwidth, cluster.bandwidth.T)
+    bw_bytes_per_s = np.minimum(cluster.bandwidth_bytes_per_s, cluster.bandwidth_bytes_per_s.T)
     parent = list(range(k))
     slowest = [math.inf] * k
 
@@ -47,7 +48,7 @@ def fence_groups(cluster: Cluster, ratio: float = 4.0) -> list[list[int]]:
             x = parent[x]
         return x
 
-    pairs = sorted(((float(bw[i, j]), i, j) for i in range(k) for j in range(i + 1, k)),
+    pairs = sorted(((float(bw_bytes_per_s[i, j]), i, j) for i in range(k) for j in range(i + 1, k)),
                    reverse=True)
     for w, i, j in pairs:
         ri, rj = find(i), find(j)
@@ -105,8 +106,8 @@ class _Search:
         self.static = arrays.static_prefix[q]
         self.saved = arrays.saved_prefix[q]
         self.caps = arrays.caps - arrays.workspace
-        self.bw = arrays.cluster.bandwidth
-        self.rtt = arrays.cluster.rtt
+        self.bw_bytes_per_s = arrays.cluster.bandwidth_bytes_per_s
+        self.rtt_s = arrays.cluster.rtt_s
 
     def run(self, seq: Sequence[int], bound: float, window: int) -> tuple[float, list[StageSpec]
                                                                          ] | None:
@@ -126,9 +127,9 @@ class _Search:
             bk = np.full(m1, -1, dtype=np.int64)
             for kk in range(max(0, k - window), k):
                 a = seq[kk]
-                tf = self.cf / self.bw[a, m]
-                tb = self.cb / self.bw[m, a]
-                cand = dp[kk] + tf + tb + self.rtt[a, m]
+                tf = self.cf / self.bw_bytes_per_s[a, m]
+                tb = self.cb / self.bw_bytes_per_s[m, a]
+                cand = dp[kk] + tf + tb + self.rtt_s[a, m]
                 cand[np.maximum(tf, tb) > bound] = np.inf
                 better = cand < best
                 best = np.where(better, cand, best)
@@ -233,15 +234,16 @@ def _group_orders(
     """Group orders (ordered subsets) ranked by a cheap pipeline estimate; best `limit` first."""
     st = arrays.settings
     M = st.num_micro_batches
-    bw = arrays.cluster.bandwidth
+    bw_bytes_per_s = arrays.cluster.bandwidth_bytes_per_s
     speed = [sum(1.0 / max(arrays.prefix[m, -1], 1e-300) for m in g) for g in groups]
     cap = [float(arrays.caps[g].sum()) for g in groups]
     need = float(arrays.static_prefix[-1])
     ref = arrays.prefix.mean(axis=0)
     ref = ref / max(ref[-1], 1e-300)
     G = len(groups)
-    gbw = np.array([[float(np.mean(bw[np.ix_(groups[x], groups[y])])) if x != y else np.inf
-                     for y in range(G)] for x in range(G)])
+    group_bytes_per_s = np.array([[float(np.mean(bw_bytes_per_s[np.ix_(groups[x], groups[y])]))
+                                   if x != y else np.inf
+                                   for y in range(G)] for x in range(G)])
     n = arrays.n
     half = max(1, n // 40)
 
@@ -257,7 +259,7 @@ def _group_orders(
             acc += speed[x] / total
             p = int(np.searchsorted(ref, acc))
             lo, hi = max(1, p - half), min(n, p + half + 1)
-            t = np.maximum(cf[lo:hi] / gbw[x, y], cb[lo:hi] / gbw[y, x])
+            t = np.maximum(cf[lo:hi] / group_bytes_per_s[x, y], cb[lo:hi] / group_bytes_per_s[y, x])
             tl = float(t.min()) if hi > lo else 0.0
             worst = max(worst, tl)
             links += 2 * tl
@@ -272,7 +274,8 @@ def _group_orders(
         for s in range(G):
             chain = [s]
             while len(chain) < G:
-                nxt = max((y for y in range(G) if y not in chain), key=lambda y: gbw[chain[-1], y])
+                nxt = max((y for y in range(G) if y not in chain),
+                          key=lambda y: group_bytes_per_s[chain[-1], y])
                 chain.append(nxt)
             orders += [tuple(chain[:r]) for r in range(1, G + 1)]
     scored = sorted(((score(o), o) for o in orders), key=lambda x: x[0])
@@ -394,7 +397,7 @@ class _SubsetSearch:
         otherwise on the link to the next stage."""
         a, st = self.a, self.a.settings
         K, n, M = len(a.cluster), a.n, st.num_micro_batches
-        bw, rtt = a.cluster.bandwidth, a.cluster.rtt
+        bw_bytes_per_s, rtt_s = a.cluster.bandwidth_bytes_per_s, a.cluster.rtt_s
         val: dict[tuple[int, int], F64] = {}
         arg: dict[tuple[int, int], tuple[I64, I64]] = {}
         for size in range(1, K + 1):
@@ -416,13 +419,16 @@ class _SubsetSearch:
                                 continue
                             if conservative:
                                 others = [x for x in range(K) if rest >> x & 1]
-                                bf = min(float(bw[first, x]) for x in others)
-                                bb = min(float(bw[x, first]) for x in others)
+                                bf_bytes_per_s = min(float(bw_bytes_per_s[first, x])
+                                                     for x in others)
+                                bb_bytes_per_s = min(float(bw_bytes_per_s[x, first])
+                                                     for x in others)
                             else:
-                                bf, bb = float(bw[first, f2]), float(bw[f2, first])
-                            tf = self.of / bf
-                            tb = self.ob / bb
-                            cand = v[None, :] + tf + tb + rtt[first, f2]
+                                bf_bytes_per_s = float(bw_bytes_per_s[first, f2])
+                                bb_bytes_per_s = float(bw_bytes_per_s[f2, first])
+                            tf = self.of / bf_bytes_per_s
+                            tb = self.ob / bb_bytes_per_s
+                            cand = v[None, :] + tf + tb + rtt_s[first, f2]
                             cand[np.maximum(tf, tb) > bound] = np.inf
                             better = cand < tail
                             tail = np.where(better, cand, tail)
@@ -678,7 +684,8 @@ def _idle_reasons(
                     "more stages would only add fill")
     ms = arrays.cluster.machines
     out: dict[str, str] = {}
-    bw = np.minimum(arrays.cluster.bandwidth, arrays.cluster.bandwidth.T)
+    rates = arrays.cluster.bandwidth_bytes_per_s
+    bw_bytes_per_s = np.minimum(rates, rates.T)
     for gi, g in enumerate(groups):
         group_used = any(m in used for m in g)
         for m in g:
@@ -686,10 +693,11 @@ def _idle_reasons(
                 continue
             if not group_used:
                 others = [x for x in used]
-                best = max((float(bw[m, x]) for x in others), default=0.0)
+                best = max((float(bw_bytes_per_s[m, x]) for x in others), default=0.0)
                 out[ms[m].id] = (
                     f"group {gi} left out: its best link into the pipeline is "
-                    f"{best * 8 / 1e6:.3g} Mbit/s; a stage there was predicted slower"
+                    f"{bits_per_s_from_bytes_per_s(best) / 1e6:.3g} Mbit/s; a stage there was "
+                    "predicted slower"
                 )
             else:
                 out[ms[m].id] = busy

@@ -220,11 +220,13 @@ def slower_of(a: MachineProfile, b: MachineProfile) -> MachineProfile:
 
 @dataclass(frozen=True, eq=False)
 class Cluster:
-    """Machines plus the measured links. `bandwidth[i][j]`: bytes/s from i to j; `rtt`: s."""
+    """Machines plus the measured links: `bandwidth_bytes_per_s[i][j]` from machine i to j
+    (bytes, not bits: `fusiond.units` converts a measured link once), `rtt_s[i][j]` the round
+    trip in seconds."""
 
     machines: tuple[MachineProfile, ...]
-    bandwidth: F64
-    rtt: F64
+    bandwidth_bytes_per_s: F64
+    rtt_s: F64
 
     def __post_init__(self) -> None:
         k = len(self.machines)
@@ -232,26 +234,28 @@ class Cluster:
             raise PlanError("cluster has no machines")
         if len({m.id for m in self.machines}) != k:
             raise PlanError("cluster: duplicate machine ids")
-        for name, arr in (("bandwidth", self.bandwidth), ("rtt", self.rtt)):
+        for name, arr in (("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s),
+                          ("rtt_s", self.rtt_s)):
             if arr.shape != (k, k):
                 raise PlanError(f"cluster: {name} must be {k}x{k}, got {arr.shape}")
         off = ~np.eye(k, dtype=bool)
-        if k > 1 and (not np.all(np.isfinite(self.bandwidth[off]))
-                      or np.any(self.bandwidth[off] <= 0)):
-            raise PlanError("cluster: bandwidth must be positive and finite off the diagonal")
-        if np.any(self.rtt < 0):
-            raise PlanError("cluster: rtt must be >= 0")
+        if k > 1 and (not np.all(np.isfinite(self.bandwidth_bytes_per_s[off]))
+                      or np.any(self.bandwidth_bytes_per_s[off] <= 0)):
+            raise PlanError("cluster: bandwidth_bytes_per_s must be positive and finite off "
+                            "the diagonal")
+        if np.any(self.rtt_s < 0):
+            raise PlanError("cluster: rtt_s must be >= 0")
 
     @classmethod
     def build(
         cls,
         machines: Sequence[MachineProfile],
-        bandwidth: Sequence[Sequence[float]] | F64,
-        rtt: Sequence[Sequence[float]] | F64 | None = None,
+        bandwidth_bytes_per_s: Sequence[Sequence[float]] | F64,
+        rtt_s: Sequence[Sequence[float]] | F64 | None = None,
     ) -> Cluster:
-        bw = np.array(bandwidth, dtype=np.float64)
+        bw = np.array(bandwidth_bytes_per_s, dtype=np.float64)
         k = len(machines)
-        r = np.zeros((k, k)) if rtt is None else np.array(rtt, dtype=np.float64)
+        r = np.zeros((k, k)) if rtt_s is None else np.array(rtt_s, dtype=np.float64)
         if bw.shape == (k, k):
             np.fill_diagonal(bw, np.inf)  # a machine talking to itself costs nothing
         return cls(tuple(machines), bw, r)
@@ -262,9 +266,10 @@ class Cluster:
     def ids(self) -> list[str]:
         return [m.id for m in self.machines]
 
-    def with_bandwidth(self, bandwidth: F64, rtt: F64 | None = None) -> Cluster:
+    def with_bandwidth(self, bandwidth_bytes_per_s: F64, rtt_s: F64 | None = None) -> Cluster:
         """Same machines, newly measured links (for AdaTopK re-adaptation)."""
-        return Cluster.build(self.machines, bandwidth, self.rtt if rtt is None else rtt)
+        return Cluster.build(self.machines, bandwidth_bytes_per_s,
+                             self.rtt_s if rtt_s is None else rtt_s)
 
 
 @dataclass(frozen=True)

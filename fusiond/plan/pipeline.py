@@ -94,8 +94,10 @@ class LinkReport:
     bwd_bytes: float
     dense_fwd_bytes: float
     dense_bwd_bytes: float
-    bw_fwd: float
-    bw_bwd: float
+    bandwidth_fwd_bytes_per_s: float
+    """Link rate a->b (the forward direction)."""
+    bandwidth_bwd_bytes_per_s: float
+    """Link rate b->a (the backward direction)."""
     rtt_s: float
     time_s: float
     tensors: tuple[str, ...]
@@ -233,14 +235,15 @@ def _tied_sync(arrays: GraphArrays, stages: Sequence[StageSpec],
     out = 0.0
     for (h0, h), nbytes in pair_bytes.items():
         a, z = stages[h0].machine, stages[h].machine
-        x = (nbytes / min(float(c.bandwidth[a, z]), float(c.bandwidth[z, a]))
-             + float(c.rtt[a, z]) / 2 + wake(h0) + wake(h))
+        x = (nbytes / min(float(c.bandwidth_bytes_per_s[a, z]),
+                          float(c.bandwidth_bytes_per_s[z, a]))
+             + float(c.rtt_s[a, z]) / 2 + wake(h0) + wake(h))
         ahead = 0.0
         for i in range(h0, h):
             ahead += forward(i)
             lk = fwd_link.get((i, i + 1))
-            ahead += (lk.fwd_bytes / lk.bw_fwd if lk is not None else 0.0)
-            ahead += (float(c.rtt[stages[i].machine, stages[i + 1].machine]) / 2
+            ahead += (lk.fwd_bytes / lk.bandwidth_fwd_bytes_per_s if lk is not None else 0.0)
+            ahead += (float(c.rtt_s[stages[i].machine, stages[i + 1].machine]) / 2
                       + wake(i) + wake(i + 1))
         out = max(out, x - ahead)
     return out
@@ -333,10 +336,12 @@ def evaluate(
     links: list[LinkReport] = []
     for (ps, ds), (f, bk, df, db, dmin, nf, nb) in sorted(traffic.items()):
         a, z = stages[ps].machine, stages[ds].machine
-        bwf, bwb = float(c.bandwidth[a, z]), float(c.bandwidth[z, a])
-        t_link = max(f / bwf, bk / bwb)
+        fwd_bytes_per_s = float(c.bandwidth_bytes_per_s[a, z])
+        bwd_bytes_per_s = float(c.bandwidth_bytes_per_s[z, a])
+        t_link = max(f / fwd_bytes_per_s, bk / bwd_bytes_per_s)
         links.append(LinkReport(
-            ps, ds, a, z, f, bk, df, db, bwf, bwb, float(c.rtt[a, z]), t_link,
+            ps, ds, a, z, f, bk, df, db, fwd_bytes_per_s, bwd_bytes_per_s, float(c.rtt_s[a, z]),
+            t_link,
             tuple(names_on[(ps, ds)]), dmin, nf, nb,
         ))
 
@@ -363,8 +368,9 @@ def evaluate(
             bottleneck_s = lk.time_s
             bottleneck = f"link {c.machines[lk.src].id}->{c.machines[lk.dst].id}"
     fill = sum(r.busy_s for r in reports)
-    fill += sum(lk.fwd_bytes / lk.bw_fwd + lk.bwd_bytes / lk.bw_bwd for lk in links)
-    fill += sum(float(c.rtt[stages[i].machine, stages[i + 1].machine]) for i in range(S - 1))
+    fill += sum(lk.fwd_bytes / lk.bandwidth_fwd_bytes_per_s
+                + lk.bwd_bytes / lk.bandwidth_bwd_bytes_per_s for lk in links)
+    fill += sum(float(c.rtt_s[stages[i].machine, stages[i + 1].machine]) for i in range(S - 1))
     # every hand-off between consecutive stages, forward and backward, wakes both hosts
     wake = sum(2 * (c.machines[stages[i].machine].wake_s + c.machines[stages[i + 1].machine].wake_s)
                for i in range(S - 1))

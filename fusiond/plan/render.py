@@ -1,8 +1,83 @@
-"""A plan as a readable plain-text table (what `fusionctl plan JOB` prints)."""
+"""A plan as a readable plain-text table (what `fusionctl plan JOB` prints), and as structured
+data (`plan_summary`: what `fusionctl plan --json` carries next to the table, so a script or a
+test reads stages, cut and links without parsing text)."""
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from fusiond.plan.pipeline import LinkReport, Plan
+from fusiond.units import bits_per_s_from_bytes_per_s
+
+
+class PlanStageSummary(TypedDict):
+    """One stage: machine `machine_id` runs the cost graph's ops [`start_op`, `stop_op`)."""
+
+    stage: int
+    machine_id: str
+    start_op: int
+    stop_op: int
+    first_op: str
+    last_op: str
+    compute_s: float
+    memory_bytes: float
+
+
+class PlanLinkSummary(TypedDict):
+    """One directed stage pair's link as the planner saw it (bytes per second: the planner's
+    unit; `fusionctl` shows it in bits)."""
+
+    src_stage: int
+    dst_stage: int
+    src_machine_id: str
+    dst_machine_id: str
+    bandwidth_fwd_bytes_per_s: float
+    bandwidth_bwd_bytes_per_s: float
+    rtt_s: float
+    fwd_bytes: float
+    bwd_bytes: float
+    density: float
+    time_s: float
+
+
+class PlanSummary(TypedDict):
+    """A plan's decisions and prediction as plain data."""
+
+    method: str
+    machines: list[str]
+    """Every machine the planner was given, in the cluster's order."""
+    stages: list[PlanStageSummary]
+    links: list[PlanLinkSummary]
+    """Every link between stages (`render_plan` shows the busiest)."""
+    idle: dict[str, str]
+    iteration_s: float
+    samples_per_s: float
+    bottleneck: str
+
+
+def plan_summary(plan: Plan) -> PlanSummary:
+    """Stages (machine ids, op ranges), links (bytes/s, bytes, density) and the prediction."""
+    ev = plan.evaluation
+    ids = plan.arrays.cluster.ids()
+    return PlanSummary(
+        method=plan.method,
+        machines=ids,
+        stages=[PlanStageSummary(stage=r.index, machine_id=r.machine_id, start_op=r.start,
+                                 stop_op=r.stop, first_op=r.first_op, last_op=r.last_op,
+                                 compute_s=r.compute_s, memory_bytes=r.memory_bytes)
+                for r in ev.stages],
+        links=[PlanLinkSummary(src_stage=lk.src_stage, dst_stage=lk.dst_stage,
+                               src_machine_id=ids[lk.src], dst_machine_id=ids[lk.dst],
+                               bandwidth_fwd_bytes_per_s=lk.bandwidth_fwd_bytes_per_s,
+                               bandwidth_bwd_bytes_per_s=lk.bandwidth_bwd_bytes_per_s,
+                               rtt_s=lk.rtt_s, fwd_bytes=lk.fwd_bytes, bwd_bytes=lk.bwd_bytes,
+                               density=lk.density, time_s=lk.time_s)
+               for lk in ev.links],
+        idle=dict(plan.idle),
+        iteration_s=ev.iteration_s,
+        samples_per_s=ev.samples_per_s,
+        bottleneck=ev.bottleneck,
+    )
 
 
 def _si(x: float, unit: str) -> str:
@@ -52,7 +127,8 @@ def render_plan(plan: Plan, *, max_links: int = 24) -> str:
         d = dense_links.get((lk.src_stage, lk.dst_stage), lk)
         name = f"{lk.src_stage}:{c.machines[lk.src].id} -> {lk.dst_stage}:{c.machines[lk.dst].id}"
         lines.append(
-            f"{name[:29]:<30}{lk.bw_fwd * 8 / 1e6:>10.4g}"
+            f"{name[:29]:<30}"
+            f"{bits_per_s_from_bytes_per_s(lk.bandwidth_fwd_bytes_per_s) / 1e6:>10.4g}"
             f"{(lk.dense_fwd_bytes + lk.dense_bwd_bytes) / 1e6:>10.3g}"
             f"{(lk.fwd_bytes + lk.bwd_bytes) / 1e6:>10.3g}{lk.density:>9.3f}"
             f"{_ms(lk.time_s):>10}{_ms(d.time_s):>10}"

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from fusiond.plan.model import Cluster, MachineProfile, PlanError
+from fusiond.units import bytes_per_s_from_bits_per_s
 
 
 def cluster_from_topology(spec: Mapping[str, Any]) -> tuple[Cluster, list[int]]:
@@ -48,16 +49,17 @@ def cluster_from_topology(spec: Mapping[str, Any]) -> tuple[Cluster, list[int]]:
                 memory_bytes=float(k["memory_gib"]) * 2**30, kind=kind,
             ))
         n = len(flat)
-        bw = np.empty((n, n))
-        rtt = np.zeros((n, n))
+        bw_bytes_per_s = np.empty((n, n))
+        rtt_s = np.zeros((n, n))
         for a, (_, ga) in enumerate(flat):
             for b, (_, gb) in enumerate(flat):
                 if ga == gb:
-                    bw[a, b] = float(groups[ga]["mbit"]) * 1e6 / 8
-                    rtt[a, b] = float(groups[ga].get("rtt_ms", 0.0)) / 1e3
+                    mbit = float(groups[ga]["mbit"])
+                    rtt_s[a, b] = float(groups[ga].get("rtt_ms", 0.0)) / 1e3
                 else:
-                    bw[a, b] = inter[ga, gb] * 1e6 / 8
-                    rtt[a, b] = inter_rtt[ga, gb] / 1e3
-        return Cluster.build(machines, bw, rtt), [g for _, g in flat]
+                    mbit = float(inter[ga, gb])
+                    rtt_s[a, b] = inter_rtt[ga, gb] / 1e3
+                bw_bytes_per_s[a, b] = bytes_per_s_from_bits_per_s(mbit * 1e6)
+        return Cluster.build(machines, bw_bytes_per_s, rtt_s), [g for _, g in flat]
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise PlanError(f"topology {spec.get('name', '?')!r}: bad or missing field ({e!r})") from e

@@ -39,17 +39,17 @@ class _Item:
 class FakeHub:
     """The 'network' joining FakeNets: addresses, partitions, per-link latency and bandwidth."""
 
-    def __init__(self, *, latency_s: float = 0.0005, bandwidth_bps: float | None = None,
+    def __init__(self, *, latency_s: float = 0.0005, bandwidth_bits_per_s: float | None = None,
                  initial_window: int | None = None, idle_restart_s: float = 0.2) -> None:
-        """`latency_s` one way; with `initial_window` (bytes; needs `bandwidth_bps`) each link
-        models slow start: it sends at ``ln 2 * (initial_window + bytes sent) / RTT`` (the
+        """`latency_s` one way; with `initial_window` (bytes; needs `bandwidth_bits_per_s`) each
+        link models slow start: it sends at ``ln 2 * (initial_window + bytes sent) / RTT`` (the
         window grows by what is acknowledged: it doubles every RTT), capped at the bandwidth,
         and starts over after `idle_restart_s` without traffic (TCP's restart after idle)."""
         self.latency_s = latency_s
-        self.bandwidth_bps = bandwidth_bps
+        self.bandwidth_bits_per_s = bandwidth_bits_per_s
         self.initial_window = initial_window
         self.idle_restart_s = idle_restart_s
-        self.link_bandwidth: dict[tuple[str, str], float] = {}
+        self.link_bandwidth_bits_per_s: dict[tuple[str, str], float] = {}
         self.nets: dict[str, FakeNet] = {}
         self.by_address: dict[Address, str] = {}
         self._groups: list[set[str]] | None = None
@@ -123,11 +123,12 @@ class FakeNet:
         decoded = decode_message(frames[0])
         loop = asyncio.get_running_loop()
         now = loop.time()
-        bw = self.hub.link_bandwidth.get((self.node_id, peer), self.hub.bandwidth_bps)
+        bits_per_s = self.hub.link_bandwidth_bits_per_s.get((self.node_id, peer),
+                                                            self.hub.bandwidth_bits_per_s)
         free = self._link_free.get(peer)
         start = max(now, free if free is not None else now)
-        done = start + (self._transmit_s(peer, len(data), bw, idle=free is None or (
-            now - free > self.hub.idle_restart_s)) if bw else 0.0)
+        done = start + (self._transmit_s(peer, len(data), bits_per_s, idle=free is None or (
+            now - free > self.hub.idle_restart_s)) if bits_per_s else 0.0)
         self._link_free[peer] = done
         queue = self._queues.get(peer)
         if queue is None:
@@ -136,18 +137,18 @@ class FakeNet:
         self.hub.sent[type(msg).__name__] += 1
         await queue.put(_Item(done + self.hub.latency_s, decoded))
 
-    def _transmit_s(self, peer: str, nbytes: int, bw: float, *, idle: bool) -> float:
-        """Seconds to put `nbytes` on the link to `peer`: at `bw`, or slower while the slow
+    def _transmit_s(self, peer: str, nbytes: int, bits_per_s: float, *, idle: bool) -> float:
+        """Seconds to put `nbytes` on the link to `peer`: at `bits_per_s`, or slower while the slow
         start window (see FakeHub) is below the bandwidth-delay product."""
         iw = self.hub.initial_window
         if iw is None:
-            return nbytes * 8 / bw
+            return nbytes * 8 / bits_per_s
         if idle:
             self._window_sent[peer] = 0
         sent = self._window_sent.get(peer, 0)
         self._window_sent[peer] = sent + nbytes
         rtt = 2 * self.hub.latency_s
-        rate = bw / 8  # bytes/s
+        rate = bits_per_s / 8  # bytes/s
         # Window-limited while ln2 * (iw + sent) / rtt < rate, where
         # d(sent)/dt = ln2 * (iw + sent) / rtt, i.e. sent(t) = (iw + sent0) * 2**(t/rtt) - iw.
         ramp_end = max(0.0, rate * rtt / math.log(2) - iw)

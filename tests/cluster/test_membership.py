@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fusiond.cluster.membership import ELIDED, MemberRecord, Membership
+from fusiond.cluster.membership import ELIDED, Link, MemberRecord, Membership
 from fusiond.cluster.service import (
     plain_profile,
     profile_from_wire,
@@ -20,7 +20,7 @@ def mk(now: float = 0.0) -> Membership:
 
 
 def r(node_id: str, inc: int = 1, hb: int = 0, state: str = "alive",
-      links: dict[str, tuple[float, float]] | None = None) -> MemberRecord:
+      links: dict[str, Link] | None = None) -> MemberRecord:
     return MemberRecord(node_id, ("10.0.0.1", 7), inc, hb, state, {"gflops": 1.0},  # type: ignore[arg-type]
                         links or {})
 
@@ -104,10 +104,11 @@ def test_operator_remove_and_own_links() -> None:
     assert m.remove("zz", 0.0) is None
     t = m.remove("a", 0.0)
     assert t is not None and t.new == "left" and m.voters() == {"me"}
-    m.set_link("a", 1e8, 0.01)
+    m.set_link("a", Link(1e8, 0.01, 0.03, 1.7e9))
     m.beat(1.0)
-    assert m.me.links == {"a": (1e8, 0.01)} and m.me.heartbeat == 1
-    assert m.links()[("me", "a")] == (1e8, 0.01)
+    assert m.me.links == {"a": Link(1e8, 0.01, 0.03, 1.7e9)} and m.me.heartbeat == 1
+    assert m.links()[("me", "a")] == (1e8, 0.01, 0.03, 1.7e9)
+    assert m.links()[("me", "a")].bandwidth_bits_per_s == 1e8
 
 
 def test_hint_source_upgrades_to_the_most_direct() -> None:
@@ -133,10 +134,12 @@ def test_wire_round_trip_keeps_profile_links_and_state() -> None:
     rec = MemberRecord("a", ("10.0.0.2", 7420), 7, 3, "suspect",
                        {"gflops": 12.5, "device_kind": "cpu", "torch_version": "2.13.0",
                         "free_memory_bytes": 123},
-                       {"b": (1e9, 0.002)})
+                       {"b": Link(1e9, 0.002, 0.04, 1.7e9)})
     entry = record_to_wire(rec)
     assert entry.profile is not None and entry.profile.flops == 12.5e9
     assert entry.profile.software["torch"] == "2.13.0"
+    assert entry.links[0].bandwidth_bits_per_s == 1e9
+    assert entry.links[0].bandwidth_spread_ratio == 0.04 and entry.links[0].measured_at == 1.7e9
     back = record_from_wire(entry)
     assert back == rec
     assert profile_from_wire(None) == {}
@@ -146,7 +149,7 @@ def test_wire_round_trip_keeps_profile_links_and_state() -> None:
 
 def test_heartbeat_only_entries_keep_the_known_profile_and_links() -> None:
     m = mk()
-    m.merge([r("a", hb=1, links={"me": (5e7, 0.01)})], 0.0)
+    m.merge([r("a", hb=1, links={"me": Link(5e7, 0.01)})], 0.0)
     full = m.get("a")
     slim = record_from_wire(record_to_wire(r("a", hb=2), full=False))
     assert slim.profile is ELIDED

@@ -61,7 +61,7 @@ CHILD = textwrap.dedent('''
                 break
             await asyncio.sleep(0.05)
         if probe:
-            print(json.dumps({"bandwidth_bps": result[0] if result else None,
+            print(json.dumps({"bandwidth_bits_per_s": result[0] if result else None,
                               "rtt_s": result[1] if result else None}), flush=True)
         await c.close()
         await net.close()
@@ -126,9 +126,9 @@ def test_measured_bandwidth_within_15_percent_of_the_tbf_rate(
         lines = [ln for ln in prober.stdout.splitlines() if ln.startswith("{")]
         assert lines, prober.stderr[-2000:]
         got = json.loads(lines[-1])
-        assert got["bandwidth_bps"] is not None, prober.stderr[-2000:]
-        err = (got["bandwidth_bps"] - rate) / rate
-        print(f"{mbit} Mbit/s: measured {got['bandwidth_bps'] / 1e6:.1f} Mbit/s "
+        assert got["bandwidth_bits_per_s"] is not None, prober.stderr[-2000:]
+        err = (got["bandwidth_bits_per_s"] - rate) / rate
+        print(f"{mbit} Mbit/s: measured {got['bandwidth_bits_per_s'] / 1e6:.1f} Mbit/s "
               f"({err:+.1%}), rtt {got['rtt_s'] * 1e3:.2f} ms")
         assert abs(err) < 0.15, got
     finally:

@@ -58,7 +58,7 @@ async def test_three_nodes_over_real_sockets() -> None:
             return all(len(n.view().links) == 6 for n in nodes)
 
         await until(measured, 15, "the full link matrix over real sockets")
-        for (a, b), (bw, rtt) in nodes[0].view().links.items():
+        for (a, b), (bw, rtt, *_) in nodes[0].view().links.items():
             print(f"{a}->{b}: {bw / 1e6:.0f} Mbit/s rtt {rtt * 1e3:.2f} ms")
             assert bw > 1e6 and 0 < rtt < 1.0
     finally:

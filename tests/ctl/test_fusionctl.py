@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fusionctl.cli import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, run
-from fusionctl.render import render_job, render_status
+from fusionctl.render import render_job, render_links, render_status
 from fusiond.local import LocalNode, wait_until
 
 Capture = pytest.CaptureFixture[str]
@@ -123,7 +123,7 @@ def test_init_token_join_leave(daemon: LocalNode, capsys: Capture) -> None:
 def test_status_says_no_quorum_in_plain_words(capsys: Capture) -> None:
     me, a, b = "nme", "nalive", "ndead1"
     member = {"address": ["10.0.0.1", 7420], "source": "bootstrap", "rtt_s": 0.01,
-              "bandwidth_bps": 1e9, "role": "worker"}
+              "bandwidth_bits_per_s": 1e9, "role": "worker"}
     view: dict[str, object] = {"leader": None, "term": 7, "has_quorum": False, "links": {},
                                "members": [
         {**member, "node_id": me, "state": "alive"},
@@ -135,6 +135,31 @@ def test_status_says_no_quorum_in_plain_words(capsys: Capture) -> None:
     assert "NO QUORUM: this node reaches 1 of 3 members and needs 2" in out
     assert f"fusionctl remove {a}; fusionctl remove {b}" in out
     assert f"{b} (10.0.0.1:7420) is dead" in out
+
+
+def test_links_show_each_figure_with_its_accuracy_and_age(capsys: Capture) -> None:
+    """`fusionctl links` (and `--json`, which is the daemon's /v1/links as is) carries each
+    link's rate in bits/s, the spread of the probe round behind it and that round's age."""
+    from fusiond.cluster.membership import Link
+    from fusiond.cluster.service import ClusterView
+    from fusiond.daemon import view_json
+
+    now = 1.7e9
+    view = ClusterView("a", "c", (), "a", 1, True, 2, 2, 2, links={
+        ("a", "b"): Link(20e6, 0.03, 0.05, now - 12.4),
+        ("b", "a"): Link(19.5e6, 0.031, 0.0, now - 185.0),
+        ("a", "c"): Link(0.0, 0.004)})  # RTT only, never measured: no age
+    data = view_json(view, now)
+    ab = data["links"]["a"]["b"]
+    assert ab == {"bandwidth_bits_per_s": 20e6, "rtt_s": 0.03, "bandwidth_spread_ratio": 0.05,
+                  "measured_at": now - 12.4, "age_s": 12.4}
+    assert data["links"]["a"]["c"]["age_s"] is None
+    json.dumps(data)
+    render_links({"members": ["a", "b", "c"], "links": data["links"]})
+    out = capsys.readouterr().out
+    assert "20.0 Mbit/s ±5%" in out and "19.5 Mbit/s" in out and "±0%" not in out
+    assert "12s" in out and "3m05s" in out
+    assert "age of the measurement" in out
 
 
 def test_job_view_shows_each_stage_busy_and_waiting(capsys: Capture) -> None:

@@ -6,7 +6,8 @@
 `serve` answers probes (prints READY, runs until killed). `probe` connects to each peer over
 the real transport (fusiond.net.PeerNetwork, plaintext: the testbed is a closed namespace
 network), measures it with fusiond.cluster.probes.LinkProber exactly as the daemon does, and
-prints one JSON line per peer: {"peer": ..., "address": ..., "bandwidth_bps": ..., "rtt_s": ...}.
+prints one JSON line per peer: {"peer": ..., "address": ..., "bandwidth_bits_per_s": ...,
+"rtt_s": ...}.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ async def run(mode: str, node_id: str, addr: str, port: int, peers: list[str]) -
             host, _, p = target.rpartition(":")
             peer = await net.connect((host, int(p)))
             est = await box["p"].probe(peer)
-            print(json.dumps({"peer": peer, "address": target, "bandwidth_bps": est.bandwidth_bps,
+            print(json.dumps({"peer": peer, "address": target,
+                              "bandwidth_bits_per_s": est.bandwidth_bits_per_s,
                               "rtt_s": est.rtt_s}), flush=True)
     finally:
         box["p"].cancel()

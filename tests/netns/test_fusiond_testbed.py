@@ -50,8 +50,8 @@ def test_fusiond_per_host_agrees_and_measures_the_shaped_links(state_dir: Path) 
             if got is None:
                 bad.append(f"{ids[src]}->{ids[dst]}: not measured")
                 continue
-            err = got["bandwidth_bps"] / spec.bandwidth_bps - 1
-            lines.append(f"{ids[src]}->{ids[dst]}: {got['bandwidth_bps'] / 1e6:.1f} Mbit/s "
+            err = got["bandwidth_bits_per_s"] / spec.bandwidth_bits_per_s - 1
+            lines.append(f"{ids[src]}->{ids[dst]}: {got['bandwidth_bits_per_s'] / 1e6:.1f} Mbit/s "
                          f"({err:+.1%}), rtt {got['rtt_s'] * 1e3:.1f} ms "
                          f"(configured {spec.rtt_s * 1e3:g})")
             if abs(err) > 0.15:

@@ -37,7 +37,7 @@ bandwidth = "{mbit}mbit"
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict[str, float]]]:
-    """Run the probe from a to b, c, d once; {host: {"bandwidth_bps", "rtt_s"}}."""
+    """Run the probe from a to b, c, d once; {host: {"bandwidth_bits_per_s", "rtt_s"}}."""
     tmp = tmp_path_factory.mktemp("probe-rates")
     topo = tmp / "probe-rates.toml"
     topo.write_text(TOPOLOGY)
@@ -68,9 +68,10 @@ def test_probe_bandwidth_within_15_percent_of_the_tc_rate(
         measured: dict[str, dict[str, float]], host: str) -> None:
     rate = RATES_MBIT[host] * 1e6
     rec = measured[host]
-    assert rec["bandwidth_bps"] is not None
-    err = (rec["bandwidth_bps"] - rate) / rate
-    print(f"{RATES_MBIT[host]} Mbit/s: probe measured {rec['bandwidth_bps'] / 1e6:.1f} Mbit/s "
+    assert rec["bandwidth_bits_per_s"] is not None
+    err = (rec["bandwidth_bits_per_s"] - rate) / rate
+    got_mbit = rec["bandwidth_bits_per_s"] / 1e6
+    print(f"{RATES_MBIT[host]} Mbit/s: probe measured {got_mbit:.1f} Mbit/s "
           f"({err:+.1%}), rtt {rec['rtt_s'] * 1e3:.2f} ms")
     assert abs(err) <= 0.15, rec
 
@@ -78,6 +79,6 @@ def test_probe_bandwidth_within_15_percent_of_the_tc_rate(
 def test_the_probe_runs_in_the_namespaces_not_on_loopback(
         measured: dict[str, dict[str, float]]) -> None:
     """A guard against a silently unshaped path: the three links must differ as configured."""
-    bw = {h: measured[h]["bandwidth_bps"] for h in RATES_MBIT}
+    bw = {h: measured[h]["bandwidth_bits_per_s"] for h in RATES_MBIT}
     assert bw["b"] < bw["c"] < bw["d"]
 

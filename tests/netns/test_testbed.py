@@ -185,7 +185,7 @@ def test_the_state_keeps_the_topology_when_its_file_is_gone(
     tb.up(latency="none")
     topo.unlink()
     again = Testbed.load(name, state_dir)
-    assert again.topology.link("x", "y").bandwidth_bps == 10_000_000
+    assert again.topology.link("x", "y").bandwidth_bits_per_s == 10_000_000
     assert f"{name}-y" in again.describe()
     assert again.down() == []
     _assert_gone(tb, [], before)

@@ -43,10 +43,10 @@ def test_bundled_topologies_are_valid_and_small_enough() -> None:
 
 def test_two_groups_is_fast_inside_and_slow_between() -> None:
     t = load_topology("two-groups")
-    assert t.link("e1", "e2").bandwidth_bps == 10_000_000_000
-    assert t.link("w3", "w4").bandwidth_bps == 10_000_000_000
+    assert t.link("e1", "e2").bandwidth_bits_per_s == 10_000_000_000
+    assert t.link("w3", "w4").bandwidth_bits_per_s == 10_000_000_000
     between = t.link("e1", "w4")
-    assert between.bandwidth_bps == 100_000_000
+    assert between.bandwidth_bits_per_s == 100_000_000
     assert between.rtt_s == pytest.approx(0.04)
 
 
@@ -61,10 +61,10 @@ def test_sampled_pairs_cover_each_group_pair_once() -> None:
 
 def test_four_groups_has_the_papers_three_link_classes() -> None:
     t = load_topology("four-groups")
-    rates = {t.link(a, b).bandwidth_bps for a, b in t.pairs()}
+    rates = {t.link(a, b).bandwidth_bits_per_s for a, b in t.pairs()}
     assert rates == {1_000_000_000, 50_000_000, 8_000_000}
-    assert t.link("a1", "c2").bandwidth_bps == 8_000_000
-    assert t.link("a1", "b2").bandwidth_bps == 50_000_000
+    assert t.link("a1", "c2").bandwidth_bits_per_s == 8_000_000
+    assert t.link("a1", "b2").bandwidth_bits_per_s == 50_000_000
 
 
 def test_the_most_specific_rule_wins() -> None:
@@ -93,10 +93,10 @@ def test_the_most_specific_rule_wins() -> None:
         [host.x]
         cpu = 0.5
     '''))
-    assert t.link("b", "c").bandwidth_bps == 10_000_000_000
-    assert t.link("a", "b").bandwidth_bps == 5_000_000
-    assert t.link("b", "x").bandwidth_bps == 100_000_000
-    assert t.link("x", "a").bandwidth_bps == 50_000_000
+    assert t.link("b", "c").bandwidth_bits_per_s == 10_000_000_000
+    assert t.link("a", "b").bandwidth_bits_per_s == 5_000_000
+    assert t.link("b", "x").bandwidth_bits_per_s == 100_000_000
+    assert t.link("x", "a").bandwidth_bits_per_s == 50_000_000
     assert t.link("x", "a").rtt_s == 0.0  # a link rule states its own RTT (default 0)
     assert t.cpu == {"x": 0.5}
 

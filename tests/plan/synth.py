@@ -129,13 +129,13 @@ def exhaustive(inst: Instance) -> tuple[float, tuple[tuple[int, int, int], ...]]
             pm = np.array(perm)
             comp = pre[pm[None, :], stops] - pre[pm[None, :], starts]  # (C, r)
             ok = np.all(mem <= caps[pm][None, :], axis=1)
-            bwab = c.bandwidth[pm[:, None], pm[None, :]]
+            bwab = c.bandwidth_bytes_per_s[pm[:, None], pm[None, :]]
             with np.errstate(divide="ignore", invalid="ignore"):
                 tf = np.where(F > 0, F / bwab[None], 0.0)
                 tb = np.where(G > 0, G / bwab.T[None], 0.0)
             link = np.maximum(tf, tb).reshape(C, -1).max(axis=1) if r > 1 else np.zeros(C)
             bott = np.maximum(comp.max(axis=1), link)
-            rtt = sum(c.rtt[pm[s], pm[s + 1]] for s in range(r - 1))
+            rtt = sum(c.rtt_s[pm[s], pm[s + 1]] for s in range(r - 1))
             fill = comp.sum(axis=1) + tf.reshape(C, -1).sum(1) + tb.reshape(C, -1).sum(1) + rtt
             optt = (pstage * st.optimizer_passes / mbw[pm][None, :]).max(axis=1)
             T = np.where(ok, (M - 1) * bott + fill + optt, np.inf)

@@ -58,12 +58,12 @@ def test_reference_topologies(path: Path) -> None:
     cluster, group = cluster_from_topology(json.loads(path.read_text()))
     assert len(cluster) == 48
     assert len(set(group)) == 6
-    off = cluster.bandwidth[~np.eye(48, dtype=bool)] * 8 / 1e6
+    off = cluster.bandwidth_bytes_per_s[~np.eye(48, dtype=bool)] * 8 / 1e6
     assert off.min() >= 8 - 1e-9 and off.max() <= 10000 + 1e-9
     assert len({m.kind for m in cluster.machines}) >= 2
     # the fences find the sites (campus: its two 1 Gbit/s labs, joined at 1 Gbit/s, are one)
     assert 5 <= len(fence_groups(cluster)) <= 6
-    assert all(math.isfinite(x) for x in cluster.rtt.ravel())
+    assert all(math.isfinite(x) for x in cluster.rtt_s.ravel())
 
 
 def test_topology_errors_name_the_field() -> None:

@@ -306,7 +306,7 @@ def test_nested_errors_name_the_path() -> None:
     entry = {**entry, "state": "dead", "address": ["h", 1, 2]}
     with pytest.raises(RemoteProtocolError, match=r"address: expected 2 items, got 3"):
         decode_message(header_frame(Gossip, {"sender": "s", "members": [entry]}))
-    links = [{"peer": "p", "bandwidth_bps": 1.0}]
+    links = [{"peer": "p", "bandwidth_bits_per_s": 1.0}]
     with pytest.raises(RemoteProtocolError, match=r"links\[0\]: missing field 'rtt_s'"):
         decode_message(header_frame(Gossip, {"sender": "s", "members": [{**entry,
                        "address": ["h", 1], "links": links}]}))  # fmt: skip
@@ -480,7 +480,7 @@ def test_handshake_misuse_is_a_local_error() -> None:
 
 
 def test_link_measurement_is_validated() -> None:
-    lm = LinkMeasurement("p", 1e9, 0.02, 1.7e9)
+    lm = LinkMeasurement("p", 1e9, 0.02, 1.7e9, 0.04)
     assert LinkMeasurement.from_wire(lm.to_wire()) == lm
 
 

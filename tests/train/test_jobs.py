@@ -345,10 +345,10 @@ def test_timeouts_follow_the_measured_links(captured_tiny) -> None:  # type: ign
     layout = layout_job("t", cap.graph, cap.state, {op: NAMES[p] for op, p in cut.items()})
     machines = [MachineProfile(id=n, flops={"other": 1e10}, mem_bw=5e9, op_overhead_s=2e-5,
                                memory_bytes=1e9) for n in NAMES]
-    mbit = 1e6 / 8
+    mbit = 1e6 / 8  # one Mbit/s in bytes per second, the planner's unit
 
-    def cluster(bps: float) -> Cluster:
-        return Cluster.build(machines, [[bps] * 3 for _ in range(3)], [[0.0] * 3] * 3)
+    def cluster(bytes_per_s: float) -> Cluster:
+        return Cluster.build(machines, [[bytes_per_s] * 3 for _ in range(3)], [[0.0] * 3] * 3)
 
     biggest = max(sum(cap.state[k].numel() * cap.state[k].element_size()
                       for k in s.partition.param_names if k in cap.state)

@@ -94,7 +94,8 @@ async def test_service_sends_densities_when_the_measured_link_slows() -> None:
     from fusiond.jobs.service import JobService
 
     plan, _ = _plan(1e9)
-    links: dict[tuple[str, str], tuple[float, float]] = {("m0", "m1"): (1e9, 0.0)}
+    # the view's links are gossiped in bits per second: 8e9 bit/s is the plan's 1e9 bytes/s
+    links: dict[tuple[str, str], tuple[float, float]] = {("m0", "m1"): (8e9, 0.0)}
     members = [SimpleNamespace(node_id=f"m{i}", state="alive", address=("127.0.0.1", 1),
                                profile={"gflops": 1000.0, "memory_bytes": 1e12})
                for i in range(2)]
@@ -113,7 +114,7 @@ async def test_service_sends_densities_when_the_measured_link_slows() -> None:
     try:
         await asyncio.sleep(0.1)
         assert coord.sent == []  # fast link as planned: nothing to send
-        links[("m0", "m1")] = (2e7, 0.0)  # the prober measured a slower link
+        links[("m0", "m1")] = (1.6e8, 0.0)  # the prober measured 160 Mbit/s = 2e7 bytes/s
         for _ in range(200):
             if coord.sent:
                 break

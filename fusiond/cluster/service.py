@@ -758,6 +758,8 @@ class Cluster:
                 if ms.state(peer) in ("left", None):
                     continue
                 ms.set_link(peer, est.bandwidth_bps or 0.0, est.rtt_s or 0.0)
+                if (rate := getattr(self._net, "set_link_rate", None)) is not None:  # (fakes: no)
+                    rate(peer, (est.bandwidth_bps or 0.0) / 8)  # frame deadlines, in bytes/s
                 measured = True
                 log.debug("link %s -> %s: %.1f Mbit/s, rtt %.2f ms", self.node_id, peer,
                           (est.bandwidth_bps or 0) / 1e6, (est.rtt_s or 0) * 1e3)

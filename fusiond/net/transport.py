@@ -464,6 +464,9 @@ class _Conn(asyncio.BufferedProtocol):
         self._frame_key: tuple[int, int | None] | None = None
         self._frame_started = 0.0
         self._frame_paused_s = 0.0
+        self._frame_share = 1
+        """Most frames this node was receiving at once while this one was (they share our
+        downlink, so each gets that much longer)."""
         self._frame_timer: asyncio.TimerHandle | None = None
 
     @property
@@ -502,6 +505,9 @@ class _Conn(asyncio.BufferedProtocol):
         if self.handshake_timer is not None:
             self.handshake_timer.cancel()
         self._cancel_frame_timer()
+        if self._frame_key is not None:
+            self._frame_key = None
+            self.net._mid_frames -= 1
         if self.slot is not None:
             self.slot.release()
         self._can_write.set()
@@ -545,6 +551,8 @@ class _Conn(asyncio.BufferedProtocol):
         self._deliver(msgs)
         if self.transport is not None and not self.transport.is_closing():
             self._track_frame()
+            if self._frame_key is not None and self.net._mid_frames > self._frame_share:
+                self._frame_share = self.net._mid_frames
 
     def _decode(self, frames: list[Frame]) -> deque[tuple[Message, int]]:
         limits = self.net.config.limits
@@ -613,20 +621,24 @@ class _Conn(asyncio.BufferedProtocol):
         if d.idle:
             if self._frame_key is not None:
                 self._frame_key = None
+                self.net._mid_frames -= 1
                 self._cancel_frame_timer()
             return
         key = (d.frames_decoded, d.frame_bytes)
         if key == self._frame_key:
             return
+        if self._frame_key is None:
+            self.net._mid_frames += 1
         if self._frame_key is None or self._frame_key[0] != key[0]:
             self._frame_started = time.monotonic()
             self._frame_paused_s = 0.0
+            self._frame_share = self.net._mid_frames
         self._frame_key = key
         self._arm_frame_timer()
 
     def _frame_deadline_s(self) -> float:
         assert self._frame_key is not None
-        return self.net._frame_deadline_s(self.peer, self._frame_key[1])
+        return self.net._frame_deadline_s(self.peer, self._frame_key[1], self._frame_share)
 
     def _arm_frame_timer(self) -> None:
         self._cancel_frame_timer()
@@ -645,7 +657,14 @@ class _Conn(asyncio.BufferedProtocol):
 
     def _frame_expired(self) -> None:
         self._frame_timer = None
-        size = self._frame_key[1] if self._frame_key is not None else None
+        if self._frame_key is None:
+            return
+        left = (self._frame_started + self._frame_paused_s + self._frame_deadline_s()
+                - time.monotonic())
+        if left > 0.001:  # other frames arrived meanwhile and shared the link: more time
+            self._arm_frame_timer()
+            return
+        size = self._frame_key[1]
         rate = self.net._link_rate(self.peer)
         self.abort(
             f"frame from {self.peername} ({self.peer_label()}) of "
@@ -769,6 +788,8 @@ class PeerNetwork:
         self._member_hosts: set[str] = set()
         """Addresses members were authenticated from, or that members listen on."""
         self._link_rates: dict[str, float] = {}
+        self._mid_frames = 0
+        """Connections with a frame in progress (for the frame deadline's link share)."""
         """node id -> measured link rate in bytes/s (`set_link_rate`), for frame deadlines."""
         self._conn_seq = itertools.count()
         self._refusals = RefusalLog(self.config.refusal_log_interval_s,
@@ -1269,11 +1290,14 @@ class PeerNetwork:
         rate = self._link_rates.get(p.node_id) if p is not None else None
         return rate if rate is not None else self.config.default_link_bytes_per_s
 
-    def _frame_deadline_s(self, p: _Peer | None, frame_bytes: int | None) -> float:
-        """How long a frame of `frame_bytes` (None: size not known yet) from `p` may take."""
+    def _frame_deadline_s(self, p: _Peer | None, frame_bytes: int | None, share: int = 1
+                          ) -> float:
+        """How long a frame of `frame_bytes` (None: size not known yet) from `p` may take,
+        while at most `share` frames arrive at once (they share this node's downlink)."""
         c = self.config
         size = FIXED_HEADER_SIZE if frame_bytes is None else frame_bytes
-        return max(c.frame_deadline_floor_s, c.frame_deadline_factor * size / self._link_rate(p))
+        return max(c.frame_deadline_floor_s,
+                   c.frame_deadline_factor * size * max(1, share) / self._link_rate(p))
 
     def _return_memory(self) -> None:
         """A large partial frame was freed: ask glibc (in a thread) to give its pages back.

@@ -91,7 +91,7 @@ async def _stream_zeros(addr: tuple[str, int], ctx: ssl.SSLContext, first: bytes
     closed = False
     try:
         writer.write(first)
-        while sent < limit and not reader.at_eof():
+        while sent < limit and not reader.at_eof() and not writer.is_closing():
             writer.write(zeros)
             async with asyncio.timeout(10):
                 await writer.drain()
@@ -129,9 +129,14 @@ def test_no_certificate_client_declaring_1GiB_leaves_the_ca_node_flat(
             rounds.append((sent, closed, _rss(pid)))
         after = _rss(pid)
         report = [(s // _MiB, cl, r // _MiB) for s, cl, r in rounds]
-        assert all(closed and sent < 32 * _MiB for sent, closed, _ in rounds), report
+        # (What this side manages to write before it notices the abort varies: a TLS writer
+        # may keep "sending" into a connection the daemon already reset; the daemon's log
+        # says when it refused each one.)
+        assert all(closed for _, closed, _ in rounds), report
         assert after - before < 32 * _MiB, (before // _MiB, report)
-        assert "limit is 65536" in c.nodes[0].log_text()
+        refused = [x for x in c.nodes[0].log_text().splitlines()
+                   if "frame payload length is 1073740824, limit is 65536" in x]
+        assert len(refused) == 4, refused
         print(f"daemon RSS {before / _MiB:.0f} MB -> {after / _MiB:.0f} MB; rounds (MiB sent, "
               f"closed, RSS MB): {report}")
     finally:

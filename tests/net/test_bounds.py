@@ -103,14 +103,16 @@ async def test_a_client_without_a_certificate_cannot_declare_a_big_frame(
             reader, writer = await asyncio.open_connection(
                 *b.address, ssl=tlsmod.join_client_context(), server_hostname="x")
             writer.write(frame_head(22, header, GiB - 1000))  # a JoinRequest "of 1 GiB"
-            sent = await stream_zeros(writer, reader, 96 * _MiB)
+            # (A TLS writer may go on "sending" a while into a connection already reset:
+            # the server side is what is checked: its memory and its log.)
+            await stream_zeros(writer, reader, 96 * _MiB)
             assert await closed_by_peer(reader, 5.0)
             writer.close()
-            assert sent < 32 * _MiB, f"{sent / _MiB:.0f} MiB of zeros accepted"
     grown = rss_bytes() - before
     assert grown < 48 * _MiB, f"RSS grew {grown / _MiB:.0f} MiB"
     lines = [r.getMessage() for r in caplog.records if "bad frame" in r.getMessage()]
-    assert lines and f"limit is {DEFAULT_LIMITS.max_preauth_frame_bytes}" in lines[0]
+    assert len(lines) == 4, lines
+    assert all(f"limit is {DEFAULT_LIMITS.max_preauth_frame_bytes}" in x for x in lines)
 
 
 async def test_before_hello_frames_are_small(

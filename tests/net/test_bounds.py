@@ -350,3 +350,61 @@ def test_the_frame_deadline_follows_the_measured_link_and_its_sharing() -> None:
     assert net._frame_deadline_s(p, GiB, share=3) == pytest.approx(3 * 4 * GiB / 1.25e8)
     net.set_link_rate("b", 0.0)  # unknown again
     assert net._frame_deadline_s(p, GiB) == pytest.approx(4 * GiB / 125_000)
+
+
+def _client_hello_prefix() -> bytes:
+    """The first half of a real TLS ClientHello."""
+    ctx = ssl.create_default_context()
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = ctx.wrap_bio(incoming, outgoing, server_hostname="x")
+    with contextlib.suppress(ssl.SSLWantReadError):
+        obj.do_handshake()
+    hello_bytes = outgoing.read()
+    return hello_bytes[: len(hello_bytes) // 2]
+
+
+@pytest.mark.slow
+async def test_idle_and_half_open_handshakes_are_all_closed_and_members_still_served(
+    tmp_path: Path, net_factory: NetFactory
+) -> None:
+    """What held and must keep holding: 500 idle TCP connections and 200 half-open TLS
+    handshakes are all closed (at once beyond the caps, else by the handshake timeout); the
+    slots come back, memory stays flat, members are served."""
+    ca = make_cluster(tmp_path)
+    idb, mb = make_node(tmp_path, ca, "b")
+    ida, ma = make_node(tmp_path, ca, "a")
+    cfg = dataclasses.replace(FAST, handshake_timeout_s=1.0)
+    inbox = Inbox()
+    b = await net_factory(idb, ca.cluster_id, tls=mb, config=cfg, handler=inbox)
+    gc.collect()
+    before = rss_bytes()
+    idle = await _idle_sockets(b.address, "127.0.0.3", 500)
+    half = await _idle_sockets(b.address, "127.0.0.4", 200)
+    prefix = _client_hello_prefix()
+    for s in half:
+        s.send(prefix)
+    try:
+        loop = asyncio.get_running_loop()
+
+        async def closed(s: socket.socket) -> bool:
+            try:
+                async with asyncio.timeout(4.0):
+                    while await loop.sock_recv(s, 1 << 16):
+                        pass
+                return True
+            except TimeoutError:
+                return False
+            except OSError:
+                return True
+
+        results = await asyncio.gather(*(closed(s) for s in idle + half))
+        assert all(results), f"{results.count(False)} connections still open"
+        await until(lambda: b._handshaking_total == 0, within=3)
+        a = await net_factory(ida, ca.cluster_id, tls=ma)
+        await a.connect(b.address)
+        await a.send(idb, Ping(request_id=1, sent_at=0.0))
+        await inbox.wait_for(1)
+    finally:
+        for s in idle + half:
+            s.close()
+    assert rss_bytes() - before < 32 * _MiB

@@ -113,6 +113,8 @@ async def _pong_behind_bulk(tmp_path: Path, net_factory: NetFactory, kind: str) 
         f"Pong round trips behind {kind} (s): worst {sorted(during)[-5:]}, of {len(during)}; "
         f"in order: {[round(x, 3) for x in during]}")
     assert len(during) >= 3, f"only {len(during)} Pings went out while the bulk was in flight"
+    print(f"{kind}: {len(during)} Pongs behind 256 MiB, worst {max(during) * 1e3:.1f} ms, "
+          f"median {sorted(during)[len(during) // 2] * 1e3:.1f} ms")
 
 
 def test_a_control_message_above_the_bound_is_our_bug() -> None:

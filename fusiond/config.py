@@ -69,7 +69,7 @@ class NetSection:
     (one larger frame still passes, alone)."""
     backoff_jitter: float = 0.5
     """Each reconnect delay is multiplied by a random factor in [1 - jitter, 1 + jitter]."""
-    bulk_chunk_bytes: int = 1 << 20
+    bulk_chunk_bytes: int = 256 << 10
     """Tensor frames are written in chunks of this size, so control frames interleave."""
     direct_payload_bytes: int = 64 << 10
     """Payloads at least this large are received straight into their own buffer."""

@@ -133,7 +133,7 @@ class NetConfig:
     inbox_bytes: int = 128 * _MiB
     """Bytes of decoded frames waiting for the handler per connection before reading pauses
     (a single larger frame still gets through, alone)."""
-    bulk_chunk_bytes: int = 1 * _MiB
+    bulk_chunk_bytes: int = 256 << 10
     direct_payload_bytes: int = 64 << 10
     """Payloads at least this large are received straight into their own buffer."""
     write_high_water_bytes: int = 4 * _MiB

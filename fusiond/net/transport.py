@@ -351,6 +351,8 @@ class RefusalLog:
         self.burst = burst
         self.max_keys = max_keys
         self._windows: dict[tuple[str, str], _Window] = {}
+        self._first_end = float("inf")
+        """When the oldest window's interval ends (due() has nothing to do before)."""
 
     def note(self, key: str, kind: str, line: str, now: float) -> str | None:
         """Record one event; the line to log now, or None (it counts toward a summary)."""
@@ -362,6 +364,7 @@ class RefusalLog:
                 w = self._windows.get(k)
             if w is None:
                 w = self._windows[k] = _Window(now)
+                self._first_end = min(self._first_end, now + self.interval_s)
         if w.logged < self.burst:
             w.logged += 1
             return line
@@ -371,9 +374,13 @@ class RefusalLog:
 
     def due(self, now: float) -> list[str]:
         """Summary lines of the intervals that ended by `now` (their windows are dropped)."""
-        out = []
+        out: list[str] = []
+        if now < self._first_end:
+            return out  # a flood of refusals costs O(1) each, not a scan of every source
+        self._first_end = float("inf")
         for k, w in list(self._windows.items()):
             if now - w.start < self.interval_s:
+                self._first_end = min(self._first_end, w.start + self.interval_s)
                 continue
             del self._windows[k]
             if w.suppressed:
@@ -788,9 +795,9 @@ class PeerNetwork:
         self._member_hosts: set[str] = set()
         """Addresses members were authenticated from, or that members listen on."""
         self._link_rates: dict[str, float] = {}
+        """node id -> measured link rate in bytes/s (`set_link_rate`), for frame deadlines."""
         self._mid_frames = 0
         """Connections with a frame in progress (for the frame deadline's link share)."""
-        """node id -> measured link rate in bytes/s (`set_link_rate`), for frame deadlines."""
         self._conn_seq = itertools.count()
         self._refusals = RefusalLog(self.config.refusal_log_interval_s,
                                     self.config.refusal_log_burst)

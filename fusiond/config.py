@@ -64,9 +64,12 @@ class NetSection:
     """Tensor frames queued per peer before `send` waits (backpressure)."""
     inbox_frames: int = 64
     """Decoded messages waiting for the handler per connection before reading pauses."""
+    inbox_bytes: int = 128 << 20
+    """Bytes of decoded frames waiting for the handler per connection before reading pauses
+    (one larger frame still passes, alone)."""
     backoff_jitter: float = 0.5
     """Each reconnect delay is multiplied by a random factor in [1 - jitter, 1 + jitter]."""
-    bulk_chunk_bytes: int = 1 << 20
+    bulk_chunk_bytes: int = 256 << 10
     """Tensor frames are written in chunks of this size, so control frames interleave."""
     direct_payload_bytes: int = 64 << 10
     """Payloads at least this large are received straight into their own buffer."""
@@ -74,6 +77,23 @@ class NetSection:
     """Bytes buffered in a connection's transport before the writer waits for it to drain."""
     max_pending_handshakes: int = 256
     """Accepted connections still in their TLS/Hello handshake; more are closed (slow-loris)."""
+    max_pending_handshakes_per_source: int = 16
+    """Connections in their handshake from one address no member was authenticated from."""
+    member_handshake_reserve: int = 64
+    """Of max_pending_handshakes, slots kept for addresses of known members."""
+    max_inbound_per_peer_lane: int = 4
+    """Authenticated connections accepted per peer and lane; a new one closes the oldest."""
+    frame_deadline_floor_s: float = 30.0
+    """A frame in progress must be complete within max(this, factor x bytes / link rate)."""
+    frame_deadline_factor: float = 4.0
+    """Slack over the measured link rate a frame in progress gets before it is cut off."""
+    default_link_bytes_per_s: float = 125000.0
+    """Link rate assumed for frame deadlines until the link is measured (1 Mbit/s)."""
+    refusal_log_interval_s: float = 10.0
+    """Refused-connection warnings: refusal_log_burst lines per source and kind per interval,
+    then one summary line."""
+    refusal_log_burst: int = 5
+    """Refused-connection warnings logged one by one per source and kind per interval."""
     payload_check: str = "auto"
     """xxh3 checksum over payloads: auto (only on plaintext non-loopback links), on or off."""
     tune_allocator: bool = True
@@ -379,7 +399,8 @@ def _validate(cfg: DaemonConfig, origin: Mapping[str, str]) -> None:
     for k in keys():
         v = get(cfg, k.path)
         if k.type is float and k.name.endswith("_s") and not v > 0:
-            raise bad(k.path, v, "must be a positive number of seconds")
+            raise bad(k.path, v, "must be a positive rate" if k.name.endswith("_per_s")
+                      else "must be a positive number of seconds")
         if k.type is int and v <= 0:
             raise bad(k.path, v, "must be a positive integer")
     if not 0 <= cfg.net.backoff_jitter < 1:
@@ -429,6 +450,11 @@ def _validate(cfg: DaemonConfig, origin: Mapping[str, str]) -> None:
     if c.probe_min_bytes > c.probe_max_bytes:
         raise bad("cluster.probe_max_bytes", c.probe_max_bytes,
                   "must be at least cluster.probe_min_bytes")
+    if not cfg.net.member_handshake_reserve < cfg.net.max_pending_handshakes:
+        raise bad("net.member_handshake_reserve", cfg.net.member_handshake_reserve,
+                  f"must be below net.max_pending_handshakes ({cfg.net.max_pending_handshakes})")
+    if not cfg.net.frame_deadline_factor > 0:
+        raise bad("net.frame_deadline_factor", cfg.net.frame_deadline_factor, "must be positive")
     if cfg.net.backoff_max_s < cfg.net.backoff_initial_s:
         raise bad("net.backoff_max_s", cfg.net.backoff_max_s,
                   "must be at least net.backoff_initial_s")

@@ -185,10 +185,57 @@ class FrameDecoder:
         self._hasher: xxhash.xxh3_64 | None = None
         self.frames_decoded = 0
         self.bytes_fed = 0
+        self.hold = False
+        """Stop after the next complete frame: the bytes after it are held back, undecoded,
+        until `resume()` (a transport decides the limits of a connection's later frames only
+        once its first frame, the handshake, is handled)."""
+        self._held = bytearray()
+        self._held_later = 0
+        self._holding = False
 
     def set_version(self, version: int) -> None:
         """Accept only `version` from now on (after the handshake agreed on it)."""
         self.min_version = self.max_version = version
+
+    def set_limits(self, limits: Limits) -> None:
+        """Apply `limits` from the next frame on (a transport tightens or relaxes the frame
+        bound once it knows who the peer is and which lane the connection carries)."""
+        self.limits = limits
+
+    @property
+    def frame_bytes(self) -> int | None:
+        """Declared size (fixed header + message header + payload) of the frame in progress;
+        None between frames and while its fixed header is still incomplete."""
+        fixed = self._fixed
+        if fixed is None:
+            return None
+        return FIXED_HEADER_SIZE + fixed.header_len + fixed.payload_len
+
+    def resume(self) -> list[Frame]:
+        """End `hold`: decode the bytes held back after the frame it stopped at (under the
+        limits in force now) and return the frames they complete. Raises ProtocolError."""
+        self.hold = False
+        self._holding = False
+        self._held_later = 0
+        data = bytes(self._held)
+        self._held = bytearray()
+        self.bytes_fed -= len(data)  # counted when they arrived
+        return self.feed(data) if data else []
+
+    def release(self) -> None:
+        """Drop every buffer of the frame in progress (the connection is gone) and break the
+        decoder: later calls raise. Idempotent."""
+        if self._error is None:
+            self._error = LocalProtocolError("the decoder was released (connection closed)")
+        self._head = bytearray()
+        self._fixed = None
+        self._header = None
+        self._payload = None
+        self._payload_view = _EMPTY
+        self._filled = 0
+        self._hasher = None
+        self._scratch = None
+        self._held = bytearray()
 
     @property
     def buffered(self) -> int:
@@ -210,6 +257,9 @@ class FrameDecoder:
         if self._error is not None:
             raise self._error
         try:
+            if self._holding:
+                self._hold_back(_as_bytes_view(data))
+                return []
             return self._feed(data, owned)
         except ProtocolError as exc:
             self._error = exc
@@ -231,6 +281,7 @@ class FrameDecoder:
         if (
             fixed is not None
             and self._header is not None
+            and not self._holding
             and fixed.payload_len - self._filled >= self.direct_bytes
         ):
             if self._payload is None:
@@ -249,6 +300,9 @@ class FrameDecoder:
         try:
             if not self._direct:
                 assert self._scratch is not None, "buffer_updated() without get_buffer()"
+                if self._holding:
+                    self._hold_back(self._scratch[:nbytes])
+                    return []
                 # The scratch buffer is reused, so _feed copies payload bytes out of it.
                 return self._feed(self._scratch[:nbytes])
             self._direct = False
@@ -262,7 +316,9 @@ class FrameDecoder:
             self.bytes_fed += nbytes
             if self._filled < fixed.payload_len:
                 return []
-            return [self._finish(self._payload_view, self._hasher)]
+            frame = self._finish(self._payload_view, self._hasher)
+            self._holding = self.hold
+            return [frame]
         except ProtocolError as exc:
             self._error = exc
             raise
@@ -304,11 +360,15 @@ class FrameDecoder:
             if self._payload is None:
                 if fixed.payload_len == 0:
                     frames.append(self._finish(_EMPTY, None))
+                    if self.hold:
+                        return self._stop(frames, mv, pos)
                     continue
                 if zero_copy and end - pos >= fixed.payload_len:
                     view = mv[pos : pos + fixed.payload_len]
                     pos += fixed.payload_len
                     frames.append(self._finish(view, None))
+                    if self.hold:
+                        return self._stop(frames, mv, pos)
                     continue
                 if pos == end:
                     return frames
@@ -324,6 +384,25 @@ class FrameDecoder:
             if self._filled < fixed.payload_len:
                 return frames
             frames.append(self._finish(self._payload_view, self._hasher))
+            if self.hold:
+                return self._stop(frames, mv, pos)
+
+    def _stop(self, frames: list[Frame], mv: memoryview, pos: int) -> list[Frame]:
+        """`hold`: a frame is complete; keep the rest of this input (and what follows, until
+        `resume`) undecoded."""
+        self._holding = True
+        self._hold_back(mv[pos:], counted=True)
+        return frames
+
+    def _hold_back(self, data: memoryview, *, counted: bool = False) -> None:
+        # The rest of the input that completed the frame is bounded by the caller's read; a
+        # peer that keeps sending before `resume` gets at most one more frame's worth held.
+        self._held += data
+        if not counted:
+            self.bytes_fed += data.nbytes
+            self._held_later += data.nbytes
+            self.limits.check("bytes sent before the first frame was answered",
+                              self._held_later, self.limits.max_frame_bytes)
 
     def _take(self, mv: memoryview, pos: int, need: int) -> tuple[memoryview | None, int]:
         """`need` bytes starting at `pos`, gathered across feeds; (None, end) if not all in."""

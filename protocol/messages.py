@@ -1,10 +1,13 @@
 """Messages: one frozen dataclass per kind, msgpack-encoded in the frame's message header.
 
 Every message class has a fixed `TYPE_ID` (the frame's type field) and a `lane` (CONTROL or
-BULK: Forward, Backward and ProbeData are BULK, the rest CONTROL). Its fields are validated
-from their annotations (protocol/_schema.py): unknown fields are ignored, missing or mistyped
-fields raise RemoteProtocolError naming the message and the field path. A tensor or other bulk
-data never goes into msgpack: it travels in the frame payload, available as `msg.payload`.
+BULK). Every message whose payload or header can be large is BULK (Assign, Forward, Backward,
+ProbeData, JobResult, StageCheckpoint, JobSubmit, JobUpdate, JobOutput); the rest are CONTROL,
+and a CONTROL frame is at most `Limits.max_control_frame_bytes` (`encode_message` refuses a
+larger one), so heartbeats and votes never wait behind a partition's weights. Its fields are
+validated from their annotations (protocol/_schema.py): unknown fields are ignored, missing or
+mistyped fields raise RemoteProtocolError naming the message and the field path. A tensor or
+other bulk data never goes into msgpack: it travels in the frame payload (`msg.payload`).
 
 Adding a message: append a frozen dataclass subclass of `Message` at the end of this file (or in
 another module imported before use) with a new, never reused `TYPE_ID`; give new fields of
@@ -25,7 +28,7 @@ from typing import Any, ClassVar, Final
 from protocol import PROTOCOL_VERSION
 from protocol._schema import WIRE, Struct, packb, unpackb
 from protocol.errors import LocalProtocolError, RemoteProtocolError
-from protocol.frames import Buffer, Frame, encode_frame
+from protocol.frames import FIXED_HEADER_SIZE, Buffer, Frame, encode_frame
 from protocol.limits import DEFAULT_LIMITS, Limits
 
 _EMPTY: Final = memoryview(b"")
@@ -108,9 +111,18 @@ def encode_message(
     """
     if not payload and msg.payload.nbytes:
         payload = (msg.payload,)
+    header = encode_header(msg, limits)
+    if msg.lane is Lane.CONTROL:
+        size = FIXED_HEADER_SIZE + len(header) + sum(memoryview(p).nbytes for p in payload)
+        if size > limits.max_control_frame_bytes:
+            raise LocalProtocolError(
+                f"{type(msg).__name__} is a CONTROL message of {size} bytes, above the control "
+                f"lane's bound of {limits.max_control_frame_bytes}: large data must travel in a "
+                "BULK message"
+            )
     return encode_frame(
         msg.TYPE_ID,
-        encode_header(msg, limits),
+        header,
         payload,
         version=version,
         payload_check=payload_check,
@@ -364,6 +376,10 @@ class Assign(Message):
     """
 
     TYPE_ID: ClassVar[int] = 12
+    lane: ClassVar[Lane] = Lane.BULK
+    """BULK: the payload is a partition's weights and the header its IR (megabytes either), so
+    on CONTROL it would hold back heartbeats and votes for as long as it takes to send. It may
+    therefore arrive after a JobCancel sent later (the worker remembers cancelled versions)."""
     request_id: int
     term: int
     job_id: str
@@ -561,6 +577,10 @@ class JobCancel(Message):
     TYPE_ID: ClassVar[int] = 42
     job_id: str
     reason: str = ""
+    plan_version: int = 0
+    """The plan version cancelled (0: unknown, whatever runs). JobCancel is CONTROL and Assign
+    BULK, so the cancel can overtake its Assign: a worker refuses an Assign of a version it
+    saw cancelled."""
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from fusiond.cluster.persist import (
 )
 from fusiond.cluster.probes import LinkProber, ProbeConfig, ProbeFailed
 from fusiond.errors import ConfigError
+from fusiond.units import bytes_per_s_from_bits_per_s
 from protocol.errors import LocalProtocolError
 from protocol.frames import Buffer
 from protocol.messages import (
@@ -80,6 +81,9 @@ class Transport(Protocol):
     async def send(self, peer: str, msg: Message, payload: Sequence[Buffer] = ()) -> None: ...
 
     def add_peer_address(self, node_id: str, address: Address) -> None: ...
+
+    def set_link_rate(self, node_id: str, bytes_per_s: float) -> None:
+        """The measured rate of our link to `node_id` (the transport's frame deadlines)."""
 
 
 @dataclass(frozen=True)
@@ -765,6 +769,9 @@ class Cluster:
                     continue
                 ms.set_link(peer, Link(est.bandwidth_bits_per_s or 0.0, est.rtt_s or 0.0,
                                        est.bandwidth_spread_ratio, est.measured_at))
+                if est.bandwidth_bits_per_s:  # frame deadlines follow the measured link
+                    self._net.set_link_rate(
+                        peer, bytes_per_s_from_bits_per_s(est.bandwidth_bits_per_s))
                 measured = True
                 log.log(logging.INFO if est.changed and est.bandwidth_bits_per_s else
                         logging.DEBUG,

@@ -10,7 +10,9 @@ into the daemon's message dispatch):
   (ok + the partition's final weights as safetensors payload, or not ok + the failure);
 - Forward / Backward -> the stage's executor;
 - JobDensities -> new top-k densities for edges this stage sends (AdaTopK re-adaptation);
-- JobCancel -> stop the stage and free it.
+- JobCancel -> stop the stage and free it. Assign travels on BULK and JobCancel on CONTROL, so
+  a cancel can overtake its Assign: the worker remembers the last `CANCELLED_MEMORY` cancelled
+  (job, plan version)s and drops an Assign of a version it saw cancelled (no zombie stage).
 
 `send(peer, msg, payload)` is how the worker talks: `PeerNetwork.send`, or `local_sender(...)`,
 which hands messages for this node itself (a scheduler that also runs a stage) straight to a
@@ -23,6 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +53,9 @@ from protocol.messages import (
 __all__ = ["JobWorker", "SendFn", "local_sender"]
 
 log = logging.getLogger(__name__)
+
+CANCELLED_MEMORY = 1024
+"""Cancelled jobs remembered (job id -> highest plan version cancelled) to drop late Assigns."""
 
 SendFn = Callable[[str, Message, Sequence[Any]], Awaitable[None]]
 """`send(peer, msg, payload)`: queue a message for a peer (awaits under backpressure)."""
@@ -89,6 +95,7 @@ class JobWorker:
         self.stage_config = stage_config
         self.limits = limits
         self._jobs: dict[str, _Job] = {}
+        self._cancelled: OrderedDict[str, int] = OrderedDict()
         self._ready = asyncio.Event()
         self._closed = False
 
@@ -147,13 +154,33 @@ class JobWorker:
                     log.warning("JobDensities for job %s from %s refused: %s", msg.job_id, peer, e)
             return True
         if isinstance(msg, JobCancel):
-            if msg.job_id in self._jobs:
+            job = self._jobs.get(msg.job_id)
+            running = job.host.assignment.plan_version if job is not None else 0
+            self._note_cancelled(msg.job_id, msg.plan_version or running)
+            if job is not None and (msg.plan_version == 0 or running <= msg.plan_version):
                 log.info("job %s cancelled by %s: %s", msg.job_id, peer, msg.reason or "-")
                 await self._drop(msg.job_id)
             return True
         return False
 
+    def _note_cancelled(self, job_id: str, plan_version: int) -> None:
+        if plan_version <= 0:
+            return  # a version we cannot know: nothing to remember
+        before = self._cancelled.pop(job_id, 0)
+        self._cancelled[job_id] = max(before, plan_version)
+        while len(self._cancelled) > CANCELLED_MEMORY:
+            self._cancelled.popitem(last=False)
+
+    def _cancelled_already(self, msg: Assign) -> bool:
+        return self._cancelled.get(msg.job_id, 0) >= msg.plan_version
+
     async def _assign(self, peer: str, msg: Assign) -> None:
+        if self._cancelled_already(msg):
+            # Its JobCancel overtook it (CONTROL vs BULK): the scheduler has given up on this
+            # version and waits for no Ready; building it would leave a zombie stage.
+            log.info("Assign of job %s v%d from %s dropped: that version was cancelled",
+                     msg.job_id, msg.plan_version, peer)
+            return
         old = self._jobs.get(msg.job_id)
         if old is not None and old.host.assignment.plan_version < msg.plan_version:
             # The scheduler restarted the job on a new plan: the old stage is superseded (its
@@ -178,6 +205,11 @@ class JobWorker:
             log.warning("Assign of job %s refused: %s", msg.job_id, e)
             await self.send(peer, Error(code="assign_failed", request_id=msg.request_id,
                                         message=f"{self.node_id}: {e}"), ())
+            return
+        if self._cancelled_already(msg):  # cancelled while it was being built
+            log.info("job %s v%d cancelled while its stage was built; dropped", msg.job_id,
+                     msg.plan_version)
+            await host.close()
             return
         self._jobs[msg.job_id] = _Job(host, peer)
         await self.send(peer, Ready(request_id=msg.request_id, job_id=msg.job_id,

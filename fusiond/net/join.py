@@ -39,6 +39,7 @@ from fusiond.net.pki import (
 )
 from protocol.errors import ProtocolError
 from protocol.frames import FrameDecoder
+from protocol.limits import DEFAULT_LIMITS
 from protocol.messages import JoinRequest, JoinResponse, decode_message, encode_message
 
 log = logging.getLogger("fusiond.net.join")
@@ -78,9 +79,9 @@ async def _exchange(
         server_der = sslobj.getpeercert(binary_form=True) if sslobj is not None else None
         if not server_der:
             raise JoinFailed(f"{host}:{port} presented no TLS certificate")
-        writer.writelines(encode_message(request))
+        writer.writelines(encode_message(request, limits=DEFAULT_LIMITS.for_preauth()))
         await writer.drain()
-        decoder = FrameDecoder()
+        decoder = FrameDecoder(DEFAULT_LIMITS.for_preauth())  # a stranger's answer: small
         async with asyncio.timeout(timeout_s):
             while True:
                 data = await reader.read(65536)

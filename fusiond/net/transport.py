@@ -20,11 +20,31 @@ Design (docs/security.md and docs/daemon.md say why):
   the highest common one) or Refuse (the reason, naming both version ranges / cluster ids) and
   closes. With TLS the node id claimed in Hello must equal the one in the peer's verified
   certificate.
-- Reading: each accepted connection feeds a `FrameDecoder`; decoded messages go to a bounded
-  inbox drained by one task that awaits `handler(peer, msg)`; reading pauses while the inbox is
-  full (TCP backpressure to the sender). A handler error is logged and never kills the reader.
-  Bad bytes, a refused handshake, or a peer closing mid-frame close *that* connection with one
-  log line; the network keeps serving everyone else.
+- Reading: each accepted connection feeds a `FrameDecoder`; decoded messages go to an inbox
+  bounded in frames and bytes (`inbox_frames`, `inbox_bytes`), drained by one task that awaits
+  `handler(peer, msg)`; reading pauses while the inbox is full (TCP backpressure to the
+  sender). A handler error is logged and never kills the reader. Bad bytes, a refused
+  handshake, or a peer closing mid-frame close *that* connection with one log line; the
+  network keeps serving everyone else.
+- Bounded before authenticated: until an accepted connection's peer is authenticated (TLS
+  certificate and Hello checked), its decoder accepts frames of at most
+  `Limits.max_preauth_frame_bytes` (a Hello or a JoinRequest; nothing larger is allocated for
+  a stranger); a dialed connection, which only ever reads the listener's HelloAck, keeps that
+  bound. The dialer names the lane in Hello's capabilities (`lane=control` / `lane=bulk`), and
+  the listener then bounds a CONTROL connection's frames by `Limits.max_control_frame_bytes`.
+- A frame in progress has a deadline, `max(frame_deadline_floor_s, frame_deadline_factor x
+  frame bytes / the peer's link rate)` (`set_link_rate`, fed by the cluster's probes; a
+  conservative `default_link_bytes_per_s` until then), not counting time we paused reading;
+  past it the connection is aborted and the partial buffer freed (and glibc asked to return
+  it to the OS).
+- Slow-loris: connections still in their handshake are capped per source address
+  (`max_pending_handshakes_per_source`) and in total (`max_pending_handshakes`), and the last
+  `member_handshake_reserve` slots are kept for addresses members were authenticated from, so
+  a flood of strangers never starves members' reconnections. Authenticated connections are
+  capped per peer and lane (`max_inbound_per_peer_lane`): a new one closes the oldest, so a
+  reconnecting peer always gets through while its stale sockets go.
+- Logging about refused and closed connections is rate-limited per source (or peer) and kind
+  (`RefusalLog`): a few lines per interval, then one summary line.
 """
 
 from __future__ import annotations
@@ -32,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import itertools
 import logging
 import random
 import socket
@@ -49,7 +70,7 @@ from fusiond.net import tls as tlsmod
 from fusiond.net.pki import JoinAuthority, JoinTokenError, PKIError, TLSMaterial
 from protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
 from protocol.errors import ProtocolError
-from protocol.frames import FrameDecoder
+from protocol.frames import FIXED_HEADER_SIZE, Frame, FrameDecoder
 from protocol.handshake import Handshake, Role
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import (
@@ -109,7 +130,10 @@ class NetConfig:
     bulk_queue_frames: int = 16
     inbox_frames: int = 64
     """Decoded messages waiting for the handler per connection before reading pauses."""
-    bulk_chunk_bytes: int = 1 * _MiB
+    inbox_bytes: int = 128 * _MiB
+    """Bytes of decoded frames waiting for the handler per connection before reading pauses
+    (a single larger frame still gets through, alone)."""
+    bulk_chunk_bytes: int = 256 << 10
     direct_payload_bytes: int = 64 << 10
     """Payloads at least this large are received straight into their own buffer."""
     write_high_water_bytes: int = 4 * _MiB
@@ -124,6 +148,26 @@ class NetConfig:
     """Call `tune_allocator()` at start (glibc: reuse freed frame buffers, see there)."""
     max_pending_handshakes: int = 256
     """Accepted connections still in TLS/Hello; more are closed at once (slow-loris guard)."""
+    max_pending_handshakes_per_source: int = 16
+    """Connections still in their handshake from one address that never authenticated here;
+    more from it are closed at once. Member addresses are bound only by the total."""
+    member_handshake_reserve: int = 64
+    """Of `max_pending_handshakes`, slots only addresses of known members may take, so
+    strangers (however many addresses they use) never starve members' reconnections."""
+    max_inbound_per_peer_lane: int = 4
+    """Authenticated accepted connections per peer and lane; a new one closes the oldest (a
+    restarted peer's new links win over its stale ones)."""
+    frame_deadline_floor_s: float = 30.0
+    """A frame whose first bytes arrived must be complete within max(this, factor x its bytes
+    / the link's rate); reading paused by us does not count."""
+    frame_deadline_factor: float = 4.0
+    default_link_bytes_per_s: float = 125_000.0
+    """The link rate assumed for frame deadlines until `set_link_rate` reports one (1 Mbit/s:
+    conservative, so a slow link is never cut off)."""
+    refusal_log_interval_s: float = 10.0
+    """Refused/closed-connection warnings: at most `refusal_log_burst` lines per source and
+    kind per interval, then one summary line at its end."""
+    refusal_log_burst: int = 5
     versions: tuple[int, int] = (MIN_PROTOCOL_VERSION, PROTOCOL_VERSION)
     """(min, max) protocol versions this node speaks (tests narrow it to provoke a refusal)."""
 
@@ -234,6 +278,33 @@ def _keepalive(sock: Any) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 4)
 
 
+def _malloc_trim() -> None:
+    """glibc: return free heap pages to the OS (blocking: run it in a thread)."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _check_config(c: NetConfig) -> None:
+    """ConfigError naming the first NetConfig value that cannot work."""
+    if c.versions[0] > c.versions[1]:
+        raise ConfigError(f"net versions {c.versions}: min is above max")
+    positive = ("inbox_frames", "inbox_bytes", "max_pending_handshakes",
+                "max_pending_handshakes_per_source", "max_inbound_per_peer_lane",
+                "frame_deadline_floor_s", "frame_deadline_factor", "default_link_bytes_per_s",
+                "refusal_log_interval_s")
+    for name in positive:
+        if not getattr(c, name) > 0:
+            raise ConfigError(f"net.{name} = {getattr(c, name)!r}: must be positive")
+    if not 0 <= c.member_handshake_reserve < c.max_pending_handshakes:
+        raise ConfigError(
+            f"net.member_handshake_reserve = {c.member_handshake_reserve}: must be at least 0 "
+            f"and below net.max_pending_handshakes ({c.max_pending_handshakes})")
+    if c.refusal_log_burst < 0:
+        raise ConfigError(f"net.refusal_log_burst = {c.refusal_log_burst}: must be >= 0")
+
+
 def _log_crash(task: asyncio.Task[None]) -> None:
     """A writer that died of a bug says so (the next send() starts a new one)."""
     if not task.cancelled() and task.exception() is not None:
@@ -246,6 +317,107 @@ def _fmt(addr: Any) -> str:
     return str(addr)
 
 
+_LANE_CAPABILITY: Final = {Lane.CONTROL: "lane=control", Lane.BULK: "lane=bulk"}
+"""Hello capability naming the lane of the connection it opens (the listener bounds frames by
+lane); a Hello without one (an older peer) gets the BULK limits."""
+
+
+def _lane_of(capabilities: Sequence[str]) -> Lane | None:
+    for lane, cap in _LANE_CAPABILITY.items():
+        if cap in capabilities:
+            return lane
+    return None
+
+
+@dataclass
+class _Window:
+    start: float
+    logged: int = 0
+    suppressed: int = 0
+    last: str = ""
+
+
+class RefusalLog:
+    """Rate-limited warnings about refused or closed connections; pure (takes `now`).
+
+    Per (key, kind) (key: a source address, or an authenticated peer's node id; kind: "busy",
+    "tls", "timeout", "frame", "refused", ...), the first `burst` events of an interval are
+    logged one line each; the rest are counted and summarised in one line when the interval
+    ends. At most `max_keys` keys are tracked; events of further keys share one key.
+    """
+
+    def __init__(self, interval_s: float = 10.0, burst: int = 5, max_keys: int = 1024) -> None:
+        self.interval_s = interval_s
+        self.burst = burst
+        self.max_keys = max_keys
+        self._windows: dict[tuple[str, str], _Window] = {}
+        self._first_end = float("inf")
+        """When the oldest window's interval ends (due() has nothing to do before)."""
+
+    def note(self, key: str, kind: str, line: str, now: float) -> str | None:
+        """Record one event; the line to log now, or None (it counts toward a summary)."""
+        k = (key, kind)
+        w = self._windows.get(k)
+        if w is None:
+            if len(self._windows) >= self.max_keys:
+                k = ("other sources", kind)
+                w = self._windows.get(k)
+            if w is None:
+                w = self._windows[k] = _Window(now)
+                self._first_end = min(self._first_end, now + self.interval_s)
+        if w.logged < self.burst:
+            w.logged += 1
+            return line
+        w.suppressed += 1
+        w.last = line
+        return None
+
+    def due(self, now: float) -> list[str]:
+        """Summary lines of the intervals that ended by `now` (their windows are dropped)."""
+        out: list[str] = []
+        if now < self._first_end:
+            return out  # a flood of refusals costs O(1) each, not a scan of every source
+        self._first_end = float("inf")
+        for k, w in list(self._windows.items()):
+            if now - w.start < self.interval_s:
+                self._first_end = min(self._first_end, w.start + self.interval_s)
+                continue
+            del self._windows[k]
+            if w.suppressed:
+                out.append(f"{w.suppressed} more connection(s) from {k[0]} refused or closed "
+                           f"({k[1]}) in the last {self.interval_s:g} s; the last: {w.last}")
+        return out
+
+    def next_due(self) -> float | None:
+        """When the earliest interval with a summary to write ends (None: nothing pending)."""
+        ends = [w.start + self.interval_s for w in self._windows.values() if w.suppressed]
+        return min(ends) if ends else None
+
+
+class _Slot:
+    """One accepted connection's place among those still in their handshake."""
+
+    def __init__(self, net: PeerNetwork, host: str) -> None:
+        self.net = net
+        self.host = host
+        self.held = True
+        net._handshaking[host] = net._handshaking.get(host, 0) + 1
+        net._handshaking_total += 1
+
+    def release(self) -> None:
+        """Give the place back (idempotent): handshake done, refused, or connection gone."""
+        if not self.held:
+            return
+        self.held = False
+        net = self.net
+        left = net._handshaking[self.host] - 1
+        if left:
+            net._handshaking[self.host] = left
+        else:
+            del net._handshaking[self.host]
+        net._handshaking_total -= 1
+
+
 class _Conn(asyncio.BufferedProtocol):
     """One TCP/TLS connection: frame decoding, an inbox for the handler, write flow control.
 
@@ -256,36 +428,63 @@ class _Conn(asyncio.BufferedProtocol):
     tensor's final memory, hashed chunk by chunk while hot in cache.
     """
 
-    def __init__(self, net: PeerNetwork, *, inbound: bool, lane: Lane | None = None) -> None:
+    def __init__(self, net: PeerNetwork, *, inbound: bool, lane: Lane | None = None,
+                 slot: _Slot | None = None) -> None:
         self.net = net
         self.inbound = inbound
         self.lane = lane
+        self.slot = slot
+        """Our place among connections in their handshake (accepted connections only)."""
+        self.seq = next(net._conn_seq)
         self.transport: asyncio.Transport | None = None
         self.peername = "?"
+        self.host = "?"
+        # Bounded before authenticated: a stranger's frames (and the HelloAck a dialer reads)
+        # are small; the listener relaxes this once the peer's Hello is accepted.
         self.decoder = FrameDecoder(
-            net.config.limits, direct_bytes=net.config.direct_payload_bytes
+            net._preauth_limits, direct_bytes=net.config.direct_payload_bytes
         )
+        # ... and whatever follows the first frame waits, undecoded, until that frame (the
+        # handshake) is handled and the connection's limits are known.
+        self.decoder.hold = inbound
         self.peer: _Peer | None = None
         self.cert_node_id: str | None = None
         self.tls = False
         self.join_only = False
         self.closed = asyncio.get_running_loop().create_future()
         self.first_frame: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
-        self.inbox: deque[Message] = deque()
+        self.inbox: deque[tuple[Message, int]] = deque()
+        """Decoded messages for the handler, with their frame sizes."""
+        self.inbox_bytes = 0
         self.inbox_event = asyncio.Event()
         self.reader_task: asyncio.Task[None] | None = None
         self.handshake_timer: asyncio.TimerHandle | None = None
         self._can_write = asyncio.Event()
         self._can_write.set()
         self._paused_reading = False
+        self._paused_at = 0.0
         self.version = PROTOCOL_VERSION
         self.bytes_in = 0
         self._aborted = False
+        # The deadline of the frame in progress: which frame (frames decoded before it, its
+        # declared size once known), when its first bytes came, reading time we paused.
+        self._frame_key: tuple[int, int | None] | None = None
+        self._frame_started = 0.0
+        self._frame_paused_s = 0.0
+        self._frame_share = 1
+        """Most frames this node was receiving at once while this one was (they share our
+        downlink, so each gets that much longer)."""
+        self._frame_timer: asyncio.TimerHandle | None = None
 
     @property
     def mid_frame(self) -> bool:
         """Part of a frame has arrived and the rest has not."""
         return not self.decoder.idle
+
+    @property
+    def who(self) -> str:
+        """The peer's node id once authenticated, else its address (for log lines)."""
+        return self.peer.node_id if self.peer is not None else self.host
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -293,7 +492,9 @@ class _Conn(asyncio.BufferedProtocol):
         # uvloop's transports implement the interface without subclassing asyncio.Transport.
         self.transport = cast(asyncio.Transport, transport)
         transport = self.transport
-        self.peername = _fmt(transport.get_extra_info("peername"))
+        peer = transport.get_extra_info("peername")
+        self.peername = _fmt(peer)
+        self.host = str(peer[0]) if isinstance(peer, tuple) and peer else self.peername
         self._secured(transport)
         if self.inbound:
             self.net._conns.add(self)
@@ -310,14 +511,22 @@ class _Conn(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self.handshake_timer is not None:
             self.handshake_timer.cancel()
+        self._cancel_frame_timer()
+        if self._frame_key is not None:
+            self._frame_key = None
+            self.net._mid_frames -= 1
+        if self.slot is not None:
+            self.slot.release()
         self._can_write.set()
         quiet = self.net._closing or self._aborted  # abort() already logged why
-        if self.mid_frame and self.peer is not None and not quiet:
-            log.warning(
-                "connection from %s (%s) closed mid-frame", self.peername, self.peer.node_id
-            )
-        elif self.mid_frame and not quiet:
-            log.warning("connection from %s closed mid-frame", self.peername)
+        if self.mid_frame and not quiet:
+            peer = f" ({self.peer.node_id})" if self.peer is not None else ""
+            self.net._log_conn(self, "frame", f"connection from {self.peername}{peer} closed "
+                               "mid-frame")
+        partial = self.decoder.buffered
+        self.decoder.release()  # the partial frame's buffer goes now, not when we are collected
+        if partial >= _MiB:
+            self.net._return_memory()
         if not self.first_frame.done():
             self.first_frame.set_exception(
                 ConnectionResetError(f"connection to {self.peername} closed: {exc or 'EOF'}")
@@ -342,16 +551,32 @@ class _Conn(asyncio.BufferedProtocol):
         if self.peer is not None:
             self.peer.bytes_received += nbytes
         try:
-            frames = self.decoder.buffer_updated(nbytes)
-            msgs = [decode_message(f, self.net.config.limits) for f in frames]
+            msgs = self._decode(self.decoder.buffer_updated(nbytes))
         except ProtocolError as e:
-            who = self.peer.node_id if self.peer is not None else "unauthenticated peer"
-            self.abort(f"bad frame from {self.peername} ({who}): {e}")
+            self._bad_frame(e)
             return
         self._deliver(msgs)
+        if self.transport is not None and not self.transport.is_closing():
+            self._track_frame()
+            if self._frame_key is not None and self.net._mid_frames > self._frame_share:
+                self._frame_share = self.net._mid_frames
 
-    def _deliver(self, msgs: list[Message]) -> None:
-        for msg in msgs:
+    def _decode(self, frames: list[Frame]) -> deque[tuple[Message, int]]:
+        limits = self.net.config.limits
+        return deque(
+            (decode_message(f, limits), FIXED_HEADER_SIZE + len(f.header) + f.payload.nbytes)
+            for f in frames
+        )
+
+    def _bad_frame(self, e: ProtocolError) -> None:
+        self.abort(f"bad frame from {self.peername} ({self.peer_label()}): {e}", "frame")
+
+    def peer_label(self) -> str:
+        return self.peer.node_id if self.peer is not None else "unauthenticated peer"
+
+    def _deliver(self, msgs: deque[tuple[Message, int]]) -> None:
+        while msgs:
+            msg, size = msgs.popleft()
             if not self.first_frame.done():
                 self.first_frame.set_result(msg)
                 if self.inbound:
@@ -359,41 +584,114 @@ class _Conn(asyncio.BufferedProtocol):
                         self.net._on_first_frame(self, msg)
                     except Exception as e:  # a bug must not leave a half-open connection
                         log.exception("handshake with %s failed", self.peername)
-                        self.abort(f"handshake with {self.peername} failed: {e!r}")
+                        self.abort(f"handshake with {self.peername} failed: {e!r}", "refused")
                         return
+                    if self.peer is not None:  # accepted: decode what it sent after Hello
+                        try:
+                            msgs.extend(self._decode(self.decoder.resume()))
+                        except ProtocolError as e:
+                            self._bad_frame(e)
+                            return
                 continue
             if not self.inbound or self.peer is None:
                 # A dialed connection carries only the listener's HelloAck; an accepted one
                 # nothing after a refusal or a join exchange.
                 self.abort(f"unexpected {type(msg).__name__} from {self.peername} "
-                           "on a connection that carries no messages in this direction")
+                           "on a connection that carries no messages in this direction", "frame")
                 return
             self.peer.frames_received += 1
             if self.peer.node_id in self.net._blocked:
                 continue
-            self.inbox.append(msg)
+            self.inbox.append((msg, size))
+            self.inbox_bytes += size
             self.inbox_event.set()
-        if len(self.inbox) >= self.net.config.inbox_frames and not self._paused_reading:
-            assert self.transport is not None
+        c = self.net.config
+        if (
+            (len(self.inbox) >= c.inbox_frames or self.inbox_bytes >= c.inbox_bytes)
+            and not self._paused_reading
+            and self.transport is not None
+            and not self.transport.is_closing()
+        ):
             self._paused_reading = True
+            self._paused_at = time.monotonic()
+            self._cancel_frame_timer()  # the frame clock stops while we do not read
             self.transport.pause_reading()
 
     def eof_received(self) -> bool | None:
         return None  # close the transport
 
+    # -- frame deadlines -------------------------------------------------------------------
+
+    def _track_frame(self) -> None:
+        """Arm, re-arm (its size became known) or drop the deadline of the frame in progress."""
+        d = self.decoder
+        if d.idle:
+            if self._frame_key is not None:
+                self._frame_key = None
+                self.net._mid_frames -= 1
+                self._cancel_frame_timer()
+            return
+        key = (d.frames_decoded, d.frame_bytes)
+        if key == self._frame_key:
+            return
+        if self._frame_key is None:
+            self.net._mid_frames += 1
+        if self._frame_key is None or self._frame_key[0] != key[0]:
+            self._frame_started = time.monotonic()
+            self._frame_paused_s = 0.0
+            self._frame_share = self.net._mid_frames
+        self._frame_key = key
+        self._arm_frame_timer()
+
+    def _frame_deadline_s(self) -> float:
+        assert self._frame_key is not None
+        return self.net._frame_deadline_s(self.peer, self._frame_key[1], self._frame_share)
+
+    def _arm_frame_timer(self) -> None:
+        self._cancel_frame_timer()
+        if self._frame_key is None or self._paused_reading:
+            return
+        left = (self._frame_started + self._frame_paused_s + self._frame_deadline_s()
+                - time.monotonic())
+        self._frame_timer = asyncio.get_running_loop().call_later(
+            max(0.0, left), self._frame_expired
+        )
+
+    def _cancel_frame_timer(self) -> None:
+        if self._frame_timer is not None:
+            self._frame_timer.cancel()
+            self._frame_timer = None
+
+    def _frame_expired(self) -> None:
+        self._frame_timer = None
+        if self._frame_key is None:
+            return
+        left = (self._frame_started + self._frame_paused_s + self._frame_deadline_s()
+                - time.monotonic())
+        if left > 0.001:  # other frames arrived meanwhile and shared the link: more time
+            self._arm_frame_timer()
+            return
+        size = self._frame_key[1]
+        rate = self.net._link_rate(self.peer)
+        self.abort(
+            f"frame from {self.peername} ({self.peer_label()}) of "
+            f"{'?' if size is None else size} bytes not complete after "
+            f"{self._frame_deadline_s():.1f} s ({self.decoder.buffered} bytes in; link rate "
+            f"{rate:.0f} bytes/s): closing it and freeing the partial frame", "frame")
+
     # -- helpers ---------------------------------------------------------------------------
 
     def _handshake_timeout(self) -> None:
         if self.peer is None and not self.join_only:
-            self.abort(f"handshake from {self.peername} timed out")
+            self.abort(f"handshake from {self.peername} timed out", "timeout")
 
-    def abort(self, why: str) -> None:
-        """Close this connection now with one log line (unless it is already going)."""
+    def abort(self, why: str, kind: str = "closed") -> None:
+        """Close this connection now with one (rate-limited) log line, unless already going."""
         if self.transport is None or self.transport.is_closing():
             return
         self._aborted = True
         if not self.net._closing:
-            log.warning("closing connection: %s", why)
+            self.net._log_conn(self, kind, f"closing connection: {why}")
         if self.peer is not None:
             self.peer.last_error = why
         self.transport.abort()
@@ -404,7 +702,13 @@ class _Conn(asyncio.BufferedProtocol):
             self.transport.write(p)
 
     async def write_frame(self, out: _Out, chunk: int) -> None:
-        """Write one frame in `chunk`-sized pieces, waiting for the transport to drain."""
+        """Write one frame in `chunk`-sized pieces, waiting for the transport to drain.
+
+        Between chunks it yields to the event loop even when the transport could take more,
+        so at most one chunk of encryption/copying sits between two turns of the loop: the
+        CONTROL writer and every reader get their turn (a heartbeat's latency behind a bulk
+        frame is one chunk's work, not the whole socket buffer's).
+        """
         t = self.transport
         assert t is not None
         for part in out.parts:
@@ -419,14 +723,30 @@ class _Conn(asyncio.BufferedProtocol):
                 pos = end
                 if not self._can_write.is_set():
                     await self._can_write.wait()
+                else:
+                    await asyncio.sleep(0)
         if t.is_closing():
             raise ConnectionResetError(f"connection to {self.peername} closed")
 
+    def take(self) -> Message:
+        """The next message for the handler (the inbox must not be empty)."""
+        msg, size = self.inbox.popleft()
+        self.inbox_bytes -= size
+        self.resume_if_drained()
+        return msg
+
     def resume_if_drained(self) -> None:
-        if self._paused_reading and len(self.inbox) < self.net.config.inbox_frames // 2:
+        c = self.net.config
+        if (
+            self._paused_reading
+            and len(self.inbox) < max(1, c.inbox_frames // 2)
+            and self.inbox_bytes < max(1, c.inbox_bytes // 2)
+        ):
             self._paused_reading = False
+            self._frame_paused_s += time.monotonic() - self._paused_at
             if self.transport is not None and not self.transport.is_closing():
                 self.transport.resume_reading()
+                self._arm_frame_timer()
 
 
 class PeerNetwork:
@@ -469,9 +789,25 @@ class PeerNetwork:
         self._server_ctx: ssl.SSLContext | None = None
         self._client_ctx: ssl.SSLContext | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._tls_pending = 0
-        if self.config.versions[0] > self.config.versions[1]:
-            raise ConfigError(f"net versions {self.config.versions}: min is above max")
+        self._handshaking: dict[str, int] = {}
+        """Source address -> accepted connections from it still in their handshake."""
+        self._handshaking_total = 0
+        self._member_hosts: set[str] = set()
+        """Addresses members were authenticated from, or that members listen on."""
+        self._link_rates: dict[str, float] = {}
+        """node id -> measured link rate in bytes/s (`set_link_rate`), for frame deadlines."""
+        self._mid_frames = 0
+        """Connections with a frame in progress (for the frame deadline's link share)."""
+        self._conn_seq = itertools.count()
+        self._refusals = RefusalLog(self.config.refusal_log_interval_s,
+                                    self.config.refusal_log_burst)
+        self._refusal_timer: asyncio.TimerHandle | None = None
+        self._trim_task: asyncio.Task[None] | None = None
+        self._trim_again = False
+        lim = self.config.limits
+        self._preauth_limits = lim.for_preauth()
+        self._control_limits = lim.for_control()
+        _check_config(self.config)
 
     # -- service ---------------------------------------------------------------------------
 
@@ -548,6 +884,9 @@ class PeerNetwork:
                 tasks.append(c.reader_task)
         for t in tasks:
             t.cancel()
+        if self._refusal_timer is not None:
+            self._refusal_timer.cancel()
+            self._flush_refusals()
         for c in list(self._conns):
             if c.transport is not None:
                 c.transport.abort()
@@ -573,6 +912,15 @@ class PeerNetwork:
         p = self._peer(node_id)
         if p.address != address:
             p.address = address
+        self._member_hosts.add(address[0])
+
+    def set_link_rate(self, node_id: str, bytes_per_s: float) -> None:
+        """The measured rate of the link from `node_id` (bytes/s; <= 0: unknown), from which
+        the deadline of a frame it sends us is derived (the cluster's probes call this)."""
+        if bytes_per_s > 0:
+            self._link_rates[node_id] = float(bytes_per_s)
+        else:
+            self._link_rates.pop(node_id, None)
 
     def peers(self) -> list[str]:
         """Node ids we know an address for or have heard from."""
@@ -803,9 +1151,9 @@ class PeerNetwork:
         hs = Handshake(
             Role.CLIENT, node_id=self.node_id, cluster_id=self.cluster_id,
             min_version=c.versions[0], max_version=c.versions[1],
-            address=self.advertised_address,
+            address=self.advertised_address, capabilities=(_LANE_CAPABILITY[lane],),
         )
-        conn.write_small(encode_message(hs.start()))
+        conn.write_small(encode_message(hs.start(), limits=self._preauth_limits))
         try:
             reply = await asyncio.wait_for(conn.first_frame, c.handshake_timeout_s)
         except (TimeoutError, ConnectionError, ssl.SSLError) as e:
@@ -854,18 +1202,18 @@ class PeerNetwork:
     async def _accepted(self, sock: socket.socket, addr: Any) -> None:
         """Wrap an accepted socket (TLS handshake first, with one log line if it fails)."""
         loop = asyncio.get_running_loop()
-        pending = sum(1 for c in self._conns if c.inbound and c.peer is None) + self._tls_pending
-        if pending >= self.config.max_pending_handshakes:
-            log.warning("refused connection from %s: %d connections are already in their "
-                        "handshake", _fmt(addr), pending)
+        host = str(addr[0]) if isinstance(addr, tuple) and addr else str(addr)
+        busy = self._handshake_refusal(host)
+        if busy is not None:
+            self._log_refusal(host, "busy", f"refused connection from {_fmt(addr)}: {busy}")
             sock.close()
             return
         _keepalive(sock)
-        self._tls_pending += 1
+        slot = _Slot(self, host)
         try:
             await asyncio.wait_for(
                 loop.connect_accepted_socket(
-                    lambda: _Conn(self, inbound=True), sock, ssl=self._server_ctx,
+                    lambda: _Conn(self, inbound=True, slot=slot), sock, ssl=self._server_ctx,
                     ssl_handshake_timeout=(
                         self.config.handshake_timeout_s if self._server_ctx else None
                     ),
@@ -873,12 +1221,29 @@ class PeerNetwork:
                 self.config.handshake_timeout_s,
             )
         except (OSError, TimeoutError) as e:
+            slot.release()
             sock.close()
             if not self._closing:
-                log.warning("refused connection from %s: TLS handshake failed (no valid "
-                            "cluster certificate?): %s", _fmt(addr), e or type(e).__name__)
-        finally:
-            self._tls_pending -= 1
+                self._log_refusal(host, "tls", f"refused connection from {_fmt(addr)}: TLS "
+                                  "handshake failed (no valid cluster certificate?): "
+                                  f"{e or type(e).__name__}")
+
+    def _handshake_refusal(self, host: str) -> str | None:
+        """Why a new connection from `host` may not start a handshake now (None: it may)."""
+        c = self.config
+        total = self._handshaking_total
+        if host in self._member_hosts:
+            if total >= c.max_pending_handshakes:
+                return f"{total} connections are already in their handshake"
+            return None
+        strangers = c.max_pending_handshakes - c.member_handshake_reserve
+        if total >= strangers:
+            return (f"{total} connections are already in their handshake ({strangers} "
+                    "allowed from addresses no member was authenticated from)")
+        mine = self._handshaking.get(host, 0)
+        if mine >= c.max_pending_handshakes_per_source:
+            return f"{mine} connections from {host} are already in their handshake"
+        return None
 
     def _conn_lost(self, conn: _Conn) -> None:
         self._conns.discard(conn)
@@ -891,11 +1256,77 @@ class PeerNetwork:
 
     def _refuse(self, conn: _Conn, refuse: Refuse) -> None:
         """Send `refuse`, log one line naming the peer and the reason, close the connection."""
-        log.warning("refused connection from %s (%s): %s", conn.peername, refuse.code,
-                    refuse.reason)
+        self._log_conn(conn, "refused", f"refused connection from {conn.peername} "
+                       f"({refuse.code}): {refuse.reason}")
         if conn.transport is not None and not conn.transport.is_closing():
-            conn.write_small(encode_message(refuse))
+            conn.write_small(encode_message(refuse, limits=self._preauth_limits))
             conn.transport.close()
+
+    # -- internals: bounds, deadlines, logging ----------------------------------------------
+
+    def _log_conn(self, conn: _Conn, kind: str, line: str) -> None:
+        self._log_refusal(conn.who, kind, line)
+
+    def _log_refusal(self, key: str, kind: str, line: str) -> None:
+        """One warning line, rate-limited per (key, kind); the rest are summarised."""
+        now = time.monotonic()
+        for summary in self._refusals.due(now):
+            log.warning("%s", summary)
+        out = self._refusals.note(key, kind, line, now)
+        if out is not None:
+            log.warning("%s", out)
+        elif self._refusal_timer is None and not self._closing:
+            due = self._refusals.next_due()
+            if due is not None:
+                self._refusal_timer = asyncio.get_running_loop().call_later(
+                    max(0.0, due - now), self._flush_refusals
+                )
+
+    def _flush_refusals(self) -> None:
+        self._refusal_timer = None
+        now = time.monotonic()
+        for summary in self._refusals.due(now):
+            log.warning("%s", summary)
+        due = self._refusals.next_due()
+        if due is not None and not self._closing:
+            self._refusal_timer = asyncio.get_running_loop().call_later(
+                max(0.0, due - now), self._flush_refusals
+            )
+
+    def _link_rate(self, p: _Peer | None) -> float:
+        rate = self._link_rates.get(p.node_id) if p is not None else None
+        return rate if rate is not None else self.config.default_link_bytes_per_s
+
+    def _frame_deadline_s(self, p: _Peer | None, frame_bytes: int | None, share: int = 1
+                          ) -> float:
+        """How long a frame of `frame_bytes` (None: size not known yet) from `p` may take,
+        while at most `share` frames arrive at once (they share this node's downlink)."""
+        c = self.config
+        size = FIXED_HEADER_SIZE if frame_bytes is None else frame_bytes
+        return max(c.frame_deadline_floor_s,
+                   c.frame_deadline_factor * size * max(1, share) / self._link_rate(p))
+
+    def _return_memory(self) -> None:
+        """A large partial frame was freed: ask glibc (in a thread) to give its pages back.
+
+        `tune_allocator` keeps freed frame buffers in the heap for reuse; a buffer freed in
+        the middle of it is never returned by free() alone, so an aborted 1 GiB frame would
+        stay resident. malloc_trim returns every free page; at most one runs at a time.
+        """
+        if not _allocator_tuned or self._closing:
+            return
+        if self._trim_task is not None and not self._trim_task.done():
+            self._trim_again = True
+            return
+
+        async def trim() -> None:
+            while True:
+                self._trim_again = False
+                await asyncio.to_thread(_malloc_trim)
+                if not self._trim_again:
+                    return
+
+        self._trim_task = self._spawn(trim(), "net-malloc-trim")
 
     def _auth_refusal(self, reason: str) -> Refuse:
         lo, hi = self.config.versions
@@ -912,6 +1343,8 @@ class PeerNetwork:
         """An accepted connection's first message: Hello, or JoinRequest without a cert."""
         if conn.handshake_timer is not None:
             conn.handshake_timer.cancel()
+        if conn.slot is not None:
+            conn.slot.release()  # the handshake ends here, one way or the other
         if conn.tls and conn.cert_node_id is None:
             # No client certificate: only a join exchange is allowed on this connection.
             if isinstance(msg, JoinRequest) and self.join_authority is not None:
@@ -945,9 +1378,16 @@ class PeerNetwork:
             self._refuse(conn, self._auth_refusal(f"node {peer_id} was removed from the cluster"))
             return
         assert reply is not None
-        conn.write_small(encode_message(reply))
+        conn.write_small(encode_message(reply, limits=self._preauth_limits))
         conn.version = hs.version
         conn.decoder.set_version(hs.version)
+        # Authenticated: the lane's frame bound from now on (BULK's for an older peer that
+        # does not name its lane).
+        conn.lane = _lane_of(hs.peer_capabilities)
+        conn.decoder.set_limits(
+            self._control_limits if conn.lane is Lane.CONTROL else self.config.limits
+        )
+        self._member_hosts.add(conn.host)
         p = self._peer(peer_id)
         ctl = p.links[Lane.CONTROL]
         link_up = ctl is not None and ctl.transport is not None and not ctl.transport.is_closing()
@@ -960,8 +1400,25 @@ class PeerNetwork:
                 host = conn.peername.rsplit(":", 1)[0]
             p.address = (host, port)
         conn.peer = p
+        self._evict_surplus(p, conn.lane)
         p.inbound.add(conn)
         conn.reader_task = self._spawn(self._reader(conn, p), f"net-reader-{p.node_id}")
+
+    def _evict_surplus(self, p: _Peer, lane: Lane | None) -> None:
+        """Make room for one more accepted connection of `p` on `lane`: close the oldest.
+
+        The oldest, not the newest: a peer that restarted or lost its links reconnects while
+        its old sockets may linger (no FIN seen yet); refusing the new one would lock it out
+        until keepalive noticed. A peer opening hundreds only ever keeps the newest few.
+        """
+        same = sorted((c for c in p.inbound if c.lane is lane), key=lambda c: c.seq)
+        surplus = len(same) + 1 - self.config.max_inbound_per_peer_lane
+        for old in same[:max(0, surplus)]:
+            p.inbound.discard(old)
+            old.abort(f"peer {p.node_id} opened more than "
+                      f"{self.config.max_inbound_per_peer_lane} "
+                      f"{lane.value if lane else 'unnamed-lane'} connections; closing its "
+                      f"oldest, from {old.peername}", "evicted")
 
     def _answer_join(self, conn: _Conn, req: JoinRequest) -> None:
         """Check a join request, answer JoinResponse (ok or not) and close the connection."""
@@ -970,9 +1427,11 @@ class PeerNetwork:
         try:
             cert = auth.authorize_request(token=req.token, csr_pem=req.csr)
         except (JoinTokenError, PKIError) as e:
-            log.warning("refused join from %s (%s): %s", conn.peername, req.node_id, e)
+            self._log_conn(conn, "refused", f"refused join from {conn.peername} "
+                           f"({req.node_id}): {e}")
             conn.write_small(encode_message(JoinResponse(
-                request_id=req.request_id, ok=False, reason=f"join refused: {e}")))
+                request_id=req.request_id, ok=False, reason=f"join refused: {e}"),
+                limits=self._preauth_limits))
             conn.transport.close()
             return
         log.info("issued a node certificate to %s (%s) for a join token", conn.peername,
@@ -982,7 +1441,7 @@ class PeerNetwork:
             certificate=cert.public_bytes(serialization.Encoding.PEM),
             ca_certificate=auth.ca.cert_pem(),
             bootstrap=(self.advertised_address,),
-        )))
+        ), limits=self._preauth_limits))
         conn.transport.close()
 
     async def _reader(self, conn: _Conn, p: _Peer) -> None:
@@ -993,8 +1452,7 @@ class PeerNetwork:
                     return
                 conn.inbox_event.clear()
                 await conn.inbox_event.wait()
-            msg = conn.inbox.popleft()
-            conn.resume_if_drained()
+            msg = conn.take()
             try:
                 await self.handler(p.node_id, msg)
             except asyncio.CancelledError:

@@ -114,6 +114,9 @@ class FakeNet:
     def add_peer_address(self, node_id: str, address: Address) -> None:
         self.peer_addresses[node_id] = address
 
+    def set_link_rate(self, node_id: str, bytes_per_s: float) -> None:
+        """The fake links have no frame deadlines."""
+
     async def send(self, peer: str, msg: Message, payload: Sequence[Buffer] = ()) -> None:
         if not self.alive:
             raise ConnectionError("closed")

@@ -374,7 +374,8 @@ async def test_corrupt_large_payload_closes_connection(
 async def test_too_many_pending_handshakes_refused(
     net_factory: NetFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
-    cfg = NetConfig(handshake_timeout_s=2.0, max_pending_handshakes=1)
+    cfg = NetConfig(handshake_timeout_s=2.0, max_pending_handshakes=1,
+                    member_handshake_reserve=0)
     ib = Inbox()
     b = await net_factory("b", handler=ib, config=cfg)
     _, silent = await asyncio.open_connection(*b.address)  # holds the only handshake slot

@@ -63,8 +63,8 @@ EXPECTED_TYPE_IDS = {
     "Ready": 13, "Forward": 14, "Backward": 15, "Ack": 16, "Error": 17, "Ping": 18, "Pong": 19,
     "ProbeData": 20, "ProbeAck": 21, "JoinRequest": 22, "JoinResponse": 23,
 }  # fmt: skip
-BULK = {"Forward", "Backward", "ProbeData", "JobResult", "StageCheckpoint", "JobSubmit",
-        "JobUpdate", "JobOutput"}
+BULK = {"Assign", "Forward", "Backward", "ProbeData", "JobResult", "StageCheckpoint",
+        "JobSubmit", "JobUpdate", "JobOutput"}
 KINDS: list[type[Message]] = sorted(MESSAGE_TYPES.values(), key=lambda c: c.TYPE_ID)
 I64_MIN, U64_MAX = -(1 << 63), (1 << 64) - 1
 

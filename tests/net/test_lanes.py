@@ -190,7 +190,7 @@ def test_our_largest_control_messages_fit_the_control_bound() -> None:
                     state=MemberState.ALIVE,
                     profile=NodeProfile(node_id=i, hostname="host-" + i, flops=7.7e9,
                                         memory_bytes=1 << 34, cores=16, extra=extra),
-                    links=tuple(LinkMeasurement(peer=p, bandwidth_bps=1e9, rtt_s=0.001,
+                    links=tuple(LinkMeasurement(peer=p, bandwidth_bits_per_s=1e9, rtt_s=0.001,
                                                 measured_at=1.7e9) for p in ids if p != i))
         for i in ids)
     gossip = encode_message(Gossip(sender=ids[0], members=members, term=9, leader=ids[0]))

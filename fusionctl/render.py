@@ -71,7 +71,8 @@ def fmt_ops(row: Mapping[str, Any]) -> str:
     count = row.get("ops_count")
     if not isinstance(count, int):
         return "-"
-    off = [str(x) for x in row.get("ops_disabled") or []]
+    raw = row.get("ops_disabled")
+    off = [str(x) for x in raw] if isinstance(raw, list) else []
     return f"{count} ops" + (f" (disabled: {', '.join(off)})" if off else "")
 
 

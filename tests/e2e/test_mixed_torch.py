@@ -149,7 +149,7 @@ def test_mixed_torch_trains_like_one_torch_and_the_planner_avoids_a_node_lacking
     assert st["software"]["mixed_torch"] and TORCH2 in st["software"]["warning"]
     rc, text, _ = ctl(c.nodes[0], "status", capsys=capsys)
     assert "WARNING    members run different torch versions" in text, text
-    report.append(f"status warning: {st['software']['warning']}")
+    report.append(f"fusionctl status:\n{text}")
 
     # 2. the mixed cluster, captured with this torch and with the other one
     job_a = _job(tmp_path / "a")

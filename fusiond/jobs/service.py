@@ -669,12 +669,15 @@ class JobService:
         if view is None:
             raise JobRefused("this daemon is not in a cluster: `fusionctl init` or `join` first")
         sets = await self._member_ops(view)
-        cluster, addresses, memory = cluster_for_planner(view, exclude=sets.unknown,
-                                                         op_sets=sets.ops)
+        left_out = "".join(f"; {m} was left out: {w}" for m, w in sorted(sets.unknown.items()))
+        try:
+            cluster, addresses, memory = cluster_for_planner(view, exclude=sets.unknown,
+                                                             op_sets=sets.ops)
+        except JobRefused as e:
+            raise JobRefused(f"{e}{left_out}") from None
         why = refuse_unrunnable(captured.graph, sets, cluster.ids())
         if why is not None:
-            raise JobRefused(why + "".join(f"; {m} was left out: {w}"
-                                           for m, w in sorted(sets.unknown.items())))
+            raise JobRefused(why + left_out)
         check_capacity(captured, spec, memory)
         job_id = meta.get("job_id") or f"{spec.name}-{secrets.token_hex(3)}"
         if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id) or job_id in self._jobs:

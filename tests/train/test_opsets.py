@@ -324,6 +324,13 @@ async def test_submit_refuses_an_op_no_live_machine_runs_and_a_stages_cut_onto_o
     with pytest.raises(JobRefused, match=r"op 'aten.linear.default' runs on no live machine "
                        r"\(n0 \(disabled by its jobs.disabled_ops\), n1 \(disabled"):
         await svc.submit(upload, dry_run=True)
+    # the only member that runs linear does not answer for its op list: left out, and said so
+    wire.drop.add("n2")
+    svc = service({"n0": lacking, "n1": lacking, "n2": op_set(["sym.mul"])})
+    with pytest.raises(JobRefused, match=r"runs on no live machine.*; n2 was left out: its op "
+                       r"list \(digest \w+\) could not be fetched: n2: no answer within"):
+        await svc.submit(upload, dry_run=True)
+    wire.drop.clear()
     svc = service({"n0": full, "n1": full, "n2": lacking})
     sched.local = full
     summary = await svc.submit(upload, dry_run=True)

@@ -66,6 +66,16 @@ def fmt_age(age_s: Any) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
+def fmt_ops(row: Mapping[str, Any]) -> str:
+    """A member's op set: ``211 ops`` or ``210 ops (disabled: aten.gelu.default)``."""
+    count = row.get("ops_count")
+    if not isinstance(count, int):
+        return "-"
+    raw = row.get("ops_disabled")
+    off = [str(x) for x in raw] if isinstance(raw, list) else []
+    return f"{count} ops" + (f" (disabled: {', '.join(off)})" if off else "")
+
+
 def _short(node_id: Any, width: int = 14) -> str:
     s = str(node_id)
     return s if len(s) <= width else s[: width - 1] + "…"
@@ -187,6 +197,10 @@ def render_status(data: Mapping[str, Any]) -> None:
                 f"torch {prof.get('torch_version')}")
     if data.get("warning"):
         c.print(f"WARNING    {data['warning']}")
+    software = data.get("software")
+    software = software if isinstance(software, Mapping) else {}
+    if software.get("warning"):
+        c.print(f"WARNING    {software['warning']}")
     if node.get("denied"):
         c.print(f"refusing   {', '.join(node['denied'])} (removed)")
     if view is None:
@@ -217,6 +231,16 @@ def render_status(data: Mapping[str, Any]) -> None:
                       str(m.get("source") or "-"), fmt_rtt(m.get("rtt_s")),
                       fmt_bw(m.get("bandwidth_bits_per_s")), str(m.get("role") or "-"),
                       str(m.get("state") or "-"))
+        c.print(t)
+    rows = software.get("nodes") or []
+    if rows:
+        c.print("\nsoftware")
+        t = Table(box=None, pad_edge=False, show_edge=False)
+        for col in ("NODE", "TORCH", "PYTHON", "FUSIOND", "OPS"):
+            t.add_column(col, no_wrap=True)
+        for r in rows:
+            t.add_row(str(r.get("node_id")), str(r.get("torch") or "-"),
+                      str(r.get("python") or "-"), str(r.get("fusiond") or "-"), fmt_ops(r))
         c.print(t)
     h = health(view, str(node.get("node_id")))
     c.print("\nhealth")

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from fusiond.errors import ConfigError
+from fusiond.opsets import OP_NAME_RE
 
 DEFAULT_CONFIG_PATH = Path("/etc/fusion/fusiond.toml")
 DEFAULT_PEER_PORT = 7420
@@ -191,6 +192,16 @@ class MetricsSection:
 
 
 @dataclass
+class JobsSection:
+    """The stages this daemon hosts (fusiond.jobs)."""
+
+    disabled_ops: list[str] = field(default_factory=list)
+    """IR op names this daemon refuses to run (e.g. ["aten.gelu.default"]: an op broken on
+    this machine): the scheduler plans no stage using one here, and an Assign using one is
+    refused naming it."""
+
+
+@dataclass
 class DaemonConfig:
     """The whole configuration of one fusiond. Sections are TOML tables of the same name."""
 
@@ -217,6 +228,7 @@ class DaemonConfig:
     cluster: ClusterSection = field(default_factory=ClusterSection)
     api: ApiSection = field(default_factory=ApiSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    jobs: JobsSection = field(default_factory=JobsSection)
 
     @property
     def state_path(self) -> Path:
@@ -232,6 +244,7 @@ SECTIONS: dict[str, type[Any]] = {
     "cluster": ClusterSection,
     "api": ApiSection,
     "metrics": MetricsSection,
+    "jobs": JobsSection,
 }
 
 
@@ -455,6 +468,10 @@ def _validate(cfg: DaemonConfig, origin: Mapping[str, str]) -> None:
                   f"must be below net.max_pending_handshakes ({cfg.net.max_pending_handshakes})")
     if not cfg.net.frame_deadline_factor > 0:
         raise bad("net.frame_deadline_factor", cfg.net.frame_deadline_factor, "must be positive")
+    for op in cfg.jobs.disabled_ops:
+        if not OP_NAME_RE.fullmatch(op):
+            raise bad("jobs.disabled_ops", op, "not an IR op name like 'aten.gelu.default' "
+                      "(`aten.<name>.<overload>` or `sym.<op>`, as docs/ir.md names them)")
     if cfg.net.backoff_max_s < cfg.net.backoff_initial_s:
         raise bad("net.backoff_max_s", cfg.net.backoff_max_s,
                   "must be at least net.backoff_initial_s")

@@ -159,6 +159,9 @@ class Daemon:
         self.cluster: Any = None
         self.jobs: Any = None
         """The job service (`fusiond.jobs.service.JobService`), once the peer network runs."""
+        self.op_sets: Any = None
+        """This node's op set and the members' (`fusiond.jobs.opsets.OpSetService`), once the
+        peer network is about to start."""
         self.address: tuple[str, int] | None = None
         self._running: list[_Running] = []
         self._stop = asyncio.Event()
@@ -430,6 +433,7 @@ class Daemon:
             from fusiond.net import JoinAuthority, NetConfig, PeerNetwork, load_cluster_ca
 
             cfg = self.cfg
+            await self._start_op_sets()
             tls: Any = None
             cluster_id: str
             if cfg.net.insecure_plaintext:
@@ -480,6 +484,34 @@ class Daemon:
                      self.cluster_id, self.security, _fmt_addr(tuple(net.address)),
                      _fmt_addr(self.address))
 
+    async def _start_op_sets(self) -> None:
+        """This node's op set (its torch's registry less `jobs.disabled_ops`) into the
+        gossiped profile, and the service that tells other members its names and learns
+        theirs (once; before the peer network, so no request finds nobody to answer it)."""
+        if self.op_sets is not None:
+            return
+        from fusiond.jobs.opsets import OpSetService
+
+        ops, fields = await asyncio.to_thread(profiling.op_set_fields, self.cfg.jobs.disabled_ops)
+        if ops.unknown:
+            log.warning("jobs.disabled_ops names %s, which this torch's op registry does not "
+                        "have: they disable nothing (a typo, or another torch's op?)",
+                        ", ".join(ops.unknown))
+        if ops.disabled:
+            log.info("jobs.disabled_ops: this daemon runs no stage using %s",
+                     ", ".join(ops.disabled))
+        assert self.profiler is not None
+        self.profiler.static.update(fields)
+
+        async def send(peer: str, msg: Any, payload: Any = ()) -> None:
+            if self.net is None:
+                raise LocalError(f"cannot send {type(msg).__name__} to {peer}: not in a cluster")
+            await self.net.send(peer, msg, payload)
+
+        self.op_sets = OpSetService(node_id=self.node_id, local=ops, send=send)
+        await self._start_service("opsets", self.op_sets)
+        self.add_message_handler(self.op_sets.handle)
+
     async def _start_peer_services_for_api(self) -> None:
         """Start the peer services for init/join; a failure stops the daemon (exit 1) like a
         failure at start-up would, and the caller gets an error saying so."""
@@ -518,9 +550,13 @@ class Daemon:
                 raise LocalError(f"cannot send {type(msg).__name__} to {peer}: not in a cluster")
             await self.net.send(peer, msg, payload)
 
+        from fusiond.train.stage import StageConfig
+
         jobs = JobService(node_id=self.node_id, send_raw=send,
                           view=lambda: self.cluster.view() if self.cluster is not None else None,
-                          state_dir=self.state_dir)
+                          state_dir=self.state_dir, op_sets=self.op_sets,
+                          stage_config=StageConfig(
+                              disabled_ops=frozenset(self.cfg.jobs.disabled_ops)))
         self.jobs = jobs
         await self._start_service("jobs", jobs)
         self.add_message_handler(jobs.dispatch)
@@ -591,6 +627,8 @@ class Daemon:
         out: dict[str, Any] = {"node": self._node_block(), "cluster": None, "hint": None}
         if self.cluster is not None:
             out["cluster"] = view_json(self.cluster.view())
+            # torch/Python/fusiond versions and op sets per member; a warning when mixed
+            out["software"] = profiling.software_summary(out["cluster"]["members"])
         elif self.phase == "unconfigured":
             out["hint"] = ("this node is not in a cluster: run `fusionctl init` to create one, "
                            "or `fusionctl join TOKEN` with a token from a member "

@@ -94,6 +94,9 @@ class LocalNode:
     root: Path
     settings: dict[str, Any] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
+    python: str = ""
+    """The Python that runs this daemon (another virtual environment: another torch);
+    empty: this process's."""
 
     @property
     def dir(self) -> Path:
@@ -135,7 +138,8 @@ class LocalNode:
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "fusiond", "--config", str(self.config_path)],
+                [self.python or sys.executable, "-m", "fusiond", "--config",
+                 str(self.config_path)],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                 start_new_session=True)
         finally:

@@ -35,6 +35,7 @@ from typing import Any
 
 import fusiond
 import protocol
+from fusiond.opsets import OpSet
 from fusiond.plan.model import MachineProfile, PlanError
 
 log = logging.getLogger("fusiond.profile")
@@ -512,6 +513,57 @@ def _raw_benchmarks(data: Mapping[str, Any], kind: str
     return (float(data["gflops"]), MachineProfile.from_dict(data["machine"]),
             float(gw) if gw is not None else None,
             MachineProfile.from_dict(mw) if mw is not None and kind == "cpu" else None)
+
+
+def op_set_fields(disabled: Iterable[str] = ()) -> tuple[OpSet, dict[str, Any]]:
+    """This node's op set (its torch's registry less `disabled`) and the profile keys that
+    carry it: ``ops_digest`` (sha256 of the sorted names), ``ops_count``, ``ops_disabled``.
+    Imports torch (seconds): call it in a thread."""
+    from fusiond.graph.registry import op_set
+
+    ops = op_set(disabled)
+    return ops, ops.profile_fields()
+
+
+SOFTWARE_KEYS = ("torch_version", "python_version", "fusiond_version", "protocol_version")
+"""Profile keys of the software a node runs (`NodeProfile.software` carries them too)."""
+
+MIXED_TORCH_WARNING = ("members run different torch versions ({versions}): a graph is "
+                       "captured with the submitter's torch and runs on the others'; the "
+                       "planner places each stage only where every op of it runs")
+
+
+def software_summary(members: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """What `fusionctl status` shows about the software of the members (each a member of
+    `/v1/status`'s cluster view: ``node_id``, ``state``, ``profile``): per node its torch,
+    Python, fusiond and protocol versions and op set (digest, size, disabled ops); the torch
+    versions of the members that are not dead or gone, and a warning when they differ."""
+    nodes: list[dict[str, Any]] = []
+    torch_of: dict[str, list[str]] = {}
+    for m in members:
+        prof = m.get("profile")
+        prof = prof if isinstance(prof, Mapping) else {}
+        node_id = str(m.get("node_id"))
+        row: dict[str, Any] = {"node_id": node_id, "state": m.get("state")}
+        for key in SOFTWARE_KEYS:
+            v = prof.get(key)
+            row[key.removesuffix("_version")] = None if v is None else str(v)
+        digest = prof.get("ops_digest")
+        row["ops_digest"] = digest if isinstance(digest, str) else None
+        count = prof.get("ops_count")
+        row["ops_count"] = count if isinstance(count, int) and not isinstance(count, bool) \
+            else None
+        off = prof.get("ops_disabled")
+        row["ops_disabled"] = [str(x) for x in off[:64]] if isinstance(off, list) else []
+        nodes.append(row)
+        if m.get("state") not in ("dead", "left") and row["torch"] is not None:
+            torch_of.setdefault(row["torch"], []).append(node_id)
+    mixed = len(torch_of) > 1
+    versions = "; ".join(f"{v} on {', '.join(sorted(ids))}" for v, ids in sorted(torch_of.items()))
+    return {"nodes": sorted(nodes, key=lambda r: r["node_id"]),
+            "torch_versions": {v: sorted(ids) for v, ids in sorted(torch_of.items())},
+            "mixed_torch": mixed,
+            "warning": MIXED_TORCH_WARNING.format(versions=versions) if mixed else None}
 
 
 class Profiler:

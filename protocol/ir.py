@@ -33,6 +33,10 @@ from protocol.limits import DEFAULT_LIMITS, Limits
 
 IR_VERSION = 1
 """Version of the IR schema written by `dumps`; `loads` accepts exactly this version."""
+META_TORCH = "torch"
+"""`Graph.meta` key: the torch version that captured the graph (`torch.__version__`)."""
+META_PYTHON = "python"
+"""`Graph.meta` key: the Python version that captured the graph."""
 IR_FORMAT = "fusion-ir"
 """Format tag in the envelope, so a random msgpack blob is not mistaken for a graph."""
 
@@ -376,6 +380,8 @@ class Graph:
     `transformer.wte.weight` -> `lm_head.weight`). `buffer_updates` maps a buffer to the value
     that replaces it after each forward (BatchNorm running statistics). `symbols` holds example
     values of the dynamic dims; `symbol_ranges` their [min, max] (max None = unbounded).
+    `meta` is free-form text; capture writes `model` (the class), `META_TORCH` and
+    `META_PYTHON` (what captured it), partition adds `partition`.
     """
 
     inputs: tuple[InputSpec, ...]
@@ -388,6 +394,12 @@ class Graph:
     buffer_updates: Mapping[str, Ref] = field(default_factory=dict)
     meta: Mapping[str, str] = field(default_factory=dict)
     version: int = IR_VERSION
+
+    @property
+    def captured_with(self) -> tuple[str | None, str | None]:
+        """(torch version, Python version) that captured the graph; None where not recorded
+        (a graph from a build before the Python version was recorded)."""
+        return self.meta.get(META_TORCH), self.meta.get(META_PYTHON)
 
     @functools.cached_property
     def node_map(self) -> dict[str, Node]:
@@ -841,6 +853,8 @@ __all__ = [
     "DTYPE_BYTES",
     "IR_FORMAT",
     "IR_VERSION",
+    "META_PYTHON",
+    "META_TORCH",
     "SYM_DTYPES",
     "TENSOR_DTYPES",
     "Arg",

@@ -672,3 +672,29 @@ class JobOutput(Message):
     lane: ClassVar[Lane] = Lane.BULK
     job_id: str
     name: str
+
+
+# --- op sets (appended by the hetero helper; ids 60..61) -------------------------------------
+
+
+@dataclass(frozen=True)
+class OpSetRequest(Message):
+    """Scheduler -> a member: the op names of your op set `digest` (gossiped in your profile
+    as `ops_digest`), please. Reply: OpSetReply."""
+
+    TYPE_ID: ClassVar[int] = 60
+    request_id: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class OpSetReply(Message):
+    """Reply to OpSetRequest: `ops` (sorted names) hash to `digest`; not `ok` (the member's
+    op set is another one now) with `reason`. The requester checks the names and the hash."""
+
+    TYPE_ID: ClassVar[int] = 61
+    request_id: int
+    digest: str
+    ok: bool
+    ops: tuple[str, ...] = ()
+    reason: str = ""

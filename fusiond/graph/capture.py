@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import operator
+import platform
 import re
 import time
 import traceback
@@ -438,7 +439,9 @@ def _convert(
         symbol_ranges=ranges,
         aliases=aliases,
         buffer_updates=updates,
-        meta={"model": type(model).__name__, "torch": torch.__version__},
+        # what captured it: a stage on another torch names both versions when it refuses an op
+        meta={"model": type(model).__name__, ir.META_TORCH: torch.__version__,
+              ir.META_PYTHON: platform.python_version()},
     )
     try:
         ir.validate(graph)

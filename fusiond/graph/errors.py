@@ -16,10 +16,11 @@ class CaptureError(GraphError):
 class UnsupportedOpError(CaptureError):
     """An op the registry cannot run; the message names the op and the module path."""
 
-    def __init__(self, op: str, module_path: str = "", node: str = "") -> None:
+    def __init__(self, op: str, module_path: str = "", node: str = "",
+                 reason: str = "is not in the fusion op registry") -> None:
         where = f" in module {module_path!r}" if module_path else ""
         at = f" (node {node!r})" if node else ""
-        super().__init__(f"op {op!r}{where}{at} is not in the fusion op registry")
+        super().__init__(f"op {op!r}{where}{at} {reason}")
         self.op = op
         self.module_path = module_path
 

@@ -5,18 +5,25 @@ ATen opset (what `run_decompositions` lowers to), a few composite ops capture ke
 because they are faster than their decompositions (`KEPT_COMPOSITES`), and Python arithmetic
 on symbolic sizes (`sym.*`). Anything else is refused, so an IR cannot call arbitrary ATen ops
 (file I/O, allocator control) on another machine.
+
+What a node runs is its registry less the ops its operator disabled (`jobs.disabled_ops`):
+`op_set(disabled)`, an `fusiond.opsets.OpSet` whose digest the node gossips. A stage checks its
+partition against it when it is assigned (`check_ops`), naming the op it cannot run.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from fusiond.graph.errors import UnsupportedOpError
+from fusiond.opsets import OpSet
+from protocol import ir
 
 KEPT_COMPOSITES: tuple[str, ...] = (
     "aten.linear.default",
@@ -100,6 +107,41 @@ def _is_mutating(name: str) -> bool:
 def is_supported(name: str) -> bool:
     """True if `name` is in the registry."""
     return name in supported_ops()
+
+
+def op_set(disabled: Iterable[str] = ()) -> OpSet:
+    """What this node runs: the registry less `disabled` (names the registry lacks are kept
+    apart in `OpSet.unknown`: they disable nothing)."""
+    return OpSet.build(supported_ops(), disabled)
+
+
+def torch_version() -> str:
+    """This process's torch version as pip installed it (e.g. `2.13.0`; what profiles gossip)."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a torch not from pip
+        return str(torch.__version__)
+
+
+def check_ops(graph: ir.Graph, disabled: Iterable[str] = ()) -> None:
+    """Refuse a graph (a stage's partition) with an op this node cannot run:
+    `UnsupportedOpError` naming the first such op, its node and module, why (not in this
+    torch's registry, or disabled by the operator) and the torch versions involved."""
+    off = frozenset(disabled)
+    ops = supported_ops()
+    for n in graph.nodes:
+        if n.op in ops and n.op not in off:
+            continue
+        captured = graph.meta.get("torch")
+        here = f"torch {torch_version()}"
+        if n.op in off:
+            reason = (f"is disabled on this daemon by its operator (jobs.disabled_ops; it runs "
+                      f"{here})")
+        else:
+            reason = f"is not in this daemon's op registry ({here})"
+        if captured:
+            reason += f"; the graph was captured with torch {captured}"
+        raise UnsupportedOpError(n.op, n.module_path, n.id, reason)
 
 
 @functools.cache

@@ -46,6 +46,13 @@ from fusiond.graph import CapturedModel, contiguous_assignment, state_from_bytes
 from fusiond.jobs.assign import Corpus, JobLayout, layout_job
 from fusiond.jobs.coordinator import JobCoordinator, JobOutcome, save_checkpoint, write_outputs
 from fusiond.jobs.history import HISTORY_KEPT, JobHistory
+from fusiond.jobs.opsets import (
+    MemberOpSets,
+    OpSetService,
+    refuse_stages,
+    refuse_unrunnable,
+    software_line,
+)
 from fusiond.jobs.planning import layout_from_plan, plan_job, readapted_densities
 from fusiond.jobs.submit import (
     check_capacity,
@@ -219,12 +226,15 @@ def _member_memory(profile: Mapping[str, Any]) -> float:
     return 0.0
 
 
-def cluster_for_planner(view: Any, exclude: Iterable[str] = ()
+def cluster_for_planner(view: Any, exclude: Iterable[str] = (),
+                        op_sets: Mapping[str, frozenset[str] | None] | None = None
                         ) -> tuple[Cluster, dict[str, Address], dict[str, int]]:
     """The planner's `Cluster` from a `ClusterView`: alive members (less `exclude`), their
     gossiped profiles (speed, memory offered to jobs) and the measured bandwidth/RTT matrix (an
     unmeasured link counts as `DEFAULT_LINK_BYTES_PER_S`). Also every member's address and
-    memory (for the capacity check).
+    memory (for the capacity check). `op_sets`: member -> the ops it runs
+    (`fusiond.jobs.opsets`; a member absent or None runs every op), so that the planner places
+    each stage only where every op of it runs.
 
     The view's links are in bits per second, as probed and gossiped; the planner's `Cluster`
     is in bytes per second: `link_bytes_per_s` is the one conversion."""
@@ -249,6 +259,9 @@ def cluster_for_planner(view: Any, exclude: Iterable[str] = ()
             machine = MachineProfile(id=m.node_id, flops={"other": rate}, mem_bw=rate / 2,
                                      op_overhead_s=2e-5, memory_bytes=max(mem, 1.0),
                                      kind=str(prof.get("device_kind", "")))
+        ops = (op_sets or {}).get(m.node_id)
+        if ops is not None:
+            machine = replace(machine, ops=ops)
         machines.append(machine)
     ids = [m.node_id for m in members]
     links = dict(getattr(view, "links", {}) or {})
@@ -313,8 +326,11 @@ class JobService:
 
     def __init__(self, *, node_id: str, send_raw: SendFn, view: Callable[[], Any],
                  stage_config: StageConfig | None = None, ready_timeout_s: float = 120.0,
-                 failure_grace_s: float = 2.0, state_dir: Path | None = None) -> None:
+                 failure_grace_s: float = 2.0, state_dir: Path | None = None,
+                 op_sets: OpSetService | None = None) -> None:
         self.node_id = node_id
+        self.op_sets = op_sets
+        """The members' op sets (None: every member counts as running every op)."""
         self._history = JobHistory(state_dir / "jobs") if state_dir is not None else None
         self._past: dict[str, dict[str, Any]] = {}
         """Records of jobs submitted here before this daemon's start (`JobHistory`)."""
@@ -652,7 +668,16 @@ class JobService:
         view = self.view()
         if view is None:
             raise JobRefused("this daemon is not in a cluster: `fusionctl init` or `join` first")
-        cluster, addresses, memory = cluster_for_planner(view)
+        sets = await self._member_ops(view)
+        left_out = "".join(f"; {m} was left out: {w}" for m, w in sorted(sets.unknown.items()))
+        try:
+            cluster, addresses, memory = cluster_for_planner(view, exclude=sets.unknown,
+                                                             op_sets=sets.ops)
+        except JobRefused as e:
+            raise JobRefused(f"{e}{left_out}") from None
+        why = refuse_unrunnable(captured.graph, sets, cluster.ids())
+        if why is not None:
+            raise JobRefused(why + left_out)
         check_capacity(captured, spec, memory)
         job_id = meta.get("job_id") or f"{spec.name}-{secrets.token_hex(3)}"
         if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id) or job_id in self._jobs:
@@ -710,6 +735,7 @@ class JobService:
                 + (f" from step {first} (resumed)" if first else "")
                 + f" on {len(layout.stages)} stages ("
                 + ", ".join(f"{s.stage}:{s.node_id}" for s in layout.stages) + ")")
+        rec.log(software_line(captured.graph, sets))
         rec.log(f"timeouts from the measured links: Ready within {ready_s:.0f}s; a stage waits "
                 + ("its own bound" if recv_s is None else f"at least {recv_s:.0f}s")
                 + " for its inputs")
@@ -738,6 +764,11 @@ class JobService:
             layout = await asyncio.to_thread(
                 layout_job, job_id, captured.graph, state, op_nodes,
                 density=spec.compression.density, exact=spec.compression.exact_edges)
+            why = refuse_stages(captured.graph, {s.stage: (s.node_id, s.partition.node_ids)
+                                                 for s in layout.stages},
+                                self._sets_of(cluster), stages)
+            if why is not None:
+                raise JobRefused(why)
             text = (f"contiguous cut over {stages} machines (--stages); need at least "
                     f"{memory_estimate(captured, spec) / 2**20:.1f} MiB\n"
                     + _stages_table(layout, layout.densities))
@@ -746,6 +777,18 @@ class JobService:
         layout = await asyncio.to_thread(layout_from_plan, job_id, captured.graph, state, plan,
                                          spec)
         return layout, plan, render_plan(plan) + "\n" + _stages_table(layout, layout.densities)
+
+    async def _member_ops(self, view: Any) -> MemberOpSets:
+        """The alive members' op sets (fetching the lists of digests not seen before)."""
+        if self.op_sets is None:
+            return MemberOpSets()
+        return await self.op_sets.resolve(view)
+
+    def _sets_of(self, cluster: Cluster) -> MemberOpSets:
+        """The op sets the planner's `cluster` was built with, with the members' profiles."""
+        view = self.view()
+        profiles = {m.node_id: dict(m.profile or {}) for m in (view.members if view else ())}
+        return MemberOpSets({m.id: m.ops for m in cluster.machines}, {}, profiles)
 
     async def _readapt(self, rec: _Record, interval_s: float) -> None:
         """AdaTopK re-adaptation while `rec` runs: every `interval_s`, densities for the plan's
@@ -862,7 +905,9 @@ class JobService:
         try:
             if view is None:
                 raise JobRefused("this daemon left the cluster")
-            cluster, addresses, memory = cluster_for_planner(view, exclude=rec.excluded)
+            sets = await self._member_ops(view)
+            cluster, addresses, memory = cluster_for_planner(
+                view, exclude=rec.excluded | set(sets.unknown), op_sets=sets.ops)
             old = rec.coord
             captured = old.captured
             first, state = rec.first_step, captured.state

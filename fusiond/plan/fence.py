@@ -103,6 +103,10 @@ class _Search:
         self.cf = cf[q]
         self.cb = cb[q]
         self.prefix = arrays.prefix[:, q]
+        # [machine, j]: the first candidate index a stage ending at q[j] may start at there
+        # (past every op before q[j] the machine cannot run)
+        self.min_start = np.stack([np.searchsorted(q, arrays.min_start[m, q], "left")
+                                   for m in range(len(arrays.cluster))]).astype(np.int64)
         self.static = arrays.static_prefix[q]
         self.saved = arrays.saved_prefix[q]
         self.caps = arrays.caps - arrays.workspace
@@ -137,10 +141,11 @@ class _Search:
             P = self.prefix[m]
             infl = M if st.schedule == "gpipe" else min(M, K - k)
             mem = self.static + infl * self.saved
-            lo = np.maximum(
+            lo = np.maximum.reduce([
                 np.searchsorted(P, P[j] - bound, "left"),
                 np.searchsorted(mem, mem[j] - self.caps[m], "left"),
-            ).astype(np.int64)
+                self.min_start[m, j],
+            ]).astype(np.int64)
             val, arg = _range_argmin(best - P, lo, j - 1)
             dp[k, 1:] = P[1:] + val
             par_p[k, 1:] = arg
@@ -175,6 +180,20 @@ def _candidate_cuts(arrays: GraphArrays, max_cuts: int, compress: bool) -> I64:
     for lo, hi in itertools.pairwise(bounds):
         if hi > lo:
             picks.add(lo + int(np.argmin(cost[lo:hi])))
+    if arrays.restricted:
+        # where a machine starts or stops being able to run the ops: a stage on it must be
+        # able to end before an op it lacks and start after one (bounded, like the slices)
+        change = np.flatnonzero(np.any(np.diff(arrays.runs.astype(np.int8), axis=1) != 0,
+                                       axis=0)) + 1
+        edges_ops = {int(x) for x in change}
+        for m in range(len(arrays.cluster)):
+            bad = np.flatnonzero(~arrays.runs[m])
+            edges_ops.update(int(x) for x in bad)
+            edges_ops.update(int(x) + 1 for x in bad)
+        extra = sorted(e for e in edges_ops if 0 < e < n and e not in picks)
+        if len(extra) > max_cuts:
+            extra = extra[:: math.ceil(len(extra) / max_cuts)]
+        picks.update(extra)
     return np.array(sorted(picks), dtype=np.int64)
 
 
@@ -220,12 +239,12 @@ def _search_sequence(
         if res is None:
             continue
         cand = _score(arrays, res[1], compress)
-        if cand.evaluation.memory_ok and (
-            not best.evaluation.memory_ok
+        if cand.evaluation.feasible and (
+            not best.evaluation.feasible
             or cand.evaluation.iteration_s < best.evaluation.iteration_s
         ):
             best = cand
-    return best if best.evaluation.memory_ok else None
+    return best if best.evaluation.feasible else None
 
 
 def _group_orders(
@@ -389,6 +408,8 @@ class _SubsetSearch:
         self.outmax = outmax
         self.upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)
         self.comp = arrays.prefix[:, None, :] - arrays.prefix[:, :, None]  # [m, p, e]
+        # [m, p, e]: machine m runs every op of [p, e)
+        self.runs = arrays.bad_prefix[:, None, :] == arrays.bad_prefix[:, :, None]
 
     def run(self, bound: float, conservative: bool = False) -> tuple[float, list[StageSpec]
                                                                    ] | None:
@@ -434,7 +455,7 @@ class _SubsetSearch:
                             tail = np.where(better, cand, tail)
                             nxt = np.where(better, f2, nxt)
                     c = self.comp[first]
-                    ok = self.upper & (c <= bound) & (need <= a.caps[first])
+                    ok = self.upper & (c <= bound) & (need <= a.caps[first]) & self.runs[first]
                     tot = np.where(ok, c + tail, np.inf)
                     e = np.argmin(tot, axis=1)
                     best = tot[np.arange(n + 1), e]
@@ -485,7 +506,7 @@ def _subset_candidate(arrays: GraphArrays, compress: bool, modes: list[bool]) ->
                 results.append(res[1])
         for stages in results:
             cand = _score(arrays, stages, compress)
-            if cand.evaluation.memory_ok and (
+            if cand.evaluation.feasible and (
                 best is None or cand.evaluation.iteration_s < best.evaluation.iteration_s
             ):
                 best = cand
@@ -506,6 +527,7 @@ def _memory_feasible_cut(arrays: GraphArrays) -> list[StageSpec] | None:
     for p0 in range(n):
         outmax[p0, p0 + 1:] = np.maximum.accumulate(arrays.out[p0:])
     upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)
+    runs = arrays.bad_prefix[:, None, :] == arrays.bad_prefix[:, :, None]  # [m, p, e]
     for size in range(1, K + 1):
         infl = M if st.schedule == "gpipe" else min(M, size)
         mem = arrays.static_prefix + infl * arrays.saved_prefix
@@ -519,7 +541,8 @@ def _memory_feasible_cut(arrays: GraphArrays) -> list[StageSpec] | None:
                 else:
                     for f2 in (x for x in range(K) if rest >> x & 1):
                         ends |= reach.get((rest, f2), ends & False)
-                ok = np.any(upper & (need <= caps[first]) & ends[None, :], axis=1)
+                ok = np.any(upper & (need <= caps[first]) & runs[first] & ends[None, :],
+                            axis=1)
                 if ok.any():
                     reach[(mask, first)] = ok
     starts = [(mask, f) for (mask, f), ok in reach.items() if ok[0]]
@@ -538,7 +561,7 @@ def _memory_feasible_cut(arrays: GraphArrays) -> list[StageSpec] | None:
             return stages
         nxt = None
         for e in range(n - 1, p, -1):
-            if mem[e] - mem[p] + outmax[p, e] > caps[first]:
+            if mem[e] - mem[p] + outmax[p, e] > caps[first] or not runs[first, p, e]:
                 continue
             for f2 in (x for x in range(K) if rest >> x & 1):
                 r = reach.get((rest, f2))
@@ -593,7 +616,7 @@ def _refine(arrays: GraphArrays, best: _Candidate, compress: bool) -> _Candidate
         improved = False
         for stages in _neighbours(best.stages, K):
             cand = _score(arrays, stages, compress)
-            if cand.evaluation.memory_ok and cand.evaluation.iteration_s < (
+            if cand.evaluation.feasible and cand.evaluation.iteration_s < (
                 best.evaluation.iteration_s * (1 - 1e-9)
             ):
                 best, improved = cand, True
@@ -620,6 +643,12 @@ def plan_opfence(
     arrays = arrays or GraphArrays(graph, cluster, settings)
     if arrays.n == 0:
         raise PlanError("cannot plan an empty graph")
+    nowhere = np.flatnonzero(~arrays.runs.any(axis=0))
+    if len(nowhere):
+        ops = list(dict.fromkeys(graph.ops[i].op for i in nowhere))
+        raise PlanError(f"no machine of the cluster runs op {', '.join(map(repr, ops[:6]))}"
+                        f"{' and more' if len(ops) > 6 else ''} of {graph.name!r} (machines "
+                        f"{', '.join(cluster.ids())})")
     groups = fence_groups(cluster, group_ratio)
     fast_first = [sorted(g, key=lambda m: float(arrays.prefix[m, -1])) for g in groups]
     small = len(cluster) * min(arrays.n + 1, max_cuts) <= 400
@@ -649,10 +678,12 @@ def plan_opfence(
         if best is not None:
             best = _refine(arrays, best, compress)
     if best is None:
+        ops_note = ("; each stage also needs a machine that runs every op of it, and some "
+                    "machines lack ops of this graph" if arrays.restricted else "")
         raise PlanError(
             f"no cut of {graph.name!r} fits the machines' memory "
             f"(parameters+gradients+optimizer state alone need "
-            f"{arrays.static_prefix[-1] / 2**30:.2f} GiB)"
+            f"{arrays.static_prefix[-1] / 2**30:.2f} GiB){ops_note}"
         )
     dense = evaluate(arrays, best.stages) if best.densities else best.evaluation
     return Plan(
@@ -664,7 +695,21 @@ def plan_opfence(
         dense=dense,
         groups=tuple(tuple(cluster.machines[m].id for m in g) for g in groups),
         idle=_idle_reasons(arrays, groups, best.stages, best.evaluation),
+        notes=_op_notes(arrays),
     )
+
+
+def _op_notes(arrays: GraphArrays) -> tuple[str, ...]:
+    """One note per machine that lacks ops of the graph: which, and that its stages avoid
+    them."""
+    out = []
+    for m, machine in enumerate(arrays.cluster.machines):
+        lacks = arrays.missing_ops(m, 0, arrays.n)
+        if lacks:
+            out.append(f"{machine.id} cannot run {', '.join(lacks[:4])}"
+                       f"{f' and {len(lacks) - 4} more ops' if len(lacks) > 4 else ''}: "
+                       "no stage using one is placed there")
+    return tuple(out)
 
 
 def _idle_reasons(
@@ -691,7 +736,12 @@ def _idle_reasons(
         for m in g:
             if m in used:
                 continue
-            if not group_used:
+            lacks = arrays.missing_ops(m, 0, arrays.n)
+            if lacks:
+                out[ms[m].id] = (
+                    f"it cannot run op {', '.join(lacks[:3])}{' ...' if len(lacks) > 3 else ''}"
+                    f" of this graph: a stage there must avoid them; none was predicted faster")
+            elif not group_used:
                 others = [x for x in used]
                 best = max((float(bw_bytes_per_s[m, x]) for x in others), default=0.0)
                 out[ms[m].id] = (

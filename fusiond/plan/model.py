@@ -125,6 +125,10 @@ class MachineProfile:
     before it runs, when the machine has used up its CPU share: (1 - share) x the CFS period
     under a cgroup CPU quota of `share` of a core per busy thread, 0 without a quota. Every
     hand-off between stages pays it at both ends (`fusiond.plan.pipeline.evaluate`).
+    `ops`: the op names this machine runs (its torch's registry less the ops its operator
+    disabled, `fusiond.opsets`); None: every op. The planner places a stage on it only if it
+    runs every op of the stage (an op of a cost graph without a name, `OpCost.op == ""`, runs
+    anywhere).
     """
 
     id: str
@@ -136,6 +140,11 @@ class MachineProfile:
     wire_s_per_byte: float = 0.0
     msg_s: float = 0.0
     wake_s: float = 0.0
+    ops: frozenset[str] | None = None
+
+    def runs(self, op: str) -> bool:
+        """Whether this machine runs the op `op` (an unnamed op runs everywhere)."""
+        return self.ops is None or not op or op in self.ops
 
     def __post_init__(self) -> None:
         if not self.flops or any(v <= 0 or not math.isfinite(v) for v in self.flops.values()):
@@ -165,7 +174,7 @@ class MachineProfile:
             "wire_s_per_byte": self.wire_s_per_byte,
             "msg_s": self.msg_s,
             "wake_s": self.wake_s,
-        }
+        } | ({} if self.ops is None else {"ops": sorted(self.ops)})
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> MachineProfile:
@@ -182,6 +191,7 @@ class MachineProfile:
                 wire_s_per_byte=float(d.get("wire_s_per_byte", 0.0)),
                 msg_s=float(d.get("msg_s", 0.0)),
                 wake_s=float(d.get("wake_s", 0.0)),
+                ops=None if d.get("ops") is None else frozenset(str(x) for x in d["ops"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"machine profile: bad or missing field ({e!r})") from e
@@ -204,7 +214,7 @@ def scale_machine(m: MachineProfile, *, parallel: float, serial: float,
         kind=f"{m.kind}@{note}" if note and m.kind else (m.kind or note),
         # the event loop, the TLS record layer and the socket copies run on one thread
         wire_s_per_byte=m.wire_s_per_byte / serial, msg_s=m.msg_s / serial,
-        wake_s=m.wake_s)
+        wake_s=m.wake_s, ops=m.ops)
 
 
 def slower_of(a: MachineProfile, b: MachineProfile) -> MachineProfile:
@@ -215,7 +225,7 @@ def slower_of(a: MachineProfile, b: MachineProfile) -> MachineProfile:
                           op_overhead_s=max(a.op_overhead_s, b.op_overhead_s),
                           memory_bytes=a.memory_bytes, kind=a.kind,
                           wire_s_per_byte=max(a.wire_s_per_byte, b.wire_s_per_byte),
-                          msg_s=max(a.msg_s, b.msg_s))
+                          msg_s=max(a.msg_s, b.msg_s), ops=a.ops)
 
 
 @dataclass(frozen=True, eq=False)

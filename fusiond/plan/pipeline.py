@@ -122,10 +122,17 @@ class Evaluation:
     iteration_s: float
     samples_per_s: float
     over_memory: tuple[str, ...]
+    unrunnable: tuple[str, ...] = ()
+    """`"<machine>: <op>, ..."` for each stage whose machine cannot run some of its ops."""
 
     @property
     def memory_ok(self) -> bool:
         return not self.over_memory
+
+    @property
+    def feasible(self) -> bool:
+        """Every stage fits its machine's memory and its machine runs every op of it."""
+        return not self.over_memory and not self.unrunnable
 
 
 class GraphArrays:
@@ -159,6 +166,31 @@ class GraphArrays:
         )
         self.last_use = np.array([max(t.dsts) if t.dsts else t.src for t in graph.tensors],
                                  dtype=np.int64)
+        #: [machine, op] True where the machine runs the op (`MachineProfile.ops`)
+        self.runs = np.array([[m.runs(o.op) for o in graph.ops] for m in cluster.machines],
+                             dtype=bool).reshape(len(cluster), self.n)
+        #: [machine, p]: how many of ops [0, p) the machine cannot run
+        self.bad_prefix = np.concatenate(
+            [np.zeros((len(cluster), 1), dtype=np.int64),
+             np.cumsum(~self.runs, axis=1, dtype=np.int64)], axis=1)
+        #: [machine, p]: the first op a stage ending at position p may start at on that machine
+        #: (one past the last op before p it cannot run; p itself when op p - 1 is one)
+        idx = np.where(~self.runs, np.arange(1, self.n + 1)[None, :], 0)
+        self.min_start = np.concatenate(
+            [np.zeros((len(cluster), 1), dtype=np.int64),
+             np.maximum.accumulate(idx, axis=1).astype(np.int64)], axis=1)
+        #: whether any machine lacks an op of the graph (the searches skip the checks if not)
+        self.restricted = bool((~self.runs).any())
+
+    def stage_runs(self, machine: int, start: int, stop: int) -> bool:
+        """Whether `machine` runs every op in [start, stop)."""
+        return bool(self.bad_prefix[machine, stop] == self.bad_prefix[machine, start])
+
+    def missing_ops(self, machine: int, start: int, stop: int) -> list[str]:
+        """The op names in [start, stop) that `machine` cannot run (distinct, in order)."""
+        ops = self.graph.ops
+        bad = [ops[i].op for i in range(start, stop) if not self.runs[machine, i]]
+        return list(dict.fromkeys(bad))
 
     def cut_bytes(self, density_of_compressible: float) -> tuple[F64, F64]:
         """Bytes crossing each position p (between ops p-1 and p): forward and backward.
@@ -293,6 +325,7 @@ def evaluate(
 
     reports: list[StageReport] = []
     over: list[str] = []
+    unrunnable: list[str] = []
     holders: dict[str, list[int]] = {}
     opt_s = 0.0
     sizes = graph_param_sizes(g)
@@ -308,6 +341,9 @@ def evaluate(
         cap = float(arrays.caps[s.machine])
         if mem > cap:
             over.append(m.id)
+        if not arrays.stage_runs(s.machine, s.start, s.stop):
+            lacks = arrays.missing_ops(s.machine, s.start, s.stop)
+            unrunnable.append(f"{m.id}: {', '.join(lacks)}")
         opt_s = max(opt_s, params * st.optimizer_passes / m.mem_bw)
         reports.append(StageReport(
             i, s.machine, m.id, s.start, s.stop, g.ops[s.start].name, g.ops[s.stop - 1].name,
@@ -389,6 +425,7 @@ def evaluate(
         iteration_s=iteration,
         samples_per_s=M * b / iteration,
         over_memory=tuple(over),
+        unrunnable=tuple(unrunnable),
     )
 
 

@@ -149,6 +149,8 @@ def render_plan(plan: Plan, *, max_links: int = 24) -> str:
     ]
     if ev.over_memory:
         lines.append(f"OVER MEMORY on: {', '.join(ev.over_memory)}")
+    if ev.unrunnable:
+        lines.append(f"CANNOT RUN: {'; '.join(ev.unrunnable)}")
     if plan.idle:
         lines.append("idle machines:")
         by_reason: dict[str, list[str]] = {}

@@ -30,6 +30,7 @@ import torch
 
 from fusiond.errors import RemoteError
 from fusiond.graph import state_from_bytes
+from fusiond.graph.registry import check_ops
 from fusiond.train.data import DataSource, TextWindows, corpus_digest, make_source
 from fusiond.train.programs import build_stage_module
 from fusiond.train.schedule import schedule
@@ -367,6 +368,10 @@ class StageHost:
                  data: DataSource | None = None) -> None:
         self.assignment = decode_assign(assign, payload, limits=limits)
         sa = self.assignment
+        config = config or StageConfig()
+        # every op of the partition must run here (UnsupportedOpError names the one that does
+        # not), before anything is built
+        check_ops(sa.graph, config.disabled_ops)
         self.program = program_from_assignment(sa)
         self._node_stage = {n: s for s, n in sa.stage_nodes.items() if s != sa.stage}
         if self.program.data_inputs and data is None:
@@ -386,7 +391,6 @@ class StageHost:
                         "corpus differs between Python versions; give the job a data.path "
                         "(shipped from the submitter) to train on the same tokens everywhere")
         tasks = schedule(sa.batch.pipeline, sa.stages, sa.batch.micro_batches)
-        config = config or StageConfig()
         if sa.recv_timeout_s is not None and sa.recv_timeout_s > config.recv_timeout_s:
             # slow links: the plan says a step takes this long; never time out before it
             config = replace(config, recv_timeout_s=sa.recv_timeout_s)

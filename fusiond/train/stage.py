@@ -148,6 +148,9 @@ class StageConfig:
     """Longest wait for one task's inputs before the job fails naming the missing edges."""
     send_queue: int = 8
     """Outbound packets queued per destination stage before compute waits (backpressure)."""
+    disabled_ops: frozenset[str] = frozenset()
+    """Ops this daemon's operator disabled (`jobs.disabled_ops`): an Assign whose partition
+    uses one is refused, naming it (`fusiond.graph.registry.check_ops`)."""
 
 
 @dataclass

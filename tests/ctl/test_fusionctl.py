@@ -112,6 +112,16 @@ def test_init_token_join_leave(daemon: LocalNode, capsys: Capture) -> None:
     out = capsys.readouterr().out
     assert "(this node)" in out and "peers      (none)" in out
     assert "quorum     yes (1 of 1 voters alive, 1 needed)" in out
+    # each member's software, from its gossiped profile: one torch, no warning
+    sw = _json(capsys, [*sock, "status", "--json"])["software"]
+    import importlib.metadata
+    import platform
+
+    [row] = sw["nodes"]
+    assert row["torch"] == importlib.metadata.version("torch") and sw["warning"] is None
+    assert row["python"] == platform.python_version() and row["ops_count"] > 100
+    assert len(row["ops_digest"]) == 64 and row["ops_disabled"] == [] and not sw["mixed_torch"]
+    assert "software" in out and f"{row['ops_count']} ops" in out
     assert run([*sock, "remove", "n0000"]) == EXIT_FAILED
     assert "not a member" in capsys.readouterr().err
     left = _json(capsys, [*sock, "leave", "--yes", "--json"])
@@ -135,6 +145,35 @@ def test_status_says_no_quorum_in_plain_words(capsys: Capture) -> None:
     assert "NO QUORUM: this node reaches 1 of 3 members and needs 2" in out
     assert f"fusionctl remove {a}; fusionctl remove {b}" in out
     assert f"{b} (10.0.0.1:7420) is dead" in out
+
+
+def test_status_shows_versions_and_warns_when_members_run_different_torch(
+        capsys: Capture) -> None:
+    from fusiond.profile import software_summary
+
+    def member(node: str, torch: str, state: str = "alive", off: list[str] | None = None
+               ) -> dict[str, object]:
+        return {"node_id": node, "state": state, "address": ["10.0.0.1", 7420],
+                "profile": {"torch_version": torch, "python_version": "3.11.7",
+                            "fusiond_version": "0.1.0", "protocol_version": 1,
+                            "ops_digest": "a" * 64, "ops_count": 211,
+                            "ops_disabled": off or []}}
+
+    same = [member("na", "2.13.0"), member("nb", "2.13.0"), member("nc", "2.14.1", "dead")]
+    assert software_summary(same)["warning"] is None  # a dead member does not count
+    members = [member("na", "2.13.0"), member("nb", "2.14.1", off=["aten.gelu.default"])]
+    sw = software_summary(members)
+    assert sw["mixed_torch"] and sw["torch_versions"] == {"2.13.0": ["na"], "2.14.1": ["nb"]}
+    view = {"leader": "na", "term": 1, "has_quorum": True, "links": {}, "members": members}
+    render_status({"node": {"node_id": "na", "phase": "running"}, "cluster": view,
+                   "software": sw})
+    out = capsys.readouterr().out
+    [warn] = [ln for ln in out.splitlines() if ln.startswith("WARNING")]
+    assert "different torch versions (2.13.0 on na; 2.14.1 on nb)" in warn
+    assert "the planner places each stage only where every op of it runs" in warn
+    [row] = [ln for ln in out.splitlines() if ln.startswith("nb ") and "ops" in ln]
+    assert row.split()[:4] == ["nb", "2.14.1", "3.11.7", "0.1.0"]
+    assert "211 ops (disabled: aten.gelu.default)" in row
 
 
 def test_links_show_each_figure_with_its_accuracy_and_age(capsys: Capture) -> None:

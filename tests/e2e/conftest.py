@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +26,19 @@ so an event loop can stall for a second; the harness's 1 s lease would then move
 between tests. A dead stage is still declared within 8 s (the failure test allows 30 s)."""
 
 
-def start_cluster(root: Path, n: int = 3) -> Cluster:
-    """`n` daemons, node0 first, the others with node0 as their only bootstrap address."""
+def start_cluster(root: Path, n: int = 3, *,
+                  node_settings: Mapping[int, Mapping[str, Any]] | None = None,
+                  pythons: Mapping[int, str] | None = None) -> Cluster:
+    """`n` daemons, node0 first, the others with node0 as their only bootstrap address.
+    `node_settings[i]`: settings of node i only (e.g. its `jobs.disabled_ops`); `pythons[i]`:
+    the Python that runs node i (another virtual environment: another torch)."""
     c = Cluster(root, n, {"job_memory_gib": JOB_MEMORY_GIB,
                           "metrics": {"listen": "127.0.0.1:0"},
                           "cluster": JOB_TIMERS})
+    for i, extra in (node_settings or {}).items():
+        c.nodes[i].settings = merge(c.nodes[i].settings, extra)
+    for i, python in (pythons or {}).items():
+        c.nodes[i].python = python
     c.start(c.nodes[:1])
     c.wait_up(c.nodes[:1])
     addr = c.address(c.nodes[0])

@@ -7,6 +7,7 @@ checked against it in test_fence.py), so "optimum" means the best cut under the 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -85,8 +86,25 @@ def random_instance(rng: np.random.Generator, *, max_machines: int = 6,
     return Instance(graph, cluster, settings)
 
 
+def restrict(inst: Instance, rng: np.random.Generator, kinds: int = 4) -> Instance:
+    """`inst` with its ops named after `kinds` op kinds and each machine lacking a random
+    subset of them (possibly none), as machines on different torch versions or with ops
+    disabled by their operators are."""
+    names = [f"aten.k{i}.default" for i in range(kinds)]
+    ops = tuple(dataclasses.replace(o, op=str(rng.choice(names))) for o in inst.graph.ops)
+    graph = CostGraph(ops, inst.graph.tensors, name=inst.graph.name)
+    machines = []
+    for m in inst.cluster.machines:
+        lack = {x for x in names if rng.random() < 0.3}
+        machines.append(dataclasses.replace(m, ops=frozenset(set(names) - lack) if lack
+                                            else None))
+    cluster = Cluster(tuple(machines), inst.cluster.bandwidth_bytes_per_s, inst.cluster.rtt_s)
+    return Instance(graph, cluster, inst.settings)
+
+
 def exhaustive(inst: Instance) -> tuple[float, tuple[tuple[int, int, int], ...]]:
-    """Optimal predicted iteration time over all pipelines; (inf, ()) if none fits memory."""
+    """Optimal predicted iteration time over all pipelines; (inf, ()) if none fits memory
+    (with every stage on a machine that runs all of its ops)."""
     g, c, st = inst.graph, inst.cluster, inst.settings
     n, K = len(g.ops), len(c.machines)
     b, M = st.micro_batch_size, st.num_micro_batches
@@ -97,6 +115,9 @@ def exhaustive(inst: Instance) -> tuple[float, tuple[tuple[int, int, int], ...]]
     saved = np.array([o.saved_bytes for o in g.ops]) * b
     out = np.array([o.out_bytes for o in g.ops]) * b
     caps = np.array([m.memory_bytes * st.memory_fraction for m in c.machines])
+    # [machine, p]: ops of [0, p) the machine cannot run (`MachineProfile.ops`)
+    bad = np.array([[not m.runs(o.op) for o in g.ops] for m in c.machines]).reshape(K, n)
+    badpre = np.concatenate([np.zeros((K, 1)), np.cumsum(bad, 1)], 1)
     mbw = np.array([m.mem_bw for m in c.machines])
     best = (math.inf, ())
     for r in range(1, min(K, n) + 1):
@@ -128,7 +149,8 @@ def exhaustive(inst: Instance) -> tuple[float, tuple[tuple[int, int, int], ...]]
         for perm in itertools.permutations(range(K), r):
             pm = np.array(perm)
             comp = pre[pm[None, :], stops] - pre[pm[None, :], starts]  # (C, r)
-            ok = np.all(mem <= caps[pm][None, :], axis=1)
+            ok = np.all(mem <= caps[pm][None, :], axis=1) & np.all(
+                badpre[pm[None, :], stops] == badpre[pm[None, :], starts], axis=1)
             bwab = c.bandwidth_bytes_per_s[pm[:, None], pm[None, :]]
             with np.errstate(divide="ignore", invalid="ignore"):
                 tf = np.where(F > 0, F / bwab[None], 0.0)

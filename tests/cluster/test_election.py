@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fusiond.cluster.election import (
     CONFLICT,
+    TERM_LEAD_MAX,
     Election,
     ElectionTiming,
     Role,
@@ -190,11 +191,17 @@ def test_leader_without_majority_acks_steps_down_within_its_lease() -> None:
     assert role(a) == "follower" and a.leader(1.45) is None
 
 
-def test_higher_term_in_an_ack_deposes_the_leader() -> None:
+def test_a_higher_term_in_an_ack_does_not_depose_the_leader_its_lease_does() -> None:
+    # One follower's word (it may be a compromised member) must not depose a leader that a
+    # majority still acks; a real new leader means the majority stopped acking: the lease ends.
     a = Election("a", timing=T, now=0.0)
-    a.term, a.role = 4, "leader"
+    a.tick(0.6, voters={"a"}, ranked_alive=["a"], reachable=[])
+    assert role(a) == "leader" and a.term == 1
     a.on_leader_ack("b", LeaderAck(request_id=1, term=7, node_id="b", accepted=False), 1.0)
-    assert role(a) == "follower" and a.term == 7 and a.leader(1.0) is None
+    assert role(a) == "leader" and a.term == 1
+    a.tick(5.0, voters={"a", "b", "c"}, ranked_alive=["a"], reachable=["b", "c"])
+    a.tick(5.9, voters={"a", "b", "c"}, ranked_alive=["a"], reachable=["b", "c"])
+    assert role(a) == "follower" and a.leader(5.9) is None
 
 
 def test_two_leaders_of_one_term_both_step_down_and_follow_neither() -> None:
@@ -250,7 +257,37 @@ def test_a_late_pre_vote_grant_does_not_inflate_the_term() -> None:
     a.on_vote("b", Vote(request_id=pre.request_id, term=1, voter="b", granted=True), 2.1,
               frozenset("abcde"), list("bcde"))
     assert a.term == 0
-    # A refusal carries the voter's real term: that one is adopted.
+    # A stray refusal after the round is one member's word: it does not move our term.
     a.on_vote("c", Vote(request_id=pre.request_id, term=4, voter="c", granted=False), 2.2,
               frozenset("abcde"), list("bcde"))
-    assert a.term == 4
+    assert a.term == 0
+
+
+def test_a_refusal_of_a_running_campaign_moves_the_term_up_to_the_ceiling() -> None:
+    a = Election("a", timing=T, now=0.0)
+    voters = frozenset("abcde")
+    out = a.tick(0.6, voters=voters, ranked_alive=list("abcde"), reachable=list("bcde"))
+    pre = out[0][1]
+    assert isinstance(pre, PreVote)
+    # The refusal carries the voter's real term: adopted (it is within the bound).
+    a.on_vote("c", Vote(request_id=pre.request_id, term=4, voter="c", granted=False), 0.7,
+              voters, list("bcde"))
+    assert a.term == 4 and role(a) == "follower"
+    # One far ahead (nobody reported anything near it): only up to the quorum term + the
+    # bound, so a lagging group catches up a few terms per campaign and a liar gets no further.
+    out = a.tick(3.0, voters=voters, ranked_alive=list("abcde"), reachable=list("bcde"))
+    pre = out[0][1]
+    assert isinstance(pre, PreVote) and pre.term == 5
+    a.on_vote("d", Vote(request_id=pre.request_id, term=1 << 60, voter="d", granted=False),
+              3.1, voters, list("bcde"))
+    # The quorum term is the 3rd highest of (4 (ours), 0, 0, 0, 0): 0.
+    assert a.term == TERM_LEAD_MAX and a.refused["term too far ahead"] == 1
+    # b and c report 20 in their signed records: the 3rd highest is now ours (8).
+    a.set_reported_terms({"b": 20, "c": 20})
+    assert a.quorum_term(voters) == 8
+    out = a.tick(6.0, voters=voters, ranked_alive=list("abcde"), reachable=list("bcde"))
+    pre = out[0][1]
+    assert isinstance(pre, PreVote)
+    a.on_vote("b", Vote(request_id=pre.request_id, term=20, voter="b", granted=False),
+              6.1, voters, list("bcde"))
+    assert a.term == 2 * TERM_LEAD_MAX

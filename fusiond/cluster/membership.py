@@ -340,6 +340,7 @@ class Membership:
                 continue
             cur = member.record
             new = cur
+            heard = False
             if self.header_is_news(rec.node_id, rec.incarnation, rec.heartbeat,
                                    rec.state == "left"):
                 # Newer header (a restart if the incarnation grew): alive again unless left.
@@ -350,7 +351,7 @@ class Membership:
                     term=rec.term, signature=rec.signature)
                 if rec.incarnation != cur.incarnation:
                     new = dataclasses.replace(new, body_version=-1, body_signature=b"")
-                member.last_update = now
+                heard = True
             elif rec.incarnation < cur.incarnation or (
                 cur.state == "left" and rec.state != "left"
                 and rec.incarnation == cur.incarnation
@@ -364,6 +365,8 @@ class Membership:
             if new is not cur:
                 member.record = new
                 updated = True
+            if heard:  # a newer body alone is no sign of life: it may be relayed from long ago
+                member.last_update = now
                 t = self._set_state(rec.node_id, member,
                                     "left" if member.left() else "alive", now)
                 if t is not None:

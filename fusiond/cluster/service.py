@@ -443,6 +443,11 @@ class Cluster:
         """Whether facts are signed and checked (False: plaintext dev mode)."""
         return self._trust is not None
 
+    def removed(self) -> frozenset[str]:
+        """Members removed for good by an operator (here or, signed, anywhere)."""
+        return frozenset(self._membership.removed()) if self._membership is not None else (
+            frozenset())
+
     @property
     def election_refusals(self) -> dict[str, int]:
         """Reason -> election messages refused (claims not the sender's own, unproven
@@ -610,6 +615,9 @@ class Cluster:
             return
         signature = self._trust.sign_removal(node_id) if self._trust is not None else b""
         now = time.monotonic()
+        # Told: everyone reachable, the removed member included (if it still runs, it learns
+        # it was removed and stops voting; afterwards nobody gossips to it any more).
+        peers = [p for p in ms.with_state("alive", "suspect") if p != self.node_id]
         ms.remove(node_id, now, signature)
         self._members_changed()
         self._prober.forget(node_id)
@@ -617,7 +625,6 @@ class Cluster:
         self._election.forget(node_id, now)
         log.warning("cluster: %s removed by operator; voters now %d", node_id, len(ms.voters()))
         gossip = self._gossip_message()
-        peers = [p for p in ms.with_state("alive", "suspect") if p != self.node_id]
         await asyncio.gather(*(self._send_now(p, gossip) for p in peers))
         self._notify(force=True)
 
@@ -719,10 +726,14 @@ class Cluster:
         for entry in msg.members:
             rec, problem, misbehaved = self._admit(entry)
             if rec is None:
-                self._reject(peer, problem, now, f"entry for {entry.node_id[:MAX_NODE_ID_CHARS]}")
+                # Unverifiable is routine (a heartbeat of a member whose certificate has not
+                # reached us yet); forged or malformed is not.
+                self._reject(peer, problem, now, f"entry for {entry.node_id[:MAX_NODE_ID_CHARS]}",
+                             logging.WARNING if misbehaved else logging.DEBUG)
                 if entry.node_id == peer:
                     self._reject(peer, "unverified sender", now, "its own entry does not "
-                                 "verify: the whole message is dropped")
+                                 "verify: the whole message is dropped",
+                                 logging.WARNING if misbehaved else logging.DEBUG)
                     if misbehaved:
                         self._quarantine[peer] = now + self.config.quarantine_s
                     return
@@ -836,7 +847,8 @@ class Cluster:
             out[r.node_id] = r.signature
         return out
 
-    def _reject(self, peer: str, reason: str, now: float, detail: str) -> None:
+    def _reject(self, peer: str, reason: str, now: float, detail: str,
+                level: int = logging.WARNING) -> None:
         """Count a refused fact; log it at most once per _LOG_EVERY_S per peer and reason."""
         key = reason.split(":")[0]
         self.rejected[key] = self.rejected.get(key, 0) + 1
@@ -848,8 +860,8 @@ class Cluster:
             self._logged.clear()
         self._logged[(peer, key)] = (now, 0)
         more = f" (and {suppressed} more since)" if suppressed else ""
-        log.warning("cluster: refused from %s: %s%s%s", peer, reason,
-                    f" ({detail})" if detail else "", more)
+        log.log(level, "cluster: refused from %s: %s%s%s", peer, reason,
+                f" ({detail})" if detail else "", more)
 
     def _log_election_refusals(self, peer: str, now: float) -> None:
         el = self._election

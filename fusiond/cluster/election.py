@@ -337,9 +337,11 @@ class Election:
 
     def tick(self, now: float, *, voters: Collection[str],
              ranked_alive: Sequence[str] | Callable[[], Sequence[str]],
-             reachable: Collection[str]) -> list[Out]:
+             reachable: Collection[str], campaign: bool = True) -> list[Out]:
         """Advance timers. `ranked_alive`: live voters best first (us included if alive), or a
-        function computing it only when needed; `reachable`: voters worth sending to."""
+        function computing it only when needed; `reachable`: voters worth sending to;
+        `campaign` False: do not start a campaign now (e.g. a node alone that still dials a
+        bootstrap address: it is joining a cluster, not founding one)."""
         out: list[Out] = []
         t = self.timing
         if self.role == "leader":
@@ -367,7 +369,7 @@ class Election:
             self._lose_leader(now)
         if not self.enabled or self._leader is not None or self.node_id not in voters:
             return out
-        if now < self._started + t.grace_s or self.term >= MAX_TERM:
+        if not campaign or now < self._started + t.grace_s or self.term >= MAX_TERM:
             return out
         # The leader that just went silent is probably dead though still "alive" in gossip:
         # rank without it (but never without ourselves, e.g. a leader that lost its lease).

@@ -996,7 +996,12 @@ class Cluster:
                          if r is not None]
                 return rank_order(alive, ms.links())
 
-            outs = el.tick(now, voters=voters, ranked_alive=ranked, reachable=self._reachable())
+            # Alone, but still dialling a bootstrap address or waiting to hear from a contact:
+            # we are joining a cluster, so we never found one of our own meanwhile.
+            joining = voters == {self.node_id} and bool(
+                self._contacts or (self._dialer is not None and self._dialer.pending()))
+            outs = el.tick(now, voters=voters, ranked_alive=ranked, reachable=self._reachable(),
+                           campaign=not joining)
             self._persist_election()  # a campaign's new term and self-vote, before asking
             for dst, out in outs:
                 self._send_bg(dst, out)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from fusiond.cluster import Cluster
+from fusiond.cluster.election import Election, ElectionTiming
 from protocol.messages import (
     Endorsement,
     Gossip,
@@ -22,12 +23,18 @@ from protocol.messages import (
     Leave,
     MemberState,
     Message,
+    PreVote,
     Removal,
+    Vote,
     VoteRequest,
 )
 from tests.cluster.fakes import Swarm, agreed_leader, until
 
 HONEST = ["a", "b", "c"]
+T = ElectionTiming(election_timeout_s=1.0, heartbeat_s=0.25, lease_s=0.8, stagger_s=0.3,
+                   jitter_s=0.0, grace_s=0.5)
+VOTERS = frozenset({"a", "b", "c"})
+VOTERS3 = frozenset({"v", "x", "y"})
 STRONG = {"gflops": 100.0, "memory_bytes": 1 << 30}
 WEAK = {"gflops": 1.0, "memory_bytes": 1 << 20}
 """The rogue ranks last, so the leader is an honest node (a member may get itself elected:
@@ -206,18 +213,21 @@ async def test_only_the_operator_key_removes_a_member(swarm: Swarm) -> None:
 async def test_a_leadership_claim_without_a_majoritys_signed_support_is_not_followed(
         swarm: Swarm) -> None:
     leader, term = leader_and_term(swarm)
-    # Unproven: no proof, then a proof of endorsements the rogue signed itself, then the real
-    # leader's genuine proof replayed for the rogue.
+    # The rogue claims the next term for itself: no proof at all ...
+    for _ in range(4):
+        await send(swarm, Leader(request_id=1, term=term + 1, leader="r"))
+        await settle(0.05)
+    await still_one_leader(swarm, leader, term)
+    # ... then a proof of endorsements it signed itself in the others' names.
     tr = swarm.trust("r", operator=False)
     from fusiond.cluster.trust import support_statement
 
     fake = tuple(Endorsement(voter=v, signature=tr.sign(support_statement("test", term + 1, "r",
                                                                            v)))
                  for v in (*HONEST, "r"))
-    for proof in ((), fake):
-        for _ in range(4):
-            await send(swarm, Leader(request_id=1, term=term + 1, leader="r", proof=proof))
-            await settle(0.05)
+    for _ in range(4):
+        await send(swarm, Leader(request_id=2, term=term + 1, leader="r", proof=fake))
+        await settle(0.05)
     await still_one_leader(swarm, leader, term)
     refusals = [swarm.nodes[n].election_refusals for n in HONEST if n != leader]
     assert all(r.get("unproven leader", 0) >= 1 for r in refusals), refusals
@@ -233,6 +243,29 @@ async def test_claims_relayed_for_another_node_are_refused(swarm: Swarm) -> None
     await still_one_leader(swarm, leader, term)
 
 
+def test_a_vote_relayed_by_a_third_party_does_not_count() -> None:
+    # x is not a voter; it sends a grant "from b". Only b's own vote, over b's own link,
+    # counts for b (and a non-voter's counts for nobody).
+    a = Election("a", timing=T, now=0.0)
+    out = a.tick(0.6, voters=VOTERS, ranked_alive=["a", "b", "c"], reachable=["b", "c"])
+    pre = out[0][1]
+    assert isinstance(pre, PreVote)
+    for peer in ("x", "c"):
+        a.on_vote(peer, Vote(request_id=pre.request_id, term=1, voter="b", granted=True), 0.6,
+                  VOTERS, ["b", "c"])
+    assert a.term == 0 and a.role == "precandidate"
+
+
+def test_a_vote_request_relayed_for_another_candidate_is_refused() -> None:
+    v = Election("v", timing=T, now=0.0)
+    out = v.on_vote_request("y", VoteRequest(request_id=1, term=40, candidate="x"), 1.0, VOTERS3)
+    vote = out[0][1]
+    assert isinstance(vote, Vote) and not vote.granted
+    assert v.term == 0 and v.voted_for is None
+    out = v.on_prevote("y", PreVote(request_id=2, term=1, candidate="x"), 1.0, VOTERS3)
+    assert isinstance(out[0][1], Vote) and not out[0][1].granted
+
+
 # -- 5: absurd numbers ---------------------------------------------------------------------------
 
 
@@ -242,8 +275,10 @@ async def test_absurd_integers_in_an_entry_are_refused(swarm: Swarm, field: str)
     real = rogue_gossip(swarm)
     out = []
     for e in real.members:
-        if field == "port":
-            e = dataclasses.replace(e, address=(e.address[0], 0))
+        if field == "port":  # its own address, in a newer heartbeat
+            if e.node_id == "r":
+                e = dataclasses.replace(e, address=(e.address[0], 0),
+                                        heartbeat=e.heartbeat + 10**6)
         else:
             e = dataclasses.replace(e, **{field: 2**64 - 1})
         out.append(e)
@@ -257,17 +292,13 @@ async def test_absurd_integers_in_an_entry_are_refused(swarm: Swarm, field: str)
 
 
 async def test_an_infinite_link_measurement_does_not_crash_the_rank(swarm: Swarm) -> None:
+    # A buggy (or hostile) member measures an infinite bandwidth and signs it in its own
+    # record: the others' next election ranked it and crashed every node's timer loop.
     leader, term = leader_and_term(swarm)
-    real = rogue_gossip(swarm)
-    own = next(e for e in real.members if e.node_id == "r")
-    assert own.profile is not None
-    from protocol.messages import LinkMeasurement
-
-    bad = dataclasses.replace(own, links=(LinkMeasurement(peer="a", bandwidth_bps=math.inf,
-                                                          rtt_s=math.nan),))
-    await send(swarm, dataclasses.replace(real, members=(bad, *(
-        e for e in real.members if e.node_id != "r"))))
-    await settle()
+    ms = swarm.nodes["r"]._membership
+    assert ms is not None
+    ms.set_link("a", math.inf, math.nan)
+    await settle()  # its own gossip carries it (every few rounds) to everyone
     # The next election ranks the live members: it must not meet an infinite bandwidth.
     await re_election_works(swarm, leader, term)
     for n in HONEST:

@@ -361,6 +361,13 @@ def test_a_restarted_seed_whose_peers_do_not_answer_never_leads(
     lines = [line for line in seed.log_text().splitlines()
              if "restored 2 member(s)" in line and "3 voters, 2 needed" in line]
     assert lines, "the seed did not say it restored its member list"
+    # Only a member holding the CA key removes members: node1 has none.
+    from fusionctl.client import ApiFailure
+
+    with pytest.raises(ApiFailure) as refused:
+        others[0].api("POST", "/v1/remove", {"node_id": seed_id})
+    assert refused.value.status == 403 and "ca.key" in refused.value.message
+    assert all(summary(n.status())["quorum"] for n in c.nodes)
 
 
 @pytest.mark.slow

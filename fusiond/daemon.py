@@ -160,6 +160,8 @@ class Daemon:
         self.metrics: MetricsServer | None = None
         self.net: Any = None
         self.cluster: Any = None
+        self._denied_here: frozenset[str] | None = None
+        self._denied_applied: frozenset[str] | None = None
         self.jobs: Any = None
         """The job service (`fusiond.jobs.service.JobService`), once the peer network runs."""
         self.address: tuple[str, int] | None = None
@@ -399,13 +401,21 @@ class Daemon:
                      authority=X509Authority(pki.load_cert(tls.ca_cert)),
                      operator_key=ca.key if ca is not None else None)
 
-    def _apply_denied(self) -> None:
-        """The transport refuses the members removed here (denied.json) and those whose
-        operator-signed removal reached us by gossip."""
+    def _apply_denied(self, local: set[str] | None = None) -> None:
+        """The transport refuses the members removed here (denied.json; `local` when just
+        changed) and those whose operator-signed removal reached us by gossip. Called on
+        every cluster change: only a changed set reaches the transport."""
+        if local is not None:
+            self._denied_here = frozenset(local)
+        elif self._denied_here is None:
+            self._denied_here = frozenset(self._load_denied())
         if self.net is None:
             return
         removed = self.cluster.removed() if self.cluster is not None else frozenset()
-        self.net.set_denied(self._load_denied() | set(removed))
+        denied = self._denied_here | removed
+        if denied != self._denied_applied:
+            self._denied_applied = denied
+            self.net.set_denied(set(denied))
 
     def _has_credentials(self) -> bool:
         return bool(self.cfg.net.insecure_plaintext or self._tls_material().exists())
@@ -483,6 +493,7 @@ class Daemon:
             self.net = net
             await self._start_service("net", net)
             denied = self._load_denied()
+            self._denied_here, self._denied_applied = frozenset(denied), frozenset(denied)
             if denied:
                 net.set_denied(denied)
                 log.info("refusing %d removed member(s): %s", len(denied),
@@ -792,7 +803,7 @@ class Daemon:
         except NotAuthorizedError as e:
             raise ApiError(403, "not_operator", str(e)) from None
         denied = self._deny(node_id)
-        self._apply_denied()
+        self._apply_denied(denied)
         return {"removed": node_id, "denied": sorted(denied), "next": "fusionctl status"}
 
     def _job_service(self) -> Any:

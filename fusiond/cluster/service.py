@@ -750,6 +750,8 @@ class Cluster:
             removals = {}
         if bad:
             self._quarantine[peer] = now + self.config.quarantine_s
+            if len(self._quarantine) > 4 * self.config.max_members:
+                self._quarantine = {p: t for p, t in self._quarantine.items() if t > now}
         if not own:
             log.debug("gossip from %s without its own entry; ignored", peer)
             return

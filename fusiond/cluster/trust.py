@@ -223,6 +223,9 @@ class Trust:
         known = self._known.get(node_id)
         if known is not None and known.credential == credential:
             return
+        if node_id == self.node_id:
+            raise TrustError(f"a relay sent a credential for this node ({node_id}) other than "
+                             "its own")
         if len(credential) > MAX_CREDENTIAL_BYTES:
             raise TrustError(f"credential of {node_id} is {len(credential)} bytes, limit "
                              f"{MAX_CREDENTIAL_BYTES}")

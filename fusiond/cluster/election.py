@@ -66,7 +66,9 @@ Role = Literal["follower", "precandidate", "candidate", "leader"]
 CONFLICT = "conflicting leader"
 """LeaderAck reason: the receiver leads the same term too; both step down."""
 UNPROVEN = "unproven leader"
-"""LeaderAck reason: the heartbeat lacked a majority's signed support; send the proof."""
+"""LeaderAck reason: the heartbeat's proof lacks a majority's valid signed support."""
+PROOF_NEEDED = "proof needed"
+"""LeaderAck reason: the heartbeat carried no proof and we have not checked one yet."""
 Out = tuple[str, Message]
 
 MAX_TERM = (1 << 53) - 1
@@ -215,13 +217,15 @@ class Election:
         self._sent: dict[int, float] = {}
         self._accepted: set[str] = set()
         """Followers that accepted us in this term (they need no proof any more)."""
+        self._unproven_by: set[str] = set()
+        """Voters that found our proof short of a majority of their voters (joined later)."""
         self._poisoned_term = -1
         """A term in which two leaders met: no leader of it is followed."""
         self._proven: tuple[int, str] | None = None
         """(term, leader) whose proof we checked."""
-        self._proof_failed: dict[str, float] = {}
-        """Peer -> when its leadership proof last failed (not checked again for a while: a
-        forged proof costs one signature check per endorsement)."""
+        self._proof_failed: dict[str, tuple[int, float]] = {}
+        """Peer -> (term, when) its leadership proof last failed: not checked again in that
+        term for a while (a forged proof costs one signature check per endorsement)."""
         self._reported: dict[str, int] = {}
         self.refused: dict[str, int] = {}
         """Reason -> how many election messages were refused for it (claims not the sender's
@@ -356,6 +360,12 @@ class Election:
             if fresh < majority(voters) and now - self._lead_since >= t.lease_s:
                 self._step_down(now, backoff=t.election_timeout_s)
                 return out
+            if self._outgrown(voters):
+                # Members joined, and voters who cannot check our proof are needed for a
+                # majority (a node that led alone, then was joined): our lease would run out;
+                # re-elect ourselves at once with them instead.
+                self._step_down(now)
+                return self._start_prevote(now, voters, reachable)
             if now >= self._next_heartbeat:
                 out.extend(self._heartbeat(now, reachable))
             return out
@@ -419,8 +429,17 @@ class Election:
         self._acks = {v: now for v in self._grants}
         self._voters_seen = set(voters)
         self._accepted = set()
+        self._unproven_by = set()
         self._proven = (self.term, self.node_id)
         return self._heartbeat(now, reachable)
+
+    def _outgrown(self, voters: Collection[str]) -> bool:
+        """Whether our proof can no longer reach a majority of `voters`: the supporters plus
+        the voters that may still add their support are fewer than a majority."""
+        if self._endorser is None:
+            return False
+        could = sum(1 for v in voters if v in self._supports or v not in self._unproven_by)
+        return could < majority(voters)
 
     def _heartbeat(self, now: float, reachable: Collection[str]) -> list[Out]:
         self._next_heartbeat = now + self.timing.heartbeat_s
@@ -527,8 +546,13 @@ class Election:
         """Why `msg`'s leadership claim is not proven ('' if it is)."""
         if self._endorser is None or self._proven == (msg.term, msg.leader):
             return ""
+        if not msg.proof:
+            # A leader that does not know we need it yet (we restarted, or it just won): the
+            # refusal makes it send the proof with its next heartbeat.
+            return PROOF_NEEDED
         failed = self._proof_failed.get(peer)
-        if failed is not None and now - failed < self.timing.election_timeout_s:
+        if (failed is not None and failed[0] == msg.term
+                and now - failed[1] < self.timing.election_timeout_s):
             return f"{UNPROVEN}: an earlier proof failed"
         need = majority(voters)
         valid: set[str] = set()
@@ -539,11 +563,10 @@ class Election:
                 if len(valid) >= need:
                     self._proven = (msg.term, msg.leader)
                     return ""
-        if msg.proof:  # an empty proof is a leader that does not know we need one yet
-            self._proof_failed[peer] = now
-            if len(self._proof_failed) > 4 * len(voters) + 16:
-                self._proof_failed = {p: t for p, t in self._proof_failed.items()
-                                      if now - t < self.timing.election_timeout_s}
+        self._proof_failed[peer] = (msg.term, now)
+        if len(self._proof_failed) > 4 * len(voters) + 16:
+            self._proof_failed = {p: f for p, f in self._proof_failed.items()
+                                  if now - f[1] < self.timing.election_timeout_s}
         return f"{UNPROVEN}: {len(valid)} of {need} supports"
 
     def on_leader(self, peer: str, msg: Leader, now: float,
@@ -594,10 +617,17 @@ class Election:
         if msg.node_id != peer:
             self._refuse("ack not from the follower itself")
             return []
-        if self.role != "leader" or msg.term != self.term:
+        if self.role != "leader":
+            return []
+        if not msg.accepted and msg.request_id in self._sent and msg.term <= self.term:
+            # A refusal of one of our heartbeats (it carries the follower's own term, which is
+            # lower while it has not accepted us).
+            self._accepted.discard(peer)
+            if msg.reason.startswith(UNPROVEN):
+                self._unproven_by.add(peer)
+        if msg.term != self.term:
             return []
         if not msg.accepted:
-            self._accepted.discard(peer)
             if msg.reason == CONFLICT and self._endorser is None:
                 # Plaintext mode: the other leader's word. Signed mode: we step down when its
                 # own proven heartbeat reaches us (on_leader), not on a claim we cannot check.
@@ -611,6 +641,7 @@ class Election:
                 self._refuse("bad ack signature")
                 return []
         self._accepted.add(peer)
+        self._unproven_by.discard(peer)
         sent = self._sent.get(msg.request_id)
         if sent is not None and sent > self._acks.get(peer, -math.inf):
             self._acks[peer] = sent

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from fusiond.cluster.discovery import SERVICE_TYPE, BootstrapDialer, MdnsDiscovery
-from fusiond.cluster.election import Election, ElectionTiming, majority, rank_order
+from fusiond.cluster.election import MAX_TERM, Election, ElectionTiming, majority, rank_order
 from fusiond.cluster.errors import TrustError, UnknownMemberError
 from fusiond.cluster.membership import (
     ELIDED,
@@ -98,7 +98,8 @@ _MAX_BAD_ENTRIES = 8
 _LOG_EVERY_S = 10.0
 """Rate limit of the log line about refused facts (per peer and reason)."""
 _ROUTINE_REFUSALS = frozenset({"stale term", "just started", "voted for", "leader is alive",
-                               "not a voter", "candidate is not a voter", "conflicting leader"})
+                               "not a voter", "candidate is not a voter", "conflicting leader",
+                               "proof needed"})
 """Election refusals that happen in a healthy cluster (not logged)."""
 _MEMBERS_SAVE_DELAY_S = 0.2
 """Member-list changes are written together, at most this long after the first."""
@@ -714,6 +715,10 @@ class Cluster:
                              "facts lately; its gossip is ignored for a while")
                 return
             del self._quarantine[peer]
+        if not 0 <= msg.term <= MAX_TERM:
+            # Hearsay never adopted anyway (each member's term is in its own signed record);
+            # an absurd one is said, as the sign of a broken or hostile peer it is.
+            self._reject(peer, "absurd gossip term", now, f"{msg.term}; ignored")
         limit = self.config.max_members
         if len(msg.members) > limit + 1 or len(msg.removals) > limit:
             self._reject(peer, "oversized gossip", now, f"{len(msg.members)} entries and "

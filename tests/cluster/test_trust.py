@@ -116,6 +116,7 @@ async def test_a_gossiped_term_of_2_64_minus_1_is_not_adopted(swarm: Swarm,
     leader, term = leader_and_term(swarm)
     await send(swarm, dataclasses.replace(rogue_gossip(swarm), term=2**64 - 1, leader="r"))
     await still_one_leader(swarm, leader, term)
+    assert all(swarm.nodes[n].rejected.get("absurd gossip term") == 1 for n in HONEST)
     assert all(t < 2**53 for t in persisted_terms(tmp_path).values())
     # The next term is one above, not an overflow: a scheduler can still be elected.
     await re_election_works(swarm, leader, term)
@@ -230,7 +231,8 @@ async def test_a_leadership_claim_without_a_majoritys_signed_support_is_not_foll
         await settle(0.05)
     await still_one_leader(swarm, leader, term)
     refusals = [swarm.nodes[n].election_refusals for n in HONEST if n != leader]
-    assert all(r.get("unproven leader", 0) >= 1 for r in refusals), refusals
+    assert all(r.get("proof needed", 0) >= 1 and r.get("unproven leader", 0) >= 1
+               for r in refusals), refusals
 
 
 async def test_claims_relayed_for_another_node_are_refused(swarm: Swarm) -> None:

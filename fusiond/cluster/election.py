@@ -67,6 +67,8 @@ CONFLICT = "conflicting leader"
 """LeaderAck reason: the receiver leads the same term too; both step down."""
 UNPROVEN = "unproven leader"
 """LeaderAck reason: the heartbeat's proof lacks a majority's valid signed support."""
+FORGED_PROOF = "forged proof"
+"""LeaderAck reason: endorsements in the proof do not verify (a forgery, or a bug)."""
 PROOF_NEEDED = "proof needed"
 """LeaderAck reason: the heartbeat carried no proof and we have not checked one yet."""
 Out = tuple[str, Message]
@@ -556,17 +558,24 @@ class Election:
             return f"{UNPROVEN}: an earlier proof failed"
         need = majority(voters)
         valid: set[str] = set()
+        forged = 0
         for e in msg.proof[:len(voters)]:
-            if e.voter in voters and e.voter not in valid and self._endorser.verify_support(
-                    e.voter, msg.term, msg.leader, e.signature):
-                valid.add(e.voter)
-                if len(valid) >= need:
-                    self._proven = (msg.term, msg.leader)
-                    return ""
+            if e.voter not in voters or e.voter in valid:
+                continue
+            if not self._endorser.verify_support(e.voter, msg.term, msg.leader, e.signature):
+                forged += 1
+                continue
+            valid.add(e.voter)
+            if len(valid) >= need:
+                self._proven = (msg.term, msg.leader)
+                return ""
         self._proof_failed[peer] = (msg.term, now)
         if len(self._proof_failed) > 4 * len(voters) + 16:
             self._proof_failed = {p: f for p, f in self._proof_failed.items()
                                   if now - f[1] < self.timing.election_timeout_s}
+        if forged:
+            return f"{FORGED_PROOF}: {forged} endorsements do not verify"
+        # All valid, too few: a member that joined after the election (routine).
         return f"{UNPROVEN}: {len(valid)} of {need} supports"
 
     def on_leader(self, peer: str, msg: Leader, now: float,

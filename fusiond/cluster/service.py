@@ -99,7 +99,7 @@ _LOG_EVERY_S = 10.0
 """Rate limit of the log line about refused facts (per peer and reason)."""
 _ROUTINE_REFUSALS = frozenset({"stale term", "just started", "voted for", "leader is alive",
                                "not a voter", "candidate is not a voter", "conflicting leader",
-                               "proof needed"})
+                               "proof needed", "unproven leader"})
 """Election refusals that happen in a healthy cluster (not logged)."""
 _MEMBERS_SAVE_DELAY_S = 0.2
 """Member-list changes are written together, at most this long after the first."""

@@ -167,6 +167,8 @@ class ClusterSection:
     """Failure detector and election timer resolution."""
     max_members: int = 4096
     """Bound on the membership table (peers cannot make this node hold more)."""
+    quarantine_s: float = 5.0
+    """A peer that relayed a forged or malformed fact is not listened to for this long."""
 
 
 @dataclass

@@ -65,6 +65,9 @@ certificates are still valid (there is no revocation yet; docs/security.md)."""
 ELECTION_FILE = "election.json"
 """The election's term and vote (fusiond.cluster.persist): no second vote in a term after a
 restart."""
+MEMBERS_FILE = "members.json"
+"""The member list (signed headers and certificates), removals and voter set
+(fusiond.cluster.persist): a restarted node counts the voters it knew."""
 BOOTSTRAP_FILE = "bootstrap.json"
 """Addresses learned from `fusionctl join`, kept so a restart finds the cluster again."""
 PLAINTEXT_CLUSTER_ID = "insecure-dev"
@@ -157,6 +160,8 @@ class Daemon:
         self.metrics: MetricsServer | None = None
         self.net: Any = None
         self.cluster: Any = None
+        self._denied_here: frozenset[str] | None = None
+        self._denied_applied: frozenset[str] | None = None
         self.jobs: Any = None
         """The job service (`fusiond.jobs.service.JobService`), once the peer network runs."""
         self.op_sets: Any = None
@@ -384,6 +389,37 @@ class Daemon:
                                 "(`fusionctl token` on a member, then `fusionctl join`)")
         return str(pki.cluster_id_of_ca_cert(ca_cert))
 
+    def _cluster_trust(self, tls: Any, cluster_id: str) -> Any:
+        """This node's signing key, certificate and the cluster CA (plus the CA key where this
+        member holds it: it may then remove members), for signed membership facts."""
+        from cryptography.hazmat.primitives import serialization
+
+        from fusiond.cluster import Trust, X509Authority
+        from fusiond.net import pki
+
+        ident = pki.load_or_create_node_identity(self.state_dir)
+        ca = pki.load_cluster_ca(self.state_dir)
+        return Trust(cluster_id=cluster_id, node_id=self.node_id, key=ident.key,
+                     credential=pki.load_cert(tls.cert).public_bytes(serialization.Encoding.DER),
+                     authority=X509Authority(pki.load_cert(tls.ca_cert)),
+                     operator_key=ca.key if ca is not None else None)
+
+    def _apply_denied(self, local: set[str] | None = None) -> None:
+        """The transport refuses the members removed here (denied.json; `local` when just
+        changed) and those whose operator-signed removal reached us by gossip. Called on
+        every cluster change: only a changed set reaches the transport."""
+        if local is not None:
+            self._denied_here = frozenset(local)
+        elif self._denied_here is None:
+            self._denied_here = frozenset(self._load_denied())
+        if self.net is None:
+            return
+        removed = self.cluster.removed() if self.cluster is not None else frozenset()
+        denied = self._denied_here | removed
+        if denied != self._denied_applied:
+            self._denied_applied = denied
+            self.net.set_denied(set(denied))
+
     def _has_credentials(self) -> bool:
         return bool(self.cfg.net.insecure_plaintext or self._tls_material().exists())
 
@@ -435,6 +471,7 @@ class Daemon:
             cfg = self.cfg
             await self._start_op_sets()
             tls: Any = None
+            trust: Any = None
             cluster_id: str
             if cfg.net.insecure_plaintext:
                 cluster_id = cfg.cluster.id or PLAINTEXT_CLUSTER_ID
@@ -442,6 +479,7 @@ class Daemon:
             else:
                 tls = self._tls_material()
                 cluster_id = await asyncio.to_thread(self._check_credentials, tls)
+                trust = await asyncio.to_thread(self._cluster_trust, tls, cluster_id)
                 self.security = "tls"
             self.cluster_id = cluster_id
             host, port = parse_hostport(cfg.net.listen)
@@ -459,6 +497,7 @@ class Daemon:
             self.net = net
             await self._start_service("net", net)
             denied = self._load_denied()
+            self._denied_here, self._denied_applied = frozenset(denied), frozenset(denied)
             if denied:
                 net.set_denied(denied)
                 log.info("refusing %d removed member(s): %s", len(denied),
@@ -475,9 +514,12 @@ class Daemon:
                 advertise=self.address, profile=self.profiler,
                 config=_cluster_config(ClusterConfig, cfg, bootstrap),
                 state_path=self.state_dir / ELECTION_FILE,
+                members_path=self.state_dir / MEMBERS_FILE, trust=trust,
             )
             self.cluster = cluster
             await self._start_service("cluster", cluster)
+            cluster.on_change(lambda _view: self._apply_denied())
+            self._apply_denied()
             await self._start_jobs()
             self.phase = "running"
             log.info("peer services up: cluster %s, %s links, listening on %s, advertising %s",
@@ -636,7 +678,8 @@ class Daemon:
         elif self.phase == "left":
             out["hint"] = "this node left its cluster: run `fusionctl join TOKEN` to join again"
         if self.security == "plaintext":
-            out["warning"] = "PLAINTEXT peer links: loopback development only"
+            out["warning"] = ("PLAINTEXT peer links: loopback development only; membership, "
+                              "votes and terms are unsigned (any peer can forge them)")
         return out
 
     def links(self) -> dict[str, Any]:
@@ -791,10 +834,14 @@ class Daemon:
             raise ApiError(409, "not_member", "this node is not in a cluster")
         if node_id == self.node_id:
             raise ApiError(400, "self", "use `fusionctl leave` to remove this node")
-        await self.cluster.remove(node_id)
+        from fusiond.cluster import NotAuthorizedError
+
+        try:
+            await self.cluster.remove(node_id)
+        except NotAuthorizedError as e:
+            raise ApiError(403, "not_operator", str(e)) from None
         denied = self._deny(node_id)
-        if self.net is not None:
-            self.net.set_denied(denied)
+        self._apply_denied(denied)
         return {"removed": node_id, "denied": sorted(denied), "next": "fusionctl status"}
 
     def _job_service(self) -> Any:

@@ -197,7 +197,15 @@ class NodeProfile(Struct):
 
 @dataclass(frozen=True)
 class MemberEntry(Struct):
-    """One member as gossiped: newer (incarnation, heartbeat) wins."""
+    """One member as gossiped: newer (incarnation, heartbeat) wins.
+
+    Authored and signed by the member itself (fusiond.cluster.trust): the *header* (address,
+    incarnation, heartbeat, left or not, `term`) by `signature`, the *body* (profile and
+    links, as of the member's heartbeat `body_version`) by `body_signature`, so a relay can
+    forward either verbatim but alter neither. `state` SUSPECT/DEAD is the relaying node's own
+    judgement (hearsay, unsigned); LEFT is the member's signed claim. The signature fields are
+    empty in plaintext dev mode.
+    """
 
     node_id: str
     address: Address
@@ -206,6 +214,35 @@ class MemberEntry(Struct):
     state: MemberState
     profile: NodeProfile | None = None
     links: tuple[LinkMeasurement, ...] = ()
+    term: int = 0
+    """The highest election term this member has seen (part of its signed header)."""
+    signature: bytes = b""
+    """The member's ECDSA P-256 signature over its header."""
+    body_version: int = 0
+    """The member's heartbeat when it signed `profile` and `links` (with a profile only)."""
+    body_signature: bytes = b""
+    """The member's signature over its body (with a profile only)."""
+    credential: bytes = b""
+    """The member's node certificate (DER), so a receiver can check the signatures: in the
+    sender's own entry always, in other entries with a profile."""
+
+
+@dataclass(frozen=True)
+class Removal(Struct):
+    """An operator removed `node_id` from the cluster for good, signed with the cluster CA key
+    (only a member holding ca.key can issue one; fusiond.cluster.trust)."""
+
+    node_id: str
+    signature: bytes = b""
+
+
+@dataclass(frozen=True)
+class Endorsement(Struct):
+    """`voter` supports the sender as leader of a term: its signature over that statement, from
+    its Vote (granted) or LeaderAck (accepted). A majority of them proves a leadership claim."""
+
+    voter: str
+    signature: bytes
 
 
 @dataclass(frozen=True)
@@ -302,7 +339,12 @@ class Gossip(Message):
     sender: str
     members: tuple[MemberEntry, ...]
     term: int = 0
+    """The sender's term: hearsay, shown for debugging, never adopted by the receiver (each
+    member's own term travels signed in its MemberEntry)."""
     leader: str = ""
+    """Hearsay too: never followed."""
+    removals: tuple[Removal, ...] = ()
+    """Operator removals the sender knows (each verified by every receiver)."""
 
 
 @dataclass(frozen=True)
@@ -339,6 +381,9 @@ class Vote(Message):
     voter: str
     granted: bool
     reason: str = ""
+    signature: bytes = b""
+    """A granted VoteRequest vote: the voter's signed support of the candidate for `term`
+    (an Endorsement); empty for pre-votes, refusals and in plaintext dev mode."""
 
 
 @dataclass(frozen=True)
@@ -350,6 +395,9 @@ class Leader(Message):
     term: int
     leader: str
     address: Address | None = None
+    proof: tuple[Endorsement, ...] = ()
+    """Signed support from a majority of voters for `leader` in `term`: sent until the receiver
+    has accepted this leader for this term; a follower follows no unproven leader."""
 
 
 @dataclass(frozen=True)
@@ -362,6 +410,9 @@ class LeaderAck(Message):
     node_id: str
     accepted: bool
     reason: str = ""
+    signature: bytes = b""
+    """With `accepted`: the follower's signed support of the leader for `term` (the leader adds
+    it to its proof, so members that join later can check the claim)."""
 
 
 # --- jobs and training -----------------------------------------------------------------------

@@ -4,8 +4,15 @@ The daemon builds one `Cluster` on top of its PeerNetwork; see docs/cluster.md.
 """
 
 from fusiond.cluster.election import rank_order
-from fusiond.cluster.errors import ClusterError, DiscoveryError, UnknownMemberError
+from fusiond.cluster.errors import (
+    ClusterError,
+    DiscoveryError,
+    NotAuthorizedError,
+    TrustError,
+    UnknownMemberError,
+)
 from fusiond.cluster.service import Cluster, ClusterConfig, ClusterView, MemberView, Transport
+from fusiond.cluster.trust import Trust, X509Authority
 
 __all__ = [
     "Cluster",
@@ -14,7 +21,11 @@ __all__ = [
     "ClusterView",
     "DiscoveryError",
     "MemberView",
+    "NotAuthorizedError",
     "Transport",
+    "Trust",
+    "TrustError",
     "UnknownMemberError",
+    "X509Authority",
     "rank_order",
 ]

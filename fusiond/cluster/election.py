@@ -22,31 +22,79 @@ Sans-IO: every method takes the current (monotonic) time and returns the message
 - Two leaders of one term (only possible while views of the voter set differ, e.g. two groups
   that formed apart and then met) both step down when one hears the other, and nobody follows a
   leader of that term again; the next term elects one.
+
+Trust (docs/security.md, threat model). Election messages travel directly over the sender's
+authenticated link (`peer` is the node id its certificate proves), so every claim in them must
+be the sender's own: ``PreVote.candidate``, ``VoteRequest.candidate``, ``Vote.voter``,
+``Leader.leader`` and ``LeaderAck.node_id`` must equal `peer`, and a vote counts only from a
+voter. Beyond that, with an `Endorser` (signed mode):
+
+- a granted vote and an accepted leader heartbeat carry the voter's signed *support* of the
+  leader for the term; a leader's heartbeat carries a majority of them (its *proof*) until the
+  follower has accepted it, and nobody follows (or adopts the term of) an unproven leader;
+- a term is adopted only by the rules: from a proven leader, when granting a vote, or from a
+  refusal answering our own campaign; and a term claimed without proof (a vote request, a
+  pre-vote, a refusal) is bounded by `TERM_LEAD_MAX` above the *quorum term*, the highest term
+  a majority of voters reported in their own signed records (a refusal beyond it moves us to
+  the bound, no further: this is how a group that fell behind catches up, a few terms per
+  campaign). One member's word never deposes a leader: a leader steps down on a proven leader
+  of a higher term or on losing its lease, not on an ack naming a higher term;
+- terms stay below `MAX_TERM`: an absurd one is refused and never persisted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from fusiond.cluster.membership import Address, Link, MemberRecord
-from protocol.messages import Leader, LeaderAck, Message, PreVote, Vote, VoteRequest
+from protocol.messages import (
+    Endorsement,
+    Leader,
+    LeaderAck,
+    Message,
+    PreVote,
+    Vote,
+    VoteRequest,
+)
 
 Role = Literal["follower", "precandidate", "candidate", "leader"]
 CONFLICT = "conflicting leader"
 """LeaderAck reason: the receiver leads the same term too; both step down."""
+UNPROVEN = "unproven leader"
+"""LeaderAck reason: the heartbeat's proof lacks a majority's valid signed support."""
+FORGED_PROOF = "forged proof"
+"""LeaderAck reason: endorsements in the proof do not verify (a forgery, or a bug)."""
+PROOF_NEEDED = "proof needed"
+"""LeaderAck reason: the heartbeat carried no proof and we have not checked one yet."""
 Out = tuple[str, Message]
+
+MAX_TERM = (1 << 53) - 1
+"""No term beyond this is ever adopted, campaigned for or persisted (the overflow attack)."""
+TERM_LEAD_MAX = 8
+"""How far above the quorum term an unproven term may be (an honest candidate is at most a
+term or two ahead of what the majority reported; the margin covers lost messages)."""
+
+
+class Endorser(Protocol):
+    """Signs our support of a leader and checks others' (fusiond.cluster.trust.Trust)."""
+
+    def sign_support(self, term: int, leader: str) -> bytes: ...
+
+    def verify_support(self, voter: str, term: int, leader: str, signature: bytes) -> bool: ...
 
 
 # -- rank ---------------------------------------------------------------------------------------
 
 
 def _bucket(value: float) -> int:
-    """log2 bucket: values within a factor of 2 rank alike, so measurement noise is ignored."""
-    return math.floor(math.log2(value)) if value > 0 else -1
+    """log2 bucket: values within a factor of 2 rank alike, so measurement noise is ignored.
+    Not a finite positive number: -1 (an infinite bandwidth once crashed every node's rank)."""
+    return math.floor(math.log2(value)) if value > 0 and math.isfinite(value) else -1
 
 
 def _num(profile: Mapping[str, Any], key: str) -> float:
@@ -137,11 +185,15 @@ class Election:
     """One node's election state (see the module docstring)."""
 
     def __init__(self, node_id: str, *, timing: ElectionTiming, now: float,
-                 address: Address | None = None, rng: random.Random | None = None) -> None:
+                 address: Address | None = None, rng: random.Random | None = None,
+                 endorser: Endorser | None = None) -> None:
+        """`endorser`: signs and checks support (signed mode); None: plaintext dev mode, where
+        leadership claims cannot be checked and are taken on the sender's word."""
         self.node_id = node_id
         self.timing = timing
         self._address = address
         self._rng = rng or random.Random()
+        self._endorser = endorser
         self._started = now
         self.term = 0
         self.voted_for: str | None = None
@@ -157,23 +209,46 @@ class Election:
         self._pending_rid = 0
         self._pending_term = 0
         self._grants: set[str] = set()
+        self._supports: dict[str, bytes] = {}
+        """Signed support for our campaign (then our proof as leader): voter -> signature."""
         # Leader state.
         self._lead_since = 0.0
         self._next_heartbeat = 0.0
         self._acks: dict[str, float] = {}
         self._voters_seen: set[str] = set()
         self._sent: dict[int, float] = {}
+        self._accepted: set[str] = set()
+        """Followers that accepted us in this term (they need no proof any more)."""
+        self._unproven_by: set[str] = set()
+        """Voters that found our proof short of a majority of their voters (joined later)."""
         self._poisoned_term = -1
         """A term in which two leaders met: no leader of it is followed."""
+        self._proven: tuple[int, str] | None = None
+        """(term, leader) whose proof we checked."""
+        self._proof_failed: dict[str, tuple[int, float]] = {}
+        """Peer -> (term, when) its leadership proof last failed: not checked again in that
+        term for a while (a forged proof costs one signature check per endorsement)."""
+        self._reported: dict[str, int] = {}
+        self.refused: dict[str, int] = {}
+        """Reason -> how many election messages were refused for it (claims not the sender's
+        own, unproven leaders, terms too far ahead, bad signatures)."""
         self.enabled = True
         """False once this node has left or been removed: it neither campaigns nor votes."""
 
-    def restore(self, term: int, voted_for: str | None) -> None:
+    def restore(self, term: int, voted_for: str | None) -> bool:
         """Resume from a term and vote made durable before a restart (call before anything
-        else): the node then never grants a second vote in a term it already voted in."""
+        else): the node then never grants a second vote in a term it already voted in. An
+        absurd term (above MAX_TERM: the overflow attack) is not restored; False then."""
+        if not 0 <= term <= MAX_TERM:
+            return False
         if term > self.term:
             self.term = term
             self.voted_for = voted_for
+        return True
+
+    def set_reported_terms(self, terms: Mapping[str, int]) -> None:
+        """The highest term each member reported in its own signed record (its gossip)."""
+        self._reported = dict(terms)
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -189,7 +264,27 @@ class Election:
         """Whether a message of `term` is current (not stale)."""
         return term >= self.term
 
+    def quorum_term(self, voters: Collection[str]) -> int:
+        """The highest term a majority of `voters` has reported (us: our term)."""
+        if not voters:
+            return self.term
+        terms = sorted((self.term if v == self.node_id else self._reported.get(v, 0)
+                        for v in voters), reverse=True)
+        return terms[majority(voters) - 1]
+
+    def term_ceiling(self, voters: Collection[str]) -> int:
+        """The highest unproven term we accept now."""
+        return min(MAX_TERM, self.quorum_term(voters) + TERM_LEAD_MAX)
+
     # -- internal transitions ----------------------------------------------------------------
+
+    def _refuse(self, reason: str) -> None:
+        key = reason.split(":")[0]
+        if key.startswith("voted for "):
+            key = "voted for"
+        elif key.startswith("leader ") and key.endswith(" is alive"):
+            key = "leader is alive"
+        self.refused[key] = self.refused.get(key, 0) + 1
 
     def _next_rid(self) -> int:
         self._request_id += 1
@@ -205,21 +300,31 @@ class Election:
         was_leader = self.role == "leader"
         self.role = "follower"
         self._grants = set()
+        self._supports = {}
         self._pending_rid = 0
         self._acks = {}
         self._sent = {}
+        self._accepted = set()
         if was_leader:
             self._leader = self.node_id
         self._lose_leader(now, backoff)
 
     def _adopt(self, term: int, now: float) -> None:
         """A higher term exists: follow it (not having voted in it)."""
-        if term <= self.term:
+        if term <= self.term or term > MAX_TERM:
             return
         self.term = term
         self.voted_for = None
         if self.role != "follower":
             self._step_down(now)
+
+    def _adopt_hearsay(self, term: int, now: float, voters: Collection[str]) -> None:
+        """A refusal of our campaign names a higher term: move to it, but no further than the
+        ceiling (one member's word; a real higher term is reached in steps)."""
+        ceiling = self.term_ceiling(voters)
+        if term > ceiling:
+            self._refuse("term too far ahead")
+        self._adopt(min(term, ceiling), now)
 
     def _live_leader_other_than(self, candidate: str, now: float) -> bool:
         leader = self.leader(now)
@@ -231,13 +336,18 @@ class Election:
         if self.role != "follower":
             self._step_down(now)
 
+    def _support(self, term: int, leader: str) -> bytes:
+        return self._endorser.sign_support(term, leader) if self._endorser is not None else b""
+
     # -- periodic ------------------------------------------------------------------------------
 
     def tick(self, now: float, *, voters: Collection[str],
              ranked_alive: Sequence[str] | Callable[[], Sequence[str]],
-             reachable: Collection[str]) -> list[Out]:
+             reachable: Collection[str], campaign: bool = True) -> list[Out]:
         """Advance timers. `ranked_alive`: live voters best first (us included if alive), or a
-        function computing it only when needed; `reachable`: voters worth sending to."""
+        function computing it only when needed; `reachable`: voters worth sending to;
+        `campaign` False: do not start a campaign now (e.g. a node alone that still dials a
+        bootstrap address: it is joining a cluster, not founding one)."""
         out: list[Out] = []
         t = self.timing
         if self.role == "leader":
@@ -252,6 +362,12 @@ class Election:
             if fresh < majority(voters) and now - self._lead_since >= t.lease_s:
                 self._step_down(now, backoff=t.election_timeout_s)
                 return out
+            if self._outgrown(voters):
+                # Members joined, and voters who cannot check our proof are needed for a
+                # majority (a node that led alone, then was joined): our lease would run out;
+                # re-elect ourselves at once with them instead.
+                self._step_down(now)
+                return self._start_prevote(now, voters, reachable)
             if now >= self._next_heartbeat:
                 out.extend(self._heartbeat(now, reachable))
             return out
@@ -265,7 +381,7 @@ class Election:
             self._lose_leader(now)
         if not self.enabled or self._leader is not None or self.node_id not in voters:
             return out
-        if now < self._started + t.grace_s:
+        if not campaign or now < self._started + t.grace_s or self.term >= MAX_TERM:
             return out
         # The leader that just went silent is probably dead though still "alive" in gossip:
         # rank without it (but never without ourselves, e.g. a leader that lost its lease).
@@ -300,6 +416,7 @@ class Election:
         self._pending_rid = self._next_rid()
         self._pending_term = self.term
         self._grants = {self.node_id}
+        self._supports = {self.node_id: self._support(self.term, self.node_id)}
         if len(self._grants) >= majority(voters):
             return self._become_leader(now, voters, reachable)
         msg = VoteRequest(request_id=self._pending_rid, term=self.term, candidate=self.node_id)
@@ -313,7 +430,18 @@ class Election:
         self._lead_since = now
         self._acks = {v: now for v in self._grants}
         self._voters_seen = set(voters)
+        self._accepted = set()
+        self._unproven_by = set()
+        self._proven = (self.term, self.node_id)
         return self._heartbeat(now, reachable)
+
+    def _outgrown(self, voters: Collection[str]) -> bool:
+        """Whether our proof can no longer reach a majority of `voters`: the supporters plus
+        the voters that may still add their support are fewer than a majority."""
+        if self._endorser is None:
+            return False
+        could = sum(1 for v in voters if v in self._supports or v not in self._unproven_by)
+        return could < majority(voters)
 
     def _heartbeat(self, now: float, reachable: Collection[str]) -> list[Out]:
         self._next_heartbeat = now + self.timing.heartbeat_s
@@ -323,11 +451,19 @@ class Election:
         for old in [r for r, sent in self._sent.items() if sent < horizon]:
             del self._sent[old]
         msg = Leader(request_id=rid, term=self.term, leader=self.node_id, address=self._address)
-        return [(p, msg) for p in reachable if p != self.node_id]
+        if self._endorser is None:
+            return [(p, msg) for p in reachable if p != self.node_id]
+        # Followers that have not accepted us in this term get the proof: a majority's signed
+        # support (votes, then acks), so a member that joined later can check it too.
+        proven = dataclasses.replace(msg, proof=tuple(
+            Endorsement(voter=v, signature=sig) for v, sig in sorted(self._supports.items())))
+        return [(p, msg if p in self._accepted else proven) for p in reachable
+                if p != self.node_id]
 
     # -- messages ------------------------------------------------------------------------------
 
     def _vote_refusal(self, peer: str, rid: int, reason: str) -> list[Out]:
+        self._refuse(reason)
         return [(peer, Vote(request_id=rid, term=self.term, voter=self.node_id, granted=False,
                             reason=reason))]
 
@@ -346,8 +482,12 @@ class Election:
     def on_prevote(self, peer: str, msg: PreVote, now: float,
                    voters: Collection[str]) -> list[Out]:
         """Would we vote for the candidate in `msg.term`? Changes no state."""
+        if msg.candidate != peer:
+            return self._vote_refusal(peer, msg.request_id, "a candidate asks for itself")
         if msg.term <= self.term:
             return self._vote_refusal(peer, msg.request_id, "stale term")
+        if msg.term > self.term_ceiling(voters):
+            return self._vote_refusal(peer, msg.request_id, "term too far ahead")
         reason = self._may_vote(msg.candidate, now, voters)
         if reason:
             return self._vote_refusal(peer, msg.request_id, reason)
@@ -357,11 +497,15 @@ class Election:
     def on_vote_request(self, peer: str, msg: VoteRequest, now: float,
                         voters: Collection[str]) -> list[Out]:
         """Grant at most one vote per term, to a voter, while no other live leader is heard."""
+        if msg.candidate != peer:
+            return self._vote_refusal(peer, msg.request_id, "a candidate asks for itself")
         if msg.term < self.term:
             return self._vote_refusal(peer, msg.request_id, "stale term")
         reason = self._may_vote(msg.candidate, now, voters)
         if reason:
             return self._vote_refusal(peer, msg.request_id, reason)
+        if msg.term > self.term and msg.term > self.term_ceiling(voters):
+            return self._vote_refusal(peer, msg.request_id, "term too far ahead")
         self._adopt(msg.term, now)
         if self.voted_for not in (None, msg.candidate):
             return self._vote_refusal(peer, msg.request_id, f"voted for {self.voted_for}")
@@ -369,45 +513,95 @@ class Election:
         # Having voted, give the candidate time to win before campaigning ourselves.
         self._no_leader_since = now + self.timing.election_timeout_s
         return [(peer, Vote(request_id=msg.request_id, term=msg.term, voter=self.node_id,
-                            granted=True))]
+                            granted=True, signature=self._support(msg.term, msg.candidate)))]
 
     def on_vote(self, peer: str, msg: Vote, now: float, voters: Collection[str],
                 reachable: Collection[str]) -> list[Out]:
-        """Count a (pre-)vote for our campaign; adopt a higher term from a refusal."""
-        if self.role == "precandidate" and msg.request_id == self._pending_rid:
-            if msg.granted and msg.term == self._pending_term:
-                self._grants.add(peer)
-                if len(self._grants) >= majority(voters):
-                    return self._start_election(now, voters, reachable)
-            elif not msg.granted and msg.term > self.term:
-                self._adopt(msg.term, now)
+        """Count a (pre-)vote for our campaign; a refusal of it may move our term (bounded)."""
+        if msg.voter != peer or peer not in voters:
+            self._refuse("vote not from a voter itself")
             return []
-        if msg.term > self.term:
-            # Only a refusal carries the voter's real term; a grant echoes the requested one,
-            # which for a late pre-vote grant is a term nobody holds (adopting it would
-            # inflate terms and, through gossip, depose a working leader).
-            if not msg.granted:
-                self._adopt(msg.term, now)
+        if msg.request_id != self._pending_rid or self.role not in ("precandidate",
+                                                                      "candidate"):
+            # Not an answer to the campaign we run now: a late grant echoes a term nobody
+            # holds, and a stray refusal is one member's word (it must not move our term).
             return []
-        if (self.role == "candidate" and msg.request_id == self._pending_rid
-                and msg.term == self.term and msg.granted):
-            self._grants.add(peer)
-            if len(self._grants) >= majority(voters):
-                return self._become_leader(now, voters, reachable)
-        return []
+        if not msg.granted:
+            if msg.term > self.term:
+                self._adopt_hearsay(msg.term, now, voters)
+            return []
+        if msg.term != self._pending_term:
+            return []
+        if self.role == "candidate" and self._endorser is not None:
+            if not self._endorser.verify_support(peer, msg.term, self.node_id, msg.signature):
+                self._refuse("bad vote signature")
+                return []
+            self._supports[peer] = msg.signature
+        self._grants.add(peer)
+        if len(self._grants) < majority(voters):
+            return []
+        if self.role == "precandidate":
+            return self._start_election(now, voters, reachable)
+        return self._become_leader(now, voters, reachable)
+
+    def _proof_holds(self, peer: str, msg: Leader, now: float, voters: Collection[str]) -> str:
+        """Why `msg`'s leadership claim is not proven ('' if it is)."""
+        if self._endorser is None or self._proven == (msg.term, msg.leader):
+            return ""
+        if not msg.proof:
+            # A leader that does not know we need it yet (we restarted, or it just won): the
+            # refusal makes it send the proof with its next heartbeat.
+            return PROOF_NEEDED
+        failed = self._proof_failed.get(peer)
+        if (failed is not None and failed[0] == msg.term
+                and now - failed[1] < self.timing.election_timeout_s):
+            return f"{UNPROVEN}: an earlier proof failed"
+        need = majority(voters)
+        valid: set[str] = set()
+        forged = 0
+        for e in msg.proof[:len(voters)]:
+            if e.voter not in voters or e.voter in valid:
+                continue
+            if not self._endorser.verify_support(e.voter, msg.term, msg.leader, e.signature):
+                forged += 1
+                continue
+            valid.add(e.voter)
+            if len(valid) >= need:
+                self._proven = (msg.term, msg.leader)
+                return ""
+        self._proof_failed[peer] = (msg.term, now)
+        if len(self._proof_failed) > 4 * len(voters) + 16:
+            self._proof_failed = {p: f for p, f in self._proof_failed.items()
+                                  if now - f[1] < self.timing.election_timeout_s}
+        if forged:
+            return f"{FORGED_PROOF}: {forged} endorsements do not verify"
+        # All valid, too few: a member that joined after the election (routine).
+        return f"{UNPROVEN}: {len(valid)} of {need} supports"
 
     def on_leader(self, peer: str, msg: Leader, now: float,
                   voters: Collection[str]) -> list[Out]:
-        """A leader's heartbeat: follow it unless its term is stale; always answer."""
+        """A leader's heartbeat: follow it if proven and its term is not stale; always answer."""
 
         def ack(accepted: bool, reason: str = "") -> list[Out]:
+            if not accepted:
+                self._refuse(reason)
             return [(peer, LeaderAck(request_id=msg.request_id, term=self.term,
-                                     node_id=self.node_id, accepted=accepted, reason=reason))]
+                                     node_id=self.node_id, accepted=accepted, reason=reason,
+                                     signature=self._support(msg.term, msg.leader)
+                                     if accepted else b""))]
 
-        if msg.term < self.term:
-            return ack(False, "stale term")
         if msg.leader != peer:
             return ack(False, "leader must announce itself")
+        if msg.term < self.term:
+            return ack(False, "stale term")
+        if msg.term > MAX_TERM:
+            return ack(False, "absurd term")
+        why = self._proof_holds(peer, msg, now, voters)
+        if why:
+            return ack(False, why)
+        if (self._endorser is None and msg.term > self.term
+                and msg.term > self.term_ceiling(voters)):
+            return ack(False, "term too far ahead")  # plaintext mode: nothing proves it
         self._adopt(msg.term, now)
         if self.role == "leader":
             # Same term, two leaders: views of the voter set differed (groups that formed
@@ -426,19 +620,40 @@ class Election:
         return ack(True)
 
     def on_leader_ack(self, peer: str, msg: LeaderAck, now: float) -> list[Out]:
-        """Renew our lease from an ack; step down before a higher term."""
-        if msg.term > self.term:
-            self._adopt(msg.term, now)
+        """Renew our lease from an ack (and add its signed support to our proof). An ack naming
+        a higher term does not depose us: that is one member's word, and a real new leader
+        means a majority stopped acking, so the lease runs out."""
+        if msg.node_id != peer:
+            self._refuse("ack not from the follower itself")
             return []
-        if (self.role == "leader" and not msg.accepted and msg.term == self.term
-                and msg.reason == CONFLICT):
-            self._step_down(now, backoff=self.timing.election_timeout_s)
-            self._poisoned_term = msg.term
+        if self.role != "leader":
             return []
-        if self.role == "leader" and msg.accepted and msg.term == self.term:
-            sent = self._sent.get(msg.request_id)
-            if sent is not None and sent > self._acks.get(peer, -math.inf):
-                self._acks[peer] = sent
+        if not msg.accepted and msg.request_id in self._sent and msg.term <= self.term:
+            # A refusal of one of our heartbeats (it carries the follower's own term, which is
+            # lower while it has not accepted us).
+            self._accepted.discard(peer)
+            if msg.reason.startswith(UNPROVEN):
+                self._unproven_by.add(peer)
+        if msg.term != self.term:
+            return []
+        if not msg.accepted:
+            if msg.reason == CONFLICT and self._endorser is None:
+                # Plaintext mode: the other leader's word. Signed mode: we step down when its
+                # own proven heartbeat reaches us (on_leader), not on a claim we cannot check.
+                self._step_down(now, backoff=self.timing.election_timeout_s)
+                self._poisoned_term = msg.term
+            return []
+        if self._endorser is not None and peer not in self._supports:
+            if self._endorser.verify_support(peer, msg.term, self.node_id, msg.signature):
+                self._supports[peer] = msg.signature
+            else:
+                self._refuse("bad ack signature")
+                return []
+        self._accepted.add(peer)
+        self._unproven_by.discard(peer)
+        sent = self._sent.get(msg.request_id)
+        if sent is not None and sent > self._acks.get(peer, -math.inf):
+            self._acks[peer] = sent
         return []
 
     def forget(self, node_id: str, now: float) -> None:
@@ -446,8 +661,3 @@ class Election:
         out the election timeout)."""
         if self.role != "leader" and self._leader == node_id:
             self._lose_leader(now)
-
-    def observe(self, term: int, now: float) -> None:
-        """A term seen in gossip: adopt it if higher (safe; it may end our leadership)."""
-        self._adopt(term, now)
-

@@ -15,3 +15,11 @@ class DiscoveryError(ClusterError):
 
 class UnknownMemberError(ClusterError):
     """An operation named a node id that is not a member of this cluster."""
+
+
+class TrustError(ClusterError):
+    """A credential or signature did not verify (the message says which and why)."""
+
+
+class NotAuthorizedError(ClusterError):
+    """This node may not assert that (e.g. remove a member without the cluster CA key)."""

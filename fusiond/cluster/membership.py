@@ -1,8 +1,12 @@
 """Membership by gossip, with a heartbeat failure detector (sans-IO: time is passed in).
 
-Each member *authors* its own record — address, incarnation, heartbeat, profile, measured
-links — and the record travels by gossip. Records are ordered by ``(incarnation, heartbeat)``:
-a newer one replaces an older one and refreshes the local "last heard" time of that member.
+Each member *authors* its own record — address, incarnation, heartbeat, left or not, the term
+it has seen, profile, measured links — and signs it (fusiond.cluster.trust; the service checks
+every signature before it calls `merge`, so this module only ever sees records their members
+signed). The record travels by gossip. Headers are ordered by ``(incarnation, heartbeat)``: a
+newer one replaces an older one and refreshes the local "last heard" time of that member. The
+body (profile and links) has its own version, the member's heartbeat when it signed it, so a
+relay forwards the member's signed body verbatim however many heartbeats later.
 
 - Failure detector: every node judges freshness itself. A member whose record has not advanced
   for ``suspect_after_s`` is *suspect*, for ``dead_after_s`` *dead*. Suspect/dead are local
@@ -13,10 +17,12 @@ a newer one replaces an older one and refreshes the local "last heard" time of t
   its old ones and it is alive again at once.
 - Profiles and links change rarely, so most gossip entries leave them out (`ELIDED`); a
   newer record without them keeps the ones already known.
-- ``left`` is authoritative and sticky for an incarnation: set by the member itself (leave) or
-  by an operator (remove). A node that learns it was removed accepts it and stops voting; it
-  rejoins only by restarting (a new incarnation).
-- A member counts as a voter until it has left or been removed, dead or not.
+- ``left`` is a member's own signed claim, sticky for its incarnation (a ``Leave`` message
+  over the member's authenticated link has the same effect locally). A *removal* is an
+  operator's statement (signed with the cluster CA key, checked by the service): the member is
+  gone for good, all incarnations, and its records are never merged again.
+- A member counts as a voter until it has left or been removed, dead or not. The member list
+  survives a restart (`restore`), so a restarted node counts the voters it knew.
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ def new_incarnation() -> int:
 
 @dataclass(frozen=True)
 class MemberRecord:
-    """What gossip carries about one member; authored by that member (``left`` excepted)."""
+    """What gossip carries about one member, authored and signed by that member."""
 
     node_id: str
     address: Address
@@ -72,6 +78,15 @@ class MemberRecord:
     profile: Mapping[str, Any] = field(default_factory=dict)
     links: Mapping[str, Link] = field(default_factory=dict)
     """peer id -> the link this member measured to it."""
+    term: int = 0
+    """The highest election term the member has seen (signed with its header)."""
+    signature: bytes = b""
+    """The member's signature over its header (empty in plaintext dev mode)."""
+    body_version: int = 0
+    """The member's heartbeat when it signed its profile and links; -1: the body we hold is
+    from an older incarnation (shown, never relayed)."""
+    body_signature: bytes = b""
+    """The member's signature over its body."""
 
     def version(self) -> tuple[int, int]:
         """The order in which records of one member supersede each other."""
@@ -84,6 +99,12 @@ class _Member:
     state: MemberState
     source: MemberSource
     last_update: float
+    left_incarnation: int = -1
+    """Incarnations up to this one left (a Leave over the member's own link)."""
+
+    def left(self) -> bool:
+        rec = self.record
+        return rec.state == "left" or rec.incarnation <= self.left_incarnation
 
 
 @dataclass(frozen=True)
@@ -128,13 +149,15 @@ class Membership:
         self.node_id = node_id
         self._max_members = max_members
         self.refused = 0
-        """Members not added because the table was full (a bound on what peers can make us
-        hold; a real cluster that large needs a larger `max_members`)."""
+        """Members (or removals) not added because the table was full (a bound on what peers
+        can make us hold; a real cluster that large needs a larger `max_members`)."""
         self._suspect_after = suspect_after_s
         self._dead_after = dead_after_s
         me = MemberRecord(node_id, address, incarnation, 0, "alive", dict(profile), {})
         self._members: dict[str, _Member] = {node_id: _Member(me, "alive", "self", now)}
         self._hints: dict[str, MemberSource] = {}
+        self._removed: dict[str, bytes] = {}
+        """Node id -> the operator's signature of its removal (for good)."""
 
     # -- this node's own record -----------------------------------------------------------------
 
@@ -181,20 +204,50 @@ class Membership:
         member.state = "left"
         member.last_update = now
 
-    def remove(self, node_id: str, now: float) -> Transition | None:
-        """Operator removal: mark `node_id` left at its known incarnation; None if unknown."""
+    def left_by_message(self, node_id: str, incarnation: int, now: float) -> Transition | None:
+        """`node_id` said over its own authenticated link that incarnation `incarnation` leaves:
+        left here at once (its signed left record follows by gossip). None if unknown or not
+        its current incarnation."""
+        member = self._members.get(node_id)
+        if node_id == self.node_id or member is None or incarnation < member.record.incarnation:
+            return None
+        member.left_incarnation = max(member.left_incarnation, incarnation)
+        return self._set_state(node_id, member, "left", now)
+
+    def remove(self, node_id: str, now: float, signature: bytes = b"") -> Transition | None:
+        """An operator removed `node_id` for good (`signature`: the operator's, already
+        checked by the caller). Remembered even for a stranger, so its records are never merged
+        later; returns its transition if it was a member and not left yet."""
+        if node_id not in self._removed:
+            if len(self._removed) >= self._max_members:
+                self.refused += 1
+                return None
+            self._removed[node_id] = signature
+        if node_id == self.node_id:
+            if self.me.state == "left":
+                return None
+            self.leave(now)
+            return Transition(node_id, "alive", "left")
         member = self._members.get(node_id)
         if member is None:
             return None
-        if node_id == self.node_id:
-            self.leave(now)
-            return Transition(node_id, "alive", "left")
-        rec = member.record
-        member.record = MemberRecord(rec.node_id, rec.address, rec.incarnation, rec.heartbeat,
-                                     "left", rec.profile, rec.links)
+        return self._set_state(node_id, member, "left", now)
+
+    def removed(self) -> dict[str, bytes]:
+        """Removed node ids and the operator's signature of each removal."""
+        return dict(self._removed)
+
+    def is_removed(self, node_id: str) -> bool:
+        return node_id in self._removed
+
+    def _set_state(self, node_id: str, member: _Member, state: MemberState,
+                   now: float) -> Transition | None:
         old = member.state
-        member.state = "left"
-        return Transition(node_id, old, "left") if old != "left" else None
+        if old == state:
+            return None
+        member.state = state
+        member.last_update = now
+        return Transition(node_id, old, state)
 
     # -- discovery hints ------------------------------------------------------------------------
 
@@ -207,21 +260,66 @@ class Membership:
             if _SOURCE_RANK[source] > _SOURCE_RANK[member.source]:
                 member.source = source
             return
+        if len(self._hints) >= self._max_members and node_id not in self._hints:
+            return
         old = self._hints.get(node_id)
         if old is None or _SOURCE_RANK[source] > _SOURCE_RANK[old]:
             self._hints[node_id] = source
 
     # -- gossip ---------------------------------------------------------------------------------
 
-    def merge(self, records: Iterable[MemberRecord], now: float) -> MergeResult:
-        """Merge a peer's records into our view; see the module docstring for the rules."""
+    def header_is_news(self, node_id: str, incarnation: int, heartbeat: int, left: bool) -> bool:
+        """Whether `merge` would take a header with these fields (so it is worth verifying):
+        an unknown member, a newer version, or a member's own left claim we lack. Records of
+        removed members never are."""
+        if node_id in self._removed:
+            return False
+        if node_id == self.node_id:
+            me = self.me
+            return left and incarnation == me.incarnation and me.state != "left"
+        member = self._members.get(node_id)
+        if member is None:
+            return len(self._members) < self._max_members
+        cur = member.record
+        if incarnation != cur.incarnation:
+            return incarnation > cur.incarnation
+        return (heartbeat > cur.heartbeat and cur.state != "left") or (
+            left and cur.state != "left")
+
+    def body_is_news(self, node_id: str, incarnation: int, body_version: int) -> bool:
+        """Whether `merge` would take a body of this version (so it is worth verifying)."""
+        if node_id == self.node_id or node_id in self._removed:
+            return False
+        member = self._members.get(node_id)
+        if member is None:
+            return True
+        cur = member.record
+        return (incarnation, body_version) > (cur.incarnation, cur.body_version)
+
+    def merge(self, records: Iterable[MemberRecord], now: float,
+              removals: Mapping[str, bytes] | None = None) -> MergeResult:
+        """Merge a peer's records (each checked by the caller: signed by its member) and its
+        removals (checked: signed by the operator) into our view; see the module docstring."""
         transitions: list[Transition] = []
         updated = False
         behind = False
         self_removed = False
         seen: set[str] = set()
+        for nid, signature in (removals or {}).items():
+            t = self.remove(nid, now, signature)
+            if nid == self.node_id and t is not None:
+                self_removed = True
+            if t is not None:
+                transitions.append(t)
+                updated = True
+        if any(nid not in (removals or {}) for nid in self._removed):
+            behind = True
         for rec in records:
+            if rec.node_id in seen:
+                continue  # one entry per member and message: the first
             seen.add(rec.node_id)
+            if rec.node_id in self._removed:
+                continue
             if rec.node_id == self.node_id:
                 me = self.me
                 if rec.state == "left" and rec.incarnation == me.incarnation and me.state != "left":
@@ -233,14 +331,10 @@ class Membership:
                     behind = True
                 continue
             member = self._members.get(rec.node_id)
-            if rec.profile is ELIDED:
-                rec = dataclasses.replace(
-                    rec, profile=member.record.profile if member else {},
-                    links=member.record.links if member else {})
-            if member is None and len(self._members) >= self._max_members:
-                self.refused += 1
-                continue
             if member is None:
+                if len(self._members) >= self._max_members:
+                    self.refused += 1
+                    continue
                 state: MemberState
                 if rec.state == "left":
                     state, last = "left", now
@@ -250,49 +344,83 @@ class Membership:
                     state, last = "suspect", now - self._suspect_after
                 else:
                     state, last = "alive", now
+                if rec.profile is ELIDED:
+                    rec = dataclasses.replace(rec, profile={}, links={}, body_version=-1,
+                                              body_signature=b"")
                 source = self._hints.pop(rec.node_id, "gossip")
-                self._members[rec.node_id] = _Member(rec, state, source, last)
+                self._members[rec.node_id] = _Member(_signed_claim(rec), state, source, last)
                 transitions.append(Transition(rec.node_id, None, state))
                 updated = True
                 continue
             cur = member.record
-            if rec.incarnation > cur.incarnation or (
-                rec.incarnation == cur.incarnation and rec.heartbeat > cur.heartbeat
-                and cur.state != "left"
-            ):
-                # Newer record (a restart if the incarnation grew): alive again unless left.
-                member.record = rec
-                new_state: MemberState = "left" if rec.state == "left" else "alive"
-                member.last_update = now
-                if member.state != new_state:
-                    transitions.append(Transition(rec.node_id, member.state, new_state))
-                    member.state = new_state
-                updated = True
-            elif rec.incarnation == cur.incarnation and rec.state == "left" and cur.state != "left":
-                member.record = MemberRecord(cur.node_id, cur.address, cur.incarnation,
-                                             max(cur.heartbeat, rec.heartbeat), "left",
-                                             cur.profile, cur.links)
-                transitions.append(Transition(rec.node_id, member.state, "left"))
-                member.state = "left"
-                updated = True
+            new = cur
+            heard = False
+            if self.header_is_news(rec.node_id, rec.incarnation, rec.heartbeat,
+                                   rec.state == "left"):
+                # Newer header (a restart if the incarnation grew): alive again unless left.
+                # The header is kept exactly as signed, so it can be relayed verbatim.
+                new = dataclasses.replace(
+                    cur, address=rec.address, incarnation=rec.incarnation,
+                    heartbeat=rec.heartbeat, state="left" if rec.state == "left" else "alive",
+                    term=rec.term, signature=rec.signature)
+                if rec.incarnation != cur.incarnation:
+                    new = dataclasses.replace(new, body_version=-1, body_signature=b"")
+                heard = True
             elif rec.incarnation < cur.incarnation or (
                 cur.state == "left" and rec.state != "left"
                 and rec.incarnation == cur.incarnation
             ):
                 behind = True
-        if any(nid not in seen for nid in self._members):
+            if rec.profile is not ELIDED and (rec.incarnation, rec.body_version) > (
+                    new.incarnation, new.body_version):
+                new = dataclasses.replace(new, profile=rec.profile, links=rec.links,
+                                          body_version=rec.body_version,
+                                          body_signature=rec.body_signature)
+            if new is not cur:
+                member.record = new
+                updated = True
+            if heard:  # a newer body alone is no sign of life: it may be relayed from long ago
+                member.last_update = now
+                t = self._set_state(rec.node_id, member,
+                                    "left" if member.left() else "alive", now)
+                if t is not None:
+                    transitions.append(t)
+        if any(nid not in seen for nid in self._members if nid not in self._removed):
             behind = True
         return MergeResult(tuple(transitions), updated, behind, self_removed)
 
     def records(self) -> list[MemberRecord]:
-        """Our view as gossip records, each carrying our local judgement of its state."""
+        """Our view as gossip records (removed members left out: their removal travels instead).
+        A record keeps its member's signed claim (alive or left); for a member that is alive
+        in its own claim, our local judgement (suspect, dead) goes in its place, and a member
+        that left only by a Leave message shows as dead."""
         out = []
-        for member in self._members.values():
+        for nid, member in self._members.items():
+            if nid in self._removed:
+                continue
             rec = member.record
-            if rec.state != member.state:
-                rec = MemberRecord(rec.node_id, rec.address, rec.incarnation, rec.heartbeat,
-                                   member.state, rec.profile, rec.links)
+            if rec.state != "left" and member.state != "alive":
+                rec = dataclasses.replace(
+                    rec, state="dead" if member.state == "left" else member.state)
             out.append(rec)
+        return out
+
+    def restore(self, records: Iterable[MemberRecord], removals: Mapping[str, bytes],
+                now: float) -> list[str]:
+        """Members known before a restart (each checked by the caller), as dead until heard
+        from: they count as voters, so this node cannot form a majority on its own. Returns
+        the ids restored."""
+        for nid, sig in removals.items():
+            self.remove(nid, now, sig)
+        out = []
+        for rec in records:
+            if (rec.node_id == self.node_id or rec.node_id in self._members
+                    or rec.node_id in self._removed or len(self._members) >= self._max_members):
+                continue
+            claim = _signed_claim(rec)
+            state: MemberState = "left" if claim.state == "left" else "dead"
+            self._members[rec.node_id] = _Member(claim, state, "gossip", now - self._dead_after)
+            out.append(rec.node_id)
         return out
 
     def check(self, now: float) -> list[Transition]:
@@ -343,6 +471,10 @@ class Membership:
         """Members that count toward a majority: everyone who has not left or been removed."""
         return frozenset(n for n, m in self._members.items() if m.state != "left")
 
+    def reported_terms(self) -> dict[str, int]:
+        """Member id -> the highest term it reported in its own signed record."""
+        return {n: m.record.term for n, m in self._members.items() if n != self.node_id}
+
     def links(self) -> dict[tuple[str, str], Link]:
         """The cluster's measured link matrix: (measurer, peer) -> its `Link`."""
         out: dict[tuple[str, str], Link] = {}
@@ -350,3 +482,10 @@ class Membership:
             for peer, link in member.record.links.items():
                 out[(nid, peer)] = link
         return out
+
+
+def _signed_claim(rec: MemberRecord) -> MemberRecord:
+    """`rec` with its state as its member claims it (alive or left), not a relay's judgement."""
+    if rec.state in ("alive", "left"):
+        return rec
+    return dataclasses.replace(rec, state="alive")

@@ -5,12 +5,19 @@ The daemon constructs one `Cluster` after its PeerNetwork, routes every peer mes
 event loop; the sans-IO cores (Membership, Election) get the monotonic time passed in, and this
 module does the sending: fire-and-forget with a timeout, so a slow or dead peer never stalls a
 gossip round or an election.
+
+With a `Trust` (signed mode, every TLS daemon) this module signs our own record once per gossip
+round and checks every relayed fact before the cores see it (fusiond.cluster.trust): a member's
+header and body against its own key, removals against the operator key. What fails is dropped
+with a rate-limited log line, and a peer that relays a forgery or malformed data is ignored for
+a while (`quarantine_s`), which bounds the signature checks a peer can make us spend.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import math
 import os
@@ -22,8 +29,8 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from fusiond.cluster.discovery import SERVICE_TYPE, BootstrapDialer, MdnsDiscovery
-from fusiond.cluster.election import Election, ElectionTiming, majority, rank_order
-from fusiond.cluster.errors import UnknownMemberError
+from fusiond.cluster.election import MAX_TERM, Election, ElectionTiming, majority, rank_order
+from fusiond.cluster.errors import TrustError, UnknownMemberError
 from fusiond.cluster.membership import (
     ELIDED,
     Address,
@@ -38,10 +45,25 @@ from fusiond.cluster.membership import (
 from fusiond.cluster.persist import (
     ElectionState,
     ElectionStateError,
+    MembersState,
+    MembersStateError,
+    StoredMember,
     load_election_state,
+    load_members_state,
     save_election_state,
+    save_members_state,
 )
 from fusiond.cluster.probes import LinkProber, ProbeConfig, ProbeFailed
+from fusiond.cluster.trust import (
+    MAX_BODY_BYTES,
+    MAX_NODE_ID_CHARS,
+    MAX_SIGNATURE_BYTES,
+    Trust,
+    body_bytes,
+    body_statement,
+    entry_problem,
+    header_statement,
+)
 from fusiond.errors import ConfigError
 from fusiond.units import bytes_per_s_from_bits_per_s
 from protocol.errors import LocalProtocolError
@@ -60,6 +82,7 @@ from protocol.messages import (
     PreVote,
     ProbeAck,
     ProbeData,
+    Removal,
     Vote,
     VoteRequest,
 )
@@ -71,6 +94,16 @@ Role = Literal["scheduler", "worker"]
 _MAX_PENDING_SENDS = 1024
 """Background sends in flight; beyond this, gossip and election messages are dropped (they
 are periodic and idempotent, and a full backlog means peers are not draining anyway)."""
+_MAX_BAD_ENTRIES = 8
+"""A gossip message with this many entries that fail their checks is not read further."""
+_LOG_EVERY_S = 10.0
+"""Rate limit of the log line about refused facts (per peer and reason)."""
+_ROUTINE_REFUSALS = frozenset({"stale term", "just started", "voted for", "leader is alive",
+                               "not a voter", "candidate is not a voter", "conflicting leader",
+                               "proof needed", "unproven leader"})
+"""Election refusals that happen in a healthy cluster (not logged)."""
+_MEMBERS_SAVE_DELAY_S = 0.2
+"""Member-list changes are written together, at most this long after the first."""
 
 
 class Transport(Protocol):
@@ -130,6 +163,9 @@ class ClusterConfig:
     """Failure detector and election timer resolution."""
     max_members: int = 4096
     """Bound on the membership table (peers cannot make us hold more)."""
+    quarantine_s: float = 5.0
+    """A peer that relayed a forged or malformed fact is not listened to for this long (its
+    own facts still arrive through the others)."""
 
     def __post_init__(self) -> None:
         # The daemon maps its config by field name and may pass lists: normalise to tuples.
@@ -289,8 +325,10 @@ def profile_from_wire(profile: NodeProfile | None) -> dict[str, Any]:
     return {k: getattr(profile, k) for k in _PROFILE_FIELDS if k != "extra"}
 
 
-def record_to_wire(rec: MemberRecord, full: bool = True) -> MemberEntry:
-    """A membership record as a gossip entry; without profile and links unless `full`."""
+def record_to_wire(rec: MemberRecord, full: bool = True, credential: bytes = b"") -> MemberEntry:
+    """A membership record as a gossip entry, its signatures and `credential` with it; without
+    profile and links unless `full` (and never a body of an older incarnation)."""
+    full = full and rec.body_version >= 0
     return MemberEntry(
         node_id=rec.node_id,
         address=rec.address,
@@ -302,6 +340,11 @@ def record_to_wire(rec: MemberRecord, full: bool = True) -> MemberEntry:
                                     rtt_s=lk.rtt_s, measured_at=lk.measured_at,
                                     bandwidth_spread_ratio=lk.bandwidth_spread_ratio)
                     for p, lk in sorted(rec.links.items())) if full else (),
+        term=rec.term,
+        signature=rec.signature,
+        body_version=rec.body_version if full else 0,
+        body_signature=rec.body_signature if full else b"",
+        credential=credential,
     )
 
 
@@ -323,6 +366,10 @@ def record_from_wire(entry: MemberEntry) -> MemberRecord:
         profile=profile_from_wire(entry.profile) if entry.profile is not None else ELIDED,
         links={m.peer: Link(m.bandwidth_bits_per_s, m.rtt_s, m.bandwidth_spread_ratio,
                             m.measured_at) for m in entry.links},
+        term=entry.term,
+        signature=entry.signature,
+        body_version=entry.body_version if entry.profile is not None else 0,
+        body_signature=entry.body_signature if entry.profile is not None else b"",
     )
 
 
@@ -343,9 +390,17 @@ class Cluster:
         config: ClusterConfig,
         incarnation: int | None = None,
         state_path: str | os.PathLike[str] | None = None,
+        members_path: str | os.PathLike[str] | None = None,
+        trust: Trust | None = None,
     ) -> None:
         """`state_path`: where the election's term and vote persist across restarts (the
-        daemon passes a file in its state directory); None keeps them in memory only."""
+        daemon passes a file in its state directory); None keeps them in memory only.
+        `members_path`: where the member list and voter set persist (likewise).
+        `trust`: this node's signing key and the cluster's authority (signed mode); None is
+        plaintext dev mode, where nothing a peer says can be checked."""
+        if trust is not None and (trust.node_id != node_id or trust.cluster_id != cluster_id):
+            raise ConfigError(f"the cluster trust is for {trust.node_id} in "
+                              f"{trust.cluster_id}, not {node_id} in {cluster_id}")
         self.node_id = node_id
         self.cluster_id = cluster_id
         self._net = net
@@ -380,6 +435,34 @@ class Cluster:
         self._state_path = Path(state_path) if state_path is not None else None
         self._persisted = ElectionState()
         self._persist_error = ""
+        self._members_path = Path(members_path) if members_path is not None else None
+        self._members_key: object = None
+        self._members_saver: asyncio.Task[None] | None = None
+        self._trust = trust
+        self._own_header: tuple[tuple[Any, ...], bytes] | None = None
+        self._own_body: tuple[bytes, int, bytes] | None = None
+        """(digest, body_version, signature) of the body we last signed."""
+        self._quarantine: dict[str, float] = {}
+        self._logged: dict[tuple[str, str], tuple[float, int]] = {}
+        self.rejected: dict[str, int] = {}
+        """Reason -> facts refused (gossip entries, removals, whole messages); election
+        refusals are in the election's own counters (`election_refusals`)."""
+
+    @property
+    def signed(self) -> bool:
+        """Whether facts are signed and checked (False: plaintext dev mode)."""
+        return self._trust is not None
+
+    def removed(self) -> frozenset[str]:
+        """Members removed for good by an operator (here or, signed, anywhere)."""
+        return frozenset(self._membership.removed()) if self._membership is not None else (
+            frozenset())
+
+    @property
+    def election_refusals(self) -> dict[str, int]:
+        """Reason -> election messages refused (claims not the sender's own, unproven
+        leaders, terms too far ahead, bad signatures)."""
+        return dict(self._election.refused) if self._election is not None else {}
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -396,7 +479,7 @@ class Cluster:
             max_members=self.config.max_members)
         c = self.config
         self._election = Election(self.node_id, now=now, address=self._advertise, rng=self._rng,
-                                  timing=ElectionTiming(
+                                  endorser=self._trust, timing=ElectionTiming(
                                       election_timeout_s=c.election_timeout_s,
                                       heartbeat_s=c.leader_heartbeat_s, lease_s=c.leader_lease_s,
                                       stagger_s=c.election_stagger_s,
@@ -409,11 +492,15 @@ class Cluster:
                 # Not fatal: the start grace still keeps a restarted node from voting at once.
                 log.warning("cluster: ignoring the election state: %s", exc)
                 saved = None
-            if saved is not None:
-                self._election.restore(saved.term, saved.voted_for)
+            if saved is not None and self._election.restore(saved.term, saved.voted_for):
                 self._persisted = saved
                 log.debug("cluster: resuming at term %d (voted for %s)", saved.term,
                           saved.voted_for)
+        if self._members_path is not None:
+            await self._restore_members(now)
+        if self._trust is None:
+            log.warning("cluster: UNSIGNED membership and election (plaintext dev mode): any "
+                        "peer can forge members, departures, votes and terms")
         self._spawn(self._gossip_loop(), "gossip")
         self._spawn(self._tick_loop(), "tick")
         if c.probes:
@@ -458,10 +545,14 @@ class Cluster:
             await self._dialer.close()
         self._prober.cancel()
         tasks = [*self._tasks, *self._sends]
+        if self._members_saver is not None:
+            tasks.append(self._members_saver)
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        if self._membership is not None and self._members_path is not None:
+            await self._save_members()  # the latest view, for the next start
         self._closed = True
         if self._done is not None and not self._done.done():
             self._done.set_result(None)
@@ -508,6 +599,7 @@ class Cluster:
         now = time.monotonic()
         ms.leave(now)
         el.disable(now)
+        self._members_changed()
         if self._mdns is not None:
             await self._mdns.close()
         leave = Leave(node_id=self.node_id, incarnation=self._incarnation)
@@ -518,9 +610,12 @@ class Cluster:
         self._notify(force=True)
 
     async def remove(self, node_id: str) -> None:
-        """Operator removal: `node_id` stops counting toward the majority; gossiped at once.
+        """Operator removal, for good: `node_id` stops counting toward the majority and its
+        records are never merged again; gossiped at once, signed with the operator (cluster
+        CA) key.
 
-        Raises UnknownMemberError if `node_id` is not a member.
+        Raises UnknownMemberError if `node_id` is not a member, NotAuthorizedError if this
+        node does not hold the operator key (signed mode).
         """
         ms = self._membership
         if ms is None or ms.get(node_id) is None:
@@ -528,14 +623,18 @@ class Cluster:
         if node_id == self.node_id:
             await self.leave()
             return
+        signature = self._trust.sign_removal(node_id) if self._trust is not None else b""
         now = time.monotonic()
-        ms.remove(node_id, now)
+        # Told: everyone reachable, the removed member included (if it still runs, it learns
+        # it was removed and stops voting; afterwards nobody gossips to it any more).
+        peers = [p for p in ms.with_state("alive", "suspect") if p != self.node_id]
+        ms.remove(node_id, now, signature)
+        self._members_changed()
         self._prober.forget(node_id)
         assert self._election is not None
         self._election.forget(node_id, now)
         log.warning("cluster: %s removed by operator; voters now %d", node_id, len(ms.voters()))
         gossip = self._gossip_message()
-        peers = [p for p in ms.with_state("alive", "suspect") if p != self.node_id]
         await asyncio.gather(*(self._send_now(p, gossip) for p in peers))
         self._notify(force=True)
 
@@ -613,50 +712,199 @@ class Cluster:
             if (el.leader(now), el.term) != before:
                 self._log_leadership(before, now)
                 self._notify()
+            self._log_election_refusals(peer, now)
         return True
 
     def _on_gossip(self, peer: str, msg: Gossip, now: float) -> None:
         ms, el = self._membership, self._election
         assert ms is not None and el is not None
-        records = []
+        until = self._quarantine.get(peer)
+        if until is not None:
+            if now < until:
+                self._reject(peer, "quarantined", now, "the peer relayed forged or malformed "
+                             "facts lately; its gossip is ignored for a while")
+                return
+            del self._quarantine[peer]
+        if not 0 <= msg.term <= MAX_TERM:
+            # Hearsay never adopted anyway (each member's term is in its own signed record);
+            # an absurd one is said, as the sign of a broken or hostile peer it is.
+            self._reject(peer, "absurd gossip term", now, f"{msg.term}; ignored")
+        limit = self.config.max_members
+        if len(msg.members) > limit + 1 or len(msg.removals) > limit:
+            self._reject(peer, "oversized gossip", now, f"{len(msg.members)} entries and "
+                         f"{len(msg.removals)} removals, limit {limit} (cluster.max_members)")
+            self._quarantine[peer] = now + self.config.quarantine_s
+            return
+        records: list[MemberRecord] = []
+        bad = 0
+        own = False
         for entry in msg.members:
-            if not entry.node_id or not entry.address[0]:
-                continue  # unusable entry: skip it, keep the rest
-            records.append(record_from_wire(entry))
-        if not any(r.node_id == peer for r in records):
+            rec, problem, misbehaved = self._admit(entry)
+            if rec is None:
+                # Unverifiable is routine (a heartbeat of a member whose certificate has not
+                # reached us yet); forged or malformed is not.
+                self._reject(peer, problem, now, f"entry for {entry.node_id[:MAX_NODE_ID_CHARS]}",
+                             logging.WARNING if misbehaved else logging.DEBUG)
+                if entry.node_id == peer:
+                    self._reject(peer, "unverified sender", now, "its own entry does not "
+                                 "verify: the whole message is dropped",
+                                 logging.WARNING if misbehaved else logging.DEBUG)
+                    if misbehaved:
+                        self._quarantine[peer] = now + self.config.quarantine_s
+                    return
+                if misbehaved:
+                    bad += 1
+                    if bad >= _MAX_BAD_ENTRIES:
+                        break
+                continue
+            own = own or rec.node_id == peer
+            records.append(rec)
+        removals = self._admit_removals(peer, msg.removals, now)
+        if removals is None:
+            bad += 1
+            removals = {}
+        if bad:
+            self._quarantine[peer] = now + self.config.quarantine_s
+            if len(self._quarantine) > 4 * self.config.max_members:
+                self._quarantine = {p: t for p, t in self._quarantine.items() if t > now}
+        if not own:
             log.debug("gossip from %s without its own entry; ignored", peer)
             return
-        result = ms.merge(records, now)
+        result = ms.merge(records, now, removals)
+        self._after_merge(result.transitions, result.self_removed, now)
+        if result.sender_behind:
+            self._send_bg(peer, self._gossip_message())
+
+    def _after_merge(self, transitions: Sequence[Transition], self_removed: bool,
+                     now: float) -> None:
+        ms, el = self._membership, self._election
+        assert ms is not None and el is not None
         self._learn_addresses()
         before = (el.leader(now), el.term)
-        el.observe(msg.term, now)
-        self._persist_election()
-        if result.self_removed:
+        el.set_reported_terms(ms.reported_terms())
+        if self_removed:
             el.disable(now)
             log.warning("cluster: this node was removed from the cluster by an operator; "
                         "it no longer votes (restart fusiond to rejoin)")
-        for t in result.transitions:
+        for t in transitions:
             self._log_transition(t)
             if t.new == "left":
                 el.forget(t.node_id, now)
-        if result.sender_behind:
-            self._send_bg(peer, self._gossip_message())
-        if result.transitions or (el.leader(now), el.term) != before:
+                self._prober.forget(t.node_id)
+        self._members_changed()
+        if transitions or (el.leader(now), el.term) != before:
             self._notify()
+
+    def _admit(self, entry: MemberEntry) -> tuple[MemberRecord | None, str, bool]:
+        """(the entry as a record, '', False) if it may be merged; else (None, why, whether
+        that is the sender's misbehaviour: malformed or forged, not merely unverifiable)."""
+        ms = self._membership
+        assert ms is not None
+        problem = entry_problem(entry, max_links=self.config.max_members)
+        if problem:
+            return None, f"malformed entry: {problem}", True
+        rec = record_from_wire(entry)
+        tr = self._trust
+        if tr is None:
+            return rec, "", False
+        nid = entry.node_id
+        if entry.credential:
+            try:
+                tr.learn(nid, entry.credential)
+            except TrustError as exc:
+                return None, f"bad credential: {exc}", True
+        header = ms.header_is_news(nid, rec.incarnation, rec.heartbeat, rec.state == "left")
+        body = entry.profile is not None and ms.body_is_news(nid, rec.incarnation,
+                                                             rec.body_version)
+        if not header and not body:
+            return rec, "", False  # changes nothing (it only tells what the sender knows)
+        if not tr.knows(nid):
+            return None, "no credential known", False
+        if header and not tr.verify_by(nid, header_statement(
+                self.cluster_id, nid, rec.address, rec.incarnation, rec.heartbeat,
+                rec.state == "left", rec.term), entry.signature):
+            return None, "bad header signature", True
+        if entry.profile is not None:
+            ok = False
+            if body:
+                profile = dict(entry.profile.extra)  # the map the member signed
+                raw = body_bytes(profile, rec.links)
+                ok = len(raw) <= MAX_BODY_BYTES and tr.verify_by(nid, body_statement(
+                    self.cluster_id, nid, rec.incarnation, rec.body_version,
+                    hashlib.sha256(raw).digest()), entry.body_signature)
+                if ok:
+                    rec = dataclasses.replace(rec, profile=profile)
+                elif not header:
+                    return None, "bad body signature", True
+            if not ok:
+                rec = dataclasses.replace(rec, profile=ELIDED, links={}, body_version=0,
+                                          body_signature=b"")
+        return rec, "", False
+
+    def _admit_removals(self, peer: str, removals: Sequence[Removal],
+                        now: float) -> dict[str, bytes] | None:
+        """The sender's removals that hold (signed with the operator key); None if one is
+        forged or malformed (the rest are then dropped too)."""
+        ms = self._membership
+        assert ms is not None
+        out: dict[str, bytes] = {}
+        for r in removals:
+            if (not r.node_id or len(r.node_id) > MAX_NODE_ID_CHARS
+                    or len(r.signature) > MAX_SIGNATURE_BYTES):
+                self._reject(peer, "malformed removal", now, "")
+                return None
+            if ms.is_removed(r.node_id):
+                out[r.node_id] = r.signature
+                continue
+            if self._trust is not None and not self._trust.verify_removal(r.node_id,
+                                                                        r.signature):
+                self._reject(peer, "forged removal", now,
+                             f"of {r.node_id}: not signed with the cluster CA key")
+                return None
+            out[r.node_id] = r.signature
+        return out
+
+    def _reject(self, peer: str, reason: str, now: float, detail: str,
+                level: int = logging.WARNING) -> None:
+        """Count a refused fact; log it at most once per _LOG_EVERY_S per peer and reason."""
+        key = reason.split(":")[0]
+        self.rejected[key] = self.rejected.get(key, 0) + 1
+        last, suppressed = self._logged.get((peer, key), (-math.inf, 0))
+        if now - last < _LOG_EVERY_S:
+            self._logged[(peer, key)] = (last, suppressed + 1)
+            return
+        if len(self._logged) > 4 * self.config.max_members:
+            self._logged.clear()
+        self._logged[(peer, key)] = (now, 0)
+        more = f" (and {suppressed} more since)" if suppressed else ""
+        log.log(level, "cluster: refused from %s: %s%s%s", peer, reason,
+                f" ({detail})" if detail else "", more)
+
+    def _log_election_refusals(self, peer: str, now: float) -> None:
+        el = self._election
+        assert el is not None
+        for reason, count in el.refused.items():
+            seen = self._logged.get(("election", reason))
+            if seen is None or (count > seen[1] and now - seen[0] >= _LOG_EVERY_S):
+                self._logged[("election", reason)] = (now, count)
+                if reason not in _ROUTINE_REFUSALS:
+                    log.warning("cluster: election message refused (latest from %s): %s "
+                                "(%d so far)", peer, reason, count)
 
     def _on_leave(self, peer: str, msg: Leave, now: float) -> None:
         ms = self._membership
         assert ms is not None
-        rec = ms.get(msg.node_id)
-        if msg.node_id != peer or rec is None or msg.incarnation < rec.incarnation:
-            return  # a node can only announce its own departure, of its current incarnation
-        t = ms.remove(msg.node_id, now)
+        if msg.node_id != peer:
+            return  # a node can only announce its own departure
+        t = ms.left_by_message(msg.node_id, msg.incarnation, now)
+        if t is None:
+            return
         self._prober.forget(msg.node_id)
         assert self._election is not None
         self._election.forget(msg.node_id, now)
-        if t is not None:
-            log.info("cluster: %s left", msg.node_id)
-            self._notify()
+        log.info("cluster: %s left", msg.node_id)
+        self._members_changed()
+        self._notify()
 
     # -- loops ---------------------------------------------------------------------------------
 
@@ -703,14 +951,51 @@ class Cluster:
         return targets
 
     def _gossip_message(self, full: Collection[str] | None = None) -> Gossip:
-        """Our view; profiles and links only for the members in `full` (None: everyone)."""
+        """Our view; profiles and links only for the members in `full` (None: everyone). Our
+        own entry always carries our credential, a full entry its member's."""
         ms, el = self._membership, self._election
         assert ms is not None and el is not None
         leader = el.leader(time.monotonic())
-        return Gossip(sender=self.node_id,
-                      members=tuple(record_to_wire(r, full is None or r.node_id in full)
-                                    for r in ms.records()),
-                      term=el.term, leader=leader or "")
+        tr = self._trust
+        entries = []
+        for r in ms.records():
+            wide = full is None or r.node_id in full
+            if r.node_id == self.node_id:
+                entries.append(self._own_entry(wide))
+            elif tr is None:
+                entries.append(record_to_wire(r, wide))
+            elif r.signature:
+                entries.append(record_to_wire(
+                    r, wide, (tr.credential_of(r.node_id) or b"") if wide else b""))
+        return Gossip(sender=self.node_id, members=tuple(entries), term=el.term,
+                      leader=leader or "",
+                      removals=tuple(Removal(node_id=n, signature=sig)
+                                     for n, sig in sorted(ms.removed().items())))
+
+    def _own_entry(self, full: bool) -> MemberEntry:
+        """Our record, signed: the header once per change (each heartbeat, a new term), the
+        body when it changed since we last signed it."""
+        ms, el = self._membership, self._election
+        assert ms is not None and el is not None
+        me, tr = ms.me, self._trust
+        left = me.state == "left"
+        key = (me.address, me.incarnation, me.heartbeat, left, el.term)
+        if self._own_header is None or self._own_header[0] != key:
+            sig = tr.sign(header_statement(self.cluster_id, self.node_id, me.address,
+                                           me.incarnation, me.heartbeat, left, el.term)
+                          ) if tr is not None else b""
+            self._own_header = (key, sig)
+        body_version, body_sig = 0, b""
+        if full:  # a heartbeat-only entry carries no body: nothing to hash or sign
+            digest = hashlib.sha256(body_bytes(me.profile, me.links)).digest()
+            if self._own_body is None or self._own_body[0] != digest:
+                sig = tr.sign(body_statement(self.cluster_id, self.node_id, me.incarnation,
+                                             me.heartbeat, digest)) if tr is not None else b""
+                self._own_body = (digest, me.heartbeat, sig)
+            _, body_version, body_sig = self._own_body
+        rec = dataclasses.replace(me, term=el.term, signature=self._own_header[1],
+                                  body_version=body_version, body_signature=body_sig)
+        return record_to_wire(rec, full, tr.credential if tr is not None else b"")
 
     async def _tick_loop(self) -> None:
         ms, el = self._membership, self._election
@@ -728,7 +1013,12 @@ class Cluster:
                          if r is not None]
                 return rank_order(alive, ms.links())
 
-            outs = el.tick(now, voters=voters, ranked_alive=ranked, reachable=self._reachable())
+            # Alone, but still dialling a bootstrap address or waiting to hear from a contact:
+            # we are joining a cluster, so we never found one of our own meanwhile.
+            joining = voters == {self.node_id} and bool(
+                self._contacts or (self._dialer is not None and self._dialer.pending()))
+            outs = el.tick(now, voters=voters, ranked_alive=ranked, reachable=self._reachable(),
+                           campaign=not joining)
             self._persist_election()  # a campaign's new term and self-vote, before asking
             for dst, out in outs:
                 self._send_bg(dst, out)
@@ -797,7 +1087,7 @@ class Cluster:
         try:
             save_election_state(self._state_path, state, cluster_id=self.cluster_id,
                                 node_id=self.node_id)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             # Not fatal (the start grace still guards a restart); retried at the next call,
             # said once per distinct error rather than every tick.
             msg = f"cannot persist the election state to {self._state_path}: {exc}"
@@ -807,6 +1097,100 @@ class Cluster:
             return
         self._persisted = state
         self._persist_error = ""
+
+    def _members_state(self) -> MembersState:
+        ms = self._membership
+        assert ms is not None
+        tr = self._trust
+        stored = []
+        for nid in ms.ids():
+            rec = ms.get(nid)
+            if nid == self.node_id or rec is None or ms.is_removed(nid):
+                continue
+            stored.append(StoredMember(
+                node_id=nid, address=rec.address, incarnation=rec.incarnation,
+                heartbeat=rec.heartbeat, left=rec.state == "left", term=rec.term,
+                signature=rec.signature,
+                credential=(tr.credential_of(nid) or b"") if tr is not None else b""))
+        return MembersState(tuple(stored), ms.removed(), ms.voters())
+
+    def _members_changed(self) -> None:
+        """Schedule a write of the member list if it changed in a way that matters after a
+        restart (members, incarnations, addresses, left, voters, credentials, removals)."""
+        ms = self._membership
+        if self._members_path is None or ms is None or self._closing:
+            return
+        tr = self._trust
+        key = (tuple((nid, rec.incarnation, rec.address, rec.state, ms.state(nid) == "left",
+                      tr is not None and tr.credential_of(nid) is not None)
+                     for nid in ms.ids() if (rec := ms.get(nid)) is not None),
+               tuple(sorted(ms.removed())))
+        if key == self._members_key:
+            return
+        self._members_key = key
+        if self._members_saver is None or self._members_saver.done():
+            self._members_saver = asyncio.ensure_future(self._members_save_soon())
+
+    async def _members_save_soon(self) -> None:
+        await asyncio.sleep(_MEMBERS_SAVE_DELAY_S)  # changes come in bursts: write them once
+        await self._save_members()
+
+    async def _save_members(self) -> None:
+        """Write the member list now (in a thread: up to tens of KB and an fsync)."""
+        assert self._members_path is not None
+        state = self._members_state()
+        try:
+            await asyncio.to_thread(save_members_state, self._members_path, state,
+                                    cluster_id=self.cluster_id, node_id=self.node_id)
+        except OSError as exc:
+            self._members_key = None  # retried at the next change
+            log.error("cluster: cannot persist the member list to %s: %s", self._members_path,
+                      exc)
+
+    async def _restore_members(self, now: float) -> None:
+        """Load the member list of our last run: those members count as voters (dead until
+        heard from). Entries that do not verify are dropped, each with a warning."""
+        ms, el, tr = self._membership, self._election, self._trust
+        assert ms is not None and el is not None and self._members_path is not None
+        try:
+            saved = await asyncio.to_thread(
+                load_members_state, self._members_path, cluster_id=self.cluster_id,
+                node_id=self.node_id, max_members=self.config.max_members)
+        except MembersStateError as exc:
+            log.warning("cluster: ignoring the persisted member list: %s", exc)
+            return
+        if saved is None:
+            return
+        records = []
+        for m in saved.members:
+            if tr is not None:
+                try:
+                    tr.learn(m.node_id, m.credential)
+                except TrustError as exc:
+                    log.warning("cluster: persisted member %s dropped: %s", m.node_id, exc)
+                    continue
+                if not tr.verify_by(m.node_id, header_statement(
+                        self.cluster_id, m.node_id, m.address, m.incarnation, m.heartbeat,
+                        m.left, m.term), m.signature):
+                    log.warning("cluster: persisted member %s dropped: its signature does "
+                                "not verify", m.node_id)
+                    continue
+            records.append(MemberRecord(
+                m.node_id, m.address, m.incarnation, m.heartbeat,
+                "left" if m.left else "alive", {}, {}, term=m.term, signature=m.signature,
+                body_version=-1))
+        removals = {n: sig for n, sig in saved.removals.items()
+                    if tr is None or tr.verify_removal(n, sig)}
+        restored = ms.restore(records, removals, now)
+        for nid in restored:
+            rec = ms.get(nid)
+            if nid not in saved.voters and rec is not None:
+                ms.left_by_message(nid, rec.incarnation, now)  # it was no voter any more
+        el.set_reported_terms(ms.reported_terms())
+        self._learn_addresses()
+        voters = ms.voters()
+        log.info("cluster: restored %d member(s) from %s: %d voters, %d needed for a "
+                 "majority", len(restored), self._members_path, len(voters), majority(voters))
 
     def _safe_profile(self, fallback: Mapping[str, Any]) -> dict[str, Any]:
         try:

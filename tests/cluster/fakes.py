@@ -4,6 +4,10 @@ Every message goes through the real codec (encode_message -> FrameDecoder -> dec
 so what the cluster sends must be valid on the wire. Links deliver in order after a latency,
 optionally serialised at a bandwidth, optionally with TCP's slow start; the hub can partition
 nodes into groups, cut single links, and "crash" a node (its traffic is dropped from then on).
+
+Swarm nodes sign their facts by default (`NameAuthority`: a test CA for arbitrary node names,
+with real ECDSA P-256 keys and signatures, so every service test also runs the checks a TLS
+daemon runs); `Swarm(signed=False)` is plaintext dev mode.
 """
 
 from __future__ import annotations
@@ -12,11 +16,17 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
-from fusiond.cluster import Cluster, ClusterConfig, ClusterView
+import msgpack
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from fusiond.cluster import Cluster, ClusterConfig, ClusterView, Trust, TrustError
 from protocol.frames import Buffer, FrameDecoder
 from protocol.messages import Message, decode_message, encode_message
 
@@ -193,6 +203,50 @@ class FakeNet:
             del self.hub.nets[self.node_id]
 
 
+# -- a test authority ---------------------------------------------------------------------------
+
+_ECDSA = ec.ECDSA(hashes.SHA256())
+
+
+class NameAuthority:
+    """A cluster authority for tests, over arbitrary node names: a credential is msgpack
+    [name, public key (SPKI DER), expiry, the authority's signature over the three]; the
+    authority's key is also the operator key. The daemon uses the X.509 cluster CA instead
+    (fusiond.cluster.trust.X509Authority), where names are derived from keys."""
+
+    def __init__(self) -> None:
+        self.key = ec.generate_private_key(ec.SECP256R1())
+
+    def issue(self, name: str, public_key: ec.EllipticCurvePublicKey,
+              valid_s: float = 3600.0) -> bytes:
+        spki = public_key.public_bytes(serialization.Encoding.DER,
+                                       serialization.PublicFormat.SubjectPublicKeyInfo)
+        expires = time.time() + valid_s
+        body = msgpack.packb([name, spki, expires])
+        return msgpack.packb([name, spki, expires, self.key.sign(body, _ECDSA)])
+
+    def verify_credential(self, node_id: str,
+                          credential: bytes) -> tuple[ec.EllipticCurvePublicKey, float]:
+        try:
+            name, spki, expires, sig = msgpack.unpackb(credential)
+            self.key.public_key().verify(sig, msgpack.packb([name, spki, expires]), _ECDSA)
+            key = serialization.load_der_public_key(spki)
+        except (ValueError, TypeError, InvalidSignature) as exc:
+            raise TrustError(f"credential of {node_id} does not verify: {exc!r}") from None
+        if name != node_id or not isinstance(key, ec.EllipticCurvePublicKey):
+            raise TrustError(f"credential names {name!r}, not {node_id!r}")
+        if time.time() > expires:
+            raise TrustError(f"credential of {node_id} expired")
+        return key, float(expires)
+
+    def verify_operator(self, statement: bytes, signature: bytes) -> bool:
+        try:
+            self.key.public_key().verify(signature, statement, _ECDSA)
+        except (InvalidSignature, ValueError):
+            return False
+        return True
+
+
 # -- a swarm of Cluster instances on one hub --------------------------------------------------
 
 FAST = ClusterConfig(
@@ -208,18 +262,32 @@ starve the shared CPUs of a test machine and the failure detector sees ghosts)."
 class Swarm:
     """Start, crash and restart Cluster nodes on one FakeHub."""
 
-    def __init__(self, hub: FakeHub | None = None, config: ClusterConfig = FAST) -> None:
+    def __init__(self, hub: FakeHub | None = None, config: ClusterConfig = FAST,
+                 signed: bool = True) -> None:
         self.hub = hub or FakeHub()
         self.config = config
+        self.signed = signed
+        self.authority = NameAuthority()
+        self.keys: dict[str, ec.EllipticCurvePrivateKey] = {}
         self.nodes: dict[str, Cluster] = {}
         self.nets: dict[str, FakeNet] = {}
         self.addresses: dict[str, Address] = {}
 
+    def trust(self, node_id: str, operator: bool = True) -> Trust:
+        """`node_id`'s signing key (the same across restarts) and credential."""
+        key = self.keys.setdefault(node_id, ec.generate_private_key(ec.SECP256R1()))
+        return Trust(cluster_id="test", node_id=node_id, key=key,
+                     credential=self.authority.issue(node_id, key.public_key()),
+                     authority=self.authority,
+                     operator_key=self.authority.key if operator else None)
+
     async def add(self, node_id: str, *, bootstrap: Sequence[Address] = (),
                   profile: dict[str, object] | None = None, incarnation: int | None = None,
                   config: ClusterConfig | None = None,
-                  state_path: str | None = None) -> Cluster:
-        """Start a node (reusing its old address if it ran before: a restart)."""
+                  state_path: str | None = None, members_path: str | None = None,
+                  operator: bool = True) -> Cluster:
+        """Start a node (reusing its old address and key if it ran before: a restart).
+        `operator`: it holds the operator key (may remove members)."""
         net = FakeNet(self.hub, node_id, self.addresses.get(node_id))
         self.addresses[node_id] = net.address
         cfg = config or self.config
@@ -227,7 +295,8 @@ class Swarm:
         prof = dict(profile or {"gflops": 10.0, "memory_bytes": 1 << 30})
         node = Cluster(node_id=node_id, cluster_id="test", net=net, advertise=net.address,
                        profile=lambda: prof, config=cfg, incarnation=incarnation,
-                       state_path=state_path)
+                       state_path=state_path, members_path=members_path,
+                       trust=self.trust(node_id, operator) if self.signed else None)
         net.handler = node.handle
         await node.start()
         await node.ready()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fusiond.cluster.election import (
     CONFLICT,
+    TERM_LEAD_MAX,
     Election,
     ElectionTiming,
     Role,
@@ -190,11 +191,17 @@ def test_leader_without_majority_acks_steps_down_within_its_lease() -> None:
     assert role(a) == "follower" and a.leader(1.45) is None
 
 
-def test_higher_term_in_an_ack_deposes_the_leader() -> None:
+def test_a_higher_term_in_an_ack_does_not_depose_the_leader_its_lease_does() -> None:
+    # One follower's word (it may be a compromised member) must not depose a leader that a
+    # majority still acks; a real new leader means the majority stopped acking: the lease ends.
     a = Election("a", timing=T, now=0.0)
-    a.term, a.role = 4, "leader"
+    a.tick(0.6, voters={"a"}, ranked_alive=["a"], reachable=[])
+    assert role(a) == "leader" and a.term == 1
     a.on_leader_ack("b", LeaderAck(request_id=1, term=7, node_id="b", accepted=False), 1.0)
-    assert role(a) == "follower" and a.term == 7 and a.leader(1.0) is None
+    assert role(a) == "leader" and a.term == 1
+    a.tick(5.0, voters={"a", "b", "c"}, ranked_alive=["a"], reachable=["b", "c"])
+    a.tick(5.9, voters={"a", "b", "c"}, ranked_alive=["a"], reachable=["b", "c"])
+    assert role(a) == "follower" and a.leader(5.9) is None
 
 
 def test_two_leaders_of_one_term_both_step_down_and_follow_neither() -> None:
@@ -250,7 +257,128 @@ def test_a_late_pre_vote_grant_does_not_inflate_the_term() -> None:
     a.on_vote("b", Vote(request_id=pre.request_id, term=1, voter="b", granted=True), 2.1,
               frozenset("abcde"), list("bcde"))
     assert a.term == 0
-    # A refusal carries the voter's real term: that one is adopted.
+    # A stray refusal after the round is one member's word: it does not move our term.
     a.on_vote("c", Vote(request_id=pre.request_id, term=4, voter="c", granted=False), 2.2,
               frozenset("abcde"), list("bcde"))
-    assert a.term == 4
+    assert a.term == 0
+
+
+def test_a_refusal_of_a_running_campaign_moves_the_term_up_to_the_ceiling() -> None:
+    a = Election("a", timing=T, now=0.0)
+    voters = frozenset("abcde")
+    out = a.tick(0.6, voters=voters, ranked_alive=list("abcde"), reachable=list("bcde"))
+    pre = out[0][1]
+    assert isinstance(pre, PreVote)
+    # The refusal carries the voter's real term: adopted (it is within the bound).
+    a.on_vote("c", Vote(request_id=pre.request_id, term=4, voter="c", granted=False), 0.7,
+              voters, list("bcde"))
+    assert a.term == 4 and role(a) == "follower"
+    # One far ahead (nobody reported anything near it): only up to the quorum term + the
+    # bound, so a lagging group catches up a few terms per campaign and a liar gets no further.
+    out = a.tick(3.0, voters=voters, ranked_alive=list("abcde"), reachable=list("bcde"))
+    pre = out[0][1]
+    assert isinstance(pre, PreVote) and pre.term == 5
+    a.on_vote("d", Vote(request_id=pre.request_id, term=1 << 60, voter="d", granted=False),
+              3.1, voters, list("bcde"))
+    # The quorum term is the 3rd highest of (4 (ours), 0, 0, 0, 0): 0.
+    assert a.term == TERM_LEAD_MAX and a.refused["term too far ahead"] == 1
+    # b and c report 20 in their signed records: the 3rd highest is now ours (8).
+    a.set_reported_terms({"b": 20, "c": 20})
+    assert a.quorum_term(voters) == 8
+    out = a.tick(6.0, voters=voters, ranked_alive=list("abcde"), reachable=list("bcde"))
+    pre = out[0][1]
+    assert isinstance(pre, PreVote)
+    a.on_vote("b", Vote(request_id=pre.request_id, term=20, voter="b", granted=False),
+              6.1, voters, list("bcde"))
+    assert a.term == 2 * TERM_LEAD_MAX
+
+
+class NameEndorser:
+    """Support 'signatures' that name their signer (the state machine only needs the rule)."""
+
+    def __init__(self, me: str) -> None:
+        self.me = me
+
+    def sign_support(self, term: int, leader: str) -> bytes:
+        return f"{self.me}|{term}|{leader}".encode()
+
+    def verify_support(self, voter: str, term: int, leader: str, signature: bytes) -> bool:
+        return signature == f"{voter}|{term}|{leader}".encode()
+
+
+def test_a_member_that_joins_later_checks_the_proof_which_acks_complete() -> None:
+    a = Election("a", timing=T, now=0.0, endorser=NameEndorser("a"))
+    b = Election("b", timing=T, now=0.0, endorser=NameEndorser("b"))
+    c = Election("c", timing=T, now=0.0, endorser=NameEndorser("c"))
+    out = a.tick(0.6, voters=VOTERS, ranked_alive=["a", "b", "c"], reachable=["b", "c"])
+    pre = out[0][1]
+    vote = b.on_prevote("a", pre, 0.6, VOTERS)[0][1]  # type: ignore[arg-type]
+    out = a.on_vote("b", vote, 0.6, VOTERS, ["b", "c"])  # type: ignore[arg-type]
+    req = out[0][1]
+    vote = b.on_vote_request("a", req, 0.6, VOTERS)[0][1]  # type: ignore[arg-type]
+    assert isinstance(vote, Vote) and vote.granted and vote.signature == b"b|1|a"
+    out = a.on_vote("b", vote, 0.61, VOTERS, ["b", "c"])
+    assert role(a) == "leader"
+    beat = dict(out)["c"]
+    assert isinstance(beat, Leader) and {e.voter for e in beat.proof} == {"a", "b"}
+    d = Election("d", timing=T, now=0.0, endorser=NameEndorser("d"))
+    four = frozenset("abcd")
+    # d joined: 4 voters need 3 supports; the proof holds 2.
+    ack = d.on_leader("a", beat, 1.0, four)[0][1]
+    assert isinstance(ack, LeaderAck) and not ack.accepted and "2 of 3" in ack.reason
+    # c (a voter all along) accepts with 2 of its 3 voters, and signs its support.
+    ack = c.on_leader("a", beat, 1.0, VOTERS)[0][1]
+    assert isinstance(ack, LeaderAck) and ack.accepted and ack.signature == b"c|1|a"
+    a.on_leader_ack("c", ack, 1.0)
+    beats = dict(a.tick(1.3, voters=four, ranked_alive=["a"], reachable=["c", "d"]))
+    beat = beats["d"]
+    assert isinstance(beat, Leader) and {e.voter for e in beat.proof} == {"a", "b", "c"}
+    assert not beats["c"].proof  # type: ignore[attr-defined]  # c accepted: no proof needed
+    ack = d.on_leader("a", beat, 2.1, four)[0][1]  # after its earlier failure's back-off
+    assert isinstance(ack, LeaderAck) and ack.accepted and d.leader(2.1) == "a"
+    # An ack whose signature is not its sender's is not added to the proof.
+    a.on_leader_ack("b", LeaderAck(request_id=1, term=1, node_id="b", accepted=True,
+                                   signature=b"forged"), 1.4)
+    assert a.refused == {} or "bad ack signature" not in a.refused  # b is in the proof already
+    a.on_leader_ack("d", LeaderAck(request_id=1, term=1, node_id="d", accepted=True,
+                                   signature=b"forged"), 1.4)
+    assert a.refused["bad ack signature"] == 1
+
+
+def test_a_vote_whose_signature_is_not_the_voters_does_not_count() -> None:
+    a = Election("a", timing=T, now=0.0, endorser=NameEndorser("a"))
+    out = a.tick(0.6, voters=VOTERS, ranked_alive=["a", "b", "c"], reachable=["b", "c"])
+    pre = out[0][1]
+    out = a.on_vote("b", Vote(request_id=pre.request_id, term=1, voter="b", granted=True),  # type: ignore[attr-defined]
+                    0.6, VOTERS, ["b", "c"])
+    req = out[0][1]
+    assert isinstance(req, VoteRequest) and role(a) == "candidate"
+    a.on_vote("b", Vote(request_id=req.request_id, term=1, voter="b", granted=True,
+                        signature=b"c|1|a"), 0.61, VOTERS, ["b", "c"])
+    assert role(a) == "candidate" and a.refused["bad vote signature"] == 1
+    a.on_vote("c", Vote(request_id=req.request_id, term=1, voter="c", granted=True,
+                        signature=b"c|1|a"), 0.62, VOTERS, ["b", "c"])
+    assert role(a) == "leader"
+
+
+def test_a_leader_that_led_alone_re_elects_itself_with_the_members_that_joined() -> None:
+    # Led alone, its proof is its own support; b joins (2 voters need 2 supports) and cannot
+    # check it. Rather than wait out its lease, the leader re-elects itself with b at once.
+    a = Election("a", timing=T, now=0.0, endorser=NameEndorser("a"))
+    b = Election("b", timing=T, now=0.0, endorser=NameEndorser("b"))
+    two = frozenset("ab")
+    a.tick(0.6, voters={"a"}, ranked_alive=["a"], reachable=[])
+    assert role(a) == "leader" and a.term == 1
+    beat = dict(a.tick(1.0, voters=two, ranked_alive=["a", "b"], reachable=["b"]))["b"]
+    ack = b.on_leader("a", beat, 1.0, two)[0][1]  # type: ignore[arg-type]
+    assert isinstance(ack, LeaderAck) and not ack.accepted and "1 of 2" in ack.reason
+    a.on_leader_ack("b", ack, 1.0)
+    pre = dict(a.tick(1.05, voters=two, ranked_alive=["a", "b"], reachable=["b"]))["b"]
+    assert isinstance(pre, PreVote) and pre.term == 2
+    vote = b.on_prevote("a", pre, 1.05, two)[0][1]
+    req = dict(a.on_vote("b", vote, 1.05, two, ["b"]))["b"]  # type: ignore[arg-type]
+    vote = b.on_vote_request("a", req, 1.05, two)[0][1]  # type: ignore[arg-type]
+    beat = dict(a.on_vote("b", vote, 1.06, two, ["b"]))["b"]  # type: ignore[arg-type]
+    assert role(a) == "leader" and a.term == 2
+    ack = b.on_leader("a", beat, 1.06, two)[0][1]  # type: ignore[arg-type]
+    assert isinstance(ack, LeaderAck) and ack.accepted and b.leader(1.06) == "a"

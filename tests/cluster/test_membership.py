@@ -176,3 +176,54 @@ def test_profiles_that_msgpack_cannot_carry_are_filtered() -> None:
                                     "obj": object(), "huge": 1 << 70, "setv": {1, 2}})
     assert clean == {"ok": 1, "nested": {"a": [1, 2.5, "x", None]}}
     assert sorted(dropped) == ["huge", "obj", "setv"]
+
+
+def test_a_newer_body_alone_does_not_revive_a_silent_member() -> None:
+    # A relay may forward a member's body long after the member died: liveness comes from
+    # headers only (a body revival kept dead daemons "alive" 2 s too long).
+    m = mk()
+    m.merge([r("a", hb=5)], 0.0)
+    m.check(3.0)
+    assert m.state("a") == "suspect"
+    body = MemberRecord("a", ("10.0.0.1", 7), 1, 4, "alive", {"gflops": 9.0}, {},
+                        body_version=4)
+    res = m.merge([body], 3.0)
+    assert m.state("a") == "suspect" and not res.transitions
+    assert m.get("a").profile == {"gflops": 9.0}  # type: ignore[union-attr]
+    assert [t.new for t in m.check(5.0)] == ["dead"]
+
+
+def test_a_removal_is_for_good_and_travels_with_its_signature() -> None:
+    m = mk()
+    m.merge([r("a", hb=1), r("b", hb=1)], 0.0)
+    res = m.merge([r("me", inc=100), r("a", hb=2), r("b", hb=2)], 0.1, {"a": b"sig"})
+    assert [(t.node_id, t.new) for t in res.transitions] == [("a", "left")]
+    assert m.voters() == {"me", "b"} and m.removed() == {"a": b"sig"}
+    # Not revived by a later heartbeat nor by a new incarnation, and not gossiped as a record.
+    m.merge([r("a", hb=9), r("a", inc=5)], 0.2)
+    assert m.state("a") == "left" and "a" not in {x.node_id for x in m.records()}
+    assert not m.header_is_news("a", 5, 0, False)
+    # A sender that lacks the removal is behind (it gets our view).
+    assert m.merge([r("me", inc=100), r("b", hb=3)], 0.3).sender_behind
+    assert not m.merge([r("me", inc=100), r("b", hb=4)], 0.3, {"a": b"sig"}).sender_behind
+
+
+def test_only_a_members_own_left_claim_is_news() -> None:
+    m = mk()
+    m.merge([r("a", hb=5)], 0.0)
+    assert m.header_is_news("a", 1, 5, True)  # its own left claim (checked by the service)
+    assert not m.header_is_news("a", 1, 5, False) and not m.header_is_news("a", 1, 4, False)
+    assert m.header_is_news("me", 100, 0, True) and not m.header_is_news("me", 99, 0, True)
+    # A relay's judgement (suspect, dead) is never stored as the member's claim.
+    m.merge([r("b", hb=1, state="dead")], 0.0)
+    assert m.state("b") == "dead" and m.get("b").state == "alive"  # type: ignore[union-attr]
+
+
+def test_restored_members_count_as_voters_until_heard() -> None:
+    m = mk()
+    restored = m.restore([r("a", hb=3), r("b", hb=3, state="left")], {"z": b"s"}, 10.0)
+    assert restored == ["a", "b"] and m.state("a") == "dead" and m.state("b") == "left"
+    assert m.voters() == {"me", "a"} and m.is_removed("z")
+    assert m.check(10.1) == []  # dead until heard from
+    m.merge([r("a", hb=4)], 10.2)
+    assert m.state("a") == "alive"

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import re
 import shutil
 import ssl
 import tempfile
@@ -298,6 +300,74 @@ def test_lost_majority_is_recovered_by_removing_the_dead(
     assert again["alive"] == [c.node_id(survivor)] and again["leader"] == c.node_id(survivor)
     st = survivor.status()
     assert st is not None and gone_ids[0] in st["node"]["denied"]
+
+
+def _leaders_by_term(c: Cluster) -> dict[int, set[str]]:
+    """Every "scheduler is X, term T" line in every node's log (all runs): term -> leaders."""
+    out: dict[int, set[str]] = {}
+    for n in c.nodes:
+        for m in re.finditer(r"cluster: scheduler is (\S+), term (\d+)", n.log_text()):
+            out.setdefault(int(m.group(2)), set()).add(m.group(1))
+    return out
+
+
+@pytest.mark.slow
+def test_a_restarted_seed_whose_peers_do_not_answer_never_leads(
+        make_cluster: Callable[..., Cluster]) -> None:
+    # The issue's reproduction: restarted with its peers unreachable, the seed formed a
+    # one-node cluster, reported "quorum yes (1 of 1)" and led a term the real leader also
+    # held; later three leaders existed at once.
+    c = make_cluster(3)
+    _start_by_bootstrap(c)
+    c.wait_agreement()
+    seed, *others = c.nodes
+    seed_id = c.node_id(seed)
+    members_file = seed.state_dir / "members.json"
+
+    def persisted() -> tuple[bool, str]:
+        try:
+            voters = json.loads(members_file.read_text())["voters"]
+        except (OSError, ValueError, KeyError):
+            return False, "no member list yet"
+        return len(voters) == 3, f"voters {voters}"
+
+    c.wait_for(persisted, AGREE_S, "the seed's member list on disk")
+    seed.kill()
+    for n in others:
+        c.block(n, [seed_id])  # from now on they drop everything to and from the seed
+    c.wait_agreement(others, timeout=AGREE_S + 5)
+    seed.start()
+    c.wait_up([seed])
+    t_end = time.monotonic() + 3 * TIMERS["cluster"]["election_timeout_s"] + TIMERS[
+        "cluster"]["election_grace_s"] + 2.0
+    while time.monotonic() < t_end:
+        st = seed.status()
+        assert st is not None and st["cluster"] is not None
+        view = st["cluster"]
+        assert view["voters"] == 3 and view["needed"] == 2, view
+        assert not view["has_quorum"] and view["leader"] is None, summary(st)
+        time.sleep(0.2)
+    # fusionctl status says why: no quorum, 1 of 3 voters alive.
+    from fusionctl.cli import run as fusionctl
+
+    assert fusionctl(["--socket", seed.socket, "status"]) in (0, 1)
+    for n in others:
+        c.block(n, [])
+    agreed, _ = c.wait_agreement(timeout=AGREE_S + 5)
+    assert seed_id in agreed["alive"]
+    time.sleep(1.0)
+    terms = _leaders_by_term(c)
+    assert terms and all(len(leaders) == 1 for leaders in terms.values()), terms
+    lines = [line for line in seed.log_text().splitlines()
+             if "restored 2 member(s)" in line and "3 voters, 2 needed" in line]
+    assert lines, "the seed did not say it restored its member list"
+    # Only a member holding the CA key removes members: node1 has none.
+    from fusionctl.client import ApiFailure
+
+    with pytest.raises(ApiFailure) as refused:
+        others[0].api("POST", "/v1/remove", {"node_id": seed_id})
+    assert refused.value.status == 403 and "ca.key" in refused.value.message
+    assert all(summary(n.status())["quorum"] for n in c.nodes)
 
 
 @pytest.mark.slow

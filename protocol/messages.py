@@ -96,6 +96,12 @@ def encode_header(msg: Message, limits: Limits = DEFAULT_LIMITS) -> bytes:
     return header
 
 
+def wire_bytes(value: Struct, limits: Limits = DEFAULT_LIMITS) -> int:
+    """Bytes of `value`'s msgpack encoding: what it adds to a message header (to size a
+    message before building it)."""
+    return len(packb(value.to_wire(limits)))
+
+
 def encode_message(
     msg: Message,
     payload: Sequence[Buffer] = (),

@@ -85,6 +85,7 @@ from protocol.messages import (
     Removal,
     Vote,
     VoteRequest,
+    wire_bytes,
 )
 from protocol.messages import MemberState as WireState
 
@@ -103,6 +104,9 @@ _ROUTINE_REFUSALS = frozenset({"stale term", "just started", "voted for", "leade
                                "proof needed", "unproven leader"})
 """Election refusals that happen in a healthy cluster (not logged)."""
 _MEMBERS_SAVE_DELAY_S = 0.2
+VIEW_PART_BYTES = 256 << 10
+"""A whole view goes out in Gossip messages of about this size at most (`_view_messages`),
+well inside the CONTROL lane's bound (`Limits.max_control_frame_bytes`)."""
 """Member-list changes are written together, at most this long after the first."""
 
 
@@ -603,9 +607,9 @@ class Cluster:
         if self._mdns is not None:
             await self._mdns.close()
         leave = Leave(node_id=self.node_id, incarnation=self._incarnation)
-        gossip = self._gossip_message()
+        view = self._view_messages()
         peers = [p for p in ms.with_state("alive", "suspect") if p != self.node_id]
-        await asyncio.gather(*(self._send_now(p, m) for p in peers for m in (leave, gossip)))
+        await asyncio.gather(*(self._send_now(p, m) for p in peers for m in (leave, *view)))
         log.info("cluster: left (told %d peers)", len(peers))
         self._notify(force=True)
 
@@ -634,8 +638,8 @@ class Cluster:
         assert self._election is not None
         self._election.forget(node_id, now)
         log.warning("cluster: %s removed by operator; voters now %d", node_id, len(ms.voters()))
-        gossip = self._gossip_message()
-        await asyncio.gather(*(self._send_now(p, gossip) for p in peers))
+        view = self._view_messages()
+        await asyncio.gather(*(self._send_now(p, m) for p in peers for m in view))
         self._notify(force=True)
 
     def view(self) -> ClusterView:
@@ -773,7 +777,7 @@ class Cluster:
         result = ms.merge(records, now, removals)
         self._after_merge(result.transitions, result.self_removed, now)
         if result.sender_behind:
-            self._send_bg(peer, self._gossip_message())
+            self._send_view(peer)
 
     def _after_merge(self, transitions: Sequence[Transition], self_removed: bool,
                      now: float) -> None:
@@ -928,7 +932,7 @@ class Cluster:
             synced = next((p for p in targets if p not in self._contacts), None) if sync else None
             for peer in targets:
                 if peer in self._contacts or peer == synced:
-                    self._send_bg(peer, self._gossip_message())
+                    self._send_view(peer)
                 else:
                     self._send_bg(peer, msg)
             # Jitter so rounds of many nodes do not synchronise.
@@ -950,27 +954,79 @@ class Cluster:
                 targets.append(nid)
         return targets
 
+    def _entry(self, rec: MemberRecord, full: bool) -> MemberEntry | None:
+        """`rec` as a gossip entry (with its member's credential when `full`); None for a
+        record we cannot relay (unsigned, in signed mode)."""
+        tr = self._trust
+        if rec.node_id == self.node_id:
+            return self._own_entry(full)
+        if tr is None:
+            return record_to_wire(rec, full)
+        if not rec.signature:
+            return None
+        return record_to_wire(rec, full, (tr.credential_of(rec.node_id) or b"") if full else b"")
+
     def _gossip_message(self, full: Collection[str] | None = None) -> Gossip:
-        """Our view; profiles and links only for the members in `full` (None: everyone). Our
-        own entry always carries our credential, a full entry its member's."""
+        """Our view; profiles and links only for the members in `full` (None: everyone: use
+        `_view_messages` for a whole view, which may not fit one message). Our own entry always
+        carries our credential, a full entry its member's."""
+        ms = self._membership
+        assert ms is not None
+        entries = [e for r in ms.records()
+                   if (e := self._entry(r, full is None or r.node_id in full)) is not None]
+        return self._gossip_of(entries)
+
+    def _gossip_of(self, entries: Sequence[MemberEntry]) -> Gossip:
         ms, el = self._membership, self._election
         assert ms is not None and el is not None
         leader = el.leader(time.monotonic())
-        tr = self._trust
-        entries = []
-        for r in ms.records():
-            wide = full is None or r.node_id in full
-            if r.node_id == self.node_id:
-                entries.append(self._own_entry(wide))
-            elif tr is None:
-                entries.append(record_to_wire(r, wide))
-            elif r.signature:
-                entries.append(record_to_wire(
-                    r, wide, (tr.credential_of(r.node_id) or b"") if wide else b""))
         return Gossip(sender=self.node_id, members=tuple(entries), term=el.term,
                       leader=leader or "",
                       removals=tuple(Removal(node_id=n, signature=sig)
                                      for n, sig in sorted(ms.removed().items())))
+
+    def _view_messages(self) -> list[Gossip]:
+        """Our whole view, every member's profile and links (anti-entropy, a new contact, a
+        peer that is behind), as Gossip messages of at most about `VIEW_PART_BYTES` each.
+
+        A whole view grows with the square of the members (each one's links to all others):
+        96 members' are above the CONTROL lane's bound. Every part carries every member's
+        header (so each part alone says who is in the cluster, and no receiver takes a part
+        for a sender that lacks members), and the members' bodies are shared out among the
+        parts."""
+        ms = self._membership
+        assert ms is not None
+        heads: list[MemberEntry] = []
+        bodies: list[tuple[str, MemberEntry, int]] = []  # (node id, full entry, extra bytes)
+        for r in ms.records():
+            head = self._entry(r, False)
+            if head is None:
+                continue
+            heads.append(head)
+            if r.node_id == self.node_id:
+                continue
+            body = self._entry(r, True)
+            assert body is not None
+            bodies.append((r.node_id, body, wire_bytes(body) - wire_bytes(head)))
+        own = self._entry(ms.me, True)
+        assert own is not None
+        base = wire_bytes(self._gossip_of([own, *heads])) - wire_bytes(
+            next(h for h in heads if h.node_id == self.node_id))
+        parts: list[dict[str, MemberEntry]] = [{}]
+        used = base
+        for nid, body, extra in bodies:
+            if parts[-1] and used + extra > VIEW_PART_BYTES:
+                parts.append({})
+                used = base
+            parts[-1][nid] = body
+            used += extra
+        return [self._gossip_of([own if h.node_id == self.node_id else part.get(h.node_id, h)
+                                 for h in heads]) for part in parts]
+
+    def _send_view(self, peer: str) -> None:
+        """Our whole view to `peer`, in the background (`_view_messages`)."""
+        for msg in self._view_messages():
+            self._send_bg(peer, msg)
 
     def _own_entry(self, full: bool) -> MemberEntry:
         """Our record, signed: the header once per change (each heartbeat, a new term), the
@@ -1234,7 +1290,7 @@ class Cluster:
                 log.info("cluster: found %s at %s:%d via %s", node_id, address[0], address[1],
                          source)
             self._contacts[node_id] = address
-            self._send_bg(node_id, self._gossip_message())
+            self._send_view(node_id)
 
     async def _send_now(self, peer: str, msg: Message) -> None:
         try:

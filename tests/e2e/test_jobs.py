@@ -171,7 +171,9 @@ def test_three_daemons_match_single_process(cluster3: Cluster, tmp_path: Path,
     assert rc == 0, err + cluster3.explain("job failed")
     assert res["state"] == "done"
     assert res["scheduler"] == cluster3.node_id(lead)
-    assert res["outputs"]["model"] == str(tmp_path / "out" / "model.safetensors")
+    # fusionctl wrote the outputs (as this user) where the job says; the daemon kept them
+    assert res["written"]["model.safetensors"] == str(tmp_path / "out" / "model.safetensors")
+    assert set(res["outputs"]) == {"model.safetensors", "metrics.json"}
     assert len({s["node"] for s in res["status"]["stages"]}) == 3  # three daemons trained it
     import json
 

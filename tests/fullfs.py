@@ -9,10 +9,31 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+
+@contextlib.contextmanager
+def small_fs_at(where: Path, size_bytes: int, mode: int = 0o755) -> Iterator[Path]:
+    """Mount a tmpfs of `size_bytes` on the existing directory `where` (hiding what is there)
+    and unmount it at exit."""
+    if os.geteuid() != 0:
+        pytest.skip("a full-disk test mounts a small tmpfs: needs root")
+    got = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes},mode={mode:o}",
+                          "tmpfs", str(where)], capture_output=True, text=True)
+    if got.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {got.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        for _ in range(50):
+            done = subprocess.run(["umount", str(where)], capture_output=True, text=True)
+            if done.returncode == 0:
+                break
+            time.sleep(0.2)
 
 
 @contextlib.contextmanager
@@ -21,19 +42,10 @@ def small_fs(size_bytes: int, prefix: str = "fzfull") -> Iterator[Path]:
     if os.geteuid() != 0:
         pytest.skip("a full-disk test mounts a small tmpfs: needs root")
     where = Path(tempfile.mkdtemp(prefix=prefix))
-    got = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes},mode=0755",
-                          "tmpfs", str(where)], capture_output=True, text=True)
-    if got.returncode != 0:
-        shutil.rmtree(where, ignore_errors=True)
-        pytest.skip(f"cannot mount a tmpfs here: {got.stderr.strip()}")
     try:
-        yield where
+        with small_fs_at(where, size_bytes):
+            yield where
     finally:
-        for _ in range(20):
-            done = subprocess.run(["umount", str(where)], capture_output=True, text=True)
-            if done.returncode == 0:
-                break
-            subprocess.run(["sleep", "0.2"])
         shutil.rmtree(where, ignore_errors=True)
 
 

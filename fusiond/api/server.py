@@ -67,6 +67,8 @@ SPOOL_CHUNK_BYTES = 1 << 20
 """An upload is written to its spool file in pieces of this size."""
 TRIM_AFTER_BYTES = 32 << 20
 """After a request body this large, give the freed heap back to the OS (`malloc_trim`)."""
+TRIM_DELAY_S = 0.05
+"""... this long after its answer (by then the request's objects are gone)."""
 MAX_HISTORY = 100_000
 """`?history=N` at most (a job keeps up to `fusiond.jobs.history.MAX_STEPS` steps)."""
 
@@ -88,6 +90,10 @@ class Caller:
 
     def describe(self) -> str:
         return "the API token holder (TCP)" if self.uid is None else user_name(self.uid)
+
+
+CALLER = web.RequestKey("caller", Caller)
+"""Where the middleware leaves the request's `Caller`."""
 
 
 def user_name(uid: int | None) -> str:
@@ -238,6 +244,7 @@ class ApiServer:
         self.tcp_address: tuple[str, int] | None = None
         self._token: str | None = None
         self._runner: web.AppRunner | None = None
+        self._trims: set[asyncio.Task[None]] = set()
         self._socket_ino: int | None = None
         """Inode of the socket we bound: close() removes that file and never another
         daemon's (a second daemon that failed to start must not unlink the first's socket)."""
@@ -297,6 +304,10 @@ class ApiServer:
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
+        for t in list(self._trims):
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
         ino, self._socket_ino = self._socket_ino, None
         if self.socket_path and ino is not None:
             with contextlib.suppress(FileNotFoundError):
@@ -350,13 +361,13 @@ class ApiServer:
                 return _error(401, "unauthorized",
                               "missing or wrong API token (Authorization: Bearer <token from "
                               f"{self.token_path}>)")
-            request["caller"] = Caller("tcp")
+            request[CALLER] = Caller("tcp")
         else:
             try:
-                request["caller"] = peer_caller(sock)
+                request[CALLER] = peer_caller(sock)
             except OSError as e:  # no credentials: nobody in particular, never an operator
                 log.warning("API: no peer credentials on the socket: %s", e)
-                request["caller"] = Caller("unix", uid=-1)
+                request[CALLER] = Caller("unix", uid=-1)
         try:
             return await handler(request)
         except ApiError as e:
@@ -430,7 +441,7 @@ class ApiServer:
                     del chunk
             finally:
                 os.close(fd)
-            return _json(await self.backend.submit_job(spool, dry, request["caller"]))
+            return _json(await self.backend.submit_job(spool, dry, request[CALLER]))
         except OSError as e:
             raise ApiError(507, "no_space" if e.errno == 28 else "spool_failed",
                            f"the daemon could not spool the upload to {spool_dir}: "
@@ -439,13 +450,23 @@ class ApiServer:
             with contextlib.suppress(OSError):
                 os.unlink(spool)
             if size >= TRIM_AFTER_BYTES:
-                await asyncio.to_thread(malloc_trim)
+                self._trim_soon()
+
+    def _trim_soon(self) -> None:
+        """Give the heap back once this request is over: an error's traceback still holds
+        the upload's buffers while the handler unwinds, so trim from a task that runs after
+        the answer went out."""
+        async def trim() -> None:
+            await asyncio.sleep(TRIM_DELAY_S)
+            await asyncio.to_thread(malloc_trim)
+
+        t = asyncio.get_running_loop().create_task(trim(), name="api malloc_trim")
+        self._trims.add(t)
+        t.add_done_callback(self._trims.discard)
 
     @staticmethod
     def _caller(request: web.Request) -> Caller:
-        c = request.get("caller")
-        assert isinstance(c, Caller)
-        return c
+        return request[CALLER]
 
     async def _list_jobs(self, request: web.Request) -> web.StreamResponse:
         return _json(self.backend.list_jobs(self._caller(request)))

@@ -66,7 +66,6 @@ from fusiond.jobs.outputs import (
 from fusiond.jobs.planning import layout_from_plan, plan_job, readapted_densities
 from fusiond.jobs.submit import (
     check_capacity,
-    corpus_for_upload,
     is_default_corpus,
     memory_estimate,
     restore_job,
@@ -355,15 +354,11 @@ def _checked_data(upload: Upload, spec: JobSpec) -> Upload:
         return upload
     default = is_default_corpus(spec)
     if "data_digest" not in meta:
-        if not default:
-            raise JobRefused(
-                f"this upload has no data section for data.path {spec.data.path}: the daemon "
-                "never reads a path on a user's behalf; submit with `fusionctl submit` (or "
-                "`fusionctl plan`), which reads the data as you and sends it")
-        # the default corpus: its hash from this machine's own standard library
-        digest, _ = corpus_for_upload(spec)
-        return Upload({**meta, "data_digest": digest, "data_default": True},
-                      upload.graph_bytes, upload.state_bytes, b"")
+        what = ("the default corpus" if default else f"data.path {spec.data.path}")
+        raise JobRefused(
+            f"this upload has no data section (nor the hash of {what}): the daemon never reads "
+            "a path on a user's behalf; submit with `fusionctl submit` (or `fusionctl "
+            "plan`), which reads the data as you and sends it")
     if not isinstance(meta.get("data_digest"), str) or not meta["data_digest"]:
         raise JobRefused("the upload's data_digest is empty: submit with `fusionctl submit`")
     if default != (meta.get("data_default") is True):

@@ -53,6 +53,7 @@ from fusiond.config import (
     load_config,
     parse_hostport,
 )
+from fusiond.durable import write_bytes
 from fusiond.errors import FusionError, LocalError
 from fusiond.metrics import DaemonCollector, MetricsServer, make_registry
 
@@ -397,9 +398,7 @@ class Daemon:
 
     def _remember_bootstrap(self, addrs: list[str]) -> None:
         known = list(dict.fromkeys([*self._load_bootstrap_file(), *addrs]))
-        tmp = self.state_dir / (BOOTSTRAP_FILE + ".tmp")
-        tmp.write_text(json.dumps(known))
-        tmp.replace(self.state_dir / BOOTSTRAP_FILE)
+        write_bytes(self.state_dir / BOOTSTRAP_FILE, json.dumps(known).encode(), 0o600)
 
     def _load_denied(self) -> set[str]:
         with contextlib.suppress(FileNotFoundError, ValueError):
@@ -410,9 +409,7 @@ class Daemon:
 
     def _deny(self, node_id: str) -> set[str]:
         denied = self._load_denied() | {node_id}
-        tmp = self.state_dir / (DENIED_FILE + ".tmp")
-        tmp.write_text(json.dumps(sorted(denied)))
-        tmp.replace(self.state_dir / DENIED_FILE)
+        write_bytes(self.state_dir / DENIED_FILE, json.dumps(sorted(denied)).encode(), 0o600)
         return denied
 
     def _load_bootstrap_file(self) -> list[str]:

@@ -57,6 +57,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from fusiond.durable import write_bytes
 from fusiond.errors import FusionError, LocalError, RemoteError
 
 log = logging.getLogger("fusiond.api")
@@ -345,9 +346,7 @@ class ApiServer:
             pass
         tok = secrets.token_urlsafe(32)
         self.token_path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(tok + "\n")
+        write_bytes(self.token_path, (tok + "\n").encode(), 0o600)
         return tok
 
     @web.middleware

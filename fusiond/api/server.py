@@ -253,6 +253,7 @@ class ApiServer:
     # -- service ---------------------------------------------------------------------------
 
     async def start(self) -> None:
+        await asyncio.to_thread(_clear_spools, self.backend.upload_dir())
         app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY_BYTES)
         r = app.router
         r.add_get("/v1/status", self._get(self.backend.status))
@@ -500,6 +501,16 @@ class ApiServer:
         return web.FileResponse(path, chunk_size=SPOOL_CHUNK_BYTES,
                                 headers={"X-Fusion-SHA256": sha,
                                          "Content-Type": "application/octet-stream"})
+
+
+def _clear_spools(root: Path) -> None:
+    """At start: remove the uploads a stopped daemon left half-spooled."""
+    if not root.is_dir():
+        return
+    for p in root.glob("upload-*"):
+        with contextlib.suppress(OSError):
+            p.unlink()
+            log.info("removed a half-spooled upload left by a stopped daemon: %s", p)
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -53,7 +53,7 @@ from fusiond.errors import FusionError, LocalError
 from fusiond.graph import CapturedModel, contiguous_assignment, state_from_bytes, state_to_bytes
 from fusiond.jobs.assign import Corpus, JobLayout, layout_job
 from fusiond.jobs.coordinator import JobCoordinator, JobOutcome
-from fusiond.jobs.history import JobHistory, StepHistory, finite_records
+from fusiond.jobs.history import Cursor, JobHistory, StepHistory, finite_records
 from fusiond.jobs.outputs import (
     CHECKPOINT,
     KEEP_JOBS,
@@ -222,8 +222,9 @@ class _Record:
     owner_uid: int | None = None
     """The user who submitted it here (None: the daemon's operator only; always None for a
     job coordinated for another submitting daemon)."""
-    update_cursor: Any = None
-    """How far the step history went to the remote submitter (`StepHistory.cursor`)."""
+    update_cursor: Cursor = field(default_factory=Cursor)
+    """How far the step history went to the remote submitter (registered on `history` when
+    the job has one: `history.cursor()`)."""
     held: dict[str, torch.Tensor] | None = None
     """The final weights, kept in memory because they could not be stored (here, or on the
     submitter); `fusionctl fetch` (or the submitter's `JobFetch`) stores them again."""
@@ -396,16 +397,6 @@ def _safetensors_bytes(state: Mapping[str, torch.Tensor],
     return bytes(safetensors.torch.save(tensors, metadata=dict(metadata)))
 
 
-def _clear_spools(root: Path) -> None:
-    """At start: remove job uploads a stopped daemon left half-spooled."""
-    if not root.is_dir():
-        return
-    for p in root.iterdir():
-        if p.is_file():
-            with contextlib.suppress(OSError):
-                p.unlink()
-
-
 def _stages_table(layout: JobLayout, densities: Mapping[str, float]) -> str:
     lines = [f"{'stage':>5}  {'machine':<40}{'ops':>6}  {'params':>10}"]
     for s in layout.stages:
@@ -432,8 +423,6 @@ class JobService:
             self._scratch = Path(tempfile.mkdtemp(prefix="fusion-outputs-"))
         self.store = OutputStore((state_dir or self._scratch or Path()) / "outputs")
         """The outputs of the jobs submitted here (`fusiond.jobs.outputs`)."""
-        self.uploads_dir = (state_dir or self._scratch or Path()) / "uploads"
-        """Where the API spools job uploads as they arrive (`ApiServer`)."""
         self._acks: dict[str, asyncio.Future[JobOutputAck]] = {}
         self._steps_locks: dict[str, asyncio.Lock] = {}
         self._steps_new: dict[str, asyncio.Event] = {}
@@ -456,7 +445,6 @@ class JobService:
         if self._history is not None:
             self._past = await asyncio.to_thread(self._history.load)
         await asyncio.to_thread(self.store.sweep)
-        await asyncio.to_thread(_clear_spools, self.uploads_dir)
         await self.worker.start()
 
     async def ready(self) -> None:
@@ -561,6 +549,8 @@ class JobService:
 
     def _prune_outputs(self) -> None:
         """Keep the outputs of the running jobs and of the newest `KEEP_JOBS` ended ones."""
+        if self._closed:
+            return
         ended: list[tuple[float, str]] = []
         keep: set[str] = set()
         for j, r in self._jobs.items():
@@ -588,7 +578,8 @@ class JobService:
     def _remote_ended(self, r: _Remote) -> None:
         r.ended.set()
         self._persist(r.job_id)
-        self._spawn(self._save_steps(r.job_id), f"steps {r.job_id}")
+        if not self._closed:  # (close() writes what is left itself)
+            self._spawn(self._save_steps(r.job_id), f"steps {r.job_id}")
         self._prune_outputs()
 
     def coordinators(self) -> Iterable[JobCoordinator]:
@@ -1159,7 +1150,7 @@ class JobService:
             await self._run_attempts(rec)
         finally:  # also when the daemon stops (cancelled): the record says how it ended
             self._persist(rec.job_id)
-            if not rec.submitter:
+            if not rec.submitter and not self._closed:
                 self._spawn(self._save_steps(rec.job_id), f"steps {rec.job_id}")
                 self._prune_outputs()
 

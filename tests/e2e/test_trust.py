@@ -216,3 +216,61 @@ def test_absurd_numbers_are_refused_with_400_not_500(cluster3: Cluster) -> None:
         assert e.value.status == 400 and "history must be" in e.value.message
     assert node.api("POST", "/v1/token", {"ttl_s": 60})["one_time"] is True
     assert node.status() is not None  # nothing crashed
+
+
+def test_a_daemon_running_as_its_own_user_serves_a_job_it_could_not_write(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The shipped unit runs fusiond as `fusion` (with ProtectHome=, ProtectSystem=strict): it
+    can write only its state dir. A job submitted from a directory the daemon cannot enter
+    (here root's 0700 pytest directory) trains and is written there by fusionctl; before, the
+    daemon trained every step and then failed, unable to write runs/<name>."""
+    import signal
+    import subprocess
+    import sys
+
+    from fusiond.local import LocalNode, agreement, make_credentials, merge, wait_until
+    from tests.daemon.harness import TIMERS
+    from tests.users import REPO
+
+    root = Path(tempfile.mkdtemp(prefix="fzu"))
+    os.chmod(root, 0o755)
+    proc: subprocess.Popen[bytes] | None = None
+    with plain_user("fzd") as daemon_user:
+        try:
+            node = LocalNode(0, root, merge(TIMERS, {"job_memory_gib": 0.03}))
+            node.write_config()
+            make_credentials([node])
+            for p in [node.dir, *node.dir.rglob("*")]:
+                os.chown(p, daemon_user.uid, daemon_user.gid)
+            env = {"HOME": str(daemon_user.home), "PATH": os.environ.get("PATH", ""),
+                   "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+            with node.log_path.open("ab") as log:
+                proc = subprocess.Popen(
+                    ["setpriv", f"--reuid={daemon_user.uid}", f"--regid={daemon_user.gid}",
+                     "--clear-groups", "--", sys.executable, "-m", "fusiond", "--config",
+                     str(node.config_path)], stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            ok, why, _ = wait_until(lambda: agreement([node.status(1.0)], 1), 60.0)
+            assert ok, f"{why}\n{node.log_text()[-3000:]}"
+            out = tmp_path / "out"  # root's 0700 directory: the daemon cannot write here
+            corpus = root / "corpus"  # readable by all, as in the report: the output is the issue
+            shutil.copytree(TEXT, corpus, ignore=shutil.ignore_patterns("__pycache__"))
+            job = tmp_path / "job.toml"
+            job.write_text(_short(GPT2).replace("{out}", str(out)).replace(str(TEXT),
+                                                                          str(corpus)))
+            rc, res, err = ctl(node, "submit", str(job), "--stages", "1", "--json",
+                               capsys=capsys)
+            assert rc == 0 and res["state"] == "done", err[-3000:] + node.log_text()[-3000:]
+            assert (out / "model.safetensors").stat().st_uid == 0  # fusionctl (root) wrote it
+            stored = node.state_dir / "outputs" / res["job_id"] / "model.safetensors"
+            assert stored.stat().st_uid == daemon_user.uid  # the daemon's own copy
+            assert oct(stored.stat().st_mode & 0o777) == "0o600"
+        finally:
+            if proc is not None and proc.poll() is None:
+                os.kill(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
+            shutil.rmtree(root, ignore_errors=True)

@@ -10,6 +10,8 @@ Exit codes (also in ``--help`` and docs/cli.md):
 4   timed out waiting (``local up`` waiting for the daemons to agree)
 5   ``submit``: the job failed (the first-failure report names machine, stage, step, cause)
 6   ``submit``: the job was cancelled
+7   ``submit``/``fetch``: the outputs could not be written here (the message names the file
+    and the cause, and the ``fusionctl fetch ID`` that writes them once it is fixed)
 ==  ===========================================================================
 """
 
@@ -48,6 +50,8 @@ EXIT_CODES_HELP = """exit codes:
   4  timed out waiting (local up)
   5  submit: the job failed (the report names machine, stage, step and cause)
   6  submit: the job was cancelled
+  7  submit/fetch: the outputs could not be written here (the message names the file and
+     the cause; `fusionctl fetch ID [--output DIR]` writes them once it is fixed)
 
 environment: FUSION_API_SOCKET (default /run/fusion/fusiond.sock), FUSION_API_TCP with
 FUSION_API_TOKEN or FUSION_API_TOKEN_FILE."""
@@ -292,7 +296,8 @@ def _job_commands() -> None:
     from fusionctl import jobs as j
 
     _COMMANDS.update({"submit": j.submit, "plan": j.plan, "jobs": j.list_jobs,
-                      "job": j.show_job, "cancel": j.cancel, "logs": j.logs})
+                      "job": j.show_job, "cancel": j.cancel, "logs": j.logs,
+                      "fetch": j.fetch})
 
 
 _job_commands()

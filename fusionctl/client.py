@@ -6,13 +6,15 @@ HTTP library would only add start-up time.
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 DEFAULT_SOCKET = "/run/fusion/fusiond.sock"
 
@@ -23,6 +25,10 @@ class ClientError(Exception):
 
 class Unreachable(ClientError):
     """No daemon answers at the configured address; the message says where we looked."""
+
+
+class DownloadError(ClientError):
+    """A download did not arrive whole (cut short, or its hash differs)."""
 
 
 class ApiFailure(ClientError):
@@ -147,6 +153,54 @@ class Client:
 
     def get(self, path: str) -> dict[str, Any]:
         return self.request("GET", path)
+
+    def download(self, path: str, out: BinaryIO, progress: Callable[[int], None] | None = None,
+                 chunk_bytes: int = 1 << 20) -> tuple[int, str]:
+        """GET `path` and stream its body into `out`; (bytes, sha256). Checks the length and
+        the daemon's `X-Fusion-SHA256` (DownloadError); ApiFailure for an error answer."""
+        headers = {"Accept": "application/octet-stream"}
+        if self.endpoint.token:
+            headers["Authorization"] = f"Bearer {self.endpoint.token}"
+        conn = self._conn()
+        try:
+            try:
+                conn.request("GET", path, headers=headers)
+            except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError) as e:
+                raise Unreachable(f"no fusiond answers at {self.endpoint.describe()} "
+                                  f"({e.strerror or e})") from None
+            except PermissionError:
+                raise Unreachable(f"permission denied on {self.endpoint.describe()}: run as a "
+                                  "member of the fusion group, or with sudo") from None
+            resp = conn.getresponse()
+            if resp.status >= 400:
+                raw = resp.read()
+                try:
+                    err = json.loads(raw).get("error", {})
+                except (ValueError, AttributeError):
+                    err = {}
+                raise ApiFailure(resp.status, str(err.get("code", "error")),
+                                 str(err.get("message", f"HTTP {resp.status}")))
+            want = resp.getheader("X-Fusion-SHA256")
+            length = resp.getheader("Content-Length")
+            h = hashlib.sha256()
+            n = 0
+            while chunk := resp.read(chunk_bytes):
+                out.write(chunk)
+                h.update(chunk)
+                n += len(chunk)
+                if progress is not None:
+                    progress(n)
+        except TimeoutError:
+            raise Unreachable(f"fusiond at {self.endpoint.describe()} stopped sending within "
+                              f"{self.timeout:g} s") from None
+        finally:
+            conn.close()
+        if length is not None and length.isdigit() and int(length) != n:
+            raise DownloadError(f"{path}: {n} of {length} bytes arrived")
+        got = h.hexdigest()
+        if want and want != got:
+            raise DownloadError(f"{path}: sha256 {got} differs from the daemon's {want}")
+        return n, got
 
     def post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         return self.request("POST", path, body or {})

@@ -1,9 +1,13 @@
-"""fusionctl's job commands: submit, plan, jobs, job, cancel, logs.
+"""fusionctl's job commands: submit, plan, jobs, job, cancel, logs, fetch.
 
 `submit` and `plan` capture the model HERE (`fusiond.jobs.submit.prepare_job`: the only place
-user code runs) and upload the IR and initial weights to the local daemon; nothing of the
-user's code leaves this machine. `submit` then follows the job until it ends (unless
-``--detach``) and its exit code is the job's outcome.
+user code runs), read the job's data HERE, as the user (`corpus_for_upload`: the daemon never
+opens a path named in a job), and upload the IR, the initial weights and the data to the local
+daemon; nothing of the user's code leaves this machine. `submit` then follows the job until it
+ends (unless ``--detach``), downloads its checkpoints as they appear and its outputs at the
+end, and writes them at the job's output path as the user (`fusionctl.outputs`); its exit
+code is the job's outcome, or 7 when the outputs could not be written here. `fetch ID` writes
+them later (after ``--detach``, or after a failed write).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_JOB_FAILED = 5
 EXIT_JOB_CANCELLED = 6
+EXIT_OUTPUTS = 7
 POLL_S = 0.5
 
 
@@ -41,7 +46,10 @@ def add_parsers(cmd: Any) -> None:
                              "job (at step N), or from a model.safetensors (at step 0)")
         if name == "submit":
             sp.add_argument("--detach", action="store_true",
-                            help="return once the job started (exit 0) instead of following it")
+                            help="return once the job started (exit 0) instead of following "
+                                 "it; `fusionctl fetch ID` writes its outputs later")
+            sp.add_argument("--force", action="store_true",
+                            help="replace the outputs of an earlier run in job.output")
     cmd("jobs", "jobs submitted to this daemon, and stages it hosts", read=True)
     sp = cmd("job", "one job: plan, state, per-stage and per-link live figures", read=True)
     sp.add_argument("id", metavar="ID")
@@ -50,6 +58,13 @@ def add_parsers(cmd: Any) -> None:
     sp = cmd("logs", "a job's log lines (progress, failures, outputs)", read=True)
     sp.add_argument("id", metavar="ID")
     sp.add_argument("-f", "--follow", action="store_true", help="keep printing until it ends")
+    sp = cmd("fetch", "write a job's outputs (model, metrics, checkpoints) here, as you",
+             read=True)
+    sp.add_argument("id", metavar="ID")
+    sp.add_argument("--output", default=None, metavar="DIR",
+                    help="write them in DIR (default: the job's output directory)")
+    sp.add_argument("--force", action="store_true",
+                    help="replace files that exist there with other content")
 
 
 def _info(text: str) -> None:
@@ -61,11 +76,12 @@ def _info(text: str) -> None:
     c.print(text, markup=False)
 
 
-def _prepare(ns: argparse.Namespace) -> bytes | None:
-    """Validate and capture the job here; None (after printing why) if it is refused."""
+def _prepare(ns: argparse.Namespace) -> tuple[bytes, Any] | None:
+    """Validate and capture the job, and read its data, here, as the user; (the upload, the
+    spec), or None (after printing why) if it is refused."""
     from fusiond.errors import FusionError
     from fusiond.graph import state_to_bytes
-    from fusiond.jobs.submit import prepare_job, resume_state
+    from fusiond.jobs.submit import corpus_for_upload, prepare_job, resume_state
     from fusiond.jobs.upload import encode_upload
 
     if ns.stages is not None and ns.stages < 1:
@@ -108,7 +124,41 @@ def _prepare(ns: argparse.Namespace) -> bytes | None:
         meta["stages"] = ns.stages
     if ns.steps is not None:
         meta["steps"] = ns.steps
-    return encode_upload(meta, job.graph_bytes, state_bytes)
+    if ns.cmd == "submit" and not _output_allowed(ns, job.spec.output):
+        return None
+    try:  # the data, read here with this user's permissions, travels with the upload
+        digest, corpus = corpus_for_upload(job.spec)
+    except (FusionError, OSError, ValueError) as e:
+        print(f"fusionctl {ns.cmd}: job refused: cannot read the job's data: {e}",
+              file=sys.stderr)
+        return None
+    meta["data_digest"] = digest
+    meta["data_default"] = bool(digest) and not corpus
+    return encode_upload(meta, job.graph_bytes, state_bytes, corpus), job.spec
+
+
+def _output_allowed(ns: argparse.Namespace, output: Path) -> bool:
+    """Whether `submit` may write its outputs in `output` (printing why not): writable by
+    this user, and holding no earlier run's outputs unless --force or resuming from a
+    checkpoint in that very directory."""
+    from fusionctl.outputs import earlier_outputs, output_problem
+
+    problem = output_problem(output)
+    if problem is not None:
+        print(f"fusionctl submit: job refused: the outputs go to {output} (job.output), and "
+              f"fusionctl cannot write there: {problem}. Set job.output to a directory you "
+              "can write", file=sys.stderr)
+        return False
+    earlier = earlier_outputs(output)
+    resuming_here = ns.resume is not None and Path(ns.resume).resolve().parent \
+        == output.resolve()
+    if earlier and not ns.force and not resuming_here:
+        print(f"fusionctl submit: job refused: {output} already holds the outputs of an "
+              f"earlier run ({', '.join(earlier[:4])}{', ...' if len(earlier) > 4 else ''}); "
+              "pass --force to replace them, or set job.output to another directory",
+              file=sys.stderr)
+        return False
+    return True
 
 
 def _upload_client(c: Client) -> Client:
@@ -117,9 +167,10 @@ def _upload_client(c: Client) -> Client:
 
 
 def plan(c: Client, ns: argparse.Namespace, out: Any) -> int:
-    body = _prepare(ns)
-    if body is None:
+    prepared = _prepare(ns)
+    if prepared is None:
         return EXIT_FAILED
+    body, _ = prepared
     try:
         data = _upload_client(c).request("POST", "/v1/jobs?dry_run=1", raw=body)
     except ApiFailure as e:
@@ -130,42 +181,122 @@ def plan(c: Client, ns: argparse.Namespace, out: Any) -> int:
 
 
 def submit(c: Client, ns: argparse.Namespace, out: Any) -> int:
-    body = _prepare(ns)
-    if body is None:
+    from fusionctl.outputs import OutputWriter, WriteFailure
+
+    prepared = _prepare(ns)
+    if prepared is None:
         return EXIT_FAILED
+    body, spec = prepared
     try:
         data = _upload_client(c).request("POST", "/v1/jobs", raw=body)
     except ApiFailure as e:
         print(f"fusionctl submit: job refused by the cluster: {e.message}", file=sys.stderr)
         return EXIT_FAILED
+    del body
     job_id = data["job_id"]
     if ns.detach:
         out.result(data, lambda: print(
-            f"{job_id}\n\nfollow it:\n  fusionctl job {job_id}\n  fusionctl logs {job_id}"))
+            f"{job_id}\n\nfollow it:\n  fusionctl job {job_id}\n  fusionctl logs {job_id}\n"
+            f"write its outputs (to {spec.output}) once it ended:\n  fusionctl fetch {job_id}"))
         return EXIT_OK
     if not ns.json:
         _info(data["plan"])
         _info(f"job {job_id} started: {data['steps']} steps on {len(data['stages'])} "
               f"machines (Ctrl-C stops following; `fusionctl cancel {job_id}` stops the job)")
+    writer = OutputWriter(_download_client(c), job_id, spec.output)
+    failure: str | None = None
+
+    def checkpoints(d: dict[str, Any]) -> None:
+        nonlocal failure
+        if failure is not None:
+            return
+        files = [{"name": k, **v} for k, v in (d.get("outputs") or {}).items()
+                 if k.startswith("checkpoint-")]
+        try:
+            writer.write(files, only_new=True)
+        except WriteFailure as e:
+            failure = str(e)
+        except (ApiFailure, Unreachable) as e:  # pruned meanwhile, or a busy daemon
+            if not ns.json:
+                _info(f"checkpoint not fetched yet: {e}")
+
     try:
-        final = follow(c, job_id, quiet=ns.json)
+        final = follow(c, job_id, quiet=ns.json, on_poll=checkpoints)
     except KeyboardInterrupt:
         print(f"\nstopped following; the job runs on. `fusionctl job {job_id}`, "
-              f"`fusionctl cancel {job_id}`", file=sys.stderr)
+              f"`fusionctl cancel {job_id}`, and once it ended `fusionctl fetch {job_id}`",
+              file=sys.stderr)
         return EXIT_FAILED
+    if failure is None:
+        try:
+            listing = c.get(f"/v1/jobs/{job_id}/outputs")
+            writer.write(listing["files"], only_new=True)
+        except WriteFailure as e:
+            failure = str(e)
+        except ApiFailure as e:
+            failure = f"could not list the outputs: {e.message}"
+    final = {**final, "written": dict(writer.written)}
+    code = {"done": EXIT_OK, "cancelled": EXIT_JOB_CANCELLED}.get(final["state"],
+                                                                  EXIT_JOB_FAILED)
+    if failure is not None:
+        final["write_failure"] = failure
+        print(f"fusionctl submit: the outputs of job {job_id} were NOT all written: {failure}. "
+              f"The daemon keeps them: once that is fixed, run `fusionctl fetch {job_id}` "
+              f"(or `fusionctl fetch {job_id} --output DIR`)", file=sys.stderr)
+        if code == EXIT_OK:
+            code = EXIT_OUTPUTS
     out.result(final, lambda: print(_outcome_text(final)))
-    return {"done": EXIT_OK, "cancelled": EXIT_JOB_CANCELLED}.get(final["state"],
-                                                                   EXIT_JOB_FAILED)
+    return code
+
+
+def _download_client(c: Client) -> Client:
+    # A model of a few GB streams for a while; each read waits at most this long.
+    return Client(c.endpoint, timeout=max(c.timeout, 120.0))
+
+
+def fetch(c: Client, ns: argparse.Namespace, out: Any) -> int:
+    """`fusionctl fetch ID [--output DIR] [--force]`: store again what the daemon could not
+    (held weights, metrics), then write every stored output here, as this user."""
+    from fusionctl.outputs import OutputWriter, WriteFailure
+
+    try:
+        listing = _upload_client(c).request("POST", f"/v1/jobs/{ns.id}/fetch", {})
+    except ApiFailure as e:
+        if e.status in (403, 404):
+            raise
+        print(f"fusionctl fetch: {e.message}", file=sys.stderr)
+        return EXIT_FAILED
+    target = ns.output or listing.get("output")
+    if not target:
+        print(f"fusionctl fetch: job {ns.id} names no output directory; pass --output DIR",
+              file=sys.stderr)
+        return EXIT_FAILED
+    writer = OutputWriter(_download_client(c), ns.id, Path(target), overwrite=bool(ns.force))
+    try:
+        wrote = writer.write(listing["files"])
+    except WriteFailure as e:
+        print(f"fusionctl fetch: job {ns.id}: {e}", file=sys.stderr)
+        return EXIT_OUTPUTS
+    result = {**listing, "written": dict(writer.written), "new": wrote}
+    if not listing["files"]:
+        print(f"fusionctl fetch: job {ns.id} has no stored outputs (state {listing['state']})",
+              file=sys.stderr)
+    out.result(result, lambda: print("\n".join(
+        f"{'wrote' if n in wrote else 'have '} {p}" for n, p in writer.written.items())
+        or "nothing to write"))
+    return EXIT_OK
 
 
 def _outcome_text(d: dict[str, Any]) -> str:
     o = d.get("outcome") or {}
+    outs = "\n".join(f"  {p}" for p in (d.get("written") or {}).values())
     if d["state"] == "done":
         loss = (f"loss {o['first_loss']:.4f} -> {o['final_loss']:.4f}"
                 if o.get("first_loss") is not None and o.get("final_loss") is not None else "")
-        outs = "; ".join(f"{k} {v}" for k, v in (d.get("outputs") or {}).items())
-        return f"job {d['job_id']} done in {o.get('wall_s', 0.0):.1f}s: {loss}\n{outs}"
-    return f"job {d['job_id']} {d['state']}: {o.get('failure') or '(no report)'}"
+        return f"job {d['job_id']} done in {o.get('wall_s', 0.0):.1f}s: {loss}" + (
+            f"\nwritten:\n{outs}" if outs else "")
+    return f"job {d['job_id']} {d['state']}: {o.get('failure') or '(no report)'}" + (
+        f"\nwritten:\n{outs}" if outs else "")
 
 
 def _rate(h: dict[str, Any]) -> str:
@@ -176,8 +307,10 @@ def _rate(h: dict[str, Any]) -> str:
     return "-"
 
 
-def follow(c: Client, job_id: str, *, quiet: bool = False) -> dict[str, Any]:
-    """Poll the job until it ends, showing progress on stderr; returns its last status."""
+def follow(c: Client, job_id: str, *, quiet: bool = False,
+           on_poll: Any = None) -> dict[str, Any]:
+    """Poll the job until it ends, showing progress on stderr (and handing each status to
+    `on_poll`); returns its last status."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
@@ -215,6 +348,8 @@ def follow(c: Client, job_id: str, *, quiet: bool = False) -> dict[str, Any]:
             last_print = time.monotonic()
             print(f"step {d['step']}/{d['steps']}  loss {loss}  {fields['rate']}  ETA {eta}",
                   file=sys.stderr)
+        if on_poll is not None:
+            on_poll(d)
         if d["state"] != "running":
             if bar is not None:
                 bar.stop()

@@ -301,6 +301,9 @@ def render_jobs(data: Mapping[str, Any]) -> None:
                   "-" if loss is None else f"{loss:.4f}", str(j.get("stages") or "-"),
                   str(j.get("output") or "-"))
     c.print(t)
+    if data.get("hidden"):
+        c.print(f"({data['hidden']} jobs of other users not shown: only root and the daemon's "
+                "user see every job)")
     stages = data.get("stages", [])
     if stages:
         s = Table(title="stages hosted here")
@@ -326,7 +329,14 @@ def render_job(d: Mapping[str, Any]) -> None:
             f"loss {first} -> {loss}, {rate}, ETA {eta}, output {d['output']}")
     outcome = d.get("outcome") or {}
     if outcome.get("failure"):
-        c.print(f"[red]{outcome['failure']}[/red]")
+        c.print(f"[red]{outcome['failure']}[/red]", markup=True)
+    stored = d.get("outputs") or {}
+    if stored:
+        c.print("stored by the daemon (`fusionctl fetch " + str(d["job_id"]) + "`): "
+                + ", ".join(f"{n} ({_si_bytes(v.get('size_bytes'))})"
+                            for n, v in stored.items()), markup=False)
+    for name, why in (d.get("unstored") or {}).items():
+        c.print(f"not stored: {name}: {why}", markup=False)
     c.print(d.get("plan", ""))
     s = Table(title="stages")
     for col in ("stage", "machine", "busy", "waiting"):

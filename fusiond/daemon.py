@@ -43,6 +43,7 @@ import fusiond
 import protocol
 from fusiond import profile as profiling
 from fusiond.api import ApiError, ApiServer, to_jsonable
+from fusiond.api.server import Caller, body_bool, body_number, user_name
 from fusiond.config import (
     DEFAULT_PEER_PORT,
     DaemonConfig,
@@ -52,6 +53,7 @@ from fusiond.config import (
     load_config,
     parse_hostport,
 )
+from fusiond.durable import write_bytes
 from fusiond.errors import FusionError, LocalError
 from fusiond.metrics import DaemonCollector, MetricsServer, make_registry
 
@@ -71,6 +73,8 @@ MEMBERS_FILE = "members.json"
 BOOTSTRAP_FILE = "bootstrap.json"
 """Addresses learned from `fusionctl join`, kept so a restart finds the cluster again."""
 PLAINTEXT_CLUSTER_ID = "insecure-dev"
+MAX_TOKEN_TTL_S = 366 * 24 * 3600.0
+"""A join token lives at most a year (`fusionctl token --ttl`); a longer one is refused."""
 
 
 class Service(Protocol):
@@ -433,9 +437,7 @@ class Daemon:
 
     def _remember_bootstrap(self, addrs: list[str]) -> None:
         known = list(dict.fromkeys([*self._load_bootstrap_file(), *addrs]))
-        tmp = self.state_dir / (BOOTSTRAP_FILE + ".tmp")
-        tmp.write_text(json.dumps(known))
-        tmp.replace(self.state_dir / BOOTSTRAP_FILE)
+        write_bytes(self.state_dir / BOOTSTRAP_FILE, json.dumps(known).encode(), 0o600)
 
     def _load_denied(self) -> set[str]:
         with contextlib.suppress(FileNotFoundError, ValueError):
@@ -446,9 +448,7 @@ class Daemon:
 
     def _deny(self, node_id: str) -> set[str]:
         denied = self._load_denied() | {node_id}
-        tmp = self.state_dir / (DENIED_FILE + ".tmp")
-        tmp.write_text(json.dumps(sorted(denied)))
-        tmp.replace(self.state_dir / DENIED_FILE)
+        write_bytes(self.state_dir / DENIED_FILE, json.dumps(sorted(denied)).encode(), 0o600)
         return denied
 
     def _load_bootstrap_file(self) -> list[str]:
@@ -717,6 +717,10 @@ class Daemon:
         if self.cfg.net.insecure_plaintext:
             raise ApiError(409, "plaintext", "this daemon runs with net.insecure_plaintext: "
                            "there is no CA to create; peers join with `fusionctl join ADDR`")
+        # checked before anything is created (token() checks them again)
+        body_number(body, "ttl_s", pki.DEFAULT_TOKEN_TTL_S, lo=0.0, hi=MAX_TOKEN_TTL_S,
+                    lo_open=True, unit="seconds")
+        body_bool(body, "one_time", False)
         if self._tls_material().exists():
             raise ApiError(409, "exists", f"this node is already in cluster "
                            f"{self.cluster_id or '(stopped)'}; run `fusionctl token` for a join "
@@ -738,12 +742,9 @@ class Daemon:
                            "`fusionctl token` on the node where `fusionctl init` ran")
         if self.address is None:
             raise ApiError(409, "not_running", "peer services are not running here")
-        ttl = body.get("ttl_s", pki.DEFAULT_TOKEN_TTL_S)
-        one_time = body.get("one_time", True)
-        if not isinstance(ttl, int | float) or isinstance(ttl, bool) or ttl <= 0:
-            raise ApiError(400, "bad_request", "ttl_s must be a positive number")
-        if not isinstance(one_time, bool):
-            raise ApiError(400, "bad_request", "one_time must be true or false")
+        ttl = body_number(body, "ttl_s", pki.DEFAULT_TOKEN_TTL_S, lo=0.0, hi=MAX_TOKEN_TTL_S,
+                          lo_open=True, unit="seconds")
+        one_time = body_bool(body, "one_time", True)
         tok = pki.make_join_token(ca, [self.address], ttl_s=float(ttl), one_time=one_time)
         return {"token": tok, "expires_in_s": ttl, "one_time": one_time,
                 "next": f"fusionctl join {tok}"}
@@ -850,30 +851,67 @@ class Daemon:
                            "(`fusionctl init`, `fusionctl join TOKEN`, or `fusionctl local up`)")
         return self.jobs
 
-    async def submit_job(self, data: bytes, dry_run: bool) -> dict[str, Any]:
-        jobs = self._job_service()
-        return dict(await jobs.submit_upload(data, dry_run=dry_run))
+    def upload_dir(self) -> Path:
+        """Where the API spools job uploads (in the state dir: owned by the daemon, 0700)."""
+        return self.state_dir / "uploads"
 
-    def list_jobs(self) -> dict[str, Any]:
+    async def submit_job(self, spool: Path, dry_run: bool, caller: Caller) -> dict[str, Any]:
+        jobs = self._job_service()
+        return dict(await jobs.submit_upload(spool, dry_run=dry_run, owner_uid=caller.uid))
+
+    def list_jobs(self, caller: Caller) -> dict[str, Any]:
+        """Every job for the operator; a user sees their own (and how many others there are),
+        and the stages this daemon hosts."""
         if self.jobs is None:
             return {"node_id": self.node_id, "jobs": [], "stages": []}
-        return dict(self.jobs.jobs())
+        data = dict(self.jobs.jobs())
+        if not caller.operator:
+            mine = [j for j in data["jobs"] if j.get("owner_uid") == caller.uid]
+            data["hidden"] = len(data["jobs"]) - len(mine)
+            data["jobs"] = mine
+            data["coordinating"] = []
+        return data
 
-    def _known_job(self, job_id: str) -> Any:
+    def _known_job(self, job_id: str, caller: Caller) -> Any:
+        """The job service, once `caller` may act on `job_id`: its owner (the uid that
+        submitted it) and the daemon's operator only; 404 for an unknown job, 403 else."""
         jobs = self._job_service()
         if not jobs.knows(job_id):
             raise ApiError(404, "unknown_job", f"no job {job_id!r} was submitted to this "
                            "daemon (`fusionctl jobs` lists them)")
+        owner = jobs.owner(job_id)
+        if not caller.operator and (owner is None or caller.uid != owner):
+            raise ApiError(403, "forbidden", f"job {job_id} belongs to {user_name(owner)}, "
+                           f"not to {caller.describe()}: only its owner and the daemon's "
+                           f"operator (root or {user_name(os.geteuid())}) may see it, its "
+                           "logs and outputs, or cancel it")
         return jobs
 
-    def job(self, job_id: str, history: int) -> dict[str, Any]:
-        return dict(self._known_job(job_id).job(job_id, history))
+    def job(self, job_id: str, history: int, caller: Caller) -> dict[str, Any]:
+        return dict(self._known_job(job_id, caller).job(job_id, history))
 
-    def job_logs(self, job_id: str) -> dict[str, Any]:
-        return dict(self._known_job(job_id).logs(job_id))
+    def job_logs(self, job_id: str, caller: Caller) -> dict[str, Any]:
+        return dict(self._known_job(job_id, caller).logs(job_id))
 
-    async def cancel_job(self, job_id: str) -> dict[str, Any]:
-        return dict(await self._known_job(job_id).cancel(job_id))
+    async def cancel_job(self, job_id: str, caller: Caller) -> dict[str, Any]:
+        return dict(await self._known_job(job_id, caller).cancel(job_id))
+
+    async def job_outputs(self, job_id: str, caller: Caller, fetch: bool) -> dict[str, Any]:
+        jobs = self._known_job(job_id, caller)
+        if fetch:
+            try:
+                return dict(await jobs.fetch(job_id))
+            except FusionError as e:
+                raise ApiError(409, "not_stored", str(e)) from None
+        return dict(jobs.outputs(job_id))
+
+    def job_output_file(self, job_id: str, name: str, caller: Caller) -> tuple[Path, str]:
+        got: tuple[Path, str] | None = self._known_job(job_id, caller).output_file(job_id,
+                                                                                   name)
+        if got is None:
+            raise ApiError(404, "no_output", f"job {job_id} has no stored output {name!r} "
+                           f"(`fusionctl fetch {job_id}` lists what it has)")
+        return got
 
     async def test_block(self, node_ids: list[str]) -> dict[str, Any]:
         if not self.cfg.net.test_drop_switch or self.net is None:

@@ -717,6 +717,11 @@ class JobUpdate(Message):
     lane: ClassVar[Lane] = Lane.BULK
     job_id: str
     status: dict[str, Any] = field(default_factory=dict)
+    steps: tuple[dict[str, Any], ...] = ()
+    """The step records (`StepMetrics.as_dict`) since the previous update, oldest first, a
+    bounded number per message (`fusiond.jobs.service.MAX_UPDATE_STEPS`); a record for a step
+    the submitter already has supersedes it and every later one (a restarted or failed-over
+    attempt redoes them)."""
 
 
 @dataclass(frozen=True)
@@ -729,6 +734,9 @@ class JobOutput(Message):
     lane: ClassVar[Lane] = Lane.BULK
     job_id: str
     name: str
+    request_id: str = ""
+    """Non-empty: the submitter answers `JobOutputAck` once the file is durably stored (or
+    could not be)."""
 
 
 # --- op sets (appended by the hetero helper; ids 60..61) -------------------------------------
@@ -755,3 +763,30 @@ class OpSetReply(Message):
     ok: bool
     ops: tuple[str, ...] = ()
     reason: str = ""
+
+
+# --- outputs stored by the submitting daemon (outputs helper; ids 56..57) ----------------------
+
+
+@dataclass(frozen=True)
+class JobOutputAck(Message):
+    """The answer about a job's outputs. Submitting daemon -> scheduler: the `JobOutput` with
+    `request_id` is durably stored in the submitter's output store (`ok`), or not (`message`:
+    why, e.g. no space left). Scheduler -> submitting daemon: the `JobFetch` with `request_id`
+    is done (the held outputs were sent and stored) or cannot be (`message`)."""
+
+    TYPE_ID: ClassVar[int] = 56
+    job_id: str
+    request_id: str
+    ok: bool
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class JobFetch(Message):
+    """Submitting daemon -> the scheduler holding a job's outputs that could not be stored
+    before: send them again (`JobOutput` with request ids, then a final `JobUpdate`)."""
+
+    TYPE_ID: ClassVar[int] = 57
+    job_id: str
+    request_id: str

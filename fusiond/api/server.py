@@ -13,39 +13,143 @@ POST     /v1/token             {"ttl_s": float, "one_time": bool}: a new join to
 POST     /v1/leave             leave the cluster for good (stops counting toward quorum)
 POST     /v1/remove            {"node_id": ...}: an operator removes a member
 POST     /v1/test/block        {"node_ids": [...]}: TEST ONLY, 404 unless enabled in config
-POST     /v1/jobs              a job upload (binary, `fusiond.jobs.upload`; streamed, at most
-                               `api.max_upload_bytes`); ``?dry_run=1`` plans only
-GET      /v1/jobs              jobs submitted here, stages hosted here
+POST     /v1/jobs              a job upload (binary, `fusiond.jobs.upload`; spooled to a file
+                               as it streams in, at most `api.max_upload_bytes`); ``?dry_run=1``
+                               plans only
+GET      /v1/jobs              jobs submitted here (the caller's own, unless operator), stages
+                               hosted here
 GET      /v1/jobs/{id}         one job: state, plan, live per-stage / per-link figures, history
                                (``?history=N`` last steps)
 GET      /v1/jobs/{id}/logs    the job's log lines
 POST     /v1/jobs/{id}/cancel  stop every partition of the job
+GET      /v1/jobs/{id}/outputs the job's stored outputs (name, size, sha256), what is not
+POST     /v1/jobs/{id}/fetch   store again what could not be stored, then the same
+GET      /v1/jobs/{id}/outputs/{name}  one output file, streamed (``X-Fusion-SHA256``)
 =======  ====================  ======================================================
+
+Who may ask what: on the Unix socket the kernel tells the API the caller's uid and gid
+(``SO_PEERCRED``), so a job records its owner, and `GET /v1/jobs/{id}` (and its logs,
+outputs, fetch, cancel) is answered only for that user and for the daemon's operator: root,
+the daemon's own uid, or a TCP client holding the API token. Anyone else gets 403 naming the
+job and its owner. Every number in a request is checked (finite, integer where an integer is
+meant, in range) and a bad one is a 400 naming the field; an upload larger than
+`api.max_upload_bytes` is a 413 before any of it is read (Content-Length) or as soon as it
+passes the limit (chunked), and its spool file is removed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import enum
 import hmac
 import json
 import logging
+import math
 import os
 import secrets
 import socket
+import struct
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web
 
+from fusiond.durable import write_bytes
 from fusiond.errors import FusionError, LocalError, RemoteError
 
 log = logging.getLogger("fusiond.api")
 
 MAX_BODY_BYTES = 64 * 1024
 """Requests are small JSON objects; anything larger is refused before it is read."""
+SPOOL_CHUNK_BYTES = 1 << 20
+"""An upload is written to its spool file in pieces of this size."""
+TRIM_AFTER_BYTES = 32 << 20
+"""After a request body this large, give the freed heap back to the OS (`malloc_trim`)."""
+TRIM_DELAY_S = 0.05
+"""... this long after its answer (by then the request's objects are gone)."""
+MAX_HISTORY = 100_000
+"""`?history=N` at most (a job keeps up to `fusiond.jobs.history.MAX_STEPS` steps)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Caller:
+    """Who sent a request. On the Unix socket: the peer's credentials (SO_PEERCRED). Over
+    TCP: the holder of the API token, the daemon's operator (uid and gid unknown)."""
+
+    via: str
+    uid: int | None = None
+    gid: int | None = None
+    pid: int | None = None
+
+    @property
+    def operator(self) -> bool:
+        """Root, the daemon's own user, or the token holder: may act on every job."""
+        return self.via == "tcp" or self.uid == 0 or self.uid == os.geteuid()
+
+    def describe(self) -> str:
+        return "the API token holder (TCP)" if self.uid is None else user_name(self.uid)
+
+
+CALLER = web.RequestKey("caller", Caller)
+"""Where the middleware leaves the request's `Caller`."""
+
+
+def user_name(uid: int | None) -> str:
+    """'uid 1001 (alice)', or the daemon's operator when `uid` is None."""
+    if uid is None:
+        return "the daemon's operator"
+    import pwd
+
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def peer_caller(sock: Any) -> Caller:
+    """The credentials of the process at the other end of a Unix socket."""
+    size = struct.calcsize("3i")
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                        size))
+    return Caller("unix", uid, gid, pid)
+
+
+def body_number(body: Mapping[str, Any], key: str, default: float, *, lo: float, hi: float,
+                integer: bool = False, lo_open: bool = False, unit: str = "") -> float:
+    """`body[key]` as a finite number in [lo, hi] ((lo, hi] with `lo_open`; an integer with
+    `integer`), or `default` when absent. ApiError 400 naming the field otherwise: strings,
+    booleans, NaN, infinities, 1e300 and out-of-range values are all refused."""
+    v = body.get(key, default)
+    kind = "an integer" if integer else "a number"
+    rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]" + (f" {unit}" if unit else "")
+    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) \
+        and (v > lo if lo_open else v >= lo) and v <= hi \
+        and (not integer or isinstance(v, int) or float(v).is_integer())
+    if not ok:
+        raise ApiError(400, "bad_request", f"{key} must be {kind} in {rng}, got {v!r}")
+    return int(v) if integer else float(v)
+
+
+def body_bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
+    v = body.get(key, default)
+    if not isinstance(v, bool):
+        raise ApiError(400, "bad_request", f"{key} must be true or false, got {v!r}")
+    return v
+
+
+def malloc_trim() -> bool:
+    """Return the free heap to the OS (glibc): a big request's buffers are freed into the
+    heap, and `fusiond.net.tune_allocator` raises glibc's trim threshold to 512 MiB so the
+    transport can reuse frame buffers; that would keep them resident. False without glibc."""
+    try:
+        import ctypes
+
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
 
 
 class ApiError(FusionError):
@@ -59,7 +163,8 @@ class ApiError(FusionError):
 
 
 class Backend(Protocol):
-    """What the daemon provides to the API. Methods raise ApiError or FusionError."""
+    """What the daemon provides to the API. Methods raise ApiError or FusionError; those
+    about jobs get the `Caller` and check it (403 for another user's job)."""
 
     def status(self) -> dict[str, Any]: ...
     def links(self) -> dict[str, Any]: ...
@@ -71,11 +176,16 @@ class Backend(Protocol):
     async def leave(self) -> dict[str, Any]: ...
     async def remove(self, node_id: str) -> dict[str, Any]: ...
     async def test_block(self, node_ids: list[str]) -> dict[str, Any]: ...
-    async def submit_job(self, data: bytes, dry_run: bool) -> dict[str, Any]: ...
-    def list_jobs(self) -> dict[str, Any]: ...
-    def job(self, job_id: str, history: int) -> dict[str, Any]: ...
-    def job_logs(self, job_id: str) -> dict[str, Any]: ...
-    async def cancel_job(self, job_id: str) -> dict[str, Any]: ...
+    def upload_dir(self) -> Path: ...
+    async def submit_job(self, spool: Path, dry_run: bool, caller: Caller
+                         ) -> dict[str, Any]: ...
+    def list_jobs(self, caller: Caller) -> dict[str, Any]: ...
+    def job(self, job_id: str, history: int, caller: Caller) -> dict[str, Any]: ...
+    def job_logs(self, job_id: str, caller: Caller) -> dict[str, Any]: ...
+    async def cancel_job(self, job_id: str, caller: Caller) -> dict[str, Any]: ...
+    async def job_outputs(self, job_id: str, caller: Caller, fetch: bool
+                          ) -> dict[str, Any]: ...
+    def job_output_file(self, job_id: str, name: str, caller: Caller) -> tuple[Path, str]: ...
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -135,6 +245,7 @@ class ApiServer:
         self.tcp_address: tuple[str, int] | None = None
         self._token: str | None = None
         self._runner: web.AppRunner | None = None
+        self._trims: set[asyncio.Task[None]] = set()
         self._socket_ino: int | None = None
         """Inode of the socket we bound: close() removes that file and never another
         daemon's (a second daemon that failed to start must not unlink the first's socket)."""
@@ -142,6 +253,7 @@ class ApiServer:
     # -- service ---------------------------------------------------------------------------
 
     async def start(self) -> None:
+        await asyncio.to_thread(_clear_spools, self.backend.upload_dir())
         app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY_BYTES)
         r = app.router
         r.add_get("/v1/status", self._get(self.backend.status))
@@ -154,10 +266,13 @@ class ApiServer:
         r.add_post("/v1/leave", self._post(lambda b: self.backend.leave()))
         r.add_post("/v1/remove", self._post(self._remove))
         r.add_post("/v1/jobs", self._upload)
-        r.add_get("/v1/jobs", self._get(self.backend.list_jobs))
+        r.add_get("/v1/jobs", self._list_jobs)
         r.add_get("/v1/jobs/{job_id}", self._job)
         r.add_get("/v1/jobs/{job_id}/logs", self._job_logs)
         r.add_post("/v1/jobs/{job_id}/cancel", self._job_cancel)
+        r.add_get("/v1/jobs/{job_id}/outputs", self._job_outputs)
+        r.add_post("/v1/jobs/{job_id}/fetch", self._job_fetch)
+        r.add_get("/v1/jobs/{job_id}/outputs/{name}", self._job_output_file)
         if self.test_endpoints:
             r.add_post("/v1/test/block", self._post(self._block))
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -191,6 +306,10 @@ class ApiServer:
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
+        for t in list(self._trims):
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
         ino, self._socket_ino = self._socket_ino, None
         if self.socket_path and ino is not None:
             with contextlib.suppress(FileNotFoundError):
@@ -228,9 +347,7 @@ class ApiServer:
             pass
         tok = secrets.token_urlsafe(32)
         self.token_path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(tok + "\n")
+        write_bytes(self.token_path, (tok + "\n").encode(), 0o600)
         return tok
 
     @web.middleware
@@ -244,6 +361,13 @@ class ApiServer:
                 return _error(401, "unauthorized",
                               "missing or wrong API token (Authorization: Bearer <token from "
                               f"{self.token_path}>)")
+            request[CALLER] = Caller("tcp")
+        else:
+            try:
+                request[CALLER] = peer_caller(sock)
+            except OSError as e:  # no credentials: nobody in particular, never an operator
+                log.warning("API: no peer credentials on the socket: %s", e)
+                request[CALLER] = Caller("unix", uid=-1)
         try:
             return await handler(request)
         except ApiError as e:
@@ -291,29 +415,105 @@ class ApiServer:
         return await self.backend.test_block(list(ids))
 
     async def _upload(self, request: web.Request) -> web.StreamResponse:
-        """Read a job upload as a stream, refusing it as soon as it passes the limit."""
+        """A job upload, spooled to a file in the daemon's state dir as it streams in (never
+        held in memory whole), refused before reading when its Content-Length is over the
+        limit and as soon as it passes it otherwise; the spool file is always removed."""
         limit = self.max_upload_bytes
         declared = request.content_length
         if declared is not None and declared > limit:
             raise ApiError(413, "too_large", f"job upload of {declared} bytes exceeds "
                            f"api.max_upload_bytes={limit} of this daemon")
-        buf = bytearray()
-        async for chunk in request.content.iter_chunked(1 << 20):
-            buf += chunk
-            if len(buf) > limit:
-                raise ApiError(413, "too_large", f"job upload exceeds api.max_upload_bytes="
-                               f"{limit} of this daemon")
         dry = request.query.get("dry_run", "") in ("1", "true", "yes")
-        return _json(await self.backend.submit_job(bytes(buf), dry))
+        spool_dir = self.backend.upload_dir()
+        await asyncio.to_thread(spool_dir.mkdir, mode=0o700, parents=True, exist_ok=True)
+        spool = spool_dir / f"upload-{secrets.token_hex(8)}"
+        size = 0
+        try:
+            fd = await asyncio.to_thread(os.open, spool, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                                         | os.O_CLOEXEC, 0o600)
+            try:
+                async for chunk in request.content.iter_chunked(SPOOL_CHUNK_BYTES):
+                    size += len(chunk)
+                    if size > limit:
+                        raise ApiError(413, "too_large", "job upload exceeds "
+                                       f"api.max_upload_bytes={limit} of this daemon")
+                    await asyncio.to_thread(_write_all, fd, chunk)
+                    del chunk
+            finally:
+                os.close(fd)
+            return _json(await self.backend.submit_job(spool, dry, request[CALLER]))
+        except OSError as e:
+            raise ApiError(507, "no_space" if e.errno == 28 else "spool_failed",
+                           f"the daemon could not spool the upload to {spool_dir}: "
+                           f"{e.strerror or e}") from None
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(spool)
+            if size >= TRIM_AFTER_BYTES:
+                self._trim_soon()
+
+    def _trim_soon(self) -> None:
+        """Give the heap back once this request is over: an error's traceback still holds
+        the upload's buffers while the handler unwinds, so trim from a task that runs after
+        the answer went out."""
+        async def trim() -> None:
+            await asyncio.sleep(TRIM_DELAY_S)
+            await asyncio.to_thread(malloc_trim)
+
+        t = asyncio.get_running_loop().create_task(trim(), name="api malloc_trim")
+        self._trims.add(t)
+        t.add_done_callback(self._trims.discard)
+
+    @staticmethod
+    def _caller(request: web.Request) -> Caller:
+        return request[CALLER]
+
+    async def _list_jobs(self, request: web.Request) -> web.StreamResponse:
+        return _json(self.backend.list_jobs(self._caller(request)))
 
     async def _job(self, request: web.Request) -> web.StreamResponse:
         raw = request.query.get("history", "20")
-        if not raw.isdigit():
-            raise ApiError(400, "bad_request", "history must be a non-negative integer")
-        return _json(self.backend.job(request.match_info["job_id"], int(raw)))
+        if not raw.isdigit() or int(raw) > MAX_HISTORY:
+            raise ApiError(400, "bad_request", f"history must be an integer in [0, "
+                           f"{MAX_HISTORY}], got {raw!r}")
+        return _json(self.backend.job(request.match_info["job_id"], int(raw),
+                                      self._caller(request)))
 
     async def _job_logs(self, request: web.Request) -> web.StreamResponse:
-        return _json(self.backend.job_logs(request.match_info["job_id"]))
+        return _json(self.backend.job_logs(request.match_info["job_id"], self._caller(request)))
 
     async def _job_cancel(self, request: web.Request) -> web.StreamResponse:
-        return _json(await self.backend.cancel_job(request.match_info["job_id"]))
+        return _json(await self.backend.cancel_job(request.match_info["job_id"],
+                                                   self._caller(request)))
+
+    async def _job_outputs(self, request: web.Request) -> web.StreamResponse:
+        return _json(await self.backend.job_outputs(request.match_info["job_id"],
+                                                    self._caller(request), False))
+
+    async def _job_fetch(self, request: web.Request) -> web.StreamResponse:
+        return _json(await self.backend.job_outputs(request.match_info["job_id"],
+                                                    self._caller(request), True))
+
+    async def _job_output_file(self, request: web.Request) -> web.StreamResponse:
+        path, sha = self.backend.job_output_file(request.match_info["job_id"],
+                                                 request.match_info["name"],
+                                                 self._caller(request))
+        return web.FileResponse(path, chunk_size=SPOOL_CHUNK_BYTES,
+                                headers={"X-Fusion-SHA256": sha,
+                                         "Content-Type": "application/octet-stream"})
+
+
+def _clear_spools(root: Path) -> None:
+    """At start: remove the uploads a stopped daemon left half-spooled."""
+    if not root.is_dir():
+        return
+    for p in root.glob("upload-*"):
+        with contextlib.suppress(OSError):
+            p.unlink()
+            log.info("removed a half-spooled upload left by a stopped daemon: %s", p)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]

@@ -4,7 +4,8 @@
 state-dict names) and adds the aliases of tied parameters, keeping exactly the entries of the
 original module's `state_dict()` (parameters and persistent buffers; lifted constants and
 non-persistent buffers left out), so `model.load_state_dict(result, strict=True)` works.
-`save_model` writes it as safetensors (never pickle); `write_metrics` the history as JSON.
+`save_model` writes it as safetensors (never pickle); `write_metrics` the history as JSON;
+both durably (`fusiond.durable`). `fusiond.jobs.outputs.OutputStore` keeps a daemon's copies.
 """
 
 from __future__ import annotations
@@ -12,17 +13,21 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import safetensors
 import safetensors.torch
 import torch
 
+from fusiond.durable import atomic_path, write_bytes
 from fusiond.errors import LocalError
 from protocol import ir
 
-__all__ = ["gather_state", "load_model_state", "save_model", "write_metrics"]
+__all__ = ["gather_state", "load_model_state", "metrics_document", "save_model",
+           "write_metrics"]
 
 
 def gather_state(graph: ir.Graph, states: Iterable[Mapping[str, torch.Tensor]]
@@ -54,14 +59,22 @@ def gather_state(graph: ir.Graph, states: Iterable[Mapping[str, torch.Tensor]]
 
 
 def save_model(path: str | Path, state: Mapping[str, torch.Tensor],
-               metadata: Mapping[str, str] | None = None) -> Path:
-    """Write `state` as safetensors (tied entries stored as separate copies), atomically."""
+               metadata: Mapping[str, str] | None = None, mode: int = 0o644) -> Path:
+    """Write `state` as safetensors (tied entries stored as separate copies), durably
+    (`fusiond.durable`: temporary file, fsync, rename, fsync of the directory; the temporary
+    file removed on any failure). `mode` before the umask (the daemon's store uses 0600)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(p.suffix + ".tmp")
     tensors = {k: v.detach().contiguous().clone() for k, v in state.items()}
-    safetensors.torch.save_file(tensors, str(tmp), metadata=dict(metadata or {}))
-    os.replace(tmp, p)
+    with atomic_path(p, mode) as tmp:
+        try:
+            safetensors.torch.save_file(tensors, str(tmp), metadata=dict(metadata or {}))
+        except safetensors.SafetensorError as e:  # its I/O errors as the OSError they are
+            m = re.search(r"os error (\d+)", str(e))
+            if m is None:
+                raise LocalError(f"cannot write {p}: {e}") from e
+            code = int(m.group(1))
+            raise OSError(code, os.strerror(code), str(p)) from e
     return p
 
 
@@ -81,13 +94,16 @@ def _clean(v: Any) -> Any:
     return v
 
 
+def metrics_document(history: Sequence[Mapping[str, Any]],
+                     summary: Mapping[str, Any] | None = None) -> bytes:
+    """`{"summary": ..., "steps": [...]}` as JSON bytes (non-finite floats as null)."""
+    doc = {"summary": _clean(dict(summary or {})), "steps": _clean([dict(h) for h in history])}
+    return (json.dumps(doc, indent=1, allow_nan=False) + "\n").encode()
+
+
 def write_metrics(path: str | Path, history: Sequence[Mapping[str, Any]],
-                  summary: Mapping[str, Any] | None = None) -> Path:
-    """Write `{"summary": ..., "steps": [...]}` as JSON, atomically."""
+                  summary: Mapping[str, Any] | None = None, mode: int = 0o644) -> Path:
+    """Write `{"summary": ..., "steps": [...]}` as JSON, durably."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    doc = {"summary": _clean(dict(summary or {})), "steps": _clean([dict(h) for h in history])}
-    tmp.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n", encoding="utf-8")
-    os.replace(tmp, p)
-    return p
+    return write_bytes(p, metrics_document(history, summary), mode)

@@ -7,18 +7,27 @@ Every daemon runs one `JobService` once its peer network is up. It
   again), refuses it if the cluster's memory cannot hold it (`check_capacity`), plans it on the
   live cluster view (`plan_job`: the members' gossiped profiles and the measured link matrix)
   or cuts it over a requested number of machines, and runs a `JobCoordinator` for it;
-- writes the outputs (model.safetensors + metrics.json) here, on the submitting machine;
+- keeps the outputs of the jobs submitted here (model.safetensors, metrics.json from the
+  job's full step history, the newest checkpoints) in its own store, `<state_dir>/outputs/`
+  (`fusiond.jobs.outputs.OutputStore`), from where `fusionctl` downloads them and writes them
+  at the job's output path as the user: the daemon never reads or writes a path named in a job;
 - re-adapts a planned job's AdaTopK densities to the measured links every
   `compression.readapt_interval_s` (`_readapt`);
 - fails a job's attempt when a stage machine is declared dead (`node_failed`) or a stage
   fails, then restarts it on the machines left, from its last checkpoint (`_restart`, up to
   `job.max_restarts` times);
-- answers the API's read commands (`jobs`, `job`, `logs`) and `cancel`.
+- answers the API's read commands (`jobs`, `job`, `logs`, `outputs`) and `cancel`; each job
+  records the uid that submitted it (`owner_uid`), and the API lets only that user and the
+  daemon's operator at it.
 
 A submission goes to the elected scheduler (`JobSubmit` over the peer network) when this
-daemon is not the scheduler; the scheduler runs the coordinator, streams `JobUpdate`s back and
-sends the outputs (`JobOutput`), which the submitting daemon writes at `job.output` on its own
-machine. Without a scheduler (no quorum yet) the submitting daemon coordinates the job itself.
+daemon is not the scheduler; the scheduler runs the coordinator, streams `JobUpdate`s back
+(the status, and every step record since the last update) and sends the outputs
+(`JobOutput`), which the submitting daemon stores durably and acknowledges (`JobOutputAck`):
+the job is done only once the model is stored there. If it cannot be (a full disk), the
+job ends failed saying why, and the scheduler keeps the weights in memory until the submitter
+asks for them again (`JobFetch`, from `fusionctl fetch ID`). Without a scheduler (no quorum
+yet) the submitting daemon coordinates the job itself.
 """
 
 from __future__ import annotations
@@ -28,9 +37,9 @@ import contextlib
 import json
 import logging
 import math
-import os
 import re
 import secrets
+import shutil
 import tempfile
 import time
 from collections import deque
@@ -44,8 +53,8 @@ import torch
 from fusiond.errors import FusionError, LocalError
 from fusiond.graph import CapturedModel, contiguous_assignment, state_from_bytes, state_to_bytes
 from fusiond.jobs.assign import Corpus, JobLayout, layout_job
-from fusiond.jobs.coordinator import JobCoordinator, JobOutcome, save_checkpoint, write_outputs
-from fusiond.jobs.history import HISTORY_KEPT, JobHistory
+from fusiond.jobs.coordinator import JobCoordinator, JobOutcome
+from fusiond.jobs.history import Cursor, JobHistory, StepHistory, finite_records
 from fusiond.jobs.opsets import (
     MemberOpSets,
     OpSetService,
@@ -53,15 +62,24 @@ from fusiond.jobs.opsets import (
     refuse_unrunnable,
     software_line,
 )
+from fusiond.jobs.outputs import (
+    CHECKPOINT,
+    KEEP_JOBS,
+    METRICS,
+    MODEL,
+    OutputStore,
+    checkpoint_name,
+    is_output_name,
+)
 from fusiond.jobs.planning import layout_from_plan, plan_job, readapted_densities
 from fusiond.jobs.submit import (
     check_capacity,
-    corpus_for_upload,
+    is_default_corpus,
     memory_estimate,
     restore_job,
     resume_state,
 )
-from fusiond.jobs.upload import Upload, decode_upload, encode_upload
+from fusiond.jobs.upload import Upload, decode_upload, encode_upload, read_upload
 from fusiond.jobs.worker import JobWorker, SendFn, local_sender
 from fusiond.plan import Cluster, MachineProfile, Plan
 from fusiond.plan.render import plan_summary, render_plan
@@ -74,7 +92,9 @@ from fusiond.units import bytes_per_s_from_bits_per_s
 from protocol.messages import (
     Address,
     JobCancel,
+    JobFetch,
     JobOutput,
+    JobOutputAck,
     JobSubmit,
     JobSubmitReply,
     JobUpdate,
@@ -87,8 +107,18 @@ log = logging.getLogger("fusiond.jobs")
 
 LOG_LINES = 500
 """Log lines kept per job (`fusionctl logs`)."""
-HISTORY = 100_000
-"""Step records kept per job (the API returns the last few)."""
+MAX_UPDATE_STEPS = 500
+"""Step records one `JobUpdate` carries at most (more follow in further updates)."""
+MAX_UPDATE_STEP_BYTES = 4 << 20
+"""About this much JSON of step records at most in one `JobUpdate` (its header is bounded)."""
+STEPS_FSYNC_S = 1.0
+"""The submitting daemon appends a running job's step records to disk as they arrive, and
+fsyncs them at most this far apart (a kill loses none; a power loss at most this much)."""
+MAX_HELD_JOBS = 4
+"""Jobs whose final weights this daemon holds in memory because they could not be stored
+(a full disk); the oldest is dropped, with a log line, to hold a newer one."""
+FETCH_TIMEOUT_S = 600.0
+"""How long `fusionctl fetch` waits for held outputs to be stored again."""
 DEFAULT_GFLOPS = 10.0
 """A member that did not benchmark itself (profile_benchmark off) counts as this fast."""
 DEFAULT_LINK_BYTES_PER_S = bytes_per_s_from_bits_per_s(1e9)
@@ -115,7 +145,6 @@ measured links), so an 8 Mbit/s link carrying big activations never trips the st
 SHIP_TIMEOUT_FACTOR = 3.0
 """The scheduler waits for Ready at least this many times the time the largest partition's
 weights take over the measured link to its machine (plus the configured `ready_timeout_s`)."""
-_CHECKPOINT = re.compile(r"checkpoint-(\d+)\.safetensors")
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}-[0-9a-f]{6}")
 
 
@@ -125,13 +154,13 @@ class JobRefused(LocalError):
 
 @dataclass
 class _Remote:
-    """A job submitted here and coordinated by the scheduler elsewhere: its last status."""
+    """A job submitted here and coordinated by the scheduler elsewhere: its last status, and
+    what this daemon keeps of it (the full step history, the outputs in its store)."""
 
     job_id: str
     scheduler: str
     output: Path
     status: dict[str, Any]
-    outputs: dict[str, str] = field(default_factory=dict)
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     upload: Upload | None = None
     """What was forwarded (kept to resubmit if the scheduler dies)."""
@@ -141,14 +170,31 @@ class _Remote:
     """The last checkpoint the scheduler sent here (a resubmission resumes from it)."""
     failing_over: bool = False
     notes: list[str] = field(default_factory=list)
-    """This daemon's own log lines for the job (failover), before the scheduler's."""
+    """This daemon's own log lines for the job (failover, outputs), before the scheduler's."""
+    owner_uid: int | None = None
+    """The user who submitted it (None: the daemon's operator only)."""
+    history: StepHistory = field(default_factory=StepHistory)
+    """Every step record the schedulers sent (survives failovers; persisted)."""
+    pending_checkpoint: tuple[int, Path] | None = None
+    """A checkpoint stored before the history covered the steps it follows (promoted to
+    `checkpoint` once it does, so a failover resumes without a gap in the history)."""
+    unstored: dict[str, str] = field(default_factory=dict)
+    """Output name -> why it could not be stored here."""
+    held_by: str | None = None
+    """The scheduler holding the weights this daemon could not store (`fusionctl fetch`)."""
+    finishing: bool = False
+    """The final update arrived; metrics.json is being stored (the state stays running)."""
+    storage_failed: bool = False
+    """It trained to the end but its outputs could not be stored: done once they are."""
+    submitted_at: float = field(default_factory=time.time)
 
     @property
     def state(self) -> str:
         return str(self.status.get("state", "running"))
 
-    def view(self) -> dict[str, Any]:
-        return {**self.status, "outputs": dict(self.outputs), "scheduler": self.scheduler}
+    def note(self, text: str) -> None:
+        self.notes.append(f"{time.strftime('%H:%M:%S', time.gmtime())} {text}")
+        log.info("job %s: %s", self.job_id, text)
 
 
 @dataclass
@@ -163,10 +209,9 @@ class _Record:
     state: str = "running"
     task: asyncio.Task[None] | None = None
     cancel_requested: bool = False
-    history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    history: StepHistory = field(default_factory=StepHistory)
     logs: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_LINES))
     outcome: dict[str, Any] | None = None
-    outputs: dict[str, str] = field(default_factory=dict)
     first_loss: float | None = None
     submitter: str = ""
     """The daemon that took the submission; its outputs go there (empty: this one)."""
@@ -183,6 +228,20 @@ class _Record:
     """Machines that failed this job: later attempts are planned without them."""
     earlier: list[StepMetrics] = field(default_factory=list)
     """Metrics of the steps earlier attempts made and the current one resumed from."""
+    owner_uid: int | None = None
+    """The user who submitted it here (None: the daemon's operator only; always None for a
+    job coordinated for another submitting daemon)."""
+    update_cursor: Cursor = field(default_factory=Cursor)
+    """How far the step history went to the remote submitter (registered on `history` when
+    the job has one: `history.cursor()`)."""
+    held: dict[str, torch.Tensor] | None = None
+    """The final weights, kept in memory because they could not be stored (here, or on the
+    submitter); `fusionctl fetch` (or the submitter's `JobFetch`) stores them again."""
+    unstored: dict[str, str] = field(default_factory=dict)
+    """Output name -> why it could not be stored (a job submitted here)."""
+    update_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    storage_failed: bool = False
+    """It trained to the end but its outputs could not be stored: done once they are."""
 
     def log(self, text: str) -> None:
         stamp = time.strftime("%H:%M:%S", time.gmtime())
@@ -292,8 +351,8 @@ def link_bytes_per_s(link: Sequence[float]) -> float | None:
 
 
 def _corpus(upload: Upload) -> Corpus | None:
-    """The corpus the submitting daemon read (`corpus_for_upload`), or None for an upload that
-    did not pass through one (then a non-default corpus is read here)."""
+    """The corpus the submitter read (`corpus_for_upload`, in fusionctl), or None for a job
+    without text (`_checked_data` refused a text job without one)."""
     digest = upload.meta.get("data_digest")
     if not isinstance(digest, str) or not digest:
         return None
@@ -307,7 +366,66 @@ def _corpus(upload: Upload) -> Corpus | None:
         if tokens is None or tokens.ndim != 1 or tokens.dtype not in (torch.uint8, torch.int32):
             raise JobRefused("the upload's corpus section must hold one 1-D uint8/int32 "
                              "tensor `tokens`")
-    return Corpus(digest, upload.meta.get("data_default") is True and tokens is None, tokens)
+    default = upload.meta.get("data_default") is True and tokens is None
+    if not default and tokens is None:
+        raise JobRefused("the upload names a corpus but does not carry it (no data section): "
+                         "submit with `fusionctl submit`, which reads the data as you")
+    return Corpus(digest, default, tokens)
+
+
+def _checked_data(upload: Upload, spec: JobSpec) -> Upload:
+    """The upload with its corpus accounted for, or `JobRefused`. The daemon never reads a
+    job's `data.path` (nor its tokenizer file) on a user's behalf: `fusionctl` reads the data
+    as the user and sends it (the upload's data section). Only the default corpus (this
+    Python's own standard library, the same public files on every machine) is read by each
+    data stage itself and checked against the submitter's hash."""
+    meta = upload.meta
+    if spec.data.kind != "text":
+        if upload.data_bytes:
+            raise JobRefused("the upload carries a corpus, but the job's data is not text")
+        return upload
+    default = is_default_corpus(spec)
+    if "data_digest" not in meta:
+        what = ("the default corpus" if default else f"data.path {spec.data.path}")
+        raise JobRefused(
+            f"this upload has no data section (nor the hash of {what}): the daemon never reads "
+            "a path on a user's behalf; submit with `fusionctl submit` (or `fusionctl "
+            "plan`), which reads the data as you and sends it")
+    if not isinstance(meta.get("data_digest"), str) or not meta["data_digest"]:
+        raise JobRefused("the upload's data_digest is empty: submit with `fusionctl submit`")
+    if default != (meta.get("data_default") is True):
+        raise JobRefused("the upload's data_default flag does not match its data.path (only "
+                         "the default corpus, the standard library, is read by the stages)")
+    if not default and not upload.data_bytes:
+        raise JobRefused(f"this upload has no data section for data.path {spec.data.path}: "
+                         "submit with `fusionctl submit`, which reads the data as you")
+    if default and upload.data_bytes:
+        raise JobRefused("the upload ships a corpus for the default data (the standard "
+                         "library): leave it out, every stage reads its own")
+    return upload
+
+
+def _why(e: BaseException) -> str:
+    """An error in a few words for a log line or a failure ("[Errno 28] No space left on
+    device: '/var/lib/fusion/outputs/x/.model...tmp'" -> "No space left on device")."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return str(e) or type(e).__name__
+
+
+def _wire(steps: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Step records as msgpack-safe maps (str keys, non-finite floats as null)."""
+    return [json.loads(json.dumps(r, default=str, allow_nan=False))
+            for r in finite_records(steps)]
+
+
+def _safetensors_bytes(state: Mapping[str, torch.Tensor],
+                       metadata: Mapping[str, str]) -> bytes:
+    """A state dict as safetensors bytes (tied entries as separate copies)."""
+    import safetensors.torch
+
+    tensors = {k: v.detach().contiguous().clone() for k, v in state.items()}
+    return bytes(safetensors.torch.save(tensors, metadata=dict(metadata)))
 
 
 def _stages_table(layout: JobLayout, densities: Mapping[str, float]) -> str:
@@ -334,6 +452,16 @@ class JobService:
         self._history = JobHistory(state_dir / "jobs") if state_dir is not None else None
         self._past: dict[str, dict[str, Any]] = {}
         """Records of jobs submitted here before this daemon's start (`JobHistory`)."""
+        self._scratch: Path | None = None
+        if state_dir is None:  # in-process tests: a private store, removed at close
+            self._scratch = Path(tempfile.mkdtemp(prefix="fusion-outputs-"))
+        self.store = OutputStore((state_dir or self._scratch or Path()) / "outputs")
+        """The outputs of the jobs submitted here (`fusiond.jobs.outputs`)."""
+        self._acks: dict[str, asyncio.Future[JobOutputAck]] = {}
+        self._steps_locks: dict[str, asyncio.Lock] = {}
+        self._steps_new: dict[str, asyncio.Event] = {}
+        """Set when a job submitted here has new step records to write."""
+        self._fetches: dict[str, asyncio.Task[dict[str, Any]]] = {}
         self.view = view
         self.ready_timeout_s = ready_timeout_s
         self.failure_grace_s = failure_grace_s
@@ -350,6 +478,7 @@ class JobService:
     async def start(self) -> None:
         if self._history is not None:
             self._past = await asyncio.to_thread(self._history.load)
+        await asyncio.to_thread(self.store.sweep)
         await self.worker.start()
 
     async def ready(self) -> None:
@@ -374,7 +503,12 @@ class JobService:
                 t.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await t
+        for job_id in [*self._jobs, *self._remote]:  # what arrived since the last flush
+            with contextlib.suppress(Exception):
+                await self._save_steps(job_id)
         await self.worker.close()
+        if self._scratch is not None:
+            await asyncio.to_thread(shutil.rmtree, self._scratch, True)
 
     def _spawn(self, coro: Any, name: str) -> None:
         t = asyncio.create_task(coro, name=name)
@@ -382,24 +516,105 @@ class JobService:
         t.add_done_callback(self._tasks.discard)
 
     def _persist(self, job_id: str) -> None:
-        """Write the record of a job submitted here (running or ended) to the state dir."""
+        """Write the record of a job submitted here (running or ended) to the state dir (its
+        step history goes to the steps file: `_save_steps`)."""
         if self._history is None:
             return
         try:
             rec = self._jobs.get(job_id)
             if rec is not None and not rec.submitter:
-                record = self.job(job_id, history=HISTORY_KEPT) | {"lines": list(rec.logs)}
+                record = self.job(job_id, history=0) | {"lines": list(rec.logs)}
             elif (r := self._remote.get(job_id)) is not None:
-                record = r.view() | {"lines": self.logs(job_id)["lines"]}
+                record = self._remote_view(r, 0) | {"lines": self.logs(job_id)["lines"]}
             else:
                 return
             self._history.save(job_id, json.loads(json.dumps(record, default=str)))
         except (OSError, ValueError) as e:  # the job goes on; only its record is missing
             log.warning("job %s: record not written: %s", job_id, e)
 
+    def _own_history(self, job_id: str) -> StepHistory | None:
+        """The step history this daemon keeps for a job submitted here."""
+        rec = self._jobs.get(job_id)
+        if rec is not None and not rec.submitter:
+            return rec.history
+        r = self._remote.get(job_id)
+        return r.history if r is not None else None
+
+    async def _save_steps(self, job_id: str, fsync: bool = True) -> None:
+        """Append a job's new step records to its steps file (off the event loop, one write at
+        a time per job)."""
+        hist = self._own_history(job_id)
+        if self._history is None or hist is None:
+            return
+        lock = self._steps_locks.setdefault(job_id, asyncio.Lock())
+        async with lock:
+            try:
+                await asyncio.to_thread(self._history.save_steps, job_id, hist, fsync)
+            except (OSError, ValueError) as e:
+                log.warning("job %s: step history not written: %s", job_id, e)
+
+    def _steps_arrived(self, job_id: str) -> None:
+        ev = self._steps_new.get(job_id)
+        if ev is not None:
+            ev.set()
+
+    async def _keep_steps(self, job_id: str) -> None:
+        """While a job submitted here runs, write its step records as they arrive (fsync'ed
+        at most `STEPS_FSYNC_S` apart)."""
+        ev = self._steps_new.setdefault(job_id, asyncio.Event())
+        synced = time.monotonic()
+        try:
+            while True:
+                hist = self._own_history(job_id)
+                st = self._jobs.get(job_id) or self._remote.get(job_id)
+                if hist is None or st is None or st.state in FINAL:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(ev.wait(), STEPS_FSYNC_S)
+                ev.clear()
+                now = time.monotonic()
+                sync = now - synced >= STEPS_FSYNC_S
+                await self._save_steps(job_id, fsync=sync)
+                if sync:
+                    synced = now
+        finally:
+            self._steps_new.pop(job_id, None)
+        await self._save_steps(job_id)
+
+    def _prune_outputs(self) -> None:
+        """Keep the outputs of the running jobs and of the newest `KEEP_JOBS` ended ones."""
+        if self._closed:
+            return
+        ended: list[tuple[float, str]] = []
+        keep: set[str] = set()
+        for j, r in self._jobs.items():
+            if r.state == "running" or r.held is not None:
+                keep.add(j)
+            elif not r.submitter:
+                ended.append((r.submitted_at, j))
+        for j, rr in self._remote.items():
+            if rr.state in FINAL:
+                ended.append((rr.submitted_at, j))
+            else:
+                keep.add(j)
+        for j, p in self._past.items():
+            if j not in keep:
+                ended.append((float(p.get("submitted_at") or 0.0), j))
+        keep |= {j for _, j in sorted(ended, reverse=True)[:KEEP_JOBS]}
+
+        def prune() -> None:
+            for j in self.store.prune(keep):
+                log.info("job %s: outputs removed from the store (it keeps the newest %d "
+                         "jobs' outputs)", j, KEEP_JOBS)
+
+        self._spawn(asyncio.to_thread(prune), "prune outputs")
+
     def _remote_ended(self, r: _Remote) -> None:
         r.ended.set()
         self._persist(r.job_id)
+        if not self._closed:  # (close() writes what is left itself)
+            self._spawn(self._save_steps(r.job_id), f"steps {r.job_id}")
+        self._prune_outputs()
 
     def coordinators(self) -> Iterable[JobCoordinator]:
         """Running coordinators (the Prometheus JobCollector reads these)."""
@@ -423,6 +638,20 @@ class JobService:
             return True
         if isinstance(msg, JobOutput):
             await self._on_output(peer, msg)
+            return True
+        if isinstance(msg, JobOutputAck):
+            ack = self._acks.get(msg.request_id)
+            if ack is not None and not ack.done():
+                ack.set_result(msg)
+            return True
+        if isinstance(msg, JobFetch):
+            rec = self._jobs.get(msg.job_id)
+            if rec is not None and rec.submitter and peer == rec.submitter:
+                self._spawn(self._resend_held(rec, msg.request_id), f"resend {msg.job_id}")
+            else:
+                await self.send(peer, JobOutputAck(
+                    job_id=msg.job_id, request_id=msg.request_id, ok=False,
+                    message=f"{self.node_id} coordinates no job {msg.job_id} for {peer}"), ())
             return True
         if isinstance(msg, JobCancel):
             rec = self._jobs.get(msg.job_id)
@@ -465,22 +694,23 @@ class JobService:
 
     # -- submit -------------------------------------------------------------------------------
 
-    async def submit_upload(self, data: bytes, *, dry_run: bool = False) -> dict[str, Any]:
-        """The API's entry: hand the upload to the elected scheduler, or run it here when this
-        daemon is the scheduler (or there is none yet)."""
-        upload = decode_upload(data)
-        # Validate what we can here: a bad job file is refused without a round trip.
+    async def submit_upload(self, data: bytes | Path, *, dry_run: bool = False,
+                            owner_uid: int | None = None) -> dict[str, Any]:
+        """The API's entry (`data`: the upload, or the file the API spooled it to): hand it to
+        the elected scheduler, or run it here when this daemon is the scheduler (or there is
+        none yet). `owner_uid`: the calling user (None: the daemon's operator)."""
+        upload = await asyncio.to_thread(read_upload, data) if isinstance(data, Path) \
+            else decode_upload(data)
+        # Validate what we can here: a bad job file is refused without a round trip. The
+        # daemon never touches a path the job names (check_paths=False): the data was read,
+        # and is sent, by fusionctl as the user.
         spec = await asyncio.to_thread(parse_job, upload.meta["toml"], base=Path(
-            upload.meta["base"]), out_base=Path(upload.meta["out_base"]))
-        if "data_digest" not in upload.meta:  # read the corpus here, on the submitting machine
-            digest, blob = await asyncio.to_thread(corpus_for_upload, spec)
-            upload = Upload({**upload.meta, "data_digest": digest,
-                             "data_default": digest != "" and not blob},
-                            upload.graph_bytes, upload.state_bytes, blob)
+            upload.meta["base"]), out_base=Path(upload.meta["out_base"]), check_paths=False)
+        upload = await asyncio.to_thread(_checked_data, upload, spec)
         view = self.view()
         leader = getattr(view, "leader", None) if view is not None else None
         if leader is None or leader == self.node_id:
-            return await self.submit(upload, dry_run=dry_run)
+            return await self.submit(upload, dry_run=dry_run, owner_uid=owner_uid)
         summary = await self._forward(upload, leader, dry_run=dry_run)
         if not dry_run:
             job_id = str(summary["job_id"])
@@ -490,8 +720,9 @@ class JobService:
                 "output": str(spec.output), "plan": summary["plan"], "history": [],
                 "status": {}, "lines": [], "outcome": None, "eta_s": None,
                 "submitted_at": time.time()},
-                upload=upload, max_restarts=spec.max_restarts)
+                upload=upload, max_restarts=spec.max_restarts, owner_uid=owner_uid)
             self._persist(job_id)
+            self._spawn(self._keep_steps(job_id), f"steps {job_id}")
         return summary
 
     async def _forward(self, upload: Upload, leader: str, *, dry_run: bool) -> dict[str, Any]:
@@ -547,9 +778,10 @@ class JobService:
                 meta["stages"] = max(1, min(meta["stages"], alive))
             upload = Upload(meta, r.upload.graph_bytes, state_bytes, r.upload.data_bytes)
             if leader == self.node_id:
-                summary = await self.submit(upload)  # `get` finds the local record first
-                self._remote.pop(r.job_id, None)
+                summary = await self.submit(upload, owner_uid=r.owner_uid)
+                self._remote.pop(r.job_id, None)  # `get` finds the local record first
                 took = self._jobs[r.job_id]
+                self._adopt(r, took)
                 lines.append(f"{time.strftime('%H:%M:%S', time.gmtime())} this daemon is the "
                              "new scheduler: it runs the job"
                              + (f" from {r.checkpoint.name}" if r.checkpoint else ""))
@@ -576,6 +808,16 @@ class JobService:
         log.info("job %s resubmitted to %s", r.job_id, leader)
 
     @staticmethod
+    def _adopt(r: _Remote, took: _Record) -> None:
+        """This daemon became the scheduler of a job submitted here: its record keeps the
+        steps done before the failover (the new attempt appends to them) and the outputs."""
+        took.history = StepHistory([h for h in r.history if int(h["step"]) < took.first_step]
+                                   + list(took.history))
+        took.submitted_at = r.submitted_at
+        losses = [h.get("loss") for h in took.history if h.get("loss") is not None]
+        took.first_loss = losses[0] if losses else took.first_loss
+
+    @staticmethod
     def _resume_bytes(upload: Upload, checkpoint: Path) -> tuple[bytes, int]:
         """The upload's weights replaced by `checkpoint`'s (checked), and the step to start."""
         meta = upload.meta
@@ -598,35 +840,118 @@ class JobService:
         await self.send(peer, reply, ())
 
     def _on_update(self, peer: str, msg: JobUpdate) -> None:
+        """The scheduler's status of a job submitted here, and the step records since its
+        last update (appended to this daemon's own history: it outlives schedulers)."""
         r = self._remote.get(msg.job_id)
-        if r is None or peer != r.scheduler or r.state in FINAL:
+        if r is None or peer != r.scheduler or r.state in FINAL or r.finishing:
             return
-        r.status = dict(msg.status)
-        if r.state in FINAL:
-            self._remote_ended(r)
+        for rec in msg.steps:
+            try:
+                r.history.add(rec)
+            except ValueError as e:
+                log.warning("job %s: step record from %s skipped: %s", r.job_id, peer, e)
+        self._promote_checkpoint(r)
+        if msg.steps:
+            self._steps_arrived(r.job_id)
+        if not msg.status:
+            return  # steps only (the status follows in the last of a batch)
+        status = dict(msg.status)
+        if str(status.get("state", "running")) in FINAL:
+            r.finishing = True  # running until metrics.json is stored (`_finish_remote`)
+            r.status = {**status, "state": "running"}
+            self._spawn(self._finish_remote(r, status), f"finish {r.job_id}")
+            return
+        r.status = status
+
+    def _promote_checkpoint(self, r: _Remote) -> None:
+        """A stored checkpoint after step s becomes the one a failover resumes from once the
+        history holds every step up to s (else the resumed history would have a gap)."""
+        if r.pending_checkpoint is None:
+            return
+        step, path = r.pending_checkpoint
+        if r.history and int(r.history[-1]["step"]) >= step:
+            r.checkpoint = path
+            r.pending_checkpoint = None
+
+    async def _finish_remote(self, r: _Remote, status: dict[str, Any]) -> None:
+        """The scheduler's final update: store metrics.json from this daemon's full history;
+        the job is done only if the model and the metrics are stored here."""
+        state = str(status["state"])
+        outcome = dict(status.get("outcome") or {})
+        held = outcome.get("held_by")
+        if isinstance(held, str) and held:  # the scheduler kept the weights it could not ship
+            r.held_by = held
+            r.storage_failed = True
+            r.unstored.setdefault(MODEL, "not stored")
+        if state == "done" and MODEL not in {f.name for f in await asyncio.to_thread(
+                self.store.files, r.job_id)}:
+            why = r.unstored.get(MODEL, "it never arrived")
+            r.unstored[MODEL] = why
+            state = "failed"
+            r.storage_failed = True
+            outcome = {**outcome, "ok": False, "failure": (
+                f"the model could not be stored on this machine ({why})")}
+        try:
+            await asyncio.to_thread(self.store.put_metrics, r.job_id, list(r.history),
+                                    self._metrics_summary(r.history, outcome, r.submitted_at))
+            r.unstored.pop(METRICS, None)
+        except (OSError, LocalError) as e:
+            r.unstored[METRICS] = _why(e)
+            r.note(f"metrics.json not stored in {self.store.job_dir(r.job_id)}: {_why(e)}")
+            if state == "done":
+                state = "failed"
+                r.storage_failed = True
+                outcome = {**outcome, "ok": False, "failure": (
+                    f"metrics.json could not be stored on this machine ({_why(e)}); the "
+                    f"step history is kept: free space, then `fusionctl fetch {r.job_id}`")}
+        r.status = {**status, "state": state, "outcome": outcome}
+        if state == "failed" and outcome.get("failure"):
+            r.note(f"failed: {outcome['failure']}")
+        r.finishing = False
+        self._remote_ended(r)
+
+    @staticmethod
+    def _metrics_summary(history: StepHistory, outcome: Mapping[str, Any],
+                         submitted_at: float) -> dict[str, Any]:
+        """metrics.json's summary: the outcome, with the figures of the full history."""
+        losses = [h.get("loss") for h in history if h.get("loss") is not None]
+        return {**outcome, "steps": len(history), "first_loss": losses[0] if losses else None,
+                "final_loss": losses[-1] if losses else None,
+                "first_step": int(history[0]["step"]) if history else None,
+                "last_step": int(history[-1]["step"]) if history else None,
+                "thinned_steps": history.thinned,
+                "wall_s": outcome.get("wall_s", time.time() - submitted_at)}
 
     async def _on_output(self, peer: str, msg: JobOutput) -> None:
+        """An output of a job submitted here, from its scheduler: store it durably in this
+        daemon's output store and, when asked, acknowledge (the scheduler keeps the weights
+        until then)."""
         r = self._remote.get(msg.job_id)
         name = msg.name
-        if r is None or peer != r.scheduler:
+        if r is None or peer not in (r.scheduler, r.held_by):
             return
-        if "/" in name or name.startswith(".") or not name:
-            log.warning("job %s: output name %r from %s refused", msg.job_id, name, peer)
-            return
-        path = r.output / name
-        data = bytes(msg.payload)
-
-        def write() -> None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-
-        await asyncio.to_thread(write)
-        r.outputs[name.split(".")[0] if name in ("model.safetensors", "metrics.json")
-                  else name] = str(path)
-        if _CHECKPOINT.fullmatch(name):
-            r.checkpoint = path
+        ok, why = False, ""
+        if not is_output_name(name) or name == METRICS:
+            why = f"output name {name!r} refused"
+            log.warning("job %s: %s (from %s)", msg.job_id, why, peer)
+        else:
+            try:
+                await asyncio.to_thread(self.store.put_bytes, r.job_id, name, msg.payload)
+                ok = True
+            except (OSError, LocalError) as e:
+                why = _why(e)
+        if ok:
+            r.unstored.pop(name, None)
+            m = CHECKPOINT.fullmatch(name)
+            if m:
+                r.pending_checkpoint = (int(m.group(1)) - 1, self.store.job_dir(r.job_id) / name)
+                self._promote_checkpoint(r)
+        else:
+            r.unstored[name] = why
+            r.note(f"{name} not stored in {self.store.job_dir(r.job_id)}: {why}")
+        if msg.request_id:
+            await self.send(peer, JobOutputAck(job_id=r.job_id, request_id=msg.request_id,
+                                               ok=ok, message=why), ())
 
     async def _push(self, rec: _Record) -> None:
         """Send a remote submitter the job's status every UPDATE_S until it ends."""
@@ -635,22 +960,70 @@ class JobService:
             await asyncio.sleep(UPDATE_S)
 
     async def _send_update(self, rec: _Record) -> None:
+        """The job's status and the step records the submitter has not had yet (in as many
+        updates as they take; the status rides on the last). One at a time per job, and a
+        failed send rewinds: the submitter gets every record (again) with the next one."""
+        async with rec.update_lock:
+            start = rec.update_cursor.through
+            try:
+                await self._send_update_locked(rec)
+            except (LocalError, OSError, TimeoutError) as e:
+                rec.update_cursor.through = min(rec.update_cursor.through, start)
+                log.info("job %s: update to %s not sent: %s", rec.job_id, rec.submitter, e)
+
+    async def _send_update_locked(self, rec: _Record) -> None:
+        async def send(msg: JobUpdate) -> None:
+            async with asyncio.timeout(REMOTE_SEND_S):  # a dead submitter must not stall us
+                await self.send(rec.submitter, msg, ())
+
+        steps = rec.history.take(rec.update_cursor, MAX_UPDATE_STEPS, MAX_UPDATE_STEP_BYTES)
+        while True:
+            nxt = rec.history.take(rec.update_cursor, MAX_UPDATE_STEPS, MAX_UPDATE_STEP_BYTES)
+            if not nxt:
+                break
+            await send(JobUpdate(job_id=rec.job_id, steps=tuple(_wire(steps))))
+            steps = nxt
         st = json.loads(json.dumps(self.job(rec.job_id, history=1), default=str))
         st["lines"] = list(rec.logs)
+        await send(JobUpdate(job_id=rec.job_id, status=st, steps=tuple(_wire(steps))))
+
+    async def _checkpoint_out(self, rec: _Record, step: int,
+                              state: dict[str, torch.Tensor]) -> None:
+        """A whole-model checkpoint: into the store (a job submitted here), or to the
+        submitter, right behind the step records it follows."""
+        name = checkpoint_name(step)
+        if not rec.submitter:
+            try:
+                await asyncio.to_thread(self.store.put_model, rec.job_id, name, state,
+                                        {"step": str(step), "job_id": rec.job_id})
+            except (OSError, LocalError) as e:
+                rec.unstored[name] = _why(e)
+                rec.log(f"checkpoint {name} NOT stored in {self.store.job_dir(rec.job_id)}: "
+                        f"{_why(e)} (the job goes on; it resumes from an earlier one)")
+                return
+            rec.unstored.pop(name, None)
+            rec.log(f"checkpoint {name} stored")
+            return
+        blob = await asyncio.to_thread(_safetensors_bytes, state,
+                                       {"step": str(step), "job_id": rec.job_id})
+        await self._send_update(rec)  # the steps it follows go first (same lane)
         try:
-            async with asyncio.timeout(REMOTE_SEND_S):  # a dead submitter must not stall us
-                await self.send(rec.submitter, JobUpdate(job_id=rec.job_id, status=st), ())
+            async with asyncio.timeout(REMOTE_OUTPUTS_S):
+                await self.send(rec.submitter, JobOutput(job_id=rec.job_id, name=name), (blob,))
         except (LocalError, OSError, TimeoutError) as e:
-            log.info("job %s: update to %s not sent: %s", rec.job_id, rec.submitter, e)
+            rec.log(f"checkpoint {name} not sent to {rec.submitter}: {_why(e)}")
+            return
+        rec.log(f"checkpoint {name} sent to {rec.submitter}")
 
     async def submit(self, upload: Upload, *, dry_run: bool = False,
-                     submitter: str = "") -> dict[str, Any]:
+                     submitter: str = "", owner_uid: int | None = None) -> dict[str, Any]:
         """Plan (and unless `dry_run`, start) a job; `JobRefused`/`FusionError` if it cannot
-        run, before anything starts."""
+        run, before anything starts. `owner_uid`: the user who submitted it here."""
         meta = upload.meta
         spec, captured = await asyncio.to_thread(
             restore_job, meta["toml"], meta["base"], meta["out_base"], upload.graph_bytes,
-            upload.state_bytes, check_paths=not upload.data_bytes)
+            upload.state_bytes, check_paths=False)  # never a user's path: data came with it
+        upload = await asyncio.to_thread(_checked_data, upload, spec)
         corpus = await asyncio.to_thread(_corpus, upload)
         steps = meta.get("steps")
         if steps is not None:
@@ -707,15 +1080,7 @@ class JobService:
         def on_checkpoint(step: int, state: dict[str, torch.Tensor]) -> None:
             r = rec_box[0]
             r.checkpoint = (step, state)
-            if not r.submitter:
-                r.log(f"checkpoint {save_checkpoint(spec.output, step, state)}")
-                return
-            with tempfile.TemporaryDirectory() as tmp:
-                p = save_checkpoint(Path(tmp), step, state)
-                blob = p.read_bytes()
-            self._spawn(self.send(r.submitter, JobOutput(job_id=r.job_id, name=p.name),
-                                  (blob,)), f"checkpoint {r.job_id}")
-            r.log(f"checkpoint {p.name} sent to {r.submitter}")
+            self._spawn(self._checkpoint_out(r, step, state), f"checkpoint {r.job_id}")
 
         ready_s, recv_s = derived_timeouts(layout, captured.state, plan, cluster, self.node_id,
                                            self.ready_timeout_s)
@@ -728,7 +1093,10 @@ class JobService:
             recv_timeout_s=recv_s)
         rec = _Record(job_id, spec, layout, coord, plan_text, time.time(), tps,
                       submitter=submitter if submitter != self.node_id else "", plan=plan,
-                      stages=stages, first_step=first, restarts=used)
+                      stages=stages, first_step=first, restarts=used,
+                      owner_uid=None if submitter and submitter != self.node_id else owner_uid)
+        if rec.submitter:
+            rec.update_cursor = rec.history.cursor()
         rec_box.append(rec)
         self._jobs[job_id] = rec
         rec.log(f"submitted: {spec.steps} steps"
@@ -743,6 +1111,8 @@ class JobService:
         self._persist(job_id)
         if rec.submitter:
             self._spawn(self._push(rec), f"updates {job_id}")
+        else:
+            self._spawn(self._keep_steps(job_id), f"steps {job_id}")
         c = spec.compression
         if plan is not None and c.adatopk and c.density is None and c.readapt_interval_s > 0:
             self._spawn(self._readapt(rec, c.readapt_interval_s), f"readapt {job_id}")
@@ -829,7 +1199,8 @@ class JobService:
         d = m.as_dict()
         if rec.first_loss is None and m.loss is not None:
             rec.first_loss = m.loss
-        rec.history.append(d)
+        rec.history.add(d)
+        self._steps_arrived(rec.job_id)
         every = max(1, rec.spec.steps // 20)
         if (m.step + 1) % every == 0 or m.step + 1 == rec.spec.steps:
             rate = d.get("tokens_per_s") or d.get("samples_per_s") or 0.0
@@ -843,6 +1214,9 @@ class JobService:
             await self._run_attempts(rec)
         finally:  # also when the daemon stops (cancelled): the record says how it ended
             self._persist(rec.job_id)
+            if not rec.submitter and not self._closed:
+                self._spawn(self._save_steps(rec.job_id), f"steps {rec.job_id}")
+                self._prune_outputs()
 
     async def _run_attempts(self, rec: _Record) -> None:
         outcome: JobOutcome | None = None
@@ -863,21 +1237,25 @@ class JobService:
         if rec.restarts:
             outcome.metrics = [*rec.earlier, *outcome.metrics]
             outcome.wall_s = time.time() - rec.submitted_at
-        try:
-            if rec.submitter:
-                async with asyncio.timeout(REMOTE_OUTPUTS_S):
-                    await self._send_outputs(rec, outcome)
-            else:
-                paths = await asyncio.to_thread(write_outputs, outcome, rec.spec.output)
-                rec.outputs = {k: str(v) for k, v in paths.items()}
-        except (OSError, LocalError, TimeoutError) as e:
-            rec.log(f"could not write the outputs to {rec.spec.output}: {e!r}")
+        if rec.submitter:
+            unstored = await self._send_outputs(rec, outcome)
+        else:
+            unstored = await self._store_outputs(
+                rec, outcome.summary() | {"restarts": rec.restarts},
+                outcome.state if outcome.ok else None)
+        rec.outcome = outcome.summary() | {"restarts": rec.restarts}
+        if unstored is not None:
+            rec.log(unstored)
             if outcome.ok:
                 outcome.ok = False
-        rec.outcome = outcome.summary() | {"restarts": rec.restarts}
+                rec.storage_failed = True
+                rec.outcome |= {"ok": False, "failure": unstored,
+                                "held_by": self.node_id if rec.held is not None else None}
         if outcome.ok:
             rec.state = "done"
-            rec.log(f"done in {outcome.wall_s:.1f}s; outputs {rec.outputs}")
+            rec.log(f"done in {outcome.wall_s:.1f}s; outputs "
+                    + (f"stored in {self.store.job_dir(rec.job_id)} (`fusionctl fetch "
+                       f"{rec.job_id}`)" if not rec.submitter else f"sent to {rec.submitter}"))
         else:
             if rec.cancel_requested:
                 rec.state = "cancelled"
@@ -885,7 +1263,8 @@ class JobService:
                         "stage was told to stop and free its partition")
             else:
                 rec.state = "failed"
-                rec.log(f"failed: {outcome.failure}")
+                if unstored is None:
+                    rec.log(f"failed: {outcome.failure}")
         if rec.submitter:
             await self._send_update(rec)  # the final status, behind the outputs (both BULK)
 
@@ -926,8 +1305,7 @@ class JobService:
             return False
         rec.restarts += 1
         rec.earlier = [m for m in [*rec.earlier, *outcome.metrics] if m.step < first]
-        while rec.history and int(rec.history[-1].get("step", 0)) >= first:
-            rec.history.pop()
+        rec.history.truncate_from(first)  # the new attempt redoes them
         rec.layout, rec.plan, rec.plan_text = layout, plan, text
         ready_s, recv_s = derived_timeouts(layout, state, plan, cluster, self.node_id,
                                            self.ready_timeout_s)
@@ -946,22 +1324,107 @@ class JobService:
                 + f"), without {', '.join(sorted(rec.excluded))}")
         return True
 
-    async def _send_outputs(self, rec: _Record, outcome: JobOutcome) -> None:
-        """Write the outputs to a scratch directory and send each file to the submitter."""
-        with tempfile.TemporaryDirectory() as tmp:
-            paths = await asyncio.to_thread(write_outputs, outcome, Path(tmp))
-            for key, p in paths.items():
-                blob = await asyncio.to_thread(p.read_bytes)
-                await self.send(rec.submitter, JobOutput(job_id=rec.job_id, name=p.name),
-                                (blob,))
-                rec.outputs[key] = f"{rec.submitter}:{rec.spec.output / p.name}"
+    def _hold(self, rec: _Record, state: dict[str, torch.Tensor]) -> None:
+        """Keep the final weights of `rec` in memory (they could not be stored); at most
+        `MAX_HELD_JOBS` jobs hold weights, the oldest lets go."""
+        rec.held = state
+        holding = sorted((r for r in self._jobs.values() if r.held is not None),
+                         key=lambda r: r.submitted_at)
+        for old in holding[: max(0, len(holding) - MAX_HELD_JOBS)]:
+            old.held = None
+            old.log(f"the held weights of this job are dropped: {MAX_HELD_JOBS} newer jobs "
+                    "hold theirs")
+
+    async def _store_outputs(self, rec: _Record, summary: Mapping[str, Any],
+                             state: dict[str, torch.Tensor] | None) -> str | None:
+        """Store a job submitted here: the model (`state`: a job that trained to the end) and
+        metrics.json from its full history (with `summary`, the outcome), durably. None when
+        all is stored, else why not (the weights are then held in memory for `fusionctl
+        fetch`)."""
+        where = self.store.job_dir(rec.job_id)
+        failures: list[str] = []
+        if state is not None:
+            try:
+                await asyncio.to_thread(self.store.put_model, rec.job_id, MODEL, state,
+                                        {"job_id": rec.job_id})
+                rec.unstored.pop(MODEL, None)
+                rec.held = None
+            except (OSError, LocalError) as e:
+                rec.unstored[MODEL] = _why(e)
+                failures.append(f"{MODEL}: {_why(e)}")
+                self._hold(rec, state)
+        try:
+            await asyncio.to_thread(self.store.put_metrics, rec.job_id, list(rec.history),
+                                    self._metrics_summary(rec.history, summary,
+                                                          rec.submitted_at))
+            rec.unstored.pop(METRICS, None)
+        except (OSError, LocalError) as e:
+            rec.unstored[METRICS] = _why(e)
+            failures.append(f"{METRICS}: {_why(e)}")
+        if not failures:
+            return None
+        held_note = ("the daemon holds the weights in memory until it stops; "
+                     if rec.held is not None else "")
+        return (f"the outputs could not be stored in {where} ({'; '.join(failures)}); "
+                f"{held_note}free space there, then `fusionctl fetch {rec.job_id}`")
+
+    async def _ship(self, rec: _Record, state: dict[str, torch.Tensor]) -> JobOutputAck:
+        """Send the model to the submitter and wait until it says it stored it (or not)."""
+        blob = await asyncio.to_thread(_safetensors_bytes, state, {"job_id": rec.job_id})
+        rid = secrets.token_hex(8)
+        fut: asyncio.Future[JobOutputAck] = asyncio.get_running_loop().create_future()
+        self._acks[rid] = fut
+        try:
+            async with asyncio.timeout(REMOTE_OUTPUTS_S):
+                await self.send(rec.submitter, JobOutput(job_id=rec.job_id, name=MODEL,
+                                                         request_id=rid), (blob,))
+                return await fut
+        except (LocalError, OSError, TimeoutError) as e:
+            why = (f"no answer within {REMOTE_OUTPUTS_S:g}s" if isinstance(e, TimeoutError)
+                   else _why(e))
+            return JobOutputAck(job_id=rec.job_id, request_id=rid, ok=False, message=why)
+        finally:
+            self._acks.pop(rid, None)
+
+    async def _send_outputs(self, rec: _Record, outcome: JobOutcome) -> str | None:
+        """A job coordinated for another daemon: send it the model and wait for its ack (it
+        writes metrics.json itself, from the history it kept). None when stored; else why not,
+        and the weights stay here, in memory, for a `JobFetch`."""
+        if not outcome.ok or outcome.state is None:
+            return None
+        ack = await self._ship(rec, outcome.state)
+        if ack.ok:
+            return None
+        self._hold(rec, outcome.state)
+        return (f"the model could not be stored on the submitting machine {rec.submitter} "
+                f"({ack.message}); the scheduler {self.node_id} holds the weights in memory "
+                f"until it stops: free space there, then `fusionctl fetch {rec.job_id}`")
+
+    async def _resend_held(self, rec: _Record, request_id: str) -> None:
+        """The submitter asks again for the weights it could not store (`JobFetch`)."""
+        if rec.held is None:
+            ack = JobOutputAck(job_id=rec.job_id, request_id=request_id, ok=False,
+                               message=f"the scheduler {self.node_id} does not hold the "
+                                       f"weights of job {rec.job_id} (any more)")
+        else:
+            got = await self._ship(rec, rec.held)
+            ack = JobOutputAck(job_id=rec.job_id, request_id=request_id, ok=got.ok,
+                               message=got.message)
+            if got.ok:
+                rec.held = None
+                rec.state = "done"
+                rec.outcome = {**(rec.outcome or {}), "ok": True, "failure": None,
+                               "held_by": None}
+                rec.log(f"the model is stored on {rec.submitter} now (fetched again)")
+        with contextlib.suppress(LocalError, OSError):
+            await self.send(rec.submitter, ack, ())
 
     # -- API ----------------------------------------------------------------------------------
 
     def jobs(self) -> dict[str, Any]:
         """Jobs submitted here (before this daemon's start too) and stages hosted here."""
         keys = ("job_id", "name", "state", "steps", "step", "loss", "first_loss", "stages",
-                "submitted_at", "output", "scheduler")
+                "submitted_at", "output", "scheduler", "owner_uid")
         live = set(self._jobs) | set(self._remote)
         past = sorted((p for j, p in self._past.items() if j not in live),
                       key=lambda p: float(p.get("submitted_at") or 0.0))
@@ -969,7 +1432,7 @@ class JobService:
             "node_id": self.node_id,
             "jobs": [{k: p.get(k) for k in keys} for p in past]
             + [self._brief(r) for r in self._jobs.values() if not r.submitter]
-            + [{k: r.status.get(k) for k in keys} | {"scheduler": r.scheduler}
+            + [{k: v for k, v in self._remote_view(r, 0).items() if k in keys}
                for r in self._remote.values()],
             "coordinating": [self._brief(r) | {"submitter": r.submitter}
                              for r in self._jobs.values() if r.submitter],
@@ -982,7 +1445,8 @@ class JobService:
                 "steps": r.spec.steps, "step": _steps_done(r),
                 "loss": last.get("loss"), "first_loss": r.first_loss,
                 "stages": len(r.layout.stages), "submitted_at": r.submitted_at,
-                "output": str(r.spec.output), "scheduler": self.node_id}
+                "output": str(r.spec.output), "scheduler": self.node_id,
+                "owner_uid": r.owner_uid}
 
     def get(self, job_id: str) -> _Record | _Remote:
         """The job submitted here (or coordinated here); KeyError if unknown."""
@@ -1000,7 +1464,7 @@ class JobService:
             return {**past, "history": hist[-history:] if history else []}
         got = self.get(job_id)
         if isinstance(got, _Remote):
-            return got.view()
+            return self._remote_view(got, history)
         r = got
         elapsed = time.time() - r.submitted_at
         done = _steps_done(r)
@@ -1011,8 +1475,142 @@ class JobService:
             eta = per_step * (r.spec.steps - done)
         return {**self._brief(r), **{"status": r.coord.status()}, "plan": r.plan_text,
                 "elapsed_s": elapsed, "eta_s": eta, "outcome": r.outcome,
-                "outputs": r.outputs, "history": list(r.history)[-history:] if history else [],
+                "outputs": self._outputs_brief(job_id) if not r.submitter else {},
+                "unstored": dict(r.unstored), "held": r.held is not None,
+                "history": r.history.tail(history), "steps_recorded": len(r.history),
                 "tokens_per_sample": r.tokens_per_sample}
+
+    def _outputs_brief(self, job_id: str) -> dict[str, dict[str, Any]]:
+        """name -> {size_bytes, sha256} of the job's stored outputs."""
+        return {f.name: {"size_bytes": f.size_bytes, "sha256": f.sha256}
+                for f in self.store.files(job_id)}
+
+    def _remote_view(self, r: _Remote, history: int) -> dict[str, Any]:
+        """A forwarded job as the scheduler reported it, with what this daemon keeps: its
+        own full history (it outlives schedulers), its stored outputs, its owner."""
+        last = r.history[-1] if r.history else None
+        losses = [h.get("loss") for h in r.history.tail(1 << 30) if h.get("loss") is not None] \
+            if r.history and r.status.get("first_loss") is None else []
+        return {**r.status, "scheduler": r.scheduler, "owner_uid": r.owner_uid,
+                "step": int(last["step"]) + 1 if last is not None else r.status.get("step", 0),
+                "loss": last.get("loss") if last is not None else r.status.get("loss"),
+                "first_loss": r.status.get("first_loss") or (losses[0] if losses else None),
+                "outputs": self._outputs_brief(r.job_id), "unstored": dict(r.unstored),
+                "held_by": r.held_by, "history": r.history.tail(history),
+                "steps_recorded": len(r.history), "submitted_at": r.submitted_at}
+
+    def owner(self, job_id: str) -> int | None:
+        """The uid that submitted `job_id` here (None: only the operator may see it)."""
+        got = self._jobs.get(job_id) or self._remote.get(job_id)
+        if got is not None:
+            return got.owner_uid
+        past = self._past.get(job_id)
+        v = past.get("owner_uid") if past is not None else None
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    def output_dir(self, job_id: str) -> str | None:
+        """The job's `output` path as the submitter's job file resolved it (where fusionctl
+        writes the outputs)."""
+        got = self._jobs.get(job_id) or self._remote.get(job_id)
+        if isinstance(got, _Record):
+            return str(got.spec.output)
+        if isinstance(got, _Remote):
+            return str(got.output)
+        past = self._past.get(job_id)
+        return None if past is None or past.get("output") is None else str(past["output"])
+
+    def outputs(self, job_id: str) -> dict[str, Any]:
+        """What `GET /v1/jobs/ID/outputs` answers: the stored files (name, size, sha256) and
+        what could not be stored (and who holds it)."""
+        got = self._jobs.get(job_id) or self._remote.get(job_id)
+        state = got.state if got is not None else str(self._past.get(job_id, {}).get("state"))
+        held = got.held is not None if isinstance(got, _Record) else False
+        held_by = got.held_by if isinstance(got, _Remote) else (self.node_id if held else None)
+        unstored = dict(got.unstored) if got is not None else {}
+        return {"job_id": job_id, "state": state, "output": self.output_dir(job_id),
+                "files": [f.as_dict() for f in self.store.files(job_id)],
+                "unstored": unstored, "held_by": held_by}
+
+    def output_file(self, job_id: str, name: str) -> tuple[Path, str] | None:
+        """(path in the store, sha256) of one stored output, or None."""
+        path = self.store.path(job_id, name)
+        if path is None:
+            return None
+        f = next((f for f in self.store.files(job_id) if f.name == name), None)
+        return (path, f.sha256) if f is not None else None
+
+    async def fetch(self, job_id: str) -> dict[str, Any]:
+        """Store again what could not be stored (held weights, metrics.json from the kept
+        history; from the scheduler that holds them for a forwarded job), then `outputs`.
+        `LocalError` saying why when it still cannot."""
+        task = self._fetches.get(job_id)
+        if task is None or task.done():
+            task = asyncio.create_task(self._fetch(job_id), name=f"fetch {job_id}")
+            self._fetches[job_id] = task
+        return await asyncio.shield(task)
+
+    async def _fetch(self, job_id: str) -> dict[str, Any]:
+        got = self._jobs.get(job_id) or self._remote.get(job_id)
+        if isinstance(got, _Record) and not got.submitter and got.unstored \
+                and got.state in FINAL:
+            summary = {**(got.outcome or {})}
+            if got.storage_failed:
+                summary |= {"ok": True, "failure": None, "held_by": None}
+            why = await self._store_outputs(got, summary, got.held)
+            if why is not None:
+                raise LocalError(why)
+            if got.storage_failed:
+                got.storage_failed = False
+                got.state = "done"
+                got.outcome = {**(got.outcome or {}), "ok": True, "failure": None,
+                               "held_by": None}
+            got.log("the outputs are stored now (fusionctl fetch)")
+            self._persist(job_id)
+        elif isinstance(got, _Remote) and got.state in FINAL and got.unstored:
+            await self._fetch_remote(got)
+        return self.outputs(job_id)
+
+    async def _fetch_remote(self, r: _Remote) -> None:
+        """Ask the scheduler holding the model again (`JobFetch`), then store metrics.json."""
+        if MODEL in r.unstored:
+            holder = r.held_by or r.scheduler
+            rid = secrets.token_hex(8)
+            fut: asyncio.Future[JobOutputAck] = asyncio.get_running_loop().create_future()
+            self._acks[rid] = fut
+            try:
+                await self.send(holder, JobFetch(job_id=r.job_id, request_id=rid), ())
+                async with asyncio.timeout(FETCH_TIMEOUT_S):
+                    ack = await fut
+            except (LocalError, OSError) as e:
+                raise LocalError(f"the scheduler {holder} holding the model of job {r.job_id} "
+                                 f"cannot be reached: {_why(e)}") from None
+            except TimeoutError:
+                raise LocalError(f"the scheduler {holder} did not send the model of job "
+                                 f"{r.job_id} within {FETCH_TIMEOUT_S:g}s") from None
+            finally:
+                self._acks.pop(rid, None)
+            if not ack.ok:
+                raise LocalError(f"the model of job {r.job_id} is still not stored: "
+                                 f"{ack.message}")
+            r.note(f"the model is stored now (fetched again from {holder})")
+        outcome = dict(r.status.get("outcome") or {})
+        if r.storage_failed:
+            outcome |= {"ok": True, "failure": None, "held_by": None}
+        try:
+            await asyncio.to_thread(self.store.put_metrics, r.job_id, list(r.history),
+                                    self._metrics_summary(r.history, outcome, r.submitted_at))
+            r.unstored.pop(METRICS, None)
+        except (OSError, LocalError) as e:
+            r.unstored[METRICS] = _why(e)
+            raise LocalError(f"metrics.json of job {r.job_id} is still not stored in "
+                             f"{self.store.job_dir(r.job_id)}: {_why(e)}") from None
+        r.unstored.pop(MODEL, None)
+        r.held_by = None
+        if r.storage_failed:
+            r.storage_failed = False
+            r.status = {**r.status, "state": "done", "outcome": {
+                **outcome, "ok": True, "failure": None, "held_by": None}}
+        self._persist(r.job_id)
 
     def knows(self, job_id: str) -> bool:
         """Whether `job_id` was submitted (or is coordinated) here, in this run or before."""

@@ -12,9 +12,10 @@ memory at all, before the planner looks for a cut.
 run of the same job, checks it against the captured graph, and gives the weights and the step
 to start from (`fusionctl submit --resume`).
 
-`corpus_for_upload(spec)` runs in the submitting daemon: the corpus's content hash, and the
-corpus itself (token ids) unless it is the default one, which every stage reads from its own
-Python's standard library and checks against the hash.
+`corpus_for_upload(spec)` runs in fusionctl, as the user (no daemon reads a path a job
+names): the corpus's content hash, and the corpus itself (token ids) unless it is the default
+one, which every stage reads from its own Python's standard library and checks against the
+hash.
 """
 
 from __future__ import annotations
@@ -142,9 +143,10 @@ def is_default_corpus(spec: JobSpec) -> bool:
 
 
 def corpus_for_upload(spec: JobSpec) -> tuple[str, bytes]:
-    """(content hash, corpus as safetensors bytes) of a text job's corpus, read here (the
-    submitting machine); the bytes are empty for the default corpus (every stage has one of its
-    own and checks its hash). ("", b"") for image jobs."""
+    """(content hash, corpus as safetensors bytes) of a text job's corpus, read here (fusionctl
+    on the submitting machine, with the user's permissions); the bytes are empty for the
+    default corpus (every stage has one of its own and checks its hash). ("", b"") for image
+    jobs."""
     if spec.data.kind != "text":
         return "", b""
     tokens = text_tokens(spec.data)

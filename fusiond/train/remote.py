@@ -356,6 +356,18 @@ class NetStageLink:
         await self.net.send(node, msg, (packet.payload,))
 
 
+def _own_corpus_only(sa: StageAssignment) -> None:
+    """A stage reads no path an Assign names except this machine's default corpus (its own
+    standard library): any other text travels in the Assign (the submitter read it as the
+    user). RemoteError otherwise, so a daemon never reads a file on a job's say-so."""
+    d = sa.data
+    if d.kind == "text" and (d.path is None or Path(d.path).resolve()
+                             != default_text_path().resolve()):
+        raise RemoteError(f"job {sa.job_id} stage {sa.stage}: the Assign names the corpus "
+                          f"{d.path} but does not carry it; a stage reads only its own "
+                          "standard library, any other data comes with the job")
+
+
 class StageHost:
     """One stage of one job inside a daemon: build from an Assign, run, report, close.
 
@@ -379,6 +391,7 @@ class StageHost:
                 data = TextWindows(None, seq_len=sa.data.seq_len, seed=sa.seed,
                                    tokens=sa.data_tokens)
             else:
+                _own_corpus_only(sa)
                 data = make_source(sa.data, sa.seed)
             if sa.data_digest and isinstance(data, TextWindows):
                 here = corpus_digest(data.tokens)

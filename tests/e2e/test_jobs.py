@@ -171,7 +171,9 @@ def test_three_daemons_match_single_process(cluster3: Cluster, tmp_path: Path,
     assert rc == 0, err + cluster3.explain("job failed")
     assert res["state"] == "done"
     assert res["scheduler"] == cluster3.node_id(lead)
-    assert res["outputs"]["model"] == str(tmp_path / "out" / "model.safetensors")
+    # fusionctl wrote the outputs (as this user) where the job says; the daemon kept them
+    assert res["written"]["model.safetensors"] == str(tmp_path / "out" / "model.safetensors")
+    assert set(res["outputs"]) == {"model.safetensors", "metrics.json"}
     assert len({s["node"] for s in res["status"]["stages"]}) == 3  # three daemons trained it
     import json
 
@@ -325,3 +327,36 @@ def test_a_planned_job_runs(cluster3: Cluster, tmp_path: Path,
     lines = lead.api("GET", f"/v1/jobs/{res['job_id']}/logs")["lines"]
     assert any("timeouts from the measured links" in x for x in lines), lines
     _no_stages_left(cluster3)
+
+
+def test_an_earlier_runs_outputs_are_never_silently_overwritten(
+        cluster3: Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A second run into the same output is refused before anything starts (naming the files
+    and --force); with --force it replaces them; resuming from a checkpoint in that directory
+    continues the run there without --force."""
+    lead, _ = leader_and_other(cluster3)
+    job = _write(tmp_path, GPT2.replace("steps = 20", "steps = 6\ncheckpoint_interval = 2"))
+    rc, first, err = ctl(lead, "submit", str(job), "--stages", "2", "--json", capsys=capsys)
+    assert rc == 0 and first["state"] == "done", err
+    out = tmp_path / "out"
+    model = (out / "model.safetensors").read_bytes()
+    before = lead.api("GET", "/v1/jobs")["jobs"]
+    rc, _, err = ctl(lead, "submit", str(job), "--stages", "2", capsys=capsys)
+    assert rc == 1 and "already holds the outputs of an earlier run" in err, err
+    assert "model.safetensors" in err and "--force" in err, err
+    assert lead.api("GET", "/v1/jobs")["jobs"] == before  # nothing started
+    assert (out / "model.safetensors").read_bytes() == model
+    assert {"checkpoint-2.safetensors", "checkpoint-4.safetensors"} <= set(first["written"])
+    rc, res, err = ctl(lead, "submit", str(job), "--stages", "2", "--resume",
+                       str(out / "checkpoint-4.safetensors"), "--json", capsys=capsys)
+    assert rc == 0 and res["state"] == "done", err
+    import json
+
+    steps = [s["step"] for s in json.loads((out / "metrics.json").read_text())["steps"]]
+    assert steps == [4, 5]
+    rc, res, err = ctl(lead, "submit", str(job), "--stages", "2", "--force", "--json",
+                       capsys=capsys)
+    assert rc == 0 and res["state"] == "done", err
+    assert set(res["written"]) == set(first["written"])
+    steps = [s["step"] for s in json.loads((out / "metrics.json").read_text())["steps"]]
+    assert steps == list(range(6))

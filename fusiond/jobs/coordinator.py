@@ -396,6 +396,8 @@ class JobCoordinator:
                 if not f.done():
                     f.cancel()
             if self._failure is None:
+                log.info("job %s v%d: every stage Ready in %.2fs", self.job_id,
+                         self.plan_version, time.perf_counter() - t0)
                 self._state = "running"
                 self._last_step_t = time.perf_counter()
                 for node in assigns:

@@ -906,7 +906,10 @@ class JobService:
         cluster, addresses, memory = cluster_for_planner(view)
         check_capacity(captured, spec, memory)
         job_id = meta.get("job_id") or f"{spec.name}-{secrets.token_hex(3)}"
-        if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id) or job_id in self._jobs:
+        taken = self._jobs.get(job_id) if isinstance(job_id, str) else None
+        # (a job this daemon handed back comes back under its id, from the next failover)
+        if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id) or (
+                taken is not None and taken.state != "handed_back"):
             raise JobRefused(f"job id {job_id!r} is malformed or already in use here")
         used = meta.get("restarts", 0)
         if not isinstance(used, int) or isinstance(used, bool) or not 0 <= used <= 100:

@@ -26,11 +26,12 @@ so an event loop can stall for a second; the harness's 1 s lease would then move
 between tests. A dead stage is still declared within 8 s (the failure test allows 30 s)."""
 
 
-def start_cluster(root: Path, n: int = 3) -> Cluster:
-    """`n` daemons, node0 first, the others with node0 as their only bootstrap address."""
+def start_cluster(root: Path, n: int = 3, timers: dict[str, float] | None = None) -> Cluster:
+    """`n` daemons, node0 first, the others with node0 as their only bootstrap address;
+    `timers` override `JOB_TIMERS`."""
     c = Cluster(root, n, {"job_memory_gib": JOB_MEMORY_GIB,
                           "metrics": {"listen": "127.0.0.1:0"},
-                          "cluster": JOB_TIMERS})
+                          "cluster": {**JOB_TIMERS, **(timers or {})}})
     c.start(c.nodes[:1])
     c.wait_up(c.nodes[:1])
     addr = c.address(c.nodes[0])

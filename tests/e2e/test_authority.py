@@ -143,9 +143,7 @@ def test_a_refusal_after_the_schedulers_first_job_fails_the_attempt_at_once(
 def test_the_jobs_own_error_blames_no_machine(
         cluster3: Cluster, tmp_path: Path) -> None:
     job = _write(tmp_path, GPT2.replace("seq_len = 32", "seq_len = 128"))  # context is 64
-    with pytest.raises(Exception, match=r"data.seq_len = 128 is longer than the model's context"):
-        _upload(job, check=True)  # fusionctl refuses it; a client that does not, below
-    (_, captured), meta = _upload(job, stages=3)
+    (_, captured), meta = _upload(job, stages=3)  # a client that skips the submit-side check
     lead, _ = leader_and_other(cluster3)
     job_id = _post(lead, _encode(captured, meta))["job_id"]
     _ended(cluster3, lead, job_id, 60.0)
@@ -158,6 +156,8 @@ def test_the_jobs_own_error_blames_no_machine(
     assert "module 'transformer.wpe'" in failure, failure
     assert d["outcome"]["restarts"] == 0
     assert not any("restart " in x or "without" in x for x in lines), lines
+    with pytest.raises(Exception, match=r"data.seq_len = 128 is longer than the model's context"):
+        _upload(job, check=True)  # and fusionctl's own check refuses it before anything runs
 
 
 def test_a_nan_checkpoint_is_refused_at_submit_and_by_the_daemon(

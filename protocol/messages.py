@@ -563,6 +563,8 @@ class JobCancel(Message):
     TYPE_ID: ClassVar[int] = 42
     job_id: str
     reason: str = ""
+    plan_version: int = 0
+    """The attempt to stop (0: whichever runs): a stale cancel never stops a newer attempt."""
 
 
 @dataclass(frozen=True)

@@ -464,7 +464,8 @@ class JobCoordinator:
         for node in self.stage_nodes.values():
             try:
                 async with asyncio.timeout(5.0):
-                    await self.send(node, JobCancel(job_id=self.job_id, reason=reason), ())
+                    await self.send(node, JobCancel(job_id=self.job_id, reason=reason,
+                                                    plan_version=self.plan_version), ())
             except (TimeoutError, LocalError, OSError) as e:
                 log.info("JobCancel to %s not sent: %s", node, e)
 

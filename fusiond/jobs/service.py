@@ -666,6 +666,8 @@ class JobService:
         try:
             leader = await self._await_scheduler(
                 deadline, not_before=None if same_term_ok else (r.scheduler, r.term))
+            if r.state in FINAL:  # cancelled meanwhile
+                return
             view = self.view()
             alive = sum(1 for m in view.members if m.state == "alive") if view is not None \
                 else 1
@@ -705,6 +707,15 @@ class JobService:
             r.status = {**r.status, "state": "failed", "outcome": {
                 "ok": False, "failure": f"{why}; resubmitting failed: {cause}"}}
             self._remote_ended(r)
+            return
+        if r.state in FINAL:  # cancelled while it was being resubmitted: stop it there too
+            rec = self._jobs.get(r.job_id)
+            if rec is not None:
+                rec.cancel_requested = True
+                await rec.coord.cancel()
+            else:
+                await self.send(leader, JobCancel(job_id=r.job_id, reason="cancelled by the "
+                                                  f"user on {self.node_id}"), ())
             return
         r.restarts += 1
         r.failing_over = False
@@ -924,8 +935,9 @@ class JobService:
             "job_id": job_id, "name": spec.name, "steps": spec.steps,
             "stages": [{"stage": s.stage, "node": s.node_id} for s in layout.stages],
             "densities": dict(layout.densities), "plan": plan_text,
-            "output": str(spec.output), "term": term,
+            "output": str(spec.output),
         }
+        summary["term"] = term  # (a submitter takes a handed-back job's next turn by it)
         if dry_run:
             return summary
         tps = spec.data.seq_len if spec.data.kind == "text" else 0
@@ -1271,6 +1283,12 @@ class JobService:
         if isinstance(got, _Remote):
             if got.state in FINAL:
                 return {"job_id": job_id, "state": got.state, "cancelled": False}
+            if got.failing_over:  # no scheduler has it now: it is not resubmitted
+                got.status = {**got.status, "state": "cancelled", "outcome": {
+                    "ok": False, "failure": f"cancelled by the user on {self.node_id} while "
+                                            "failing over"}}
+                self._remote_ended(got)
+                return {"job_id": job_id, "state": "cancelled", "cancelled": True}
             await self.send(got.scheduler, JobCancel(job_id=job_id, reason="cancelled by the "
                                                      f"user on {self.node_id}"), ())
             with contextlib.suppress(TimeoutError):

@@ -209,7 +209,11 @@ class JobWorker:
                     log.warning("JobDensities for job %s from %s refused: %s", msg.job_id, peer, e)
             return True
         if isinstance(msg, JobCancel):
-            if msg.job_id in self._jobs and self._from_assigner(peer, msg, msg.job_id):
+            job = self._jobs.get(msg.job_id)
+            if job is not None and msg.plan_version not in (0, job.host.assignment.plan_version):
+                log.info("JobCancel of job %s v%d from %s ignored: the stage runs v%d", msg.job_id,
+                         msg.plan_version, peer, job.host.assignment.plan_version)
+            elif job is not None and self._from_assigner(peer, msg, msg.job_id):
                 log.info("job %s cancelled by %s: %s", msg.job_id, peer, msg.reason or "-")
                 await self._drop(msg.job_id)
             return True

@@ -493,7 +493,8 @@ async def test_only_the_jobs_scheduler_controls_it(  # type: ignore[no-untyped-d
         captured_tiny, caplog: pytest.LogCaptureFixture) -> None:
     """A member that is not the job's scheduler sends the stages JobCancel, JobStart,
     JobDensities and an Assign for the running job: each is ignored (logged once), and the
-    job finishes. (Every stage used to obey a JobCancel from anyone: the job sat "running".)"""
+    job finishes. (Every stage used to obey a JobCancel from anyone: the job sat "running".)
+    A JobCancel naming another attempt, even from the scheduler, stops nothing either."""
     import logging
 
     from fusiond.jobs.worker import Leadership
@@ -520,6 +521,9 @@ async def test_only_the_jobs_scheduler_controls_it(  # type: ignore[no-untyped-d
                     await n2.net.send("n1", msg, ())
                 await n2.net.send("n1", Assign(request_id=99, term=1, job_id=c.job_id,
                                                plan_version=v + 1, partition=1, graph=b""), ())
+            # the scheduler's own cancel of another (an older) attempt stops nothing here
+            await nodes["n0"].net.send("n1", JobCancel(job_id=c.job_id, reason="stale",
+                                                       plan_version=v - 1), ())
             attacked.set()
 
         def on_step(m: StepMetrics) -> None:

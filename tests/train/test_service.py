@@ -275,3 +275,39 @@ async def test_a_silent_scheduler_fails_the_job_within_the_failover_bound(
         finally:
             await svc.close()
 
+
+
+async def test_a_job_handed_back_waits_for_a_scheduler_and_can_be_cancelled(
+        prepared: Any) -> None:
+    """The scheduler gives the job back (it lost its lease): the submitter waits for the next
+    scheduler (a newer term: the same node counts again only then) and resubmits there; a
+    user's cancel meanwhile ends the job and nothing is resubmitted."""
+    for cancel in (False, True):
+        net = Net()
+        view = View(["m0", "m1", "m2"], leader="m0", term=1)
+        svc = JobService(node_id="m1", send_raw=net.send, view=lambda v=view: v)
+        net.svc = svc
+        submits = _scheduler(net, knows=True)
+        await svc.start()
+        try:
+            summary = await svc.submit_upload(upload(prepared, stages=1))
+            r = svc.get(summary["job_id"])
+            assert isinstance(r, service._Remote) and r.term == 1
+            view.leader, view.has_quorum = None, False
+            await svc.dispatch("m0", JobUpdate(job_id=r.job_id, status={"state": "running"},
+                                               handed_back="m0 lost its quorum"))
+            assert r.failing_over and r.state == "running"
+            if cancel:
+                res = await svc.cancel(r.job_id)
+                assert res == {"job_id": r.job_id, "state": "cancelled", "cancelled": True}
+            view.leader, view.has_quorum = "m0", True  # the same term: not yet
+            await asyncio.sleep(0.5)
+            assert len(submits) == 1
+            view.term = 2  # m0 elected again, in a newer term
+            await asyncio.sleep(0.5)
+            if cancel:
+                assert len(submits) == 1 and r.state == "cancelled"
+            else:
+                assert len(submits) == 2 and r.state == "running" and r.restarts == 1
+        finally:
+            await svc.close()

@@ -70,16 +70,6 @@ SendFn = Callable[[str, Message, Sequence[Any]], Awaitable[None]]
 DispatchFn = Callable[[str, Message], Awaitable[Any]]
 
 
-def _warm_up() -> None:
-    """Import what a first partition build needs. The first optimizer of a process imports
-    torch._dynamo (measured 2.0-2.4 s on a loaded 2-core machine, against 6 ms for the next
-    build); inside a node's first Assign that held up every message behind it on the
-    connection, the scheduler's heartbeats included, long enough for it to lose its lease."""
-    import torch
-
-    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
-
-
 def local_sender(node_id: str, net_send: SendFn, dispatch: DispatchFn) -> SendFn:
     """A `SendFn` that delivers messages for `node_id` itself to `dispatch(node_id, msg)`
     (with the payload attached as `msg.payload`) and everything else to `net_send`."""
@@ -143,13 +133,9 @@ class JobWorker:
         """(job, sender, message kind) already logged as ignored (logged once each)."""
         self._ready = asyncio.Event()
         self._closed = False
-        self._warm: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """Nothing to open (jobs arrive as messages); the imports a first partition needs
-        load in the background (`_warm_up`)."""
-        if self._warm is None:
-            self._warm = asyncio.create_task(asyncio.to_thread(_warm_up), name="worker warm-up")
+        """Nothing to open: jobs arrive as messages."""
         self._ready.set()
 
     async def ready(self) -> None:
@@ -163,11 +149,6 @@ class JobWorker:
         self._closed = True
         for job_id in list(self._jobs):
             await self._drop(job_id)
-        if self._warm is not None:  # a thread: it ends once its imports are done
-            try:
-                await self._warm
-            except Exception as e:  # only a head start; the first build imports it anyway
-                log.warning("worker warm-up failed: %s", e)
 
     def jobs(self) -> dict[str, dict[str, Any]]:
         """job id -> {stage, scheduler, running, steps_done}: for the local API."""

@@ -531,7 +531,8 @@ async def test_only_the_jobs_scheduler_controls_it(  # type: ignore[no-untyped-d
                 asyncio.get_running_loop().create_task(attack())
 
         seen: list[StepMetrics] = []
-        c = coordinator(nodes, spec, cap, on_step=lambda m: (seen.append(m), on_step(m)))
+        c = coordinator(nodes, spec, cap, on_step=lambda m: (seen.append(m), on_step(m)),
+                        plan_version=5)  # (a restarted job's: v4 was the attempt before)
         out = await asyncio.wait_for(c.run(), 120)
         assert attacked.is_set()
         assert out.ok, out.failure

@@ -216,6 +216,8 @@ class _Record:
     """The term this daemon scheduled the job in."""
     handed_back: str = ""
     """Why this daemon gave the job up (it lost the scheduler's lease); empty while it runs."""
+    stale_lease: int = -1
+    """The term in which this daemon last noted it is no longer the scheduler (logged once)."""
 
     def log(self, text: str) -> None:
         stamp = time.strftime("%H:%M:%S", time.gmtime())
@@ -551,12 +553,23 @@ class JobService:
                 if node in gone:
                     rec.coord.node_failed(node, f"the membership layer declared {node} "
                                                 f"{gone[node]} (daemon stopped or unreachable)")
-        lost = self._not_leading() if any(r.state == "running" for r in self._jobs.values()) \
-            else None
-        if lost is not None:  # lost the lease: stop scheduling at once
-            for rec in list(self._jobs.values()):
-                if rec.state == "running" and not rec.cancel_requested:
-                    self._hand_back(rec, lost)
+        running = [r for r in self._jobs.values() if r.state == "running"
+                   and not r.cancel_requested and not r.handed_back]
+        lost = self._not_leading() if running else None
+        if lost is None:
+            return
+        lead = self.leadership()
+        if lead is None or not lead.has_quorum:
+            # A minority (or a daemon cut off) has no working scheduler: stop at once.
+            for rec in running:
+                self._hand_back(rec, lost)
+            return
+        for rec in running:  # (a majority is still there: see docs/jobs.md, "Who schedules")
+            if rec.stale_lease != lead.term:
+                rec.stale_lease = lead.term
+                rec.log(f"{lost}: this daemon decides nothing more for the job (no restart, "
+                        "re-plan or re-adaptation); the running attempt, among a majority, goes "
+                        "on to its end, and a failure hands the job back to the next scheduler")
 
     # -- submit -------------------------------------------------------------------------------
 

@@ -142,9 +142,9 @@ async def test_a_submission_without_a_scheduler_waits_for_one(
 
 
 async def test_a_scheduler_that_loses_its_lease_hands_the_job_back(prepared: Any) -> None:
-    """The scheduler of a job submitted by m1 stops being the leader: at once its attempt is
-    cancelled (its stage freed), nothing is re-planned, and m1 gets the job back
-    (`JobUpdate.handed_back`) to resubmit it to the next scheduler."""
+    """The scheduler of a job submitted by m1 loses its quorum (3 of 5 gone, or cut off): at
+    once its attempt is cancelled (its stage freed), nothing is re-planned, and m1 gets the job
+    back (`JobUpdate.handed_back`) to resubmit it to the next scheduler."""
     net = Net()
     view = View(["m0", "m1", "m2"], leader="m0")
     svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
@@ -157,7 +157,7 @@ async def test_a_scheduler_that_loses_its_lease_hands_the_job_back(prepared: Any
         assert isinstance(rec, service._Record)
         await wait(lambda: bool(rec.history), 60, "the first step")
         assert svc.worker.jobs()
-        view.leader, view.has_quorum = None, False  # lease lost (3 of 5 gone, say)
+        view.leader, view.has_quorum = None, False  # a minority now
         svc.on_view(view)
         await asyncio.wait_for(asyncio.shield(rec.task), 20)  # type: ignore[arg-type]
         assert rec.state == "handed_back", rec.state
@@ -169,6 +169,38 @@ async def test_a_scheduler_that_loses_its_lease_hands_the_job_back(prepared: Any
         # and a stale submission is refused, saying who to ask
         with pytest.raises(NotScheduler, match="not the scheduler"):
             await svc.submit(service.decode_upload(upload(prepared, stages=1)), submitter="m1")
+    finally:
+        await svc.close()
+
+
+async def test_a_scheduler_that_lost_the_lease_among_a_majority_decides_nothing_more(
+        prepared: Any) -> None:
+    """Another member leads now, and this daemon still sees a majority: its running attempt
+    goes on (no other scheduler knows the job, and no minority is scheduling), but it decides
+    nothing more: the attempt's failure is handed back instead of restarted here."""
+    net = Net()
+    view = View(["m0", "m1", "m2"], leader="m0")
+    svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
+    net.svc = svc
+    await svc.start()
+    try:
+        summary = await svc.submit(service.decode_upload(upload(prepared, stages=1)),
+                                   submitter="m1")
+        rec = svc.get(summary["job_id"])
+        assert isinstance(rec, service._Record)
+        await wait(lambda: bool(rec.history), 60, "the first step")
+        view.leader, view.term = "m2", 2  # a lease that lapsed under load, say
+        svc.on_view(view)
+        at = len(rec.history)
+        await wait(lambda: len(rec.history) > at + 2, 30, "more steps")
+        assert rec.state == "running" and svc.worker.jobs()
+        assert sum("decides nothing more" in x for x in rec.logs) == 1
+        svc.on_view(view)
+        assert sum("decides nothing more" in x for x in rec.logs) == 1  # (noted once a term)
+        rec.coord.node_failed("m0", "a test: its stage machine failed")
+        await asyncio.wait_for(asyncio.shield(rec.task), 20)  # type: ignore[arg-type]
+        assert rec.state == "handed_back" and rec.restarts == 0, list(rec.logs)
+        assert any(isinstance(m, JobUpdate) and m.handed_back for _, m in net.sent)
     finally:
         await svc.close()
 

@@ -308,6 +308,7 @@ def test_a_scheduler_that_lost_the_job_gets_it_resubmitted(
 
         c.wait_for(resubmitted, FAILOVER_WAIT_S, "the job resubmitted")
         took = time.monotonic() - t0
+        print(f"resubmitted {took:.1f} s after the scheduler's restart began")
         notes = _lines(submitter, job_id)
         assert any("no longer knows the job" in x for x in notes), "\n".join(notes)
         _ended(c, submitter, job_id, 150.0)

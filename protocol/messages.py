@@ -668,7 +668,7 @@ class JobOutput(Message):
     name: str
 
 
-# --- job status queries (appended by the job-correctness helper; ids 60..64) -----------------
+# --- job status queries (appended by the job-correctness helper; ids 64..67) -----------------
 
 
 @dataclass(frozen=True)
@@ -677,7 +677,7 @@ class JobQuery(Message):
     coming: does the scheduler still run it? Reply: JobQueryReply. CONTROL, so the answer does
     not wait behind the job's outputs on the BULK lane."""
 
-    TYPE_ID: ClassVar[int] = 60
+    TYPE_ID: ClassVar[int] = 64
     job_id: str
 
 
@@ -686,7 +686,7 @@ class JobQueryReply(Message):
     """Scheduler -> submitting daemon: whether it knows the job (`known`) and, if so, its
     state ("running", "done", "failed", "cancelled", "handed_back")."""
 
-    TYPE_ID: ClassVar[int] = 61
+    TYPE_ID: ClassVar[int] = 65
     job_id: str
     known: bool
     state: str = ""

@@ -500,12 +500,17 @@ class Ack(Message):
 
 @dataclass(frozen=True)
 class Error(Message):
-    """Something the sender could not do; `request_id` names the request (0 = none)."""
+    """Something the sender could not do; `request_id` names the request (0 = none).
+
+    A refused Assign also names its job and plan version (`job_id`, `plan_version`), so the
+    scheduler matches the refusal to the attempt that sent it and to no other."""
 
     TYPE_ID: ClassVar[int] = 17
     code: str
     message: str
     request_id: int = 0
+    job_id: str = ""
+    plan_version: int = 0
 
 
 # --- link probes -----------------------------------------------------------------------------
@@ -635,9 +640,9 @@ class JobCancel(Message):
     job_id: str
     reason: str = ""
     plan_version: int = 0
-    """The plan version cancelled (0: unknown, whatever runs). JobCancel is CONTROL and Assign
-    BULK, so the cancel can overtake its Assign: a worker refuses an Assign of a version it
-    saw cancelled."""
+    """The attempt to stop (0: whichever runs): a stale cancel never stops a newer attempt.
+    JobCancel is CONTROL and Assign BULK, so a cancel can overtake its Assign: a worker drops
+    an Assign of a version it saw cancelled by the current scheduler."""
 
 
 @dataclass(frozen=True)
@@ -654,6 +659,10 @@ class JobResult(Message):
     message: str = ""
     step: int = -1
     """The step the stage was in when it failed (-1: not applicable)."""
+    fault: str = ""
+    """Who is at fault when not ok: "job" (the job's own deterministic error: its model's
+    computation or its data raised; no machine is to blame) or "machine" (a timeout, a lost
+    peer, out of memory); "" counts as "machine"."""
 
 
 @dataclass(frozen=True)
@@ -705,6 +714,9 @@ class JobSubmitReply(Message):
     ok: bool
     message: str = ""
     summary: dict[str, Any] = field(default_factory=dict)
+    code: str = ""
+    """Why refused, for the submitter's logic: "not_scheduler" (the receiver is not, or no
+    longer, the scheduler: ask the next one), "" otherwise."""
 
 
 @dataclass(frozen=True)
@@ -722,6 +734,9 @@ class JobUpdate(Message):
     bounded number per message (`fusiond.jobs.service.MAX_UPDATE_STEPS`); a record for a step
     the submitter already has supersedes it and every later one (a restarted or failed-over
     attempt redoes them)."""
+    handed_back: str = ""
+    """Not empty: the scheduler gave the job up (it lost its lease) and says why; the
+    submitting daemon resubmits it to the next scheduler (failover)."""
 
 
 @dataclass(frozen=True)
@@ -790,3 +805,27 @@ class JobFetch(Message):
     TYPE_ID: ClassVar[int] = 57
     job_id: str
     request_id: str
+
+
+# --- job status queries (appended by the job-correctness helper; ids 64..67) -----------------
+
+
+@dataclass(frozen=True)
+class JobQuery(Message):
+    """Submitting daemon -> the scheduler of a job it took, when the job's `JobUpdate`s stopped
+    coming: does the scheduler still run it? Reply: JobQueryReply. CONTROL, so the answer does
+    not wait behind the job's outputs on the BULK lane."""
+
+    TYPE_ID: ClassVar[int] = 64
+    job_id: str
+
+
+@dataclass(frozen=True)
+class JobQueryReply(Message):
+    """Scheduler -> submitting daemon: whether it knows the job (`known`) and, if so, its
+    state ("running", "done", "failed", "cancelled", "handed_back")."""
+
+    TYPE_ID: ClassVar[int] = 65
+    job_id: str
+    known: bool
+    state: str = ""

@@ -13,6 +13,7 @@ Pure functions (no I/O): the daemon's scheduler calls
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -28,7 +29,18 @@ from fusiond.train.spec import JobSpec, default_text_path
 from protocol import ir
 from protocol.messages import Address, Assign, EdgeRoute
 
-__all__ = ["JobLayout", "LayoutError", "StagePlan", "assign_messages", "layout_job"]
+__all__ = ["JobLayout", "LayoutError", "StagePlan", "assign_messages", "layout_job",
+           "next_request_id"]
+
+
+_REQUEST_IDS = itertools.count(1)
+"""Assign request ids of this process: unique across every job and attempt it schedules, so a
+reply can never be taken for another job's (each reply also names its job and plan version)."""
+
+
+def next_request_id() -> int:
+    """A request id no other Assign of this process used."""
+    return next(_REQUEST_IDS)
 
 
 class LayoutError(LocalError):
@@ -166,16 +178,17 @@ def assign_messages(
     term: int,
     plan_version: int,
     addresses: Mapping[str, Address],
-    first_request_id: int = 1,
     corpus: Corpus | None = None,
     recv_timeout_s: float | None = None,
+    first_step: int = 0,
 ) -> dict[str, tuple[Assign, bytes]]:
     """Per machine, its Assign and the payload (its partition's weights, safetensors; plus the
     corpus tokens under `DATA_TOKENS_KEY` for stages that read data of a non-default corpus).
 
     `corpus`: what the submitter read (a job submitted to a daemon); None reads a non-default
     corpus here (in-process drivers, where here is the submitting machine). `recv_timeout_s`:
-    the stages' bound on one wait for inputs (`job_config`)."""
+    the stages' bound on one wait for inputs (`job_config`); `first_step`: where this attempt
+    starts. Each Assign gets a request id of its own (`next_request_id`)."""
     nodes = layout.stage_nodes
     absent = [n for n in nodes.values() if n not in addresses]
     if absent:
@@ -185,18 +198,18 @@ def assign_messages(
                         loss_name=layout.loss_name,
                         corpus_digest="" if corpus is None else corpus.digest,
                         default_corpus=corpus is not None and corpus.default,
-                        recv_timeout_s=recv_timeout_s)
+                        recv_timeout_s=recv_timeout_s, first_step=first_step)
     routes = layout.edges()
     job_nodes = {n: tuple(addresses[n]) for n in nodes.values()}
     shipped = _shipped_tokens(spec) if corpus is None else corpus.tokens
     out: dict[str, tuple[Assign, bytes]] = {}
-    for i, s in enumerate(layout.stages):
+    for s in layout.stages:
         mine = tuple(r for r in routes if s.stage in (r.src_partition, r.dst_partition))
         weights = {k: state[k] for k in s.partition.param_names if k in state}
         if shipped is not None and any(e.src == SOURCE for e in s.partition.inputs):
             weights[DATA_TOKENS_KEY] = shipped
         msg = Assign(
-            request_id=first_request_id + i, term=term, job_id=layout.job_id,
+            request_id=next_request_id(), term=term, job_id=layout.job_id,
             plan_version=plan_version, partition=s.stage, graph=ir.dumps(s.partition.graph),
             edges=mine, nodes=dict(job_nodes), config=config,  # type: ignore[arg-type]
         )

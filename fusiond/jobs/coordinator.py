@@ -43,22 +43,57 @@ from protocol.messages import (
     StageStep,
 )
 
-__all__ = ["FailureReport", "JobCoordinator", "JobOutcome", "save_checkpoint", "write_outputs"]
+__all__ = [
+    "FAULT_JOB",
+    "FAULT_MACHINE",
+    "FAULT_REFUSED",
+    "FAULT_SCHEDULER",
+    "FailureReport",
+    "JobCoordinator",
+    "JobOutcome",
+    "save_checkpoint",
+    "write_outputs",
+]
 
 log = logging.getLogger(__name__)
 
 
+FAULT_MACHINE = "machine"
+"""The named machine(s) failed: a restart plans the job without them."""
+FAULT_JOB = "job"
+"""The job's own deterministic error (its model or data raised): no machine is blamed, and no
+restart is tried (it would fail the same way anywhere)."""
+FAULT_REFUSED = "refused"
+"""A machine refused its Assign (it cannot run the partition: an op its torch lacks, another
+Python's corpus): a restart plans the job without it (the scheduler's own machine included)."""
+FAULT_SCHEDULER = "scheduler"
+"""The scheduler's side: cancelled, the scheduler stopping or losing its lease, a bug."""
+
+
 @dataclass(frozen=True)
 class FailureReport:
-    """The first failure of a job."""
+    """The first failure of a job. `fault` says whose (the `FAULT_*` constants); `others` the
+    further machines at fault (a wait for Ready names every machine that never answered)."""
 
     node: str
     stage: int
     step: int
     cause: str
+    fault: str = FAULT_MACHINE
+    others: tuple[str, ...] = ()
+
+    @property
+    def machines(self) -> tuple[str, ...]:
+        """The machines to leave out of a restart (none for the job's own error)."""
+        if self.fault not in (FAULT_MACHINE, FAULT_REFUSED):
+            return ()
+        return (self.node, *self.others)
 
     def __str__(self) -> str:
         where = f"step {self.step}" if self.step >= 0 else "before the first step"
+        if self.fault == FAULT_JOB:
+            return (f"job failed at stage {self.stage} ({where}, on {self.node}): the job's own "
+                    f"error, not the machine's (no machine is blamed; fix the job): {self.cause}")
         return f"job failed on {self.node} (stage {self.stage}, {where}): {self.cause}"
 
 
@@ -144,31 +179,57 @@ class JobCoordinator:
 
     # -- inputs ---------------------------------------------------------------------------
 
+    @property
+    def finished(self) -> bool:
+        """Whether `run()` has returned (a finished attempt takes no message any more)."""
+        return self._state in ("done", "failed")
+
     async def handle(self, peer: str, msg: Message) -> bool:
-        """Take this job's Ready/Error/StageStep/JobResult; False for anything else. Messages
-        of the job's other plan versions (a stage of the attempt before a restart) are taken
-        and dropped."""
-        if (isinstance(msg, (Ready, StageStep, StageCheckpoint, JobResult))
-                and msg.job_id == self.job_id and msg.plan_version != self.plan_version):
-            log.debug("%s of job %s v%d from %s dropped (running v%d)", type(msg).__name__,
-                      self.job_id, msg.plan_version, peer, self.plan_version)
-            return True
-        if isinstance(msg, Ready) and msg.job_id == self.job_id:
+        """Take this attempt's Ready/Error/StageStep/StageCheckpoint/JobResult; False for
+        anything else, and for everything once the attempt has finished. Messages of the job's
+        other plan versions (a stage of the attempt before a restart) are taken and dropped,
+        and so are those from a machine that does not run the stage they name."""
+        if self.finished:
+            return False
+        if isinstance(msg, Error):
+            # A refusal names its job and plan version, and its request id is unique in this
+            # process: only this attempt's own Assigns are answered here.
+            if (msg.job_id != self.job_id or msg.plan_version != self.plan_version
+                    or self._request_ids.get(msg.request_id) != peer):
+                return False
+            # assign_failed: it cannot run the partition (an op, its corpus): plan without it.
+            # not_scheduler: it does not take us for the scheduler: nobody's machine is at
+            # fault, and this side must not go on scheduling (no restart).
+            fault = {"assign_failed": FAULT_REFUSED,
+                     "not_scheduler": FAULT_SCHEDULER}.get(msg.code, FAULT_MACHINE)
+            self._fail(peer, -1, f"refused its Assign ({msg.code}): {msg.message}",
+                       fault=fault)
+            self._blame_silent = False
             fut = self._ready.get(peer)
             if fut is not None and not fut.done():
                 fut.set_result(None)
             return True
-        if isinstance(msg, Error) and msg.request_id in self._request_ids:
-            node = self._request_ids[msg.request_id]
-            self._fail(node, -1, f"{msg.code}: {msg.message}")
-            fut = self._ready.get(node)
+        if not isinstance(msg, (Ready, StageStep, StageCheckpoint, JobResult)) \
+                or msg.job_id != self.job_id:
+            return False
+        if msg.plan_version != self.plan_version:
+            log.debug("%s of job %s v%d from %s dropped (running v%d)", type(msg).__name__,
+                      self.job_id, msg.plan_version, peer, self.plan_version)
+            return True
+        if self.stage_nodes.get(msg.partition) != peer:
+            log.warning("%s of job %s for stage %d from %s dropped: %s runs that stage",
+                        type(msg).__name__, self.job_id, msg.partition, peer,
+                        self.stage_nodes.get(msg.partition))
+            return True
+        if isinstance(msg, Ready):
+            fut = self._ready.get(peer)
             if fut is not None and not fut.done():
                 fut.set_result(None)
             return True
-        if isinstance(msg, StageStep) and msg.job_id == self.job_id:
+        if isinstance(msg, StageStep):
             self._on_step(peer, msg)
             return True
-        if isinstance(msg, StageCheckpoint) and msg.job_id == self.job_id:
+        if isinstance(msg, StageCheckpoint):
             got = self._checkpoints.setdefault(msg.step, {})
             got[msg.partition] = bytes(msg.payload)
             if len(got) == len(self.stage_nodes):
@@ -177,17 +238,21 @@ class JobCoordinator:
                     states = [state_from_bytes(got[s]) for s in sorted(got)]
                     self.on_checkpoint(msg.step, gather_state(self.captured.graph, states))
             return True
-        if isinstance(msg, JobResult) and msg.job_id == self.job_id:
-            self._reported.add(msg.partition)
-            self._result_arrived.set()
-            if msg.ok:
-                self._results[msg.partition] = bytes(msg.payload)
-                if len(self._results) == len(self.stage_nodes):
-                    self._done.set()
-            else:
-                self._fail(peer, msg.step, msg.message)
-            return True
-        return False
+        self._reported.add(msg.partition)
+        self._result_arrived.set()
+        if msg.ok:
+            self._results[msg.partition] = bytes(msg.payload)
+            if len(self._results) == len(self.stage_nodes):
+                self._done.set()
+        elif msg.fault == FAULT_JOB:
+            # The stage says its own computation or data raised: the job's error, on any
+            # machine. Nobody is blamed, not even a neighbour that then stays silent.
+            if self._failure is None:
+                self._blame_silent = False
+            self._fail(peer, msg.step, msg.message, fault=FAULT_JOB)
+        else:
+            self._fail(peer, msg.step, msg.message)
+        return True
 
     def node_failed(self, node: str, cause: str) -> None:
         """The membership layer says `node` is gone: fail the job if it runs a stage."""
@@ -217,12 +282,13 @@ class JobCoordinator:
         """Stop the job: every stage gets JobCancel; `run()` returns a failed outcome."""
         if self._failure is None:
             self._blame_silent = False
-        self._fail("scheduler", -1, reason, stage=-1)
+        self._fail("scheduler", -1, reason, stage=-1, fault=FAULT_SCHEDULER)
 
-    def _fail(self, node: str, step: int, cause: str, stage: int | None = None) -> None:
+    def _fail(self, node: str, step: int, cause: str, stage: int | None = None,
+              fault: str = FAULT_MACHINE, others: tuple[str, ...] = ()) -> None:
         if self._failure is None:
             st = self._node_stage.get(node, -1) if stage is None else stage
-            self._failure = FailureReport(node, st, step, cause)
+            self._failure = FailureReport(node, st, step, cause, fault, others)
             log.warning("%s", self._failure)
         self._done.set()
 
@@ -300,30 +366,38 @@ class JobCoordinator:
         self._state = "assigning"
         assigns = assign_messages(self.layout, self.spec, self.captured.state, term=self.term,
                                   plan_version=self.plan_version, addresses=self.addresses,
-                                  corpus=self.corpus, recv_timeout_s=self.recv_timeout_s)
+                                  corpus=self.corpus, recv_timeout_s=self.recv_timeout_s,
+                                  first_step=self.first_step)
         for node, (msg, _) in assigns.items():
             self._ready[node] = loop.create_future()
             self._request_ids[msg.request_id] = node
         try:
             for node, (msg, payload) in assigns.items():
                 await self.send(node, msg, (payload,))
-            waiting: asyncio.Future[Any] = asyncio.gather(*self._ready.values())
+            ready_all: asyncio.Future[Any] = asyncio.ensure_future(
+                asyncio.wait(list(self._ready.values())))
             done_wait: asyncio.Future[Any] = asyncio.ensure_future(self._done.wait())
-            try:
-                finished, _ = await asyncio.wait(
-                    {waiting, done_wait}, timeout=self.ready_timeout_s,
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
+            try:  # every Ready in, the first failure, or the timeout
+                await asyncio.wait({ready_all, done_wait}, timeout=self.ready_timeout_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
             finally:
                 done_wait.cancel()
-            if waiting not in finished:
-                waiting.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await waiting
-                if self._failure is None:
-                    late = [n for n, f in self._ready.items() if not f.done()] or ["scheduler"]
-                    self._fail(late[0], -1, f"no Ready within {self.ready_timeout_s:g}s")
+                ready_all.cancel()
             if self._failure is None:
+                # Listed before anything is cancelled: every machine that never answered.
+                late = sorted((n for n, f in self._ready.items() if not f.done()),
+                              key=lambda n: self._node_stage.get(n, -1))
+                if late:
+                    self._blame_silent = False
+                    self._fail(late[0], -1, f"no Ready within {self.ready_timeout_s:g}s from "
+                               + ", ".join(f"{n} (stage {self._node_stage[n]})" for n in late)
+                               + ": never answered its Assign", others=tuple(late[1:]))
+            for f in self._ready.values():
+                if not f.done():
+                    f.cancel()
+            if self._failure is None:
+                log.info("job %s v%d: every stage Ready in %.2fs", self.job_id,
+                         self.plan_version, time.perf_counter() - t0)
                 self._state = "running"
                 self._last_step_t = time.perf_counter()
                 for node in assigns:
@@ -335,7 +409,9 @@ class JobCoordinator:
             await self._cancel_all("the scheduler stopped")
             raise
         except Exception as e:
-            self._fail("scheduler", -1, f"{type(e).__name__}: {e}", stage=-1)
+            log.exception("job %s: the scheduler's side of the attempt failed", self.job_id)
+            self._fail("scheduler", -1, f"{type(e).__name__}: {e}", stage=-1,
+                       fault=FAULT_SCHEDULER)
         if self._failure is not None and self._blame_silent and self._failure.stage >= 0:
             await self._find_silent()
         if self._failure is not None:
@@ -343,9 +419,17 @@ class JobCoordinator:
             await self._cancel_all(self._failure.cause)
             return JobOutcome(self.job_id, False, self._metrics, None, self._failure,
                               time.perf_counter() - t0, dict(self.stage_nodes))
-        states = [await asyncio.to_thread(state_from_bytes, self._results[s])
-                  for s in sorted(self._results)]
-        state = gather_state(self.captured.graph, states)
+        try:
+            states = [await asyncio.to_thread(state_from_bytes, self._results[s])
+                      for s in sorted(self._results)]
+            state = gather_state(self.captured.graph, states)
+        except Exception as e:  # the results make no model (bad bytes, copies that diverged)
+            self._fail("scheduler", -1, f"gathering the stages' results failed: {e}", stage=-1,
+                       fault=FAULT_SCHEDULER)
+            assert self._failure is not None
+            self._state = "failed"
+            return JobOutcome(self.job_id, False, self._metrics, None, self._failure,
+                              time.perf_counter() - t0, dict(self.stage_nodes))
         self._state = "done"
         return JobOutcome(self.job_id, True, self._metrics, state, None,
                           time.perf_counter() - t0, dict(self.stage_nodes))

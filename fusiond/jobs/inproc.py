@@ -13,7 +13,7 @@ from typing import Any
 from fusiond.graph import CapturedModel, contiguous_assignment
 from fusiond.jobs.assign import layout_job
 from fusiond.jobs.coordinator import JobCoordinator, JobOutcome
-from fusiond.jobs.worker import JobWorker, SendFn, local_sender
+from fusiond.jobs.worker import JobWorker, LeadershipFn, SendFn, local_sender
 from fusiond.net.transport import NetConfig, PeerNetwork
 from fusiond.train.local import StepMetrics
 from fusiond.train.spec import JobSpec
@@ -46,10 +46,11 @@ class InProcNode:
 
 @contextlib.asynccontextmanager
 async def inproc_cluster(n: int, *, stage_config: StageConfig | None = None,
-                         net_config: NetConfig | None = None, prefix: str = "node"
+                         net_config: NetConfig | None = None, prefix: str = "node",
+                         leadership: LeadershipFn | None = None,
                          ) -> AsyncIterator[dict[str, InProcNode]]:
     """Start `n` nodes (`{prefix}0`.. `{prefix}{n-1}`) that know each other; close them on
-    exit."""
+    exit. `leadership`: every worker's view of the scheduler (None: any sender may assign)."""
     nodes: dict[str, InProcNode] = {}
     cfg = net_config or NetConfig(connect_timeout_s=5, handshake_timeout_s=5, backoff_max_s=1.0)
 
@@ -68,7 +69,8 @@ async def inproc_cluster(n: int, *, stage_config: StageConfig | None = None,
             stack.push_async_callback(net.close)
             send = local_sender(name, net.send, handler_for(name))
             node = InProcNode(name, net, JobWorker(node_id=name, send=send,
-                                                   stage_config=stage_config))
+                                                   stage_config=stage_config,
+                                                   leadership=leadership))
             await node.worker.start()
             stack.push_async_callback(node.worker.close)
             nodes[name] = node

@@ -30,6 +30,16 @@ __all__ = ["gather_state", "load_model_state", "metrics_document", "save_model",
            "write_metrics"]
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit the same values, NaN included (NaN != NaN would make the identical copies of
+    a diverged run's tied weight look different, and crash the gathering)."""
+    if torch.equal(a, b):
+        return True
+    if a.shape != b.shape or a.dtype != b.dtype or not a.is_floating_point():
+        return False
+    return torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True)
+
+
 def gather_state(graph: ir.Graph, states: Iterable[Mapping[str, torch.Tensor]]
                  ) -> dict[str, torch.Tensor]:
     """One state dict under the model's names from the stages' states.
@@ -46,7 +56,7 @@ def gather_state(graph: ir.Graph, states: Iterable[Mapping[str, torch.Tensor]]
         for k, v in st.items():
             if k not in keep:
                 continue
-            if k in out and not torch.equal(out[k], v):
+            if k in out and not _same(out[k], v):
                 raise LocalError(f"the copies of tied parameter {k!r} differ between stages")
             out[k] = v.detach().cpu()
     missing = keep - set(out)

@@ -27,7 +27,12 @@ daemon is not the scheduler; the scheduler runs the coordinator, streams `JobUpd
 the job is done only once the model is stored there. If it cannot be (a full disk), the
 job ends failed saying why, and the scheduler keeps the weights in memory until the submitter
 asks for them again (`JobFetch`, from `fusionctl fetch ID`). Without a scheduler (no quorum
-yet) the submitting daemon coordinates the job itself.
+yet) a submission waits for one (`SCHEDULER_WAIT_S`), then is refused: only the scheduler of the
+current term, holding its lease (the view's leader is itself, with a quorum), plans, re-plans or
+re-adapts a job. A scheduler that loses its quorum stops at once: its attempts are cancelled and
+each job is handed back to its submitter, which resubmits it to the next scheduler
+(`_failover`), as when the scheduler dies. A submitter that stops hearing from its scheduler
+asks it (`JobQuery`) and fails over, or fails the job, when the scheduler no longer knows it.
 """
 
 from __future__ import annotations
@@ -53,7 +58,13 @@ import torch
 from fusiond.errors import FusionError, LocalError
 from fusiond.graph import CapturedModel, contiguous_assignment, state_from_bytes, state_to_bytes
 from fusiond.jobs.assign import Corpus, JobLayout, layout_job
-from fusiond.jobs.coordinator import JobCoordinator, JobOutcome
+from fusiond.jobs.coordinator import (
+    FAULT_JOB,
+    FAULT_REFUSED,
+    FAULT_SCHEDULER,
+    JobCoordinator,
+    JobOutcome,
+)
 from fusiond.jobs.history import Cursor, JobHistory, StepHistory, finite_records
 from fusiond.jobs.opsets import (
     MemberOpSets,
@@ -74,13 +85,14 @@ from fusiond.jobs.outputs import (
 from fusiond.jobs.planning import layout_from_plan, plan_job, readapted_densities
 from fusiond.jobs.submit import (
     check_capacity,
+    check_finite,
     is_default_corpus,
     memory_estimate,
     restore_job,
     resume_state,
 )
 from fusiond.jobs.upload import Upload, decode_upload, encode_upload, read_upload
-from fusiond.jobs.worker import JobWorker, SendFn, local_sender
+from fusiond.jobs.worker import JobWorker, Leadership, LeadershipFn, SendFn, local_sender
 from fusiond.plan import Cluster, MachineProfile, Plan
 from fusiond.plan.render import plan_summary, render_plan
 from fusiond.profile import machine_from_profile
@@ -95,6 +107,8 @@ from protocol.messages import (
     JobFetch,
     JobOutput,
     JobOutputAck,
+    JobQuery,
+    JobQueryReply,
     JobSubmit,
     JobSubmitReply,
     JobUpdate,
@@ -137,7 +151,16 @@ PLAN_EPOCH = 1024
 one (`max_restarts` <= 100): versions grow across restarts and across schedulers, so a stage's
 newer Assign supersedes a stale one and stale tensors are told apart by version alone."""
 FAILOVER_WAIT_S = 120.0
-"""How long a submitting daemon waits for a new scheduler after the old one died."""
+"""How long a submitting daemon waits for a new scheduler after the old one died (or gave the
+job back), and the longest it lets a scheduler stay silent about a job before failing it."""
+SCHEDULER_WAIT_S = 30.0
+"""How long a submission waits for the cluster to have a scheduler (an election after a start
+or a failure) before it is refused: a daemon that is not the scheduler never coordinates."""
+STALE_UPDATE_S = 20 * UPDATE_S
+"""A remote job whose scheduler sent nothing about it (JobUpdate, JobOutput) for this long is
+asked about (`JobQuery`, on the CONTROL lane: it does not wait behind outputs)."""
+QUERY_TIMEOUT_S = 5.0
+"""How long a `JobQuery` waits for its answer before it is asked again."""
 RECV_TIMEOUT_ITERATIONS = 10.0
 """A stage waits for its inputs at least this many of the plan's predicted iterations (on the
 measured links), so an 8 Mbit/s link carrying big activations never trips the stage's own
@@ -150,6 +173,10 @@ _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}-[0-9a-f]{6}")
 
 class JobRefused(LocalError):
     """A submission the cluster cannot run; nothing was started."""
+
+
+class NotScheduler(JobRefused):
+    """This daemon is not (or no longer) the scheduler holding the lease: ask the next one."""
 
 
 @dataclass
@@ -187,6 +214,12 @@ class _Remote:
     storage_failed: bool = False
     """It trained to the end but its outputs could not be stored: done once they are."""
     submitted_at: float = field(default_factory=time.time)
+    term: int = 0
+    """The scheduler's term when it took the job: after it gave the job back, it may take a
+    resubmission only in a newer term."""
+    heard: float = field(default_factory=time.monotonic)
+    """When the scheduler last said something about the job (monotonic clock)."""
+    query: asyncio.Future[JobQueryReply] | None = None
 
     @property
     def state(self) -> str:
@@ -242,6 +275,14 @@ class _Record:
     update_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     storage_failed: bool = False
     """It trained to the end but its outputs could not be stored: done once they are."""
+    upload: Upload | None = None
+    """What was submitted here (a job of this daemon's own submitter, kept to fail it over)."""
+    term: int = 0
+    """The term this daemon scheduled the job in."""
+    handed_back: str = ""
+    """Why this daemon gave the job up (it lost the scheduler's lease); empty while it runs."""
+    stale_lease: int = -1
+    """The term in which this daemon last noted it is no longer the scheduler (logged once)."""
 
     def log(self, text: str) -> None:
         stamp = time.strftime("%H:%M:%S", time.gmtime())
@@ -440,12 +481,15 @@ def _stages_table(layout: JobLayout, densities: Mapping[str, float]) -> str:
 
 class JobService:
     """One per daemon (a service). `send_raw(peer, msg, payload)` is the peer network's send;
-    `view()` the cluster's current view (None while not in a cluster)."""
+    `view()` the cluster's current view (None while not in a cluster); `leadership()` who
+    schedules in it (by default read from `view()`), which both the stages hosted here (whose
+    Assign to take) and the scheduling here (whether this daemon holds the lease) follow."""
 
     def __init__(self, *, node_id: str, send_raw: SendFn, view: Callable[[], Any],
                  stage_config: StageConfig | None = None, ready_timeout_s: float = 120.0,
                  failure_grace_s: float = 2.0, state_dir: Path | None = None,
-                 op_sets: OpSetService | None = None) -> None:
+                 op_sets: OpSetService | None = None,
+                 leadership: LeadershipFn | None = None) -> None:
         self.node_id = node_id
         self.op_sets = op_sets
         """The members' op sets (None: every member counts as running every op)."""
@@ -466,7 +510,9 @@ class JobService:
         self.ready_timeout_s = ready_timeout_s
         self.failure_grace_s = failure_grace_s
         self.send: SendFn = local_sender(node_id, send_raw, self.dispatch)
-        self.worker = JobWorker(node_id=node_id, send=self.send, stage_config=stage_config)
+        self.leadership: LeadershipFn = leadership or (lambda: Leadership.of(self.view()))
+        self.worker = JobWorker(node_id=node_id, send=self.send, stage_config=stage_config,
+                                leadership=self.leadership)
         self._jobs: dict[str, _Record] = {}
         self._remote: dict[str, _Remote] = {}
         self._pending: dict[str, asyncio.Future[JobSubmitReply]] = {}
@@ -637,6 +683,7 @@ class JobService:
             self._on_update(peer, msg)
             return True
         if isinstance(msg, JobOutput):
+            self._heard(peer, msg.job_id)
             await self._on_output(peer, msg)
             return True
         if isinstance(msg, JobOutputAck):
@@ -653,15 +700,93 @@ class JobService:
                     job_id=msg.job_id, request_id=msg.request_id, ok=False,
                     message=f"{self.node_id} coordinates no job {msg.job_id} for {peer}"), ())
             return True
+        if isinstance(msg, JobQuery):
+            self._spawn(self._answer_query(peer, msg), f"query {msg.job_id}")
+            return True
+        if isinstance(msg, JobQueryReply):
+            r = self._remote.get(msg.job_id)
+            if r is not None and peer == r.scheduler and r.query is not None \
+                    and not r.query.done():
+                r.query.set_result(msg)
+            return True
         if isinstance(msg, JobCancel):
             rec = self._jobs.get(msg.job_id)
             if rec is not None and rec.submitter and peer == rec.submitter:
                 self._spawn(self.cancel(msg.job_id), f"cancel {msg.job_id}")
                 return True
         for rec in list(self._jobs.values()):
-            if await rec.coord.handle(peer, msg):
+            # Only the running attempt of a running job takes messages: a finished record
+            # must never swallow another job's (or attempt's) replies.
+            if rec.state == "running" and await rec.coord.handle(peer, msg):
                 return True
         return await self.worker.handle(peer, msg)
+
+    def _not_leading(self) -> str | None:
+        """Why this daemon may not schedule now; None while it holds the scheduler's lease
+        (its view's leader is itself, with a quorum). Checked before every planning decision:
+        a minority never schedules."""
+        lead = self.leadership()
+        if lead is None:
+            return "this daemon is not in a cluster"
+        if lead.leader != self.node_id:
+            return (f"this daemon is not the scheduler (term {lead.term}, the scheduler is "
+                    f"{lead.leader or 'none: no quorum or an election under way'})")
+        if not lead.has_quorum:
+            return f"this daemon lost its quorum (term {lead.term})"
+        return None
+
+    def _hand_back(self, rec: _Record, why: str) -> None:
+        """Stop scheduling `rec` at once (this daemon lost the lease): cancel its attempt (the
+        stages are told to stop) and, once it has ended, give the job back to its submitter
+        (`_handed_back`), which resubmits it to the next scheduler."""
+        if rec.handed_back or rec.state != "running":
+            return
+        rec.handed_back = why
+        rec.log(f"{why}: this daemon stops scheduling the job; its attempt is cancelled and "
+                "the job goes back to "
+                + (f"its submitter {rec.submitter}" if rec.submitter else "this daemon's "
+                   "failover") + " for the next scheduler")
+        self._spawn(rec.coord.cancel(f"the scheduler {self.node_id} stepped down: {why}"),
+                    f"hand back {rec.job_id}")
+
+    async def _handed_back(self, rec: _Record) -> None:
+        """`rec`'s attempt ended after `_hand_back`: tell the submitter (it fails the job over),
+        or, when the job was submitted here, fail it over from here."""
+        rec.state = "handed_back"
+        rec.outcome = {"ok": False, "failure": f"handed back: {rec.handed_back}",
+                       "restarts": rec.restarts}
+        if rec.submitter:
+            st = json.loads(json.dumps(self.job(rec.job_id, history=1), default=str))
+            st["lines"] = list(rec.logs)
+            try:
+                async with asyncio.timeout(REMOTE_SEND_S):
+                    await self.send(rec.submitter, JobUpdate(job_id=rec.job_id, status=st,
+                                                             handed_back=rec.handed_back), ())
+            except (LocalError, OSError, TimeoutError) as e:  # it asks, or sees us gone
+                log.info("job %s: hand-back to %s not sent: %s", rec.job_id, rec.submitter, e)
+            return
+        if rec.upload is None:
+            return
+        upload = rec.upload
+        if rec.checkpoint is not None:  # resume where the job got to
+            step, ckpt = rec.checkpoint
+            state = {k: ckpt.get(k, v) for k, v in rec.coord.captured.state.items()}
+            blob = await asyncio.to_thread(state_to_bytes, state)
+            upload = Upload({**upload.meta, "first_step": step + 1}, upload.graph_bytes, blob,
+                            upload.data_bytes)
+        status = json.loads(json.dumps(self.job(rec.job_id, history=1), default=str))
+        # The step history and the stored outputs stay this daemon's: the next scheduler's
+        # attempt redoes the steps after the checkpoint and they replace the ones recorded.
+        r = _Remote(rec.job_id, self.node_id, rec.spec.output, {**status, "state": "running"},
+                    upload=upload, max_restarts=rec.spec.max_restarts, restarts=rec.restarts,
+                    term=rec.term, failing_over=True, notes=list(rec.logs),
+                    owner_uid=rec.owner_uid, history=rec.history,
+                    unstored=dict(rec.unstored), submitted_at=rec.submitted_at)
+        self._jobs.pop(rec.job_id, None)
+        self._remote[rec.job_id] = r
+        self._spawn(self._failover(r, f"this daemon, its scheduler, gave the job up: "
+                                      f"{rec.handed_back}"), f"failover {rec.job_id}")
+        self._spawn(self._watch(r), f"watch {rec.job_id}")
 
     def on_view(self, view: Any) -> None:
         """Membership changed: a stage machine declared dead (or gone) fails its job; a dead
@@ -691,14 +816,32 @@ class JobService:
                 if node in gone:
                     rec.coord.node_failed(node, f"the membership layer declared {node} "
                                                 f"{gone[node]} (daemon stopped or unreachable)")
+        running = [r for r in self._jobs.values() if r.state == "running"
+                   and not r.cancel_requested and not r.handed_back]
+        lost = self._not_leading() if running else None
+        if lost is None:
+            return
+        lead = self.leadership()
+        if lead is None or not lead.has_quorum:
+            # A minority (or a daemon cut off) has no working scheduler: stop at once.
+            for rec in running:
+                self._hand_back(rec, lost)
+            return
+        for rec in running:  # (a majority is still there: see docs/jobs.md, "Who schedules")
+            if rec.stale_lease != lead.term:
+                rec.stale_lease = lead.term
+                rec.log(f"{lost}: this daemon decides nothing more for the job (no restart, "
+                        "re-plan or re-adaptation); the running attempt, among a majority, goes "
+                        "on to its end, and a failure hands the job back to the next scheduler")
 
     # -- submit -------------------------------------------------------------------------------
 
     async def submit_upload(self, data: bytes | Path, *, dry_run: bool = False,
                             owner_uid: int | None = None) -> dict[str, Any]:
         """The API's entry (`data`: the upload, or the file the API spooled it to): hand it to
-        the elected scheduler, or run it here when this daemon is the scheduler (or there is
-        none yet). `owner_uid`: the calling user (None: the daemon's operator)."""
+        the elected scheduler, or run it here when this daemon is the scheduler; with none
+        yet, wait for one (`SCHEDULER_WAIT_S`). `owner_uid`: the calling user (None: the
+        daemon's operator)."""
         upload = await asyncio.to_thread(read_upload, data) if isinstance(data, Path) \
             else decode_upload(data)
         # Validate what we can here: a bad job file is refused without a round trip. The
@@ -707,11 +850,19 @@ class JobService:
         spec = await asyncio.to_thread(parse_job, upload.meta["toml"], base=Path(
             upload.meta["base"]), out_base=Path(upload.meta["out_base"]), check_paths=False)
         upload = await asyncio.to_thread(_checked_data, upload, spec)
-        view = self.view()
-        leader = getattr(view, "leader", None) if view is not None else None
-        if leader is None or leader == self.node_id:
-            return await self.submit(upload, dry_run=dry_run, owner_uid=owner_uid)
-        summary = await self._forward(upload, leader, dry_run=dry_run)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SCHEDULER_WAIT_S
+        while True:
+            leader = await self._await_scheduler(deadline)
+            try:
+                if leader == self.node_id:
+                    return await self.submit(upload, dry_run=dry_run, owner_uid=owner_uid)
+                summary = await self._forward(upload, leader, dry_run=dry_run)
+                break
+            except NotScheduler:  # it stepped down meanwhile: ask the next one
+                if loop.time() >= deadline:
+                    raise
+                await asyncio.sleep(0.2)
         if not dry_run:
             job_id = str(summary["job_id"])
             self._remote[job_id] = _Remote(job_id, leader, spec.output, {
@@ -720,11 +871,40 @@ class JobService:
                 "output": str(spec.output), "plan": summary["plan"], "history": [],
                 "status": {}, "lines": [], "outcome": None, "eta_s": None,
                 "submitted_at": time.time()},
-                upload=upload, max_restarts=spec.max_restarts, owner_uid=owner_uid)
+                upload=upload, max_restarts=spec.max_restarts, owner_uid=owner_uid,
+                term=int(summary.get("term") or 0))
             self._persist(job_id)
             self._spawn(self._keep_steps(job_id), f"steps {job_id}")
+            self._spawn(self._watch(self._remote[job_id]), f"watch {job_id}")
         return summary
 
+    async def _await_scheduler(self, deadline: float, *, not_before: tuple[str, int] | None
+                               = None) -> str:
+        """The scheduler of the cluster once there is one (the view's leader; this daemon only
+        with a quorum), waiting until `deadline` (loop time); `not_before`: (a scheduler, its
+        term) that gave a job up: it counts again only in a newer term. `NotScheduler` with the
+        cluster's own advice when none came."""
+        loop = asyncio.get_running_loop()
+        while True:
+            view = self.view()
+            if view is None:
+                raise JobRefused("this daemon is not in a cluster: `fusionctl init` or `join` "
+                                 "first")
+            lead = Leadership.of(view)
+            assert lead is not None
+            ok = lead.leader is not None and (lead.leader != self.node_id or lead.has_quorum)
+            if ok and not_before is not None and lead.leader == not_before[0] \
+                    and lead.term <= not_before[1]:
+                ok = False
+            if ok and lead.leader is not None:
+                return lead.leader
+            if loop.time() >= deadline:
+                advice = getattr(view, "quorum_advice", lambda: None)() \
+                    or f"no scheduler elected (term {lead.term})"
+                raise NotScheduler(
+                    f"no scheduler: {advice}; waited {SCHEDULER_WAIT_S:g}s. A minority of the "
+                    "cluster never schedules: `fusionctl status` shows who is alive")
+            await asyncio.sleep(0.1)
     async def _forward(self, upload: Upload, leader: str, *, dry_run: bool) -> dict[str, Any]:
         """Hand `upload` to the scheduler `leader`; its summary, or `JobRefused`."""
         data = encode_upload(upload.meta, upload.graph_bytes, upload.state_bytes,
@@ -742,32 +922,34 @@ class JobService:
         finally:
             self._pending.pop(rid, None)
         if not reply.ok:
-            raise JobRefused(f"{reply.message} (refused by the scheduler {leader})")
+            cls = NotScheduler if reply.code == "not_scheduler" else JobRefused
+            raise cls(f"{reply.message} (refused by the scheduler {leader})")
         summary = dict(reply.summary)
         summary["scheduler"] = leader
         return summary
 
-    async def _failover(self, r: _Remote, why: str) -> None:
-        """The scheduler of a job submitted here died: once a new scheduler is elected, submit
-        the job to it again under the same id, from the last checkpoint it sent here (or from
-        the start), or run it here if this daemon is the new scheduler. On any refusal the job
-        ends failed with both reasons."""
+    async def _failover(self, r: _Remote, why: str, *, same_term_ok: bool = False) -> None:
+        """The scheduler of a job submitted here died, gave the job back or lost it: once a
+        scheduler is elected (another one, or the same in a newer term, or with
+        `same_term_ok` the same one: it lost the job), submit the job to it again under the
+        same id, from the last checkpoint it sent here (or from the start), or run it here if
+        this daemon is the scheduler. On any refusal the job ends failed with both reasons."""
         assert r.upload is not None
         lines = r.notes
         lines += list(r.status.get("lines", []))  # the dead scheduler's, before they are gone
         stamp = time.strftime("%H:%M:%S", time.gmtime())
         lines.append(f"{stamp} {why}; waiting for a new scheduler to resubmit the job")
         log.warning("job %s: %s; resubmitting once a new scheduler is elected", r.job_id, why)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + FAILOVER_WAIT_S
         try:
-            leader, alive = None, 0
-            async with asyncio.timeout(FAILOVER_WAIT_S):
-                while True:
-                    view = self.view()
-                    leader = getattr(view, "leader", None) if view is not None else None
-                    if leader is not None and leader != r.scheduler:
-                        alive = sum(1 for m in view.members if m.state == "alive")
-                        break
-                    await asyncio.sleep(0.2)
+            leader = await self._await_scheduler(
+                deadline, not_before=None if same_term_ok else (r.scheduler, r.term))
+            if r.state in FINAL:  # cancelled meanwhile
+                return
+            view = self.view()
+            alive = sum(1 for m in view.members if m.state == "alive") if view is not None \
+                else 1
             meta = {**r.upload.meta, "job_id": r.job_id, "restarts": r.restarts + 1}
             state_bytes = r.upload.state_bytes
             if r.checkpoint is not None:
@@ -777,28 +959,48 @@ class JobService:
             if isinstance(meta.get("stages"), int):
                 meta["stages"] = max(1, min(meta["stages"], alive))
             upload = Upload(meta, r.upload.graph_bytes, state_bytes, r.upload.data_bytes)
-            if leader == self.node_id:
-                summary = await self.submit(upload, owner_uid=r.owner_uid)
-                self._remote.pop(r.job_id, None)  # `get` finds the local record first
-                took = self._jobs[r.job_id]
-                self._adopt(r, took)
-                lines.append(f"{time.strftime('%H:%M:%S', time.gmtime())} this daemon is the "
-                             "new scheduler: it runs the job"
-                             + (f" from {r.checkpoint.name}" if r.checkpoint else ""))
-                took.logs = deque([*lines, *took.logs], maxlen=LOG_LINES)
-            else:
-                summary = await self._forward(upload, leader, dry_run=False)
+            while True:
+                try:
+                    if leader == self.node_id:
+                        summary = await self.submit(upload, owner_uid=r.owner_uid)
+                        self._remote.pop(r.job_id, None)  # `get` finds the local record
+                        took = self._jobs[r.job_id]
+                        took.upload = upload
+                        self._adopt(r, took)
+                        lines.append(f"{time.strftime('%H:%M:%S', time.gmtime())} this daemon "
+                                     "is the new scheduler: it runs the job"
+                                     + (f" from {r.checkpoint.name}" if r.checkpoint else ""))
+                        took.logs = deque([*lines, *took.logs], maxlen=LOG_LINES)
+                    else:
+                        summary = await self._forward(upload, leader, dry_run=False)
+                    break
+                except NotScheduler:  # it stepped down meanwhile: the next one, in time
+                    if loop.time() >= deadline:
+                        raise
+                    await asyncio.sleep(0.2)
+                    leader = await self._await_scheduler(deadline)
         except asyncio.CancelledError:
             raise
         except (FusionError, TimeoutError, OSError, ValueError) as e:
-            cause = (f"no new scheduler within {FAILOVER_WAIT_S:g}s"
-                     if isinstance(e, TimeoutError) else str(e))
+            cause = (f"no new scheduler within {FAILOVER_WAIT_S:g}s: {e}"
+                     if isinstance(e, NotScheduler) else str(e))
             r.status = {**r.status, "state": "failed", "outcome": {
                 "ok": False, "failure": f"{why}; resubmitting failed: {cause}"}}
             self._remote_ended(r)
             return
+        if r.state in FINAL:  # cancelled while it was being resubmitted: stop it there too
+            rec = self._jobs.get(r.job_id)
+            if rec is not None:
+                rec.cancel_requested = True
+                await rec.coord.cancel()
+            else:
+                await self.send(leader, JobCancel(job_id=r.job_id, reason="cancelled by the "
+                                                  f"user on {self.node_id}"), ())
+            return
         r.restarts += 1
         r.failing_over = False
+        r.heard = time.monotonic()
+        r.term = int(summary.get("term") or 0)
         if leader != self.node_id:
             r.scheduler = leader
             lines.append(f"{time.strftime('%H:%M:%S', time.gmtime())} resubmitted to the new "
@@ -836,14 +1038,34 @@ class JobService:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            reply = JobSubmitReply(request_id=msg.request_id, ok=False, message=str(e))
+            reply = JobSubmitReply(request_id=msg.request_id, ok=False, message=str(e),
+                                   code="not_scheduler" if isinstance(e, NotScheduler) else "")
         await self.send(peer, reply, ())
+
+    def _heard(self, peer: str, job_id: str) -> None:
+        r = self._remote.get(job_id)
+        if r is not None and peer == r.scheduler:
+            r.heard = time.monotonic()
 
     def _on_update(self, peer: str, msg: JobUpdate) -> None:
         """The scheduler's status of a job submitted here, and the step records since its
         last update (appended to this daemon's own history: it outlives schedulers)."""
         r = self._remote.get(msg.job_id)
-        if r is None or peer != r.scheduler or r.state in FINAL or r.finishing:
+        if r is None or peer != r.scheduler or r.state in FINAL or r.finishing \
+                or r.failing_over:
+            return
+        r.heard = time.monotonic()
+        for rec in msg.steps:
+            try:
+                r.history.add(rec)
+            except ValueError as e:
+                log.warning("job %s: step record from %s skipped: %s", r.job_id, peer, e)
+        self._promote_checkpoint(r)
+        if msg.steps:
+            self._steps_arrived(r.job_id)
+        if msg.handed_back:  # the scheduler lost its lease and gave the job up
+            r.status = {**dict(msg.status), "state": "running"}
+            self._start_failover(r, f"the scheduler {peer} gave the job up: {msg.handed_back}")
             return
         for rec in msg.steps:
             try:
@@ -921,6 +1143,79 @@ class JobService:
                 "last_step": int(history[-1]["step"]) if history else None,
                 "thinned_steps": history.thinned,
                 "wall_s": outcome.get("wall_s", time.time() - submitted_at)}
+
+    def _start_failover(self, r: _Remote, why: str, *, same_term_ok: bool = False) -> None:
+        """Fail `r` over to the next scheduler, or fail it when it has no restart left."""
+        if r.failing_over or r.state in FINAL:
+            return
+        if r.upload is not None and r.restarts < r.max_restarts and not self._closed:
+            r.failing_over = True
+            self._spawn(self._failover(r, why, same_term_ok=same_term_ok),
+                        f"failover {r.job_id}")
+            return
+        r.status = {**r.status, "state": "failed", "outcome": {
+            "ok": False, "failure": f"{why}; no restart left (job.max_restarts = "
+                                    f"{r.max_restarts})"}}
+        self._remote_ended(r)
+
+    async def _watch(self, r: _Remote) -> None:
+        """While `r` runs elsewhere: if its scheduler says nothing about it for
+        `STALE_UPDATE_S`, ask (`JobQuery`); a scheduler that no longer knows the job (it
+        restarted, or lost it) gets it failed over, and one that stays silent for
+        `FAILOVER_WAIT_S` fails it, naming the scheduler. Within the failover bound either way."""
+        while r.state not in FINAL and not self._closed and self._remote.get(r.job_id) is r:
+            await asyncio.sleep(min(1.0, STALE_UPDATE_S / 4))
+            if r.failing_over or r.state in FINAL or r.scheduler == self.node_id:
+                continue
+            silent = time.monotonic() - r.heard
+            if silent < STALE_UPDATE_S:
+                continue
+            reply = await self._query(r)
+            if r.failing_over or r.state in FINAL:
+                continue
+            if reply is not None and reply.known and reply.state == "running":
+                r.heard = time.monotonic()  # alive and running: its updates are delayed
+                continue
+            if reply is not None and (not reply.known or reply.state == "handed_back"):
+                why = (f"the scheduler {r.scheduler} no longer knows the job (restarted, or "
+                       "lost it)" if not reply.known else
+                       f"the scheduler {r.scheduler} gave the job up")
+                log.warning("job %s: %s", r.job_id, why)
+                self._start_failover(r, why, same_term_ok=not reply.known)
+                continue
+            if silent >= FAILOVER_WAIT_S:
+                ended = "" if reply is None else f" (it says the job is {reply.state})"
+                r.status = {**r.status, "state": "failed", "outcome": {
+                    "ok": False, "failure": f"the scheduler {r.scheduler} sent nothing about "
+                    f"the job for {silent:.0f}s{ended} and "
+                    + ("does not answer status queries" if reply is None else
+                       "its final update never came")}}
+                self._remote_ended(r)
+
+    async def _query(self, r: _Remote) -> JobQueryReply | None:
+        """Ask `r`'s scheduler about the job; its answer, or None within `QUERY_TIMEOUT_S`."""
+        fut: asyncio.Future[JobQueryReply] = asyncio.get_running_loop().create_future()
+        r.query = fut
+        try:
+            async with asyncio.timeout(QUERY_TIMEOUT_S):
+                await self.send(r.scheduler, JobQuery(job_id=r.job_id), ())
+                return await fut
+        except (LocalError, OSError, TimeoutError) as e:
+            log.info("job %s: no answer from the scheduler %s: %s", r.job_id, r.scheduler, e)
+            return None
+        finally:
+            r.query = None
+
+    async def _answer_query(self, peer: str, msg: JobQuery) -> None:
+        rec = self._jobs.get(msg.job_id)
+        known = rec is not None and rec.submitter == peer
+        reply = JobQueryReply(job_id=msg.job_id, known=known,
+                              state=rec.state if rec is not None and known else "")
+        try:
+            async with asyncio.timeout(REMOTE_SEND_S):
+                await self.send(peer, reply, ())
+        except (LocalError, OSError, TimeoutError) as e:
+            log.info("job %s: query answer to %s not sent: %s", msg.job_id, peer, e)
 
     async def _on_output(self, peer: str, msg: JobOutput) -> None:
         """An output of a job submitted here, from its scheduler: store it durably in this
@@ -1018,12 +1313,20 @@ class JobService:
     async def submit(self, upload: Upload, *, dry_run: bool = False,
                      submitter: str = "", owner_uid: int | None = None) -> dict[str, Any]:
         """Plan (and unless `dry_run`, start) a job; `JobRefused`/`FusionError` if it cannot
-        run, before anything starts. `owner_uid`: the user who submitted it here."""
+        run, before anything starts; `NotScheduler` unless this daemon holds the scheduler's
+        lease. `owner_uid`: the user who submitted it here."""
+        why = self._not_leading()
+        if why is not None:
+            raise NotScheduler(f"{why}: only the scheduler plans jobs")
         meta = upload.meta
         spec, captured = await asyncio.to_thread(
             restore_job, meta["toml"], meta["base"], meta["out_base"], upload.graph_bytes,
             upload.state_bytes, check_paths=False)  # never a user's path: data came with it
         upload = await asyncio.to_thread(_checked_data, upload, spec)
+        try:  # never trust the client: NaN weights train to NaN on every stage
+            await asyncio.to_thread(check_finite, captured.state, "the submitted weights")
+        except LocalError as e:
+            raise JobRefused(str(e)) from None
         corpus = await asyncio.to_thread(_corpus, upload)
         steps = meta.get("steps")
         if steps is not None:
@@ -1053,13 +1356,20 @@ class JobService:
             raise JobRefused(why + left_out)
         check_capacity(captured, spec, memory)
         job_id = meta.get("job_id") or f"{spec.name}-{secrets.token_hex(3)}"
-        if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id) or job_id in self._jobs:
+        taken = self._jobs.get(job_id) if isinstance(job_id, str) else None
+        # (a job this daemon handed back comes back under its id, from the next failover)
+        if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id) or (
+                taken is not None and taken.state != "handed_back"):
             raise JobRefused(f"job id {job_id!r} is malformed or already in use here")
         used = meta.get("restarts", 0)
         if not isinstance(used, int) or isinstance(used, bool) or not 0 <= used <= 100:
             raise JobRefused(f"restarts must be an integer in [0, 100], got {used!r}")
         layout, plan, plan_text = await self._layout(job_id, spec, captured, captured.state,
                                                      cluster, memory, stages)
+        why = self._not_leading()  # planning took a while: still ours to start?
+        if why is not None:
+            raise NotScheduler(f"{why}: only the scheduler starts jobs")
+        term = int(getattr(view, "term", 0))
         summary = {
             "job_id": job_id, "name": spec.name, "steps": spec.steps,
             "stages": [{"stage": s.stage, "node": s.node_id} for s in layout.stages],
@@ -1069,6 +1379,7 @@ class JobService:
             "plan_summary": plan_summary(plan) if plan is not None else None,
             "output": str(spec.output),
         }
+        summary["term"] = term  # (a submitter takes a handed-back job's next turn by it)
         if dry_run:
             return summary
         tps = spec.data.seq_len if spec.data.kind == "text" else 0
@@ -1086,17 +1397,18 @@ class JobService:
                                            self.ready_timeout_s)
         coord = JobCoordinator(
             send=self.send, spec=spec, captured=captured, layout=layout, addresses=addresses,
-            term=int(getattr(view, "term", 0)), first_step=first,
-            plan_version=int(getattr(view, "term", 0)) * PLAN_EPOCH + 1,
+            term=term, first_step=first, plan_version=term * PLAN_EPOCH + 1,
             ready_timeout_s=ready_s, failure_grace_s=self.failure_grace_s,
             tokens_per_sample=tps, on_step=on_step, on_checkpoint=on_checkpoint, corpus=corpus,
             recv_timeout_s=recv_s)
         rec = _Record(job_id, spec, layout, coord, plan_text, time.time(), tps,
                       submitter=submitter if submitter != self.node_id else "", plan=plan,
-                      stages=stages, first_step=first, restarts=used,
+                      stages=stages, first_step=first, restarts=used, term=term,
                       owner_uid=None if submitter and submitter != self.node_id else owner_uid)
         if rec.submitter:
             rec.update_cursor = rec.history.cursor()
+        else:
+            rec.upload = upload  # to fail the job over from here if this daemon steps down
         rec_box.append(rec)
         self._jobs[job_id] = rec
         rec.log(f"submitted: {spec.steps} steps"
@@ -1125,7 +1437,8 @@ class JobService:
         """Cut the job over `stages` machines of `cluster` (this node first), or plan it on
         `cluster` (OP-Fence); the stages start from `state`. `JobRefused` if it cannot run."""
         if stages is not None:
-            ids = [self.node_id] + [n for n in cluster.ids() if n != self.node_id]
+            ids = ([self.node_id] if self.node_id in cluster.ids() else []) \
+                + [n for n in cluster.ids() if n != self.node_id]
             if stages > len(ids):
                 raise JobRefused(f"{stages} stages asked, the cluster has {len(ids)} alive "
                                  "members")
@@ -1177,8 +1490,8 @@ class JobService:
                 current = dict(layout.densities)
                 edges = [e.edge for e in layout.edges()]
             view = self.view()
-            if view is None or plan is None:
-                continue
+            if view is None or plan is None or self._not_leading() is not None:
+                continue  # a daemon without the lease decides nothing (it hands the job back)
             try:
                 cluster, _, _ = cluster_for_planner(view)
                 new = await asyncio.to_thread(readapted_densities, plan, cluster, current, edges)
@@ -1233,6 +1546,11 @@ class JobService:
             rec.state = "failed"
             rec.outcome = {"ok": False, "failure": f"scheduler error: {type(e).__name__}: {e}"}
             rec.log(rec.outcome["failure"])
+            if rec.submitter:  # it must hear the job ended, or it shows it running forever
+                await self._send_update(rec)
+            return
+        if rec.handed_back:
+            await self._handed_back(rec)
             return
         if rec.restarts:
             outcome.metrics = [*rec.earlier, *outcome.metrics]
@@ -1274,11 +1592,24 @@ class JobService:
         left out) and start it from the last checkpoint (step 0 without one). True when a new
         attempt is ready in `rec.coord`; False to end the job with `outcome`."""
         failure = outcome.failure
-        if (outcome.ok or failure is None or rec.cancel_requested or self._closed
-                or failure.node in (self.node_id, "scheduler")
+        if outcome.ok or failure is None or rec.cancel_requested or self._closed:
+            return False
+        if not rec.handed_back and (why := self._not_leading()) is not None:
+            rec.handed_back = why  # a minority never re-plans: the next scheduler does
+            rec.log(f"attempt {rec.restarts + 1} failed ({failure}); not restarted here: {why}")
+            return False
+        if rec.handed_back:
+            return False
+        if failure.fault == FAULT_JOB:  # the same on every machine: blame none, retry never
+            rec.log(f"not restarted: {failure}")
+            return False
+        # A machine that refused its partition is left out, the scheduler's own included; any
+        # other failure of the scheduler's machine (or side) ends the job.
+        if (failure.fault == FAULT_SCHEDULER or not failure.machines
+                or (failure.fault != FAULT_REFUSED and failure.node == self.node_id)
                 or rec.restarts >= rec.spec.max_restarts):
             return False
-        rec.excluded.add(failure.node)
+        rec.excluded.update(failure.machines)
         rec.log(f"attempt {rec.restarts + 1} failed: {failure}")
         view = self.view()
         try:
@@ -1311,7 +1642,7 @@ class JobService:
                                            self.ready_timeout_s)
         rec.coord = JobCoordinator(
             send=self.send, spec=rec.spec, captured=captured, layout=layout,
-            addresses=addresses, term=int(getattr(view, "term", 0)), plan_version=version,
+            addresses=addresses, term=rec.term, plan_version=version,
             first_step=first, ready_timeout_s=ready_s,
             failure_grace_s=self.failure_grace_s, tokens_per_sample=old.tokens_per_sample,
             on_step=old.on_step, on_checkpoint=old.on_checkpoint, corpus=old.corpus,
@@ -1639,6 +1970,12 @@ class JobService:
         if isinstance(got, _Remote):
             if got.state in FINAL:
                 return {"job_id": job_id, "state": got.state, "cancelled": False}
+            if got.failing_over:  # no scheduler has it now: it is not resubmitted
+                got.status = {**got.status, "state": "cancelled", "outcome": {
+                    "ok": False, "failure": f"cancelled by the user on {self.node_id} while "
+                                            "failing over"}}
+                self._remote_ended(got)
+                return {"job_id": job_id, "state": "cancelled", "cancelled": True}
             await self.send(got.scheduler, JobCancel(job_id=job_id, reason="cancelled by the "
                                                      f"user on {self.node_id}"), ())
             with contextlib.suppress(TimeoutError):

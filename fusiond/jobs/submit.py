@@ -5,12 +5,15 @@ code runs), captures it with its loss, and returns the IR and initial weights as
 daemon. Every refusal is a `FusionError` with a clear message, raised before anything starts:
 a bad field (`JobSpecError` naming it), an unknown model or a factory that fails, data that does
 not exist or is too short, a model torch.export cannot capture or that uses an op the registry
-does not run (naming the op). `check_capacity` refuses a job that cannot fit the cluster's
-memory at all, before the planner looks for a cut.
+does not run (naming the op), data the model cannot take (`check_data_fits`: token ids past its
+vocabulary, a sequence longer than its context, labels past its classes; found by running one
+micro-batch of the job's own data forward here). `check_capacity` refuses a job that cannot fit
+the cluster's memory at all, before the planner looks for a cut.
 
 `resume_state(captured, path)` reads a checkpoint (or a finished model) written by an earlier
 run of the same job, checks it against the captured graph, and gives the weights and the step
-to start from (`fusionctl submit --resume`).
+to start from (`fusionctl submit --resume`); a checkpoint holding NaN or Inf is refused
+(`check_finite`, which the daemon runs again on every submitted state).
 
 `corpus_for_upload(spec)` runs in fusionctl, as the user (no daemon reads a path a job
 names): the corpus's content hash, and the corpus itself (token ids) unless it is the default
@@ -24,21 +27,32 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from fusiond.errors import LocalError
 from fusiond.graph import CapturedModel, state_from_bytes, state_to_bytes
-from fusiond.train.data import corpus_digest, make_source, text_tokens
+from fusiond.train.data import (
+    Batch,
+    DataSource,
+    TextWindows,
+    corpus_digest,
+    make_source,
+    text_tokens,
+)
 from fusiond.train.programs import capture_job
 from fusiond.train.spec import JobSpec, default_text_path, load_job, parse_job
 from protocol import ir
 
 __all__ = [
     "CapacityError",
+    "DataFitError",
     "PreparedJob",
     "check_capacity",
+    "check_data_fits",
+    "check_finite",
     "corpus_for_upload",
     "memory_estimate",
     "prepare_job",
@@ -49,6 +63,11 @@ __all__ = [
 
 class CapacityError(LocalError):
     """The job cannot fit the cluster's memory; the message gives both sizes."""
+
+
+class DataFitError(LocalError):
+    """The job's data does not fit its model (token ids, sequence length, classes); the message
+    names both numbers. The job would fail at its first step on any machine."""
 
 
 @dataclass(frozen=True)
@@ -76,15 +95,116 @@ class PreparedJob:
 
 
 def prepare_job(path: str | Path) -> PreparedJob:
-    """Validate, build, capture; raise a `FusionError` naming what is wrong."""
+    """Validate, build, capture, and run one micro-batch of the job's data through the model
+    (`check_data_fits`); raise a `FusionError` naming what is wrong."""
     t0 = time.perf_counter()
     spec = load_job(path)
-    make_source(spec.data, spec.seed)  # data exists and is long enough (DataError otherwise)
-    _, captured = capture_job(spec)
+    source = make_source(spec.data, spec.seed)  # data exists and is long enough (DataError)
+    model, captured = capture_job(spec)
+    check_data_fits(spec, model, source)
     p = Path(path).resolve()
     return PreparedJob(spec, captured, ir.dumps(captured.graph), captured.state_bytes(),
                        time.perf_counter() - t0, p.read_text(encoding="utf-8"), str(p.parent),
                        str(Path.cwd()))
+
+
+def _probe_batch(spec: JobSpec, source: DataSource) -> Batch:
+    """One micro-batch of the job's own data, step 0's, whose first sample is, for text, the
+    corpus's window around its largest token id (so the range check sees the worst case)."""
+    batch = source.batch(0, max(1, spec.batch.micro_batch_size))
+    if isinstance(source, TextWindows):
+        tokens, t = source.tokens, source.seq_len
+        top = int(np.argmax(tokens))
+        start = min(max(0, top - t // 2), tokens.size - t - 1)
+        win = torch.from_numpy(tokens[start:start + t + 1].copy())
+        inputs, targets = batch.inputs.clone(), batch.targets.clone()
+        inputs[0], targets[0] = win[:-1], win[1:]
+        batch = Batch(inputs, targets)
+    return batch
+
+
+def check_data_fits(spec: JobSpec, model: torch.nn.Module, source: DataSource) -> None:
+    """Run one micro-batch of the job's own data (`_probe_batch`) through `model` and its loss
+    on this machine's CPU (eval mode, no gradients: nothing in the model changes). A token id
+    past an embedding's rows, a sequence longer than the positions it holds, labels past the
+    classes the model outputs, or any other error of the forward is a `DataFitError` naming
+    both numbers: the job would fail at its first step on every machine."""
+    from fusiond.train.model import loss_fn
+
+    batch = _probe_batch(spec, source)
+    inputs, targets = batch.inputs, batch.targets
+    seen: list[tuple[str, int, int, bool]] = []  # embedding, rows, largest index, reads data
+
+    def hook(name: str, rows: int) -> Any:
+        def pre(_mod: torch.nn.Module, args: tuple[Any, ...]) -> None:
+            idx = args[0] if args else None
+            if isinstance(idx, torch.Tensor) and idx.numel() and not idx.is_floating_point():
+                data = idx.untyped_storage().data_ptr() == inputs.untyped_storage().data_ptr()
+                seen.append((name, rows, int(idx.max()), data))
+        return pre
+
+    handles = [m.register_forward_pre_hook(hook(n, m.num_embeddings))
+               for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)]
+    text = spec.data.kind == "text"
+    what = (f"{inputs.shape[0]} samples of data.seq_len={spec.data.seq_len} tokens, token ids "
+            f"up to {int(inputs.max())}" if text else f"{inputs.shape[0]} samples")
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(inputs)
+            logits = getattr(out, "logits", out)
+            if (spec.loss.kind in ("lm_cross_entropy", "cross_entropy")
+                    and isinstance(logits, torch.Tensor) and logits.ndim >= 1):
+                classes, top = int(logits.shape[-1]), int(targets.max())
+                if top >= classes:
+                    hint = (f"its output has {classes} logits (its vocabulary)" if text else
+                            f"data.num_classes = {spec.data.num_classes} while the model outputs "
+                            f"{classes} classes")
+                    raise DataFitError(
+                        f"the data's {'token id' if text else 'label'} {top} is past what the "
+                        f"model predicts: {hint}; give the model at least {top + 1} outputs or "
+                        "change the data")
+            loss_fn(spec.loss)(out, targets)
+    except DataFitError:
+        raise
+    except Exception as e:
+        for name, rows, top, data in seen:
+            if top < rows:
+                continue
+            if data:
+                raise DataFitError(
+                    f"the data has token id {top} (data.tokenizer = {spec.data.tokenizer!r}) but "
+                    f"the model's embedding {name!r} holds {rows} tokens (ids 0..{rows - 1}): "
+                    f"give the model a vocabulary of at least {top + 1} (e.g. model.config "
+                    "vocab_size) or use a tokenizer with fewer ids") from None
+            if text and top == spec.data.seq_len - 1:
+                raise DataFitError(
+                    f"data.seq_len = {spec.data.seq_len} is longer than the model's context: its "
+                    f"embedding {name!r} holds {rows} positions; set data.seq_len <= {rows} or "
+                    "give the model a longer context") from None
+            raise DataFitError(f"the model's embedding {name!r} holds {rows} rows and got index "
+                               f"{top} on one micro-batch of the job's data ({what})") from None
+        raise DataFitError(f"the model fails on one micro-batch of the job's own data ({what}): "
+                           f"{type(e).__name__}: {e}") from None
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+
+
+def check_finite(state: Mapping[str, torch.Tensor], where: str) -> None:
+    """`LocalError` naming the first floating tensor of `state` that holds NaN or Inf (a
+    diverged run's weights train to NaN at once, and a scheduler must never run them)."""
+    for name, t in state.items():
+        if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+            continue
+        bad = ~torch.isfinite(t)
+        if bool(bad.any()):
+            count, nans = int(bad.sum()), int(torch.isnan(t).sum())
+            raise LocalError(f"{where}: tensor {name!r} holds {count} non-finite values of "
+                             f"{t.numel()} ({nans} NaN, {count - nans} Inf): a checkpoint of a "
+                             "diverged run? Resume from an earlier one")
 
 
 def resume_state(captured: CapturedModel, path: str | Path
@@ -123,6 +243,7 @@ def resume_state(captured: CapturedModel, path: str | Path
             raise LocalError(f"{p}: {prm.name!r} is {t.dtype} {tuple(t.shape)}, this job's "
                              f"model has {want.dtype} {tuple(want.shape)}")
         state[prm.name] = t
+    check_finite({k: state[k] for k in loaded if k in state}, str(p))
     step = meta.get("step")
     if step is None:
         return state, 0

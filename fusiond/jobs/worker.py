@@ -14,6 +14,14 @@ into the daemon's message dispatch):
   a cancel can overtake its Assign: the worker remembers the last `CANCELLED_MEMORY` cancelled
   (job, plan version)s and drops an Assign of a version it saw cancelled (no zombie stage).
 
+Authority (`leadership`, the cluster's view of its scheduler): an Assign is taken only from the
+current term's scheduler (its `term` is the cluster's term and its sender the view's leader; a
+newer term, or a view that has no leader yet, is waited on for `authority_wait_s`); JobStart,
+JobDensities and JobCancel of a job only from the node that assigned it (a newer term's
+scheduler takes a job over by assigning it again). Anything else is ignored, logged once per
+job, sender and kind. Without `leadership` (in-process tools, no cluster) any sender may
+assign; only the assigner controls a job either way.
+
 `send(peer, msg, payload)` is how the worker talks: `PeerNetwork.send`, or `local_sender(...)`,
 which hands messages for this node itself (a scheduler that also runs a stage) straight to a
 local dispatch function instead of the network.
@@ -33,7 +41,7 @@ from typing import Any
 from fusiond.errors import FusionError
 from fusiond.graph import state_to_bytes
 from fusiond.train.remote import StageHost
-from fusiond.train.stage import StageConfig, StepReport
+from fusiond.train.stage import StageConfig, StepReport, fault_of
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import (
     Assign,
@@ -50,12 +58,17 @@ from protocol.messages import (
     StageStep,
 )
 
-__all__ = ["JobWorker", "SendFn", "local_sender"]
+__all__ = ["AUTHORITY_WAIT_S", "JobWorker", "Leadership", "LeadershipFn", "SendFn",
+           "local_sender"]
 
 log = logging.getLogger(__name__)
 
 CANCELLED_MEMORY = 1024
 """Cancelled jobs remembered (job id -> highest plan version cancelled) to drop late Assigns."""
+AUTHORITY_WAIT_S = 3.0
+"""How long an Assign from a newer term (or while this node's view has no scheduler yet) waits
+for the view to confirm its sender as the scheduler: a new scheduler's first Assigns can
+overtake its election's news."""
 
 SendFn = Callable[[str, Message, Sequence[Any]], Awaitable[None]]
 """`send(peer, msg, payload)`: queue a message for a peer (awaits under backpressure)."""
@@ -76,10 +89,33 @@ def local_sender(node_id: str, net_send: SendFn, dispatch: DispatchFn) -> SendFn
     return send
 
 
+@dataclass(frozen=True)
+class Leadership:
+    """Who schedules, as this node's cluster view says: the scheduler of the current term (None
+    while there is none), the term, and whether a majority of voters is alive."""
+
+    leader: str | None
+    term: int
+    has_quorum: bool
+
+    @classmethod
+    def of(cls, view: Any) -> Leadership | None:
+        """From a `ClusterView` (None: not in a cluster)."""
+        if view is None:
+            return None
+        return cls(getattr(view, "leader", None), int(getattr(view, "term", 0)),
+                   bool(getattr(view, "has_quorum", False)))
+
+
+LeadershipFn = Callable[[], "Leadership | None"]
+"""This node's current view of the scheduler (None: not in a cluster: nobody is refused)."""
+
+
 @dataclass
 class _Job:
     host: StageHost
     scheduler: str
+    term: int = 0
     task: asyncio.Task[None] | None = None
     steps_done: int = 0
     started: float = field(default=0.0)
@@ -89,13 +125,18 @@ class JobWorker:
     """Hosts this node's stages; a service (start/ready/close)."""
 
     def __init__(self, *, node_id: str, send: SendFn, stage_config: StageConfig | None = None,
-                 limits: Limits = DEFAULT_LIMITS) -> None:
+                 limits: Limits = DEFAULT_LIMITS, leadership: LeadershipFn | None = None,
+                 authority_wait_s: float = AUTHORITY_WAIT_S) -> None:
         self.node_id = node_id
         self.send = send
         self.stage_config = stage_config
         self.limits = limits
+        self.leadership = leadership
+        self.authority_wait_s = authority_wait_s
         self._jobs: dict[str, _Job] = {}
         self._cancelled: OrderedDict[str, int] = OrderedDict()
+        self._ignored: set[tuple[str, str, str]] = set()
+        """(job, sender, message kind) already logged as ignored (logged once each)."""
         self._ready = asyncio.Event()
         self._closed = False
 
@@ -142,11 +183,12 @@ class JobWorker:
             await self._assign(peer, msg)
             return True
         if isinstance(msg, JobStart):
-            self._start(peer, msg)
+            if self._from_assigner(peer, msg, msg.job_id):
+                self._start(peer, msg)
             return True
         if isinstance(msg, JobDensities):
             job = self._jobs.get(msg.job_id)
-            if job is not None:
+            if job is not None and self._from_assigner(peer, msg, msg.job_id):
                 try:
                     for edge, d in msg.densities.items():
                         job.host.executor.set_density(edge, d)
@@ -155,9 +197,20 @@ class JobWorker:
             return True
         if isinstance(msg, JobCancel):
             job = self._jobs.get(msg.job_id)
-            running = job.host.assignment.plan_version if job is not None else 0
+            if job is None:
+                # Its Assign may not have arrived yet (CONTROL overtakes BULK): remember the
+                # version, from the current scheduler only, so the late Assign is dropped.
+                if self._may_control_unassigned(peer):
+                    self._note_cancelled(msg.job_id, msg.plan_version)
+                return True
+            running = job.host.assignment.plan_version
+            if not self._from_assigner(peer, msg, msg.job_id):
+                return True
             self._note_cancelled(msg.job_id, msg.plan_version or running)
-            if job is not None and (msg.plan_version == 0 or running <= msg.plan_version):
+            if msg.plan_version != 0 and msg.plan_version < running:
+                log.info("JobCancel of job %s v%d from %s ignored: the stage runs v%d", msg.job_id,
+                         msg.plan_version, peer, running)
+            else:
                 log.info("job %s cancelled by %s: %s", msg.job_id, peer, msg.reason or "-")
                 await self._drop(msg.job_id)
             return True
@@ -174,7 +227,60 @@ class JobWorker:
     def _cancelled_already(self, msg: Assign) -> bool:
         return self._cancelled.get(msg.job_id, 0) >= msg.plan_version
 
+    def _ignore(self, peer: str, msg: Message, job_id: str, why: str) -> None:
+        key = (job_id, peer, type(msg).__name__)
+        if key not in self._ignored:
+            if len(self._ignored) >= 4096:  # bounded: a flood of fake ids is not remembered
+                self._ignored.clear()
+            self._ignored.add(key)
+            log.warning("%s for job %s from %s ignored: %s (logged once)", type(msg).__name__,
+                        job_id, peer, why)
+
+    def _from_assigner(self, peer: str, msg: Message, job_id: str) -> bool:
+        """Whether `peer` assigned the job hosted here (only it controls the job)."""
+        job = self._jobs.get(job_id)
+        if job is None or job.scheduler == peer:
+            return True
+        self._ignore(peer, msg, job_id, f"the job was assigned here by {job.scheduler}")
+        return False
+
+    async def _authority(self, peer: str, msg: Assign) -> str | None:
+        """Why `peer` may not assign work here (None: it may): it must be the scheduler of the
+        current term. A newer term, or no scheduler in our view yet, waits (bounded) for the
+        view to catch up with an election that just happened."""
+        if self.leadership is None:
+            return None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.authority_wait_s
+        while True:
+            lead = self.leadership()
+            if lead is None:
+                return None  # not in a cluster (a lone node's own jobs)
+            if msg.term < lead.term:
+                return f"its term {msg.term} is stale (the cluster is at term {lead.term})"
+            if msg.term == lead.term and lead.leader == peer:
+                return None
+            if msg.term == lead.term and lead.leader is not None:
+                return f"the scheduler of term {lead.term} is {lead.leader}, not {peer}"
+            if loop.time() >= deadline:
+                return (f"{peer} is not the scheduler here (term {lead.term}, scheduler "
+                        f"{lead.leader or 'none'}; the Assign says term {msg.term}) after "
+                        f"{self.authority_wait_s:g}s")
+            await asyncio.sleep(0.05)
+
+    def _may_control_unassigned(self, peer: str) -> bool:
+        """Whether `peer` may control a job not hosted here (yet): the current scheduler."""
+        lead = self.leadership() if self.leadership is not None else None
+        return lead is None or lead.leader == peer
+
     async def _assign(self, peer: str, msg: Assign) -> None:
+        why = await self._authority(peer, msg)
+        if why is not None:
+            self._ignore(peer, msg, msg.job_id, why)
+            await self.send(peer, Error(code="not_scheduler", request_id=msg.request_id,
+                                        job_id=msg.job_id, plan_version=msg.plan_version,
+                                        message=f"{self.node_id}: Assign refused: {why}"), ())
+            return
         if self._cancelled_already(msg):
             # Its JobCancel overtook it (CONTROL vs BULK): the scheduler has given up on this
             # version and waits for no Ready; building it would leave a zombie stage.
@@ -189,7 +295,8 @@ class JobWorker:
                      old.host.assignment.plan_version)
             await self._drop(msg.job_id)
         if msg.job_id in self._jobs:
-            await self.send(peer, Error(code="assign_failed", request_id=msg.request_id,
+            await self.send(peer, Error(code="already_running", request_id=msg.request_id,
+                                        job_id=msg.job_id, plan_version=msg.plan_version,
                                         message=f"job {msg.job_id} already runs here"), ())
             return
         try:
@@ -204,6 +311,7 @@ class JobWorker:
         except Exception as e:
             log.warning("Assign of job %s refused: %s", msg.job_id, e)
             await self.send(peer, Error(code="assign_failed", request_id=msg.request_id,
+                                        job_id=msg.job_id, plan_version=msg.plan_version,
                                         message=f"{self.node_id}: {e}"), ())
             return
         if self._cancelled_already(msg):  # cancelled while it was being built
@@ -211,7 +319,7 @@ class JobWorker:
                      msg.plan_version)
             await host.close()
             return
-        self._jobs[msg.job_id] = _Job(host, peer)
+        self._jobs[msg.job_id] = _Job(host, peer, msg.term)
         await self.send(peer, Ready(request_id=msg.request_id, job_id=msg.job_id,
                                     plan_version=msg.plan_version, partition=msg.partition,
                                     node_id=self.node_id), ())
@@ -261,10 +369,11 @@ class JobWorker:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            log.warning("job %s stage %d failed: %s", job_id, sa.stage, e)
+            fault = fault_of(e)
+            log.warning("job %s stage %d failed (%s's fault): %s", job_id, sa.stage, fault, e)
             result = JobResult(job_id=job_id, plan_version=sa.plan_version, partition=sa.stage,
                                ok=False, message=f"{self.node_id}: {e}",
-                               step=host.executor.current_step)
+                               step=host.executor.current_step, fault=fault)
         try:
             await self.send(job.scheduler, result, (payload,) if payload else ())
         finally:

@@ -64,6 +64,7 @@ __all__ = [
     "StageHost",
     "decode_assign",
     "job_config",
+    "raising_op",
 ]
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
                shared: Mapping[int, Mapping[str, Sequence[int]]],
                input_name: str, targets_name: str | None, loss_name: str,
                corpus_digest: str = "", default_corpus: bool = False,
-               recv_timeout_s: float | None = None) -> dict[str, Any]:
+               recv_timeout_s: float | None = None, first_step: int = 0) -> dict[str, Any]:
     """The `Assign.config` map for a job (the same for every stage; msgpack-able).
 
     `stage_nodes`: stage -> node id for every stage; `shared`: stage -> {tied parameter -> the
@@ -100,7 +101,9 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
     data checks its tokens against it); `default_corpus`: the stages read the default corpus
     from their own standard library (not from the path written here). `recv_timeout_s`: the
     scheduler's bound on one wait for a task's inputs, from the plan's predicted iteration on
-    the measured links (a stage waits at least its own configured bound).
+    the measured links (a stage waits at least its own configured bound). `first_step`: the
+    step this attempt starts at (> 0 when it resumes), so a stage is at that step from its
+    Assign on and keeps a neighbour's first tensors that arrive before its JobStart.
     """
     o = spec.optimizer
     d = spec.data
@@ -110,6 +113,7 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
     return extra | {
         "version": CONFIG_VERSION,
         "steps": spec.steps,
+        "first_step": int(first_step),
         "seed": spec.seed,
         "checkpoint_interval": spec.checkpoint_interval,
         "batch_size": spec.batch.size,
@@ -166,6 +170,8 @@ class StageAssignment:
     """The submitter's corpus hash ("" = unchecked): the stage's tokens must match it."""
     recv_timeout_s: float | None = None
     """The scheduler's bound on one wait for inputs (None: the stage's own config)."""
+    first_step: int = 0
+    """The step the attempt starts at (the JobStart's `first_step` says the same)."""
 
 
 def _get(cfg: Mapping[str, Any], key: str, typ: type | tuple[type, ...], where: str) -> Any:
@@ -269,10 +275,16 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
             or not MIN_RECV_TIMEOUT_S <= recv_timeout <= MAX_RECV_TIMEOUT_S):
         raise RemoteError(f"Assign.config.recv_timeout_s: {recv_timeout!r} is not a number of "
                           f"seconds in [{MIN_RECV_TIMEOUT_S:g}, {MAX_RECV_TIMEOUT_S:g}]")
+    steps = _get(cfg, "steps", int, "")
+    first_step = cfg.get("first_step", 0)
+    if isinstance(first_step, bool) or not isinstance(first_step, int) \
+            or not 0 <= first_step < max(1, steps):
+        raise RemoteError(f"Assign.config.first_step: {first_step!r} is not a step of the job's "
+                          f"{steps}")
     return StageAssignment(
         job_id=msg.job_id, plan_version=msg.plan_version, stage=stage, graph=graph, state=state,
         edges=tuple(edges), stages=stages, stage_nodes=stage_nodes,
-        steps=_get(cfg, "steps", int, ""),
+        steps=steps, first_step=first_step,
         seed=_get(cfg, "seed", int, ""),
         checkpoint_interval=int(cfg.get("checkpoint_interval", 0) or 0),
         batch=batch, optimizer=optimizer, data=data,
@@ -318,7 +330,13 @@ def program_from_assignment(sa: StageAssignment) -> StageProgram:
         feed: dict[str, torch.Tensor] = {}
         for key, t in inputs.items():
             feed[in_value.get(key) or data_map[key]] = t
-        outs = module.run(feed)
+        try:
+            outs = module.run(feed)
+        except Exception as e:  # name the op and module that raised (the executor reports it)
+            where = raising_op(e, sa.graph)
+            if where is not None:
+                e.fusion_where = where  # type: ignore[attr-defined]
+            raise
         result = {eid: outs[v] for eid, v in out_value.items()}
         if has_loss:
             result["loss"] = outs[sa.loss_name]
@@ -328,6 +346,32 @@ def program_from_assignment(sa: StageAssignment) -> StageProgram:
         module=module, run=run, in_edges=in_edges, out_edges=out_edges,
         data_inputs=tuple(sorted(data_map)), has_loss=has_loss, shared=sa.shared,
     )
+
+
+def raising_op(exc: BaseException, graph: ir.Graph) -> str | None:
+    """The IR op of `graph` that raised `exc` while a module built from it ran forward, e.g.
+    "op aten.embedding.default (node 'embedding', module 'transformer.wte')", from the frame of
+    the generated forward in the traceback; None if no such frame (e.g. autograd raised)."""
+    import linecache
+
+    from fusiond.graph.program import _ident
+
+    by_name = {_ident(n.id): n for n in graph.nodes}
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_filename.startswith("<eval_with_key"):
+            line = linecache.getline(code.co_filename, tb.tb_lineno).strip()
+            name = line.split("=", 1)[0].strip() if "=" in line else ""
+            node = by_name.get(name)
+            if node is not None:
+                found = node
+        tb = tb.tb_next
+    if found is None:
+        return None
+    module = f", module {found.module_path!r}" if found.module_path else ""
+    return f"op {found.op} (node {found.id!r}{module})"
 
 
 class NetStageLink:
@@ -412,7 +456,7 @@ class StageHost:
             link=NetStageLink(net, sa.job_id, sa.plan_version, sa.stage_nodes),
             tasks=tasks[sa.stage],
             micro_batches=sa.batch.micro_batches, optimizer=sa.optimizer, total_steps=sa.steps,
-            data=data, batch_size=sa.batch.size, config=config,
+            data=data, batch_size=sa.batch.size, config=config, first_step=sa.first_step,
         )
 
     async def start(self) -> None:

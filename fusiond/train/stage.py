@@ -49,6 +49,8 @@ from fusiond.train.schedule import Phase, Task
 from fusiond.train.spec import OptimizerSpec
 
 __all__ = [
+    "FAULT_JOB",
+    "FAULT_MACHINE",
     "EdgeSpec",
     "EdgeStats",
     "Packet",
@@ -60,14 +62,48 @@ __all__ = [
     "StageProgram",
     "StepReport",
     "TaskTiming",
+    "fault_of",
 ]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+FAULT_JOB = "job"
+"""A failure that is the job's own: its model's computation or its data raised (a shape, an
+index, a dtype error). It would fail on any machine: no machine is to blame, no restart helps."""
+FAULT_MACHINE = "machine"
+"""A failure of a machine or a link: a timeout, a lost or misbehaving peer, out of memory."""
+
+
 class StageError(LocalError):
-    """A stage task failed or waited too long; the message names the stage, step and task."""
+    """A stage task failed or waited too long; the message names the stage, step and task.
+    `fault` says whose fault it is (`FAULT_JOB` or `FAULT_MACHINE`)."""
+
+    def __init__(self, message: str, fault: str = FAULT_MACHINE) -> None:
+        super().__init__(message)
+        self.fault = fault
+
+
+_OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
+def fault_of(exc: BaseException) -> str:
+    """Whose fault an exception raised while running a stage is: a `StageError` says so; out
+    of memory (MemoryError, torch's OutOfMemoryError, the CPU allocator's RuntimeError), a
+    peer's bad bytes (RemoteError, a protocol error) and OS/connection errors are the
+    machine's; anything else the job's computation raised (IndexError, a shape mismatch, ...)
+    is the job's own."""
+    from protocol.errors import RemoteProtocolError
+
+    if isinstance(exc, StageError):
+        return exc.fault
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError, RemoteError, RemoteProtocolError,
+                        OSError, TimeoutError)):
+        return FAULT_MACHINE
+    if isinstance(exc, RuntimeError) and any(t in str(exc).lower() for t in _OOM_TEXT):
+        return FAULT_MACHINE
+    return FAULT_JOB
 
 
 class PacketKind(enum.StrEnum):
@@ -151,6 +187,12 @@ class StageConfig:
     disabled_ops: frozenset[str] = frozenset()
     """Ops this daemon's operator disabled (`jobs.disabled_ops`): an Assign whose partition
     uses one is refused, naming it (`fusiond.graph.registry.check_ops`)."""
+    inbox_bytes: int = 2 << 30
+    """Most bytes of received packets waiting for their task (early ones included: a
+    neighbour may start a step before this stage has); beyond it the attempt fails."""
+    inbox_slack: int = 64
+    """Packets allowed to wait beyond two steps' worth of this stage's inputs (the most a
+    correct neighbour can send ahead); beyond it the attempt fails."""
 
 
 @dataclass
@@ -292,6 +334,7 @@ class StageExecutor:
         data: DataSource | None = None,
         batch_size: int = 0,
         config: StageConfig | None = None,
+        first_step: int = 0,
     ) -> None:
         if program.data_inputs and (data is None or batch_size <= 0):
             raise StageError(f"stage {stage} reads {program.data_inputs} but has no data source")
@@ -321,7 +364,13 @@ class StageExecutor:
         self._inbox: dict[_Key, bytes | memoryview] = {}
         self._waiters: dict[_Key, asyncio.Future[bytes | memoryview]] = {}
         self._failed: BaseException | None = None
-        self._step = 0
+        self._step = first_step
+        """The step being run; packets for it and later steps are kept until their task (a
+        resumed attempt starts here, so its first tensors are never mistaken for stale)."""
+        self._inbox_bytes = 0
+        per_step = micro_batches * (len(program.in_edges) + len(program.out_edges)) + sum(
+            len(h) for h in program.shared.values())
+        self._inbox_max = 2 * per_step + self.config.inbox_slack
         self._ready = asyncio.Event()
         self._closed = False
         self._busy = 0.0
@@ -368,6 +417,7 @@ class StageExecutor:
             # Waiting for a running task (seconds on a big model) must not block the loop.
             await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
         self._inbox.clear()
+        self._inbox_bytes = 0
 
     async def flush(self) -> None:
         """Wait until every queued outbound packet has been handed to the link."""
@@ -384,7 +434,7 @@ class StageExecutor:
         """
         if packet.dst != self.stage:
             raise RemoteError(f"stage {self.stage} got a packet for stage {packet.dst}")
-        if packet.step < self._step or packet.step > self._step + 1:
+        if packet.step < self._step or packet.step >= self.total_steps:
             raise RemoteError(
                 f"stage {self.stage} at step {self._step} got {packet.kind} for step {packet.step}"
             )
@@ -406,7 +456,20 @@ class StageExecutor:
         elif key in self._inbox:
             raise RemoteError(f"stage {self.stage}: duplicate {key}")
         else:
+            # Early (its task has not come yet, e.g. a neighbour started the step first):
+            # kept, within bounds; past them the attempt fails loudly instead of dropping it.
+            size = memoryview(packet.payload).nbytes
+            if (len(self._inbox) >= self._inbox_max
+                    or self._inbox_bytes + size > self.config.inbox_bytes):
+                self.fail(StageError(
+                    f"stage {self.stage} at step {self._step}: {len(self._inbox) + 1} packets "
+                    f"({self._inbox_bytes + size} bytes) arrived ahead of their tasks, more than "
+                    f"the bound ({self._inbox_max} packets, {self.config.inbox_bytes} bytes; "
+                    f"StageConfig.inbox_slack / inbox_bytes); the last: {packet.kind} for step "
+                    f"{packet.step} on {packet.edge!r}"))
+                return
             self._inbox[key] = packet.payload
+            self._inbox_bytes += size
 
     def set_density(self, edge_id: str, density: float | None) -> None:
         """Change an outgoing edge's top-k density (None: exact) from the next forward on.
@@ -444,7 +507,9 @@ class StageExecutor:
         if self._failed is not None:
             raise self._failed
         if key in self._inbox:
-            return self._inbox.pop(key)
+            got = self._inbox.pop(key)
+            self._inbox_bytes -= memoryview(got).nbytes
+            return got
         fut: asyncio.Future[bytes | memoryview] = asyncio.get_running_loop().create_future()
         self._waiters[key] = fut
         try:
@@ -522,13 +587,15 @@ class StageExecutor:
         out = dict(self.program.run(inputs))
         loss = out.pop("loss", None) if self.program.has_loss else None
         if self.program.has_loss and loss is None:
-            raise StageError(f"stage {self.stage}: the loss stage's module returned no 'loss'")
+            raise StageError(f"stage {self.stage}: the loss stage's module returned no 'loss'",
+                             fault=FAULT_JOB)
         packets: list[tuple[Packet, codec.Encoded, float | None]] = []
         sent_idx: dict[str, np.ndarray] = {}
         grad_edges: set[str] = set()
         for edge_id, e in self._out.items():
             if edge_id not in out:
-                raise StageError(f"stage {self.stage}: module produced no output for {edge_id!r}")
+                raise StageError(f"stage {self.stage}: module produced no output for {edge_id!r}",
+                                 fault=FAULT_JOB)
             t = out[edge_id]
             density = self._density[edge_id]
             if density is None or not _is_float(t):
@@ -619,7 +686,12 @@ class StageExecutor:
         mbs: list[Batch] | None = None
         if self.program.data_inputs:
             assert self.data is not None
-            mbs = split_micro_batches(self.data.batch(step, self.batch_size), self.micro_batches)
+            try:
+                mbs = split_micro_batches(self.data.batch(step, self.batch_size),
+                                          self.micro_batches)
+            except Exception as e:  # the job's data pipeline: the same on any machine
+                raise StageError(f"stage {self.stage}, step {step}, data: {e!r}",
+                                 fault=fault_of(e)) from e
         ctxs: dict[int, _Ctx] = {}
         losses: list[float] = []
         timeline: list[TaskTiming] = []
@@ -682,8 +754,10 @@ class StageExecutor:
             return await self._compute(fn)
         except (StageError, asyncio.CancelledError):
             raise
-        except Exception as e:
-            raise StageError(f"stage {self.stage}, step {step}, {what}: {e!r}") from e
+        except Exception as e:  # classified here, where we know what raised it
+            where = getattr(e, "fusion_where", None)  # the op that raised (StageHost's run)
+            raise StageError(f"stage {self.stage}, step {step}, {what}: {e!r}"
+                             + (f" in {where}" if where else ""), fault=fault_of(e)) from e
 
     async def run(self, first: int, count: int,
                   on_step: Callable[[StepReport], Any] | None = None) -> list[StepReport]:

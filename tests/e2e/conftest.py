@@ -28,13 +28,15 @@ between tests. A dead stage is still declared within 8 s (the failure test allow
 
 def start_cluster(root: Path, n: int = 3, *,
                   node_settings: Mapping[int, Mapping[str, Any]] | None = None,
-                  pythons: Mapping[int, str] | None = None) -> Cluster:
+                  pythons: Mapping[int, str] | None = None,
+                  timers: dict[str, float] | None = None) -> Cluster:
     """`n` daemons, node0 first, the others with node0 as their only bootstrap address.
     `node_settings[i]`: settings of node i only (e.g. its `jobs.disabled_ops`); `pythons[i]`:
-    the Python that runs node i (another virtual environment: another torch)."""
+    the Python that runs node i (another virtual environment: another torch); `timers`
+    override `JOB_TIMERS`."""
     c = Cluster(root, n, {"job_memory_gib": JOB_MEMORY_GIB,
                           "metrics": {"listen": "127.0.0.1:0"},
-                          "cluster": JOB_TIMERS})
+                          "cluster": {**JOB_TIMERS, **(timers or {})}})
     for i, extra in (node_settings or {}).items():
         c.nodes[i].settings = merge(c.nodes[i].settings, extra)
     for i, python in (pythons or {}).items():

@@ -381,3 +381,165 @@ def test_timeouts_follow_the_measured_links(captured_tiny) -> None:  # type: ign
     for bad in (0.0, -1.0, 1e9):
         with pytest.raises(RemoteError, match="recv_timeout_s"):
             host(bad)
+
+
+async def test_a_refusal_fails_its_own_attempt_at_once(captured_tiny) -> None:  # type: ignore[no-untyped-def]
+    """Once the scheduler has run a job, a node's refusal of the next job's Assign still
+    reaches that job: every reply names its job and plan version and request ids are unique
+    per process, so the finished job (still listed) does not swallow it. The attempt fails at
+    once naming the node and its reason (it used to wait the whole Ready timeout and blame
+    "the scheduler", before the first step)."""
+    from fusiond.jobs.coordinator import FAULT_REFUSED
+    from protocol.limits import Limits
+
+    spec, cap = captured_tiny
+    async with cluster() as nodes:
+        first = coordinator(nodes, spec, cap, job_id="first")  # stays in n0's list
+        out = await asyncio.wait_for(first.run(), 120)
+        assert out.ok, out.failure
+        # n2 cannot take a partition this big (its decoder limits), a real refusal path
+        nodes["n2"].worker.limits = Limits(max_list_items=4)
+        second = coordinator(nodes, spec, cap, job_id="second", ready_timeout_s=20.0)
+        t0 = asyncio.get_running_loop().time()
+        out2 = await asyncio.wait_for(second.run(), 60)
+        took = asyncio.get_running_loop().time() - t0
+        assert not out2.ok and out2.failure is not None
+        f = out2.failure
+        assert (f.node, f.stage, f.fault) == ("n2", 2, FAULT_REFUSED), f
+        assert "refused its Assign (assign_failed): n2: Assign.graph" in f.cause, f.cause
+        assert f.machines == ("n2",)
+        assert took < 10, took  # not the 20 s Ready timeout
+        await asyncio.sleep(0.5)
+        assert all(not n.worker.jobs() for n in nodes.values())
+
+
+async def test_the_ready_timeout_names_every_silent_node(captured_tiny) -> None:  # type: ignore[no-untyped-def]
+    from protocol.messages import Assign
+
+    spec, cap = captured_tiny
+    async with cluster() as nodes:
+        for name in ("n1", "n2"):  # their daemons take the Assign and never answer
+            worker = nodes[name].worker
+            real = worker.handle
+
+            async def swallow(peer: str, msg: Message, real: Any = real) -> bool:
+                return True if isinstance(msg, Assign) else bool(await real(peer, msg))
+
+            worker.handle = swallow  # type: ignore[method-assign]
+        c = coordinator(nodes, spec, cap, ready_timeout_s=2.0)
+        out = await asyncio.wait_for(c.run(), 30)
+        assert not out.ok and out.failure is not None
+        f = out.failure
+        assert (f.node, f.others, f.machines) == ("n1", ("n2",), ("n1", "n2")), f
+        assert "no Ready within 2s from n1 (stage 1), n2 (stage 2)" in f.cause, f.cause
+
+
+async def test_a_resumed_attempts_first_tensors_wait_for_a_late_jobstart(captured_tiny) -> None:  # type: ignore[no-untyped-def]
+    """The resume race: an attempt starting at step 60 (a restart or a failover from a
+    checkpoint) sends JobStart to every stage; stage 0's first Forward (BULK lane) can reach
+    stage 1 before stage 1's JobStart (CONTROL lane, another connection). It is kept (the
+    Assign says the attempt starts at 60) and used when the step comes; it used to be refused
+    ("stage 1 at step 0 got forward for step 60") and never resent, stalling the attempt for
+    the stages' whole receive timeout."""
+    from protocol.messages import JobStart
+
+    spec, cap = captured_tiny
+    spec = replace(spec, steps=63)
+    async with cluster() as nodes:
+        n1 = nodes["n1"]
+        real = n1.dispatch
+
+        async def late_start(peer: str, msg: Message) -> None:
+            if isinstance(msg, JobStart):
+                await asyncio.sleep(1.0)  # stage 0 is well into step 60 by then
+            await real(peer, msg)
+
+        n1.dispatch = late_start  # type: ignore[method-assign]
+        seen: list[StepMetrics] = []
+        c = coordinator(nodes, spec, cap, first_step=60, on_step=seen.append)
+        t0 = asyncio.get_running_loop().time()
+        out = await asyncio.wait_for(c.run(), 60)  # the old stall: 120 s (recv timeout)
+        took = asyncio.get_running_loop().time() - t0
+        assert out.ok, out.failure
+        assert [m.step for m in seen] == [60, 61, 62]
+        assert took < 30, took
+
+
+async def test_the_jobs_own_error_blames_no_machine(captured_tiny) -> None:  # type: ignore[no-untyped-def]
+    """A job whose data has token ids past its model's vocabulary fails at step 0 on every
+    machine: the stage says it is the job's fault, naming the op and module that raised, and
+    the failure names no machine to exclude (a restart would fail the same way)."""
+    from fusiond.jobs.coordinator import FAULT_JOB
+    from fusiond.train.programs import capture_job
+
+    spec, _ = captured_tiny
+    small = replace(spec, model=replace(spec.model, config={"size": "tiny", "vocab_size": 100}))
+    _, cap = capture_job(small)  # (prepare_job refuses it; an old client would not)
+    async with cluster() as nodes:
+        c = coordinator(nodes, small, cap)
+        out = await asyncio.wait_for(c.run(), 60)
+        assert not out.ok and out.failure is not None
+        f = out.failure
+        assert (f.fault, f.stage, f.step, f.machines) == (FAULT_JOB, 0, 0, ()), f
+        text = str(f)
+        assert "the job's own error, not the machine's" in text, text
+        assert "IndexError" in text and "op aten.embedding.default" in text, text
+        assert "module 'transformer.wte'" in text, text
+        await asyncio.sleep(0.5)
+        assert all(not n.worker.jobs() for n in nodes.values())
+
+
+async def test_only_the_jobs_scheduler_controls_it(  # type: ignore[no-untyped-def]
+        captured_tiny, caplog: pytest.LogCaptureFixture) -> None:
+    """A member that is not the job's scheduler sends the stages JobCancel, JobStart,
+    JobDensities and an Assign for the running job: each is ignored (logged once), and the
+    job finishes. (Every stage used to obey a JobCancel from anyone: the job sat "running".)
+    A JobCancel naming another attempt, even from the scheduler, stops nothing either."""
+    import logging
+
+    from fusiond.jobs.worker import Leadership
+    from protocol.messages import Assign, JobCancel, JobDensities, JobStart
+
+    spec, cap = captured_tiny
+    spec = replace(spec, steps=8)
+    caplog.set_level(logging.WARNING, logger="fusiond.jobs.worker")
+    cfg = NetConfig(connect_timeout_s=2, handshake_timeout_s=2, backoff_max_s=0.5)
+    async with inproc_cluster(3, net_config=cfg, prefix="n",
+                              leadership=lambda: Leadership("n0", 1, True)) as nodes:
+        c: JobCoordinator
+        attacked = asyncio.Event()
+
+        async def attack() -> None:
+            n2 = nodes["n2"]
+            v = c.plan_version
+            edge = next(e.edge for e in c.layout.edges() if e.src_node == "n1")
+            for _ in range(2):  # logged once each
+                for msg in (JobCancel(job_id=c.job_id, reason="not yours"),
+                            JobStart(job_id=c.job_id, plan_version=v, first_step=0),
+                            JobDensities(job_id=c.job_id, plan_version=v,
+                                         densities={edge: 0.01})):
+                    await n2.net.send("n1", msg, ())
+                await n2.net.send("n1", Assign(request_id=99, term=1, job_id=c.job_id,
+                                               plan_version=v + 1, partition=1, graph=b""), ())
+            # the scheduler's own cancel of another (an older) attempt stops nothing here
+            await nodes["n0"].net.send("n1", JobCancel(job_id=c.job_id, reason="stale",
+                                                       plan_version=v - 1), ())
+            attacked.set()
+
+        def on_step(m: StepMetrics) -> None:
+            if m.step == 1:
+                asyncio.get_running_loop().create_task(attack())
+
+        seen: list[StepMetrics] = []
+        c = coordinator(nodes, spec, cap, on_step=lambda m: (seen.append(m), on_step(m)),
+                        plan_version=5)  # (a restarted job's: v4 was the attempt before)
+        out = await asyncio.wait_for(c.run(), 120)
+        assert attacked.is_set()
+        assert out.ok, out.failure
+        assert len(seen) == spec.steps
+        assert all(e.density is None for e in seen[-1].edges)  # the densities stayed
+    ignored = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    for kind in ("JobCancel", "JobStart", "JobDensities", "Assign"):
+        mine = [x for x in ignored if x.startswith(f"{kind} for job {c.job_id} from n2")]
+        assert len(mine) == 1, (kind, ignored)
+    assert any("the scheduler of term 1 is n0, not n2" in x for x in ignored), ignored

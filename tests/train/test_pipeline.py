@@ -194,3 +194,62 @@ async def test_density_changes_mid_run_without_telling_the_receiver(
     assert all(abs(x) < 10 for x in res.losses)
     with pytest.raises(StageError, match="sends no edge"):
         execs[2].set_density("h0", 0.5)
+
+
+async def test_tensors_ahead_of_their_step_wait_within_bounds(adamw: OptimizerSpec) -> None:
+    """A neighbour that starts a step before this stage does (a resumed attempt whose JobStart
+    came late, say) is not refused: its tensors wait, in a bounded inbox. Past the bound the
+    attempt fails, saying so, instead of silently dropping what arrived."""
+    from fusiond.errors import RemoteError
+    from fusiond.train.local import MemoryLinks
+    from fusiond.train.schedule import one_f_one_b
+    from fusiond.train.stage import Packet, StageConfig, StageExecutor
+
+    progs = _edge_program()
+    hub = MemoryLinks()
+    ex = StageExecutor(stage=1, program=progs[1], link=hub.link(1), tasks=one_f_one_b(2, 2)[1],
+                       micro_batches=2, optimizer=adamw, total_steps=100, data=_Regression(),
+                       batch_size=4, first_step=60, config=StageConfig(inbox_slack=0))
+    try:
+        assert ex.current_step == 60  # from the Assign on, not 0 until the JobStart
+        # one step's inputs: 2 micro-batches on edge "y", so 2 x 2 packets may wait
+        for step, micro in ((60, 0), (60, 1), (61, 0), (61, 1)):
+            ex.deliver(Packet(PacketKind.FORWARD, step, micro, "y", 0, 1, b"x" * 10))
+        with pytest.raises(RemoteError, match="at step 60 got forward for step 59"):
+            ex.deliver(Packet(PacketKind.FORWARD, 59, 0, "y", 0, 1, b""))  # stale: refused
+        ex.deliver(Packet(PacketKind.FORWARD, 62, 0, "y", 0, 1, b"x"))  # one too many
+        with pytest.raises(StageError, match=r"5 packets \(41 bytes\) arrived ahead of their "
+                                             r"tasks, more than the bound \(4 packets"):
+            await ex.run_step(60)
+    finally:
+        await ex.close()
+    ex2 = StageExecutor(stage=1, program=progs[1], link=hub.link(1),
+                        tasks=one_f_one_b(2, 2)[1], micro_batches=2, optimizer=adamw,
+                        total_steps=100, data=_Regression(), batch_size=4,
+                        config=StageConfig(inbox_bytes=15))
+    try:
+        ex2.deliver(Packet(PacketKind.FORWARD, 0, 0, "y", 0, 1, b"x" * 10))
+        ex2.deliver(Packet(PacketKind.FORWARD, 0, 1, "y", 0, 1, b"x" * 10))
+        with pytest.raises(StageError, match=r"20 bytes\) arrived ahead"):
+            await ex2.run_step(0)
+    finally:
+        await ex2.close()
+        await hub.close()
+
+
+def test_a_stage_failure_says_whose_fault_it_is() -> None:
+    """The job's own computation raising (an index past an embedding, a shape) is the job's
+    fault; a timeout, a peer's bad bytes and running out of memory are the machine's."""
+    from fusiond.errors import RemoteError
+    from fusiond.train.stage import FAULT_JOB, FAULT_MACHINE, fault_of
+    from protocol.errors import RemoteProtocolError
+
+    job = [IndexError("index out of range in self"), RuntimeError("shape '[2, 3]' is invalid"),
+           ValueError("bad"), StageError("module produced no output", fault=FAULT_JOB)]
+    machine = [StageError("no forward on edge 'y' within 5s"), MemoryError(),
+               RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't "
+                            "allocate memory: you tried to allocate 1 bytes"),
+               torch.OutOfMemoryError("CUDA out of memory"), RemoteError("peer gone"),
+               RemoteProtocolError("bad frame"), ConnectionResetError()]
+    assert [fault_of(e) for e in job] == [FAULT_JOB] * len(job)
+    assert [fault_of(e) for e in machine] == [FAULT_MACHINE] * len(machine)

@@ -99,7 +99,7 @@ async def test_service_sends_densities_when_the_measured_link_slows() -> None:
     members = [SimpleNamespace(node_id=f"m{i}", state="alive", address=("127.0.0.1", 1),
                                profile={"gflops": 1000.0, "memory_bytes": 1e12})
                for i in range(2)]
-    view = SimpleNamespace(members=members, links=links)
+    view = SimpleNamespace(members=members, links=links, leader="m0", term=1, has_quorum=True)
 
     async def send_raw(peer: str, msg: object, payload: object = ()) -> None:
         raise AssertionError("nothing goes on the wire here")
@@ -123,6 +123,16 @@ async def test_service_sends_densities_when_the_measured_link_slows() -> None:
         assert "b->1 1->" in lines[-1]
         await asyncio.sleep(0.1)
         assert len(coord.sent) == 1  # same measurement: not sent again
+        view.leader = None  # this daemon lost the scheduler's lease: it decides nothing
+        links[("m0", "m1")] = (1e9, 0.0)
+        await asyncio.sleep(0.2)
+        assert len(coord.sent) == 1
+        view.leader = "m0"
+        for _ in range(200):
+            if len(coord.sent) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert len(coord.sent) == 2  # the lease again: the fast link re-adapted
     finally:
         rec.state = "done"
         task.cancel()

@@ -132,6 +132,11 @@ def test_resume_state_checks_the_file_against_the_model(tmp_path: Path) -> None:
         "unknown": ({**trained, "extra.weight": torch.zeros(1)}, "'extra.weight' is not in"),
         "shape": ({**trained, name: torch.zeros(3, 3)}, "this job's model has"),
         "dtype": ({**trained, name: trained[name].double()}, "float64"),
+        # a diverged run's checkpoint: NaN (or Inf) trains to NaN and crashed the scheduler
+        "nan": ({**trained, name: trained[name].clone().index_fill_(0, torch.tensor([0]),
+                                                                 float("nan"))},
+                f"tensor '{name}' holds {trained[name].shape[1]} non-finite values"),
+        "inf": ({**trained, name: trained[name].clone().fill_(float("inf"))}, "0 NaN"),
     }
     for case, (bad, match) in cases.items():
         path = save_model(tmp_path / f"{case}.safetensors", bad, metadata={"step": "1"})
@@ -145,3 +150,96 @@ def test_resume_state_checks_the_file_against_the_model(tmp_path: Path) -> None:
     path = save_model(tmp_path / "badstep.safetensors", trained, metadata={"step": "x"})
     with pytest.raises(LocalError, match="not an integer"):
         resume_state(cap, path)
+
+
+TEXT_JOB = """
+[job]
+steps = 2
+[model]
+zoo = "gpt2"
+config = {config}
+[data]
+path = "corpus.txt"
+seq_len = {seq_len}
+[batch]
+size = 4
+micro_batches = 2
+"""
+
+
+@pytest.mark.parametrize(("config", "seq_len", "match"), [
+    # the corpus's bytes reach 126 ("~"): a vocabulary of 100 cannot embed them
+    ('{ size = "tiny", vocab_size = 100 }', 16,
+     r"the data has token id 126 \(data.tokenizer = 'bytes'\) but the model's embedding "
+     r"'transformer.wte' holds 100 tokens \(ids 0..99\): give the model a vocabulary of at "
+     r"least 127"),
+    ('{ size = "tiny" }', 128,
+     r"data.seq_len = 128 is longer than the model's context: its embedding 'transformer.wpe' "
+     r"holds 64 positions; set data.seq_len <= 64"),
+])
+def test_data_the_model_cannot_take_is_refused_at_submit(
+        tmp_path: Path, config: str, seq_len: int, match: str) -> None:
+    """Both used to pass submit and fail at step 0 on every stage machine, which were then
+    excluded as if broken: one micro-batch of the job's own data through the model here finds
+    it first, naming both numbers."""
+    from fusiond.jobs.submit import DataFitError
+
+    (tmp_path / "corpus.txt").write_text("def f(x):\n    return x + 1  # ~\n" * 200)
+    p = tmp_path / "job.toml"
+    p.write_text(TEXT_JOB.format(config=config, seq_len=seq_len))
+    with pytest.raises(DataFitError, match=match):
+        prepare_job(p)
+
+
+@pytest.mark.slow
+def test_labels_past_the_models_classes_are_refused_at_submit(tmp_path: Path) -> None:
+    from fusiond.jobs.submit import DataFitError
+
+    p = tmp_path / "job.toml"
+    p.write_text('[job]\nsteps = 2\n[model]\nzoo = "resnet18"\n'
+                 "config = { num_classes = 10, width = 8 }\n[data]\nkind = \"images\"\n"
+                 'image_size = 16\nnum_classes = 40\n[loss]\nkind = "cross_entropy"\n'
+                 "[batch]\nsize = 8\nmicro_batches = 1\n")
+    with pytest.raises(DataFitError, match=r"the data's label \d+ is past what the model "
+                                           r"predicts: data.num_classes = 40 while the model "
+                                           r"outputs 10 classes"):
+        prepare_job(p)
+
+
+def test_the_check_leaves_the_model_as_it_was(tmp_path: Path) -> None:
+    """The dry forward runs in eval mode without gradients: the weights and buffers (and the
+    captured state the job ships) are unchanged, and the model is back in training mode."""
+    from fusiond.jobs.submit import check_data_fits
+    from fusiond.train.data import make_source
+    from fusiond.train.spec import load_job
+
+    spec = load_job(_job(tmp_path, 'zoo = "gpt2"\nconfig = { size = "tiny" }'))
+    model = gpt2("tiny")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.train()
+    check_data_fits(spec, model, make_source(spec.data, spec.seed))
+    assert model.training
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_tied_copies_that_are_both_nan_gather() -> None:
+    """A diverged run's tied weight is NaN on both stages, bit for bit: gathering it must not
+    take NaN != NaN for copies that differ (that crashed the scheduler, leaving the job
+    "running" on its submitter); copies that really differ still do."""
+    from fusiond.errors import LocalError
+    from fusiond.jobs.results import gather_state
+    from fusiond.train.programs import capture_job
+    from fusiond.train.spec import default_text_path, parse_job
+
+    spec = parse_job(TEXT_JOB.format(config='{ size = "tiny" }', seq_len=16).replace(
+        "corpus.txt", "json"), base=default_text_path())
+    _, cap = capture_job(spec)
+    tied = next(iter(cap.graph.aliases.values()))
+    nan = cap.state[tied].clone().fill_(float("nan"))
+    a = {**cap.state, tied: nan}
+    b = {tied: nan.clone()}
+    out = gather_state(cap.graph, [a, b])
+    assert torch.isnan(out[tied]).all()
+    with pytest.raises(LocalError, match="differ between stages"):
+        gather_state(cap.graph, [a, {tied: torch.zeros_like(nan)}])

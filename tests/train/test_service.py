@@ -1,0 +1,345 @@
+"""The job service's scheduling decisions, with an in-memory cluster view and network: only the
+scheduler holding its lease schedules; a submission waits (bounded) for one; a scheduler that
+loses its lease hands its jobs back; a scheduler's bug, or a job it lost, reaches the
+submitter. (Real daemons: tests/e2e/test_authority.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from fusiond.jobs import service
+from fusiond.jobs.service import JobService, NotScheduler
+from protocol.messages import (
+    JobQuery,
+    JobQueryReply,
+    JobSubmit,
+    JobSubmitReply,
+    JobUpdate,
+    Message,
+)
+
+pytestmark = pytest.mark.slow
+
+JOB = """
+[job]
+name = "svc"
+steps = {steps}
+output = "{out}"
+[model]
+zoo = "gpt2"
+config = {{ size = "tiny" }}
+[data]
+path = "{data}"
+seq_len = 16
+[batch]
+size = 4
+micro_batches = 2
+[compression]
+adatopk = false
+"""
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from fusiond.jobs.submit import prepare_job
+    from fusiond.train.spec import default_text_path
+
+    tmp = tmp_path_factory.mktemp("svc")
+    p = tmp / "job.toml"
+    p.write_text(JOB.format(steps=100_000, out=tmp / "out", data=default_text_path() / "json"))
+    return prepare_job(p)
+
+
+def upload(job: Any, **meta: Any) -> bytes:
+    from fusiond.jobs.upload import encode_upload
+
+    return encode_upload({"toml": job.toml_text, "base": job.base, "out_base": job.out_base,
+                          **meta}, job.graph_bytes, job.state_bytes)
+
+
+def member(node_id: str) -> SimpleNamespace:
+    return SimpleNamespace(node_id=node_id, state="alive", address=("127.0.0.1", 1),
+                           profile={"gflops": 100.0, "memory_bytes": 1e10})
+
+
+class View(SimpleNamespace):
+    """What the service reads of a `ClusterView`."""
+
+    def __init__(self, ids: Sequence[str], leader: str | None, term: int = 1,
+                 has_quorum: bool = True) -> None:
+        super().__init__(members=[member(n) for n in ids], links={}, leader=leader, term=term,
+                         has_quorum=has_quorum)
+
+    def quorum_advice(self) -> str | None:
+        return None if self.has_quorum else "no quorum: 1 of 3 voters alive, 2 needed"
+
+
+class Net:
+    """The peer network: records what is sent; `reply` answers it (as the peer would)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, Message]] = []
+        self.svc: JobService | None = None
+        self.reply: Any = None
+
+    async def send(self, peer: str, msg: Message, payload: Sequence[Any] = ()) -> None:
+        self.sent.append((peer, msg))
+        if self.reply is not None:
+            got = self.reply(peer, msg)
+            if got is not None and self.svc is not None:
+                asyncio.get_running_loop().call_soon(
+                    lambda: asyncio.ensure_future(self.svc.dispatch(peer, got)))  # type: ignore[union-attr]
+
+    def kinds(self, peer: str | None = None) -> list[str]:
+        return [type(m).__name__ for p, m in self.sent if peer is None or p == peer]
+
+
+async def wait(cond: Any, timeout_s: float, what: str) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if cond():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{what}: not within {timeout_s} s")
+
+
+async def test_a_submission_without_a_scheduler_waits_for_one(
+        prepared: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No scheduler (no quorum): the submission waits `SCHEDULER_WAIT_S`, then is refused with
+    the cluster's advice, and nothing was planned or sent (this daemon used to coordinate the
+    job itself). Once a scheduler is elected during the wait, it goes there: here this daemon
+    (a one-node cluster elects itself), which runs it on its own stage."""
+    monkeypatch.setattr(service, "SCHEDULER_WAIT_S", 0.6)
+    net = Net()
+    view = View(["m0", "m1", "m2"], leader=None, has_quorum=False)
+    svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
+    net.svc = svc
+    await svc.start()
+    try:
+        with pytest.raises(NotScheduler, match=r"no scheduler: no quorum: 1 of 3 voters alive, "
+                                               r"2 needed; waited 0.6s"):
+            await svc.submit_upload(upload(prepared, stages=1, steps=2))
+        assert net.sent == [] and svc.jobs()["jobs"] == [] and not svc.worker.jobs()
+
+        async def elected() -> None:
+            await asyncio.sleep(0.2)
+            view.leader, view.has_quorum = "m0", True
+
+        task = asyncio.create_task(elected())
+        summary = await svc.submit_upload(upload(prepared, stages=1, steps=2))
+        await task
+        rec = svc.get(summary["job_id"])
+        assert isinstance(rec, service._Record) and summary["term"] == 1
+        await asyncio.wait_for(asyncio.shield(rec.task), 60)  # type: ignore[arg-type]
+        assert rec.state == "done", rec.outcome
+        assert net.sent == []  # one stage, here: nothing crossed the network
+    finally:
+        await svc.close()
+
+
+async def test_a_scheduler_that_loses_its_lease_hands_the_job_back(prepared: Any) -> None:
+    """The scheduler of a job submitted by m1 loses its quorum (3 of 5 gone, or cut off): at
+    once its attempt is cancelled (its stage freed), nothing is re-planned, and m1 gets the job
+    back (`JobUpdate.handed_back`) to resubmit it to the next scheduler."""
+    net = Net()
+    view = View(["m0", "m1", "m2"], leader="m0")
+    svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
+    net.svc = svc
+    await svc.start()
+    try:
+        summary = await svc.submit(service.decode_upload(upload(prepared, stages=1)),
+                                   submitter="m1")
+        rec = svc.get(summary["job_id"])
+        assert isinstance(rec, service._Record)
+        await wait(lambda: bool(rec.history), 60, "the first step")
+        assert svc.worker.jobs()
+        view.leader, view.has_quorum = None, False  # a minority now
+        svc.on_view(view)
+        await asyncio.wait_for(asyncio.shield(rec.task), 20)  # type: ignore[arg-type]
+        assert rec.state == "handed_back", rec.state
+        assert not svc.worker.jobs()
+        back = [m for p, m in net.sent if p == "m1" and isinstance(m, JobUpdate)
+                and m.handed_back]
+        assert len(back) == 1 and "not the scheduler" in back[0].handed_back, net.kinds("m1")
+        assert not any("restart" in x for x in rec.logs), list(rec.logs)
+        # and a stale submission is refused, saying who to ask
+        with pytest.raises(NotScheduler, match="not the scheduler"):
+            await svc.submit(service.decode_upload(upload(prepared, stages=1)), submitter="m1")
+    finally:
+        await svc.close()
+
+
+async def test_a_scheduler_that_lost_the_lease_among_a_majority_decides_nothing_more(
+        prepared: Any) -> None:
+    """Another member leads now, and this daemon still sees a majority: its running attempt
+    goes on (no other scheduler knows the job, and no minority is scheduling), but it decides
+    nothing more: the attempt's failure is handed back instead of restarted here."""
+    net = Net()
+    view = View(["m0", "m1", "m2"], leader="m0")
+    svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
+    net.svc = svc
+    await svc.start()
+    try:
+        summary = await svc.submit(service.decode_upload(upload(prepared, stages=1)),
+                                   submitter="m1")
+        rec = svc.get(summary["job_id"])
+        assert isinstance(rec, service._Record)
+        await wait(lambda: bool(rec.history), 60, "the first step")
+        view.leader, view.term = "m2", 2  # a lease that lapsed under load, say
+        svc.on_view(view)
+        at = len(rec.history)
+        await wait(lambda: len(rec.history) > at + 2, 30, "more steps")
+        assert rec.state == "running" and svc.worker.jobs()
+        assert sum("decides nothing more" in x for x in rec.logs) == 1
+        svc.on_view(view)
+        assert sum("decides nothing more" in x for x in rec.logs) == 1  # (noted once a term)
+        rec.coord.node_failed("m0", "a test: its stage machine failed")
+        await asyncio.wait_for(asyncio.shield(rec.task), 20)  # type: ignore[arg-type]
+        assert rec.state == "handed_back" and rec.restarts == 0, list(rec.logs)
+        assert any(isinstance(m, JobUpdate) and m.handed_back for _, m in net.sent)
+    finally:
+        await svc.close()
+
+
+async def test_a_scheduler_bug_ends_the_job_on_its_submitter(
+        prepared: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception in the scheduler's own code (a bug) fails the job with its reason, and the
+    submitter hears it (it used to show the job running forever)."""
+
+    async def crash(self: Any) -> None:
+        raise RuntimeError("a scheduler bug")
+
+    monkeypatch.setattr(service.JobCoordinator, "run", crash)
+    net = Net()
+    view = View(["m0", "m1"], leader="m0")
+    svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
+    await svc.start()
+    try:
+        summary = await svc.submit(service.decode_upload(upload(prepared, stages=1)),
+                                   submitter="m1")
+        rec = svc.get(summary["job_id"])
+        await asyncio.wait_for(asyncio.shield(rec.task), 20)  # type: ignore[union-attr,arg-type]
+        final = [m for p, m in net.sent if p == "m1" and isinstance(m, JobUpdate)
+                 and m.status.get("state") == "failed"]
+        assert final, net.kinds("m1")
+        assert "scheduler error: RuntimeError: a scheduler bug" in str(final[-1].status)
+    finally:
+        await svc.close()
+
+
+def _scheduler(net: Net, *, knows: bool | None) -> Any:
+    """m0 as the scheduler, seen from the submitter m1: it takes every submission; asked about
+    the job it answers unknown (`knows` False), running (True) or nothing (None)."""
+    seen: list[str] = []
+
+    def reply(peer: str, msg: Message) -> Message | None:
+        if isinstance(msg, JobSubmit):
+            seen.append(msg.request_id)
+            return JobSubmitReply(request_id=msg.request_id, ok=True, summary={
+                "job_id": "svc-abcdef", "stages": [{"stage": 0, "node": "m0"}], "plan": "",
+                "term": 1})
+        if isinstance(msg, JobQuery) and knows is not None:
+            return JobQueryReply(job_id=msg.job_id, known=knows,
+                                 state="running" if knows else "")
+        return None
+
+    net.reply = reply
+    return seen
+
+
+async def test_a_submitter_whose_scheduler_lost_the_job_resubmits_it(
+        prepared: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler stays alive (it restarted faster than the failure detector) but no longer
+    has the job: its updates stop; the submitter asks, hears "unknown", and resubmits the job
+    (the scheduler may be the same node: it lost the job) within the failover bound."""
+    monkeypatch.setattr(service, "STALE_UPDATE_S", 0.5)
+    net = Net()
+    view = View(["m0", "m1"], leader="m0")
+    svc = JobService(node_id="m1", send_raw=net.send, view=lambda: view)
+    net.svc = svc
+    submits = _scheduler(net, knows=False)
+    await svc.start()
+    try:
+        summary = await svc.submit_upload(upload(prepared, stages=1))
+        r = svc.get(summary["job_id"])
+        assert isinstance(r, service._Remote)
+        await wait(lambda: len(submits) == 2, 10, "the resubmission")
+        assert "JobQuery" in net.kinds("m0")
+        assert r.restarts == 1 and r.state == "running"
+        lines = svc.logs(r.job_id)["lines"]
+        assert any("no longer knows the job" in x for x in lines), lines
+    finally:
+        await svc.close()
+
+
+async def test_a_silent_scheduler_fails_the_job_within_the_failover_bound(
+        prepared: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scheduler alive in the membership view that neither sends updates nor answers: the
+    job fails after `FAILOVER_WAIT_S` of silence, naming it; one that answers "running" keeps
+    the job (its updates are only late)."""
+    monkeypatch.setattr(service, "STALE_UPDATE_S", 0.5)
+    monkeypatch.setattr(service, "QUERY_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(service, "FAILOVER_WAIT_S", 2.0)
+    for knows in (None, True):
+        net = Net()
+        view = View(["m0", "m1"], leader="m0")
+        svc = JobService(node_id="m1", send_raw=net.send, view=lambda v=view: v)
+        net.svc = svc
+        _scheduler(net, knows=knows)
+        await svc.start()
+        try:
+            summary = await svc.submit_upload(upload(prepared, stages=1))
+            r = svc.get(summary["job_id"])
+            assert isinstance(r, service._Remote)
+            await asyncio.sleep(4.0)
+            if knows is None:
+                assert r.state == "failed", r.status
+                failure = r.status["outcome"]["failure"]
+                assert failure.startswith("the scheduler m0 sent nothing about the job for "), \
+                    failure
+                assert "does not answer status queries" in failure
+            else:
+                assert r.state == "running" and net.kinds("m0").count("JobQuery") >= 2
+        finally:
+            await svc.close()
+
+
+
+async def test_a_job_handed_back_waits_for_a_scheduler_and_can_be_cancelled(
+        prepared: Any) -> None:
+    """The scheduler gives the job back (it lost its lease): the submitter waits for the next
+    scheduler (a newer term: the same node counts again only then) and resubmits there; a
+    user's cancel meanwhile ends the job and nothing is resubmitted."""
+    for cancel in (False, True):
+        net = Net()
+        view = View(["m0", "m1", "m2"], leader="m0", term=1)
+        svc = JobService(node_id="m1", send_raw=net.send, view=lambda v=view: v)
+        net.svc = svc
+        submits = _scheduler(net, knows=True)
+        await svc.start()
+        try:
+            summary = await svc.submit_upload(upload(prepared, stages=1))
+            r = svc.get(summary["job_id"])
+            assert isinstance(r, service._Remote) and r.term == 1
+            view.leader, view.has_quorum = None, False
+            await svc.dispatch("m0", JobUpdate(job_id=r.job_id, status={"state": "running"},
+                                               handed_back="m0 lost its quorum"))
+            assert r.failing_over and r.state == "running"
+            if cancel:
+                res = await svc.cancel(r.job_id)
+                assert res == {"job_id": r.job_id, "state": "cancelled", "cancelled": True}
+            view.leader, view.has_quorum = "m0", True  # the same term: not yet
+            await asyncio.sleep(0.5)
+            assert len(submits) == 1
+            view.term = 2  # m0 elected again, in a newer term
+            await asyncio.sleep(0.5)
+            if cancel:
+                assert len(submits) == 1 and r.state == "cancelled"
+            else:
+                assert len(submits) == 2 and r.state == "running" and r.restarts == 1
+        finally:
+            await svc.close()

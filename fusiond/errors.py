@@ -17,3 +17,8 @@ class RemoteError(FusionError):
 
 class ConfigError(LocalError):
     """A configuration value is invalid; the message names the key and where it came from."""
+
+
+class SelfAddress(RemoteError):
+    """An address we dialled is this node itself (its own bootstrap address, e.g. from its own
+    join token): nothing to dial there, ever."""

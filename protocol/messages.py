@@ -301,7 +301,8 @@ class Refuse(Message):
     """Either side refuses the connection; it is closed after this frame.
 
     `code`: "version" (no common version), "cluster" (other cluster), "auth", "busy",
-    "protocol" (bad handshake). Carries the refuser's version range and the peer's as seen.
+    "protocol" (bad handshake), "self" (the dialer is this very node). Carries the refuser's
+    version range and the peer's as seen.
     """
 
     TYPE_ID: ClassVar[int] = 3

@@ -26,6 +26,7 @@ from zeroconf import IPVersion, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
 from fusiond.cluster.errors import DiscoveryError
+from fusiond.errors import SelfAddress
 from protocol import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
@@ -230,6 +231,11 @@ class BootstrapDialer:
                 peer = await self._connect(address)
             except asyncio.CancelledError:
                 raise
+            except SelfAddress:
+                # Our own address (e.g. our own join token's): nothing to find there, ever.
+                log.debug("bootstrap %s:%d is this node itself; not dialled again", *address)
+                self._done.add(address)
+                return
             except Exception as exc:
                 attempt += 1
                 # Log the first failure and then rarely: an unreachable seed retries forever.

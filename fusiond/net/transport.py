@@ -65,13 +65,13 @@ from typing import Any, Final, cast
 
 from cryptography.hazmat.primitives import serialization
 
-from fusiond.errors import ConfigError, FusionError, LocalError, RemoteError
+from fusiond.errors import ConfigError, FusionError, LocalError, RemoteError, SelfAddress
 from fusiond.net import tls as tlsmod
 from fusiond.net.pki import JoinAuthority, JoinTokenError, PKIError, TLSMaterial
 from protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
 from protocol.errors import ProtocolError
 from protocol.frames import FIXED_HEADER_SIZE, Frame, FrameDecoder
-from protocol.handshake import Handshake, Role
+from protocol.handshake import Handshake, HandshakeRefused, Role
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import (
     HelloAck,
@@ -102,6 +102,8 @@ Handler = Callable[[str, Message], Awaitable[None]]
 Address = tuple[str, int]
 
 _MiB: Final = 1 << 20
+REFUSE_SELF: Final = "self"
+"""Refuse code: the dialer is this node itself (it dialled its own address)."""
 
 
 class PeerRefused(RemoteError):
@@ -110,6 +112,11 @@ class PeerRefused(RemoteError):
 
 class PeerUnreachable(RemoteError):
     """We could not open a connection to the peer's address."""
+
+
+class DialedSelf(PeerRefused, SelfAddress):
+    """The address we dialled is this node itself (the listener said so, or its HelloAck
+    named us)."""
 
 
 class UnknownPeer(LocalError):
@@ -1165,6 +1172,8 @@ class PeerNetwork:
             hs.receive(reply)
         except ProtocolError as e:
             conn.transport.abort()
+            if isinstance(e, HandshakeRefused) and e.code == REFUSE_SELF:
+                raise DialedSelf(f"{host}:{port} is this node itself") from e
             log.warning("handshake with %s:%s failed: %s", host, port, e)
             raise PeerRefused(f"{host}:{port}: {e}") from e
         assert isinstance(reply, HelloAck) and hs.version is not None
@@ -1174,7 +1183,7 @@ class PeerNetwork:
             raise PeerRefused(f"{host}:{port} claims a node id its certificate does not carry")
         if reply.node_id == self.node_id:
             conn.transport.abort()
-            raise PeerRefused(f"{host}:{port} is this node itself")
+            raise DialedSelf(f"{host}:{port} is this node itself")
         if reply.node_id in self._denied:
             conn.abort(f"{host}:{port} is node {reply.node_id}, which was removed")
             raise PeerRefused(f"{host}:{port} is node {reply.node_id}, which was removed")
@@ -1372,7 +1381,14 @@ class PeerNetwork:
                 f"{conn.cert_node_id}"))
             return
         if peer_id == self.node_id:
-            self._refuse(conn, self._auth_refusal("a node cannot connect to itself"))
+            # Not a warning: a node dialling its own address (its own join token's bootstrap
+            # address) learns it at once and stops (DialedSelf).
+            lo, hi = self.config.versions
+            refuse = Refuse(code=REFUSE_SELF, reason="a node cannot connect to itself",
+                            min_version=lo, max_version=hi)
+            if conn.transport is not None and not conn.transport.is_closing():
+                conn.write_small(encode_message(refuse, limits=self._preauth_limits))
+                conn.transport.close()
             return
         if peer_id in self._denied:
             self._refuse(conn, self._auth_refusal(f"node {peer_id} was removed from the cluster"))

@@ -276,6 +276,16 @@ class Election:
         """The highest unproven term we accept now."""
         return min(MAX_TERM, self.quorum_term(voters) + TERM_LEAD_MAX)
 
+    def campaign_floor(self, voters: Collection[str]) -> int:
+        """The highest term any voter reported in its own signed record, within
+        `term_ceiling`: a campaign runs above it. A term only one voter saw may have had a
+        leader (a node that led alone before the others joined it, its voter set then being
+        just itself); campaigning in it would give that term a second scheduler. A member's
+        word moves our campaign no further than the ceiling, and deposes nobody."""
+        ceiling = self.term_ceiling(voters)
+        seen = [t for v, t in self._reported.items() if v in voters and t <= ceiling]
+        return max([self.term, *seen])
+
     # -- internal transitions ----------------------------------------------------------------
 
     def _refuse(self, reason: str) -> None:
@@ -399,7 +409,7 @@ class Election:
         self.role = "precandidate"
         self._campaign_started = now
         self._pending_rid = self._next_rid()
-        self._pending_term = self.term + 1
+        self._pending_term = self.campaign_floor(voters) + 1
         self._grants = {self.node_id}
         if len(self._grants) >= majority(voters):
             return self._start_election(now, voters, reachable)
@@ -410,7 +420,7 @@ class Election:
     def _start_election(self, now: float, voters: Collection[str],
                         reachable: Collection[str]) -> list[Out]:
         self.role = "candidate"
-        self.term += 1
+        self.term = max(self.campaign_floor(voters), self._pending_term - 1) + 1
         self.voted_for = self.node_id
         self._campaign_started = now
         self._pending_rid = self._next_rid()

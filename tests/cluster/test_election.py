@@ -382,3 +382,25 @@ def test_a_leader_that_led_alone_re_elects_itself_with_the_members_that_joined()
     assert role(a) == "leader" and a.term == 2
     ack = b.on_leader("a", beat, 1.06, two)[0][1]  # type: ignore[arg-type]
     assert isinstance(ack, LeaderAck) and ack.accepted and b.leader(1.06) == "a"
+
+
+def test_a_campaign_runs_above_a_term_one_voter_led_alone() -> None:
+    # The seed of a new cluster led term 1 alone (its voters then: itself); two nodes joined it
+    # at term 0. A campaign by one of them at term 1 gave term 1 a second scheduler (seen on
+    # real daemons: tests/daemon/test_multidaemon.py). The seed's signed record says term 1:
+    # the campaign runs at term 2.
+    c = Election("c", timing=T, now=0.0)
+    c.set_reported_terms({"a": 1, "b": 0})
+    out = c.tick(0.6, voters=VOTERS, ranked_alive=["c", "b", "a"], reachable=["a", "b"])
+    pre = out[0][1]
+    assert isinstance(pre, PreVote) and pre.term == 2 and c.term == 0
+    out = c.on_vote("b", Vote(request_id=pre.request_id, term=2, voter="b", granted=True), 0.6,
+                    VOTERS, ["a", "b"])
+    req = out[0][1]
+    assert isinstance(req, VoteRequest) and req.term == 2 and c.term == 2
+    # A member's word moves a campaign no further than the ceiling (it deposes nobody).
+    d = Election("d", timing=T, now=0.0)
+    d.set_reported_terms({"a": 10**6, "b": 0})
+    out = d.tick(0.6, voters={"a", "b", "d"}, ranked_alive=["d", "b", "a"], reachable=["a", "b"])
+    pre = out[0][1]
+    assert isinstance(pre, PreVote) and pre.term == 1

@@ -101,6 +101,7 @@ from fusiond.train.remote import MAX_RECV_TIMEOUT_S, MIN_RECV_TIMEOUT_S
 from fusiond.train.spec import JobSpec, parse_job
 from fusiond.train.stage import StageConfig
 from fusiond.units import bytes_per_s_from_bits_per_s
+from protocol import ir
 from protocol.messages import (
     Address,
     JobCancel,
@@ -850,6 +851,7 @@ class JobService:
         spec = await asyncio.to_thread(parse_job, upload.meta["toml"], base=Path(
             upload.meta["base"]), out_base=Path(upload.meta["out_base"]), check_paths=False)
         upload = await asyncio.to_thread(_checked_data, upload, spec)
+        await self._check_ops_here(upload)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + SCHEDULER_WAIT_S
         while True:
@@ -877,6 +879,24 @@ class JobService:
             self._spawn(self._keep_steps(job_id), f"steps {job_id}")
             self._spawn(self._watch(self._remote[job_id]), f"watch {job_id}")
         return summary
+
+    async def _check_ops_here(self, upload: Upload) -> None:
+        """`JobRefused` when no member alive in this daemon's view runs some op of the
+        upload's graph: said at once, before waiting for (or without) a scheduler, which checks
+        again with its own view."""
+        view = self.view()
+        if view is None or self.op_sets is None:
+            return
+        try:
+            graph = await asyncio.to_thread(ir.loads, upload.graph_bytes)
+        except Exception:  # the scheduler refuses a bad graph with its own reason
+            return
+        sets = await self._member_ops(view)
+        alive = [m.node_id for m in view.members if m.state == "alive"
+                 and m.node_id not in sets.unknown]
+        why = refuse_unrunnable(graph, sets, alive) if alive else None
+        if why is not None:
+            raise JobRefused(why)
 
     async def _await_scheduler(self, deadline: float, *, not_before: tuple[str, int] | None
                                = None) -> str:

@@ -312,6 +312,15 @@ def _check_config(c: NetConfig) -> None:
         raise ConfigError(f"net.refusal_log_burst = {c.refusal_log_burst}: must be >= 0")
 
 
+def _reraise_if_cancelling() -> None:
+    """Raise CancelledError when this task is being cancelled. A cancel that lands while a
+    deadline (`asyncio.timeout`) expires can surface as TimeoutError (an OSError); a writer
+    that took it for a lost link looped on and `close()` waited for it forever."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 def _log_crash(task: asyncio.Task[None]) -> None:
     """A writer that died of a bug says so (the next send() starts a new one)."""
     if not task.cancelled() and task.exception() is not None:
@@ -1064,6 +1073,7 @@ class PeerNetwork:
             try:
                 conn = await self._link(p, lane)
             except (TimeoutError, OSError, FusionError, ssl.SSLError) as e:
+                _reraise_if_cancelling()
                 dropped = 1 + q.qsize()
                 while not q.empty():
                     q.get_nowait()
@@ -1083,6 +1093,7 @@ class PeerNetwork:
                 else:
                     await conn.write_frame(out, chunk)
             except (OSError, RuntimeError) as e:
+                _reraise_if_cancelling()
                 p.dropped += 1
                 p.last_error = str(e)
                 log.info("lost %s link to %s while writing: %s", lane.value, p.node_id, e)

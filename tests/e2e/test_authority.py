@@ -53,17 +53,29 @@ def _upload(job: Path, *, check: bool = False, **meta: Any) -> tuple[Any, dict[s
         captured = prepare_job(job).captured
     else:
         _, captured = capture_job(spec)
+    from fusiond.jobs.submit import corpus_for_upload
+
     text = job.read_text()
-    return (spec, captured), {"toml": text, "base": str(job.parent),
-                              "out_base": str(Path.cwd()), **meta}
+    digest, corpus = corpus_for_upload(spec)
+    _CORPORA[digest] = corpus
+    return (spec, captured), {"toml": text, "base": str(job.parent), "out_base": str(Path.cwd()),
+                              "data_digest": digest, "data_default": bool(digest) and not corpus,
+                              **meta}
+
+
+_CORPORA: dict[str, bytes] = {}  # corpus bytes by the digest `_upload` put in a meta
 
 
 def _encode(captured: Any, meta: dict[str, Any], state_bytes: bytes | None = None,
-            data: bytes = b"") -> bytes:
+            data: bytes | None = None) -> bytes:
+    """The upload of `captured` with `meta`; its data section is `data`, or by default the
+    corpus `_upload` read for the meta's digest (what fusionctl sends)."""
     from fusiond.graph import state_to_bytes
     from fusiond.jobs.upload import encode_upload
     from protocol import ir
 
+    if data is None:
+        data = _CORPORA.get(str(meta.get("data_digest", "")), b"")
     return encode_upload(meta, ir.dumps(captured.graph),
                          state_bytes if state_bytes is not None
                          else state_to_bytes(captured.state), data)
@@ -227,6 +239,8 @@ def test_a_minority_never_schedules(tmp_path: Path,
         _ended(c, submitter, job_id, 150.0)
         d = submitter.api("GET", f"/v1/jobs/{job_id}?history=0")
         assert d["state"] == "done", (d.get("outcome"), _lines(submitter, job_id)[-10:])
+        rc, _, err = ctl(submitter, "fetch", job_id, "--json", capsys=capsys)  # (--detach)
+        assert rc == 0, err
         assert (tmp_path / "out" / "model.safetensors").exists()
     finally:
         c.stop()

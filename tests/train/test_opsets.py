@@ -299,8 +299,12 @@ async def test_submit_refuses_an_op_no_live_machine_runs_and_a_stages_cut_onto_o
 
     (tmp_path / "job.toml").write_text(JOB.replace('"json"', f'"{default_text_path()}/json"'))
     job = prepare_job(tmp_path / "job.toml")
-    meta = {"toml": job.toml_text, "base": job.base, "out_base": job.out_base}
-    upload = Upload(meta, job.graph_bytes, job.state_bytes)
+    from fusiond.jobs.submit import corpus_for_upload
+
+    digest, corpus = corpus_for_upload(job.spec)
+    meta = {"toml": job.toml_text, "base": job.base, "out_base": job.out_base,
+            "data_digest": digest, "data_default": not corpus}
+    upload = Upload(meta, job.graph_bytes, job.state_bytes, corpus)
     wire = _Wire()
     full, lacking = op_set(), op_set([LINEAR])
     sched = wire.add("n0", full)
@@ -311,7 +315,8 @@ async def test_submit_refuses_an_op_no_live_machine_runs_and_a_stages_cut_onto_o
                 wire.add(n, s)
             wire.services[n].local = s
         members = [_member(n, s, "dead" if n in dead else "alive") for n, s in sets.items()]
-        view = SimpleNamespace(members=members, links={}, leader=None, term=0)
+        view = SimpleNamespace(members=members, links={}, leader="n0", term=1,
+                               has_quorum=True)  # n0 is the scheduler
 
         async def send_raw(peer: str, msg: object, payload: object = ()) -> None:
             raise AssertionError("a dry run sends nothing")
@@ -342,6 +347,6 @@ async def test_submit_refuses_an_op_no_live_machine_runs_and_a_stages_cut_onto_o
         assert LINEAR not in {ops[i] for i in order[s["start_op"]:s["stop_op"]]}
     with pytest.raises(JobRefused, match=r"--stages 3: stage 2 goes to n2, which cannot run "
                        r"op 'aten.linear.default'"):
-        await svc.submit(Upload({**meta, "stages": 3}, job.graph_bytes, job.state_bytes),
+        await svc.submit(Upload({**meta, "stages": 3}, job.graph_bytes, job.state_bytes, corpus),
                          dry_run=True)
     await sched.close()

@@ -56,10 +56,14 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def upload(job: Any, **meta: Any) -> bytes:
+    """What `fusionctl submit` sends: the job, and the corpus it read as the user."""
+    from fusiond.jobs.submit import corpus_for_upload
     from fusiond.jobs.upload import encode_upload
 
+    digest, corpus = corpus_for_upload(job.spec)
     return encode_upload({"toml": job.toml_text, "base": job.base, "out_base": job.out_base,
-                          **meta}, job.graph_bytes, job.state_bytes)
+                          "data_digest": digest, "data_default": bool(digest) and not corpus,
+                          **meta}, job.graph_bytes, job.state_bytes, corpus)
 
 
 def member(node_id: str) -> SimpleNamespace:

@@ -304,12 +304,17 @@ def _group_orders(
 def _sequences(
     arrays: GraphArrays, order: tuple[int, ...], groups: list[list[int]], small: bool
 ) -> list[list[int]]:
-    """Machine sequences for a group order: fastest first; for small clusters also
-    largest-memory first, every within-group permutation when few, and truncations (the DP's
-    1F1B memory bound min(M, machines left) is tighter on a shorter sequence)."""
+    """Machine sequences for a group order: fastest first, and truncations (the DP's 1F1B
+    memory bound min(M, machines left) is tighter on a shorter sequence: without them a
+    pipeline shorter than the sequence, down to one machine, can be excluded where memory is
+    tight); for large clusters a ladder of prefix lengths and every group's end, for small ones
+    every prefix of largest-memory first and of every within-group permutation when few."""
     base = [m for g in order for m in groups[g]]
     if not small:
-        return [base]
+        ends = set(itertools.accumulate(len(groups[g]) for g in order))
+        ladder = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32}
+        return [base[:cut] for cut in sorted((ladder | ends) & set(range(1, len(base) + 1)),
+                                             reverse=True)]
     variants = [base, [m for g in order for m in sorted(groups[g],
                                                       key=lambda x: -float(arrays.caps[x]))]]
     if math.prod(math.factorial(len(groups[g])) for g in order) <= 24:

@@ -172,3 +172,32 @@ def test_planning_speed_48_machines_6_groups() -> None:
     assert len(fence_groups(cl)) == 6
     assert plan.evaluation.memory_ok
     assert dt <= 2.0 * 1.5, f"planning took {dt:.2f} s"  # 1.5x slack for a loaded CI box
+
+
+def test_large_cluster_keeps_short_pipelines_its_memory_bound_would_exclude() -> None:
+    """48 machines (the large-cluster path): the whole model fits one machine with 1F1B's one
+    micro-batch in flight, not with 8, and the links are too slow to split it. The DP's 1F1B
+    bound, min(M, machines left in the sequence), assumed the first machine of an 8-machine
+    group holds 8 micro-batches, so no order admitted the single-machine plan and OP-Fence
+    returned a split 2x slower (bench/plan.py: GPT-2 small on volunteer at micro-batch 32)."""
+    n = 12
+    ops = tuple(OpCost(f"op{i}", op_class="matmul", fwd_flops=1e11, bwd_flops=2e11,
+                       param_bytes=5e7, opt_state_bytes=1e8, saved_bytes=4e7, out_bytes=1e6)
+                for i in range(n))
+    ts = tuple(TensorEdge(f"t{i}", i, (i + 1,), 5e7, 1.25e7) for i in range(n - 1))
+    g = CostGraph(ops, ts)
+    k = 48
+    grp = [i // 8 for i in range(k)]
+    bw = np.array([[1.25e8 if grp[a] == grp[b] else 1.25e7 for b in range(k)]
+                   for a in range(k)])
+    # 2.4 GB static + 0.48 GB of activations per micro-batch in flight: 2.88 GB with one in
+    # flight fits 0.9 x 3.5 GB, 3.36 GB with two does not
+    ms = [_machine(i, [1e13, 3e13][i % 2], 3.5e9) for i in range(k)]
+    cl = Cluster.build(ms, bw, np.full((k, k), 0.01))
+    st = JobSettings(micro_batch_size=1, num_micro_batches=32)
+    arrays = GraphArrays(g, cl, st)
+    single = max(evaluate(arrays, [StageSpec(m, 0, n)]).samples_per_s for m in range(k))
+    assert evaluate(arrays, [StageSpec(1, 0, n)]).feasible
+    plan = plan_opfence(g, cl, st)
+    assert plan.evaluation.feasible
+    assert plan.samples_per_s >= single * (1 - 1e-9), (plan.samples_per_s, single)

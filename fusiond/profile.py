@@ -35,6 +35,7 @@ from typing import Any
 
 import fusiond
 import protocol
+from fusiond import durable
 from fusiond.opsets import OpSet
 from fusiond.plan.model import MachineProfile, PlanError
 
@@ -485,9 +486,7 @@ def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> 
         if cache is not None:
             try:
                 cache.parent.mkdir(parents=True, exist_ok=True)
-                tmp = cache.with_suffix(".tmp")
-                tmp.write_text(json.dumps(data))
-                tmp.replace(cache)
+                durable.write_bytes(cache, json.dumps(data).encode(), mode=0o644)
             except OSError as e:
                 log.warning("cannot cache the profile benchmark in %s: %s", cache, e)
     gflops, machine, gflops_wall, machine_wall = raw

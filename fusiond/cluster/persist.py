@@ -18,12 +18,12 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fusiond import durable
 from fusiond.cluster.election import MAX_TERM
 from fusiond.cluster.errors import ClusterError
 
@@ -87,24 +87,7 @@ def save_election_state(path: Path, state: ElectionState, *, cluster_id: str,
 
 
 def _write_atomically(path: Path, body: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        view = memoryview(body)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    try:
-        dfd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return  # some filesystems cannot open a directory: the rename is still atomic
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    durable.write_bytes(path, body, mode=0o600)
 
 
 # -- the member list ------------------------------------------------------------------------

@@ -26,7 +26,6 @@ import datetime as dt
 import hashlib
 import hmac
 import json
-import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from fusiond import durable
 from fusiond.errors import ConfigError, LocalError, RemoteError
 
 NODE_KEY_FILE = "node.key"
@@ -92,24 +92,15 @@ def generate_key() -> ec.EllipticCurvePrivateKey:
 
 
 def _write_private(path: Path, data: bytes) -> None:
-    """Write `data` to `path` with mode 0600 from the first byte (never world-readable)."""
+    """Write `data` to `path` durably, with mode 0600 from the first byte (never
+    world-readable)."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
+    durable.write_bytes(path, data, mode=0o600)
 
 
 def _write_public(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    durable.write_bytes(path, data, mode=0o644)
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:

@@ -56,6 +56,7 @@ from fusiond.config import (
 from fusiond.durable import write_bytes
 from fusiond.errors import FusionError, LocalError
 from fusiond.metrics import DaemonCollector, MetricsServer, make_registry
+from fusiond.tasks import cancel_and_wait
 
 log = logging.getLogger("fusiond")
 
@@ -211,9 +212,7 @@ class Daemon:
                 await asyncio.wait({starting, stop}, return_when=asyncio.FIRST_COMPLETED)
                 if not starting.done():
                     log.info("stop requested during start-up")
-                    starting.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await starting
+                    await cancel_and_wait([starting], what="start-up")
                 await stop
                 self._stopping = True
                 self.phase = "stopping"

@@ -59,6 +59,7 @@ from aiohttp import web
 
 from fusiond.durable import write_bytes
 from fusiond.errors import FusionError, LocalError, RemoteError
+from fusiond.tasks import cancel_and_wait
 
 log = logging.getLogger("fusiond.api")
 
@@ -306,10 +307,7 @@ class ApiServer:
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
-        for t in list(self._trims):
-            t.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(list(self._trims), what="heap trim")
         ino, self._socket_ino = self._socket_ino, None
         if self.socket_path and ino is not None:
             with contextlib.suppress(FileNotFoundError):

@@ -16,7 +16,6 @@ into the refusals `JobService.submit` raises, naming the op and the machines.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import math
@@ -34,6 +33,7 @@ from fusiond.opsets import (
     ops_digest,
     unrunnable_message,
 )
+from fusiond.tasks import cancel_and_wait
 from protocol import ir
 from protocol.messages import Message, OpSetReply, OpSetRequest
 
@@ -164,12 +164,7 @@ class OpSetService:
     async def close(self) -> None:
         """Cancel the fetches in flight (and await them); idempotent."""
         self._closed = True
-        tasks = list(self._inflight.values())
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(list(self._inflight.values()), what="op-set fetch")
         for _, _, fut in self._pending.values():
             if not fut.done():
                 fut.cancel()

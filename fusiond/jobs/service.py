@@ -96,6 +96,7 @@ from fusiond.jobs.worker import JobWorker, Leadership, LeadershipFn, SendFn, loc
 from fusiond.plan import Cluster, MachineProfile, Plan
 from fusiond.plan.render import plan_summary, render_plan
 from fusiond.profile import machine_from_profile
+from fusiond.tasks import cancel_and_wait
 from fusiond.train.local import StepMetrics
 from fusiond.train.remote import MAX_RECV_TIMEOUT_S, MIN_RECV_TIMEOUT_S
 from fusiond.train.spec import JobSpec, parse_job
@@ -545,11 +546,8 @@ class JobService:
         if tasks:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10.0)
-        for t in [*tasks, *self._tasks]:
-            if not t.done():
-                t.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
+        await cancel_and_wait([t for t in [*tasks, *self._tasks] if not t.done()],
+                              what="job task")
         for job_id in [*self._jobs, *self._remote]:  # what arrived since the last flush
             with contextlib.suppress(Exception):
                 await self._save_steps(job_id)

@@ -30,7 +30,6 @@ local dispatch function instead of the network.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 from collections import OrderedDict
@@ -40,6 +39,7 @@ from typing import Any
 
 from fusiond.errors import FusionError
 from fusiond.graph import state_to_bytes
+from fusiond.tasks import cancel_and_wait
 from fusiond.train.remote import StageHost
 from fusiond.train.stage import StageConfig, StepReport, fault_of
 from protocol.limits import DEFAULT_LIMITS, Limits
@@ -384,8 +384,6 @@ class JobWorker:
         job = self._jobs.pop(job_id, None)
         if job is None:
             return
-        if job.task is not None and job.task is not asyncio.current_task():
-            job.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await job.task
+        if job.task is not None:
+            await cancel_and_wait([job.task], what="stage")
         await job.host.close()

@@ -11,7 +11,6 @@ with the same optimizer: the yardstick the pipeline must match.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ import torch
 from torch import nn
 
 from fusiond.errors import LocalError
+from fusiond.tasks import cancel_and_wait
 from fusiond.train.data import DataSource, split_micro_batches
 from fusiond.train.model import LossFn, WithLoss
 from fusiond.train.optim import lr_at, make_optimizer, set_lr
@@ -98,11 +98,7 @@ class MemoryLinks:
 
     async def close(self) -> None:
         """Cancel and await the pumps; idempotent."""
-        for t in self._pumps:
-            t.cancel()
-        for t in self._pumps:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._pumps, what="pump")
         self._pumps.clear()
 
 

@@ -26,7 +26,6 @@ receiver learns them from the payload and answers with a VALUES gradient at thos
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import functools
 import inspect
@@ -42,6 +41,7 @@ import torch
 from torch import nn
 
 from fusiond.errors import LocalError, RemoteError
+from fusiond.tasks import cancel_and_wait
 from fusiond.train import codec
 from fusiond.train.data import Batch, DataSource, split_micro_batches
 from fusiond.train.optim import lr_at, make_optimizer, set_lr
@@ -404,11 +404,7 @@ class StageExecutor:
         if self._closed:
             return
         self._closed = True
-        for t in self._senders:
-            t.cancel()
-        for t in self._senders:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._senders, what="sender")
         self._senders.clear()
         for fut in self._waiters.values():
             if not fut.done():

@@ -221,6 +221,12 @@ class _Remote:
     heard: float = field(default_factory=time.monotonic)
     """When the scheduler last said something about the job (monotonic clock)."""
     query: asyncio.Future[JobQueryReply] | None = None
+    stream_through: int = -1
+    """The last step of the records taken from the current scheduler's updates (-1: none
+    yet): an update whose records follow a later one (`JobUpdate.after`) comes after a lost
+    one, and the records are asked for again."""
+    resend_asked: float = -math.inf
+    """When this daemon last asked the scheduler to send records again (monotonic clock)."""
 
     @property
     def state(self) -> str:
@@ -1023,6 +1029,7 @@ class JobService:
         r.term = int(summary.get("term") or 0)
         if leader != self.node_id:
             r.scheduler = leader
+            r.stream_through = -1  # its records are a new stream
             lines.append(f"{time.strftime('%H:%M:%S', time.gmtime())} resubmitted to the new "
                          f"scheduler {leader}" + (f" from {r.checkpoint.name}" if r.checkpoint
                                                   else " from step 0"))
@@ -1075,9 +1082,16 @@ class JobService:
                 or r.failing_over:
             return
         r.heard = time.monotonic()
+        if msg.after > r.stream_through:
+            # An update before this one was lost: its records are not ours yet, and neither
+            # is this one's status (a final one must not end the job with steps missing).
+            self._ask_resend(r, f"its updates after step {r.stream_through} are missing "
+                                f"(this one follows step {msg.after})")
+            return
         for rec in msg.steps:
             try:
                 r.history.add(rec)
+                r.stream_through = int(rec["step"])
             except ValueError as e:
                 log.warning("job %s: step record from %s skipped: %s", r.job_id, peer, e)
         self._promote_checkpoint(r)
@@ -1087,14 +1101,6 @@ class JobService:
             r.status = {**dict(msg.status), "state": "running"}
             self._start_failover(r, f"the scheduler {peer} gave the job up: {msg.handed_back}")
             return
-        for rec in msg.steps:
-            try:
-                r.history.add(rec)
-            except ValueError as e:
-                log.warning("job %s: step record from %s skipped: %s", r.job_id, peer, e)
-        self._promote_checkpoint(r)
-        if msg.steps:
-            self._steps_arrived(r.job_id)
         if not msg.status:
             return  # steps only (the status follows in the last of a batch)
         status = dict(msg.status)
@@ -1104,6 +1110,23 @@ class JobService:
             self._spawn(self._finish_remote(r, status), f"finish {r.job_id}")
             return
         r.status = status
+
+    def _ask_resend(self, r: _Remote, why: str) -> None:
+        """Ask `r`'s scheduler for its step records after the last one taken, and the status
+        (`JobQuery.through`; at most once a second)."""
+        now = time.monotonic()
+        if now - r.resend_asked < 1.0:
+            return
+        r.resend_asked = now
+        log.info("job %s: asking the scheduler %s to send again: %s", r.job_id, r.scheduler, why)
+
+        async def ask() -> None:
+            with contextlib.suppress(LocalError, OSError, TimeoutError):
+                async with asyncio.timeout(QUERY_TIMEOUT_S):
+                    await self.send(r.scheduler, JobQuery(job_id=r.job_id,
+                                                          through=r.stream_through), ())
+
+        self._spawn(ask(), f"resend {r.job_id}")
 
     def _promote_checkpoint(self, r: _Remote) -> None:
         """A stored checkpoint after step s becomes the one a failover resumes from once the
@@ -1218,7 +1241,10 @@ class JobService:
         r.query = fut
         try:
             async with asyncio.timeout(QUERY_TIMEOUT_S):
-                await self.send(r.scheduler, JobQuery(job_id=r.job_id), ())
+                # (through: what it sent that did not come, the final update included, comes
+                # again)
+                await self.send(r.scheduler, JobQuery(job_id=r.job_id,
+                                                      through=r.stream_through), ())
                 return await fut
         except (LocalError, OSError, TimeoutError) as e:
             log.info("job %s: no answer from the scheduler %s: %s", r.job_id, r.scheduler, e)
@@ -1231,6 +1257,10 @@ class JobService:
         known = rec is not None and rec.submitter == peer
         reply = JobQueryReply(job_id=msg.job_id, known=known,
                               state=rec.state if rec is not None and known else "")
+        if rec is not None and known and msg.through >= -1 and rec.state != "handed_back":
+            # It lacks records after `through` (or the final update): send them again.
+            rec.update_cursor.through = min(rec.update_cursor.through, msg.through)
+            self._spawn(self._send_update(rec), f"resend {rec.job_id}")
         try:
             async with asyncio.timeout(REMOTE_SEND_S):
                 await self.send(peer, reply, ())
@@ -1291,16 +1321,22 @@ class JobService:
             async with asyncio.timeout(REMOTE_SEND_S):  # a dead submitter must not stall us
                 await self.send(rec.submitter, msg, ())
 
+        # Each update says which record its own follow (`after`): one lost on the way (a
+        # failed dial drops what was queued, and a send only queues) shows as a gap, and the
+        # submitter asks for the records again (`JobQuery.through`, `_answer_query`).
+        after = rec.update_cursor.through
         steps = rec.history.take(rec.update_cursor, MAX_UPDATE_STEPS, MAX_UPDATE_STEP_BYTES)
         while True:
+            nxt_after = rec.update_cursor.through
             nxt = rec.history.take(rec.update_cursor, MAX_UPDATE_STEPS, MAX_UPDATE_STEP_BYTES)
             if not nxt:
                 break
-            await send(JobUpdate(job_id=rec.job_id, steps=tuple(_wire(steps))))
-            steps = nxt
+            await send(JobUpdate(job_id=rec.job_id, steps=tuple(_wire(steps)), after=after))
+            steps, after = nxt, nxt_after
         st = json.loads(json.dumps(self.job(rec.job_id, history=1), default=str))
         st["lines"] = list(rec.logs)
-        await send(JobUpdate(job_id=rec.job_id, status=st, steps=tuple(_wire(steps))))
+        await send(JobUpdate(job_id=rec.job_id, status=st, steps=tuple(_wire(steps)),
+                             after=after))
 
     async def _checkpoint_out(self, rec: _Record, step: int,
                               state: dict[str, torch.Tensor]) -> None:

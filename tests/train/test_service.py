@@ -347,3 +347,89 @@ async def test_a_job_handed_back_waits_for_a_scheduler_and_can_be_cancelled(
                 assert len(submits) == 2 and r.state == "running" and r.restarts == 1
         finally:
             await svc.close()
+
+
+def _recs(steps: range) -> tuple[dict[str, Any], ...]:
+    return tuple({"step": s, "loss": 5.0 - 0.01 * s, "wall_s": 0.1} for s in steps)
+
+
+async def test_a_submitter_that_lost_an_update_asks_for_its_records_again(
+        prepared: Any) -> None:
+    """The chaos check's finding: a scheduler's send only queues, and a failed dial drops what
+    was queued, so an update can be lost while the next arrives. Taken as is, the job's step
+    history (metrics.json) had a hole, and a final update that came after a lost one ended the
+    job `done` with steps missing. Each update says which step its records follow (`after`):
+    the submitter takes nothing after a gap, asks (`JobQuery.through`, the last step it holds)
+    and takes the records sent again."""
+    net = Net()
+    view = View(["m0", "m1"], leader="m0")
+    svc = JobService(node_id="m1", send_raw=net.send, view=lambda: view)
+    net.svc = svc
+    _scheduler(net, knows=True)
+    await svc.start()
+    try:
+        summary = await svc.submit_upload(upload(prepared, stages=1, steps=8))
+        r = svc.get(summary["job_id"])
+        assert isinstance(r, service._Remote)
+        await svc.dispatch("m0", JobUpdate(job_id=r.job_id, steps=_recs(range(0, 3)), after=-1))
+        assert r.history.steps() == [0, 1, 2]
+        # the update of steps 3..5 is lost; the final one (6, 7 and "done") arrives
+        done = {"state": "done", "step": 8, "outcome": {"ok": True}}
+        await svc.dispatch("m0", JobUpdate(job_id=r.job_id, steps=_recs(range(6, 8)),
+                                           status=done, after=5))
+        assert r.history.steps() == [0, 1, 2], "records after a gap were taken"
+        assert not r.finishing and r.state == "running", "a final update after a gap ended it"
+        await wait(lambda: any(isinstance(m, JobQuery) and m.through == 2
+                               for p, m in net.sent if p == "m0"), 5, "the ask to resend")
+        # the scheduler sends everything after step 2 again, with the status
+        await svc.dispatch("m0", JobUpdate(job_id=r.job_id, steps=_recs(range(3, 8)),
+                                           status=done, after=2))
+        assert r.history.steps() == list(range(8))
+        assert r.finishing or r.state == "done"
+        # an update whose records follow ones already held (a resend crossing an update) is
+        # taken, each step once
+        assert r.stream_through == 7
+    finally:
+        await svc.close()
+
+
+async def test_a_scheduler_sends_the_records_after_what_its_submitter_holds_again(
+        prepared: Any) -> None:
+    """The scheduler's side: every update names the step its records follow, the chain of
+    updates has no gap, and a `JobQuery.through` from the submitter rewinds the stream to
+    that step: the next update carries the records after it again, and the status."""
+    net = Net()
+    view = View(["m0", "m1"], leader="m0")
+    svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
+    net.svc = svc
+    await svc.start()
+    try:
+        summary = await svc.submit(service.decode_upload(upload(prepared, stages=1)),
+                                   submitter="m1")
+        rec = svc.get(summary["job_id"])
+        assert isinstance(rec, service._Record)
+        await wait(lambda: len(rec.history) >= 3, 60, "three steps")
+        await wait(lambda: sum(len(m.steps) for p, m in net.sent
+                               if isinstance(m, JobUpdate)) >= 3, 10, "updates of 3 steps")
+        updates = [m for p, m in net.sent if p == "m1" and isinstance(m, JobUpdate)]
+        held = -1
+        for m in updates:  # the submitter could take each one: no gap
+            assert m.after == held, (m.after, held)
+            if m.steps:
+                held = int(m.steps[-1]["step"])
+        assert held >= 2
+        net.sent.clear()
+        await svc.dispatch("m1", JobQuery(job_id=rec.job_id, through=0))
+        await wait(lambda: any(isinstance(m, JobUpdate) and m.status for p, m in net.sent
+                               if p == "m1"), 10, "the records again")
+        again = [m for p, m in net.sent if p == "m1" and isinstance(m, JobUpdate)]
+        assert again[0].after == 0 and again[0].steps[0]["step"] == 1, again[0]
+        assert any(isinstance(m, JobQueryReply) and m.known for _, m in net.sent)
+        # a plain status query (an older submitter: through -2) rewinds nothing
+        net.sent.clear()
+        await svc.dispatch("m1", JobQuery(job_id=rec.job_id))
+        await wait(lambda: any(isinstance(m, JobQueryReply) for _, m in net.sent), 10, "reply")
+        await asyncio.sleep(0.3)
+        assert all(m.after >= held for _, m in net.sent if isinstance(m, JobUpdate))
+    finally:
+        await svc.close()

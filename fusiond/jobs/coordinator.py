@@ -293,6 +293,17 @@ class JobCoordinator:
         self._done.set()
 
     def _on_step(self, peer: str, msg: StageStep) -> None:
+        expected = self._step_of.get(msg.partition, self.first_step)
+        if msg.step != expected:
+            # A stage reports its steps in order, on one connection: a report of a later step
+            # means earlier ones were lost on the way (a failed dial drops what was queued).
+            # The history would have a hole: this attempt ends, and the restart resumes from
+            # a checkpoint before it.
+            if msg.step > expected:
+                self._blame_silent = False  # the cause is known: no neighbour to blame
+                self._fail(peer, expected, f"its reports of steps {expected}..{msg.step - 1} "
+                           "never reached the scheduler (lost on the way)")
+            return
         rep = StepReport.from_figures(msg.partition, msg.step, msg.figures)
         self._step_of[msg.partition] = msg.step + 1
         got = self._per_step.setdefault(msg.step, {})
@@ -412,6 +423,18 @@ class JobCoordinator:
             log.exception("job %s: the scheduler's side of the attempt failed", self.job_id)
             self._fail("scheduler", -1, f"{type(e).__name__}: {e}", stage=-1,
                        fault=FAULT_SCHEDULER)
+        if self._failure is None:
+            # Every stage finished: every step's reports must have come (a lost last report
+            # would leave the history without the job's last steps).
+            short = sorted(s for s in self.stage_nodes
+                           if self._step_of.get(s, self.first_step) < self.spec.steps)
+            if short:
+                s = short[0]
+                got = self._step_of.get(s, self.first_step)
+                self._blame_silent = False
+                self._fail(self.stage_nodes[s], got, f"it finished, but its reports of steps "
+                           f"{got}..{self.spec.steps - 1} never reached the scheduler (lost on "
+                           "the way)")
         if self._failure is not None and self._blame_silent and self._failure.stage >= 0:
             await self._find_silent()
         if self._failure is not None:

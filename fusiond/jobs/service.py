@@ -60,6 +60,7 @@ from fusiond.graph import CapturedModel, contiguous_assignment, state_from_bytes
 from fusiond.jobs.assign import Corpus, JobLayout, layout_job
 from fusiond.jobs.coordinator import (
     FAULT_JOB,
+    FAULT_MACHINE,
     FAULT_REFUSED,
     FAULT_SCHEDULER,
     JobCoordinator,
@@ -99,7 +100,7 @@ from fusiond.profile import machine_from_profile
 from fusiond.train.local import StepMetrics
 from fusiond.train.remote import MAX_RECV_TIMEOUT_S, MIN_RECV_TIMEOUT_S
 from fusiond.train.spec import JobSpec, parse_job
-from fusiond.train.stage import StageConfig
+from fusiond.train.stage import StageConfig, is_input_timeout
 from fusiond.units import bytes_per_s_from_bits_per_s
 from protocol import ir
 from protocol.messages import (
@@ -166,6 +167,11 @@ RECV_TIMEOUT_ITERATIONS = 10.0
 """A stage waits for its inputs at least this many of the plan's predicted iterations (on the
 measured links), so an 8 Mbit/s link carrying big activations never trips the stage's own
 `recv_timeout_s`, which stays the floor."""
+EXCLUDE_FOR_S = 60.0
+"""How long a job's later attempts are planned without a machine that failed it (unless it
+restarts sooner: then it is planned again at once). Long enough that a machine the failure
+detector has not yet declared dead is not picked again at once; bounded so that a job outlives
+more machine failures than it has machines."""
 SHIP_TIMEOUT_FACTOR = 3.0
 """The scheduler waits for Ready at least this many times the time the largest partition's
 weights take over the measured link to its machine (plus the configured `ready_timeout_s`)."""
@@ -264,8 +270,11 @@ class _Record:
     restarts: int = 0
     checkpoint: tuple[int, dict[str, torch.Tensor]] | None = None
     """The last whole-model checkpoint: (step, state after that step), to resume from."""
-    excluded: set[str] = field(default_factory=set)
-    """Machines that failed this job: later attempts are planned without them."""
+    excluded: dict[str, tuple[int | None, float, bool]] = field(default_factory=dict)
+    """Machines that failed this job -> (their incarnation then, when (monotonic clock),
+    whether they refused their partition): later attempts are planned without them until they
+    restarted (a new incarnation) or, for a machine that failed rather than refused,
+    `EXCLUDE_FOR_S` passed (`_excluded_now`)."""
     earlier: list[StepMetrics] = field(default_factory=list)
     """Metrics of the steps earlier attempts made and the current one resumed from."""
     owner_uid: int | None = None
@@ -318,6 +327,15 @@ def derived_timeouts(layout: JobLayout, state: Mapping[str, torch.Tensor], plan:
         recv = min(MAX_RECV_TIMEOUT_S,
                    max(MIN_RECV_TIMEOUT_S, RECV_TIMEOUT_ITERATIONS * plan.iteration_s))
     return ready_floor_s + SHIP_TIMEOUT_FACTOR * ship, recv
+
+
+def _incarnation(view: Any, node_id: str) -> int | None:
+    """`node_id`'s incarnation in `view` (None: not a member, or not said)."""
+    for m in getattr(view, "members", ()) or ():
+        if m.node_id == node_id:
+            inc = getattr(m, "incarnation", None)
+            return inc if isinstance(inc, int) else None
+    return None
 
 
 def _steps_done(r: _Record) -> int:
@@ -1660,20 +1678,31 @@ class JobService:
             rec.log(f"not restarted: {failure}")
             return False
         # A machine that refused its partition is left out, the scheduler's own included; any
-        # other failure of the scheduler's machine (or side) ends the job.
+        # other failure of the scheduler's machine (or side) ends the job, except its stage
+        # waiting too long for an input: this machine is alive, a neighbour or the link to it
+        # failed (a tensor lost when a dial failed), and the attempt restarts, blaming none
+        # (the chaos check saw such a timeout on the scheduler's own stage, reported before
+        # the neighbours' own timeouts could arrive, end a job for good).
+        victim = failure.node == self.node_id and failure.fault == FAULT_MACHINE \
+            and is_input_timeout(failure.cause)
         if (failure.fault == FAULT_SCHEDULER or not failure.machines
-                or (failure.fault != FAULT_REFUSED and failure.node == self.node_id)
+                or (failure.fault != FAULT_REFUSED and failure.node == self.node_id
+                    and not victim)
                 or rec.restarts >= rec.spec.max_restarts):
             return False
-        rec.excluded.update(failure.machines)
-        rec.log(f"attempt {rec.restarts + 1} failed: {failure}")
         view = self.view()
+        now = time.monotonic()
+        for m in failure.machines:
+            if not (victim and m == self.node_id):
+                rec.excluded[m] = (_incarnation(view, m), now, failure.fault == FAULT_REFUSED)
+        rec.log(f"attempt {rec.restarts + 1} failed: {failure}")
         try:
             if view is None:
                 raise JobRefused("this daemon left the cluster")
+            excluded = self._excluded_now(rec, view, now)
             sets = await self._member_ops(view)
             cluster, addresses, memory = cluster_for_planner(
-                view, exclude=rec.excluded | set(sets.unknown), op_sets=sets.ops)
+                view, exclude=excluded | set(sets.unknown), op_sets=sets.ops)
             old = rec.coord
             captured = old.captured
             first, state = rec.first_step, captured.state
@@ -1708,8 +1737,26 @@ class JobService:
                    f"from the checkpoint after step {first}")
                 + f" on {len(layout.stages)} stages ("
                 + ", ".join(f"{s.stage}:{s.node_id}" for s in layout.stages)
-                + f"), without {', '.join(sorted(rec.excluded))}")
+                + (f"), without {', '.join(sorted(excluded))}" if excluded else ")"))
         return True
+
+    @staticmethod
+    def _excluded_now(rec: _Record, view: Any, now: float) -> set[str]:
+        """The machines `rec`'s next attempt is planned without. A machine that failed the job
+        is planned again once it restarted (a new incarnation in the view) or, unless it
+        refused its partition, `EXCLUDE_FOR_S` after its failure: exclusions used to last the
+        job's life, so after every other machine had failed once (a chaos run's kills,
+        freezes and partitions of a minority) the job ran on ever fewer stages, and the next
+        failure ended it."""
+        for node, (inc, at, refused) in list(rec.excluded.items()):
+            cur = _incarnation(view, node)
+            if (cur is not None and inc is not None and cur != inc) \
+                    or (not refused and now - at >= EXCLUDE_FOR_S):
+                del rec.excluded[node]
+                rec.log(f"{node} planned again: "
+                        + ("it restarted since it failed" if cur != inc else
+                           f"{EXCLUDE_FOR_S:g}s since it failed"))
+        return set(rec.excluded)
 
     def _hold(self, rec: _Record, state: dict[str, torch.Tensor]) -> None:
         """Keep the final weights of `rec` in memory (they could not be stored); at most

@@ -143,6 +143,8 @@ UPDATE_S = 0.5
 """How often the scheduler sends a remote submitter the job's status."""
 SUBMIT_TIMEOUT_S = 300.0
 """How long a forwarded submission waits for the scheduler's answer (planning a big model)."""
+FORWARD_CHECK_S = 0.5
+"""How often a submission forwarded to a scheduler checks that it is still the scheduler."""
 FINAL = ("done", "failed", "cancelled")
 REMOTE_SEND_S = 10.0
 """Bound on one status update to a remote submitter."""
@@ -959,7 +961,18 @@ class JobService:
         try:
             await self.send(leader, JobSubmit(request_id=rid, dry_run=dry_run), (data,))
             async with asyncio.timeout(SUBMIT_TIMEOUT_S):
-                reply = await fut
+                while not fut.done():
+                    # Another scheduler elected meanwhile: this one can no longer take the job
+                    # (it decides nothing more), and its answer may never come (the
+                    # submission, or the answer, lost to a failed dial): the caller asks the
+                    # new one. A failover stalled here for SUBMIT_TIMEOUT_S, then failed.
+                    await asyncio.wait({fut}, timeout=FORWARD_CHECK_S)
+                    lead = self.leadership()
+                    if not fut.done() and lead is not None and lead.leader is not None \
+                            and lead.leader != leader:
+                        raise NotScheduler(f"the scheduler {leader} did not answer the "
+                                           f"submission before {lead.leader} was elected")
+                reply = fut.result()
         except TimeoutError:
             raise JobRefused(f"the scheduler {leader} did not answer the submission within "
                              f"{SUBMIT_TIMEOUT_S:g}s") from None

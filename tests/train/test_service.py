@@ -505,3 +505,41 @@ async def test_a_stage_of_the_scheduler_that_only_waited_for_an_input_restarts_t
             assert rec.state == "failed" and rec.restarts == 0 and len(calls) == 1
     finally:
         await svc.close()
+
+
+async def test_a_forwarded_submission_goes_to_the_next_scheduler_when_the_first_never_answers(
+        prepared: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chaos check's finding: a failover forwarded the job to the scheduler of the moment,
+    which was replaced 2 s later (the submission, or its answer, lost); the submitting daemon
+    waited the whole `SUBMIT_TIMEOUT_S` (300 s) for that answer, then failed the job. Once
+    another scheduler is elected the submission goes there."""
+    monkeypatch.setattr(service, "SUBMIT_TIMEOUT_S", 30.0)
+    net = Net()
+    view = View(["m0", "m1", "m2"], leader="m0")
+    svc = JobService(node_id="m1", send_raw=net.send, view=lambda: view)
+    net.svc = svc
+    asked: list[str] = []
+
+    def reply(peer: str, msg: Message) -> Message | None:
+        if isinstance(msg, JobSubmit):
+            asked.append(peer)
+            if peer == "m0":  # lost, or m0 went down before it answered
+                asyncio.get_running_loop().call_later(0.5, setattr, view, "leader", "m2")
+                return None
+            return JobSubmitReply(request_id=msg.request_id, ok=True, summary={
+                "job_id": "svc-abcdef", "stages": [{"stage": 0, "node": peer}], "plan": "",
+                "term": 2})
+        return None
+
+    net.reply = reply
+    await svc.start()
+    try:
+        t0 = asyncio.get_running_loop().time()
+        summary = await asyncio.wait_for(svc.submit_upload(upload(prepared, stages=1)), 25)
+        took = asyncio.get_running_loop().time() - t0
+        assert asked == ["m0", "m2"] and summary["scheduler"] == "m2", (asked, summary)
+        assert took < 10, took
+        r = svc.get(summary["job_id"])
+        assert isinstance(r, service._Remote) and r.scheduler == "m2"
+    finally:
+        await svc.close()

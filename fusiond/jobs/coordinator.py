@@ -48,6 +48,7 @@ __all__ = [
     "FAULT_MACHINE",
     "FAULT_REFUSED",
     "FAULT_SCHEDULER",
+    "FAULT_STALE",
     "FailureReport",
     "JobCoordinator",
     "JobOutcome",
@@ -68,6 +69,10 @@ FAULT_REFUSED = "refused"
 Python's corpus): a restart plans the job without it (the scheduler's own machine included)."""
 FAULT_SCHEDULER = "scheduler"
 """The scheduler's side: cancelled, the scheduler stopping or losing its lease, a bug."""
+FAULT_STALE = "stale"
+"""A member refused the Assign because it does not take this scheduler for the scheduler (it
+saw a newer term): no machine is at fault, and this side must not go on scheduling; the job
+goes back to the next scheduler (a hand-back), it is not restarted here."""
 
 
 @dataclass(frozen=True)
@@ -199,9 +204,9 @@ class JobCoordinator:
                 return False
             # assign_failed: it cannot run the partition (an op, its corpus): plan without it.
             # not_scheduler: it does not take us for the scheduler: nobody's machine is at
-            # fault, and this side must not go on scheduling (no restart).
+            # fault, and this side must not go on scheduling (no restart: a hand-back).
             fault = {"assign_failed": FAULT_REFUSED,
-                     "not_scheduler": FAULT_SCHEDULER}.get(msg.code, FAULT_MACHINE)
+                     "not_scheduler": FAULT_STALE}.get(msg.code, FAULT_MACHINE)
             self._fail(peer, -1, f"refused its Assign ({msg.code}): {msg.message}",
                        fault=fault)
             self._blame_silent = False

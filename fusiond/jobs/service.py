@@ -63,6 +63,7 @@ from fusiond.jobs.coordinator import (
     FAULT_MACHINE,
     FAULT_REFUSED,
     FAULT_SCHEDULER,
+    FAULT_STALE,
     JobCoordinator,
     JobOutcome,
 )
@@ -1686,6 +1687,14 @@ class JobService:
             rec.log(f"attempt {rec.restarts + 1} failed ({failure}); not restarted here: {why}")
             return False
         if rec.handed_back:
+            return False
+        if failure.fault == FAULT_STALE:
+            # This daemon's view lags (it was frozen or cut off while another scheduler was
+            # elected): the job goes to that one. It used to end the job failed (the chaos
+            # check: a scheduler thawed after 3 s restarted its job in its stale term).
+            rec.handed_back = f"a member does not take this daemon for the scheduler: {failure}"
+            rec.log(f"attempt {rec.restarts + 1} failed ({failure}); not restarted here: "
+                    "another scheduler was elected")
             return False
         if failure.fault == FAULT_JOB:  # the same on every machine: blame none, retry never
             rec.log(f"not restarted: {failure}")

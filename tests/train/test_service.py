@@ -543,3 +543,43 @@ async def test_a_forwarded_submission_goes_to_the_next_scheduler_when_the_first_
         assert isinstance(r, service._Remote) and r.scheduler == "m2"
     finally:
         await svc.close()
+
+
+async def test_a_scheduler_whose_assign_a_member_refuses_as_stale_hands_the_job_back(
+        prepared: Any) -> None:
+    """The chaos check's finding: a scheduler frozen for 3 s came back still taking itself for
+    the scheduler of its old term while the others had elected another (term 4); it restarted
+    its job's attempt, the members refused its Assigns (`not_scheduler`: its term is stale),
+    and that ended the job failed. Such a refusal blames no machine and hands the job back to
+    its submitter, which resubmits it to the scheduler of the new term."""
+    from protocol.messages import Assign, Error
+
+    net = Net()
+    view = View(["m0", "m1"], leader="m0")
+    svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
+    net.svc = svc
+
+    def reply(peer: str, msg: Message) -> Message | None:
+        if isinstance(msg, Assign):
+            return Error(code="not_scheduler", request_id=msg.request_id, job_id=msg.job_id,
+                         plan_version=msg.plan_version,
+                         message=f"{peer}: Assign refused: its term 1 is stale (the cluster "
+                                 "is at term 4)")
+        return None
+
+    net.reply = reply
+    await svc.start()
+    try:
+        summary = await svc.submit(service.decode_upload(upload(prepared, stages=2)),
+                                   submitter="m2")
+        rec = svc.get(summary["job_id"])
+        assert isinstance(rec, service._Record)
+        assert {s["node"] for s in summary["stages"]} == {"m0", "m1"}
+        await asyncio.wait_for(asyncio.shield(rec.task), 30)  # type: ignore[arg-type]
+        assert rec.state == "handed_back", (rec.state, list(rec.logs))
+        back = [m for p, m in net.sent if p == "m2" and isinstance(m, JobUpdate)
+                and m.handed_back]
+        assert len(back) == 1 and "term 1 is stale" in back[0].handed_back, net.kinds("m2")
+        assert not svc.worker.jobs()
+    finally:
+        await svc.close()

@@ -559,15 +559,25 @@ class JobService:
         await self.worker.ready()
 
     async def close(self) -> None:
-        """Cancel the jobs coordinated here (their stages get JobCancel), then the stages
-        hosted here; idempotent."""
+        """Stop the jobs coordinated here (their stages get JobCancel): one submitted here is
+        cancelled, another daemon's goes back to it for the next scheduler (a hand-back); then
+        the stages hosted here. Idempotent."""
         if self._closed:
             return
         self._closed = True
         for rec in list(self._jobs.values()):
             if rec.task is not None and not rec.task.done():
-                rec.cancel_requested = True
-                await rec.coord.cancel("the submitting daemon is stopping")
+                if rec.submitter:
+                    # Not ours to cancel: a scheduler's clean stop (a restart, an upgrade)
+                    # used to end its submitters' jobs `cancelled` (the chaos check).
+                    why = f"the scheduler {self.node_id} is stopping"
+                    rec.handed_back = rec.handed_back or why
+                    rec.log(f"{why}: the job goes back to its submitter {rec.submitter} for "
+                            "the next scheduler")
+                    await rec.coord.cancel(why)
+                else:
+                    rec.cancel_requested = True
+                    await rec.coord.cancel("the submitting daemon is stopping")
         tasks = [r.task for r in self._jobs.values() if r.task is not None and not r.task.done()]
         if tasks:
             with contextlib.suppress(TimeoutError):

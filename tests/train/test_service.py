@@ -583,3 +583,33 @@ async def test_a_scheduler_whose_assign_a_member_refuses_as_stale_hands_the_job_
         assert not svc.worker.jobs()
     finally:
         await svc.close()
+
+
+async def test_a_scheduler_that_stops_hands_another_daemons_job_back(prepared: Any) -> None:
+    """The chaos check's finding: a scheduler stopped cleanly (SIGTERM, a restart) 3 s after a
+    failover gave it a job; it cancelled every job it coordinated as if it had submitted
+    them, and the submitter's job ended `cancelled` (fusionctl exit 6) though nobody cancelled
+    it. Another daemon's job goes back to it for the next scheduler."""
+    net = Net()
+    view = View(["m0", "m1"], leader="m0")
+    svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
+    net.svc = svc
+    await svc.start()
+    closed = False
+    try:
+        summary = await svc.submit(service.decode_upload(upload(prepared, stages=1)),
+                                   submitter="m1")
+        rec = svc.get(summary["job_id"])
+        assert isinstance(rec, service._Record)
+        await wait(lambda: bool(rec.history), 60, "the first step")
+        await svc.close()
+        closed = True
+        to_m1 = [m for p, m in net.sent if p == "m1" and isinstance(m, JobUpdate)]
+        back = [m for m in to_m1 if m.handed_back]
+        assert len(back) == 1 and "the scheduler m0 is stopping" in back[0].handed_back, \
+            [(m.handed_back, m.status.get("state")) for m in to_m1 if m.status]
+        assert not any(m.status.get("state") == "cancelled" for m in to_m1)
+        assert rec.state == "handed_back" and not svc.worker.jobs()
+    finally:
+        if not closed:
+            await svc.close()

@@ -201,6 +201,11 @@ class JobsSection:
     """IR op names this daemon refuses to run (e.g. ["aten.gelu.default"]: an op broken on
     this machine): the scheduler plans no stage using one here, and an Assign using one is
     refused naming it."""
+    stage_recv_timeout_s: float = 120.0
+    """The longest a stage hosted here waits for an input tensor before its step fails (the
+    floor: a planned job's Assign asks for 10x its predicted iteration when that is longer).
+    A tensor lost on the way (a link that broke, a peer frozen or cut off) stalls the job this
+    long before its scheduler restarts it from the last checkpoint."""
 
 
 @dataclass
@@ -474,6 +479,9 @@ def _validate(cfg: DaemonConfig, origin: Mapping[str, str]) -> None:
         if not OP_NAME_RE.fullmatch(op):
             raise bad("jobs.disabled_ops", op, "not an IR op name like 'aten.gelu.default' "
                       "(`aten.<name>.<overload>` or `sym.<op>`, as docs/ir.md names them)")
+    if not 1.0 <= cfg.jobs.stage_recv_timeout_s <= 86_400.0:
+        raise bad("jobs.stage_recv_timeout_s", cfg.jobs.stage_recv_timeout_s,
+                  "must be between 1 and 86400 seconds (the bounds of an Assign's own)")
     if cfg.net.backoff_max_s < cfg.net.backoff_initial_s:
         raise bad("net.backoff_max_s", cfg.net.backoff_max_s,
                   "must be at least net.backoff_initial_s")

@@ -597,7 +597,8 @@ class Daemon:
                           view=lambda: self.cluster.view() if self.cluster is not None else None,
                           state_dir=self.state_dir, op_sets=self.op_sets,
                           stage_config=StageConfig(
-                              disabled_ops=frozenset(self.cfg.jobs.disabled_ops)))
+                              disabled_ops=frozenset(self.cfg.jobs.disabled_ops),
+                              recv_timeout_s=self.cfg.jobs.stage_recv_timeout_s))
         self.jobs = jobs
         await self._start_service("jobs", jobs)
         self.add_message_handler(jobs.dispatch)

@@ -738,6 +738,11 @@ class JobUpdate(Message):
     handed_back: str = ""
     """Not empty: the scheduler gave the job up (it lost its lease) and says why; the
     submitting daemon resubmits it to the next scheduler (failover)."""
+    after: int = -2
+    """The last step of the records the scheduler sent before these (-1: none yet; -2: not
+    said, an older sender). The submitting daemon takes `steps` only if it holds everything
+    up to `after` from this scheduler; otherwise some update was lost on the way (a failed
+    dial drops what was queued) and it asks for them again (`JobQuery.through`)."""
 
 
 @dataclass(frozen=True)
@@ -819,6 +824,10 @@ class JobQuery(Message):
 
     TYPE_ID: ClassVar[int] = 64
     job_id: str
+    through: int = -2
+    """The last step the submitting daemon holds of the scheduler's step records (-1: none):
+    the scheduler sends it the records after it again, and the job's status (so a lost final
+    update comes again too). -2: only asking."""
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ __all__ = [
     "FAULT_MACHINE",
     "FAULT_REFUSED",
     "FAULT_SCHEDULER",
+    "FAULT_STALE",
     "FailureReport",
     "JobCoordinator",
     "JobOutcome",
@@ -68,6 +69,10 @@ FAULT_REFUSED = "refused"
 Python's corpus): a restart plans the job without it (the scheduler's own machine included)."""
 FAULT_SCHEDULER = "scheduler"
 """The scheduler's side: cancelled, the scheduler stopping or losing its lease, a bug."""
+FAULT_STALE = "stale"
+"""A member refused the Assign because it does not take this scheduler for the scheduler (it
+saw a newer term): no machine is at fault, and this side must not go on scheduling; the job
+goes back to the next scheduler (a hand-back), it is not restarted here."""
 
 
 @dataclass(frozen=True)
@@ -199,9 +204,9 @@ class JobCoordinator:
                 return False
             # assign_failed: it cannot run the partition (an op, its corpus): plan without it.
             # not_scheduler: it does not take us for the scheduler: nobody's machine is at
-            # fault, and this side must not go on scheduling (no restart).
+            # fault, and this side must not go on scheduling (no restart: a hand-back).
             fault = {"assign_failed": FAULT_REFUSED,
-                     "not_scheduler": FAULT_SCHEDULER}.get(msg.code, FAULT_MACHINE)
+                     "not_scheduler": FAULT_STALE}.get(msg.code, FAULT_MACHINE)
             self._fail(peer, -1, f"refused its Assign ({msg.code}): {msg.message}",
                        fault=fault)
             self._blame_silent = False
@@ -293,6 +298,17 @@ class JobCoordinator:
         self._done.set()
 
     def _on_step(self, peer: str, msg: StageStep) -> None:
+        expected = self._step_of.get(msg.partition, self.first_step)
+        if msg.step != expected:
+            # A stage reports its steps in order, on one connection: a report of a later step
+            # means earlier ones were lost on the way (a failed dial drops what was queued).
+            # The history would have a hole: this attempt ends, and the restart resumes from
+            # a checkpoint before it.
+            if msg.step > expected:
+                self._blame_silent = False  # the cause is known: no neighbour to blame
+                self._fail(peer, expected, f"its reports of steps {expected}..{msg.step - 1} "
+                           "never reached the scheduler (lost on the way)")
+            return
         rep = StepReport.from_figures(msg.partition, msg.step, msg.figures)
         self._step_of[msg.partition] = msg.step + 1
         got = self._per_step.setdefault(msg.step, {})
@@ -412,6 +428,18 @@ class JobCoordinator:
             log.exception("job %s: the scheduler's side of the attempt failed", self.job_id)
             self._fail("scheduler", -1, f"{type(e).__name__}: {e}", stage=-1,
                        fault=FAULT_SCHEDULER)
+        if self._failure is None:
+            # Every stage finished: every step's reports must have come (a lost last report
+            # would leave the history without the job's last steps).
+            short = sorted(s for s in self.stage_nodes
+                           if self._step_of.get(s, self.first_step) < self.spec.steps)
+            if short:
+                s = short[0]
+                got = self._step_of.get(s, self.first_step)
+                self._blame_silent = False
+                self._fail(self.stage_nodes[s], got, f"it finished, but its reports of steps "
+                           f"{got}..{self.spec.steps - 1} never reached the scheduler (lost on "
+                           "the way)")
         if self._failure is not None and self._blame_silent and self._failure.stage >= 0:
             await self._find_silent()
         if self._failure is not None:

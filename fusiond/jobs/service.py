@@ -60,8 +60,10 @@ from fusiond.graph import CapturedModel, contiguous_assignment, state_from_bytes
 from fusiond.jobs.assign import Corpus, JobLayout, layout_job
 from fusiond.jobs.coordinator import (
     FAULT_JOB,
+    FAULT_MACHINE,
     FAULT_REFUSED,
     FAULT_SCHEDULER,
+    FAULT_STALE,
     JobCoordinator,
     JobOutcome,
 )
@@ -100,7 +102,7 @@ from fusiond.tasks import cancel_and_wait
 from fusiond.train.local import StepMetrics
 from fusiond.train.remote import MAX_RECV_TIMEOUT_S, MIN_RECV_TIMEOUT_S
 from fusiond.train.spec import JobSpec, parse_job
-from fusiond.train.stage import StageConfig
+from fusiond.train.stage import StageConfig, is_input_timeout
 from fusiond.units import bytes_per_s_from_bits_per_s
 from protocol import ir
 from protocol.messages import (
@@ -143,6 +145,8 @@ UPDATE_S = 0.5
 """How often the scheduler sends a remote submitter the job's status."""
 SUBMIT_TIMEOUT_S = 300.0
 """How long a forwarded submission waits for the scheduler's answer (planning a big model)."""
+FORWARD_CHECK_S = 0.5
+"""How often a submission forwarded to a scheduler checks that it is still the scheduler."""
 FINAL = ("done", "failed", "cancelled")
 REMOTE_SEND_S = 10.0
 """Bound on one status update to a remote submitter."""
@@ -167,6 +171,11 @@ RECV_TIMEOUT_ITERATIONS = 10.0
 """A stage waits for its inputs at least this many of the plan's predicted iterations (on the
 measured links), so an 8 Mbit/s link carrying big activations never trips the stage's own
 `recv_timeout_s`, which stays the floor."""
+EXCLUDE_FOR_S = 60.0
+"""How long a job's later attempts are planned without a machine that failed it (unless it
+restarts sooner: then it is planned again at once). Long enough that a machine the failure
+detector has not yet declared dead is not picked again at once; bounded so that a job outlives
+more machine failures than it has machines."""
 SHIP_TIMEOUT_FACTOR = 3.0
 """The scheduler waits for Ready at least this many times the time the largest partition's
 weights take over the measured link to its machine (plus the configured `ready_timeout_s`)."""
@@ -222,6 +231,12 @@ class _Remote:
     heard: float = field(default_factory=time.monotonic)
     """When the scheduler last said something about the job (monotonic clock)."""
     query: asyncio.Future[JobQueryReply] | None = None
+    stream_through: int = -1
+    """The last step of the records taken from the current scheduler's updates (-1: none
+    yet): an update whose records follow a later one (`JobUpdate.after`) comes after a lost
+    one, and the records are asked for again."""
+    resend_asked: float = -math.inf
+    """When this daemon last asked the scheduler to send records again (monotonic clock)."""
 
     @property
     def state(self) -> str:
@@ -259,8 +274,11 @@ class _Record:
     restarts: int = 0
     checkpoint: tuple[int, dict[str, torch.Tensor]] | None = None
     """The last whole-model checkpoint: (step, state after that step), to resume from."""
-    excluded: set[str] = field(default_factory=set)
-    """Machines that failed this job: later attempts are planned without them."""
+    excluded: dict[str, tuple[int | None, float, bool]] = field(default_factory=dict)
+    """Machines that failed this job -> (their incarnation then, when (monotonic clock),
+    whether they refused their partition): later attempts are planned without them until they
+    restarted (a new incarnation) or, for a machine that failed rather than refused,
+    `EXCLUDE_FOR_S` passed (`_excluded_now`)."""
     earlier: list[StepMetrics] = field(default_factory=list)
     """Metrics of the steps earlier attempts made and the current one resumed from."""
     owner_uid: int | None = None
@@ -313,6 +331,15 @@ def derived_timeouts(layout: JobLayout, state: Mapping[str, torch.Tensor], plan:
         recv = min(MAX_RECV_TIMEOUT_S,
                    max(MIN_RECV_TIMEOUT_S, RECV_TIMEOUT_ITERATIONS * plan.iteration_s))
     return ready_floor_s + SHIP_TIMEOUT_FACTOR * ship, recv
+
+
+def _incarnation(view: Any, node_id: str) -> int | None:
+    """`node_id`'s incarnation in `view` (None: not a member, or not said)."""
+    for m in getattr(view, "members", ()) or ():
+        if m.node_id == node_id:
+            inc = getattr(m, "incarnation", None)
+            return inc if isinstance(inc, int) else None
+    return None
 
 
 def _steps_done(r: _Record) -> int:
@@ -533,15 +560,25 @@ class JobService:
         await self.worker.ready()
 
     async def close(self) -> None:
-        """Cancel the jobs coordinated here (their stages get JobCancel), then the stages
-        hosted here; idempotent."""
+        """Stop the jobs coordinated here (their stages get JobCancel): one submitted here is
+        cancelled, another daemon's goes back to it for the next scheduler (a hand-back); then
+        the stages hosted here. Idempotent."""
         if self._closed:
             return
         self._closed = True
         for rec in list(self._jobs.values()):
             if rec.task is not None and not rec.task.done():
-                rec.cancel_requested = True
-                await rec.coord.cancel("the submitting daemon is stopping")
+                if rec.submitter:
+                    # Not ours to cancel: a scheduler's clean stop (a restart, an upgrade)
+                    # used to end its submitters' jobs `cancelled` (the chaos check).
+                    why = f"the scheduler {self.node_id} is stopping"
+                    rec.handed_back = rec.handed_back or why
+                    rec.log(f"{why}: the job goes back to its submitter {rec.submitter} for "
+                            "the next scheduler")
+                    await rec.coord.cancel(why)
+                else:
+                    rec.cancel_requested = True
+                    await rec.coord.cancel("the submitting daemon is stopping")
         tasks = [r.task for r in self._jobs.values() if r.task is not None and not r.task.done()]
         if tasks:
             with contextlib.suppress(TimeoutError):
@@ -933,7 +970,18 @@ class JobService:
         try:
             await self.send(leader, JobSubmit(request_id=rid, dry_run=dry_run), (data,))
             async with asyncio.timeout(SUBMIT_TIMEOUT_S):
-                reply = await fut
+                while not fut.done():
+                    # Another scheduler elected meanwhile: this one can no longer take the job
+                    # (it decides nothing more), and its answer may never come (the
+                    # submission, or the answer, lost to a failed dial): the caller asks the
+                    # new one. A failover stalled here for SUBMIT_TIMEOUT_S, then failed.
+                    await asyncio.wait({fut}, timeout=FORWARD_CHECK_S)
+                    lead = self.leadership()
+                    if not fut.done() and lead is not None and lead.leader is not None \
+                            and lead.leader != leader:
+                        raise NotScheduler(f"the scheduler {leader} did not answer the "
+                                           f"submission before {lead.leader} was elected")
+                reply = fut.result()
         except TimeoutError:
             raise JobRefused(f"the scheduler {leader} did not answer the submission within "
                              f"{SUBMIT_TIMEOUT_S:g}s") from None
@@ -1021,6 +1069,7 @@ class JobService:
         r.term = int(summary.get("term") or 0)
         if leader != self.node_id:
             r.scheduler = leader
+            r.stream_through = -1  # its records are a new stream
             lines.append(f"{time.strftime('%H:%M:%S', time.gmtime())} resubmitted to the new "
                          f"scheduler {leader}" + (f" from {r.checkpoint.name}" if r.checkpoint
                                                   else " from step 0"))
@@ -1073,9 +1122,16 @@ class JobService:
                 or r.failing_over:
             return
         r.heard = time.monotonic()
+        if msg.after > r.stream_through:
+            # An update before this one was lost: its records are not ours yet, and neither
+            # is this one's status (a final one must not end the job with steps missing).
+            self._ask_resend(r, f"its updates after step {r.stream_through} are missing "
+                                f"(this one follows step {msg.after})")
+            return
         for rec in msg.steps:
             try:
                 r.history.add(rec)
+                r.stream_through = int(rec["step"])
             except ValueError as e:
                 log.warning("job %s: step record from %s skipped: %s", r.job_id, peer, e)
         self._promote_checkpoint(r)
@@ -1085,14 +1141,6 @@ class JobService:
             r.status = {**dict(msg.status), "state": "running"}
             self._start_failover(r, f"the scheduler {peer} gave the job up: {msg.handed_back}")
             return
-        for rec in msg.steps:
-            try:
-                r.history.add(rec)
-            except ValueError as e:
-                log.warning("job %s: step record from %s skipped: %s", r.job_id, peer, e)
-        self._promote_checkpoint(r)
-        if msg.steps:
-            self._steps_arrived(r.job_id)
         if not msg.status:
             return  # steps only (the status follows in the last of a batch)
         status = dict(msg.status)
@@ -1102,6 +1150,23 @@ class JobService:
             self._spawn(self._finish_remote(r, status), f"finish {r.job_id}")
             return
         r.status = status
+
+    def _ask_resend(self, r: _Remote, why: str) -> None:
+        """Ask `r`'s scheduler for its step records after the last one taken, and the status
+        (`JobQuery.through`; at most once a second)."""
+        now = time.monotonic()
+        if now - r.resend_asked < 1.0:
+            return
+        r.resend_asked = now
+        log.info("job %s: asking the scheduler %s to send again: %s", r.job_id, r.scheduler, why)
+
+        async def ask() -> None:
+            with contextlib.suppress(LocalError, OSError, TimeoutError):
+                async with asyncio.timeout(QUERY_TIMEOUT_S):
+                    await self.send(r.scheduler, JobQuery(job_id=r.job_id,
+                                                          through=r.stream_through), ())
+
+        self._spawn(ask(), f"resend {r.job_id}")
 
     def _promote_checkpoint(self, r: _Remote) -> None:
         """A stored checkpoint after step s becomes the one a failover resumes from once the
@@ -1216,7 +1281,10 @@ class JobService:
         r.query = fut
         try:
             async with asyncio.timeout(QUERY_TIMEOUT_S):
-                await self.send(r.scheduler, JobQuery(job_id=r.job_id), ())
+                # (through: what it sent that did not come, the final update included, comes
+                # again)
+                await self.send(r.scheduler, JobQuery(job_id=r.job_id,
+                                                      through=r.stream_through), ())
                 return await fut
         except (LocalError, OSError, TimeoutError) as e:
             log.info("job %s: no answer from the scheduler %s: %s", r.job_id, r.scheduler, e)
@@ -1229,6 +1297,10 @@ class JobService:
         known = rec is not None and rec.submitter == peer
         reply = JobQueryReply(job_id=msg.job_id, known=known,
                               state=rec.state if rec is not None and known else "")
+        if rec is not None and known and msg.through >= -1 and rec.state != "handed_back":
+            # It lacks records after `through` (or the final update): send them again.
+            rec.update_cursor.through = min(rec.update_cursor.through, msg.through)
+            self._spawn(self._send_update(rec), f"resend {rec.job_id}")
         try:
             async with asyncio.timeout(REMOTE_SEND_S):
                 await self.send(peer, reply, ())
@@ -1289,16 +1361,22 @@ class JobService:
             async with asyncio.timeout(REMOTE_SEND_S):  # a dead submitter must not stall us
                 await self.send(rec.submitter, msg, ())
 
+        # Each update says which record its own follow (`after`): one lost on the way (a
+        # failed dial drops what was queued, and a send only queues) shows as a gap, and the
+        # submitter asks for the records again (`JobQuery.through`, `_answer_query`).
+        after = rec.update_cursor.through
         steps = rec.history.take(rec.update_cursor, MAX_UPDATE_STEPS, MAX_UPDATE_STEP_BYTES)
         while True:
+            nxt_after = rec.update_cursor.through
             nxt = rec.history.take(rec.update_cursor, MAX_UPDATE_STEPS, MAX_UPDATE_STEP_BYTES)
             if not nxt:
                 break
-            await send(JobUpdate(job_id=rec.job_id, steps=tuple(_wire(steps))))
-            steps = nxt
+            await send(JobUpdate(job_id=rec.job_id, steps=tuple(_wire(steps)), after=after))
+            steps, after = nxt, nxt_after
         st = json.loads(json.dumps(self.job(rec.job_id, history=1), default=str))
         st["lines"] = list(rec.logs)
-        await send(JobUpdate(job_id=rec.job_id, status=st, steps=tuple(_wire(steps))))
+        await send(JobUpdate(job_id=rec.job_id, status=st, steps=tuple(_wire(steps)),
+                             after=after))
 
     async def _checkpoint_out(self, rec: _Record, step: int,
                               state: dict[str, torch.Tensor]) -> None:
@@ -1618,24 +1696,43 @@ class JobService:
             return False
         if rec.handed_back:
             return False
+        if failure.fault == FAULT_STALE:
+            # This daemon's view lags (it was frozen or cut off while another scheduler was
+            # elected): the job goes to that one. It used to end the job failed (the chaos
+            # check: a scheduler thawed after 3 s restarted its job in its stale term).
+            rec.handed_back = f"a member does not take this daemon for the scheduler: {failure}"
+            rec.log(f"attempt {rec.restarts + 1} failed ({failure}); not restarted here: "
+                    "another scheduler was elected")
+            return False
         if failure.fault == FAULT_JOB:  # the same on every machine: blame none, retry never
             rec.log(f"not restarted: {failure}")
             return False
         # A machine that refused its partition is left out, the scheduler's own included; any
-        # other failure of the scheduler's machine (or side) ends the job.
+        # other failure of the scheduler's machine (or side) ends the job, except its stage
+        # waiting too long for an input: this machine is alive, a neighbour or the link to it
+        # failed (a tensor lost when a dial failed), and the attempt restarts, blaming none
+        # (the chaos check saw such a timeout on the scheduler's own stage, reported before
+        # the neighbours' own timeouts could arrive, end a job for good).
+        victim = failure.node == self.node_id and failure.fault == FAULT_MACHINE \
+            and is_input_timeout(failure.cause)
         if (failure.fault == FAULT_SCHEDULER or not failure.machines
-                or (failure.fault != FAULT_REFUSED and failure.node == self.node_id)
+                or (failure.fault != FAULT_REFUSED and failure.node == self.node_id
+                    and not victim)
                 or rec.restarts >= rec.spec.max_restarts):
             return False
-        rec.excluded.update(failure.machines)
-        rec.log(f"attempt {rec.restarts + 1} failed: {failure}")
         view = self.view()
+        now = time.monotonic()
+        for m in failure.machines:
+            if not (victim and m == self.node_id):
+                rec.excluded[m] = (_incarnation(view, m), now, failure.fault == FAULT_REFUSED)
+        rec.log(f"attempt {rec.restarts + 1} failed: {failure}")
         try:
             if view is None:
                 raise JobRefused("this daemon left the cluster")
+            excluded = self._excluded_now(rec, view, now)
             sets = await self._member_ops(view)
             cluster, addresses, memory = cluster_for_planner(
-                view, exclude=rec.excluded | set(sets.unknown), op_sets=sets.ops)
+                view, exclude=excluded | set(sets.unknown), op_sets=sets.ops)
             old = rec.coord
             captured = old.captured
             first, state = rec.first_step, captured.state
@@ -1670,8 +1767,26 @@ class JobService:
                    f"from the checkpoint after step {first}")
                 + f" on {len(layout.stages)} stages ("
                 + ", ".join(f"{s.stage}:{s.node_id}" for s in layout.stages)
-                + f"), without {', '.join(sorted(rec.excluded))}")
+                + (f"), without {', '.join(sorted(excluded))}" if excluded else ")"))
         return True
+
+    @staticmethod
+    def _excluded_now(rec: _Record, view: Any, now: float) -> set[str]:
+        """The machines `rec`'s next attempt is planned without. A machine that failed the job
+        is planned again once it restarted (a new incarnation in the view) or, unless it
+        refused its partition, `EXCLUDE_FOR_S` after its failure: exclusions used to last the
+        job's life, so after every other machine had failed once (a chaos run's kills,
+        freezes and partitions of a minority) the job ran on ever fewer stages, and the next
+        failure ended it."""
+        for node, (inc, at, refused) in list(rec.excluded.items()):
+            cur = _incarnation(view, node)
+            if (cur is not None and inc is not None and cur != inc) \
+                    or (not refused and now - at >= EXCLUDE_FOR_S):
+                del rec.excluded[node]
+                rec.log(f"{node} planned again: "
+                        + ("it restarted since it failed" if cur != inc else
+                           f"{EXCLUDE_FOR_S:g}s since it failed"))
+        return set(rec.excluded)
 
     def _hold(self, rec: _Record, state: dict[str, torch.Tensor]) -> None:
         """Keep the final weights of `rec` in memory (they could not be stored); at most

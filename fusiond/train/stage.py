@@ -30,6 +30,7 @@ import enum
 import functools
 import inspect
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -83,6 +84,17 @@ class StageError(LocalError):
     def __init__(self, message: str, fault: str = FAULT_MACHINE) -> None:
         super().__init__(message)
         self.fault = fault
+
+
+_INPUT_TIMEOUT = re.compile(r"stage \d+, step \d+, \S+: no (forward|backward) on edge '.*' "
+                            r"within [0-9.e+]+s")
+"""The message of a stage that waited too long for an input (`Stage._recv`)."""
+
+
+def is_input_timeout(cause: str) -> bool:
+    """Whether a failure's cause is a stage that waited too long for an input: its machine
+    is alive (it reported); a neighbour, or the link to it, failed."""
+    return _INPUT_TIMEOUT.search(cause) is not None
 
 
 _OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory")

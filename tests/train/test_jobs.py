@@ -183,6 +183,33 @@ async def test_densities_readapt_during_the_job(captured_tiny) -> None:  # type:
     assert seen[-1].wire_bytes < 0.25 * seen[0].wire_bytes
 
 
+async def test_a_lost_step_report_ends_the_attempt_instead_of_leaving_a_hole(  # type: ignore[no-untyped-def]
+        captured_tiny) -> None:
+    """The chaos check's finding: a failed dial drops the frames queued on it, so a stage's
+    report of a step can be lost while its later reports arrive. The step then never had all
+    its stages' reports and was silently missing from the history (metrics.json) of a job
+    that ended `done`. A stage reports its steps in order: a later one than expected ends the
+    attempt, naming the lost steps (the restart resumes from a checkpoint before them); a
+    report lost at the very end (nothing follows it) fails the attempt when it finishes."""
+    spec, cap = captured_tiny
+    for lost in (2, 5):
+        async with cluster() as nodes:
+            c = coordinator(nodes, spec=replace(spec, steps=6), cap=cap, job_id=f"lost-{lost}")
+            on_step = c._on_step
+
+            def drop(peer: str, msg: Any, lost: int = lost, on_step: Any = on_step) -> None:
+                if not (msg.step == lost and msg.partition == 1):  # this frame is lost
+                    on_step(peer, msg)
+
+            c._on_step = drop  # type: ignore[method-assign]
+            out = await asyncio.wait_for(c.run(), 120)
+            assert not out.ok and out.failure is not None, f"step {lost} lost, yet ok"
+            assert f"its reports of steps {lost}.." in out.failure.cause, out.failure
+            assert "never reached the scheduler" in out.failure.cause
+            assert (out.failure.node, out.failure.stage) == ("n1", 1), out.failure
+            assert [m.step for m in c._metrics] == list(range(lost))
+
+
 async def test_stages_in_their_own_processes(captured_tiny) -> None:  # type: ignore[no-untyped-def]
     from fusiond.jobs.inproc import inproc_cluster
     from fusiond.jobs.node import spawn_nodes

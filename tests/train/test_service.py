@@ -347,3 +347,269 @@ async def test_a_job_handed_back_waits_for_a_scheduler_and_can_be_cancelled(
                 assert len(submits) == 2 and r.state == "running" and r.restarts == 1
         finally:
             await svc.close()
+
+
+def _recs(steps: range) -> tuple[dict[str, Any], ...]:
+    return tuple({"step": s, "loss": 5.0 - 0.01 * s, "wall_s": 0.1} for s in steps)
+
+
+async def test_a_submitter_that_lost_an_update_asks_for_its_records_again(
+        prepared: Any) -> None:
+    """The chaos check's finding: a scheduler's send only queues, and a failed dial drops what
+    was queued, so an update can be lost while the next arrives. Taken as is, the job's step
+    history (metrics.json) had a hole, and a final update that came after a lost one ended the
+    job `done` with steps missing. Each update says which step its records follow (`after`):
+    the submitter takes nothing after a gap, asks (`JobQuery.through`, the last step it holds)
+    and takes the records sent again."""
+    net = Net()
+    view = View(["m0", "m1"], leader="m0")
+    svc = JobService(node_id="m1", send_raw=net.send, view=lambda: view)
+    net.svc = svc
+    _scheduler(net, knows=True)
+    await svc.start()
+    try:
+        summary = await svc.submit_upload(upload(prepared, stages=1, steps=8))
+        r = svc.get(summary["job_id"])
+        assert isinstance(r, service._Remote)
+        await svc.dispatch("m0", JobUpdate(job_id=r.job_id, steps=_recs(range(0, 3)), after=-1))
+        assert r.history.steps() == [0, 1, 2]
+        # the update of steps 3..5 is lost; the final one (6, 7 and "done") arrives
+        done = {"state": "done", "step": 8, "outcome": {"ok": True}}
+        await svc.dispatch("m0", JobUpdate(job_id=r.job_id, steps=_recs(range(6, 8)),
+                                           status=done, after=5))
+        assert r.history.steps() == [0, 1, 2], "records after a gap were taken"
+        assert not r.finishing and r.state == "running", "a final update after a gap ended it"
+        await wait(lambda: any(isinstance(m, JobQuery) and m.through == 2
+                               for p, m in net.sent if p == "m0"), 5, "the ask to resend")
+        # the scheduler sends everything after step 2 again, with the status
+        await svc.dispatch("m0", JobUpdate(job_id=r.job_id, steps=_recs(range(3, 8)),
+                                           status=done, after=2))
+        assert r.history.steps() == list(range(8))
+        assert r.finishing or r.state == "done"
+        # an update whose records follow ones already held (a resend crossing an update) is
+        # taken, each step once
+        assert r.stream_through == 7
+    finally:
+        await svc.close()
+
+
+async def test_a_scheduler_sends_the_records_after_what_its_submitter_holds_again(
+        prepared: Any) -> None:
+    """The scheduler's side: every update names the step its records follow, the chain of
+    updates has no gap, and a `JobQuery.through` from the submitter rewinds the stream to
+    that step: the next update carries the records after it again, and the status."""
+    net = Net()
+    view = View(["m0", "m1"], leader="m0")
+    svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
+    net.svc = svc
+    await svc.start()
+    try:
+        summary = await svc.submit(service.decode_upload(upload(prepared, stages=1)),
+                                   submitter="m1")
+        rec = svc.get(summary["job_id"])
+        assert isinstance(rec, service._Record)
+        await wait(lambda: len(rec.history) >= 3, 60, "three steps")
+        await wait(lambda: sum(len(m.steps) for p, m in net.sent
+                               if isinstance(m, JobUpdate)) >= 3, 10, "updates of 3 steps")
+        updates = [m for p, m in net.sent if p == "m1" and isinstance(m, JobUpdate)]
+        held = -1
+        for m in updates:  # the submitter could take each one: no gap
+            assert m.after == held, (m.after, held)
+            if m.steps:
+                held = int(m.steps[-1]["step"])
+        assert held >= 2
+        net.sent.clear()
+        await svc.dispatch("m1", JobQuery(job_id=rec.job_id, through=0))
+        await wait(lambda: any(isinstance(m, JobUpdate) and m.status for p, m in net.sent
+                               if p == "m1"), 10, "the records again")
+        again = [m for p, m in net.sent if p == "m1" and isinstance(m, JobUpdate)]
+        assert again[0].after == 0 and again[0].steps[0]["step"] == 1, again[0]
+        assert any(isinstance(m, JobQueryReply) and m.known for _, m in net.sent)
+        # a plain status query (an older submitter: through -2) rewinds nothing
+        net.sent.clear()
+        await svc.dispatch("m1", JobQuery(job_id=rec.job_id))
+        await wait(lambda: any(isinstance(m, JobQueryReply) for _, m in net.sent), 10, "reply")
+        await asyncio.sleep(0.3)
+        assert all(m.after >= held for _, m in net.sent if isinstance(m, JobUpdate))
+    finally:
+        await svc.close()
+
+
+def test_a_machine_that_failed_a_job_is_planned_again_once_it_restarted_or_later() -> None:
+    """The chaos check's finding: a job's attempts were planned without every machine that had
+    ever failed it, for the job's whole life. Under a nemesis that kills, freezes and cuts off
+    a minority at a time, every other machine had failed once within minutes: the job ran on
+    ever fewer stages, and the next failure (now of the scheduler's own machine) ended it. A
+    machine is planned again once it restarted (a new incarnation), or `EXCLUDE_FOR_S` after
+    its failure unless it refused its partition (that lasts until it restarts)."""
+    lines: list[str] = []
+    rec = SimpleNamespace(excluded={}, log=lines.append)
+    view = View(["m0", "m1", "m2", "m3"], leader="m0")
+    for i, m in enumerate(view.members):
+        m.incarnation = 100 + i
+    t0 = 1000.0
+    rec.excluded = {"m1": (101, t0, False), "m2": (102, t0, False), "m3": (103, t0, True)}
+    assert JobService._excluded_now(rec, view, t0 + 1) == {"m1", "m2", "m3"}  # type: ignore[arg-type]
+    view.members[1].incarnation = 201  # m1 restarted
+    assert JobService._excluded_now(rec, view, t0 + 2) == {"m2", "m3"}  # type: ignore[arg-type]
+    assert lines == ["m1 planned again: it restarted since it failed"]
+    late = t0 + service.EXCLUDE_FOR_S
+    assert JobService._excluded_now(rec, view, late) == {"m3"}  # type: ignore[arg-type]
+    assert lines[-1] == f"m2 planned again: {service.EXCLUDE_FOR_S:g}s since it failed"
+    view.members[3].incarnation = 203  # the machine that refused restarted (new torch, say)
+    assert JobService._excluded_now(rec, view, late) == set()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cause", [
+    "m0: stage 0, step 3, B0: no backward on edge 'add_93:0->1' within 15s",
+    "m0: stage 0, step 3, F1: op aten.mm.default raised: out of memory",
+])
+async def test_a_stage_of_the_scheduler_that_only_waited_for_an_input_restarts_the_job(
+        prepared: Any, monkeypatch: pytest.MonkeyPatch, cause: str) -> None:
+    """The chaos check's finding: a tensor lost when a dial failed stalls the pipeline; the
+    scheduler's own stage timed out first (its report is local, its neighbours' come over the
+    network), and since a failure of the scheduler's machine ends the job, the job failed for
+    good while every machine was up. A stage that only waited too long for an input is a
+    victim (its machine is alive): the attempt restarts, blaming none. Any other failure of
+    the scheduler's machine still ends the job."""
+    from fusiond.jobs.coordinator import FailureReport, JobOutcome
+
+    calls: list[int] = []
+    real_run = service.JobCoordinator.run
+
+    async def run(self: Any) -> Any:
+        calls.append(self.plan_version)
+        if len(calls) == 1:
+            return JobOutcome(self.job_id, False, [], None,
+                              FailureReport("m0", 0, 3, cause), 0.1, dict(self.stage_nodes))
+        return await real_run(self)
+
+    monkeypatch.setattr(service.JobCoordinator, "run", run)
+    net = Net()
+    view = View(["m0"], leader="m0")  # (the restart plans the stage here again)
+    svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
+    net.svc = svc
+    await svc.start()
+    try:
+        summary = await svc.submit(service.decode_upload(upload(prepared, stages=1, steps=3)),
+                                   submitter="m1")
+        rec = svc.get(summary["job_id"])
+        assert isinstance(rec, service._Record)
+        if "no backward" in cause:  # (done waits for m1 to store the model: steps suffice)
+            await wait(lambda: len(rec.history) == 3 or rec.state != "running", 30,
+                       f"the restarted attempt's steps: {list(rec.logs)}")
+            assert rec.state == "running" and rec.restarts == 1, (rec.state, list(rec.logs))
+            assert len(calls) == 2 and "m0" not in rec.excluded
+        else:
+            await asyncio.wait_for(asyncio.shield(rec.task), 20)  # type: ignore[arg-type]
+            assert rec.state == "failed" and rec.restarts == 0 and len(calls) == 1
+    finally:
+        await svc.close()
+
+
+async def test_a_forwarded_submission_goes_to_the_next_scheduler_when_the_first_never_answers(
+        prepared: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chaos check's finding: a failover forwarded the job to the scheduler of the moment,
+    which was replaced 2 s later (the submission, or its answer, lost); the submitting daemon
+    waited the whole `SUBMIT_TIMEOUT_S` (300 s) for that answer, then failed the job. Once
+    another scheduler is elected the submission goes there."""
+    monkeypatch.setattr(service, "SUBMIT_TIMEOUT_S", 30.0)
+    net = Net()
+    view = View(["m0", "m1", "m2"], leader="m0")
+    svc = JobService(node_id="m1", send_raw=net.send, view=lambda: view)
+    net.svc = svc
+    asked: list[str] = []
+
+    def reply(peer: str, msg: Message) -> Message | None:
+        if isinstance(msg, JobSubmit):
+            asked.append(peer)
+            if peer == "m0":  # lost, or m0 went down before it answered
+                asyncio.get_running_loop().call_later(0.5, setattr, view, "leader", "m2")
+                return None
+            return JobSubmitReply(request_id=msg.request_id, ok=True, summary={
+                "job_id": "svc-abcdef", "stages": [{"stage": 0, "node": peer}], "plan": "",
+                "term": 2})
+        return None
+
+    net.reply = reply
+    await svc.start()
+    try:
+        t0 = asyncio.get_running_loop().time()
+        summary = await asyncio.wait_for(svc.submit_upload(upload(prepared, stages=1)), 25)
+        took = asyncio.get_running_loop().time() - t0
+        assert asked == ["m0", "m2"] and summary["scheduler"] == "m2", (asked, summary)
+        assert took < 10, took
+        r = svc.get(summary["job_id"])
+        assert isinstance(r, service._Remote) and r.scheduler == "m2"
+    finally:
+        await svc.close()
+
+
+async def test_a_scheduler_whose_assign_a_member_refuses_as_stale_hands_the_job_back(
+        prepared: Any) -> None:
+    """The chaos check's finding: a scheduler frozen for 3 s came back still taking itself for
+    the scheduler of its old term while the others had elected another (term 4); it restarted
+    its job's attempt, the members refused its Assigns (`not_scheduler`: its term is stale),
+    and that ended the job failed. Such a refusal blames no machine and hands the job back to
+    its submitter, which resubmits it to the scheduler of the new term."""
+    from protocol.messages import Assign, Error
+
+    net = Net()
+    view = View(["m0", "m1"], leader="m0")
+    svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
+    net.svc = svc
+
+    def reply(peer: str, msg: Message) -> Message | None:
+        if isinstance(msg, Assign):
+            return Error(code="not_scheduler", request_id=msg.request_id, job_id=msg.job_id,
+                         plan_version=msg.plan_version,
+                         message=f"{peer}: Assign refused: its term 1 is stale (the cluster "
+                                 "is at term 4)")
+        return None
+
+    net.reply = reply
+    await svc.start()
+    try:
+        summary = await svc.submit(service.decode_upload(upload(prepared, stages=2)),
+                                   submitter="m2")
+        rec = svc.get(summary["job_id"])
+        assert isinstance(rec, service._Record)
+        assert {s["node"] for s in summary["stages"]} == {"m0", "m1"}
+        await asyncio.wait_for(asyncio.shield(rec.task), 30)  # type: ignore[arg-type]
+        assert rec.state == "handed_back", (rec.state, list(rec.logs))
+        back = [m for p, m in net.sent if p == "m2" and isinstance(m, JobUpdate)
+                and m.handed_back]
+        assert len(back) == 1 and "term 1 is stale" in back[0].handed_back, net.kinds("m2")
+        assert not svc.worker.jobs()
+    finally:
+        await svc.close()
+
+
+async def test_a_scheduler_that_stops_hands_another_daemons_job_back(prepared: Any) -> None:
+    """The chaos check's finding: a scheduler stopped cleanly (SIGTERM, a restart) 3 s after a
+    failover gave it a job; it cancelled every job it coordinated as if it had submitted
+    them, and the submitter's job ended `cancelled` (fusionctl exit 6) though nobody cancelled
+    it. Another daemon's job goes back to it for the next scheduler."""
+    net = Net()
+    view = View(["m0", "m1"], leader="m0")
+    svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
+    net.svc = svc
+    await svc.start()
+    closed = False
+    try:
+        summary = await svc.submit(service.decode_upload(upload(prepared, stages=1)),
+                                   submitter="m1")
+        rec = svc.get(summary["job_id"])
+        assert isinstance(rec, service._Record)
+        await wait(lambda: bool(rec.history), 60, "the first step")
+        await svc.close()
+        closed = True
+        to_m1 = [m for p, m in net.sent if p == "m1" and isinstance(m, JobUpdate)]
+        back = [m for m in to_m1 if m.handed_back]
+        assert len(back) == 1 and "the scheduler m0 is stopping" in back[0].handed_back, \
+            [(m.handed_back, m.status.get("state")) for m in to_m1 if m.status]
+        assert not any(m.status.get("state") == "cancelled" for m in to_m1)
+        assert rec.state == "handed_back" and not svc.worker.jobs()
+    finally:
+        if not closed:
+            await svc.close()

@@ -11,7 +11,9 @@ tokens of the global batches finished so far.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -292,3 +294,213 @@ def markdown_table(rows: Mapping[str, Figures]) -> str:
             f"| {_fmt(ratio(tp, f.predicted_tokens_per_s), '.2f')} |"
         )
     return "\n".join(lines)
+
+
+# -- held-out evaluation (issue 14) ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeldoutPoint:
+    """The held-out loss of a run's dense weights saved `t_s` seconds into it, after `step`."""
+
+    t_s: float
+    step: int
+    loss: float
+
+
+def loss_at(curve: Sequence[HeldoutPoint], t_s: float) -> float | None:
+    """The held-out loss a run had at wall-clock `t_s`: that of its latest snapshot taken at
+    or before `t_s` (None before its first)."""
+    best: HeldoutPoint | None = None
+    for p in curve:
+        if p.t_s <= t_s and (best is None or p.t_s >= best.t_s):
+            best = p
+    return None if best is None else best.loss
+
+
+def at_fixed_points(curve: Sequence[HeldoutPoint], interval_s: float, budget_s: float
+                    ) -> list[tuple[float, float | None]]:
+    """(t, held-out loss at t) at t = interval, 2 x interval, ... up to the budget: the same
+    wall-clock points for every system."""
+    n = math.floor(budget_s / interval_s + 1e-9)
+    return [(k * interval_s, loss_at(curve, k * interval_s)) for k in range(1, n + 1)]
+
+
+def time_to_heldout_target(curve: Sequence[HeldoutPoint], target: float) -> float | None:
+    """Seconds until a snapshot's held-out loss is at or below `target` (None: never)."""
+    for p in sorted(curve, key=lambda q: q.t_s):
+        if math.isfinite(p.loss) and p.loss <= target:
+            return p.t_s
+    return None
+
+
+# -- outcomes and the verdict (issue 14) ------------------------------------------------------
+
+OK = "ok"
+OUT_OF_MEMORY = "out of memory"
+"""The kernel killed a host of the run at its memory limit (`deploy.testbed.classify_exit`)."""
+OUT_OF_REGIME = "out of regime"
+"""The system cannot train in this setting at all (the reason says why); never a fusion win."""
+FAILED = "failed"
+"""The harness or the system broke: a failed run fails the bench."""
+OUTCOMES = (OK, OUT_OF_MEMORY, OUT_OF_REGIME, FAILED)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One run of one system on one topology in one regime, as the verdict sees it."""
+
+    system: str
+    outcome: str
+    time_to_target_s: float | None = None
+    """None with outcome ok: the target held-out loss was not reached within the budget."""
+    final_loss: float | None = None
+    """Held-out loss at the end of the budget."""
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"outcome {self.outcome!r}: one of {OUTCOMES}")
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Median and min-max over runs (inf: a run that never reached the target)."""
+
+    median: float
+    lo: float
+    hi: float
+    n: int
+
+    @classmethod
+    def of(cls, xs: Sequence[float]) -> Spread:
+        return cls(statistics.median(xs), min(xs), max(xs), len(xs))
+
+    def text(self, unit: str = " s") -> str:
+        def f(x: float) -> str:
+            return "not reached" if math.isinf(x) else f"{x:.1f}{unit}"
+        if self.n == 1:
+            return f"{f(self.median)} (1 run)"
+        return f"{f(self.median)} [{f(self.lo)} .. {f(self.hi)}] ({self.n} runs)"
+
+
+@dataclass(frozen=True)
+class SystemSummary:
+    """What all runs of one system say: its outcome (ok only when every run trained), the
+    spread of its time to target and of its final held-out loss over the ok runs."""
+
+    system: str
+    outcome: str
+    time_to_target: Spread | None
+    final_loss: Spread | None
+    reason: str = ""
+
+    @property
+    def score(self) -> tuple[float, float]:
+        """Lower is better: median time to target (inf: not reached), then final loss."""
+        if self.outcome != OK or self.time_to_target is None:
+            return (math.inf, math.inf)
+        fl = self.final_loss.median if self.final_loss is not None else math.inf
+        return (self.time_to_target.median, fl if math.isfinite(fl) else math.inf)
+
+
+def summarize(system: str, runs: Sequence[RunResult]) -> SystemSummary:
+    """The summary of `runs` (all of `system`): failed if any run failed, else out of memory /
+    out of regime if any run ended so, else ok with medians and min-max."""
+    if not runs:
+        return SystemSummary(system, FAILED, None, None, "missing: no run")
+    for outcome in (FAILED, OUT_OF_MEMORY, OUT_OF_REGIME):
+        bad = [r for r in runs if r.outcome == outcome]
+        if bad:
+            return SystemSummary(system, outcome, None, None,
+                                 f"{len(bad)} of {len(runs)} runs: {bad[0].reason}".rstrip(": "))
+    tt = Spread.of([math.inf if r.time_to_target_s is None else r.time_to_target_s
+                    for r in runs])
+    finals = [r.final_loss for r in runs if r.final_loss is not None]
+    return SystemSummary(system, OK, tt, Spread.of(finals) if finals else None)
+
+
+@dataclass(frozen=True)
+class TopologyVerdict:
+    """One topology and regime: fusion's best system against the strongest baseline."""
+
+    topology: str
+    regime: str
+    fusion: SystemSummary | None
+    baseline: SystemSummary | None
+    summaries: Mapping[str, SystemSummary]
+    problems: tuple[str, ...]
+    """Missing or failed systems: each fails the bench."""
+
+    @property
+    def ok(self) -> bool:
+        """The bench itself held (every system ran); says nothing about who won."""
+        return not self.problems
+
+    @property
+    def fusion_wins(self) -> bool | None:
+        """True / False; None when there is nothing to compare (a side with no ok run, or no
+        baseline but out-of-regime ones: an out-of-regime baseline is never a fusion win)."""
+        f, b = self.fusion, self.baseline
+        if f is None or f.outcome != OK:
+            return None if b is None else False
+        if b is None:
+            # no baseline trained: a win only when every one ran out of memory (fusion
+            # trained where none could); out of regime never counts as a fusion win
+            others = [s for n, s in self.summaries.items() if n not in FUSION_SYSTEMS]
+            return True if others and all(s.outcome == OUT_OF_MEMORY for s in others) else None
+        return f.score < b.score
+
+    def line(self, labels: Mapping[str, str]) -> str:
+        def side(s: SystemSummary | None, what: str) -> str:
+            if s is None:
+                return f"no {what} trained"
+            if s.outcome != OK:
+                return f"{labels.get(s.system, s.system)}: {s.outcome} ({s.reason})"
+            assert s.time_to_target is not None
+            fl = f", final held-out loss {s.final_loss.text('')}" if s.final_loss else ""
+            return (f"{labels.get(s.system, s.system)}: time to target "
+                    f"{s.time_to_target.text()}{fl}")
+        win = {True: "fusion wins", False: "fusion loses", None: "no comparison"}[
+            self.fusion_wins]
+        head = "FAIL" if self.problems else "ok  "
+        text = (f"{head} {self.topology} [{self.regime}] fusion best {side(self.fusion, 'fusion')}"
+                f" / strongest baseline {side(self.baseline, 'baseline')}: {win}")
+        untrained = [f"{labels.get(n, n)} {s.outcome} ({s.reason})"
+                     for n, s in self.summaries.items()
+                     if s.outcome in (OUT_OF_MEMORY, OUT_OF_REGIME)
+                     and s is not self.fusion]
+        if untrained:
+            text += " | did not train: " + "; ".join(untrained)
+        if self.problems:
+            text += " -- " + "; ".join(self.problems)
+        return text
+
+
+FUSION_SYSTEMS = frozenset({"opfence", "adatopk"})
+"""Fusion as its planner decides, (2) and (3); every other system is a baseline."""
+
+
+def verdict(topology: str, regime: str, runs: Iterable[RunResult],
+            expected: Sequence[str]) -> TopologyVerdict:
+    """The verdict of one topology and regime over every run of every system in `expected`.
+
+    A system of `expected` with no run, or with a failed run, is a problem (the bench fails);
+    out of memory and out of regime are outcomes, not problems. The strongest baseline is
+    the baseline with the best score among those whose runs all trained (out-of-regime ones
+    never count); fusion's best the best of (2) and (3)."""
+    by: dict[str, list[RunResult]] = {s: [] for s in expected}
+    for r in runs:
+        by.setdefault(r.system, []).append(r)
+    summaries = {s: summarize(s, rs) for s, rs in by.items()}
+    problems = tuple(f"{s}: {summaries[s].reason}" for s in by
+                     if summaries[s].outcome == FAILED)
+    fusion = [summaries[s] for s in by if s in FUSION_SYSTEMS]
+    base = [summaries[s] for s in by if s not in FUSION_SYSTEMS and summaries[s].outcome == OK]
+    best_f = min(fusion, key=lambda s: s.score) if fusion else None
+    best_b = min(base, key=lambda s: s.score) if base else None
+    if not any(s not in FUSION_SYSTEMS for s in by):
+        problems += ("no baseline expected: a bench without one proves nothing",)
+    if not fusion:
+        problems += ("no fusion run expected",)
+    return TopologyVerdict(topology, regime, best_f, best_b, summaries, problems)

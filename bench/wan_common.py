@@ -32,7 +32,10 @@ LABELS = {
 
 @dataclass(frozen=True)
 class Workload:
-    """What every system trains: the same model, data, global batch and optimizer."""
+    """What every system trains: the same model, data, global batch and optimizer.
+
+    `n_layer`/`n_embd`/`n_head` override the named GPT-2 size (0: the size's own);
+    `corpus` is the training split's file (empty: the default corpus, all of it)."""
 
     size: str = "mini"
     vocab_size: int = 256
@@ -41,24 +44,43 @@ class Workload:
     micro_batches: int = 4
     lr: float = 1e-3
     seed: int = 0
+    n_layer: int = 0
+    n_embd: int = 0
+    n_head: int = 0
+    corpus: str = ""
 
     @property
     def tokens_per_step(self) -> int:
         return self.batch * self.seq_len
 
-    def job_toml(self, *, adatopk: bool, steps: int = 1_000_000) -> str:
+    def model_overrides(self) -> dict[str, int]:
+        """`fusiond.models.gpt2.gpt2(size, **overrides)`'s overrides."""
+        out = {"vocab_size": self.vocab_size}
+        for k in ("n_layer", "n_embd", "n_head"):
+            v = int(getattr(self, k))
+            if v:
+                out[k] = v
+        return out
+
+    def job_toml(self, *, adatopk: bool, steps: int = 1_000_000,
+                 checkpoint_interval: int = 0) -> str:
         """The fusion job file: constant learning rate (a wall-clock budget has no 'last step'
-        for a schedule to decay to), AdamW, byte tokens of the default corpus."""
+        for a schedule to decay to), AdamW, byte tokens of the training split (or of the
+        default corpus)."""
+        config = ", ".join([f'size = "{self.size}"']
+                           + [f"{k} = {v}" for k, v in self.model_overrides().items()])
+        path = f"\npath = {json.dumps(self.corpus)}" if self.corpus else ""
         return f"""
 [job]
 name = "bench-wan"
 steps = {steps}
 seed = {self.seed}
+checkpoint_interval = {checkpoint_interval}
 [model]
 zoo = "gpt2"
-config = {{ size = "{self.size}", vocab_size = {self.vocab_size} }}
+config = {{ {config} }}
 [data]
-seq_len = {self.seq_len}
+seq_len = {self.seq_len}{path}
 [optimizer]
 kind = "adamw"
 lr = {self.lr}
@@ -72,14 +94,17 @@ adatopk = {"true" if adatopk else "false"}
     def to_dict(self) -> dict[str, Any]:
         return {"size": self.size, "vocab_size": self.vocab_size, "seq_len": self.seq_len,
                 "batch": self.batch, "micro_batches": self.micro_batches, "lr": self.lr,
-                "seed": self.seed}
+                "seed": self.seed, "n_layer": self.n_layer, "n_embd": self.n_embd,
+                "n_head": self.n_head, "corpus": self.corpus}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Workload:
         return cls(size=str(d["size"]), vocab_size=int(d["vocab_size"]),
                    seq_len=int(d["seq_len"]), batch=int(d["batch"]),
                    micro_batches=int(d["micro_batches"]), lr=float(d["lr"]),
-                   seed=int(d["seed"]))
+                   seed=int(d["seed"]), n_layer=int(d.get("n_layer", 0)),
+                   n_embd=int(d.get("n_embd", 0)), n_head=int(d.get("n_head", 0)),
+                   corpus=str(d.get("corpus", "")))
 
 
 def window_offsets(n_tokens: int, seq_len: int, seed: int, step: int, size: int) -> Any:

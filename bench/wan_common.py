@@ -18,15 +18,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SYSTEMS = ("uniform", "opfence", "adatopk", "ddp", "hivemind")
-"""The five runs, in the issue's order (1)..(5)."""
+SYSTEMS = ("single", "pipeline", "ddp_fp16", "ddp_powersgd", "fsdp", "hivemind", "swarm",
+           "opfence", "adatopk")
+"""Every system of issue 14: the baselines (0), (1), (4) twice, FSDP, (5), (6), then fusion."""
 
 LABELS = {
-    "uniform": "(1) fusion uniform, dense",
+    "single": "(0) fastest host alone",
+    "pipeline": "(1) pipeline, equal blocks",
+    "ddp_fp16": "(4) DDP + fp16 hook",
+    "ddp_powersgd": "(4) DDP + PowerSGD",
+    "fsdp": "(4) FSDP",
+    "hivemind": "(5) hivemind 1.1.12",
+    "swarm": "(6) SWARM-style int8 cuts",
     "opfence": "(2) fusion OP-Fence, dense",
     "adatopk": "(3) fusion OP-Fence + AdaTopK",
-    "ddp": "(4) PyTorch DDP (gloo)",
-    "hivemind": "(5) hivemind 1.1.12",
 }
 
 
@@ -221,104 +226,6 @@ def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0:
         return None
     return a / b
-
-
-# -- targets -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """One target on one topology."""
-
-    name: str
-    ok: bool | None
-    """None: could not be judged (a run missing or failed)."""
-    detail: str
-
-    def line(self) -> str:
-        word = {True: "PASS", False: "FAIL", None: "N/A "}[self.ok]
-        return f"{word}  {self.name}: {self.detail}"
-
-
-def verdicts(rows: Mapping[str, Figures], *, slowest_mbit: float,
-             prediction_tolerance: float = 0.25) -> list[Verdict]:
-    """The issue's targets for one topology (slowest link among the hosts used, Mbit/s)."""
-    out: list[Verdict] = []
-    u, a = rows.get("uniform"), rows.get("adatopk")
-    need = 3.0 if slowest_mbit <= 8.0 else 1.45
-    r = ratio(a.tokens_per_s if a else None, u.tokens_per_s if u else None)
-    out.append(Verdict(f"(3)/(1) throughput >= {need:g}x", None if r is None else r >= need,
-                       "missing run" if r is None else f"{r:.2f}x"))
-    if slowest_mbit <= 100.0:
-        t3 = a.time_to_target_s if a else None
-        for other in ("ddp", "hivemind"):
-            o = rows.get(other)
-            if a is None or o is None or a.error or o.error:
-                out.append(Verdict(f"(3) reaches target before {LABELS[other][:3]}", None,
-                                   "missing or failed run"))
-                continue
-            to = o.time_to_target_s
-            if t3 is None:
-                ok: bool | None = False if to is not None else None
-                detail = "(3) never reached it" + ("" if to is not None else ", nor the other")
-            else:
-                ok = to is None or t3 < to
-                detail = f"{t3:.1f} s vs " + ("never" if to is None else f"{to:.1f} s")
-            out.append(Verdict(f"(3) reaches target before {LABELS[other][:3]}", ok, detail))
-    for s in ("opfence", "adatopk"):
-        f = rows.get(s)
-        q = ratio(f.tokens_per_s if f else None, f.predicted_tokens_per_s if f else None)
-        out.append(Verdict(
-            f"{LABELS[s][:3]} within {prediction_tolerance:.0%} of the planner",
-            None if q is None else abs(q - 1.0) <= prediction_tolerance,
-            "missing run" if q is None else f"measured/predicted {q:.2f}"))
-    return out
-
-
-# -- rendering -----------------------------------------------------------------------------
-
-
-def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
-    return "—" if x is None else f"{x:{spec}}{suffix}"
-
-
-def _bytes(n: float | None) -> str:
-    if n is None:
-        return "—"
-    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def markdown_table(rows: Mapping[str, Figures]) -> str:
-    """The per-topology table: one line per system present, ratios to (1) and (4)."""
-    head = ("| run | steps | tokens/s | vs (1) | vs (4) | time to target | vs (1) | vs (4) "
-            "| final loss | wire bytes | bytes/token | predicted tokens/s | meas/pred |")
-    lines = [head, "|" + "---|" * 13]
-    u, d = rows.get("uniform"), rows.get("ddp")
-    for s in SYSTEMS:
-        f = rows.get(s)
-        if f is None:
-            continue
-        if f.error and not f.steps:
-            lines.append(f"| {LABELS[s]} | failed: {f.error} |" + " |" * 11)
-            continue
-        tp, tt = f.tokens_per_s, f.time_to_target_s
-        lines.append(
-            f"| {LABELS[s]} | {f.steps} | {_fmt(tp, '.0f')} "
-            f"| {_fmt(ratio(tp, u.tokens_per_s if u else None), '.2f', 'x')} "
-            f"| {_fmt(ratio(tp, d.tokens_per_s if d else None), '.2f', 'x')} "
-            f"| {_fmt(tt, '.1f', ' s') if tt is not None else 'not reached'} "
-            # time ratios are 'how much sooner': the other's time over this one's
-            f"| {_fmt(ratio(u.time_to_target_s if u else None, tt), '.2f', 'x')} "
-            f"| {_fmt(ratio(d.time_to_target_s if d else None, tt), '.2f', 'x')} "
-            f"| {_fmt(f.final_loss, '.3f')} | {_bytes(f.wire_bytes)} "
-            f"| {_fmt(f.wire_bytes_per_token, '.0f')} "
-            f"| {_fmt(f.predicted_tokens_per_s, '.0f')} "
-            f"| {_fmt(ratio(tp, f.predicted_tokens_per_s), '.2f')} |"
-        )
-    return "\n".join(lines)
 
 
 # -- held-out evaluation (issue 14) ---------------------------------------------------------

@@ -160,6 +160,7 @@ def run(args: argparse.Namespace, wl: Workload, spec: JobSpec) -> None:
     snaps = 0
     step = 0
     stop_at: int | None = None
+    saved = -1
     while True:
         full = source.batch(step, wl.batch)
         lo = args.rank * share
@@ -181,6 +182,7 @@ def run(args: argparse.Namespace, wl: Workload, spec: JobSpec) -> None:
         if args.rank == 0 and clock.due(t):
             save_snapshot(args.snapshot_dir, snaps, t, step, model.state_dict())
             snaps += 1
+            saved = step
         if args.world == 1:
             if t >= args.budget:
                 break
@@ -196,9 +198,9 @@ def run(args: argparse.Namespace, wl: Workload, spec: JobSpec) -> None:
             if stop_at is not None and step >= stop_at:
                 break
         step += 1
+    if args.rank == 0 and saved != step:
+        save_snapshot(args.snapshot_dir, snaps, events[-1][0], step, model.state_dict())
     if args.rank == 0:
-        t = time.perf_counter() - t0
-        save_snapshot(args.snapshot_dir, snaps, t, step, model.state_dict())
         system = "single" if args.world == 1 else f"ddp_{args.hook}"
         Path(args.out).write_text(Trace(system, events, {
             "world": args.world, "micro_per_rank": micro, "hook": args.hook,

@@ -7,6 +7,13 @@ split, OP-Fence, or OP-Fence + AdaTopK), runs a `JobCoordinator` for the wall-cl
 budget, then cancels the job and writes a trace
 (`bench/wan_common.py`) with the planner's prediction.
 
+Snapshots for the held-out evaluator (`bench/wan_eval.py`): the job checkpoints every
+`checkpoint_interval` steps, chosen so that it is about every `--snapshot-interval` seconds at
+the planner's predicted step time; each host writes its own stages' checkpoints
+(`StageCheckpoint`, the partition's dense parameters) to `--snapshot-dir` instead of sending
+them to the lead: on real machines each stage would keep its own, and the states must not
+load the links the run is measured on. `bench/wan.py` gathers them after the run.
+
     python bench/wan_fusion.py node NAME --listen ADDR:PORT --peer N=ADDR:PORT ...
     python bench/wan_fusion.py lead NAME --listen ... --peer ... --mode adatopk --budget 60 \
         --cluster cluster.json --workload workload.json --out trace.json
@@ -17,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -50,7 +58,7 @@ from fusiond.train.programs import capture_job
 from fusiond.train.spec import parse_job
 from fusiond.train.stage import StageConfig
 from fusiond.units import bits_per_s_from_bytes_per_s, bytes_per_s_from_bits_per_s
-from protocol.messages import Message
+from protocol.messages import Message, StageCheckpoint
 
 
 def _addr(text: str) -> tuple[str, int]:
@@ -126,9 +134,38 @@ def make_plan(mode: str, spec: Any, captured: Any, cluster: Cluster) -> Plan:
     return plan_job(spec, captured, cluster)
 
 
+def snapshot_name(partition: int, step: int) -> str:
+    """A stage checkpoint's file under the snapshot directory."""
+    return f"part-{partition:03d}-step-{step:07d}.safetensors"
+
+
+def keep_checkpoints(send: Any, snapshot_dir: Path | None) -> Any:
+    """`send`, except that StageCheckpoint messages are written to `snapshot_dir` (safetensors
+    bytes as the stage made them) instead of going to the lead."""
+    if snapshot_dir is None:
+        return send
+
+    async def wrapped(peer: str, msg: Message, payload: Any = ()) -> None:
+        if isinstance(msg, StageCheckpoint):
+            data = b"".join(bytes(p) for p in payload)
+            path = snapshot_dir / snapshot_name(msg.partition, msg.step)
+
+            def write() -> None:
+                snapshot_dir.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_bytes(data)
+                tmp.replace(path)
+
+            await asyncio.to_thread(write)
+            return
+        await send(peer, msg, payload)
+
+    return wrapped
+
+
 async def serve(tls: TLSMaterial, listen: tuple[str, int],
                 peers: dict[str, tuple[str, int]], lead: argparse.Namespace | None,
-                on_ready: Callable[[], None]) -> None:
+                on_ready: Callable[[], None], snapshot_dir: Path | None = None) -> None:
     name = tls.node_id()
     coordinators: list[JobCoordinator] = []
     worker: JobWorker | None = None
@@ -145,7 +182,7 @@ async def serve(tls: TLSMaterial, listen: tuple[str, int],
                       config=NetConfig(connect_timeout_s=10, handshake_timeout_s=10,
                                        backoff_max_s=1.0))
     await net.start()
-    send = local_sender(name, net.send, dispatch)
+    send = keep_checkpoints(local_sender(name, net.send, dispatch), snapshot_dir)
     worker = JobWorker(node_id=name, send=send,
                        stage_config=StageConfig(recv_timeout_s=120.0))
     await worker.start()
@@ -180,6 +217,8 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
     plan = make_plan(args.mode, spec, captured, cluster)
     node_of = {machine_id(hosts, h): desc["node_ids"][h] for h in hosts}
     layout = layout_for(plan, spec, captured, node_of)
+    every = max(1, round(args.snapshot_interval / max(plan.iteration_s, 1e-3)))
+    spec = dataclasses.replace(spec, checkpoint_interval=every)
     extra: dict[str, Any] = {
         "mode": args.mode,
         "predicted_tokens_per_s": plan.samples_per_s * wl.seq_len,
@@ -189,6 +228,7 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
         "idle": dict(plan.idle),
         "profiles": profiles,
         "prediction": prediction_detail(plan, wl.micro_batches),
+        "checkpoint_interval": every,
     }
     events: list[tuple[float, int, float | None, int]] = []
     tokens = 0
@@ -270,6 +310,10 @@ def main() -> None:
     ap.add_argument("--cluster", help="JSON: hosts, bandwidth_bits_per_s, rtt_s, cpu")
     ap.add_argument("--workload", help="JSON of bench.wan_common.Workload")
     ap.add_argument("--out", help="where the lead writes its trace")
+    ap.add_argument("--snapshot-dir", type=Path,
+                    help="where this host writes its stages' checkpoints (held-out evaluator)")
+    ap.add_argument("--snapshot-interval", type=float, default=5.0,
+                    help="seconds between checkpoints at the planner's predicted step time")
     ap.add_argument("--profile-dir", type=Path, required=True,
                     help="where every host writes its profile (NAME.json) once it serves")
     args = ap.parse_args()
@@ -294,7 +338,7 @@ def main() -> None:
         args.cluster_data = json.loads(Path(args.cluster).read_text())
         args.trace = None
     asyncio.run(serve(TLSMaterial.in_state_dir(args.state_dir), args.listen, peers,
-                      args if args.role == "lead" else None, publish))
+                      args if args.role == "lead" else None, publish, args.snapshot_dir))
     if args.role == "lead" and args.trace is not None:
         Path(args.out).write_text(args.trace.to_json())
 

@@ -638,6 +638,19 @@ class Testbed:
             return None
         return read_memory_report(path, self.memory_cgroup.kind)
 
+    def reset_memory_peak(self, host: str) -> bool:
+        """Start `host`'s memory peak afresh (cgroup v1 ``memory.max_usage_in_bytes``; v2's
+        ``memory.peak`` resets only per open file on new kernels: False there, and where the
+        host has no limit)."""
+        path = self.memory_cgroup_path(host)
+        if path is None or self.memory_cgroup.kind != "v1":
+            return False
+        try:
+            (path / "memory.max_usage_in_bytes").write_text("0")
+        except OSError:
+            return False
+        return True
+
     def _start_delay(self, pairs: list[tuple[str, str]]) -> None:
         """The NFQUEUE delay stage in the bridge namespace, then the iptables rules feeding it."""
         topo, br = self.topology, self.bridge_ns

@@ -13,8 +13,12 @@ wall-clock budget, the same model, training split, global batch and optimizer
 (`bench.wan_common.Workload`):
 
 - (0) `single`: the fastest host alone (with activation checkpointing in "does not fit");
-- (1) `pipeline`, (5) `hivemind`, (6) `swarm`, FSDP (`fsdp`, "does not fit" only): not in the
-  harness yet (`NOT_YET` says why): each one FAILS the bench until it runs;
+- (1) `pipeline`: equal transformer blocks per stage, cut at block boundaries, the stage
+  count and host order the planner's model predicts best, run by fusion's own 1F1B pipeline
+  (`bench/wan_fusion.py --mode pipeline`; torch.distributed.pipelining was not tried across
+  the namespaces);
+- (5) `hivemind`, (6) `swarm`, FSDP (`fsdp`, "does not fit" only): not in the harness yet
+  (`NOT_YET` says why): each one FAILS the bench until it runs;
 - (4) `ddp_fp16`, `ddp_powersgd`: DDP over gloo with the fp16 / PowerSGD comm hook, one
   bucket, no extra per-step collective (`bench/wan_ddp.py`);
 - (2) `opfence`, (3) `adatopk`: fusion as its planner decides, dense and with AdaTopK
@@ -296,9 +300,6 @@ def traffic_note(traces: dict[str, Trace], topo: Topology) -> str | None:
 REGIMES = ("fits", "nofit")
 REGIME_TEXT = {"fits": "fits", "nofit": "does not fit"}
 NOT_YET: dict[str, str] = {
-    "pipeline": "not implemented yet: needs a plan of equal transformer blocks per stage at "
-                "block boundaries (fusion's uniform_plan cuts by op count; "
-                "torch.distributed.pipelining not tried across the namespaces)",
     "swarm": "not available: fusion's codec has no int8 block quantization (only AdaTopK "
              "top-k and lz4)",
     "hivemind": "not reconfigured yet per its docs (target batch, compression, matchmaking) "
@@ -480,7 +481,7 @@ class Runner:
             self.tb.reset_memory_peak(h)
         before_rep = {h: self.tb.memory_report(h) for h in used}
         before = tx_bytes(self.tb, self.hosts)
-        if system in ("opfence", "adatopk"):
+        if system in FUSION_RUNS:
             trace, exits = self.fusion(system)
         else:
             trace, exits = self.torch_baseline(system, used)
@@ -500,6 +501,9 @@ class Runner:
 
 
 Evaluator = Callable[[str, Path, Trace], list[HeldoutPoint]]
+FUSION_RUNS = ("pipeline", "opfence", "adatopk")
+"""Systems run by fusion's own pipeline (`bench/wan_fusion.py`): (1) with a block-boundary
+plan, (2) and (3) as its planner decides."""
 
 
 @dataclass
@@ -562,7 +566,7 @@ def make_evaluator(wl: Workload, data: Data) -> Evaluator:
     def evaluate(system: str, snapdir: Path, trace: Trace) -> list[HeldoutPoint]:
         if not snapdir.is_dir():
             return []
-        if system in ("opfence", "adatopk"):
+        if system in FUSION_RUNS:
             fusion_snapshots(snapdir, trace)
         return evaluate_snapshots(snapdir, make_model, data.heldout, lossf)
 

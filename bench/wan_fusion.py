@@ -25,8 +25,11 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
+import random
+import re
 import signal
 import sys
 import time
@@ -48,8 +51,10 @@ from fusiond.net.transport import NetConfig, PeerNetwork
 from fusiond.plan import (
     Cluster,
     Plan,
+    StageSpec,
     batch_symbol,
     cost_graph_from_ir,
+    plan_from_stages,
     uniform_plan,
 )
 from fusiond.profile import compute_profile, machine_from_profile
@@ -123,9 +128,60 @@ def layout_for(plan: Plan, spec: Any, captured: Any, node_of: dict[str, str]) ->
     return layout_job("wan", captured.graph, captured.state, op_nodes, densities=densities)
 
 
+_BLOCK_RE = re.compile(r"(?:^|\.)h\.(\d+)\.")
+MAX_ORDERS = 2000
+"""Host orders the block pipeline tries per stage count (all of them up to 5 hosts: 120)."""
+
+
+def block_starts(ops: Any) -> list[int]:
+    """For each transformer block b (parameters named `...h.<b>....`), the index of the first
+    op that uses one of its parameters: a cut just before it sends the residual stream only."""
+    first: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        for p in op.params:
+            m = _BLOCK_RE.search(p)
+            if m is not None:
+                first.setdefault(int(m.group(1)), i)
+    if not first or sorted(first) != list(range(len(first))):
+        raise SystemExit(f"no transformer blocks h.<i> found in the graph's parameters: "
+                         f"{sorted(first)}")
+    return [first[b] for b in range(len(first))]
+
+
+def block_plan(spec: Any, captured: Any, cluster: Cluster) -> Plan:
+    """(1) the naive pipeline done right: equal transformer blocks per stage, cut at block
+    boundaries (embedding with the first stage, the final norm and head with the last),
+    dense, fusion's 1F1B pipeline; the stage count (2 ..) and host order with the best
+    predicted step among those within memory (the planner's model), as a user tuning a
+    GPipe-style split would pick them."""
+    sym = batch_symbol(captured.graph)
+    cost = cost_graph_from_ir(captured.graph, {sym: spec.batch.micro_batch_size} if sym else {})
+    starts = block_starts(cost.ops)
+    n_blocks, n_ops = len(starts), len(cost.ops)
+    settings = job_settings(spec)
+    rng = random.Random(0)
+    best: tuple[tuple[bool, float], Plan] | None = None
+    for k in range(2, min(len(cluster), n_blocks) + 1):
+        cuts = [0, *[starts[round(i * n_blocks / k)] for i in range(1, k)], n_ops]
+        orders = list(itertools.permutations(range(len(cluster)), k))
+        if len(orders) > MAX_ORDERS:
+            orders = rng.sample(orders, MAX_ORDERS)
+        for order in orders:
+            stages = [StageSpec(order[i], cuts[i], cuts[i + 1]) for i in range(k)]
+            plan = plan_from_stages(cost, cluster, settings, stages, compress=False)
+            key = (bool(plan.evaluation.over_memory), plan.iteration_s)
+            if best is None or key < best[0]:
+                best = (key, plan)
+    if best is None:
+        raise SystemExit("a block pipeline needs at least 2 hosts and 2 blocks")
+    return best[1]
+
+
 def make_plan(mode: str, spec: Any, captured: Any, cluster: Cluster) -> Plan:
     """(1) uniform: equal op counts per machine in host order, dense; (2) OP-Fence dense;
     (3) OP-Fence + AdaTopK (the spec's `compression.adatopk` decides 2 vs 3)."""
+    if mode == "pipeline":
+        return block_plan(spec, captured, cluster)
     if mode == "uniform":
         sym = batch_symbol(captured.graph)
         cost = cost_graph_from_ir(captured.graph,
@@ -305,7 +361,8 @@ def main() -> None:
                     help="this host's TLS credentials (ca.crt, node.crt, node key)")
     ap.add_argument("--listen", type=_addr, required=True)
     ap.add_argument("--peer", action="append", default=[], help="NODE_ID=ADDR:PORT")
-    ap.add_argument("--mode", choices=["uniform", "opfence", "adatopk"], default="adatopk")
+    ap.add_argument("--mode", choices=["uniform", "pipeline", "opfence", "adatopk"],
+                    default="adatopk")
     ap.add_argument("--budget", type=float, default=60.0)
     ap.add_argument("--cluster", help="JSON: hosts, bandwidth_bits_per_s, rtt_s, cpu")
     ap.add_argument("--workload", help="JSON of bench.wan_common.Workload")

@@ -222,3 +222,38 @@ def test_out_of_memory_and_out_of_regime_are_distinct_outcomes() -> None:
 def test_unknown_outcome_is_refused() -> None:
     with pytest.raises(ValueError, match="outcome"):
         RunResult("single", "did not reach the target")
+
+
+def test_the_block_pipeline_cuts_only_at_block_boundaries() -> None:
+    from bench.wan_common import Workload
+    from bench.wan_fusion import block_plan, block_starts
+    from fusiond.plan import batch_symbol, cost_graph_from_ir
+    from fusiond.plan.topology import cluster_from_topology
+    from fusiond.train.programs import capture_job
+    from fusiond.train.spec import parse_job
+
+    spec = parse_job(Workload(size="tiny", n_layer=4, n_embd=32, n_head=2, seq_len=16,
+                              batch=8, micro_batches=2).job_toml(adatopk=False))
+    _, captured = capture_job(spec)
+    sym = batch_symbol(captured.graph)
+    cost = cost_graph_from_ir(captured.graph, {sym: 4} if sym else {})
+    starts = block_starts(cost.ops)
+    assert len(starts) == 4 and starts == sorted(starts) and starts[0] > 0
+    # the op at each block start uses that block's parameters, and none before it does
+    for b, i in enumerate(starts):
+        assert any(f"h.{b}." in p for p in cost.ops[i].params)
+        assert not any(f"h.{b}." in p for op in cost.ops[:i] for p in op.params)
+    kind = {"flops": {"matmul": 1e9, "conv": 1e9, "other": 2e8}, "mem_bw": 5e9,
+            "op_overhead_s": 1e-5, "memory_gib": 4}
+    cluster, _ = cluster_from_topology({
+        "name": "t", "kinds": {"cpu": kind, "slow": kind | {"flops": {
+            "matmul": 2e8, "conv": 2e8, "other": 5e7}}},
+        "groups": [{"name": "g", "kind_counts": {"cpu": 2, "slow": 1}, "mbit": 1000}],
+        "inter_mbit": [[0]]})
+    plan = block_plan(spec, captured, cluster)
+    cuts = sorted({st.start for st in plan.stages} - {0})
+    assert len(plan.stages) >= 2 and set(cuts) <= set(starts), (cuts, starts)
+    n = len(plan.stages)
+    per_stage = [sum(1 for s in starts if st.start <= s < st.stop) for st in plan.stages]
+    assert max(per_stage) - min(per_stage) <= 1, per_stage  # equal blocks per stage
+    assert n <= 3 and plan.evaluation.iteration_s > 0

@@ -347,6 +347,61 @@ def fastest_host(topo: Topology) -> str:
     return max(topo.hosts, key=lambda h: (topo.cpu.get(h, math.inf), -topo.hosts.index(h)))
 
 
+GRADIENT_BYTES_PER_PARAM = {"ddp_fp16": 2.0, "ddp_powersgd": 4.0 / 20}
+"""What one parameter's gradient costs on the wire per all-reduce: fp16, and PowerSGD at about
+20x fewer bytes than fp32 (issue 14's check of this model on gloo)."""
+
+
+def ddp_hosts(topo: Topology, system: str, n_params: int, sample_cpu_s: float,
+              batch: int) -> list[str]:
+    """The host subset (at least 2) a competent user would run DDP on: the least predicted
+    step time in a plain model, the global batch's compute spread over the subset's cores
+    (`sample_cpu_s`: one sample's forward and backward on one core) plus a ring all-reduce
+    of the (compressed) gradients over the subset's slowest link and 2 (n - 1) of its
+    longest RTTs. One site, all sites or anything between: whichever the model favours."""
+    per_param = GRADIENT_BYTES_PER_PARAM.get(system, 4.0)
+    best: tuple[float, list[str]] | None = None
+    hosts = list(topo.hosts)
+    for k in range(2, len(hosts) + 1):
+        for sub in itertools.combinations(hosts, k):
+            cores = sum(topo.cpu.get(h, 1.0) for h in sub)
+            links = [topo.link(a, b) for a, b in itertools.combinations(sub, 2)]
+            bw = min(lk.bandwidth_bits_per_s for lk in links) / 8 * 0.95
+            rtt = max(lk.rtt_s for lk in links)
+            comm = 2 * (k - 1) / k * n_params * per_param / bw + 2 * (k - 1) * rtt
+            step = batch * sample_cpu_s / cores + comm
+            if batch % k:
+                continue
+            if best is None or step < best[0]:
+                best = (step, list(sub))
+    if best is None:
+        raise SystemExit(f"no host subset of {hosts} splits the global batch {batch}")
+    return best[1]
+
+
+def sample_cpu_seconds(wl: Workload, samples: int = 4) -> float:
+    """One sample's forward and backward on one thread of this machine (CPU time, which load
+    does not bend much), for `ddp_hosts`' model."""
+    import torch
+
+    from fusiond.train.model import build_model, loss_fn
+    from fusiond.train.spec import parse_job
+
+    spec = parse_job(wl.job_toml(adatopk=False))
+    model = build_model(spec.model, seed=spec.seed)
+    lossf = loss_fn(spec.loss)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randint(0, wl.vocab_size, (samples, wl.seq_len))
+        lossf(model(x), x).backward()  # warm-up
+        t = time.process_time()
+        lossf(model(x), x).backward()
+        return (time.process_time() - t) / samples
+    finally:
+        torch.set_num_threads(threads)
+
+
 def delta_report(before: MemoryReport | None, after: MemoryReport | None
                  ) -> MemoryReport | None:
     """What a host's memory cgroup counted during one run (the counters only grow)."""
@@ -476,7 +531,13 @@ class Runner:
         if system in NOT_YET:
             return RunRecord(system, Trace(system, [], {}, NOT_YET[system]), FAILED,
                              NOT_YET[system], [], None, {}, 0.0)
-        used = ([fastest_host(self.tb.topology)] if system == "single" else self.hosts)
+        if system == "single":
+            used = [fastest_host(self.tb.topology)]
+        elif system.startswith("ddp_"):
+            used = ddp_hosts(self.tb.topology, system, self.args.n_params,
+                             self.args.sample_cpu_s, self.wl.batch)
+        else:
+            used = self.hosts
         for h in used:
             self.tb.reset_memory_peak(h)
         before_rep = {h: self.tb.memory_report(h) for h in used}
@@ -769,6 +830,10 @@ def main() -> None:
                   seq_len=args.seq, lr=args.lr, seed=args.seed, n_layer=args.n_layer,
                   n_embd=args.n_embd, n_head=args.n_head, corpus=str(data.train_path))
     evaluate = make_evaluator(wl, data)
+    args.n_params = sum(p.numel() for p in make_model_for(wl).parameters())
+    args.sample_cpu_s = sample_cpu_seconds(wl)
+    print(f"model: {args.n_params / 1e6:.2f} M parameters, {args.sample_cpu_s * 1e3:.0f} ms "
+          "per sample (forward + backward, one thread)", flush=True)
     rng = random.Random(args.seed)
     topologies = list(args.topology or TOPOLOGIES)
     rng.shuffle(topologies)
@@ -778,7 +843,7 @@ def main() -> None:
         print("\n".join(md), flush=True)
         sections.append("\n".join(md))
         all_v += vs
-    n_params = sum(p.numel() for p in make_model_for(wl).parameters())
+    n_params = args.n_params
     header = [
         "# Benchmarks: fusion against the strongest baseline on the emulated WAN",
         "",

@@ -204,3 +204,17 @@ def test_hivemind_peers_start_together(tmp_path: Path) -> None:
     assert max(released.values()) - min(released.values()) < 0.5
     with pytest.raises(SystemExit, match="not every peer"):
         barrier(tmp_path / "other", 0, 2, timeout_s=0.2)
+
+
+def test_ddp_runs_on_the_host_subset_a_user_would_pick() -> None:
+    import dataclasses
+
+    from bench.wan import ddp_hosts
+
+    topo = restrict(load_topology("four-groups"), ["a1", "b1", "c1", "d1"])
+    topo = dataclasses.replace(topo, cpu=dict.fromkeys(topo.hosts, 0.4))
+    # 5 M parameters in fp16 over 8 Mbit/s would take seconds per step: one 50 Mbit/s pair
+    pair = ddp_hosts(topo, "ddp_fp16", 5_000_000, 0.05, 16)
+    assert pair in (["a1", "b1"], ["c1", "d1"]), pair
+    # a tiny model whose compute dominates: every host
+    assert ddp_hosts(topo, "ddp_powersgd", 1_000, 1.0, 16) == ["a1", "b1", "c1", "d1"]

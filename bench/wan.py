@@ -653,7 +653,10 @@ def idle_process_bytes(tb: Testbed, host: str) -> int | None:
 def run_regime(name: str, regime: str, topo: Topology, args: argparse.Namespace,
                wl: Workload, evaluate: Evaluator, limit_bytes: int, order: list[str]
                ) -> list[RunRecord]:
-    tb = Testbed(regime_topology(topo, regime, limit_bytes))
+    # not "fzt<digits>": tests that sweep stray testbeds of that name (`remove_stray`) must
+    # not take this one's namespaces away mid-run
+    tb = Testbed(regime_topology(topo, regime, limit_bytes),
+                 name=f"fzb{os.getpid() % 100000}{regime[0]}")
     records: list[RunRecord] = []
     args.regime = regime
     try:
@@ -671,7 +674,11 @@ def run_regime(name: str, regime: str, topo: Topology, args: argparse.Namespace,
         runner = Runner(tb, work, args, wl, planner_bytes)
         for s in order:
             print(f"[{name}/{regime}] {LABELS[s]} ...", flush=True)
-            rec = runner.run(s, evaluate)
+            try:
+                rec = runner.run(s, evaluate)
+            except Exception as exc:  # a broken run is a failed row, the bench goes on
+                why = f"harness error: {type(exc).__name__}: {exc}"[:600]
+                rec = RunRecord(s, Trace(s, [], {}, why), FAILED, why, [], None, {}, 0.0)
             records.append(rec)
             last = rec.curve[-1].loss if rec.curve else None
             print(f"[{name}/{regime}] {LABELS[s]}: {rec.outcome}"

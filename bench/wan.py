@@ -688,7 +688,7 @@ def run_regime(name: str, regime: str, topo: Topology, args: argparse.Namespace,
                   f", peak {max(rec.peak_bytes.values(), default=0) / 2**20:.0f} MiB "
                   f"({rec.wall_s:.0f} s)", flush=True)
     finally:
-        keep = Path(args.traces) / f"{name}-{regime}-logs"
+        keep = Path(args.logs) / f"{name}-{regime}-logs"
         with contextlib.suppress(OSError):
             keep.mkdir(parents=True, exist_ok=True)
             for log in (tb.work_dir / "wan").glob("*.log"):
@@ -740,7 +740,9 @@ def run_topology(name: str, args: argparse.Namespace, wl: Workload, evaluate: Ev
                + (f" (memory limit {nofit_limit / 2**20:.0f} MiB per host, enforced by the "
                   "kernel)" if regime == "nofit" and nofit_limit else
                   f" (a {FITS_CEILING_BYTES >> 30} GiB per-host ceiling, to measure peaks)"),
-               "", results_table(v, records, LABELS), "", f"- {v.line(LABELS)}", ""]
+               "", results_table(v, records, LABELS), "", f"- {v.line(LABELS)}", "",
+               f"![held-out loss on {name}, {REGIME_TEXT[regime]}]"
+               f"(benchmarks-{name}-{regime}.png)", ""]
     return md, verdicts_out
 
 
@@ -813,8 +815,11 @@ def main() -> None:
                     default=round(0.8 * len(os.sched_getaffinity(0)), 2),
                     help="cores the hosts' quotas share (default 80 %% of this process's CPUs)")
     ap.add_argument("--doc", default=str(REPO / "docs" / "benchmarks.md"))
-    ap.add_argument("--traces", default=str(REPO / "out" / "wan"),
-                    help="where each regime's raw traces are kept (JSON)")
+    ap.add_argument("--traces", default=str(REPO / "docs" / "wan-traces"),
+                    help="where each regime's raw traces are kept (small JSON, committed; "
+                         "bench/wan_plot.py redraws the plots from them)")
+    ap.add_argument("--logs", default=str(REPO / "out" / "wan"),
+                    help="the hosts' logs and the training split's file (not committed)")
     args = ap.parse_args()
     if args.quick:
         args.topology = args.topology or ["four-groups"]
@@ -832,7 +837,7 @@ def main() -> None:
         ap.error("the testbed needs root")
     # Ctrl-C and SIGTERM unwind through every `finally` (testbed down, processes stopped)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    data = prepare_data(args, Path(args.traces) / "corpus")
+    data = prepare_data(args, Path(args.logs) / "corpus")
     wl = Workload(size=args.size, batch=args.batch, micro_batches=args.micro,
                   seq_len=args.seq, lr=args.lr, seed=args.seed, n_layer=args.n_layer,
                   n_embd=args.n_embd, n_head=args.n_head, corpus=str(data.train_path))
@@ -867,6 +872,11 @@ def main() -> None:
     ]
     Path(args.doc).write_text("\n".join(header) + "\n" + "\n\n".join(sections) + "\n" + NOTES)
     print(f"wrote {args.doc}")
+    with contextlib.suppress(ImportError):
+        from bench.wan_plot import redraw
+
+        for png in redraw(Path(args.traces), Path(args.doc).parent):
+            print(f"wrote {png}")
     for v in all_v:
         print(v.line(LABELS))
     sys.exit(0 if all(v.ok for v in all_v) else 1)

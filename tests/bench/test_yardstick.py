@@ -257,3 +257,18 @@ def test_the_block_pipeline_cuts_only_at_block_boundaries() -> None:
     per_stage = [sum(1 for s in starts if st.start <= s < st.stop) for st in plan.stages]
     assert max(per_stage) - min(per_stage) <= 1, per_stage  # equal blocks per stage
     assert n <= 3 and plan.evaluation.iteration_s > 0
+
+
+def test_the_plots_redraw_from_the_committed_traces(tmp_path: Path) -> None:
+    import json
+
+    from bench.wan_plot import redraw
+
+    doc = {"topology": "four-groups", "regime": "fits", "target_loss": 2.6, "runs": [
+        {"system": "single", "heldout": [[5.0, 3, 3.5], [10.0, 7, 3.0]]},
+        {"system": "opfence", "heldout": [[5.0, 4, 3.4], [10.0, 9, 2.9]]},
+        {"system": "hivemind", "heldout": []}]}
+    (tmp_path / "four-groups-fits.json").write_text(json.dumps(doc))
+    out = redraw(tmp_path, tmp_path)
+    assert out == [tmp_path / "benchmarks-four-groups-fits.png"]
+    assert out[0].stat().st_size > 1000

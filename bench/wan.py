@@ -81,7 +81,12 @@ from bench.wan_eval import (  # noqa: E402
     split_tokens,
 )
 from deploy.testbed.bed import OUT_OF_MEMORY as OUT_OF_MEMORY_EXIT  # noqa: E402
-from deploy.testbed.bed import MemoryReport, Testbed, classify_exit  # noqa: E402
+from deploy.testbed.bed import (  # noqa: E402
+    MemoryReport,
+    Testbed,
+    cgroup_pids,
+    classify_exit,
+)
 from deploy.testbed.topology import Topology, format_rate, load_topology  # noqa: E402
 
 TOPOLOGIES = ("two-groups", "four-groups", "mixed-slow")
@@ -326,6 +331,7 @@ class RunRecord:
     wire_bytes: int | None
     peak_bytes: dict[str, int]
     wall_s: float
+    cpu_utilisation: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def result(self, target: float) -> RunResult:
         final = self.curve[-1].loss if self.curve else None
@@ -336,7 +342,7 @@ class RunRecord:
     def to_dict(self, interval_s: float, budget_s: float) -> dict[str, Any]:
         return {"system": self.system, "outcome": self.outcome, "reason": self.reason,
                 "wire_bytes": self.wire_bytes, "peak_bytes": self.peak_bytes,
-                "wall_s": self.wall_s,
+                "wall_s": self.wall_s, "cpu_utilisation": self.cpu_utilisation,
                 "heldout": [[p.t_s, p.step, p.loss] for p in self.curve],
                 "heldout_at": at_fixed_points(self.curve, interval_s, budget_s),
                 "trace": json.loads(self.trace.to_json())}
@@ -436,6 +442,40 @@ def run_outcome(trace: Trace, exits: dict[str, int | None],
     return OK, ""
 
 
+class CpuMeter:
+    """Each host's CPU seconds during a run: the utime + stime of every process in the host's
+    cgroups, sampled while it runs (the last value seen of each process counts), so a host's
+    utilisation (CPU seconds over wall-clock x its quota) says whether it was compute-bound."""
+
+    def __init__(self, tb: Testbed, hosts: list[str]) -> None:
+        self.tb = tb
+        self.t0 = time.monotonic()
+        self.wall_s = 0.0
+        self.cgroups = {h: [Path(c) for c in tb.state.get("cgroups", [])
+                            if c.endswith(f"-{tb.name}-{h}")] for h in hosts}
+        self.ticks: dict[str, dict[int, int]] = {h: {} for h in hosts}
+        self.tick_s = 1.0 / os.sysconf("SC_CLK_TCK")
+
+    def sample(self) -> None:
+        self.wall_s = time.monotonic() - self.t0
+        for h, cgs in self.cgroups.items():
+            for pid in {p for c in cgs for p in cgroup_pids(c)}:
+                try:
+                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                except (OSError, IndexError):
+                    continue
+                self.ticks[h][pid] = int(fields[11]) + int(fields[12])  # utime, stime
+
+    def utilisation(self) -> dict[str, float]:
+        """Host -> CPU seconds / (wall-clock x the host's quota in cores)."""
+        out = {}
+        for h, per_pid in self.ticks.items():
+            cores = self.tb.topology.cpu.get(h, 1.0)
+            if self.wall_s > 0:
+                out[h] = sum(per_pid.values()) * self.tick_s / (self.wall_s * cores)
+        return out
+
+
 class Runner:
     """Runs every system on one testbed (one topology, one regime)."""
 
@@ -450,6 +490,7 @@ class Runner:
                     "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
         (work / "workload.json").write_text(json.dumps(wl.to_dict()))
         self.creds = make_credentials(work / "creds", self.hosts)
+        self.cpu = CpuMeter(tb, [])
         desc = cluster_desc(tb.topology) | {"node_ids": self.creds}
         if planner_memory_bytes:
             desc["memory_bytes"] = planner_memory_bytes
@@ -460,10 +501,12 @@ class Runner:
         """Until `main` exits, or any process exits non-zero (a peer killed: the others would
         wait on it for minutes), or `timeout`; then stop all; each host's exit code."""
         deadline = time.monotonic() + timeout
+        self.cpu = CpuMeter(self.tb, list(procs))
         try:
             while time.monotonic() < deadline and main.poll() is None:
                 if any(p.poll() not in (None, 0) for p in procs.values()):
                     break
+                self.cpu.sample()
                 time.sleep(0.2)
         finally:
             before = {h: p.poll() for h, p in procs.items()}
@@ -558,7 +601,7 @@ class Runner:
             trace.error = trace.error or f"held-out evaluation failed: {exc}"
         outcome, reason = run_outcome(trace, exits, reports, len(curve))
         return RunRecord(system, trace, outcome, reason, curve, wire, peaks,
-                         time.monotonic() - t0)
+                         time.monotonic() - t0, self.cpu.utilisation())
 
 
 Evaluator = Callable[[str, Path, Trace], list[HeldoutPoint]]
@@ -685,8 +728,9 @@ def run_regime(name: str, regime: str, topo: Topology, args: argparse.Namespace,
                   f"{' (' + rec.reason[:200] + ')' if rec.reason else ''}; "
                   f"{len(rec.trace.events)} steps, held-out "
                   f"{'-' if last is None else f'{last:.3f}'}"
-                  f", peak {max(rec.peak_bytes.values(), default=0) / 2**20:.0f} MiB "
-                  f"({rec.wall_s:.0f} s)", flush=True)
+                  f", peak {max(rec.peak_bytes.values(), default=0) / 2**20:.0f} MiB, CPU "
+                  + " ".join(f"{h} {u:.0%}" for h, u in rec.cpu_utilisation.items())
+                  + f" of quota ({rec.wall_s:.0f} s)", flush=True)
     finally:
         keep = Path(args.logs) / f"{name}-{regime}-logs"
         with contextlib.suppress(OSError):
@@ -762,7 +806,7 @@ def results_table(v: TopologyVerdict, records: list[RunRecord], labels: dict[str
     """One line per system: outcome, time to the held-out target and final held-out loss
     (median [min .. max] over runs), steps, bytes sent and the largest host peak."""
     lines = ["| system | outcome | time to target (held-out) | final held-out loss | steps "
-             "| wire bytes | peak memory / host |", "|" + "---|" * 7]
+             "| wire bytes | peak memory / host | CPU used / quota |", "|" + "---|" * 8]
     for s, summ in v.summaries.items():
         recs = [r for r in records if r.system == s]
         steps = ", ".join(str(len(r.trace.events)) for r in recs) or "-"
@@ -772,8 +816,10 @@ def results_table(v: TopologyVerdict, records: list[RunRecord], labels: dict[str
         tt = summ.time_to_target.text() if summ.time_to_target else "-"
         fl = summ.final_loss.text("") if summ.final_loss else "-"
         outcome = summ.outcome + (f": {summ.reason}" if summ.reason else "")
+        cpu = "; ".join(" ".join(f"{h} {u:.0%}" for h, u in r.cpu_utilisation.items())
+                        for r in recs if r.cpu_utilisation) or "-"
         lines.append(f"| {labels.get(s, s)} | {outcome} | {tt} | {fl} | {steps} | {wire} "
-                     f"| {'-' if peak is None else f'{peak / 2**20:.0f} MiB'} |")
+                     f"| {'-' if peak is None else f'{peak / 2**20:.0f} MiB'} | {cpu} |")
     return "\n".join(lines)
 
 

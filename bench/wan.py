@@ -5,8 +5,9 @@ For each topology (`deploy/testbed/topologies/`; random order), for each regime:
 
 - **fits** (`fits`): no binding memory limit (a 4 GiB per-host ceiling only measures peaks);
 - **does not fit** (`nofit`): every host of every system under the same memory limit, enforced
-  by the kernel (`deploy.testbed`'s per-host memory cgroup), by default 0.8 x the peak the
-  single host reached in "fits"; a run the kernel kills is "out of memory";
+  by the kernel (`deploy.testbed`'s per-host memory cgroup), by default 0.8 x the peak
+  resident memory the single host reached in "fits"; a run the kernel kills is "out of
+  memory";
 
 it brings the testbed up (root) and runs every system, in random order, each for the same
 wall-clock budget, the same model, training split, global batch and optimizer
@@ -332,6 +333,7 @@ class RunRecord:
     peak_bytes: dict[str, int]
     wall_s: float
     cpu_utilisation: dict[str, float] = dataclasses.field(default_factory=dict)
+    peak_rss_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def result(self, target: float) -> RunResult:
         final = self.curve[-1].loss if self.curve else None
@@ -343,6 +345,7 @@ class RunRecord:
         return {"system": self.system, "outcome": self.outcome, "reason": self.reason,
                 "wire_bytes": self.wire_bytes, "peak_bytes": self.peak_bytes,
                 "wall_s": self.wall_s, "cpu_utilisation": self.cpu_utilisation,
+                "peak_rss_bytes": self.peak_rss_bytes,
                 "heldout": [[p.t_s, p.step, p.loss] for p in self.curve],
                 "heldout_at": at_fixed_points(self.curve, interval_s, budget_s),
                 "trace": json.loads(self.trace.to_json())}
@@ -454,6 +457,7 @@ class CpuMeter:
         self.cgroups = {h: [Path(c) for c in tb.state.get("cgroups", [])
                             if c.endswith(f"-{tb.name}-{h}")] for h in hosts}
         self.ticks: dict[str, dict[int, int]] = {h: {} for h in hosts}
+        self.hwm: dict[str, dict[int, int]] = {h: {} for h in hosts}
         self.tick_s = 1.0 / os.sysconf("SC_CLK_TCK")
 
     def sample(self) -> None:
@@ -465,6 +469,16 @@ class CpuMeter:
                 except (OSError, IndexError):
                     continue
                 self.ticks[h][pid] = int(fields[11]) + int(fields[12])  # utime, stime
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                        if line.startswith("VmHWM:"):
+                            self.hwm[h][pid] = int(line.split()[1]) * 1024
+                            break
+
+    def peak_rss_bytes(self) -> dict[str, int]:
+        """Host -> the sum of its processes' peak resident memory (VmHWM): the memory a host
+        needs, page cache left out (the cgroup's own peak counts reclaimable cache too)."""
+        return {h: sum(v.values()) for h, v in self.hwm.items() if v}
 
     def utilisation(self) -> dict[str, float]:
         """Host -> CPU seconds / (wall-clock x the host's quota in cores)."""
@@ -601,7 +615,8 @@ class Runner:
             trace.error = trace.error or f"held-out evaluation failed: {exc}"
         outcome, reason = run_outcome(trace, exits, reports, len(curve))
         return RunRecord(system, trace, outcome, reason, curve, wire, peaks,
-                         time.monotonic() - t0, self.cpu.utilisation())
+                         time.monotonic() - t0, self.cpu.utilisation(),
+                         self.cpu.peak_rss_bytes())
 
 
 Evaluator = Callable[[str, Path, Trace], list[HeldoutPoint]]
@@ -728,7 +743,8 @@ def run_regime(name: str, regime: str, topo: Topology, args: argparse.Namespace,
                   f"{' (' + rec.reason[:200] + ')' if rec.reason else ''}; "
                   f"{len(rec.trace.events)} steps, held-out "
                   f"{'-' if last is None else f'{last:.3f}'}"
-                  f", peak {max(rec.peak_bytes.values(), default=0) / 2**20:.0f} MiB, CPU "
+                  f", peak RSS {max(rec.peak_rss_bytes.values(), default=0) / 2**20:.0f} MiB"
+                  f" (cgroup {max(rec.peak_bytes.values(), default=0) / 2**20:.0f} MiB), CPU "
                   + " ".join(f"{h} {u:.0%}" for h, u in rec.cpu_utilisation.items())
                   + f" of quota ({rec.wall_s:.0f} s)", flush=True)
     finally:
@@ -771,11 +787,14 @@ def run_topology(name: str, args: argparse.Namespace, wl: Workload, evaluate: Ev
                                  "'fits' regime with the single-host run first")
             recs = run_regime(name, regime, topo, args, wl, evaluate, limit, order)
             records += recs
-            single = next((r for r in recs if r.system == "single" and r.peak_bytes), None)
+            single = next((r for r in recs if r.system == "single" and r.peak_rss_bytes),
+                          None)
             if regime == "fits" and nofit_limit is None and single is not None:
-                nofit_limit = int(args.nofit_fraction * max(single.peak_bytes.values()))
+                need = max(single.peak_rss_bytes.values())
+                nofit_limit = int(args.nofit_fraction * need)
                 print(f"[{name}] 'does not fit' limit: {args.nofit_fraction:g} x the single "
-                      f"host's peak = {nofit_limit / 2**20:.0f} MiB", flush=True)
+                      f"host's peak resident memory {need / 2**20:.0f} MiB = "
+                      f"{nofit_limit / 2**20:.0f} MiB", flush=True)
         v = verdict(name, REGIME_TEXT[regime], [r.result(args.target_loss) for r in records],
                     systems)
         verdicts_out.append(v)
@@ -806,13 +825,13 @@ def results_table(v: TopologyVerdict, records: list[RunRecord], labels: dict[str
     """One line per system: outcome, time to the held-out target and final held-out loss
     (median [min .. max] over runs), steps, bytes sent and the largest host peak."""
     lines = ["| system | outcome | time to target (held-out) | final held-out loss | steps "
-             "| wire bytes | peak memory / host | CPU used / quota |", "|" + "---|" * 8]
+             "| wire bytes | peak RSS / host | CPU used / quota |", "|" + "---|" * 8]
     for s, summ in v.summaries.items():
         recs = [r for r in records if r.system == s]
         steps = ", ".join(str(len(r.trace.events)) for r in recs) or "-"
         wire = ", ".join(f"{r.wire_bytes / 1e6:.1f} MB" for r in recs
                          if r.wire_bytes is not None) or "-"
-        peak = max((p for r in recs for p in r.peak_bytes.values()), default=None)
+        peak = max((p for r in recs for p in r.peak_rss_bytes.values()), default=None)
         tt = summ.time_to_target.text() if summ.time_to_target else "-"
         fl = summ.final_loss.text("") if summ.final_loss else "-"
         outcome = summ.outcome + (f": {summ.reason}" if summ.reason else "")
@@ -854,7 +873,7 @@ def main() -> None:
                     help="held-out loss that counts as reached")
     ap.add_argument("--nofit-memory-mb", type=float,
                     help="per-host memory limit of the 'does not fit' regime (default: "
-                         "--nofit-fraction x the single host's peak in 'fits')")
+                         "--nofit-fraction x the single host's peak resident memory in 'fits')")
     ap.add_argument("--nofit-fraction", type=float, default=0.8)
     ap.add_argument("--latency", default="auto", help="testbed latency mode")
     ap.add_argument("--cpu-cores", type=float,
@@ -937,16 +956,43 @@ def make_model_for(wl: Workload) -> Any:
 
 
 NOTES = """
-## Notes
+## How this is measured (bench/wan.py, issue 14)
 
-- Verdict: a system that is missing or failed fails the bench (exit 1); out of memory (the
-  kernel killed a host at its limit) and out of regime are outcomes, not failures, and an
-  out-of-regime baseline never counts as a fusion win. Each regime's line reads "fusion best
-  / strongest baseline" with that baseline named; the score is the median time to the target
-  held-out loss (then the median final held-out loss).
-- Evaluator (`bench/wan_eval.py`): every system's dense weights, saved at fixed wall-clock
-  points, evaluated after the run on a held-out split of the corpus no system trains on.
-- Not yet in the harness (each fails the bench until it runs): see `NOT_YET` in bench/wan.py.
+- **Regimes.** "fits": no binding memory limit (every host's cgroup has a 4 GiB ceiling, only
+  to measure its peak). "does not fit": every host of every system under the same limit,
+  enforced by the kernel (deploy/testbed's per-host memory cgroup; cgroup v1
+  `memory.limit_in_bytes` here), by default 0.8 x the peak resident memory (VmHWM of its
+  processes; the cgroup's own peak counts reclaimable page cache too) the single host reached
+  in "fits"; fusion's planner gets that limit less an idle host process's peak (Python, torch
+  and fusiond imported). A run in which the kernel killed a process at its limit is "out of
+  memory", never "did not reach the target".
+- **Systems.** (0) the fastest host alone (activation checkpointing in "does not fit");
+  (1) equal transformer blocks per stage cut at block boundaries, the stage count and host
+  order the planner's model predicts best, on fusion's own 1F1B pipeline
+  (torch.distributed.pipelining was not tried across the namespaces); (4) DDP over gloo with
+  the fp16 and with the PowerSGD comm hook (rank 2, error feedback, warm start, 2 warm-up
+  steps), one bucket, no extra per-step collective, on the host subset a ring all-reduce
+  model predicts fastest; (2) and (3) fusion as its planner decides, dense and with AdaTopK.
+  Not in the harness yet, each failing the bench until it runs: FSDP, hivemind per its
+  docs, (6) SWARM-style int8 cuts (fusion's codec has no int8 quantization); see `NOT_YET`.
+- **One evaluator.** Every system saves its dense weights at fixed wall-clock points (fusion:
+  its stages' own checkpoints, written where they run, every k steps with k from the
+  planner's step time); after each run the same code loads them strictly into the model and
+  computes the mean loss over fixed windows of a held-out split (chunks of the corpus no
+  system trains on). Time to target = the first snapshot at or below the target held-out
+  loss; the traces also hold the loss at every multiple of the snapshot interval.
+- **Verdict.** A missing or failed system fails the bench (exit 1); out of memory and out of
+  regime are outcomes (an out-of-regime baseline never counts as a fusion win). Each line
+  reads "fusion best / strongest baseline" with that baseline named, medians and min-max over
+  the runs; the score is the median time to target, then the median final held-out loss.
+- **Hosts.** They share this machine's cores: each in a CPU quota (10 ms CFS period), the
+  quotas summing to 80 % of the CPUs; "CPU used / quota" is each host's CPU seconds over its
+  quota x wall-clock. The figures are what these runs saw on a machine shared with other
+  work; nothing is adjusted. Start-up (rendezvous, model build, fusion's capture, profiling
+  and planning) is outside the budget; DDP's parameter broadcast and fusion's weight shipping
+  are inside it.
+- Raw traces: `docs/wan-traces/<topology>-<regime>.json`; `bench/wan_plot.py` redraws the
+  plots from them.
 """
 
 

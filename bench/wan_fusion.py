@@ -7,9 +7,9 @@ split, OP-Fence, or OP-Fence + AdaTopK), runs a `JobCoordinator` for the wall-cl
 budget, then cancels the job and writes a trace
 (`bench/wan_common.py`) with the planner's prediction.
 
-Snapshots for the held-out evaluator (`bench/wan_eval.py`): the job checkpoints every
-`checkpoint_interval` steps, chosen so that it is about every `--snapshot-interval` seconds at
-the planner's predicted step time; each host writes its own stages' checkpoints
+Snapshots for the held-out evaluator (`bench/wan_eval.py`): the job checkpoints every step
+(`checkpoint_interval` 1; `bench/wan.py` keeps the steps at its fixed wall-clock points and the
+last one, by the lead's clock); each host writes its own stages' checkpoints
 (`StageCheckpoint`, the partition's dense parameters) to `--snapshot-dir` instead of sending
 them to the lead: on real machines each stage would keep its own, and the states must not
 load the links the run is measured on. `bench/wan.py` gathers them after the run.
@@ -273,7 +273,9 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
     plan = make_plan(args.mode, spec, captured, cluster)
     node_of = {machine_id(hosts, h): desc["node_ids"][h] for h in hosts}
     layout = layout_for(plan, spec, captured, node_of)
-    every = max(1, round(args.snapshot_interval / max(plan.iteration_s, 1e-3)))
+    # every step: bench/wan.py keeps those at its fixed wall-clock points and the last one
+    # (a stage pays the serialisation each step; DDP's rank 0 only at those points)
+    every = 1
     spec = dataclasses.replace(spec, checkpoint_interval=every)
     extra: dict[str, Any] = {
         "mode": args.mode,

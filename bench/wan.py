@@ -779,7 +779,8 @@ def run_topology(name: str, args: argparse.Namespace, wl: Workload, evaluate: Ev
     verdicts_out = []
     nofit_limit = int(args.nofit_memory_mb * 2**20) if args.nofit_memory_mb else None
     for regime in args.regimes:
-        systems = [s for s in expected_systems(regime) if s in args.systems]
+        expected = expected_systems(regime)  # a system left out by --systems is missing
+        systems = [s for s in expected if s in args.systems]
         records: list[RunRecord] = []
         for _ in range(args.runs):
             order = systems[:]
@@ -805,7 +806,7 @@ def run_topology(name: str, args: argparse.Namespace, wl: Workload, evaluate: Ev
                       f"host's peak resident memory {need / 2**20:.0f} MiB = "
                       f"{nofit_limit / 2**20:.0f} MiB", flush=True)
         v = verdict(name, REGIME_TEXT[regime], [r.result(args.target_loss) for r in records],
-                    systems)
+                    expected)
         verdicts_out.append(v)
         save_traces(Path(args.traces), name, regime, records, args)
         md += [f"#### {REGIME_TEXT[regime]}"
@@ -842,7 +843,7 @@ def results_table(v: TopologyVerdict, records: list[RunRecord], labels: dict[str
                          if r.wire_bytes is not None) or "-"
         peak = max((p for r in recs for p in r.peak_rss_bytes.values()), default=None)
         tt = summ.time_to_target.text() if summ.time_to_target else "-"
-        fl = summ.final_loss.text("") if summ.final_loss else "-"
+        fl = summ.final_loss.text("", 3) if summ.final_loss else "-"
         outcome = summ.outcome + (f": {summ.reason}" if summ.reason else "")
         cpu = "; ".join(" ".join(f"{h} {u:.0%}" for h, u in r.cpu_utilisation.items())
                         for r in recs if r.cpu_utilisation) or "-"

@@ -308,9 +308,9 @@ class Spread:
     def of(cls, xs: Sequence[float]) -> Spread:
         return cls(statistics.median(xs), min(xs), max(xs), len(xs))
 
-    def text(self, unit: str = " s") -> str:
+    def text(self, unit: str = " s", digits: int = 1) -> str:
         def f(x: float) -> str:
-            return "not reached" if math.isinf(x) else f"{x:.1f}{unit}"
+            return "not reached" if math.isinf(x) else f"{x:.{digits}f}{unit}"
         if self.n == 1:
             return f"{f(self.median)} (1 run)"
         return f"{f(self.median)} [{f(self.lo)} .. {f(self.hi)}] ({self.n} runs)"
@@ -390,7 +390,7 @@ class TopologyVerdict:
             if s.outcome != OK:
                 return f"{labels.get(s.system, s.system)}: {s.outcome} ({s.reason})"
             assert s.time_to_target is not None
-            fl = f", final held-out loss {s.final_loss.text('')}" if s.final_loss else ""
+            fl = f", final held-out loss {s.final_loss.text('', 3)}" if s.final_loss else ""
             return (f"{labels.get(s.system, s.system)}: time to target "
                     f"{s.time_to_target.text()}{fl}")
         win = {True: "fusion wins", False: "fusion loses", None: "no comparison"}[

@@ -311,7 +311,6 @@ NOT_YET: dict[str, str] = {
              "top-k and lz4)",
     "hivemind": "not reconfigured yet per its docs (target batch, compression, matchmaking) "
                 "and it saves no snapshots for the held-out evaluator",
-    "fsdp": "not implemented yet (torch.distributed.fsdp over gloo)",
 }
 """Baselines the harness cannot run yet, and why: each FAILS the bench until it runs."""
 
@@ -543,8 +542,10 @@ class Runner:
         stop_dir.mkdir(exist_ok=True)
         master = f"{self.tb.address(hosts[0])}:{DDP_PORT}"
         hook = system.removeprefix("ddp_") if system.startswith("ddp_") else "none"
-        extra = (["--checkpoint-activations"] if system == "single"
+        extra = (["--checkpoint-activations"] if system in ("single", "fsdp")
                  and self.args.regime == "nofit" else [])
+        if system == "fsdp":
+            extra.append("--fsdp")
         procs = {h: self.tb.exec(h, [
             sys.executable, str(REPO / "bench" / "wan_ddp.py"), f"--rank={i}",
             f"--world={len(hosts)}", f"--master={master}", f"--budget={self.args.budget}",
@@ -691,11 +692,45 @@ def make_evaluator(wl: Workload, data: Data, interval_s: float) -> Evaluator:
             for p in parts.values():
                 p.unlink(missing_ok=True)
 
+    def fsdp_snapshots(snapdir: Path, trace: Trace) -> None:
+        """Reassemble the FSDP ranks' dim-0 shards of the steps at the fixed wall-clock points
+        (rank 0's clock) and of the last step every rank wrote."""
+        import safetensors.torch
+        import torch
+
+        world = int(trace.extra.get("world", 0))
+        at = {int(s): float(t) for t, s, _, _ in trace.events}
+        by_step: dict[int, dict[int, Path]] = {}
+        for p in snapdir.glob("fsdp-rank*-step*.safetensors"):
+            rank, step = p.stem.removeprefix("fsdp-rank").split("-step")
+            by_step.setdefault(int(step), {})[int(rank)] = p
+        complete = sorted(s for s, parts in by_step.items() if len(parts) == world and s in at)
+        clock = SnapshotClock(interval_s)
+        keep = [s for s in complete if clock.due(at[s])]
+        if complete and complete[-1] not in keep:
+            keep.append(complete[-1])
+        shapes = {k: v.shape for k, v in make_model().state_dict().items()}
+        for i, step in enumerate(keep):
+            shards = [safetensors.torch.load_file(str(by_step[step][r])) for r in range(world)]
+            full = {}
+            for k, shape in shapes.items():
+                t = torch.cat([sh[k] for sh in shards]) if len(shape) else shards[0][k]
+                if tuple(t.shape) != tuple(shape):
+                    raise ValueError(f"FSDP shards of {k} make {tuple(t.shape)}, not "
+                                     f"{tuple(shape)}")
+                full[k] = t
+            save_snapshot(snapdir, i, at[step], step, full)
+        for parts in by_step.values():
+            for p in parts.values():
+                p.unlink(missing_ok=True)
+
     def evaluate(system: str, snapdir: Path, trace: Trace) -> list[HeldoutPoint]:
         if not snapdir.is_dir():
             return []
         if system in FUSION_RUNS:
             fusion_snapshots(snapdir, trace)
+        if system == "fsdp":
+            fsdp_snapshots(snapdir, trace)
         return evaluate_snapshots(snapdir, make_model, data.heldout, lossf)
 
     return evaluate

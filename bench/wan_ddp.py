@@ -16,6 +16,12 @@
   every rank reads it at the end of each step. Rank 0 cannot finish step k+1's all-reduce
   before writing it, and no other rank can either, so every rank stops after the same step.
 
+- `--fsdp`: FSDP (`torch.distributed.fsdp.fully_shard`, FSDP2: each transformer block, then
+  the model) over gloo, for the regime where the model does not fit one host: each rank holds
+  1/N of the parameters, gradients and Adam state. Every rank writes its own shards after
+  every step (`fsdp-rank<r>-step<s>.safetensors`, no collective); `bench/wan.py` reassembles
+  the steps at its fixed wall-clock points (rank 0's clock) and the last.
+
 Rank 0 saves the dense weights each `--snapshot-interval` seconds of wall clock and at the end
 (`bench.wan_eval.save_snapshot`), evaluated after the run by `bench/wan.py`. The clock starts
 after the rendezvous (reported as `startup_s`), before DDP's constructor (its parameter
@@ -89,6 +95,21 @@ def register_hook(ddp: DistributedDataParallel, hook: str, rank: int, start: int
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
 
+def save_shards(directory: Path, rank: int, step: int, model: nn.Module) -> None:
+    """This rank's FSDP shards of every state entry (the local part of each DTensor), as
+    safetensors: no collective, so the ranks never wait on each other for a snapshot."""
+    import safetensors.torch
+    from torch.distributed.tensor import DTensor
+
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: (v.to_local() if isinstance(v, DTensor) else v).detach().contiguous().clone()
+             for k, v in model.state_dict().items()}
+    path = directory / f"fsdp-rank{rank:03d}-step{step:07d}.safetensors"
+    tmp = path.with_suffix(".tmp")
+    safetensors.torch.save_file(state, str(tmp))
+    tmp.replace(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
@@ -106,6 +127,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=1,
                     help="micro-batches per rank and step (1: the rank's share at once)")
     ap.add_argument("--checkpoint-activations", action="store_true")
+    ap.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP (world > 1)")
     ap.add_argument("--workload", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--snapshot-dir", required=True, type=Path)
@@ -149,7 +171,13 @@ def run(args: argparse.Namespace, wl: Workload, spec: JobSpec) -> None:
     t0 = time.perf_counter()
     startup_s = t0 - T_PROCESS
     net: nn.Module = model
-    if args.world > 1:
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.transformer.h:  # type: ignore[union-attr]
+            fully_shard(block)
+        fully_shard(model)
+    elif args.world > 1:
         n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         ddp = DistributedDataParallel(model, bucket_cap_mb=max(25.0, 2 * n_bytes / 2**20),
                                       gradient_as_bucket_view=True)
@@ -181,7 +209,9 @@ def run(args: argparse.Namespace, wl: Workload, spec: JobSpec) -> None:
         opt.zero_grad(set_to_none=True)
         t = time.perf_counter() - t0
         events.append((t, step, total / micro, (step + 1) * wl.tokens_per_step))
-        if args.rank == 0 and clock.due(t):
+        if args.fsdp:
+            save_shards(args.snapshot_dir, args.rank, step, model)
+        elif args.rank == 0 and clock.due(t):
             save_snapshot(args.snapshot_dir, snaps, t, step, model.state_dict())
             snaps += 1
             saved = step
@@ -200,10 +230,11 @@ def run(args: argparse.Namespace, wl: Workload, spec: JobSpec) -> None:
             if stop_at is not None and step >= stop_at:
                 break
         step += 1
-    if args.rank == 0 and saved != step:
+    if args.rank == 0 and saved != step and not args.fsdp:
         save_snapshot(args.snapshot_dir, snaps, events[-1][0], step, model.state_dict())
     if args.rank == 0:
-        system = "single" if args.world == 1 else f"ddp_{args.hook}"
+        system = ("fsdp" if args.fsdp else "single" if args.world == 1
+                  else f"ddp_{args.hook}")
         Path(args.out).write_text(Trace(system, events, {
             "world": args.world, "micro_per_rank": micro, "hook": args.hook,
             "startup_s": startup_s, "checkpoint_activations": args.checkpoint_activations,

@@ -272,3 +272,41 @@ def test_the_plots_redraw_from_the_committed_traces(tmp_path: Path) -> None:
     out = redraw(tmp_path, tmp_path)
     assert out == [tmp_path / "benchmarks-four-groups-fits.png"]
     assert out[0].stat().st_size > 1000
+
+
+def test_fsdp_shards_are_reassembled_into_the_dense_model(tmp_path: Path) -> None:
+    """Each FSDP rank writes the dim-0 chunks it holds (torch.chunk, as fully_shard splits);
+    the evaluator puts the steps at its wall-clock points and the last back together."""
+    import argparse
+
+    import safetensors.torch
+
+    from bench.wan import make_evaluator, prepare_data
+    from bench.wan_common import Trace, Workload
+    from fusiond.train.model import build_model, loss_fn
+    from fusiond.train.spec import parse_job
+
+    wl = Workload(size="tiny", n_layer=2, n_embd=32, n_head=2, seq_len=16)
+    args = argparse.Namespace(seed=0, train_mb=0.25, heldout_kb=16.0, seq=16, eval_windows=8)
+    data = prepare_data(args, tmp_path / "corpus")
+    spec = parse_job(wl.job_toml(adatopk=False))
+    models = [build_model(spec.model, seed=s) for s in (1, 2, 3)]
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    world = 3
+    for step, m in enumerate(models):
+        for r in range(world):
+            part = {k: (torch.chunk(v, world)[r] if v.dim() and r < len(torch.chunk(v, world))
+                        else v[:0] if v.dim() else v).contiguous().clone()
+                    for k, v in m.state_dict().items()}
+            safetensors.torch.save_file(
+                part, str(snap / f"fsdp-rank{r:03d}-step{step:07d}.safetensors"))
+    trace = Trace("fsdp", [(0.5, 0, 5.0, 1), (1.2, 1, 4.0, 2), (1.4, 2, 3.9, 3)],
+                  {"world": world})
+    curve = make_evaluator(wl, data, 1.0)("fsdp", snap, trace)
+    assert [(p.t_s, p.step) for p in curve] == [(1.2, 1), (1.4, 2)]  # t = 1 s, and the last
+    from bench.wan_eval import heldout_loss
+    lossf = loss_fn(spec.loss)
+    assert curve[0].loss == pytest.approx(heldout_loss(models[1], data.heldout, lossf))
+    assert curve[1].loss == pytest.approx(heldout_loss(models[2], data.heldout, lossf))
+    assert not list(snap.glob("fsdp-rank*"))  # the shards are gone once assembled

@@ -18,8 +18,10 @@ wall-clock budget, the same model, training split, global batch and optimizer
   count and host order the planner's model predicts best, run by fusion's own 1F1B pipeline
   (`bench/wan_fusion.py --mode pipeline`; torch.distributed.pipelining was not tried across
   the namespaces);
-- (5) `hivemind`, (6) `swarm`, FSDP (`fsdp`, "does not fit" only): not in the harness yet
-  (`NOT_YET` says why): each one FAILS the bench until it runs;
+- (4) `fsdp` ("does not fit" only): FSDP2 over gloo on every host, activation checkpointing;
+- (5) `hivemind`: hivemind 1.1.12 as its quickstart configures it (local updates, fp16
+  compression, matchmaking 3 s; `bench/wan_hivemind.py`, in its own venv);
+- (6) `swarm`: not available (`NOT_YET` says why): it FAILS the bench;
 - (4) `ddp_fp16`, `ddp_powersgd`: DDP over gloo with the fp16 / PowerSGD comm hook, one
   bucket, no extra per-step collective (`bench/wan_ddp.py`);
 - (2) `opfence`, (3) `adatopk`: fusion as its planner decides, dense and with AdaTopK
@@ -309,8 +311,6 @@ REGIME_TEXT = {"fits": "fits", "nofit": "does not fit"}
 NOT_YET: dict[str, str] = {
     "swarm": "not available: fusion's codec has no int8 block quantization (only AdaTopK "
              "top-k and lz4)",
-    "hivemind": "not reconfigured yet per its docs (target batch, compression, matchmaking) "
-                "and it saves no snapshots for the held-out evaluator",
 }
 """Baselines the harness cannot run yet, and why: each FAILS the bench until it runs."""
 
@@ -585,6 +585,33 @@ class Runner:
         exits = self._wait(procs[h0], procs, timeout=self.args.budget + 300)
         return self._trace(out, mode), exits
 
+    def hivemind(self) -> tuple[Trace, dict[str, int | None]]:
+        py = Path(self.args.hivemind_python)
+        if not py.exists():
+            return Trace("hivemind", [], {}, f"no hivemind venv at {py} "
+                                             "(run bench/hivemind/setup.sh)"), {}
+        import numpy as np
+
+        out = self.work / "hivemind.json"
+        maddrs = self.work / "hivemind-maddrs.txt"
+        maddrs.unlink(missing_ok=True)
+        barrier = self.work / "hivemind-barrier"
+        shutil.rmtree(barrier, ignore_errors=True)
+        tokens = self.work / "tokens.npy"
+        if not tokens.exists():
+            np.save(tokens, np.frombuffer(Path(self.wl.corpus).read_bytes(), dtype=np.uint8)
+                    .astype(np.int64))
+        procs = {h: self.tb.exec(h, [
+            str(py), str(REPO / "bench" / "wan_hivemind.py"), f"--rank={i}",
+            f"--world={len(self.hosts)}", f"--listen={self.tb.address(h)}:{HIVEMIND_PORT}",
+            f"--maddr-file={maddrs}", f"--barrier-dir={barrier}", f"--budget={self.args.budget}",
+            f"--workload={self.work / 'workload.json'}", f"--tokens={tokens}", f"--out={out}",
+            f"--snapshot-dir={self.work / 'snap-hivemind'}",
+            f"--snapshot-interval={self.args.snapshot_interval}",
+        ], log=self.work / f"hivemind-{h}.log", env=self.env) for i, h in enumerate(self.hosts)}
+        exits = self._wait(procs[self.hosts[0]], procs, timeout=self.args.budget + 240)
+        return self._trace(out, "hivemind"), exits
+
     def run(self, system: str, evaluate: Evaluator) -> RunRecord:
         t0 = time.monotonic()
         if system in NOT_YET:
@@ -603,6 +630,8 @@ class Runner:
         before = tx_bytes(self.tb, self.hosts)
         if system in FUSION_RUNS:
             trace, exits = self.fusion(system)
+        elif system == "hivemind":
+            trace, exits = self.hivemind()
         else:
             trace, exits = self.torch_baseline(system, used)
         wire = tx_bytes(self.tb, self.hosts) - before
@@ -924,6 +953,8 @@ def main() -> None:
     ap.add_argument("--cpu-cores", type=float,
                     default=round(0.8 * len(os.sched_getaffinity(0)), 2),
                     help="cores the hosts' quotas share (default 80 %% of this process's CPUs)")
+    ap.add_argument("--hivemind-python", default=str(REPO / "bench" / ".venv-hivemind" / "bin"
+                                                      / "python"))
     ap.add_argument("--doc", default=str(REPO / "docs" / "benchmarks.md"))
     ap.add_argument("--traces", default=str(REPO / "docs" / "wan-traces"),
                     help="where each regime's raw traces are kept (small JSON, committed; "
@@ -1017,9 +1048,13 @@ NOTES = """
   (torch.distributed.pipelining was not tried across the namespaces); (4) DDP over gloo with
   the fp16 and with the PowerSGD comm hook (rank 2, error feedback, warm start, 2 warm-up
   steps), one bucket, no extra per-step collective, on the host subset a ring all-reduce
-  model predicts fastest; (2) and (3) fusion as its planner decides, dense and with AdaTopK.
-  Not in the harness yet, each failing the bench until it runs: FSDP, hivemind per its
-  docs, (6) SWARM-style int8 cuts (fusion's codec has no int8 quantization); see `NOT_YET`.
+  model predicts fastest; in "does not fit" also FSDP2 (`fully_shard`) over gloo on every
+  host with activation checkpointing; (5) hivemind 1.1.12 as its quickstart configures it
+  (local updates, parameters and state averaged once per epoch of 4 global batches, fp16
+  compression, matchmaking 3 s; its docs' epochs of thousands of samples do not fit the
+  budget); (2) and (3) fusion as its planner decides, dense and with AdaTopK. Not in the
+  harness, failing the bench: (6) SWARM-style int8 cuts (fusion's codec has no int8
+  quantization); see `NOT_YET`.
 - **One evaluator.** Every system saves its dense weights at fixed wall-clock points (fusion:
   its stages' own checkpoints, written where they run after every step, of which the steps at
   those points, by the lead's clock, and the last are kept: fusion pays a serialisation per

@@ -81,6 +81,7 @@ from bench.wan_eval import (  # noqa: E402
     SnapshotClock,
     evaluate_snapshots,
     heldout_batch,
+    heldout_loss,
     save_snapshot,
     split_tokens,
 )
@@ -753,14 +754,24 @@ def make_evaluator(wl: Workload, data: Data, interval_s: float) -> Evaluator:
             for p in parts.values():
                 p.unlink(missing_ok=True)
 
+    initial: list[HeldoutPoint] = []
+
     def evaluate(system: str, snapdir: Path, trace: Trace) -> list[HeldoutPoint]:
-        if not snapdir.is_dir():
+        """The held-out curve of a run: the initial weights at t = 0 (every system starts
+        from the same seeded model; a run that finishes no step in its budget has that
+        point alone), then its snapshots."""
+        if trace.error and not trace.events:
             return []
+        if not initial:
+            initial.append(HeldoutPoint(0.0, -1, heldout_loss(make_model(), data.heldout,
+                                                               lossf)))
+        if not snapdir.is_dir():
+            return list(initial)
         if system in FUSION_RUNS:
             fusion_snapshots(snapdir, trace)
         if system == "fsdp":
             fsdp_snapshots(snapdir, trace)
-        return evaluate_snapshots(snapdir, make_model, data.heldout, lossf)
+        return initial + evaluate_snapshots(snapdir, make_model, data.heldout, lossf)
 
     return evaluate
 
@@ -1060,9 +1071,10 @@ NOTES = """
   those points, by the lead's clock, and the last are kept: fusion pays a serialisation per
   step that DDP's rank 0 pays only at those points). After each run the same code loads them
   strictly into the model and computes the mean loss over fixed windows of a held-out split
-  (chunks of the corpus no system trains on). Time to target = the first snapshot at or below
-  the target held-out loss; the traces also hold the loss at every multiple of the snapshot
-  interval.
+  (chunks of the corpus no system trains on); every curve starts with the initial weights at
+  t = 0 (the same seeded model everywhere: a run that finishes no step in its budget has that
+  point alone). Time to target = the first snapshot at or below the target held-out loss; the
+  traces also hold the loss at every multiple of the snapshot interval.
 - **Verdict.** A missing or failed system fails the bench (exit 1); out of memory and out of
   regime are outcomes (an out-of-regime baseline never counts as a fusion win). Each line
   reads "fusion best / strongest baseline" with that baseline named, medians and min-max over

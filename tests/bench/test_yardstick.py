@@ -304,9 +304,19 @@ def test_fsdp_shards_are_reassembled_into_the_dense_model(tmp_path: Path) -> Non
     trace = Trace("fsdp", [(0.5, 0, 5.0, 1), (1.2, 1, 4.0, 2), (1.4, 2, 3.9, 3)],
                   {"world": world})
     curve = make_evaluator(wl, data, 1.0)("fsdp", snap, trace)
-    assert [(p.t_s, p.step) for p in curve] == [(1.2, 1), (1.4, 2)]  # t = 1 s, and the last
+    # the initial weights at t = 0, then the step at t = 1 s and the last
+    assert [(p.t_s, p.step) for p in curve] == [(0.0, -1), (1.2, 1), (1.4, 2)]
     from bench.wan_eval import heldout_loss
     lossf = loss_fn(spec.loss)
-    assert curve[0].loss == pytest.approx(heldout_loss(models[1], data.heldout, lossf))
-    assert curve[1].loss == pytest.approx(heldout_loss(models[2], data.heldout, lossf))
+    initial = build_model(spec.model, seed=spec.seed)
+    assert curve[0].loss == pytest.approx(heldout_loss(initial, data.heldout, lossf))
+    assert curve[1].loss == pytest.approx(heldout_loss(models[1], data.heldout, lossf))
+    assert curve[2].loss == pytest.approx(heldout_loss(models[2], data.heldout, lossf))
+    # a run that finished no step in its budget has the initial point alone; a run that left
+    # no trace has none
+    empty = tmp_path / "empty"
+    assert make_evaluator(wl, data, 1.0)("opfence", empty, Trace("opfence", [], {})) == \
+        curve[:1]
+    assert make_evaluator(wl, data, 1.0)("opfence", empty,
+                                         Trace("opfence", [], {}, "no trace")) == []
     assert not list(snap.glob("fsdp-rank*"))  # the shards are gone once assembled

@@ -18,7 +18,8 @@ wall-clock budget, the same model, training split, global batch and optimizer
   count and host order the planner's model predicts best, run by fusion's own 1F1B pipeline
   (`bench/wan_fusion.py --mode pipeline`; torch.distributed.pipelining was not tried across
   the namespaces);
-- (4) `fsdp` ("does not fit" only): FSDP2 over gloo on every host, activation checkpointing;
+- (4) `fsdp` ("does not fit" only): FSDP2 over gloo on the host subset the same model picks,
+  activation checkpointing;
 - (5) `hivemind`: hivemind 1.1.12 as its quickstart configures it (local updates, fp16
   compression, matchmaking 3 s; `bench/wan_hivemind.py`, in its own venv);
 - (6) `swarm`: not available (`NOT_YET` says why): it FAILS the bench;
@@ -357,9 +358,10 @@ def fastest_host(topo: Topology) -> str:
     return max(topo.hosts, key=lambda h: (topo.cpu.get(h, math.inf), -topo.hosts.index(h)))
 
 
-GRADIENT_BYTES_PER_PARAM = {"ddp_fp16": 2.0, "ddp_powersgd": 4.0 / 20}
-"""What one parameter's gradient costs on the wire per all-reduce: fp16, and PowerSGD at about
-20x fewer bytes than fp32 (issue 14's check of this model on gloo)."""
+GRADIENT_BYTES_PER_PARAM = {"ddp_fp16": 2.0, "ddp_powersgd": 4.0 / 20, "fsdp": 3 * 4.0 / 2}
+"""What one parameter costs on the wire per step, in the ring model's all-reduce terms: fp16,
+PowerSGD at about 20x fewer bytes than fp32 (issue 14's check of this model on gloo), and
+FSDP's two fp32 all-gathers and one reduce-scatter (each half an all-reduce)."""
 
 
 def ddp_hosts(topo: Topology, system: str, n_params: int, sample_cpu_s: float,
@@ -620,7 +622,7 @@ class Runner:
                              NOT_YET[system], [], None, {}, 0.0)
         if system == "single":
             used = [fastest_host(self.tb.topology)]
-        elif system.startswith("ddp_"):
+        elif system.startswith("ddp_") or system == "fsdp":
             used = ddp_hosts(self.tb.topology, system, self.args.n_params,
                              self.args.sample_cpu_s, self.wl.batch)
         else:
@@ -1059,8 +1061,8 @@ NOTES = """
   (torch.distributed.pipelining was not tried across the namespaces); (4) DDP over gloo with
   the fp16 and with the PowerSGD comm hook (rank 2, error feedback, warm start, 2 warm-up
   steps), one bucket, no extra per-step collective, on the host subset a ring all-reduce
-  model predicts fastest; in "does not fit" also FSDP2 (`fully_shard`) over gloo on every
-  host with activation checkpointing; (5) hivemind 1.1.12 as its quickstart configures it
+  model predicts fastest; in "does not fit" also FSDP2 (`fully_shard`) over gloo with
+  activation checkpointing, on the subset the same model picks; (5) hivemind 1.1.12 as its quickstart configures it
   (local updates, parameters and state averaged once per epoch of 4 global batches, fp16
   compression, matchmaking 3 s; its docs' epochs of thousands of samples do not fit the
   budget); (2) and (3) fusion as its planner decides, dense and with AdaTopK. Not in the

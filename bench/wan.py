@@ -1063,11 +1063,11 @@ NOTES = """
   steps), one bucket, no extra per-step collective, on the host subset a ring all-reduce
   model predicts fastest; in "does not fit" also FSDP2 (`fully_shard`) over gloo with
   activation checkpointing, on the subset the same model picks; (5) hivemind 1.1.12 as its
-  quickstart configures it (local updates, parameters and state averaged once per epoch of 4 global batches, fp16
-  compression, matchmaking 3 s; its docs' epochs of thousands of samples do not fit the
-  budget); (2) and (3) fusion as its planner decides, dense and with AdaTopK. Not in the
-  harness, failing the bench: (6) SWARM-style int8 cuts (fusion's codec has no int8
-  quantization); see `NOT_YET`.
+  quickstart configures it (local updates, parameters and state averaged once per epoch of 4
+  global batches, fp16 compression, matchmaking 3 s; its docs' epochs of thousands of samples
+  do not fit the budget); (2) and (3) fusion as its planner decides, dense and with
+  AdaTopK. Not in the harness, failing the bench: (6) SWARM-style int8 cuts (fusion's codec
+  has no int8 quantization); see `NOT_YET`.
 - **One evaluator.** Every system saves its dense weights at fixed wall-clock points (fusion:
   its stages' own checkpoints, written where they run after every step, of which the steps at
   those points, by the lead's clock, and the last are kept: fusion pays a serialisation per

@@ -991,6 +991,8 @@ def main() -> None:
         ap.error("the testbed needs root")
     # Ctrl-C and SIGTERM unwind through every `finally` (testbed down, processes stopped)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # and Ctrl-C even where the shell started the bench with SIGINT ignored (a background job)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     data = prepare_data(args, Path(args.logs) / "corpus")
     wl = Workload(size=args.size, batch=args.batch, micro_batches=args.micro,
                   seq_len=args.seq, lr=args.lr, seed=args.seed, n_layer=args.n_layer,

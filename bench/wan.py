@@ -934,7 +934,7 @@ def main() -> None:
                                  formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--topology", action="append", help=f"default: {', '.join(TOPOLOGIES)}")
     ap.add_argument("--quick", action="store_true",
-                    help="four-groups only, 4 hosts, one run each, 45 s budget per run")
+                    help="four-groups only, 4 hosts, one run each, 40 s budget per run")
     ap.add_argument("--hosts", type=int, help="at most this many hosts per topology")
     ap.add_argument("--runs", type=int, default=3, help="runs per system and regime")
     ap.add_argument("--budget", type=float, default=60.0, help="wall-clock seconds per run")
@@ -954,7 +954,8 @@ def main() -> None:
     ap.add_argument("--train-mb", type=float, default=2.0,
                     help="training split (MiB of byte tokens of the default corpus)")
     ap.add_argument("--heldout-kb", type=float, default=256.0)
-    ap.add_argument("--eval-windows", type=int, default=256)
+    ap.add_argument("--eval-windows", type=int, default=128,
+                    help="held-out windows of --seq tokens per evaluation")
     ap.add_argument("--snapshot-interval", type=float, default=5.0)
     ap.add_argument("--target-loss", type=float, default=2.6,
                     help="held-out loss that counts as reached")
@@ -978,7 +979,7 @@ def main() -> None:
     if args.quick:
         args.topology = args.topology or ["four-groups"]
         args.hosts = args.hosts or 4
-        args.budget = min(args.budget, 45.0)
+        args.budget = min(args.budget, 40.0)
         args.runs = 1
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     args.regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]

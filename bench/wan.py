@@ -957,7 +957,7 @@ def main() -> None:
     ap.add_argument("--eval-windows", type=int, default=128,
                     help="held-out windows of --seq tokens per evaluation")
     ap.add_argument("--snapshot-interval", type=float, default=5.0)
-    ap.add_argument("--target-loss", type=float, default=2.6,
+    ap.add_argument("--target-loss", type=float, default=3.0,
                     help="held-out loss that counts as reached")
     ap.add_argument("--nofit-memory-mb", type=float,
                     help="per-host memory limit of the 'does not fit' regime (default: "

@@ -218,3 +218,22 @@ def test_ddp_runs_on_the_host_subset_a_user_would_pick() -> None:
     assert pair in (["a1", "b1"], ["c1", "d1"]), pair
     # a tiny model whose compute dominates: every host
     assert ddp_hosts(topo, "ddp_powersgd", 1_000, 1.0, 16) == ["a1", "b1", "c1", "d1"]
+
+
+def test_the_table_and_the_traces_say_what_each_run_did() -> None:
+    from bench.wan import RunRecord, results_table
+    from bench.wan_common import LABELS, HeldoutPoint, verdict
+
+    curve = [HeldoutPoint(0.0, -1, 5.5), HeldoutPoint(5.0, 3, 3.4), HeldoutPoint(10.0, 8, 2.9)]
+    recs = [RunRecord("single", Trace("single", [(1.0, 0, 5.0, 1)] * 9, {}), OK, "", curve,
+                      1000, {"a1": 500 << 20}, 30.0, {"a1": 0.98}, {"a1": 520 << 20}),
+            RunRecord("opfence", Trace("opfence", [], {}), OUT_OF_MEMORY,
+                      "kernel killed a process of a1 at 404 MiB", [], None, {}, 20.0)]
+    v = verdict("four-groups", "does not fit", [r.result(3.0) for r in recs],
+                ("single", "opfence"))
+    table = results_table(v, recs, LABELS)
+    assert "| (0) fastest host alone | ok | 10.0 s (1 run) | 2.900 (1 run) | 9 |" in table
+    assert "520 MiB" in table and "a1 98%" in table
+    assert "out of memory" in table and "404 MiB" in table
+    d = recs[0].to_dict(5.0, 10.0)
+    assert d["heldout_at"] == [(5.0, 3.4), (10.0, 2.9)] and d["cpu_utilisation"] == {"a1": 0.98}

@@ -912,7 +912,7 @@ def results_table(v: TopologyVerdict, records: list[RunRecord], labels: dict[str
     """One line per system: outcome, time to the held-out target and final held-out loss
     (median [min .. max] over runs), steps, bytes sent and the largest host peak."""
     lines = ["| system | outcome | time to target (held-out) | final held-out loss | steps "
-             "| wire bytes | peak RSS / host | CPU used / quota |", "|" + "---|" * 8]
+             "| wire bytes | peak RSS / host | CPU used / quota | start-up |", "|" + "---|" * 9]
     for s, summ in v.summaries.items():
         recs = [r for r in records if r.system == s]
         steps = ", ".join(str(len(r.trace.events)) for r in recs) or "-"
@@ -924,8 +924,11 @@ def results_table(v: TopologyVerdict, records: list[RunRecord], labels: dict[str
         outcome = summ.outcome + (f": {summ.reason}" if summ.reason else "")
         cpu = "; ".join(" ".join(f"{h} {u:.0%}" for h, u in r.cpu_utilisation.items())
                         for r in recs if r.cpu_utilisation) or "-"
+        start = ", ".join(f"{float(r.trace.extra['startup_s']):.0f} s" for r in recs
+                          if r.trace.extra.get("startup_s") is not None) or "-"
         lines.append(f"| {labels.get(s, s)} | {outcome} | {tt} | {fl} | {steps} | {wire} "
-                     f"| {'-' if peak is None else f'{peak / 2**20:.0f} MiB'} | {cpu} |")
+                     f"| {'-' if peak is None else f'{peak / 2**20:.0f} MiB'} | {cpu} "
+                     f"| {start} |")
     return "\n".join(lines)
 
 

@@ -65,6 +65,9 @@ from fusiond.train.stage import StageConfig
 from fusiond.units import bits_per_s_from_bytes_per_s, bytes_per_s_from_bits_per_s
 from protocol.messages import Message, StageCheckpoint
 
+T_PROCESS = time.perf_counter()
+"""After the imports: start-up (reported apart from the budget) is what follows them."""
+
 
 def _addr(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
@@ -291,6 +294,7 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
     events: list[tuple[float, int, float | None, int]] = []
     tokens = 0
     t0 = time.perf_counter()
+    extra["startup_s"] = t0 - T_PROCESS  # capture, profiles, plan: before the budget
 
     def on_step(m: StepMetrics) -> None:
         nonlocal tokens

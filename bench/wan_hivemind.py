@@ -40,6 +40,9 @@ import torch
 from bench.wan_common import Trace, Workload, window_offsets
 from fusiond.models.gpt2 import gpt2, lm_loss
 
+T_PROCESS = time.perf_counter()
+"""After the imports: start-up (reported apart from the budget) is what follows them."""
+
 
 def barrier(root: Path, rank: int, world: int, timeout_s: float = 300.0) -> None:
     """Mark `rank` ready under `root` and return once all `world` ranks are (SystemExit after
@@ -119,6 +122,7 @@ def main() -> None:
     barrier(Path(args.barrier_dir), args.rank, args.world)
     # the common start (hivemind ships no weights: every peer built the same seeded model)
     t0 = time.perf_counter()
+    startup_s = t0 - T_PROCESS  # DHT, Optimizer, the start barrier
     events: list[tuple[float, int, float | None, int]] = []
     pending: list[float] = []
     local_step = 0
@@ -149,6 +153,7 @@ def main() -> None:
                           max(0, local_step - 1), model.state_dict())
             Path(args.out).write_text(Trace("hivemind", events, {
                 "epoch_batches": args.epoch_batches, "use_local_updates": True,
+                "startup_s": startup_s,
                 "world": args.world, "local_steps": local_step,
                 "matchmaking_time": args.matchmaking_time}).to_json())
         opt.shutdown()

@@ -1,34 +1,42 @@
-"""Side-by-side on the emulated WAN (issue 6): fusion vs DDP vs hivemind on the same links.
+"""The honest yardstick (issue 14): fusion against the strongest baseline a user would pick,
+on the emulated WAN, in two regimes.
 
-For each reference topology (`deploy/testbed/topologies/`), it brings the testbed up (root),
-then runs, one after another and each for the same wall-clock budget, the same model, data,
-global batch and optimizer (`bench.wan_common.Workload`; GPT-2 `mini` at vocab 256 by default):
+For each topology (`deploy/testbed/topologies/`; random order), for each regime:
 
-1. fusion, uniform split (equal op counts per host, host order), dense;
-2. fusion, OP-Fence, dense;
-3. fusion, OP-Fence + AdaTopK;
-4. PyTorch DDP over gloo, one process per host (`bench/wan_ddp.py`);
-5. hivemind 1.1.12 `hivemind.Optimizer`, one peer per host, in its own venv
-   (`bench/wan_hivemind.py`; build the venv with `bench/hivemind/setup.sh`).
+- **fits** (`fits`): no binding memory limit (a 4 GiB per-host ceiling only measures peaks);
+- **does not fit** (`nofit`): every host of every system under the same memory limit, enforced
+  by the kernel (`deploy.testbed`'s per-host memory cgroup), by default 0.8 x the peak
+  resident memory the single host reached in "fits"; a run the kernel kills is "out of
+  memory";
 
-Fusion runs are a `JobWorker` over a `PeerNetwork` in every host (`bench/wan_fusion.py`) and
-the `JobCoordinator` in host 0, planned on the testbed's configured links (no daemons) and on
-the profile every host measures of itself (`fusiond.profile`, as a daemon gossips it).
-Every process is limited to one thread and runs in its host's CPU cgroup: the hosts share this
-machine's cores, so every host gets a quota and the quotas sum to at most `--cpu-cores`
-(default 80 % of the CPUs; the topology's own quotas stay relative, see `share_quotas`). A host
-reads its quota like a container does and the planner sees each host at its share.
-Defaults: all topologies, GPT-2 mini, 60 s per run (45 s with --quick), 12 MB planner memory
-per host (the model must be split), hosts per `DEFAULT_HOSTS`. Bytes on the wire = what every
-host's eth0 transmitted during the run (all traffic: setup, model shipping, activations, gradients,
-DHT). Writes a Markdown table per topology to `--doc` and a PNG of loss vs wall-clock per
-topology; prints PASS/FAIL for the issue's targets.
-The testbed (namespaces, processes) is removed on exit, also on failure or Ctrl-C.
+it brings the testbed up (root) and runs every system, in random order, each for the same
+wall-clock budget, the same model, training split, global batch and optimizer
+(`bench.wan_common.Workload`):
 
-    sudo .venv/bin/python bench/wan.py --quick                 # four-groups, 4 hosts, < 10 min
-    sudo .venv/bin/python bench/wan.py                         # all three, < 30 min
-    sudo .venv/bin/python bench/wan.py --topology two-groups --hosts 4 --budget 90
-    sudo .venv/bin/python bench/wan.py --quick --host-memory-mb 0  # the model fits one host
+- (0) `single`: the fastest host alone (with activation checkpointing in "does not fit");
+- (1) `pipeline`: equal transformer blocks per stage, cut at block boundaries, the stage
+  count and host order the planner's model predicts best, run by fusion's own 1F1B pipeline
+  (`bench/wan_fusion.py --mode pipeline`; torch.distributed.pipelining was not tried across
+  the namespaces);
+- (4) `fsdp` ("does not fit" only): FSDP2 over gloo on the host subset the same model picks,
+  activation checkpointing;
+- (5) `hivemind`: hivemind 1.1.12 as its quickstart configures it (local updates, fp16
+  compression, matchmaking 3 s; `bench/wan_hivemind.py`, in its own venv);
+- (6) `swarm`: not available (`NOT_YET` says why): it FAILS the bench;
+- (4) `ddp_fp16`, `ddp_powersgd`: DDP over gloo with the fp16 / PowerSGD comm hook, one
+  bucket, no extra per-step collective (`bench/wan_ddp.py`);
+- (2) `opfence`, (3) `adatopk`: fusion as its planner decides, dense and with AdaTopK
+  (`bench/wan_fusion.py`).
+
+Every system saves its dense weights at fixed wall-clock points; after each run the one
+evaluator (`bench/wan_eval.py`) computes their loss on a held-out split no system trains on.
+The verdict (`bench.wan_common.verdict`): per topology and regime, "fusion best / strongest
+baseline" with medians and min-max over `--runs`; a missing or failed system fails the bench
+(exit 1). Raw traces (JSON) go to `--traces`; the testbed is removed on exit, also on failure,
+Ctrl-C or SIGTERM.
+
+    sudo .venv/bin/python bench/wan.py --quick      # four-groups, both regimes, 1 run each
+    sudo .venv/bin/python bench/wan.py              # every topology, 3 runs each
 """
 
 from __future__ import annotations
@@ -40,12 +48,14 @@ import itertools
 import json
 import math
 import os
+import random
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,17 +63,36 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.wan_common import (  # noqa: E402
+    FAILED,
     LABELS,
+    OK,
+    OUT_OF_MEMORY,
     SYSTEMS,
-    Figures,
+    HeldoutPoint,
+    RunResult,
+    TopologyVerdict,
     Trace,
-    Verdict,
     Workload,
-    figures,
-    markdown_table,
-    verdicts,
+    at_fixed_points,
+    time_to_heldout_target,
+    verdict,
 )
-from deploy.testbed.bed import Testbed  # noqa: E402
+from bench.wan_eval import (  # noqa: E402
+    HeldoutBatch,
+    SnapshotClock,
+    evaluate_snapshots,
+    heldout_batch,
+    heldout_loss,
+    save_snapshot,
+    split_tokens,
+)
+from deploy.testbed.bed import OUT_OF_MEMORY as OUT_OF_MEMORY_EXIT  # noqa: E402
+from deploy.testbed.bed import (  # noqa: E402
+    MemoryReport,
+    Testbed,
+    cgroup_pids,
+    classify_exit,
+)
 from deploy.testbed.topology import Topology, format_rate, load_topology  # noqa: E402
 
 TOPOLOGIES = ("two-groups", "four-groups", "mixed-slow")
@@ -175,153 +204,6 @@ def stop(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = 5.0) -> None
             p.wait()
 
 
-class Runner:
-    """Runs the five systems on one testbed; each run returns its trace (or a failed one)."""
-
-    def __init__(self, tb: Testbed, work: Path, args: argparse.Namespace, wl: Workload) -> None:
-        self.tb = tb
-        self.work = work
-        self.args = args
-        self.wl = wl
-        self.hosts = list(tb.topology.hosts)
-        self.env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                    "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-        (work / "workload.json").write_text(json.dumps(wl.to_dict()))
-        self.creds = make_credentials(work / "creds", self.hosts)
-        desc = cluster_desc(tb.topology) | {"node_ids": self.creds}
-        if args.host_memory_mb:
-            desc["memory_bytes"] = args.host_memory_mb * 1e6
-        (work / "cluster.json").write_text(json.dumps(desc))
-
-    def _wait(self, main: subprocess.Popen[bytes], others: Sequence[subprocess.Popen[bytes]],
-              out: Path, system: str, timeout: float) -> Trace:
-        try:
-            main.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            stop([main, *others])
-        if out.exists():
-            return Trace.load(out)
-        logs = sorted(self.work.glob(f"{system}-*.log"))
-        tail = " | ".join(p.name + ": " + p.read_text(errors="replace")[-600:].replace("\n", " ")
-                          for p in logs[:2])
-        return Trace(system, [], {}, f"no trace (exit {main.returncode}); {tail}"[:1500])
-
-    def fusion(self, mode: str) -> Trace:
-        addr = {h: (self.tb.address(h), FUSION_PORT) for h in self.hosts}
-        peers = [f"--peer={self.creds[h]}={a}:{p}" for h, (a, p) in addr.items()]
-        out = self.work / f"{mode}.json"
-        profiles = f"--profile-dir={self.work / f'profiles-{mode}'}"
-        procs = []
-        py = sys.executable
-        script = str(REPO / "bench" / "wan_fusion.py")
-        for h in self.hosts[1:]:
-            log = self.work / f"{mode}-{h}.log"
-            others = [p for p in peers if not p.startswith(f"--peer={self.creds[h]}=")]
-            procs.append(self.tb.exec(h, [py, script, "node", h, profiles,
-                                          f"--state-dir={self.work / 'creds' / h}",
-                                          f"--listen={addr[h][0]}:{FUSION_PORT}", *others],
-                                      log=log, env=self.env))
-        h0 = self.hosts[0]
-        lead = self.tb.exec(h0, [
-            py, script, "lead", h0, profiles, f"--listen={addr[h0][0]}:{FUSION_PORT}",
-            f"--state-dir={self.work / 'creds' / h0}",
-            *[p for p in peers if not p.startswith(f"--peer={self.creds[h0]}=")],
-            f"--mode={mode}",
-            f"--budget={self.args.budget}", f"--cluster={self.work / 'cluster.json'}",
-            f"--workload={self.work / 'workload.json'}", f"--out={out}",
-        ], log=self.work / f"{mode}-{h0}.log", env=self.env)
-        # the lead's capture overlaps the nodes' start-up (it plans only once every host's
-        # profile is there, and by then the nodes serve); capture + calibration + plan before
-        # the budget starts, Assign and steps inside it
-        try:
-            for h, p in zip(self.hosts[1:], procs, strict=True):
-                self.tb.wait_ready(p, self.work / f"{mode}-{h}.log", f"fusion node {h}",
-                                   timeout=180)
-        except Exception:
-            stop([lead, *procs])
-            raise
-        return self._wait(lead, procs, out, mode, timeout=self.args.budget + 240)
-
-    def ddp(self) -> Trace:
-        out = self.work / "ddp.json"
-        master = f"{self.tb.address(self.hosts[0])}:{DDP_PORT}"
-        procs = [self.tb.exec(h, [
-            sys.executable, str(REPO / "bench" / "wan_ddp.py"), f"--rank={i}",
-            f"--world={len(self.hosts)}", f"--master={master}", f"--budget={self.args.budget}",
-            f"--workload={self.work / 'workload.json'}", f"--out={out}",
-        ], log=self.work / f"ddp-{h}.log", env=self.env | {"GLOO_SOCKET_IFNAME": "eth0"})
-            for i, h in enumerate(self.hosts)]  # gloo would advertise 127.0.0.1 otherwise
-        return self._wait(procs[0], procs[1:], out, "ddp", timeout=self.args.budget + 240)
-
-    def hivemind(self) -> Trace:
-        py = Path(self.args.hivemind_python)
-        if not py.exists():
-            return Trace("hivemind", [], {}, f"no hivemind venv at {py} "
-                                             "(run bench/hivemind/setup.sh)")
-        out = self.work / "hivemind.json"
-        maddrs = self.work / "hivemind-maddrs.txt"
-        maddrs.unlink(missing_ok=True)
-        barrier = self.work / "hivemind-barrier"
-        shutil.rmtree(barrier, ignore_errors=True)
-        tokens = self.work / "tokens.npy"
-        if not tokens.exists():
-            import numpy as np
-
-            from fusiond.train.data import TextWindows, make_source
-            from fusiond.train.spec import parse_job
-
-            spec = parse_job(self.wl.job_toml(adatopk=False))
-            src = make_source(spec.data, spec.seed)
-            assert isinstance(src, TextWindows)
-            np.save(tokens, src.tokens)
-        procs = [self.tb.exec(h, [
-            str(py), str(REPO / "bench" / "wan_hivemind.py"), f"--rank={i}",
-            f"--world={len(self.hosts)}", f"--listen={self.tb.address(h)}:{HIVEMIND_PORT}",
-            f"--maddr-file={maddrs}", f"--barrier-dir={barrier}", f"--budget={self.args.budget}",
-            f"--workload={self.work / 'workload.json'}", f"--tokens={tokens}", f"--out={out}",
-        ], log=self.work / f"hivemind-{h}.log", env=self.env) for i, h in enumerate(self.hosts)]
-        return self._wait(procs[0], procs[1:], out, "hivemind", timeout=self.args.budget + 240)
-
-    def run(self, system: str) -> tuple[Trace, int]:
-        """One run and the bytes the hosts sent during it."""
-        before = tx_bytes(self.tb, self.hosts)
-        if system == "ddp":
-            trace = self.ddp()
-        elif system == "hivemind":
-            trace = self.hivemind()
-        else:
-            trace = self.fusion(system)
-        return trace, tx_bytes(self.tb, self.hosts) - before
-
-
-def plot(traces: dict[str, Trace], title: str, path: Path, target: float) -> bool:
-    """Loss vs wall-clock for every run with events; False when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for s in SYSTEMS:
-        t = traces.get(s)
-        if t is None or not t.events:
-            continue
-        pts = [(e[0], e[2]) for e in t.events if e[2] is not None]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=LABELS[s], linewidth=1.2)
-    ax.axhline(target, color="grey", linestyle=":", linewidth=1, label="target loss")
-    ax.set_xlabel("wall-clock (s)")
-    ax.set_ylabel("training loss")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
 
 def explain_miss(trace: Trace, measured_tokens_per_s: float, tokens_per_step: int) -> str:
     """Where a prediction missed: the measured step time against the planner's iteration, and
@@ -424,71 +306,630 @@ def traffic_note(traces: dict[str, Trace], topo: Topology) -> str | None:
             + "; ".join(parts))
 
 
-def run_topology(name: str, args: argparse.Namespace, wl: Workload
-                 ) -> tuple[str, dict[str, Figures], list[Verdict]]:
-    topo = load_topology(name)
-    hosts = select_hosts(topo, args.hosts if args.hosts else DEFAULT_HOSTS.get(name))
-    topo = restrict(topo, hosts)
-    relative = dict(topo.cpu)
-    topo = dataclasses.replace(topo, cpu=share_quotas(hosts, relative, args.cpu_cores))
-    traces: dict[str, Trace] = {}
-    wire: dict[str, int] = {}
-    tb = Testbed(topo)
+
+
+REGIMES = ("fits", "nofit")
+REGIME_TEXT = {"fits": "fits", "nofit": "does not fit"}
+NOT_YET: dict[str, str] = {
+    "swarm": "not available: fusion's codec has no int8 block quantization (only AdaTopK "
+             "top-k and lz4)",
+}
+"""Baselines the harness cannot run yet, and why: each FAILS the bench until it runs."""
+
+
+def expected_systems(regime: str) -> tuple[str, ...]:
+    """Every system the verdict of `regime` needs (FSDP only where the model does not fit)."""
+    return tuple(s for s in SYSTEMS if s != "fsdp" or regime == "nofit")
+
+
+@dataclass
+class RunRecord:
+    """One run: its trace, held-out curve, outcome, bytes sent and each host's memory peak."""
+
+    system: str
+    trace: Trace
+    outcome: str
+    reason: str
+    curve: list[HeldoutPoint]
+    wire_bytes: int | None
+    peak_bytes: dict[str, int]
+    wall_s: float
+    cpu_utilisation: dict[str, float] = dataclasses.field(default_factory=dict)
+    peak_rss_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def result(self, target: float) -> RunResult:
+        final = self.curve[-1].loss if self.curve else None
+        return RunResult(self.system, self.outcome,
+                         time_to_heldout_target(self.curve, target) if self.outcome == OK
+                         else None, final if self.outcome == OK else None, self.reason)
+
+    def to_dict(self, interval_s: float, budget_s: float) -> dict[str, Any]:
+        return {"system": self.system, "outcome": self.outcome, "reason": self.reason,
+                "wire_bytes": self.wire_bytes, "peak_bytes": self.peak_bytes,
+                "wall_s": self.wall_s, "cpu_utilisation": self.cpu_utilisation,
+                "peak_rss_bytes": self.peak_rss_bytes,
+                "heldout": [[p.t_s, p.step, p.loss] for p in self.curve],
+                "heldout_at": at_fixed_points(self.curve, interval_s, budget_s),
+                "trace": json.loads(self.trace.to_json())}
+
+
+def fastest_host(topo: Topology) -> str:
+    """The host with the largest CPU quota (the first of them; no quota = the most)."""
+    return max(topo.hosts, key=lambda h: (topo.cpu.get(h, math.inf), -topo.hosts.index(h)))
+
+
+GRADIENT_BYTES_PER_PARAM = {"ddp_fp16": 2.0, "ddp_powersgd": 4.0 / 20, "fsdp": 3 * 4.0 / 2}
+"""What one parameter costs on the wire per step, in the ring model's all-reduce terms: fp16,
+PowerSGD at about 20x fewer bytes than fp32 (issue 14's check of this model on gloo), and
+FSDP's two fp32 all-gathers and one reduce-scatter (each half an all-reduce)."""
+
+
+def ddp_hosts(topo: Topology, system: str, n_params: int, sample_cpu_s: float,
+              batch: int) -> list[str]:
+    """The host subset (at least 2) a competent user would run DDP on: the least predicted
+    step time in a plain model, the global batch's compute spread over the subset's cores
+    (`sample_cpu_s`: one sample's forward and backward on one core) plus a ring all-reduce
+    of the (compressed) gradients over the subset's slowest link and 2 (n - 1) of its
+    longest RTTs. One site, all sites or anything between: whichever the model favours."""
+    per_param = GRADIENT_BYTES_PER_PARAM.get(system, 4.0)
+    best: tuple[float, list[str]] | None = None
+    hosts = list(topo.hosts)
+    for k in range(2, len(hosts) + 1):
+        for sub in itertools.combinations(hosts, k):
+            cores = sum(topo.cpu.get(h, 1.0) for h in sub)
+            links = [topo.link(a, b) for a, b in itertools.combinations(sub, 2)]
+            bw = min(lk.bandwidth_bits_per_s for lk in links) / 8 * 0.95
+            rtt = max(lk.rtt_s for lk in links)
+            comm = 2 * (k - 1) / k * n_params * per_param / bw + 2 * (k - 1) * rtt
+            step = batch * sample_cpu_s / cores + comm
+            if batch % k:
+                continue
+            if best is None or step < best[0]:
+                best = (step, list(sub))
+    if best is None:
+        raise SystemExit(f"no host subset of {hosts} splits the global batch {batch}")
+    return best[1]
+
+
+def sample_cpu_seconds(wl: Workload, samples: int = 4) -> float:
+    """One sample's forward and backward on one thread of this machine (CPU time, which load
+    does not bend much), for `ddp_hosts`' model."""
+    import torch
+
+    from fusiond.train.model import build_model, loss_fn
+    from fusiond.train.spec import parse_job
+
+    spec = parse_job(wl.job_toml(adatopk=False))
+    model = build_model(spec.model, seed=spec.seed)
+    lossf = loss_fn(spec.loss)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randint(0, wl.vocab_size, (samples, wl.seq_len))
+        lossf(model(x), x).backward()  # warm-up
+        t = time.process_time()
+        lossf(model(x), x).backward()
+        return (time.process_time() - t) / samples
+    finally:
+        torch.set_num_threads(threads)
+
+
+def delta_report(before: MemoryReport | None, after: MemoryReport | None
+                 ) -> MemoryReport | None:
+    """What a host's memory cgroup counted during one run (the counters only grow)."""
+    if after is None:
+        return None
+    if before is None:
+        return after
+
+    def d(a: int | None, b: int | None) -> int | None:
+        return None if a is None else a - (b or 0)
+
+    return MemoryReport(after.limit_bytes, after.peak_bytes,
+                        d(after.limit_hits, before.limit_hits), d(after.oom_kills,
+                                                                  before.oom_kills))
+
+
+def run_outcome(trace: Trace, exits: dict[str, int | None],
+                reports: dict[str, MemoryReport | None], n_snapshots: int) -> tuple[str, str]:
+    """(outcome, reason) of one run: out of memory when the kernel killed a process of any
+    host at its limit (never 'did not reach the target'), failed when the run left no trace,
+    an error or no snapshot, else ok."""
+    oom = [h for h, rep in reports.items()
+           if classify_exit(exits.get(h), rep) == OUT_OF_MEMORY_EXIT]
+    if oom:
+        rep = reports[oom[0]]
+        limit = f" at {rep.limit_bytes / 2**20:.0f} MiB" if rep is not None else ""
+        return OUT_OF_MEMORY, f"kernel killed a process of {', '.join(oom)}{limit}"
+    if trace.error:
+        return FAILED, trace.error
+    if n_snapshots == 0:
+        return FAILED, "no snapshot of the weights for the held-out evaluator"
+    return OK, ""
+
+
+class CpuMeter:
+    """Each host's CPU seconds during a run: the utime + stime of every process in the host's
+    cgroups, sampled while it runs (the last value seen of each process counts), so a host's
+    utilisation (CPU seconds over wall-clock x its quota) says whether it was compute-bound."""
+
+    def __init__(self, tb: Testbed, hosts: list[str]) -> None:
+        self.tb = tb
+        self.t0 = time.monotonic()
+        self.wall_s = 0.0
+        self.cgroups = {h: [Path(c) for c in tb.state.get("cgroups", [])
+                            if c.endswith(f"-{tb.name}-{h}")] for h in hosts}
+        self.ticks: dict[str, dict[int, int]] = {h: {} for h in hosts}
+        self.hwm: dict[str, dict[int, int]] = {h: {} for h in hosts}
+        self.tick_s = 1.0 / os.sysconf("SC_CLK_TCK")
+
+    def sample(self) -> None:
+        self.wall_s = time.monotonic() - self.t0
+        for h, cgs in self.cgroups.items():
+            for pid in {p for c in cgs for p in cgroup_pids(c)}:
+                try:
+                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                except (OSError, IndexError):
+                    continue
+                self.ticks[h][pid] = int(fields[11]) + int(fields[12])  # utime, stime
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                        if line.startswith("VmHWM:"):
+                            self.hwm[h][pid] = int(line.split()[1]) * 1024
+                            break
+
+    def peak_rss_bytes(self) -> dict[str, int]:
+        """Host -> the sum of its processes' peak resident memory (VmHWM): the memory a host
+        needs, page cache left out (the cgroup's own peak counts reclaimable cache too)."""
+        return {h: sum(v.values()) for h, v in self.hwm.items() if v}
+
+    def utilisation(self) -> dict[str, float]:
+        """Host -> CPU seconds / (wall-clock x the host's quota in cores)."""
+        out = {}
+        for h, per_pid in self.ticks.items():
+            cores = self.tb.topology.cpu.get(h, 1.0)
+            if self.wall_s > 0:
+                out[h] = sum(per_pid.values()) * self.tick_s / (self.wall_s * cores)
+        return out
+
+
+class Runner:
+    """Runs every system on one testbed (one topology, one regime)."""
+
+    def __init__(self, tb: Testbed, work: Path, args: argparse.Namespace, wl: Workload,
+                 planner_memory_bytes: float | None) -> None:
+        self.tb = tb
+        self.work = work
+        self.args = args
+        self.wl = wl
+        self.hosts = list(tb.topology.hosts)
+        self.env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                    "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+        (work / "workload.json").write_text(json.dumps(wl.to_dict()))
+        self.creds = make_credentials(work / "creds", self.hosts)
+        self.cpu = CpuMeter(tb, [])
+        desc = cluster_desc(tb.topology) | {"node_ids": self.creds}
+        if planner_memory_bytes:
+            desc["memory_bytes"] = planner_memory_bytes
+        (work / "cluster.json").write_text(json.dumps(desc))
+
+    def _wait(self, main: subprocess.Popen[bytes], procs: dict[str, subprocess.Popen[bytes]],
+              timeout: float) -> dict[str, int | None]:
+        """Until `main` exits, or any process exits non-zero (a peer killed: the others would
+        wait on it for minutes), or `timeout`; then stop all; each host's exit code."""
+        deadline = time.monotonic() + timeout
+        self.cpu = CpuMeter(self.tb, list(procs))
+        try:
+            while time.monotonic() < deadline and main.poll() is None:
+                if any(p.poll() not in (None, 0) for p in procs.values()):
+                    break
+                self.cpu.sample()
+                time.sleep(0.2)
+        finally:
+            before = {h: p.poll() for h, p in procs.items()}
+            stop(list(procs.values()))
+        return before
+
+    def _trace(self, out: Path, system: str) -> Trace:
+        if out.exists():
+            return Trace.load(out)
+        logs = sorted(self.work.glob(f"{system}-*.log"))
+        tail = " | ".join(p.name + ": " + p.read_text(errors="replace")[-400:].replace("\n", " ")
+                          for p in logs[:2])
+        return Trace(system, [], {}, f"no trace; {tail}"[:1500])
+
+    def torch_baseline(self, system: str, hosts: list[str]) -> tuple[Trace, dict[str, int | None]]:
+        out = self.work / f"{system}.json"
+        snaps = self.work / f"snap-{system}"
+        stop_dir = self.work / f"stop-{system}"
+        stop_dir.mkdir(exist_ok=True)
+        master = f"{self.tb.address(hosts[0])}:{DDP_PORT}"
+        hook = system.removeprefix("ddp_") if system.startswith("ddp_") else "none"
+        extra = (["--checkpoint-activations"] if system in ("single", "fsdp")
+                 and self.args.regime == "nofit" else [])
+        if system == "fsdp":
+            extra.append("--fsdp")
+        procs = {h: self.tb.exec(h, [
+            sys.executable, str(REPO / "bench" / "wan_ddp.py"), f"--rank={i}",
+            f"--world={len(hosts)}", f"--master={master}", f"--budget={self.args.budget}",
+            f"--hook={hook}", f"--workload={self.work / 'workload.json'}", f"--out={out}",
+            f"--snapshot-dir={snaps}", f"--snapshot-interval={self.args.snapshot_interval}",
+            f"--stop-dir={stop_dir}", *extra,
+        ], log=self.work / f"{system}-{h}.log", env=self.env | {"GLOO_SOCKET_IFNAME": "eth0"})
+            for i, h in enumerate(hosts)}  # gloo would advertise 127.0.0.1 otherwise
+        exits = self._wait(procs[hosts[0]], procs, timeout=self.args.budget + 240)
+        return self._trace(out, system), exits
+
+    def fusion(self, mode: str) -> tuple[Trace, dict[str, int | None]]:
+        addr = {h: (self.tb.address(h), FUSION_PORT) for h in self.hosts}
+        peers = [f"--peer={self.creds[h]}={a}:{p}" for h, (a, p) in addr.items()]
+        out = self.work / f"{mode}.json"
+        common = [f"--profile-dir={self.work / f'profiles-{mode}'}",
+                  f"--snapshot-dir={self.work / f'snap-{mode}'}",
+                  f"--snapshot-interval={self.args.snapshot_interval}"]
+        procs: dict[str, subprocess.Popen[bytes]] = {}
+        py = sys.executable
+        script = str(REPO / "bench" / "wan_fusion.py")
+        for h in self.hosts[1:]:
+            others = [p for p in peers if not p.startswith(f"--peer={self.creds[h]}=")]
+            procs[h] = self.tb.exec(h, [py, script, "node", h, *common,
+                                        f"--state-dir={self.work / 'creds' / h}",
+                                        f"--listen={addr[h][0]}:{FUSION_PORT}", *others],
+                                    log=self.work / f"{mode}-{h}.log", env=self.env)
+        h0 = self.hosts[0]
+        procs[h0] = self.tb.exec(h0, [
+            py, script, "lead", h0, *common, f"--listen={addr[h0][0]}:{FUSION_PORT}",
+            f"--state-dir={self.work / 'creds' / h0}",
+            *[p for p in peers if not p.startswith(f"--peer={self.creds[h0]}=")],
+            f"--mode={mode}", f"--budget={self.args.budget}",
+            f"--cluster={self.work / 'cluster.json'}",
+            f"--workload={self.work / 'workload.json'}", f"--out={out}",
+        ], log=self.work / f"{mode}-{h0}.log", env=self.env)
+        exits = self._wait(procs[h0], procs, timeout=self.args.budget + 300)
+        return self._trace(out, mode), exits
+
+    def hivemind(self) -> tuple[Trace, dict[str, int | None]]:
+        py = Path(self.args.hivemind_python)
+        if not py.exists():
+            return Trace("hivemind", [], {}, f"no hivemind venv at {py} "
+                                             "(run bench/hivemind/setup.sh)"), {}
+        import numpy as np
+
+        out = self.work / "hivemind.json"
+        maddrs = self.work / "hivemind-maddrs.txt"
+        maddrs.unlink(missing_ok=True)
+        barrier = self.work / "hivemind-barrier"
+        shutil.rmtree(barrier, ignore_errors=True)
+        tokens = self.work / "tokens.npy"
+        if not tokens.exists():
+            np.save(tokens, np.frombuffer(Path(self.wl.corpus).read_bytes(), dtype=np.uint8)
+                    .astype(np.int64))
+        procs = {h: self.tb.exec(h, [
+            str(py), str(REPO / "bench" / "wan_hivemind.py"), f"--rank={i}",
+            f"--world={len(self.hosts)}", f"--listen={self.tb.address(h)}:{HIVEMIND_PORT}",
+            f"--maddr-file={maddrs}", f"--barrier-dir={barrier}", f"--budget={self.args.budget}",
+            f"--workload={self.work / 'workload.json'}", f"--tokens={tokens}", f"--out={out}",
+            f"--snapshot-dir={self.work / 'snap-hivemind'}",
+            f"--snapshot-interval={self.args.snapshot_interval}",
+        ], log=self.work / f"hivemind-{h}.log", env=self.env) for i, h in enumerate(self.hosts)}
+        exits = self._wait(procs[self.hosts[0]], procs, timeout=self.args.budget + 240)
+        return self._trace(out, "hivemind"), exits
+
+    def run(self, system: str, evaluate: Evaluator) -> RunRecord:
+        t0 = time.monotonic()
+        if system in NOT_YET:
+            return RunRecord(system, Trace(system, [], {}, NOT_YET[system]), FAILED,
+                             NOT_YET[system], [], None, {}, 0.0)
+        if system == "single":
+            used = [fastest_host(self.tb.topology)]
+        elif system.startswith("ddp_") or system == "fsdp":
+            used = ddp_hosts(self.tb.topology, system, self.args.n_params,
+                             self.args.sample_cpu_s, self.wl.batch)
+        else:
+            used = self.hosts
+        for h in used:
+            self.tb.reset_memory_peak(h)
+        before_rep = {h: self.tb.memory_report(h) for h in used}
+        before = tx_bytes(self.tb, self.hosts)
+        if system in FUSION_RUNS:
+            trace, exits = self.fusion(system)
+        elif system == "hivemind":
+            trace, exits = self.hivemind()
+        else:
+            trace, exits = self.torch_baseline(system, used)
+        wire = tx_bytes(self.tb, self.hosts) - before
+        reports = {h: delta_report(before_rep[h], self.tb.memory_report(h)) for h in used}
+        peaks = {h: r.peak_bytes for h, r in reports.items()
+                 if r is not None and r.peak_bytes is not None}
+        snapdir = self.work / f"snap-{system}"
+        try:
+            curve = evaluate(system, snapdir, trace)
+        except (ValueError, RuntimeError, OSError) as exc:
+            curve = []
+            trace.error = trace.error or f"held-out evaluation failed: {exc}"
+        outcome, reason = run_outcome(trace, exits, reports, len(curve))
+        return RunRecord(system, trace, outcome, reason, curve, wire, peaks,
+                         time.monotonic() - t0, self.cpu.utilisation(),
+                         self.cpu.peak_rss_bytes())
+
+
+Evaluator = Callable[[str, Path, Trace], list[HeldoutPoint]]
+FUSION_RUNS = ("pipeline", "opfence", "adatopk")
+"""Systems run by fusion's own pipeline (`bench/wan_fusion.py`): (1) with a block-boundary
+plan, (2) and (3) as its planner decides."""
+
+
+@dataclass
+class Data:
+    """The training split (a file every system trains on) and the held-out windows."""
+
+    train_path: Path
+    heldout: HeldoutBatch
+
+
+def prepare_data(args: argparse.Namespace, root: Path) -> Data:
+    from fusiond.train.data import TextWindows, make_source
+    from fusiond.train.spec import parse_job
+
+    spec = parse_job(Workload(seed=args.seed).job_toml(adatopk=False))
+    src = make_source(spec.data, spec.seed)
+    assert isinstance(src, TextWindows)
+    train, held = split_tokens(src.tokens, seed=args.seed,
+                               train_tokens=int(args.train_mb * 2**20),
+                               heldout_tokens=int(args.heldout_kb * 2**10))
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "train.txt"
+    path.write_bytes(train.astype("uint8").tobytes())
+    return Data(path, heldout_batch(held, seq_len=args.seq, count=args.eval_windows))
+
+
+def make_evaluator(wl: Workload, data: Data, interval_s: float) -> Evaluator:
+    """The one evaluator: the dense snapshots of any system, on the held-out windows."""
+    from fusiond.graph.capture import state_from_bytes
+    from fusiond.jobs.results import gather_state
+    from fusiond.train.model import build_model, loss_fn
+    from fusiond.train.programs import capture_job
+    from fusiond.train.spec import parse_job
+
+    spec = parse_job(wl.job_toml(adatopk=False))
+    lossf = loss_fn(spec.loss)
+
+    def make_model() -> Any:
+        return build_model(spec.model, seed=spec.seed)
+
+    captured: list[Any] = []
+
+    def fusion_snapshots(snapdir: Path, trace: Trace) -> None:
+        """Gather the stages' checkpoints of each step into whole-model snapshots (the time
+        of a step: the lead's event of it)."""
+        n_stages = len(trace.extra.get("stages", []))
+        at = {int(s): float(t) for t, s, _, _ in trace.events}
+        by_step: dict[int, dict[int, Path]] = {}
+        for p in snapdir.glob("part-*-step-*.safetensors"):
+            _, part, _, step = p.stem.split("-")
+            by_step.setdefault(int(step), {})[int(part)] = p
+        if not captured:
+            captured.append(capture_job(spec)[1])
+        complete = sorted(s for s, parts in by_step.items()
+                          if len(parts) == n_stages and s in at)
+        clock = SnapshotClock(interval_s)
+        keep = [s for s in complete if clock.due(at[s])]
+        if complete and complete[-1] not in keep:
+            keep.append(complete[-1])  # the end of the budget
+        for i, step in enumerate(keep):
+            parts = by_step[step]
+            states = [state_from_bytes(parts[k].read_bytes()) for k in sorted(parts)]
+            save_snapshot(snapdir, i, at[step], step, gather_state(captured[0].graph, states))
+        for parts in by_step.values():
+            for p in parts.values():
+                p.unlink(missing_ok=True)
+
+    def fsdp_snapshots(snapdir: Path, trace: Trace) -> None:
+        """Reassemble the FSDP ranks' dim-0 shards of the steps at the fixed wall-clock points
+        (rank 0's clock) and of the last step every rank wrote."""
+        import safetensors.torch
+        import torch
+
+        world = int(trace.extra.get("world", 0))
+        at = {int(s): float(t) for t, s, _, _ in trace.events}
+        by_step: dict[int, dict[int, Path]] = {}
+        for p in snapdir.glob("fsdp-rank*-step*.safetensors"):
+            rank, step = p.stem.removeprefix("fsdp-rank").split("-step")
+            by_step.setdefault(int(step), {})[int(rank)] = p
+        complete = sorted(s for s, parts in by_step.items() if len(parts) == world and s in at)
+        clock = SnapshotClock(interval_s)
+        keep = [s for s in complete if clock.due(at[s])]
+        if complete and complete[-1] not in keep:
+            keep.append(complete[-1])
+        shapes = {k: v.shape for k, v in make_model().state_dict().items()}
+        for i, step in enumerate(keep):
+            shards = [safetensors.torch.load_file(str(by_step[step][r])) for r in range(world)]
+            full = {}
+            for k, shape in shapes.items():
+                t = torch.cat([sh[k] for sh in shards]) if len(shape) else shards[0][k]
+                if tuple(t.shape) != tuple(shape):
+                    raise ValueError(f"FSDP shards of {k} make {tuple(t.shape)}, not "
+                                     f"{tuple(shape)}")
+                full[k] = t
+            save_snapshot(snapdir, i, at[step], step, full)
+        for parts in by_step.values():
+            for p in parts.values():
+                p.unlink(missing_ok=True)
+
+    initial: list[HeldoutPoint] = []
+
+    def evaluate(system: str, snapdir: Path, trace: Trace) -> list[HeldoutPoint]:
+        """The held-out curve of a run: the initial weights at t = 0 (every system starts
+        from the same seeded model; a run that finishes no step in its budget has that
+        point alone), then its snapshots."""
+        if trace.error and not trace.events:
+            return []
+        if not initial:
+            initial.append(HeldoutPoint(0.0, -1, heldout_loss(make_model(), data.heldout,
+                                                               lossf)))
+        if not snapdir.is_dir():
+            return list(initial)
+        if system in FUSION_RUNS:
+            fusion_snapshots(snapdir, trace)
+        if system == "fsdp":
+            fsdp_snapshots(snapdir, trace)
+        return initial + evaluate_snapshots(snapdir, make_model, data.heldout, lossf)
+
+    return evaluate
+
+
+def regime_topology(topo: Topology, regime: str, limit_bytes: int) -> Topology:
+    """`topo` with every host under `limit_bytes` of memory (fits: a ceiling no run nears,
+    there to measure each host's peak)."""
+    return dataclasses.replace(topo, memory_bytes=dict.fromkeys(topo.hosts, limit_bytes))
+
+
+def idle_process_bytes(tb: Testbed, host: str) -> int | None:
+    """The memory peak of an idle host process (Python with torch and fusiond imported):
+    what a stage's model share comes on top of."""
+    tb.reset_memory_peak(host)
+    tb.run(host, [sys.executable, "-c", "import torch, fusiond.train.stage, "
+                  "fusiond.net.transport"], timeout=120)
+    rep = tb.memory_report(host)
+    return rep.peak_bytes if rep is not None else None
+
+
+def run_regime(name: str, regime: str, topo: Topology, args: argparse.Namespace,
+               wl: Workload, evaluate: Evaluator, limit_bytes: int, order: list[str]
+               ) -> list[RunRecord]:
+    # not "fzt<digits>": tests that sweep stray testbeds of that name (`remove_stray`) must
+    # not take this one's namespaces away mid-run
+    tb = Testbed(regime_topology(topo, regime, limit_bytes),
+                 name=f"fzb{os.getpid() % 100000}{regime[0]}")
+    records: list[RunRecord] = []
+    args.regime = regime
     try:
         tb.up(latency=args.latency)
         work = tb.work_dir / "wan"
         work.mkdir(parents=True, exist_ok=True)
         os.chmod(work, 0o777)
-        runner = Runner(tb, work, args, wl)
-        for s in args.systems:
-            t0 = time.monotonic()
-            print(f"[{name}] {LABELS[s]} ...", flush=True)
-            trace, nbytes = runner.run(s)
-            traces[s], wire[s] = trace, nbytes
-            status = trace.error or f"{len(trace.events)} steps"
-            print(f"[{name}] {LABELS[s]}: {status} ({time.monotonic() - t0:.0f} s)", flush=True)
-            Path(args.traces).mkdir(parents=True, exist_ok=True)
-            (Path(args.traces) / f"{name}-{s}.json").write_text(trace.to_json())
+        planner_bytes: float | None = None
+        if regime == "nofit":
+            idle = idle_process_bytes(tb, topo.hosts[0]) or 0
+            planner_bytes = max(1 << 20, limit_bytes - idle)
+            print(f"[{name}/{regime}] limit {limit_bytes / 2**20:.0f} MiB per host, idle "
+                  f"process {idle / 2**20:.0f} MiB: planner memory "
+                  f"{planner_bytes / 2**20:.0f} MiB", flush=True)
+        runner = Runner(tb, work, args, wl, planner_bytes)
+        for s in order:
+            print(f"[{name}/{regime}] {LABELS[s]} ...", flush=True)
+            try:
+                rec = runner.run(s, evaluate)
+            except Exception as exc:  # a broken run is a failed row, the bench goes on
+                why = f"harness error: {type(exc).__name__}: {exc}"[:600]
+                rec = RunRecord(s, Trace(s, [], {}, why), FAILED, why, [], None, {}, 0.0)
+            records.append(rec)
+            last = rec.curve[-1].loss if rec.curve else None
+            print(f"[{name}/{regime}] {LABELS[s]}: {rec.outcome}"
+                  f"{' (' + rec.reason[:200] + ')' if rec.reason else ''}; "
+                  f"{len(rec.trace.events)} steps, held-out "
+                  f"{'-' if last is None else f'{last:.3f}'}"
+                  f", peak RSS {max(rec.peak_rss_bytes.values(), default=0) / 2**20:.0f} MiB"
+                  f" (cgroup {max(rec.peak_bytes.values(), default=0) / 2**20:.0f} MiB), CPU "
+                  + " ".join(f"{h} {u:.0%}" for h, u in rec.cpu_utilisation.items())
+                  + f" of quota ({rec.wall_s:.0f} s)", flush=True)
     finally:
-        keep = Path(args.traces) / f"{name}-logs"
+        keep = Path(args.logs) / f"{name}-{regime}-logs"
         with contextlib.suppress(OSError):
             keep.mkdir(parents=True, exist_ok=True)
             for log in (tb.work_dir / "wan").glob("*.log"):
                 shutil.copyfile(log, keep / log.name)
         tb.down()
-    rows = {s: figures(t, target=args.target_loss, window=args.window, skip=args.skip,
-                       wire_bytes=wire.get(s)) for s, t in traces.items()}
-    slow = slowest_mbit(topo)
-    vs = verdicts(rows, slowest_mbit=slow)
-    suffix = f"-mem{args.host_memory_mb:g}" if args.host_memory_mb else ""
-    png = Path(args.doc).with_name(f"benchmarks-{name}{suffix}.png")
-    has_plot = plot(traces, f"{name} ({len(hosts)} hosts), GPT-2 {wl.size}", png,
-                    args.target_loss)
-    links = sorted({(topo.link(a, b).bandwidth_bits_per_s, topo.link(a, b).rtt_s)
-                    for a, b in topo.pairs()})
+    return records
+
+
+def run_topology(name: str, args: argparse.Namespace, wl: Workload, evaluate: Evaluator,
+                 rng: random.Random) -> tuple[list[str], list[TopologyVerdict]]:
+    topo = load_topology(name)
+    hosts = select_hosts(topo, args.hosts if args.hosts else DEFAULT_HOSTS.get(name))
+    topo = restrict(topo, hosts)
+    relative = dict(topo.cpu)
+    topo = dataclasses.replace(topo, cpu=share_quotas(hosts, relative, args.cpu_cores))
     md = [f"### {name}: {', '.join(hosts)}", "",
-          "links: " + ", ".join(f"{format_rate(bw)}/{rtt * 1e3:g} ms" for bw, rtt in links)
-          + f"; CPU quota per host (cores, sum <= {args.cpu_cores:g}): "
-          + ", ".join(f"{h} {c:g}" for h, c in topo.cpu.items())
-          + (f" (topology's relative quotas {relative})" if relative else ""), "",
-          markdown_table(rows), ""]
-    for v in vs:
-        md.append(f"- {v.line()}")
-    for s in ("opfence", "adatopk"):
-        f = rows.get(s)
-        if f and f.tokens_per_s and f.predicted_tokens_per_s and abs(
-                f.tokens_per_s / f.predicted_tokens_per_s - 1) > 0.25:
-            md.append(f"- {LABELS[s]} prediction missed: "
-                      f"{explain_miss(traces[s], f.tokens_per_s, wl.tokens_per_step)}")
-    note = traffic_note(traces, topo)
-    if note:
-        md.append(f"- {note}")
-    for s, t in traces.items():
-        if t.error:
-            md.append(f"- {LABELS[s]}: {t.error}")
-    if has_plot:
-        md += ["", f"![loss vs wall-clock on {name}]({png.name})"]
-    return "\n".join(md), rows, vs
+          "CPU quota per host (cores): " + ", ".join(f"{h} {c:g}" for h, c in topo.cpu.items()),
+          ""]
+    verdicts_out = []
+    nofit_limit = int(args.nofit_memory_mb * 2**20) if args.nofit_memory_mb else None
+    for regime in args.regimes:
+        expected = expected_systems(regime)  # a system left out by --systems is missing
+        systems = [s for s in expected if s in args.systems]
+        records: list[RunRecord] = []
+        for _ in range(args.runs):
+            order = systems[:]
+            if regime == "fits" and nofit_limit is None and "single" in order:
+                order.remove("single")  # first: its peak sets the other regime's limit
+                rng.shuffle(order)
+                order.insert(0, "single")
+            else:
+                rng.shuffle(order)
+            limit = (FITS_CEILING_BYTES if regime == "fits" else nofit_limit
+                     or FITS_CEILING_BYTES)
+            if regime == "nofit" and nofit_limit is None:
+                raise SystemExit("the 'does not fit' regime needs --nofit-memory-mb, or the "
+                                 "'fits' regime with the single-host run first")
+            recs = run_regime(name, regime, topo, args, wl, evaluate, limit, order)
+            records += recs
+            single = next((r for r in recs if r.system == "single" and r.peak_rss_bytes),
+                          None)
+            if regime == "fits" and nofit_limit is None and single is not None:
+                need = max(single.peak_rss_bytes.values())
+                nofit_limit = int(args.nofit_fraction * need)
+                print(f"[{name}] 'does not fit' limit: {args.nofit_fraction:g} x the single "
+                      f"host's peak resident memory {need / 2**20:.0f} MiB = "
+                      f"{nofit_limit / 2**20:.0f} MiB", flush=True)
+        v = verdict(name, REGIME_TEXT[regime], [r.result(args.target_loss) for r in records],
+                    expected)
+        verdicts_out.append(v)
+        save_traces(Path(args.traces), name, regime, records, args)
+        md += [f"#### {REGIME_TEXT[regime]}"
+               + (f" (memory limit {nofit_limit / 2**20:.0f} MiB per host, enforced by the "
+                  "kernel)" if regime == "nofit" and nofit_limit else
+                  f" (a {FITS_CEILING_BYTES >> 30} GiB per-host ceiling, to measure peaks)"),
+               "", results_table(v, records, LABELS), "", f"- {v.line(LABELS)}", "",
+               f"![held-out loss on {name}, {REGIME_TEXT[regime]}]"
+               f"(benchmarks-{name}-{regime}.png)", ""]
+    return md, verdicts_out
+
+
+FITS_CEILING_BYTES = 4 << 30
+
+
+def save_traces(root: Path, name: str, regime: str, records: list[RunRecord],
+                args: argparse.Namespace) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    doc = {"topology": name, "regime": regime, "budget_s": args.budget,
+           "snapshot_interval_s": args.snapshot_interval, "target_loss": args.target_loss,
+           "runs": [r.to_dict(args.snapshot_interval, args.budget) for r in records]}
+    (root / f"{name}-{regime}.json").write_text(json.dumps(doc))
+
+
+def results_table(v: TopologyVerdict, records: list[RunRecord], labels: dict[str, str]) -> str:
+    """One line per system: outcome, time to the held-out target and final held-out loss
+    (median [min .. max] over runs), steps, bytes sent and the largest host peak."""
+    lines = ["| system | outcome | time to target (held-out) | final held-out loss | steps "
+             "| wire bytes | peak RSS / host | CPU used / quota | start-up |", "|" + "---|" * 9]
+    for s, summ in v.summaries.items():
+        recs = [r for r in records if r.system == s]
+        steps = ", ".join(str(len(r.trace.events)) for r in recs) or "-"
+        wire = ", ".join(f"{r.wire_bytes / 1e6:.1f} MB" for r in recs
+                         if r.wire_bytes is not None) or "-"
+        peak = max((p for r in recs for p in r.peak_rss_bytes.values()), default=None)
+        tt = summ.time_to_target.text() if summ.time_to_target else "-"
+        fl = summ.final_loss.text("", 3) if summ.final_loss else "-"
+        outcome = summ.outcome + (f": {summ.reason}" if summ.reason else "")
+        cpu = "; ".join(" ".join(f"{h} {u:.0%}" for h, u in r.cpu_utilisation.items())
+                        for r in recs if r.cpu_utilisation) or "-"
+        start = ", ".join(f"{float(r.trace.extra['startup_s']):.0f} s" for r in recs
+                          if r.trace.extra.get("startup_s") is not None) or "-"
+        lines.append(f"| {labels.get(s, s)} | {outcome} | {tt} | {fl} | {steps} | {wire} "
+                     f"| {'-' if peak is None else f'{peak / 2**20:.0f} MiB'} | {cpu} "
+                     f"| {start} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -496,148 +937,164 @@ def main() -> None:
                                  formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--topology", action="append", help=f"default: {', '.join(TOPOLOGIES)}")
     ap.add_argument("--quick", action="store_true",
-                    help="four-groups only, 4 hosts, 45 s budget per run")
+                    help="four-groups only, 4 hosts, one run each, 40 s budget per run")
     ap.add_argument("--hosts", type=int, help="at most this many hosts per topology")
-    ap.add_argument("--budget", type=float, default=60.0,
-                    help="wall-clock seconds per run (two-groups' 0.2-core hosts need ~40 "
-                         "steps, 45-50 s, to reach the target loss)")
+    ap.add_argument("--runs", type=int, default=3, help="runs per system and regime")
+    ap.add_argument("--budget", type=float, default=60.0, help="wall-clock seconds per run")
     ap.add_argument("--systems", default=",".join(SYSTEMS),
-                    help=f"comma-separated subset of {','.join(SYSTEMS)}")
+                    help=f"comma-separated subset of {','.join(SYSTEMS)} (a left-out system "
+                         "is missing: the verdict fails)")
+    ap.add_argument("--regimes", default=",".join(REGIMES))
     ap.add_argument("--size", default="mini", help="GPT-2 size (fusiond.models.gpt2)")
+    ap.add_argument("--n-layer", type=int, default=6)
+    ap.add_argument("--n-embd", type=int, default=256)
+    ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--train-mb", type=float, default=2.0,
+                    help="training split (MiB of byte tokens of the default corpus)")
+    ap.add_argument("--heldout-kb", type=float, default=256.0)
+    ap.add_argument("--eval-windows", type=int, default=128,
+                    help="held-out windows of --seq tokens per evaluation")
+    ap.add_argument("--snapshot-interval", type=float, default=5.0)
     ap.add_argument("--target-loss", type=float, default=3.0,
-                    help="loss (smoothed over --window steps) that counts as reached")
-    ap.add_argument("--window", type=int, default=5)
-    ap.add_argument("--skip", type=int, default=2,
-                    help="steps excluded from throughput (model shipping, warm-up)")
-    ap.add_argument("--host-memory-mb", type=float, default=12.0,
-                    help="memory the planner may use per host (default 12 MB; 0: 4 GiB, the "
-                         "model fits one host). A planner input only, nothing enforces it at "
-                         "run time: GPT-2 mini needs 23.5 MB on one host in the planner's "
-                         "accounting, so 12 MB makes it too big for one host, as in the "
-                         "paper's setting, and fusion must split it over at least 3 hosts "
-                         "(DDP and hivemind still hold a full copy)")
-    ap.add_argument("--append", action="store_true",
-                    help="add the sections to --doc instead of rewriting it")
+                    help="held-out loss that counts as reached")
+    ap.add_argument("--nofit-memory-mb", type=float,
+                    help="per-host memory limit of the 'does not fit' regime (default: "
+                         "--nofit-fraction x the single host's peak resident memory in 'fits')")
+    ap.add_argument("--nofit-fraction", type=float, default=0.8)
     ap.add_argument("--latency", default="auto", help="testbed latency mode")
     ap.add_argument("--cpu-cores", type=float,
                     default=round(0.8 * len(os.sched_getaffinity(0)), 2),
-                    help="cores the hosts' quotas share (default 80 %% of this process's "
-                         "CPUs: the rest is for the delay stage, the bench, the kernel's "
-                         "shaping and whatever else runs on the machine)")
+                    help="cores the hosts' quotas share (default 80 %% of this process's CPUs)")
     ap.add_argument("--hivemind-python", default=str(REPO / "bench" / ".venv-hivemind" / "bin"
                                                       / "python"))
     ap.add_argument("--doc", default=str(REPO / "docs" / "benchmarks.md"))
-    ap.add_argument("--traces", default=str(REPO / "out" / "wan"),
-                    help="where each run's raw trace is kept (JSON)")
+    ap.add_argument("--traces", default=str(REPO / "docs" / "wan-traces"),
+                    help="where each regime's raw traces are kept (small JSON, committed; "
+                         "bench/wan_plot.py redraws the plots from them)")
+    ap.add_argument("--logs", default=str(REPO / "out" / "wan"),
+                    help="the hosts' logs and the training split's file (not committed)")
     args = ap.parse_args()
     if args.quick:
         args.topology = args.topology or ["four-groups"]
         args.hosts = args.hosts or 4
-        args.budget = min(args.budget, 45.0)
+        args.budget = min(args.budget, 40.0)
+        args.runs = 1
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    args.regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
     bad = [s for s in args.systems if s not in SYSTEMS]
     if bad:
         ap.error(f"unknown systems {bad}; known: {', '.join(SYSTEMS)}")
+    if [r for r in args.regimes if r not in REGIMES]:
+        ap.error(f"regimes: a subset of {', '.join(REGIMES)}")
     if os.geteuid() != 0:
         ap.error("the testbed needs root")
+    # Ctrl-C and SIGTERM unwind through every `finally` (testbed down, processes stopped)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # and Ctrl-C even where the shell started the bench with SIGINT ignored (a background job)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    data = prepare_data(args, Path(args.logs) / "corpus")
     wl = Workload(size=args.size, batch=args.batch, micro_batches=args.micro,
-                  seq_len=args.seq, lr=args.lr)
-    sections = []
-    all_ok = True
-    for name in args.topology or TOPOLOGIES:
-        md, _, vs = run_topology(name, args, wl)
-        print(md, flush=True)
-        sections.append(md)
-        all_ok &= all(v.ok is not False for v in vs)
+                  seq_len=args.seq, lr=args.lr, seed=args.seed, n_layer=args.n_layer,
+                  n_embd=args.n_embd, n_head=args.n_head, corpus=str(data.train_path))
+    evaluate = make_evaluator(wl, data, args.snapshot_interval)
+    args.n_params = sum(p.numel() for p in make_model_for(wl).parameters())
+    args.sample_cpu_s = sample_cpu_seconds(wl)
+    print(f"model: {args.n_params / 1e6:.2f} M parameters, {args.sample_cpu_s * 1e3:.0f} ms "
+          "per sample (forward + backward, one thread)", flush=True)
+    rng = random.Random(args.seed)
+    topologies = list(args.topology or TOPOLOGIES)
+    rng.shuffle(topologies)
+    sections, all_v = [], []
+    for name in topologies:
+        md, vs = run_topology(name, args, wl, evaluate, rng)
+        print("\n".join(md), flush=True)
+        sections.append("\n".join(md))
+        all_v += vs
+    n_params = args.n_params
     header = [
-        "# Benchmarks: fusion vs DDP vs hivemind on the emulated WAN",
+        "# Benchmarks: fusion against the strongest baseline on the emulated WAN",
         "",
         f"Generated by `bench/wan.py` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
         f"command: `{' '.join(sys.argv[1:]) or '(defaults)'}`).",
         "",
-        f"Workload (all five): GPT-2 `{wl.size}` (fusiond.models.gpt2, vocab {wl.vocab_size}, "
-        f"byte tokens of the default corpus), global batch {wl.batch} x {wl.seq_len} tokens, "
-        f"AdamW lr {wl.lr} constant, seed {wl.seed}; {args.budget:g} s wall-clock per run; "
-        f"one thread per process, each host in its CPU quota. Target loss {args.target_loss} "
-        f"(mean of the last {args.window} steps); tokens/s leave out the first {args.skip} "
-        "steps. 'wire bytes' = all bytes the hosts' eth0 sent during the run. "
-        "Time ratios are 'x sooner' (the other run's time / this run's)."
-        + (f" Planner memory per host: {args.host_memory_mb:g} MB (forces fusion to split the "
-           "model; DDP and hivemind hold full copies regardless)." if args.host_memory_mb
-           else " Planner memory per host: 4 GiB (the model fits one host)."),
+        f"Workload: GPT-2 `{wl.size}` with {wl.model_overrides()} ({n_params / 1e6:.2f} M "
+        f"parameters), global batch {wl.batch} x {wl.seq_len} tokens, AdamW lr {wl.lr}, seed "
+        f"{wl.seed}; {args.budget:g} s per run, {args.runs} run(s) per system and regime in "
+        f"random order. Training split {args.train_mb:g} MiB, held-out split "
+        f"{args.heldout_kb:g} KiB of the default corpus; target held-out loss "
+        f"{args.target_loss}.",
         "",
     ]
-    doc = Path(args.doc)
-    if args.append and doc.exists():
-        old = doc.read_text()
-        body = old[:old.index("\n## Notes")] if "\n## Notes" in old else old
-        doc.write_text(body.rstrip("\n") + "\n\n## Run: " + " ".join(sys.argv[1:]) + "\n\n"
-                       + "\n".join(header[2:]) + "\n" + "\n\n".join(sections) + "\n" + NOTES)
-    else:
-        doc.write_text("\n".join(header) + "\n" + "\n\n".join(sections) + "\n" + NOTES)
-    print(f"wrote {doc}")
-    sys.exit(0 if all_ok else 1)
+    Path(args.doc).write_text("\n".join(header) + "\n" + "\n\n".join(sections) + "\n" + NOTES)
+    print(f"wrote {args.doc}")
+    with contextlib.suppress(ImportError):
+        from bench.wan_plot import redraw
+
+        for png in redraw(Path(args.traces), Path(args.doc).parent):
+            print(f"wrote {png}")
+    for v in all_v:
+        print(v.line(LABELS))
+    sys.exit(0 if all(v.ok for v in all_v) else 1)
+
+
+def make_model_for(wl: Workload) -> Any:
+    from fusiond.train.model import build_model
+    from fusiond.train.spec import parse_job
+
+    spec = parse_job(wl.job_toml(adatopk=False))
+    return build_model(spec.model, seed=spec.seed)
 
 
 NOTES = """
-## Notes
+## How this is measured (bench/wan.py, issue 14)
 
-- Model: GPT-2 `mini` of `fusiond.models.gpt2` (4 layers, width 128, 4 heads) at vocab 256
-  (byte tokens), about 0.8 M parameters: what eight host processes on this machine's 2 cores
-  can train at all. Same initial weights (seed) everywhere.
-- CPU: the emulated hosts share this machine's cores, so every host runs in a CPU quota
-  (cgroup, 10 ms CFS period) and the quotas sum to at most `--cpu-cores` (80 % of the cores
-  by default: the rest is for the NFQUEUE delay stage, the bench itself and the machine's other
-  work). A topology's own quotas (mixed-slow's 0.5 and 0.25 cores) stay relative: they scale
-  into the share with everyone else (the quotas used are on each topology's `links:` line).
-  The figures are what these runs saw on a machine shared with other engineers' tests;
-  nothing is adjusted.
-- Fusion's planner sees each host as it profiled itself, with the daemon's code
-  (`fusiond.profile.compute_profile`, read by `machine_from_profile` as the daemon's
-  `cluster_for_planner` does): the calibration is timed in CPU seconds of one thread (what no
-  quota or neighbour bends) and multiplied by the cores the host may use, read from its cgroup
-  (`cpu.max` on cgroup v2, `cpu.cfs_quota_us` on v1, up to the root) and its affinity. A
-  host's time per byte it sends or receives (encoding, TLS, socket copies) is calibrated the
-  same way and adds to its stages' busy time. So a stage's predicted compute is its work over
-  the speed the host really has. The quota's CFS period comes with it: once a host has used
-  its share of a period, a woken thread waits for the next one, so every hand-off between
-  stages pays both hosts' wake-up, (1 - share) x period (8 ms at 0.2 core and 10 ms), in the
-  pipeline's fill, and handing a task to a stage's worker thread half of one. The tied
-  embedding/head gradient exchange counts only where it outlasts the next micro-batch's
-  forward to the head's stage. Links: the configured rates at 95 % (the measured goodput).
-- Fusion runs: `bench/wan_fusion.py` in each host (a JobWorker over a PeerNetwork with mutual
-  TLS, credentials made per run); the JobCoordinator in the first host runs the planned job.
-  The job is cancelled when the budget is over. The clock starts just before the Assign
-  messages (weights included) go out.
-- The planner memory cap (`--host-memory-mb`, 12 MB by default) is an input to the planner
-  only: nothing enforces it at run time (every host process holds Python and torch, hundreds
-  of MB). It emulates machines that cannot hold the whole model, the paper's setting: in the
-  planner's accounting GPT-2 mini needs 23.5 MB on one host (3.5 MB of parameters, their
-  gradients and Adam state, the activations of the micro-batches in flight), and 90 % of 12 MB
-  per host forces a split over at least 3 hosts. The uniform split ignores it, as a naive
-  pipeline would. With `--host-memory-mb 0` the model fits one host and OP-Fence rightly keeps
-  it there (no network at all).
-- OP-Fence + AdaTopK may send more bytes in all than OP-Fence alone: with the slow links
-  compressed, a different partition becomes best, and it may cut wide tensors (the MLP's
-  4x hidden activation) on the fast links, where AdaTopK keeps them dense because they are
-  not the bottleneck. The `payload per step by link rate` line under each table shows it:
-  on the slow links (3) sends a fraction of (2)'s bytes.
-- DDP (`bench/wan_ddp.py`): every rank takes its contiguous share of the same global batch
-  per step, gradients all-reduced over gloo (ring); loss = the global mean; the clock starts
-  after the rendezvous, before DDP's constructor (its parameter broadcast counts).
-- hivemind (`bench/wan_hivemind.py`, venv from `bench/hivemind/setup.sh`): `target_batch_size`
-  = the global batch, each peer's local step = its share, `matchmaking_time` 2 s (the default
-  15 s would leave a 45-60 s budget with one or two steps); loss = the first peer's mean local
-  loss between global steps (noisier than the others: a share of the batch). All peers start
-  the clock together: each waits, with its DHT and Optimizer up, until every peer is (a start
-  barrier, as DDP's rendezvous), so no peer fills the target batch alone while the others
-  are still starting.
-- Bytes on the wire count everything the hosts' eth0 sent (TCP/IP headers, weights shipped at
-  the start, tied-weight gradients, DHT traffic), so they are comparable across systems.
+- **Regimes.** "fits": no binding memory limit (every host's cgroup has a 4 GiB ceiling, only
+  to measure its peak). "does not fit": every host of every system under the same limit,
+  enforced by the kernel (deploy/testbed's per-host memory cgroup; cgroup v1
+  `memory.limit_in_bytes` here), by default 0.8 x the peak resident memory (VmHWM of its
+  processes; the cgroup's own peak counts reclaimable page cache too) the single host reached
+  in "fits"; fusion's planner gets that limit less an idle host process's peak (Python, torch
+  and fusiond imported). A run in which the kernel killed a process at its limit is "out of
+  memory", never "did not reach the target".
+- **Systems.** (0) the fastest host alone (activation checkpointing in "does not fit");
+  (1) equal transformer blocks per stage cut at block boundaries, the stage count and host
+  order the planner's model predicts best, on fusion's own 1F1B pipeline
+  (torch.distributed.pipelining was not tried across the namespaces); (4) DDP over gloo with
+  the fp16 and with the PowerSGD comm hook (rank 2, error feedback, warm start, 2 warm-up
+  steps), one bucket, no extra per-step collective, on the host subset a ring all-reduce
+  model predicts fastest; in "does not fit" also FSDP2 (`fully_shard`) over gloo with
+  activation checkpointing, on the subset the same model picks; (5) hivemind 1.1.12 as its
+  quickstart configures it (local updates, parameters and state averaged once per epoch of 4
+  global batches, fp16 compression, matchmaking 3 s; its docs' epochs of thousands of samples
+  do not fit the budget); (2) and (3) fusion as its planner decides, dense and with
+  AdaTopK. Not in the harness, failing the bench: (6) SWARM-style int8 cuts (fusion's codec
+  has no int8 quantization); see `NOT_YET`.
+- **One evaluator.** Every system saves its dense weights at fixed wall-clock points (fusion:
+  its stages' own checkpoints, written where they run after every step, of which the steps at
+  those points, by the lead's clock, and the last are kept: fusion pays a serialisation per
+  step that DDP's rank 0 pays only at those points). After each run the same code loads them
+  strictly into the model and computes the mean loss over fixed windows of a held-out split
+  (chunks of the corpus no system trains on); every curve starts with the initial weights at
+  t = 0 (the same seeded model everywhere: a run that finishes no step in its budget has that
+  point alone). Time to target = the first snapshot at or below the target held-out loss; the
+  traces also hold the loss at every multiple of the snapshot interval.
+- **Verdict.** A missing or failed system fails the bench (exit 1); out of memory and out of
+  regime are outcomes (an out-of-regime baseline never counts as a fusion win). Each line
+  reads "fusion best / strongest baseline" with that baseline named, medians and min-max over
+  the runs; the score is the median time to target, then the median final held-out loss.
+- **Hosts.** They share this machine's cores: each in a CPU quota (10 ms CFS period), the
+  quotas summing to 80 % of the CPUs; "CPU used / quota" is each host's CPU seconds over its
+  quota x wall-clock. The figures are what these runs saw on a machine shared with other
+  work; nothing is adjusted. Start-up (rendezvous, model build, fusion's capture, profiling
+  and planning) is outside the budget; DDP's parameter broadcast and fusion's weight shipping
+  are inside it.
+- Raw traces: `docs/wan-traces/<topology>-<regime>.json`; `bench/wan_plot.py` redraws the
+  plots from them.
 """
 
 

@@ -11,26 +11,36 @@ tokens of the global batches finished so far.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SYSTEMS = ("uniform", "opfence", "adatopk", "ddp", "hivemind")
-"""The five runs, in the issue's order (1)..(5)."""
+SYSTEMS = ("single", "pipeline", "ddp_fp16", "ddp_powersgd", "fsdp", "hivemind", "swarm",
+           "opfence", "adatopk")
+"""Every system of issue 14: the baselines (0), (1), (4) twice, FSDP, (5), (6), then fusion."""
 
 LABELS = {
-    "uniform": "(1) fusion uniform, dense",
+    "single": "(0) fastest host alone",
+    "pipeline": "(1) pipeline, equal blocks",
+    "ddp_fp16": "(4) DDP + fp16 hook",
+    "ddp_powersgd": "(4) DDP + PowerSGD",
+    "fsdp": "(4) FSDP",
+    "hivemind": "(5) hivemind 1.1.12",
+    "swarm": "(6) SWARM-style int8 cuts",
     "opfence": "(2) fusion OP-Fence, dense",
     "adatopk": "(3) fusion OP-Fence + AdaTopK",
-    "ddp": "(4) PyTorch DDP (gloo)",
-    "hivemind": "(5) hivemind 1.1.12",
 }
 
 
 @dataclass(frozen=True)
 class Workload:
-    """What every system trains: the same model, data, global batch and optimizer."""
+    """What every system trains: the same model, data, global batch and optimizer.
+
+    `n_layer`/`n_embd`/`n_head` override the named GPT-2 size (0: the size's own);
+    `corpus` is the training split's file (empty: the default corpus, all of it)."""
 
     size: str = "mini"
     vocab_size: int = 256
@@ -39,24 +49,43 @@ class Workload:
     micro_batches: int = 4
     lr: float = 1e-3
     seed: int = 0
+    n_layer: int = 0
+    n_embd: int = 0
+    n_head: int = 0
+    corpus: str = ""
 
     @property
     def tokens_per_step(self) -> int:
         return self.batch * self.seq_len
 
-    def job_toml(self, *, adatopk: bool, steps: int = 1_000_000) -> str:
+    def model_overrides(self) -> dict[str, int]:
+        """`fusiond.models.gpt2.gpt2(size, **overrides)`'s overrides."""
+        out = {"vocab_size": self.vocab_size}
+        for k in ("n_layer", "n_embd", "n_head"):
+            v = int(getattr(self, k))
+            if v:
+                out[k] = v
+        return out
+
+    def job_toml(self, *, adatopk: bool, steps: int = 1_000_000,
+                 checkpoint_interval: int = 0) -> str:
         """The fusion job file: constant learning rate (a wall-clock budget has no 'last step'
-        for a schedule to decay to), AdamW, byte tokens of the default corpus."""
+        for a schedule to decay to), AdamW, byte tokens of the training split (or of the
+        default corpus)."""
+        config = ", ".join([f'size = "{self.size}"']
+                           + [f"{k} = {v}" for k, v in self.model_overrides().items()])
+        path = f"\npath = {json.dumps(self.corpus)}" if self.corpus else ""
         return f"""
 [job]
 name = "bench-wan"
 steps = {steps}
 seed = {self.seed}
+checkpoint_interval = {checkpoint_interval}
 [model]
 zoo = "gpt2"
-config = {{ size = "{self.size}", vocab_size = {self.vocab_size} }}
+config = {{ {config} }}
 [data]
-seq_len = {self.seq_len}
+seq_len = {self.seq_len}{path}
 [optimizer]
 kind = "adamw"
 lr = {self.lr}
@@ -70,14 +99,17 @@ adatopk = {"true" if adatopk else "false"}
     def to_dict(self) -> dict[str, Any]:
         return {"size": self.size, "vocab_size": self.vocab_size, "seq_len": self.seq_len,
                 "batch": self.batch, "micro_batches": self.micro_batches, "lr": self.lr,
-                "seed": self.seed}
+                "seed": self.seed, "n_layer": self.n_layer, "n_embd": self.n_embd,
+                "n_head": self.n_head, "corpus": self.corpus}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Workload:
         return cls(size=str(d["size"]), vocab_size=int(d["vocab_size"]),
                    seq_len=int(d["seq_len"]), batch=int(d["batch"]),
                    micro_batches=int(d["micro_batches"]), lr=float(d["lr"]),
-                   seed=int(d["seed"]))
+                   seed=int(d["seed"]), n_layer=int(d.get("n_layer", 0)),
+                   n_embd=int(d.get("n_embd", 0)), n_head=int(d.get("n_head", 0)),
+                   corpus=str(d.get("corpus", "")))
 
 
 def window_offsets(n_tokens: int, seq_len: int, seed: int, step: int, size: int) -> Any:
@@ -196,99 +228,211 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
-# -- targets -------------------------------------------------------------------------------
+# -- held-out evaluation (issue 14) ---------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class Verdict:
-    """One target on one topology."""
+class HeldoutPoint:
+    """The held-out loss of a run's dense weights saved `t_s` seconds into it, after `step`."""
 
-    name: str
-    ok: bool | None
-    """None: could not be judged (a run missing or failed)."""
-    detail: str
-
-    def line(self) -> str:
-        word = {True: "PASS", False: "FAIL", None: "N/A "}[self.ok]
-        return f"{word}  {self.name}: {self.detail}"
+    t_s: float
+    step: int
+    loss: float
 
 
-def verdicts(rows: Mapping[str, Figures], *, slowest_mbit: float,
-             prediction_tolerance: float = 0.25) -> list[Verdict]:
-    """The issue's targets for one topology (slowest link among the hosts used, Mbit/s)."""
-    out: list[Verdict] = []
-    u, a = rows.get("uniform"), rows.get("adatopk")
-    need = 3.0 if slowest_mbit <= 8.0 else 1.45
-    r = ratio(a.tokens_per_s if a else None, u.tokens_per_s if u else None)
-    out.append(Verdict(f"(3)/(1) throughput >= {need:g}x", None if r is None else r >= need,
-                       "missing run" if r is None else f"{r:.2f}x"))
-    if slowest_mbit <= 100.0:
-        t3 = a.time_to_target_s if a else None
-        for other in ("ddp", "hivemind"):
-            o = rows.get(other)
-            if a is None or o is None or a.error or o.error:
-                out.append(Verdict(f"(3) reaches target before {LABELS[other][:3]}", None,
-                                   "missing or failed run"))
-                continue
-            to = o.time_to_target_s
-            if t3 is None:
-                ok: bool | None = False if to is not None else None
-                detail = "(3) never reached it" + ("" if to is not None else ", nor the other")
-            else:
-                ok = to is None or t3 < to
-                detail = f"{t3:.1f} s vs " + ("never" if to is None else f"{to:.1f} s")
-            out.append(Verdict(f"(3) reaches target before {LABELS[other][:3]}", ok, detail))
-    for s in ("opfence", "adatopk"):
-        f = rows.get(s)
-        q = ratio(f.tokens_per_s if f else None, f.predicted_tokens_per_s if f else None)
-        out.append(Verdict(
-            f"{LABELS[s][:3]} within {prediction_tolerance:.0%} of the planner",
-            None if q is None else abs(q - 1.0) <= prediction_tolerance,
-            "missing run" if q is None else f"measured/predicted {q:.2f}"))
-    return out
+def loss_at(curve: Sequence[HeldoutPoint], t_s: float) -> float | None:
+    """The held-out loss a run had at wall-clock `t_s`: that of its latest snapshot taken at
+    or before `t_s` (None before its first)."""
+    best: HeldoutPoint | None = None
+    for p in curve:
+        if p.t_s <= t_s and (best is None or p.t_s >= best.t_s):
+            best = p
+    return None if best is None else best.loss
 
 
-# -- rendering -----------------------------------------------------------------------------
+def at_fixed_points(curve: Sequence[HeldoutPoint], interval_s: float, budget_s: float
+                    ) -> list[tuple[float, float | None]]:
+    """(t, held-out loss at t) at t = interval, 2 x interval, ... up to the budget: the same
+    wall-clock points for every system."""
+    n = math.floor(budget_s / interval_s + 1e-9)
+    return [(k * interval_s, loss_at(curve, k * interval_s)) for k in range(1, n + 1)]
 
 
-def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
-    return "—" if x is None else f"{x:{spec}}{suffix}"
+def time_to_heldout_target(curve: Sequence[HeldoutPoint], target: float) -> float | None:
+    """Seconds until a snapshot's held-out loss is at or below `target` (None: never)."""
+    for p in sorted(curve, key=lambda q: q.t_s):
+        if math.isfinite(p.loss) and p.loss <= target:
+            return p.t_s
+    return None
 
 
-def _bytes(n: float | None) -> str:
-    if n is None:
-        return "—"
-    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{n:.0f} B"
+# -- outcomes and the verdict (issue 14) ------------------------------------------------------
+
+OK = "ok"
+OUT_OF_MEMORY = "out of memory"
+"""The kernel killed a host of the run at its memory limit (`deploy.testbed.classify_exit`)."""
+OUT_OF_REGIME = "out of regime"
+"""The system cannot train in this setting at all (the reason says why); never a fusion win."""
+FAILED = "failed"
+"""The harness or the system broke: a failed run fails the bench."""
+OUTCOMES = (OK, OUT_OF_MEMORY, OUT_OF_REGIME, FAILED)
 
 
-def markdown_table(rows: Mapping[str, Figures]) -> str:
-    """The per-topology table: one line per system present, ratios to (1) and (4)."""
-    head = ("| run | steps | tokens/s | vs (1) | vs (4) | time to target | vs (1) | vs (4) "
-            "| final loss | wire bytes | bytes/token | predicted tokens/s | meas/pred |")
-    lines = [head, "|" + "---|" * 13]
-    u, d = rows.get("uniform"), rows.get("ddp")
-    for s in SYSTEMS:
-        f = rows.get(s)
-        if f is None:
-            continue
-        if f.error and not f.steps:
-            lines.append(f"| {LABELS[s]} | failed: {f.error} |" + " |" * 11)
-            continue
-        tp, tt = f.tokens_per_s, f.time_to_target_s
-        lines.append(
-            f"| {LABELS[s]} | {f.steps} | {_fmt(tp, '.0f')} "
-            f"| {_fmt(ratio(tp, u.tokens_per_s if u else None), '.2f', 'x')} "
-            f"| {_fmt(ratio(tp, d.tokens_per_s if d else None), '.2f', 'x')} "
-            f"| {_fmt(tt, '.1f', ' s') if tt is not None else 'not reached'} "
-            # time ratios are 'how much sooner': the other's time over this one's
-            f"| {_fmt(ratio(u.time_to_target_s if u else None, tt), '.2f', 'x')} "
-            f"| {_fmt(ratio(d.time_to_target_s if d else None, tt), '.2f', 'x')} "
-            f"| {_fmt(f.final_loss, '.3f')} | {_bytes(f.wire_bytes)} "
-            f"| {_fmt(f.wire_bytes_per_token, '.0f')} "
-            f"| {_fmt(f.predicted_tokens_per_s, '.0f')} "
-            f"| {_fmt(ratio(tp, f.predicted_tokens_per_s), '.2f')} |"
-        )
-    return "\n".join(lines)
+@dataclass(frozen=True)
+class RunResult:
+    """One run of one system on one topology in one regime, as the verdict sees it."""
+
+    system: str
+    outcome: str
+    time_to_target_s: float | None = None
+    """None with outcome ok: the target held-out loss was not reached within the budget."""
+    final_loss: float | None = None
+    """Held-out loss at the end of the budget."""
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"outcome {self.outcome!r}: one of {OUTCOMES}")
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Median and min-max over runs (inf: a run that never reached the target)."""
+
+    median: float
+    lo: float
+    hi: float
+    n: int
+
+    @classmethod
+    def of(cls, xs: Sequence[float]) -> Spread:
+        return cls(statistics.median(xs), min(xs), max(xs), len(xs))
+
+    def text(self, unit: str = " s", digits: int = 1) -> str:
+        def f(x: float) -> str:
+            return "not reached" if math.isinf(x) else f"{x:.{digits}f}{unit}"
+        if self.n == 1:
+            return f"{f(self.median)} (1 run)"
+        return f"{f(self.median)} [{f(self.lo)} .. {f(self.hi)}] ({self.n} runs)"
+
+
+@dataclass(frozen=True)
+class SystemSummary:
+    """What all runs of one system say: its outcome (ok only when every run trained), the
+    spread of its time to target and of its final held-out loss over the ok runs."""
+
+    system: str
+    outcome: str
+    time_to_target: Spread | None
+    final_loss: Spread | None
+    reason: str = ""
+
+    @property
+    def score(self) -> tuple[float, float]:
+        """Lower is better: median time to target (inf: not reached), then final loss."""
+        if self.outcome != OK or self.time_to_target is None:
+            return (math.inf, math.inf)
+        fl = self.final_loss.median if self.final_loss is not None else math.inf
+        return (self.time_to_target.median, fl if math.isfinite(fl) else math.inf)
+
+
+def summarize(system: str, runs: Sequence[RunResult]) -> SystemSummary:
+    """The summary of `runs` (all of `system`): failed if any run failed, else out of memory /
+    out of regime if any run ended so, else ok with medians and min-max."""
+    if not runs:
+        return SystemSummary(system, FAILED, None, None, "missing: no run")
+    for outcome in (FAILED, OUT_OF_MEMORY, OUT_OF_REGIME):
+        bad = [r for r in runs if r.outcome == outcome]
+        if bad:
+            return SystemSummary(system, outcome, None, None,
+                                 f"{len(bad)} of {len(runs)} runs: {bad[0].reason}".rstrip(": "))
+    tt = Spread.of([math.inf if r.time_to_target_s is None else r.time_to_target_s
+                    for r in runs])
+    finals = [r.final_loss for r in runs if r.final_loss is not None]
+    return SystemSummary(system, OK, tt, Spread.of(finals) if finals else None)
+
+
+@dataclass(frozen=True)
+class TopologyVerdict:
+    """One topology and regime: fusion's best system against the strongest baseline."""
+
+    topology: str
+    regime: str
+    fusion: SystemSummary | None
+    baseline: SystemSummary | None
+    summaries: Mapping[str, SystemSummary]
+    problems: tuple[str, ...]
+    """Missing or failed systems: each fails the bench."""
+
+    @property
+    def ok(self) -> bool:
+        """The bench itself held (every system ran); says nothing about who won."""
+        return not self.problems
+
+    @property
+    def fusion_wins(self) -> bool | None:
+        """True / False; None when there is nothing to compare (a side with no ok run, or no
+        baseline but out-of-regime ones: an out-of-regime baseline is never a fusion win)."""
+        f, b = self.fusion, self.baseline
+        if f is None or f.outcome != OK:
+            return None if b is None else False
+        if b is None:
+            # no baseline trained: a win only when every one ran out of memory (fusion
+            # trained where none could); out of regime never counts as a fusion win
+            others = [s for n, s in self.summaries.items() if n not in FUSION_SYSTEMS]
+            return True if others and all(s.outcome == OUT_OF_MEMORY for s in others) else None
+        return f.score < b.score
+
+    def line(self, labels: Mapping[str, str]) -> str:
+        def side(s: SystemSummary | None, what: str) -> str:
+            if s is None:
+                return f"no {what} trained"
+            if s.outcome != OK:
+                return f"{labels.get(s.system, s.system)}: {s.outcome} ({s.reason})"
+            assert s.time_to_target is not None
+            fl = f", final held-out loss {s.final_loss.text('', 3)}" if s.final_loss else ""
+            return (f"{labels.get(s.system, s.system)}: time to target "
+                    f"{s.time_to_target.text()}{fl}")
+        win = {True: "fusion wins", False: "fusion loses", None: "no comparison"}[
+            self.fusion_wins]
+        head = "FAIL" if self.problems else "ok  "
+        text = (f"{head} {self.topology} [{self.regime}] fusion best {side(self.fusion, 'fusion')}"
+                f" / strongest baseline {side(self.baseline, 'baseline')}: {win}")
+        untrained = [f"{labels.get(n, n)} {s.outcome} ({s.reason})"
+                     for n, s in self.summaries.items()
+                     if s.outcome in (OUT_OF_MEMORY, OUT_OF_REGIME)
+                     and s is not self.fusion]
+        if untrained:
+            text += " | did not train: " + "; ".join(untrained)
+        if self.problems:
+            text += " -- " + "; ".join(self.problems)
+        return text
+
+
+FUSION_SYSTEMS = frozenset({"opfence", "adatopk"})
+"""Fusion as its planner decides, (2) and (3); every other system is a baseline."""
+
+
+def verdict(topology: str, regime: str, runs: Iterable[RunResult],
+            expected: Sequence[str]) -> TopologyVerdict:
+    """The verdict of one topology and regime over every run of every system in `expected`.
+
+    A system of `expected` with no run, or with a failed run, is a problem (the bench fails);
+    out of memory and out of regime are outcomes, not problems. The strongest baseline is
+    the baseline with the best score among those whose runs all trained (out-of-regime ones
+    never count); fusion's best the best of (2) and (3)."""
+    by: dict[str, list[RunResult]] = {s: [] for s in expected}
+    for r in runs:
+        by.setdefault(r.system, []).append(r)
+    summaries = {s: summarize(s, rs) for s, rs in by.items()}
+    problems = tuple(f"{s}: {summaries[s].reason}" for s in by
+                     if summaries[s].outcome == FAILED)
+    fusion = [summaries[s] for s in by if s in FUSION_SYSTEMS]
+    base = [summaries[s] for s in by if s not in FUSION_SYSTEMS and summaries[s].outcome == OK]
+    best_f = min(fusion, key=lambda s: s.score) if fusion else None
+    best_b = min(base, key=lambda s: s.score) if base else None
+    if not any(s not in FUSION_SYSTEMS for s in by):
+        problems += ("no baseline expected: a bench without one proves nothing",)
+    if not fusion:
+        problems += ("no fusion run expected",)
+    return TopologyVerdict(topology, regime, best_f, best_b, summaries, problems)

@@ -7,6 +7,13 @@ split, OP-Fence, or OP-Fence + AdaTopK), runs a `JobCoordinator` for the wall-cl
 budget, then cancels the job and writes a trace
 (`bench/wan_common.py`) with the planner's prediction.
 
+Snapshots for the held-out evaluator (`bench/wan_eval.py`): the job checkpoints every step
+(`checkpoint_interval` 1; `bench/wan.py` keeps the steps at its fixed wall-clock points and the
+last one, by the lead's clock); each host writes its own stages' checkpoints
+(`StageCheckpoint`, the partition's dense parameters) to `--snapshot-dir` instead of sending
+them to the lead: on real machines each stage would keep its own, and the states must not
+load the links the run is measured on. `bench/wan.py` gathers them after the run.
+
     python bench/wan_fusion.py node NAME --listen ADDR:PORT --peer N=ADDR:PORT ...
     python bench/wan_fusion.py lead NAME --listen ... --peer ... --mode adatopk --budget 60 \
         --cluster cluster.json --workload workload.json --out trace.json
@@ -17,8 +24,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import itertools
 import json
 import os
+import random
+import re
 import signal
 import sys
 import time
@@ -40,8 +51,10 @@ from fusiond.net.transport import NetConfig, PeerNetwork
 from fusiond.plan import (
     Cluster,
     Plan,
+    StageSpec,
     batch_symbol,
     cost_graph_from_ir,
+    plan_from_stages,
     uniform_plan,
 )
 from fusiond.profile import compute_profile, machine_from_profile
@@ -50,7 +63,10 @@ from fusiond.train.programs import capture_job
 from fusiond.train.spec import parse_job
 from fusiond.train.stage import StageConfig
 from fusiond.units import bits_per_s_from_bytes_per_s, bytes_per_s_from_bits_per_s
-from protocol.messages import Message
+from protocol.messages import Message, StageCheckpoint
+
+T_PROCESS = time.perf_counter()
+"""After the imports: start-up (reported apart from the budget) is what follows them."""
 
 
 def _addr(text: str) -> tuple[str, int]:
@@ -115,9 +131,60 @@ def layout_for(plan: Plan, spec: Any, captured: Any, node_of: dict[str, str]) ->
     return layout_job("wan", captured.graph, captured.state, op_nodes, densities=densities)
 
 
+_BLOCK_RE = re.compile(r"(?:^|\.)h\.(\d+)\.")
+MAX_ORDERS = 2000
+"""Host orders the block pipeline tries per stage count (all of them up to 5 hosts: 120)."""
+
+
+def block_starts(ops: Any) -> list[int]:
+    """For each transformer block b (parameters named `...h.<b>....`), the index of the first
+    op that uses one of its parameters: a cut just before it sends the residual stream only."""
+    first: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        for p in op.params:
+            m = _BLOCK_RE.search(p)
+            if m is not None:
+                first.setdefault(int(m.group(1)), i)
+    if not first or sorted(first) != list(range(len(first))):
+        raise SystemExit(f"no transformer blocks h.<i> found in the graph's parameters: "
+                         f"{sorted(first)}")
+    return [first[b] for b in range(len(first))]
+
+
+def block_plan(spec: Any, captured: Any, cluster: Cluster) -> Plan:
+    """(1) the naive pipeline done right: equal transformer blocks per stage, cut at block
+    boundaries (embedding with the first stage, the final norm and head with the last),
+    dense, fusion's 1F1B pipeline; the stage count (2 ..) and host order with the best
+    predicted step among those within memory (the planner's model), as a user tuning a
+    GPipe-style split would pick them."""
+    sym = batch_symbol(captured.graph)
+    cost = cost_graph_from_ir(captured.graph, {sym: spec.batch.micro_batch_size} if sym else {})
+    starts = block_starts(cost.ops)
+    n_blocks, n_ops = len(starts), len(cost.ops)
+    settings = job_settings(spec)
+    rng = random.Random(0)
+    best: tuple[tuple[bool, float], Plan] | None = None
+    for k in range(2, min(len(cluster), n_blocks) + 1):
+        cuts = [0, *[starts[round(i * n_blocks / k)] for i in range(1, k)], n_ops]
+        orders = list(itertools.permutations(range(len(cluster)), k))
+        if len(orders) > MAX_ORDERS:
+            orders = rng.sample(orders, MAX_ORDERS)
+        for order in orders:
+            stages = [StageSpec(order[i], cuts[i], cuts[i + 1]) for i in range(k)]
+            plan = plan_from_stages(cost, cluster, settings, stages, compress=False)
+            key = (bool(plan.evaluation.over_memory), plan.iteration_s)
+            if best is None or key < best[0]:
+                best = (key, plan)
+    if best is None:
+        raise SystemExit("a block pipeline needs at least 2 hosts and 2 blocks")
+    return best[1]
+
+
 def make_plan(mode: str, spec: Any, captured: Any, cluster: Cluster) -> Plan:
     """(1) uniform: equal op counts per machine in host order, dense; (2) OP-Fence dense;
     (3) OP-Fence + AdaTopK (the spec's `compression.adatopk` decides 2 vs 3)."""
+    if mode == "pipeline":
+        return block_plan(spec, captured, cluster)
     if mode == "uniform":
         sym = batch_symbol(captured.graph)
         cost = cost_graph_from_ir(captured.graph,
@@ -126,9 +193,38 @@ def make_plan(mode: str, spec: Any, captured: Any, cluster: Cluster) -> Plan:
     return plan_job(spec, captured, cluster)
 
 
+def snapshot_name(partition: int, step: int) -> str:
+    """A stage checkpoint's file under the snapshot directory."""
+    return f"part-{partition:03d}-step-{step:07d}.safetensors"
+
+
+def keep_checkpoints(send: Any, snapshot_dir: Path | None) -> Any:
+    """`send`, except that StageCheckpoint messages are written to `snapshot_dir` (safetensors
+    bytes as the stage made them) instead of going to the lead."""
+    if snapshot_dir is None:
+        return send
+
+    async def wrapped(peer: str, msg: Message, payload: Any = ()) -> None:
+        if isinstance(msg, StageCheckpoint):
+            data = b"".join(bytes(p) for p in payload)
+            path = snapshot_dir / snapshot_name(msg.partition, msg.step)
+
+            def write() -> None:
+                snapshot_dir.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_bytes(data)
+                tmp.replace(path)
+
+            await asyncio.to_thread(write)
+            return
+        await send(peer, msg, payload)
+
+    return wrapped
+
+
 async def serve(tls: TLSMaterial, listen: tuple[str, int],
                 peers: dict[str, tuple[str, int]], lead: argparse.Namespace | None,
-                on_ready: Callable[[], None]) -> None:
+                on_ready: Callable[[], None], snapshot_dir: Path | None = None) -> None:
     name = tls.node_id()
     coordinators: list[JobCoordinator] = []
     worker: JobWorker | None = None
@@ -145,7 +241,7 @@ async def serve(tls: TLSMaterial, listen: tuple[str, int],
                       config=NetConfig(connect_timeout_s=10, handshake_timeout_s=10,
                                        backoff_max_s=1.0))
     await net.start()
-    send = local_sender(name, net.send, dispatch)
+    send = keep_checkpoints(local_sender(name, net.send, dispatch), snapshot_dir)
     worker = JobWorker(node_id=name, send=send,
                        stage_config=StageConfig(recv_timeout_s=120.0))
     await worker.start()
@@ -180,6 +276,10 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
     plan = make_plan(args.mode, spec, captured, cluster)
     node_of = {machine_id(hosts, h): desc["node_ids"][h] for h in hosts}
     layout = layout_for(plan, spec, captured, node_of)
+    # every step: bench/wan.py keeps those at its fixed wall-clock points and the last one
+    # (a stage pays the serialisation each step; DDP's rank 0 only at those points)
+    every = 1
+    spec = dataclasses.replace(spec, checkpoint_interval=every)
     extra: dict[str, Any] = {
         "mode": args.mode,
         "predicted_tokens_per_s": plan.samples_per_s * wl.seq_len,
@@ -189,10 +289,12 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
         "idle": dict(plan.idle),
         "profiles": profiles,
         "prediction": prediction_detail(plan, wl.micro_batches),
+        "checkpoint_interval": every,
     }
     events: list[tuple[float, int, float | None, int]] = []
     tokens = 0
     t0 = time.perf_counter()
+    extra["startup_s"] = t0 - T_PROCESS  # capture, profiles, plan: before the budget
 
     def on_step(m: StepMetrics) -> None:
         nonlocal tokens
@@ -265,11 +367,16 @@ def main() -> None:
                     help="this host's TLS credentials (ca.crt, node.crt, node key)")
     ap.add_argument("--listen", type=_addr, required=True)
     ap.add_argument("--peer", action="append", default=[], help="NODE_ID=ADDR:PORT")
-    ap.add_argument("--mode", choices=["uniform", "opfence", "adatopk"], default="adatopk")
+    ap.add_argument("--mode", choices=["uniform", "pipeline", "opfence", "adatopk"],
+                    default="adatopk")
     ap.add_argument("--budget", type=float, default=60.0)
     ap.add_argument("--cluster", help="JSON: hosts, bandwidth_bits_per_s, rtt_s, cpu")
     ap.add_argument("--workload", help="JSON of bench.wan_common.Workload")
     ap.add_argument("--out", help="where the lead writes its trace")
+    ap.add_argument("--snapshot-dir", type=Path,
+                    help="where this host writes its stages' checkpoints (held-out evaluator)")
+    ap.add_argument("--snapshot-interval", type=float, default=5.0,
+                    help="seconds between checkpoints at the planner's predicted step time")
     ap.add_argument("--profile-dir", type=Path, required=True,
                     help="where every host writes its profile (NAME.json) once it serves")
     args = ap.parse_args()
@@ -294,7 +401,7 @@ def main() -> None:
         args.cluster_data = json.loads(Path(args.cluster).read_text())
         args.trace = None
     asyncio.run(serve(TLSMaterial.in_state_dir(args.state_dir), args.listen, peers,
-                      args if args.role == "lead" else None, publish))
+                      args if args.role == "lead" else None, publish, args.snapshot_dir))
     if args.role == "lead" and args.trace is not None:
         Path(args.out).write_text(args.trace.to_json())
 

@@ -2,9 +2,15 @@
 hivemind venv's Python (`bench/hivemind/setup.sh`), not the project's.
 
 Every peer builds the same GPT-2 (`fusiond.models.gpt2`, torch only, same seed as fusion's
-`build_model`) and trains with `hivemind.Optimizer` (AdamW, same lr) toward a global
-`target_batch_size` equal to fusion's global batch; each local step is the peer's 1/world share
-of a batch drawn like fusion's (`window_offsets` over the same corpus tokens, saved by wan.py).
+`build_model`) and trains with `hivemind.Optimizer` (AdamW, same lr) as hivemind's quickstart
+configures it: local updates (each peer steps its optimizer every local step; the parameters
+and optimizer state are averaged once per collaborative epoch), `matchmaking_time` 3 s and
+`averaging_timeout` 10 s, fp16 compression of the averaged gradients and state; the
+`target_batch_size` of one epoch is `--epoch-batches` global batches (default 4; the docs use
+thousands of samples, which this budget cannot reach). Each local step is the peer's 1/world
+share of a batch drawn like fusion's (`window_offsets` over the training split's tokens,
+saved by wan.py). Peer 0 saves its dense weights at fixed wall-clock points and at the end
+(`bench.wan_eval.save_snapshot`) for the held-out evaluator.
 Peer 0 starts the DHT and writes its multiaddrs to `--maddr-file`; the others join from it.
 A trace event is written each time the collaboration finishes a global step (epoch), with the
 mean of peer 0's local losses since the previous one. All peers start the clock together:
@@ -33,6 +39,9 @@ import torch
 
 from bench.wan_common import Trace, Workload, window_offsets
 from fusiond.models.gpt2 import gpt2, lm_loss
+
+T_PROCESS = time.perf_counter()
+"""After the imports: start-up (reported apart from the budget) is what follows them."""
 
 
 def barrier(root: Path, rank: int, world: int, timeout_s: float = 300.0) -> None:
@@ -64,9 +73,12 @@ def main() -> None:
     ap.add_argument("--barrier-dir", required=True,
                     help="shared directory: every peer's ready mark; training starts when all "
                          "--world peers are there")
-    ap.add_argument("--matchmaking-time", type=float, default=2.0,
-                    help="hivemind's wait to form an averaging group (default 15 s there; "
-                         "lowered so a short budget sees steps)")
+    ap.add_argument("--matchmaking-time", type=float, default=3.0,
+                    help="hivemind's wait to form an averaging group (its quickstart: 3 s)")
+    ap.add_argument("--epoch-batches", type=int, default=4,
+                    help="target_batch_size = this many global batches")
+    ap.add_argument("--snapshot-dir", required=True, type=Path)
+    ap.add_argument("--snapshot-interval", type=float, default=5.0)
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     wl = Workload.from_dict(json.loads(Path(args.workload).read_text()))
@@ -89,18 +101,28 @@ def main() -> None:
         tmp.write_text("\n".join(maddrs))
         tmp.rename(maddr_file)
     torch.manual_seed(wl.seed)
-    model = gpt2(wl.size, vocab_size=wl.vocab_size)
+    model = gpt2(wl.size, **wl.model_overrides())
     share = wl.batch // args.world
+    from hivemind.compression import Float16Compression
+
     opt = hivemind.Optimizer(
-        dht=dht, run_id="bench-wan", batch_size_per_step=share, target_batch_size=wl.batch,
+        dht=dht, run_id="bench-wan", batch_size_per_step=share,
+        target_batch_size=wl.batch * args.epoch_batches,
         optimizer=lambda params: torch.optim.AdamW(params, lr=wl.lr, betas=(0.9, 0.95),
                                                    eps=1e-8, weight_decay=0.0),
-        params=model.parameters(), use_local_updates=False,
-        matchmaking_time=args.matchmaking_time, averaging_timeout=60.0, verbose=False,
+        params=model.parameters(), use_local_updates=True,
+        matchmaking_time=args.matchmaking_time, averaging_timeout=10.0,
+        grad_compression=Float16Compression(), state_averaging_compression=Float16Compression(),
+        verbose=False,
     )
+    from bench.wan_eval import SnapshotClock, save_snapshot
+
+    clock = SnapshotClock(args.snapshot_interval)
+    snaps = 0
     barrier(Path(args.barrier_dir), args.rank, args.world)
     # the common start (hivemind ships no weights: every peer built the same seeded model)
     t0 = time.perf_counter()
+    startup_s = t0 - T_PROCESS  # DHT, Optimizer, the start barrier
     events: list[tuple[float, int, float | None, int]] = []
     pending: list[float] = []
     local_step = 0
@@ -116,6 +138,10 @@ def main() -> None:
             opt.zero_grad()
             pending.append(float(loss.detach()))
             local_step += 1
+            t = time.perf_counter() - t0
+            if args.rank == 0 and clock.due(t):
+                save_snapshot(args.snapshot_dir, snaps, t, local_step - 1, model.state_dict())
+                snaps += 1
             if opt.local_epoch != epoch:
                 epoch = opt.local_epoch
                 events.append((time.perf_counter() - t0, epoch - 1,
@@ -123,7 +149,11 @@ def main() -> None:
                 pending.clear()
     finally:
         if args.rank == 0:
+            save_snapshot(args.snapshot_dir, snaps, time.perf_counter() - t0,
+                          max(0, local_step - 1), model.state_dict())
             Path(args.out).write_text(Trace("hivemind", events, {
+                "epoch_batches": args.epoch_batches, "use_local_updates": True,
+                "startup_s": startup_s,
                 "world": args.world, "local_steps": local_step,
                 "matchmaking_time": args.matchmaking_time}).to_json())
         opt.shutdown()

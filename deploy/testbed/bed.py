@@ -11,7 +11,12 @@ Layout of one testbed named N (default ``fzt<pid>``), nothing of it in the root 
 - TCP buffers raised per host namespace (``tcp_rmem``/``tcp_wmem`` max 64 MiB) so long fat
   links are not window-bound;
 - optional CPU quota per host: a cgroup (v2 ``cpu.max`` where the cpu controller is enabled,
-  else v1 ``cpu.cfs_quota_us``) that every process started in the host joins.
+  else v1 ``cpu.cfs_quota_us``) that every process started in the host joins;
+- optional memory limit per host: a cgroup (v2 ``memory.max`` and ``memory.swap.max`` 0 where
+  the memory controller is enabled, else v1 ``memory.limit_in_bytes`` and, where swap
+  accounting exists, ``memory.memsw.limit_in_bytes``) that every process started in the host
+  joins; the kernel kills a process of the host that goes over it, and `memory_report` /
+  `classify_exit` tell that "out of memory" apart from any other failure.
 
 Everything made is written to ``<state_dir>/<N>.json`` *before* it is made, so `down` removes it
 after a crash too: it kills every process in the testbed's namespaces, deletes the namespaces
@@ -103,6 +108,27 @@ def kill_namespace_processes(ns: str, grace_s: float = 2.0) -> None:
         time.sleep(0.05)
 
 
+def cgroup_pids(path: Path) -> list[int]:
+    """Processes in the cgroup at `path` (none when it is gone)."""
+    try:
+        return [int(p) for p in (path / "cgroup.procs").read_text().split() if p.isdigit()]
+    except OSError:
+        return []
+
+
+def kill_cgroup_processes(path: Path, grace_s: float = 2.0) -> None:
+    """SIGKILL every process in one of our cgroups (each joined it when this testbed started
+    it) and wait until it is empty, so it can be removed."""
+    deadline = time.monotonic() + grace_s
+    pids = cgroup_pids(path)
+    while pids and time.monotonic() < deadline:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+        pids = cgroup_pids(path)
+
+
 def kernel_has_netem() -> bool:
     """Whether this kernel can add a netem qdisc (probed in a throwaway namespace)."""
     ns = f"fztprobe{os.getpid()}"
@@ -166,6 +192,97 @@ def detect_cgroup() -> CgroupSupport:
             return CgroupSupport("v1", Path(path), options=opts)
     return CgroupSupport("none", None, "no writable cgroup v2 with the cpu controller, "
                          "nor a cgroup v1 cpu hierarchy")
+
+
+def detect_memory_cgroup() -> CgroupSupport:
+    """Find a writable cgroup hierarchy with the memory controller (v2 preferred, then v1)."""
+    mounts: list[tuple[str, str, str]] = []
+    with contextlib.suppress(OSError), open("/proc/self/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 4:
+                mounts.append((parts[1], parts[2], parts[3]))
+    for path, fstype, _ in mounts:
+        if fstype == "cgroup2":
+            ctl = Path(path) / "cgroup.controllers"
+            with contextlib.suppress(OSError):
+                if "memory" in ctl.read_text().split() and os.access(path, os.W_OK):
+                    return CgroupSupport("v2", Path(path), options="")
+    for path, fstype, opts in mounts:
+        if (fstype == "cgroup" and "memory" in opts.split(",")
+                and (Path(path) / "memory.limit_in_bytes").exists()
+                and os.access(path, os.W_OK)):
+            return CgroupSupport("v1", Path(path), options=opts)
+    return CgroupSupport("none", None, "no writable cgroup v2 with the memory controller, "
+                         "nor a cgroup v1 memory hierarchy")
+
+
+OUT_OF_MEMORY = "out of memory"
+"""What `classify_exit` calls a host process the kernel killed at its memory limit."""
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """What a host's memory cgroup recorded (None where this kernel does not say)."""
+
+    limit_bytes: int
+    peak_bytes: int | None
+    limit_hits: int | None
+    """Times usage hit the limit (v1 ``memory.failcnt``, v2 ``memory.events`` max)."""
+    oom_kills: int | None
+    """Processes the kernel's OOM killer ended in the cgroup (v1 ``memory.oom_control``
+    oom_kill, v2 ``memory.events`` oom_kill; absent on kernels before 4.13)."""
+
+
+def _int_file(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _keyed_file(path: Path) -> dict[str, int]:
+    out: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[1].lstrip("-").isdigit():
+                out[parts[0]] = int(parts[1])
+    return out
+
+
+def read_memory_report(path: Path, kind: str) -> MemoryReport:
+    """The memory cgroup at `path` (kind "v1" or "v2"): limit, peak, hits, OOM kills."""
+    if kind == "v2":
+        events = _keyed_file(path / "memory.events")
+        limit = _int_file(path / "memory.max")
+        return MemoryReport(limit_bytes=limit if limit is not None else -1,
+                            peak_bytes=_int_file(path / "memory.peak"),
+                            limit_hits=events.get("max"), oom_kills=events.get("oom_kill"))
+    ctl = _keyed_file(path / "memory.oom_control")
+    limit = _int_file(path / "memory.limit_in_bytes")
+    return MemoryReport(limit_bytes=limit if limit is not None else -1,
+                        peak_bytes=_int_file(path / "memory.max_usage_in_bytes"),
+                        limit_hits=_int_file(path / "memory.failcnt"),
+                        oom_kills=ctl.get("oom_kill"))
+
+
+def classify_exit(returncode: int | None, report: MemoryReport | None) -> str:
+    """A host process's outcome: "ok", `OUT_OF_MEMORY` or "failed (exit N)".
+
+    Out of memory: the host's cgroup counts an OOM kill, or (a kernel that counts none) the
+    process died of SIGKILL while its cgroup had hit the limit. A run that ends so must be
+    reported as out of memory, never as "did not reach the target". `returncode` is Popen's
+    (negative: killed by that signal; 128 + N: a shell saw signal N)."""
+    if report is not None:
+        if report.oom_kills:
+            return OUT_OF_MEMORY
+        killed = returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)
+        if killed and report.oom_kills is None and report.limit_hits:
+            return OUT_OF_MEMORY
+    if returncode == 0:
+        return "ok"
+    return f"failed (exit {returncode})"
 
 
 def _htb_rate_args(topo: Topology, rate_bits_per_s: int) -> list[str]:
@@ -281,6 +398,7 @@ class Testbed:
         self.topology_path = topology_path
         self.state: dict[str, Any] = {}
         self.cgroup = detect_cgroup()
+        self.memory_cgroup = detect_memory_cgroup()
 
     # -- names -----------------------------------------------------------------------------
 
@@ -419,6 +537,7 @@ class Testbed:
                       "net.ipv4.tcp_no_metrics_save=1"])
             self._shape(host, netem=latency == "netem")
         self._cpu_quotas()
+        self._memory_limits()
         if latency == "nfqueue":
             self._start_delay(rtts)
         elif rtts and latency == "none":
@@ -470,6 +589,68 @@ class Testbed:
             except OSError as exc:
                 self._warn(f"CPU quota for {host} NOT applied ({cg.kind} at {path}): {exc}")
 
+    def memory_cgroup_path(self, host: str) -> Path | None:
+        """The memory cgroup of `host` (None: the host has no memory limit)."""
+        if self.memory_cgroup.root is None or host not in self.topology.memory_bytes:
+            return None
+        path = self.memory_cgroup.root / f"fusion-testbed-{self.name}-{host}"
+        return path if str(path) in self.state.get("cgroups", []) else None
+
+    def _memory_limits(self) -> None:
+        limits = self.topology.memory_bytes
+        if not limits:
+            return
+        cg = self.memory_cgroup
+        if cg.root is None:
+            # A limit the kernel does not enforce would make an "out of memory" regime that
+            # binds nobody: refuse, as a run under it would measure something else.
+            raise TestbedError(f"memory limits {dict(limits)} cannot be enforced: {cg.reason}")
+        for host, limit_bytes in limits.items():
+            path = cg.root / f"fusion-testbed-{self.name}-{host}"
+            shared = str(path) in self.state.get("cgroups", [])  # v2: the CPU quota's cgroup
+            if path.exists() and not shared:
+                raise TestbedError(f"memory limit for {host}: {path} exists and is not ours")
+            self._record("cgroups", str(path))
+            try:
+                if cg.kind == "v2":
+                    ctl = cg.root / "cgroup.subtree_control"
+                    if "memory" not in ctl.read_text().split():
+                        ctl.write_text("+memory")
+                path.mkdir(exist_ok=True)
+                if cg.kind == "v2":
+                    (path / "memory.max").write_text(str(limit_bytes))
+                    swap = path / "memory.swap.max"
+                    if swap.exists():
+                        swap.write_text("0")  # over the limit means killed, not swapped
+                else:
+                    (path / "memory.limit_in_bytes").write_text(str(limit_bytes))
+                    memsw = path / "memory.memsw.limit_in_bytes"
+                    if memsw.exists():
+                        memsw.write_text(str(limit_bytes))
+            except OSError as exc:
+                raise TestbedError(f"memory limit for {host} NOT applied ({cg.kind} at "
+                                   f"{path}): {exc}") from exc
+
+    def memory_report(self, host: str) -> MemoryReport | None:
+        """What `host`'s memory cgroup recorded so far (None: the host has no limit)."""
+        path = self.memory_cgroup_path(host)
+        if path is None or not path.is_dir():
+            return None
+        return read_memory_report(path, self.memory_cgroup.kind)
+
+    def reset_memory_peak(self, host: str) -> bool:
+        """Start `host`'s memory peak afresh (cgroup v1 ``memory.max_usage_in_bytes``; v2's
+        ``memory.peak`` resets only per open file on new kernels: False there, and where the
+        host has no limit)."""
+        path = self.memory_cgroup_path(host)
+        if path is None or self.memory_cgroup.kind != "v1":
+            return False
+        try:
+            (path / "memory.max_usage_in_bytes").write_text("0")
+        except OSError:
+            return False
+        return True
+
     def _start_delay(self, pairs: list[tuple[str, str]]) -> None:
         """The NFQUEUE delay stage in the bridge namespace, then the iptables rules feeding it."""
         topo, br = self.topology, self.bridge_ns
@@ -487,7 +668,7 @@ class Testbed:
             [self.address(a), self.address(b), topo.link(a, b).rtt_s / 2] for a, b in pairs]}))
         log = self.work_dir / "delay.log"
         proc = self._spawn(br, [sys.executable, "-m", "deploy.testbed.delay", "--queue", "0",
-                                "--config", str(cfg)], log, cgroup=None)
+                                "--config", str(cfg)], log)
         self.wait_ready(proc, log, "delay stage")
         for a, b in pairs:
             _run(["ip", "netns", "exec", br, "iptables", "-w", "-A", "FORWARD",
@@ -496,18 +677,22 @@ class Testbed:
 
     # -- processes -------------------------------------------------------------------------
 
-    def _spawn(self, ns: str, argv: Sequence[str], log: Path | None, *, cgroup: str | None,
-               env: Mapping[str, str] | None = None, **kw: Any) -> subprocess.Popen[bytes]:
+    def _spawn(self, ns: str, argv: Sequence[str], log: Path | None, *,
+               cgroups: Sequence[str] = (), env: Mapping[str, str] | None = None,
+               **kw: Any) -> subprocess.Popen[bytes]:
         cmd = ["ip", "netns", "exec", ns, *argv]
-        if cgroup is not None and self.cgroup.root is not None:
+        if cgroups and self.cgroup.root is not None:
             # `ip netns exec` gives the host a fresh /sys, without /sys/fs/cgroup: mount the
             # quota's hierarchy again (in that private mount namespace only), so a process can
             # read its own CPU limit there as in a container (fusiond.profile.cpu_allowance).
             cmd = ["ip", "netns", "exec", ns, "sh", "-c", _MOUNT_CGROUP,
                    str(self.cgroup.root), self.cgroup.kind, self.cgroup.options, *argv]
-        if cgroup is not None:
-            # Join the cgroup before exec so every child process inherits the quota.
-            cmd = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', f"{cgroup}/cgroup.procs", *cmd]
+        if cgroups:
+            # Join the cgroups (CPU quota, memory limit) before exec so every child process
+            # inherits them; a cgroup that cannot be joined fails the start (exit 125).
+            cmd = ["sh", "-c", 'n="$0"; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 125; '
+                   'shift; n=$((n - 1)); done; exec "$@"', str(len(cgroups)),
+                   *[f"{c}/cgroup.procs" for c in cgroups], *cmd]
         out: IO[bytes] | int | None = kw.pop("stdout", None)
         if out is None and log is not None:
             out = open(log, "ab")  # noqa: SIM115 (the child keeps it; closed below)
@@ -537,19 +722,17 @@ class Testbed:
     def exec(self, host: str, argv: Sequence[str], *, log: Path | None = None,
              env: Mapping[str, str] | None = None, cpu_quota: bool = True,
              **popen: Any) -> subprocess.Popen[bytes]:
-        """Start `argv` inside `host` (its namespace and, unless `cpu_quota` is False, its CPU
-        cgroup); `down` kills it.
+        """Start `argv` inside `host` (its namespace and, unless `cpu_quota` is False, its
+        cgroups: the CPU quota and the memory limit); `down` kills it.
 
         Output goes to `log` (default ``<work_dir>/<host>.log``) unless `stdout` is given.
         """
         ns = self.ns(host)
-        cg = next((c for c in self.state.get("cgroups", [])
-                   if c.endswith(f"-{self.name}-{host}") and Path(c).is_dir()), None)
-        if not cpu_quota:
-            cg = None
+        cgs = [c for c in dict.fromkeys(self.state.get("cgroups", []))
+               if c.endswith(f"-{self.name}-{host}") and Path(c).is_dir()] if cpu_quota else []
         if log is None and "stdout" not in popen:
             log = self.work_dir / f"{host}.log"
-        return self._spawn(ns, argv, log, cgroup=cg, env=env, **popen)
+        return self._spawn(ns, argv, log, cgroups=cgs, env=env, **popen)
 
     def run(self, host: str, argv: Sequence[str], timeout: float = 60.0, *,
             cpu_quota: bool = True) -> str:
@@ -639,9 +822,11 @@ class Testbed:
         for host in topo.hosts:
             ns = self.ns(host)
             cpu = topo.cpu.get(host)
+            mem = topo.memory_bytes.get(host)
             lines.append(f"  {host:<10} {self.address(host):<13} ns {ns:<24} "
                          f"{'up' if ns in live else 'MISSING'}"
                          f"{f'  cpu {cpu:g} cores' if cpu else ''}"
+                         f"{f'  memory {mem / 2**20:g} MiB' if mem else ''}"
                          f"  processes {len(namespace_pids(ns)) if ns in live else 0}")
         lines.append("  links:")
         for i, a in enumerate(topo.hosts):
@@ -685,6 +870,10 @@ def teardown(name: str, state: Mapping[str, Any], state_dir: Path) -> list[str]:
             res = _run(["ip", "netns", "del", ns], check=False)
             if res.returncode != 0:
                 problems.append(f"namespace {ns}: {res.stderr.strip()}")
+    for cg in state.get("cgroups", []):
+        # A process started just before `down` may have joined its host's cgroup without
+        # being in the namespace yet (`ip netns exec` not run yet): the cgroup still has it.
+        kill_cgroup_processes(Path(cg))
     for cg in state.get("cgroups", []):
         path = Path(cg)
         if path.is_dir():

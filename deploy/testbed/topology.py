@@ -17,6 +17,8 @@ A topology is TOML (see docs/testbed.md)::
     rtt = "40ms"
     [host.e2]
     cpu = 0.5                        # at most half a core (cgroup quota)
+    memory = "512MiB"                # at most this much memory (cgroup limit; the kernel
+                                     # kills a process of the host that goes over it)
 
 Links are symmetric: a pair's bandwidth holds in each direction and its RTT is the round trip.
 The most specific rule wins: host-host link > host-group link > group-group link > the group's
@@ -39,6 +41,10 @@ _RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps)?\s*$", re.IGN
 _TIME_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(us|ms|s)?\s*$", re.IGNORECASE)
 _RATE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+MIN_MEMORY_BYTES = 4 << 20
+"""The smallest per-host memory limit a topology may set (an interpreter alone needs more)."""
+MAX_MEMORY_BYTES = 1 << 40
 RESERVED_HOSTS = frozenset({"bridge"})
 
 
@@ -68,6 +74,8 @@ class Topology:
     """Explicit links between two names (host or group): (specificity, spec)."""
     cpu: Mapping[str, float] = field(default_factory=dict)
     """Host -> CPU quota in cores (0.5 = half a core); absent = unlimited."""
+    memory_bytes: Mapping[str, int] = field(default_factory=dict)
+    """Host -> memory limit in bytes (cgroup memory controller); absent = unlimited."""
     mtu: int = 1500
     description: str = ""
     source: str = ""
@@ -152,6 +160,26 @@ def parse_time(value: object, where: str) -> float:
     if not 0.0 <= s <= 10.0:
         raise TopologyError(f"{where}: {value!r} is outside 0 .. 10 s")
     return s
+
+
+def parse_size(value: object, where: str) -> int:
+    """Bytes from ``"512MiB"``, ``"200MB"``, ``"1.5GiB"`` or a plain integer (bytes)."""
+    if isinstance(value, bool):
+        raise TopologyError(f"{where}: a size, not a boolean")
+    if isinstance(value, int):
+        n_bytes = float(value)
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m is None:
+            raise TopologyError(f"{where}: {value!r} is not a size (e.g. '512MiB', '200MB')")
+        base = 1024 if m.group(3) else 1000
+        power = "_kmgt".index(m.group(2).lower()) if m.group(2) else 0
+        n_bytes = float(m.group(1)) * base ** power
+    else:
+        raise TopologyError(f"{where}: {value!r} is not a size")
+    if not MIN_MEMORY_BYTES <= n_bytes <= MAX_MEMORY_BYTES:
+        raise TopologyError(f"{where}: {value!r} is outside 4 MiB .. 1 TiB")
+    return int(n_bytes)
 
 
 def _spec(table: Mapping[str, Any], where: str, fallback: LinkSpec | None,
@@ -239,12 +267,15 @@ def parse_topology(data: Mapping[str, Any], source: str = "<topology>",
         pair_links[key] = (specificity, _spec(link, where, None, frozenset({"between"})))
 
     cpu: dict[str, float] = {}
+    memory: dict[str, int] = {}
     for h, table in data.get("host", {}).items():
         where = f"{source}: host.{h}"
         if h not in hosts:
             raise TopologyError(f"{where}: no such host")
-        if not isinstance(table, dict) or set(table) - {"cpu"}:
-            raise TopologyError(f"{where}: only 'cpu' may be set per host")
+        if not isinstance(table, dict) or set(table) - {"cpu", "memory"}:
+            raise TopologyError(f"{where}: only 'cpu' and 'memory' may be set per host")
+        if "memory" in table:
+            memory[h] = parse_size(table["memory"], f"{where}.memory")
         c = table.get("cpu")
         if c is not None:
             if isinstance(c, bool) or not isinstance(c, int | float) or not 0.01 <= c <= 64:
@@ -258,7 +289,8 @@ def parse_topology(data: Mapping[str, Any], source: str = "<topology>",
     if not isinstance(desc, str):
         raise TopologyError(f"{source}: description must be a string")
     return Topology(name=name, hosts=tuple(hosts), groups=groups, default=default,
-                    group_links=group_links, pair_links=pair_links, cpu=cpu, mtu=mtu,
+                    group_links=group_links, pair_links=pair_links, cpu=cpu,
+                    memory_bytes=memory, mtu=mtu,
                     description=desc, source=text)
 
 

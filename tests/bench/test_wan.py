@@ -1,4 +1,4 @@
-"""The pure parts of bench/wan.py: figures, ratios, targets, host selection, same batches."""
+"""The pure parts of bench/wan.py: figures, host selection, same batches, outcomes of a run."""
 
 from __future__ import annotations
 
@@ -10,17 +10,19 @@ from hypothesis import strategies as st
 
 from bench.wan import restrict, select_hosts, slowest_mbit
 from bench.wan_common import (
+    FAILED,
+    OK,
+    OUT_OF_MEMORY,
     Figures,
     Trace,
     Workload,
     figures,
-    markdown_table,
     smoothed,
     throughput,
     time_to_target,
-    verdicts,
     window_offsets,
 )
+from deploy.testbed import MemoryReport
 from deploy.testbed.topology import load_topology
 
 
@@ -46,34 +48,46 @@ def test_time_to_target_uses_the_smoothed_loss() -> None:
     assert time_to_target(ev, 0.5, window=1) is None
 
 
-def test_verdicts_on_a_slow_topology() -> None:
-    rows = {
-        "uniform": figures(_trace("uniform", 1.0, [5, 4, 3, 2.5]), target=3.0, window=1,
-                           skip=1, wire_bytes=100),
-        "adatopk": figures(_trace("adatopk", 0.25, [5, 4, 3, 2.5], pred=4096.0 * 1.1),
-                           target=3.0, window=1, skip=1, wire_bytes=10),
-        "ddp": figures(_trace("ddp", 0.5, [5, 4, 3.5, 3.2]), target=3.0, window=1, skip=1,
-                       wire_bytes=1000),
-    }
-    vs = {v.name: v for v in verdicts(rows, slowest_mbit=8.0)}
-    assert vs["(3)/(1) throughput >= 3x"].ok is True  # 4096 vs 1024 tokens/s
-    assert vs["(3) reaches target before (4)"].ok is True  # ddp never reaches 3.0
-    assert vs["(3) reaches target before (5)"].ok is None  # no hivemind run
-    assert vs["(3) within 25% of the planner"].ok is True
-    assert vs["(2) within 25% of the planner"].ok is None
-    vs100 = {v.name: v for v in verdicts(rows, slowest_mbit=1000.0)}
-    assert "(3)/(1) throughput >= 1.45x" in vs100
-    assert not any("reaches target" in n for n in vs100)
-    table = markdown_table(rows)
-    assert "4.00x" in table  # (3) vs (1) throughput
-    assert table.count("\n") == 4  # header, rule, 3 rows
-
-
 def test_a_failed_run_is_a_row_not_a_figure() -> None:
     f = figures(Trace("hivemind", [], {}, "no venv"), target=3.0, window=1, skip=1,
                 wire_bytes=None)
     assert isinstance(f, Figures) and f.steps == 0 and f.tokens_per_s is None
-    assert "failed: no venv" in markdown_table({"hivemind": f})
+
+
+def test_a_run_killed_at_its_memory_limit_is_out_of_memory_not_a_miss() -> None:
+    from bench.wan import delta_report, run_outcome
+
+    before = MemoryReport(600 << 20, 1, 3, 0)
+    after = MemoryReport(600 << 20, 600 << 20, 9, 1)
+    d = delta_report(before, after)
+    assert d == MemoryReport(600 << 20, 600 << 20, 6, 1)
+    trace = Trace("ddp_fp16", [(1.0, 0, 5.0, 10)], {}, None)
+    out, why = run_outcome(trace, {"a1": -9, "b1": 1}, {"a1": d, "b1": None}, 0)
+    assert out == OUT_OF_MEMORY and "a1" in why and "600 MiB" in why
+    # an earlier run's kill (counted before this one) does not make this one out of memory
+    same = delta_report(after, after)
+    out, why = run_outcome(trace, {"a1": 0}, {"a1": same}, 3)
+    assert (out, why) == (OK, "")
+    assert run_outcome(trace, {"a1": 0}, {"a1": same}, 0)[0] == FAILED  # nothing to evaluate
+    broken = Trace("ddp_fp16", [], {}, "no trace")
+    assert run_outcome(broken, {"a1": 1}, {"a1": same}, 0) == (FAILED, "no trace")
+
+
+def test_expected_systems_and_the_fastest_host() -> None:
+    import dataclasses
+
+    from bench.wan import NOT_YET, expected_systems, fastest_host
+
+    assert "fsdp" in expected_systems("nofit") and "fsdp" not in expected_systems("fits")
+    assert {"single", "ddp_fp16", "ddp_powersgd", "opfence", "adatopk"} <= set(
+        expected_systems("fits")) - set(NOT_YET)
+    topo = load_topology("mixed-slow")
+    assert topo.cpu, "mixed-slow has quotas"
+    best = fastest_host(topo)
+    assert topo.cpu.get(best, float("inf")) == max(topo.cpu.get(h, float("inf"))
+                                                   for h in topo.hosts)
+    q = dataclasses.replace(topo, cpu={h: 0.1 for h in topo.hosts} | {topo.hosts[2]: 0.3})
+    assert fastest_host(q) == topo.hosts[2]
 
 
 def test_trace_round_trip(tmp_path: Path) -> None:
@@ -190,3 +204,36 @@ def test_hivemind_peers_start_together(tmp_path: Path) -> None:
     assert max(released.values()) - min(released.values()) < 0.5
     with pytest.raises(SystemExit, match="not every peer"):
         barrier(tmp_path / "other", 0, 2, timeout_s=0.2)
+
+
+def test_ddp_runs_on_the_host_subset_a_user_would_pick() -> None:
+    import dataclasses
+
+    from bench.wan import ddp_hosts
+
+    topo = restrict(load_topology("four-groups"), ["a1", "b1", "c1", "d1"])
+    topo = dataclasses.replace(topo, cpu=dict.fromkeys(topo.hosts, 0.4))
+    # 5 M parameters in fp16 over 8 Mbit/s would take seconds per step: one 50 Mbit/s pair
+    pair = ddp_hosts(topo, "ddp_fp16", 5_000_000, 0.05, 16)
+    assert pair in (["a1", "b1"], ["c1", "d1"]), pair
+    # a tiny model whose compute dominates: every host
+    assert ddp_hosts(topo, "ddp_powersgd", 1_000, 1.0, 16) == ["a1", "b1", "c1", "d1"]
+
+
+def test_the_table_and_the_traces_say_what_each_run_did() -> None:
+    from bench.wan import RunRecord, results_table
+    from bench.wan_common import LABELS, HeldoutPoint, verdict
+
+    curve = [HeldoutPoint(0.0, -1, 5.5), HeldoutPoint(5.0, 3, 3.4), HeldoutPoint(10.0, 8, 2.9)]
+    recs = [RunRecord("single", Trace("single", [(1.0, 0, 5.0, 1)] * 9, {}), OK, "", curve,
+                      1000, {"a1": 500 << 20}, 30.0, {"a1": 0.98}, {"a1": 520 << 20}),
+            RunRecord("opfence", Trace("opfence", [], {}), OUT_OF_MEMORY,
+                      "kernel killed a process of a1 at 404 MiB", [], None, {}, 20.0)]
+    v = verdict("four-groups", "does not fit", [r.result(3.0) for r in recs],
+                ("single", "opfence"))
+    table = results_table(v, recs, LABELS)
+    assert "| (0) fastest host alone | ok | 10.0 s (1 run) | 2.900 (1 run) | 9 |" in table
+    assert "520 MiB" in table and "a1 98%" in table
+    assert "out of memory" in table and "404 MiB" in table
+    d = recs[0].to_dict(5.0, 10.0)
+    assert d["heldout_at"] == [(5.0, 3.4), (10.0, 2.9)] and d["cpu_utilisation"] == {"a1": 0.98}

@@ -16,19 +16,35 @@ from typing import Any
 
 log = logging.getLogger("fusiond.tasks")
 
+RECANCEL_S = 1.0
+"""A child still running this long after its cancel is cancelled again."""
+
+
+def raise_if_cancelling() -> None:
+    """Raise CancelledError when the calling task is being cancelled: for a loop that catches
+    TimeoutError or OSError, as which a cancel can surface when it lands on an expiring
+    deadline, and would otherwise go round again."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Future[Any]], *, what: str = "task"
                           ) -> None:
     """Cancel `tasks` (skipping the calling task and those already done) and wait until every
-    one has ended. A cancellation of the caller during the wait propagates (the children are
+    one has ended (a child that swallowed the cancel is cancelled again every `RECANCEL_S`).
+    A cancellation of the caller during the wait propagates (the children are
     cancelled already and end on their own). A child's exception is logged, not raised."""
     me = asyncio.current_task()
-    pending = [t for t in tasks if t is not me]
-    for t in pending:
+    children = [t for t in tasks if t is not me]
+    for t in children:
         t.cancel()
-    if pending:
-        await asyncio.wait(pending)
-    for t in pending:
+    waiting = set(children)
+    while waiting:
+        _, waiting = await asyncio.wait(waiting, timeout=RECANCEL_S)
+        for t in waiting:  # it swallowed the cancel (e.g. 3.11's wait_for, when its inner
+            t.cancel()     # future completed at the same moment): ask again
+    for t in children:
         if t.cancelled():
             continue
         exc = t.exception()

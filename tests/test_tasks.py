@@ -70,3 +70,22 @@ async def test_the_calling_task_and_nothing_are_fine() -> None:
     assert me is not None
     await cancel_and_wait([me])  # a task that closes itself is skipped, not cancelled
     assert not me.cancelling()
+
+
+async def test_a_child_that_swallows_its_cancel_is_cancelled_again() -> None:
+    """3.11's wait_for swallows a cancel that lands as its inner future completes: a daemon's
+    close() then waited forever for the step writer (tests/train/test_service.py)."""
+    swallowed = asyncio.Event()
+
+    async def swallows_once() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            swallowed.set()
+        await asyncio.sleep(3600)  # carries on as if nobody asked
+
+    t = asyncio.create_task(swallows_once())
+    await asyncio.sleep(0)
+    async with asyncio.timeout(5):
+        await cancel_and_wait([t])
+    assert swallowed.is_set() and t.cancelled()

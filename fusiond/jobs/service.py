@@ -98,7 +98,7 @@ from fusiond.jobs.worker import JobWorker, Leadership, LeadershipFn, SendFn, loc
 from fusiond.plan import Cluster, MachineProfile, Plan
 from fusiond.plan.render import plan_summary, render_plan
 from fusiond.profile import machine_from_profile
-from fusiond.tasks import cancel_and_wait
+from fusiond.tasks import cancel_and_wait, raise_if_cancelling
 from fusiond.train.local import StepMetrics
 from fusiond.train.remote import MAX_RECV_TIMEOUT_S, MIN_RECV_TIMEOUT_S
 from fusiond.train.spec import JobSpec, parse_job
@@ -652,7 +652,9 @@ class JobService:
                 if hist is None or st is None or st.state in FINAL:
                     break
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(ev.wait(), STEPS_FSYNC_S)
+                    async with asyncio.timeout(STEPS_FSYNC_S):
+                        await ev.wait()
+                raise_if_cancelling()  # a cancel landing as the deadline expires
                 ev.clear()
                 now = time.monotonic()
                 sync = now - synced >= STEPS_FSYNC_S

@@ -68,6 +68,7 @@ from cryptography.hazmat.primitives import serialization
 from fusiond.errors import ConfigError, FusionError, LocalError, RemoteError, SelfAddress
 from fusiond.net import tls as tlsmod
 from fusiond.net.pki import JoinAuthority, JoinTokenError, PKIError, TLSMaterial
+from fusiond.tasks import raise_if_cancelling
 from protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
 from protocol.errors import ProtocolError
 from protocol.frames import FIXED_HEADER_SIZE, Frame, FrameDecoder
@@ -310,15 +311,6 @@ def _check_config(c: NetConfig) -> None:
             f"and below net.max_pending_handshakes ({c.max_pending_handshakes})")
     if c.refusal_log_burst < 0:
         raise ConfigError(f"net.refusal_log_burst = {c.refusal_log_burst}: must be >= 0")
-
-
-def _reraise_if_cancelling() -> None:
-    """Raise CancelledError when this task is being cancelled. A cancel that lands while a
-    deadline (`asyncio.timeout`) expires can surface as TimeoutError (an OSError); a writer
-    that took it for a lost link looped on and `close()` waited for it forever."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:
@@ -1073,7 +1065,7 @@ class PeerNetwork:
             try:
                 conn = await self._link(p, lane)
             except (TimeoutError, OSError, FusionError, ssl.SSLError) as e:
-                _reraise_if_cancelling()
+                raise_if_cancelling()
                 dropped = 1 + q.qsize()
                 while not q.empty():
                     q.get_nowait()
@@ -1093,7 +1085,7 @@ class PeerNetwork:
                 else:
                     await conn.write_frame(out, chunk)
             except (OSError, RuntimeError) as e:
-                _reraise_if_cancelling()
+                raise_if_cancelling()
                 p.dropped += 1
                 p.last_error = str(e)
                 log.info("lost %s link to %s while writing: %s", lane.value, p.node_id, e)

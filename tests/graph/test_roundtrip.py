@@ -19,6 +19,7 @@ from pathlib import Path
 from fusiond.graph import build_program
 from protocol import ir
 d = Path(sys.argv[1])
+torch.set_num_threads(int(sys.argv[2]))  # the parent's: a reduction's order follows the threads
 graph = ir.loads((d / "graph.ir").read_bytes())
 state = safetensors.torch.load((d / "state.safetensors").read_bytes())
 batch = safetensors.torch.load((d / "batch.safetensors").read_bytes())
@@ -38,7 +39,8 @@ flat = {k: v.detach().contiguous() for k, v in res.items()}
 
 def _run_child(tmp: Path) -> dict[str, torch.Tensor]:
     root = Path(__file__).resolve().parents[2]
-    subprocess.run([sys.executable, "-c", CHILD, str(tmp)], cwd=root, check=True, timeout=240)
+    subprocess.run([sys.executable, "-c", CHILD, str(tmp), str(torch.get_num_threads())],
+                   cwd=root, check=True, timeout=240)
     return safetensors.torch.load((tmp / "out.safetensors").read_bytes())
 
 

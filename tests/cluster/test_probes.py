@@ -17,6 +17,8 @@ from fusiond.cluster.probes import (
     ProbeConfig,
     ProbeFailed,
     bandwidth_from_ack,
+    blend_weight,
+    blended_spread,
     ewma,
     next_bandwidth,
     round_figure,
@@ -208,9 +210,17 @@ def test_a_step_replaces_the_estimate_and_noise_is_blended() -> None:
     # 5 % off, tight samples: the same link measured again
     rate, changed = next_bandwidth(100e6, 0.02, 95e6, 0.02, alpha=0.3, steady_band=BAND)
     assert rate == pytest.approx(0.3 * 95e6 + 0.7 * 100e6) and not changed
-    # 25 % off, but the round's own samples were +-25 % apart: not a clear step, blended
+    # 25 % off, but the round's own samples were +-25 % apart: not a clear step, blended, and
+    # as it is 2.5x less accurate than the estimate, at 0.3 / 2.5**2
     rate, changed = next_bandwidth(100e6, 0.02, 75e6, 0.25, alpha=0.3, steady_band=BAND)
-    assert rate == pytest.approx(92.5e6) and not changed
+    assert rate == pytest.approx(100e6 - 0.048 * 25e6) and not changed
+    # the reverse: a loose estimate (a first round whose window was still opening, +-42 %)
+    # and a tight round that agrees with it: the round takes over (seen on CI: 80.7 Mbit/s
+    # +-42 % on a 100 Mbit/s link, then the EWMA crawled 83, 85 over the next rounds)
+    rate, changed = next_bandwidth(80.7e6, 0.42, 92e6, 0.04, alpha=0.3, steady_band=BAND)
+    assert rate == pytest.approx(92e6) and not changed
+    assert blended_spread(0.42, 0.04, alpha=0.3, steady_band=BAND) == pytest.approx(0.04)
+    assert blend_weight(0.05, 0.02, alpha=0.3, steady_band=BAND) == pytest.approx(0.3)
     # the same 25 % off with tight samples is a step
     assert next_bandwidth(100e6, 0.02, 75e6, 0.02, alpha=0.3, steady_band=BAND) == (75e6, True)
     # the first round is the estimate

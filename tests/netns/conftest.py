@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -79,3 +81,42 @@ def state_dir(tmp_path: Path) -> Iterator[Path]:
 
     for name in recorded_testbeds(d):
         Testbed.load(name, d).down()
+
+
+SETTLE_PROBE_INTERVAL_S = 4.0
+"""Probe interval of the tests that wait for settled link figures (`wait_for_settled_links`)."""
+
+
+def wait_for_settled_links(nodes: list[Any], want: set[tuple[str, str]], *, rounds: int = 2,
+                           timeout_s: float = 90.0) -> dict[str, dict[str, dict[str, Any]]]:
+    """Wait until every daemon in `nodes` holds each (src, dst) link of `want` as measured in
+    at least `rounds` probe rounds (distinct ``measured_at``), and return the first node's
+    ``/v1/links`` then. Every daemon probes every peer as it starts, all links at once and
+    each from a cold TCP window, so a first round can read low (CI: 80.7 Mbit/s +-42 % on a
+    100 Mbit/s link); the rounds after it measure the link, and a settled figure is what a
+    plan should be judged on."""
+    seen: dict[tuple[int, str, str], set[float]] = {}
+    deadline = time.monotonic() + timeout_s
+    short: list[str] = []
+    while True:
+        short = []
+        first: dict[str, dict[str, dict[str, Any]]] = {}
+        for i, node in enumerate(nodes):
+            links: dict[str, dict[str, dict[str, Any]]] = node.api("GET", "/v1/links")["links"]
+            if i == 0:
+                first = links
+            for src, dst in sorted(want):
+                lk = links.get(src, {}).get(dst)
+                if lk is None or not lk.get("bandwidth_bits_per_s"):
+                    short.append(f"node {i}: {src}->{dst} not measured")
+                    continue
+                times = seen.setdefault((i, src, dst), set())
+                times.add(float(lk.get("measured_at") or 0.0))
+                if len(times) < rounds:
+                    short.append(f"node {i}: {src}->{dst} {len(times)} round(s)")
+        if not short:
+            return first
+        if time.monotonic() > deadline:
+            raise AssertionError(f"links not measured in {rounds} rounds within {timeout_s:g} s: "
+                                 + "; ".join(short[:6]))
+        time.sleep(0.3)

@@ -28,7 +28,12 @@ import pytest
 
 from deploy.testbed import list_namespaces, testbed
 from deploy.testbed.topology import parse_topology
-from tests.netns.conftest import needs_delay_stage, needs_netns
+from tests.netns.conftest import (
+    SETTLE_PROBE_INTERVAL_S,
+    needs_delay_stage,
+    needs_netns,
+    wait_for_settled_links,
+)
 
 pytestmark = [pytest.mark.netns, pytest.mark.multidaemon, pytest.mark.slow, needs_netns]
 
@@ -104,21 +109,14 @@ def test_fusionctl_plan_sees_the_shaped_links_and_plans_as_the_topology_file(
     job_path.write_text(JOB.format(out=tmp_path / "out"))
     name = f"fzl{os.getpid() % 100000}p"
     with testbed("three-hosts", name=name, state_dir=state_dir) as tb:
-        cluster = start_fusiond(tb, wait_s=60, host_settings={
+        cluster = start_fusiond(tb, wait_s=60, settings={
+            "cluster": {"probe_interval_s": SETTLE_PROBE_INTERVAL_S}}, host_settings={
             h: {"job_memory_gib": g} for h, g in MEMORY_GIB.items()})
         host_of = _host_ids(cluster)
         want = {(x, y) for x in host_of for y in host_of if x != y}
 
-        def measured() -> bool:  # every daemon holds the whole matrix (the scheduler plans)
-            for node in cluster.nodes.values():
-                links = node.api("GET", "/v1/links")["links"]
-                have = {(s, d) for s, row in links.items() for d, lk in row.items()
-                        if lk["bandwidth_bits_per_s"] > 0}
-                if not have >= want:
-                    return False
-            return True
-
-        _wait("every daemon to hold the measured link matrix", measured, 60)
+        # every daemon holds the whole matrix (the scheduler plans), each link settled
+        wait_for_settled_links(list(cluster.nodes.values()), want)
         node = cluster.nodes["a"]
         res = _fusionctl(node.socket, "plan", str(job_path), "--json")
         assert res.returncode == 0, res.stderr[-3000:]

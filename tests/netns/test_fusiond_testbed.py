@@ -5,13 +5,17 @@ shaped links; `down` stops every daemon."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
 
 from deploy.testbed import list_namespaces, namespace_pids, testbed
-from tests.netns.conftest import needs_delay_stage, needs_netns
+from tests.netns.conftest import (
+    SETTLE_PROBE_INTERVAL_S,
+    needs_delay_stage,
+    needs_netns,
+    wait_for_settled_links,
+)
 
 pytestmark = [pytest.mark.netns, pytest.mark.multidaemon, pytest.mark.slow, needs_netns]
 
@@ -24,7 +28,8 @@ def test_fusiond_per_host_agrees_and_measures_the_shaped_links(state_dir: Path) 
 
     name = f"fzt{os.getpid() % 100000}d"
     with testbed("three-hosts", name=name, state_dir=state_dir) as tb:
-        cluster = start_fusiond(tb, wait_s=60)
+        cluster = start_fusiond(tb, wait_s=60, settings={
+            "cluster": {"probe_interval_s": SETTLE_PROBE_INTERVAL_S}})
         assert "mutual TLS" in cluster.summary and "term" in cluster.summary
         ids = {}
         for host, node in cluster.nodes.items():
@@ -32,16 +37,10 @@ def test_fusiond_per_host_agrees_and_measures_the_shaped_links(state_dir: Path) 
             assert st is not None
             ids[st["node"]["node_id"]] = host
             assert len(namespace_pids(tb.ns(host))) >= 1
-        # Every daemon probes every peer at start; wait until node a holds the full matrix.
+        # Every daemon probes every peer at start; wait until node a holds the full matrix,
+        # each link measured in two rounds.
         want = {(a, b) for a in ids for b in ids if a != b}
-        links: dict[str, dict[str, dict[str, float]]] = {}
-        deadline = time.monotonic() + 45
-        while time.monotonic() < deadline:
-            links = cluster.nodes["a"].api("GET", "/v1/links")["links"]
-            have = {(s, d) for s, row in links.items() for d in row}
-            if have >= want:
-                break
-            time.sleep(0.5)
+        links = wait_for_settled_links([cluster.nodes["a"]], want)
         topo = tb.topology
         lines, bad = [], []
         for src, dst in sorted(want):

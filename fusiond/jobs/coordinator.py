@@ -152,7 +152,8 @@ class JobCoordinator:
         self.corpus = corpus  # what the submitter read (None: read a shipped corpus here)
         self.recv_timeout_s = recv_timeout_s  # the stages' input wait (None: their own)
         self.spec = spec
-        self.captured = captured
+        self.captured: CapturedModel | None = captured
+        """The job's graph and initial weights (None once `release`d)."""
         self.layout = layout
         self.job_id = layout.job_id
         self.addresses = dict(addresses)
@@ -239,7 +240,7 @@ class JobCoordinator:
             got[msg.partition] = bytes(msg.payload)
             if len(got) == len(self.stage_nodes):
                 del self._checkpoints[msg.step]
-                if self.on_checkpoint is not None:
+                if self.on_checkpoint is not None and self.captured is not None:
                     states = [state_from_bytes(got[s]) for s in sorted(got)]
                     self.on_checkpoint(msg.step, gather_state(self.captured.graph, states))
             return True
@@ -340,6 +341,16 @@ class JobCoordinator:
         if self.on_step is not None:
             self.on_step(m)
 
+    def release(self) -> None:
+        """Drop what only a running attempt needs: the captured graph and initial weights,
+        the corpus, the partitions' results and any half-gathered checkpoint. `status` still
+        answers (its figures stay). For an attempt that ended (a finished job's record keeps
+        its last coordinator for `fusionctl job`; idempotent)."""
+        self.captured = None
+        self.corpus = None
+        self._results.clear()
+        self._checkpoints.clear()
+
     def status(self) -> dict[str, Any]:
         """Live figures for `fusionctl job ID` and Prometheus (JSON-ready)."""
         last = self._metrics[-1] if self._metrics else None
@@ -379,8 +390,12 @@ class JobCoordinator:
         """Assign, wait for Ready, start, and wait for the end (or the first failure)."""
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
+        captured = self.captured
+        if captured is None:
+            raise LocalError(f"job {self.job_id}: this attempt's coordinator was released; "
+                             "a new attempt needs a new coordinator")
         self._state = "assigning"
-        assigns = assign_messages(self.layout, self.spec, self.captured.state, term=self.term,
+        assigns = assign_messages(self.layout, self.spec, captured.state, term=self.term,
                                   plan_version=self.plan_version, addresses=self.addresses,
                                   corpus=self.corpus, recv_timeout_s=self.recv_timeout_s,
                                   first_step=self.first_step)
@@ -450,7 +465,7 @@ class JobCoordinator:
         try:
             states = [await asyncio.to_thread(state_from_bytes, self._results[s])
                       for s in sorted(self._results)]
-            state = gather_state(self.captured.graph, states)
+            state = gather_state(captured.graph, states)
         except Exception as e:  # the results make no model (bad bytes, copies that diverged)
             self._fail("scheduler", -1, f"gathering the stages' results failed: {e}", stage=-1,
                        fault=FAULT_SCHEDULER)

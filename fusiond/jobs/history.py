@@ -38,8 +38,17 @@ from typing import Any
 
 from fusiond.durable import atomic_file, remove_temps, write_bytes
 
-__all__ = ["HISTORY_KEPT", "MAX_RECORD_BYTES", "MAX_STEPS", "MAX_STEPS_FILE_BYTES", "Cursor",
-           "JobHistory", "StepHistory", "finite_records"]
+__all__ = [
+    "HISTORY_KEPT",
+    "MAX_RECORD_BYTES",
+    "MAX_STEPS",
+    "MAX_STEPS_FILE_BYTES",
+    "RECORDS_KEPT",
+    "Cursor",
+    "JobHistory",
+    "StepHistory",
+    "finite_records",
+]
 
 log = logging.getLogger("fusiond.jobs")
 
@@ -49,6 +58,8 @@ MAX_STEPS = 100_000
 """Step records kept per job, in memory and on disk, before the older half is thinned."""
 MAX_STEPS_FILE_BYTES = 256 << 20
 """A steps file larger than this is read only up to this size (the rest is reported lost)."""
+RECORDS_KEPT = 200
+"""Records of past jobs kept (on disk, and in a daemon's memory: the oldest go first)."""
 HISTORY_KEPT = 1000
 """Step records of a past job (one from before this daemon's start) kept in memory for
 `fusionctl job ID` (the newest); the whole history is in its steps file and metrics.json."""
@@ -192,7 +203,7 @@ class StepHistory:
 class JobHistory:
     """The persisted job records of one daemon (`root` = `<state_dir>/jobs`)."""
 
-    def __init__(self, root: Path, keep: int = 200) -> None:
+    def __init__(self, root: Path, keep: int = RECORDS_KEPT) -> None:
         self.root = root
         self.keep = keep
 

@@ -48,7 +48,7 @@ import shutil
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -67,7 +67,14 @@ from fusiond.jobs.coordinator import (
     JobCoordinator,
     JobOutcome,
 )
-from fusiond.jobs.history import Cursor, JobHistory, StepHistory, finite_records
+from fusiond.jobs.history import (
+    HISTORY_KEPT,
+    RECORDS_KEPT,
+    Cursor,
+    JobHistory,
+    StepHistory,
+    finite_records,
+)
 from fusiond.jobs.opsets import (
     MemberOpSets,
     OpSetService,
@@ -547,6 +554,7 @@ class JobService:
         self._pending: dict[str, asyncio.Future[JobSubmitReply]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._by_type = self._handlers()
 
     # -- service ------------------------------------------------------------------------------
 
@@ -697,7 +705,7 @@ class JobService:
         r.ended.set()
         self._persist(r.job_id)
         if not self._closed:  # (close() writes what is left itself)
-            self._spawn(self._save_steps(r.job_id), f"steps {r.job_id}")
+            self._spawn(self._retire_when_saved(r.job_id), f"steps {r.job_id}")
         self._prune_outputs()
 
     def coordinators(self) -> Iterable[JobCoordinator]:
@@ -706,58 +714,81 @@ class JobService:
 
     # -- messages -----------------------------------------------------------------------------
 
+    def _handlers(self) -> dict[type[Message], Callable[[str, Any], Awaitable[bool]]]:
+        """The submission protocol's messages, by type (`dispatch`): each handler answers
+        whether it took the message (False: the coordinators and the worker are offered it)."""
+        return {JobSubmit: self._on_submit_msg, JobSubmitReply: self._on_submit_reply,
+                JobUpdate: self._on_update_msg, JobOutput: self._on_output_msg,
+                JobOutputAck: self._on_output_ack, JobFetch: self._on_fetch_msg,
+                JobQuery: self._on_query_msg, JobQueryReply: self._on_query_reply,
+                JobCancel: self._on_cancel_msg}
+
     async def dispatch(self, peer: str, msg: Message) -> bool:
-        """Offer a peer message to the submission protocol, the coordinators here, then the
-        worker."""
-        if isinstance(msg, JobSubmit):
-            self._spawn(self._on_remote_submit(peer, msg), f"submit from {peer}")
+        """Offer a peer message to the submission protocol (by its type), the running
+        coordinators here, then the worker."""
+        handler = self._by_type.get(type(msg))
+        if handler is not None and await handler(peer, msg):
             return True
-        if isinstance(msg, JobSubmitReply):
-            fut = self._pending.get(msg.request_id)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
-            return True
-        if isinstance(msg, JobUpdate):
-            self._on_update(peer, msg)
-            return True
-        if isinstance(msg, JobOutput):
-            self._heard(peer, msg.job_id)
-            await self._on_output(peer, msg)
-            return True
-        if isinstance(msg, JobOutputAck):
-            ack = self._acks.get(msg.request_id)
-            if ack is not None and not ack.done():
-                ack.set_result(msg)
-            return True
-        if isinstance(msg, JobFetch):
-            rec = self._jobs.get(msg.job_id)
-            if rec is not None and rec.submitter and peer == rec.submitter:
-                self._spawn(self._resend_held(rec, msg.request_id), f"resend {msg.job_id}")
-            else:
-                await self.send(peer, JobOutputAck(
-                    job_id=msg.job_id, request_id=msg.request_id, ok=False,
-                    message=f"{self.node_id} coordinates no job {msg.job_id} for {peer}"), ())
-            return True
-        if isinstance(msg, JobQuery):
-            self._spawn(self._answer_query(peer, msg), f"query {msg.job_id}")
-            return True
-        if isinstance(msg, JobQueryReply):
-            r = self._remote.get(msg.job_id)
-            if r is not None and peer == r.scheduler and r.query is not None \
-                    and not r.query.done():
-                r.query.set_result(msg)
-            return True
-        if isinstance(msg, JobCancel):
-            rec = self._jobs.get(msg.job_id)
-            if rec is not None and rec.submitter and peer == rec.submitter:
-                self._spawn(self.cancel(msg.job_id), f"cancel {msg.job_id}")
-                return True
-        for rec in list(self._jobs.values()):
+        for rec in [r for r in self._jobs.values() if r.state == "running"]:
             # Only the running attempt of a running job takes messages: a finished record
             # must never swallow another job's (or attempt's) replies.
-            if rec.state == "running" and await rec.coord.handle(peer, msg):
+            if await rec.coord.handle(peer, msg):
                 return True
         return await self.worker.handle(peer, msg)
+
+    async def _on_submit_msg(self, peer: str, msg: JobSubmit) -> bool:
+        self._spawn(self._on_remote_submit(peer, msg), f"submit from {peer}")
+        return True
+
+    async def _on_submit_reply(self, peer: str, msg: JobSubmitReply) -> bool:
+        fut = self._pending.get(msg.request_id)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+        return True
+
+    async def _on_update_msg(self, peer: str, msg: JobUpdate) -> bool:
+        self._on_update(peer, msg)
+        return True
+
+    async def _on_output_msg(self, peer: str, msg: JobOutput) -> bool:
+        self._heard(peer, msg.job_id)
+        await self._on_output(peer, msg)
+        return True
+
+    async def _on_output_ack(self, peer: str, msg: JobOutputAck) -> bool:
+        ack = self._acks.get(msg.request_id)
+        if ack is not None and not ack.done():
+            ack.set_result(msg)
+        return True
+
+    async def _on_fetch_msg(self, peer: str, msg: JobFetch) -> bool:
+        rec = self._jobs.get(msg.job_id)
+        if rec is not None and rec.submitter and peer == rec.submitter:
+            self._spawn(self._resend_held(rec, msg.request_id), f"resend {msg.job_id}")
+        else:
+            await self.send(peer, JobOutputAck(
+                job_id=msg.job_id, request_id=msg.request_id, ok=False,
+                message=f"{self.node_id} coordinates no job {msg.job_id} for {peer}"), ())
+        return True
+
+    async def _on_query_msg(self, peer: str, msg: JobQuery) -> bool:
+        self._spawn(self._answer_query(peer, msg), f"query {msg.job_id}")
+        return True
+
+    async def _on_query_reply(self, peer: str, msg: JobQueryReply) -> bool:
+        r = self._remote.get(msg.job_id)
+        if r is not None and peer == r.scheduler and r.query is not None \
+                and not r.query.done():
+            r.query.set_result(msg)
+        return True
+
+    async def _on_cancel_msg(self, peer: str, msg: JobCancel) -> bool:
+        """The submitter's cancel; any other JobCancel is a stage's (the worker's)."""
+        rec = self._jobs.get(msg.job_id)
+        if rec is not None and rec.submitter and peer == rec.submitter:
+            self._spawn(self.cancel(msg.job_id), f"cancel {msg.job_id}")
+            return True
+        return False
 
     def _not_leading(self) -> str | None:
         """Why this daemon may not schedule now; None while it holds the scheduler's lease
@@ -806,7 +837,7 @@ class JobService:
         if rec.upload is None:
             return
         upload = rec.upload
-        if rec.checkpoint is not None:  # resume where the job got to
+        if rec.checkpoint is not None and rec.coord.captured is not None:  # resume there
             step, ckpt = rec.checkpoint
             state = {k: ckpt.get(k, v) for k, v in rec.coord.captured.state.items()}
             blob = await asyncio.to_thread(state_to_bytes, state)
@@ -1625,9 +1656,75 @@ class JobService:
             await self._run_attempts(rec)
         finally:  # also when the daemon stops (cancelled): the record says how it ended
             self._persist(rec.job_id)
+            if rec.state in FINAL:
+                self._release(rec)
             if not rec.submitter and not self._closed:
-                self._spawn(self._save_steps(rec.job_id), f"steps {rec.job_id}")
+                self._spawn(self._retire_when_saved(rec.job_id), f"steps {rec.job_id}")
                 self._prune_outputs()
+
+    @staticmethod
+    def _release(rec: _Record) -> None:
+        """A job that ended keeps its record (while it has outputs to fetch, or coordinated
+        for another daemon) but not what only a run needs: the captured model, the corpus,
+        the partitions' results, the last checkpoint, the upload. Each of them is a model's
+        worth of bytes, and a long-lived daemon used to keep all of them for every job."""
+        rec.coord.release()
+        rec.checkpoint = None
+        rec.upload = None
+        rec.plan = None
+
+    async def _retire_when_saved(self, job_id: str) -> None:
+        await self._save_steps(job_id)
+        self._retire(job_id)
+
+    def _retire(self, job_id: str) -> None:
+        """A job submitted here that ended with nothing left to fetch leaves this run's
+        memory: its record (as a restart reads it back, the newest `HISTORY_KEPT` steps with
+        it) joins the past ones, and the live record with its coordinator goes, so 50 jobs
+        leave no more behind than one (tests/train/test_retention.py). The oldest past records
+        beyond what the state dir keeps are forgotten, here and on disk."""
+        if self._closed:
+            return
+        rec = self._jobs.get(job_id)
+        r = self._remote.get(job_id)
+        record: dict[str, Any]
+        if rec is not None:
+            if (rec.submitter or r is not None or rec.state not in FINAL
+                    or rec.held is not None or rec.unstored or rec.storage_failed):
+                return
+            record = self.job(job_id, history=0) | {"lines": list(rec.logs)}
+            hist = rec.history.tail(HISTORY_KEPT)
+            del self._jobs[job_id]
+        elif r is not None:
+            if (r.state not in FINAL or r.unstored or r.storage_failed or r.finishing
+                    or r.failing_over):
+                return
+            record = self._remote_view(r, 0) | {"lines": self.logs(job_id)["lines"]}
+            hist = r.history.tail(HISTORY_KEPT)
+            del self._remote[job_id]
+        else:
+            return
+        past = json.loads(json.dumps(record, default=str))
+        past["history"] = json.loads(json.dumps(hist, default=str))
+        self._past[job_id] = past
+        self._steps_locks.pop(job_id, None)
+        fetch = self._fetches.get(job_id)
+        if fetch is not None and fetch.done():
+            del self._fetches[job_id]
+        keep = self._history.keep if self._history is not None else RECORDS_KEPT
+        if len(self._past) > keep:
+            oldest = sorted(self._past, key=lambda j: float(
+                self._past[j].get("submitted_at") or 0.0))[:len(self._past) - keep]
+            for j in oldest:
+                del self._past[j]
+            if self._history is not None:
+                history = self._history
+
+                def forget() -> None:
+                    for j in oldest:
+                        history.remove(j)
+
+                self._spawn(asyncio.to_thread(forget), "forget past jobs")
 
     async def _run_attempts(self, rec: _Record) -> None:
         outcome: JobOutcome | None = None
@@ -1737,6 +1834,8 @@ class JobService:
                 view, exclude=excluded | set(sets.unknown), op_sets=sets.ops)
             old = rec.coord
             captured = old.captured
+            if captured is None:  # released: the job had ended
+                raise JobRefused("the job's model was released when it ended")
             first, state = rec.first_step, captured.state
             if rec.checkpoint is not None:
                 step, ckpt = rec.checkpoint

@@ -88,12 +88,13 @@ async def test_int8_edges_quantize_both_ways_and_train(small_text: TextWindows,
     m = res.metrics[-1]
     assert {e.edge for e in m.edges} == {"h0", "h1"}
     # 1 byte per element + a float32 scale per 256: (1 + 4/256) / 4 = 0.2539 of fp32, plus a
-    # 96-byte descriptor per tensor (1.2 % of these 2 x 32 x 32 micro-batches), both ways
+    # 96-byte descriptor per tensor (1.2 % of these 2 x 32 x 32 micro-batches), both ways; lz4
+    # may shave a little more off the int8 bytes (0.22-0.24 seen on bench/wan.py's GPT-2 mini)
     for e in m.edges:
         assert e.density is None
         assert e.forward_dense == e.backward_dense == 8 * 32 * 32 * 4
-        assert 0.2539 * e.forward_dense <= e.forward_wire < 0.27 * e.forward_dense
-        assert 0.2539 * e.backward_dense <= e.backward_wire < 0.27 * e.backward_dense
+        assert 0.2 * e.forward_dense < e.forward_wire < 0.27 * e.forward_dense
+        assert 0.2 * e.backward_dense < e.backward_wire < 0.27 * e.backward_dense
     # it trains, with the exact run's losses (measured: within 2e-5 relative; the scales of
     # 256 elements keep every element within absmax/254 of its value)
     assert res.losses[-1] < res.losses[0] - 0.2

@@ -101,7 +101,7 @@ async def test_planned_int8_job_trains_with_quarter_size_cuts(captured_tiny) -> 
     for e in quantized:
         for way in ("forward", "backward"):
             dense = e["dense_bytes"][way]
-            assert 0.2539 * dense <= e["wire_bytes"][way] < 0.30 * dense, (e, way)
+            assert 0.2 * dense < e["wire_bytes"][way] < 0.30 * dense, (e, way)  # lz4 may help
 
 
 def test_an_assign_with_a_bad_or_top_k_int8_edge_is_refused(captured_tiny) -> None:  # type: ignore[no-untyped-def]

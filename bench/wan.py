@@ -22,7 +22,10 @@ wall-clock budget, the same model, training split, global batch and optimizer
   activation checkpointing;
 - (5) `hivemind`: hivemind 1.1.12 as its quickstart configures it (local updates, fp16
   compression, matchmaking 3 s; `bench/wan_hivemind.py`, in its own venv);
-- (6) `swarm`: not available (`NOT_YET` says why): it FAILS the bench;
+- (6) `swarm`: SWARM-style int8 cuts: fusion's pipeline with every float cut edge int8
+  block-quantized both ways (`compression.codec = "int8"`: per-block absmax, a float32 scale
+  per 256 elements, 0.254 of the fp32 bytes; straight-through gradients), the placement the
+  planner picks for int8 edges, no AdaTopK (`bench/wan_fusion.py --mode swarm`);
 - (4) `ddp_fp16`, `ddp_powersgd`: DDP over gloo with the fp16 / PowerSGD comm hook, one
   bucket, no extra per-step collective (`bench/wan_ddp.py`);
 - (2) `opfence`, (3) `adatopk`: fusion as its planner decides, dense and with AdaTopK
@@ -310,11 +313,9 @@ def traffic_note(traces: dict[str, Trace], topo: Topology) -> str | None:
 
 REGIMES = ("fits", "nofit")
 REGIME_TEXT = {"fits": "fits", "nofit": "does not fit"}
-NOT_YET: dict[str, str] = {
-    "swarm": "not available: fusion's codec has no int8 block quantization (only AdaTopK "
-             "top-k and lz4)",
-}
-"""Baselines the harness cannot run yet, and why: each FAILS the bench until it runs."""
+NOT_YET: dict[str, str] = {}
+"""Baselines the harness cannot run yet, and why: each FAILS the bench until it runs (none
+today: (6) SWARM-style runs since fusion's edges can travel int8)."""
 
 
 def expected_systems(regime: str) -> tuple[str, ...]:
@@ -654,9 +655,10 @@ class Runner:
 
 
 Evaluator = Callable[[str, Path, Trace], list[HeldoutPoint]]
-FUSION_RUNS = ("pipeline", "opfence", "adatopk")
+FUSION_RUNS = ("pipeline", "swarm", "opfence", "adatopk")
 """Systems run by fusion's own pipeline (`bench/wan_fusion.py`): (1) with a block-boundary
-plan, (2) and (3) as its planner decides."""
+plan, (6) with int8 cut edges where the planner puts them, (2) and (3) as its planner
+decides."""
 
 
 @dataclass
@@ -1071,9 +1073,12 @@ NOTES = """
   activation checkpointing, on the subset the same model picks; (5) hivemind 1.1.12 as its
   quickstart configures it (local updates, parameters and state averaged once per epoch of 4
   global batches, fp16 compression, matchmaking 3 s; its docs' epochs of thousands of samples
-  do not fit the budget); (2) and (3) fusion as its planner decides, dense and with
-  AdaTopK. Not in the harness, failing the bench: (6) SWARM-style int8 cuts (fusion's codec
-  has no int8 quantization); see `NOT_YET`.
+  do not fit the budget); (6) SWARM-style int8 cuts: fusion's pipeline with every float cut
+  edge int8 block-quantized in both directions (per-block absmax, one float32 scale per 256
+  elements: 0.254 of the fp32 bytes; the receiver decodes dense, straight-through gradients),
+  placed by fusion's planner costing the edges int8, no AdaTopK (SWARM's own stochastic
+  wiring and rebalancing are not reproduced: only its compression of the pipeline's cuts);
+  (2) and (3) fusion as its planner decides, dense and with AdaTopK.
 - **One evaluator.** Every system saves its dense weights at fixed wall-clock points (fusion:
   its stages' own checkpoints, written where they run after every step, of which the steps at
   those points, by the lead's clock, and the last are kept: fusion pays a serialisation per

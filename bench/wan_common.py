@@ -68,10 +68,11 @@ class Workload:
         return out
 
     def job_toml(self, *, adatopk: bool, steps: int = 1_000_000,
-                 checkpoint_interval: int = 0) -> str:
+                 checkpoint_interval: int = 0, codec: str = "topk") -> str:
         """The fusion job file: constant learning rate (a wall-clock budget has no 'last step'
         for a schedule to decay to), AdamW, byte tokens of the training split (or of the
-        default corpus)."""
+        default corpus); `codec` is the job's `compression.codec` ("int8": SWARM-style int8
+        cut edges, then `adatopk` must be False)."""
         config = ", ".join([f'size = "{self.size}"']
                            + [f"{k} = {v}" for k, v in self.model_overrides().items()])
         path = f"\npath = {json.dumps(self.corpus)}" if self.corpus else ""
@@ -93,6 +94,7 @@ lr = {self.lr}
 size = {self.batch}
 micro_batches = {self.micro_batches}
 [compression]
+codec = "{codec}"
 adatopk = {"true" if adatopk else "false"}
 """
 

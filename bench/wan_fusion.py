@@ -3,8 +3,9 @@
 `node` mode: a PeerNetwork (mutual TLS, credentials made by wan.py) on this host's address
 and a JobWorker; serves until SIGTERM/SIGINT. `lead` mode (host 0): the same, plus the
 scheduler side: it captures the job, plans it on the testbed's configured links (uniform
-split, OP-Fence, or OP-Fence + AdaTopK), runs a `JobCoordinator` for the wall-clock
-budget, then cancels the job and writes a trace
+split, block pipeline, OP-Fence, OP-Fence + AdaTopK, or `swarm`: OP-Fence with every float
+cut edge int8 block-quantized both ways, `compression.codec = "int8"`, no AdaTopK), runs a
+`JobCoordinator` for the wall-clock budget, then cancels the job and writes a trace
 (`bench/wan_common.py`) with the planner's prediction.
 
 Snapshots for the held-out evaluator (`bench/wan_eval.py`): the job checkpoints every step
@@ -127,6 +128,9 @@ def layout_for(plan: Plan, spec: Any, captured: Any, node_of: dict[str, str]) ->
     ids (the TLS identities the stages run under)."""
     machines = [node_of[m] for m in plan.machine_of_stage()]
     op_nodes = {op: machines[s] for op, s in plan.stage_assignment().items()}
+    if spec.compression.int8:
+        return layout_job("wan", captured.graph, captured.state, op_nodes, int8=True,
+                          exact=spec.compression.exact_edges)
     densities = plan.edge_densities() if spec.compression.adatopk else {}
     return layout_job("wan", captured.graph, captured.state, op_nodes, densities=densities)
 
@@ -182,7 +186,8 @@ def block_plan(spec: Any, captured: Any, cluster: Cluster) -> Plan:
 
 def make_plan(mode: str, spec: Any, captured: Any, cluster: Cluster) -> Plan:
     """(1) uniform: equal op counts per machine in host order, dense; (2) OP-Fence dense;
-    (3) OP-Fence + AdaTopK (the spec's `compression.adatopk` decides 2 vs 3)."""
+    (3) OP-Fence + AdaTopK; (6) OP-Fence with int8 cut edges (the spec's `compression`
+    decides 2, 3 or 6: the planner costs the cuts as they will travel)."""
     if mode == "pipeline":
         return block_plan(spec, captured, cluster)
     if mode == "uniform":
@@ -191,6 +196,11 @@ def make_plan(mode: str, spec: Any, captured: Any, cluster: Cluster) -> Plan:
                                   {sym: spec.batch.micro_batch_size} if sym else {})
         return uniform_plan(cost, cluster, job_settings(spec))
     return plan_job(spec, captured, cluster)
+
+
+def job_toml(wl: Workload, mode: str) -> str:
+    """The job file of a run mode: AdaTopK only for `adatopk`, int8 cut edges for `swarm`."""
+    return wl.job_toml(adatopk=mode == "adatopk", codec="int8" if mode == "swarm" else "topk")
 
 
 def snapshot_name(partition: int, step: int) -> str:
@@ -269,7 +279,7 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
     wl = Workload.from_dict(args.workload_data)
     desc = args.cluster_data
     hosts: list[str] = list(desc["hosts"])
-    spec = parse_job(wl.job_toml(adatopk=args.mode == "adatopk"))
+    spec = parse_job(job_toml(wl, args.mode))
     _, captured = capture_job(spec)
     profiles = read_profiles(Path(args.profile_dir), hosts)
     cluster = build_cluster(desc, hosts, profiles)
@@ -286,6 +296,7 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
         "predicted_iteration_s": plan.iteration_s,
         "stages": plan.machine_of_stage(),
         "densities": plan.edge_densities(),
+        "int8_edges": sorted(layout.int8_edges),
         "idle": dict(plan.idle),
         "profiles": profiles,
         "prediction": prediction_detail(plan, wl.micro_batches),
@@ -367,7 +378,7 @@ def main() -> None:
                     help="this host's TLS credentials (ca.crt, node.crt, node key)")
     ap.add_argument("--listen", type=_addr, required=True)
     ap.add_argument("--peer", action="append", default=[], help="NODE_ID=ADDR:PORT")
-    ap.add_argument("--mode", choices=["uniform", "pipeline", "opfence", "adatopk"],
+    ap.add_argument("--mode", choices=["uniform", "pipeline", "opfence", "adatopk", "swarm"],
                     default="adatopk")
     ap.add_argument("--budget", type=float, default=60.0)
     ap.add_argument("--cluster", help="JSON: hosts, bandwidth_bits_per_s, rtt_s, cpu")

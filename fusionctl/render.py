@@ -347,13 +347,14 @@ def render_job(d: Mapping[str, Any]) -> None:
                   "-" if wait is None else f"{wait:.0%}")
     c.print(s)
     e = Table(title="links (cut edges)")
-    for col in ("edge", "stages", "density", "wire fwd", "wire bwd", "dense fwd", "dense bwd"):
+    for col in ("edge", "stages", "codec", "wire fwd", "wire bwd", "dense fwd", "dense bwd"):
         e.add_column(col)
     for x in st.get("edges", []):
         w, dn = x.get("wire_bytes", {}), x.get("dense_bytes", {})
         dens = x.get("density")
-        e.add_row(x["edge"], f"{x['src']}->{x['dst']}",
-                  "exact" if dens in (None, 1.0) else f"{dens:g}",
+        codec = ("int8" if x.get("encoding") == "int8" else
+                 "exact" if dens in (None, 1.0) else f"top-k {dens:g}")
+        e.add_row(x["edge"], f"{x['src']}->{x['dst']}", codec,
                   _si_bytes(w.get("forward")), _si_bytes(w.get("backward")),
                   _si_bytes(dn.get("forward")), _si_bytes(dn.get("backward")))
     c.print(e)

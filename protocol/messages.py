@@ -263,7 +263,8 @@ class EdgeRoute(Struct):
     density: float = 1.0
     """Top-k density of the forward tensor; 1.0 = dense (no top-k)."""
     encoding: str = "raw"
-    """Tensor encoding (protocol.tensors.Encoding value) for the dense case."""
+    """Tensor encoding (protocol.tensors.Encoding value) for the dense case: "raw" (exact) or
+    "int8" (forward and backward int8 block-quantized; never with density < 1)."""
 
 
 # --- handshake (type ids 1..3; layout frozen for every protocol version) ---------------------

@@ -3,7 +3,8 @@
 Pure functions (no I/O): the daemon's scheduler calls
 
 1. `layout_job(job_id, graph, state, op_nodes, densities=...)` with the plan's op -> machine
-   assignment (`fusiond.plan.Plan.assignment`) and per-edge densities, which cuts the graph
+   assignment (`fusiond.plan.Plan.assignment`) and per-edge densities (or `int8=True`: every
+   float cut edge int8 block-quantized), which cuts the graph
    (`fusiond.graph.partition`) and numbers the partitions in pipeline order (partition id ==
    stage number: stage 0 reads the data, every edge goes from a lower to a higher stage);
 2. `assign_messages(layout, spec, state, term=..., plan_version=..., addresses=...)`, which
@@ -23,7 +24,7 @@ import torch
 from fusiond.errors import LocalError
 from fusiond.graph import SINK, SOURCE, Partition, partition, state_to_bytes
 from fusiond.train.data import text_tokens
-from fusiond.train.programs import cut_densities, shared_params
+from fusiond.train.programs import compressible_edges, cut_densities, shared_params
 from fusiond.train.remote import DATA_TOKENS_KEY, job_config
 from fusiond.train.spec import JobSpec, default_text_path
 from protocol import ir
@@ -70,6 +71,8 @@ class JobLayout:
     input_name: str
     targets_name: str | None
     loss_name: str
+    int8_edges: frozenset[str] = frozenset()
+    """Edge ids that travel int8 block-quantized both ways (never also in `densities`)."""
 
     @property
     def stage_nodes(self) -> dict[int, str]:
@@ -87,6 +90,7 @@ class JobLayout:
                 out.append(EdgeRoute(
                     edge=e.id, src_partition=e.src, dst_partition=e.dst, src_node=nodes[e.src],
                     dst_node=nodes[e.dst], density=self.densities.get(e.id, 1.0),
+                    encoding="int8" if e.id in self.int8_edges else "raw",
                 ))
         return out
 
@@ -100,12 +104,16 @@ def layout_job(
     densities: Mapping[str, float] | None = None,
     density: float | None = None,
     exact: tuple[str, ...] = (),
+    int8: bool = False,
 ) -> JobLayout:
     """Cut `graph` by the plan's op -> machine map; one stage per machine, in pipeline order.
 
     `densities` (edge id `<value>-><dst stage>` -> density) comes from the planner's AdaTopK;
-    `density` instead forces one density on every float cut edge except `exact` ones.
+    `density` instead forces one density on every float cut edge except `exact` ones; `int8`
+    sends every float cut edge except `exact` ones int8 block-quantized (no top-k with it).
     """
+    if int8 and (density is not None or densities):
+        raise LayoutError("int8 cut edges are never top-k: give no densities with int8")
     tensor_nodes = [n.id for n in graph.nodes if any(m.is_tensor for m in n.outputs)]
     missing = [n for n in tensor_nodes if n not in op_nodes]
     if missing:
@@ -144,8 +152,9 @@ def layout_job(
         for e in p.inputs:
             if e.src == SOURCE and e.value not in names:
                 raise LayoutError(f"partition {p.id} reads unknown graph input {e.value!r}")
+    int8_edges = frozenset(compressible_edges(parts, exact)) if int8 else frozenset()
     return JobLayout(job_id, graph, stages, dict(densities), shared, data[0], targets,
-                     graph.outputs[0].name)
+                     graph.outputs[0].name, int8_edges)
 
 
 @dataclass(frozen=True)

@@ -376,7 +376,7 @@ class JobCoordinator:
             ],
             "edges": [
                 {"edge": e.edge, "src": e.src_partition, "dst": e.dst_partition,
-                 "density": densities.get(e.edge),
+                 "density": densities.get(e.edge), "encoding": e.encoding,
                  "wire_bytes": {k[1]: v[0] for k, v in self._totals.items() if k[0] == e.edge},
                  "dense_bytes": {k[1]: v[1] for k, v in self._totals.items() if k[0] == e.edge}}
                 for e in self.layout.edges()

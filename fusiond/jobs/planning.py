@@ -4,7 +4,8 @@
 micro-batch size; a job that fits no cut of the machines' memory is refused with the planner's
 `PlanError` naming the sizes. `layout_from_plan` turns the plan into the `JobLayout` that
 `assign_messages` / `JobCoordinator` take: machines per stage from the plan, densities from its
-AdaTopK policy (or the job's forced `compression.density`). `readapted_densities` is the
+AdaTopK policy (or the job's forced `compression.density`; with `compression.codec = "int8"`
+every float cut edge int8 instead, costed so by the planner). `readapted_densities` is the
 scheduler's re-adaptation decision while the job runs: the same cut, densities recomputed for
 the links as measured now.
 """
@@ -40,6 +41,7 @@ def job_settings(spec: JobSpec) -> JobSettings:
         schedule=spec.batch.pipeline,
         density_floor=spec.compression.density_floor,
         exact_edges=frozenset(spec.compression.exact_edges),
+        int8_edges=spec.compression.int8,
     )
 
 
@@ -56,9 +58,13 @@ def plan_job(spec: JobSpec, captured: CapturedModel, cluster: Cluster) -> Plan:
 
 def layout_from_plan(job_id: str, graph: ir.Graph, state: Mapping[str, torch.Tensor],
                      plan: Plan, spec: JobSpec) -> JobLayout:
-    """The job's stages on the plan's machines, with the plan's (or the forced) densities."""
+    """The job's stages on the plan's machines, with the plan's (or the forced) densities, or
+    int8 cut edges."""
     machines = plan.machine_of_stage()
     op_nodes = {op: machines[s] for op, s in plan.stage_assignment().items()}
+    if spec.compression.int8:
+        return layout_job(job_id, graph, state, op_nodes, int8=True,
+                          exact=spec.compression.exact_edges)
     if spec.compression.density is not None:
         return layout_job(job_id, graph, state, op_nodes, density=spec.compression.density,
                           exact=spec.compression.exact_edges)

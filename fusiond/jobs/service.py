@@ -512,6 +512,8 @@ def _stages_table(layout: JobLayout, densities: Mapping[str, float]) -> str:
                      f"{len(s.partition.param_names):>10}")
     if densities:
         lines.append("top-k edges: " + ", ".join(f"{e} {d:g}" for e, d in densities.items()))
+    if layout.int8_edges:
+        lines.append("int8 edges: " + ", ".join(sorted(layout.int8_edges)))
     return "\n".join(lines)
 
 
@@ -1575,7 +1577,8 @@ class JobService:
             op_nodes = {op: ids[p] for op, p in cut.items()}
             layout = await asyncio.to_thread(
                 layout_job, job_id, captured.graph, state, op_nodes,
-                density=spec.compression.density, exact=spec.compression.exact_edges)
+                density=spec.compression.density, exact=spec.compression.exact_edges,
+                int8=spec.compression.int8)
             why = refuse_stages(captured.graph, {s.stage: (s.node_id, s.partition.node_ids)
                                                  for s in layout.stages},
                                 self._sets_of(cluster), stages)

@@ -49,8 +49,11 @@ def _rates(lk: LinkReport) -> tuple[float, float]:
 def adapt_densities(
     arrays: GraphArrays, stages: tuple[StageSpec, ...] | list[StageSpec]
 ) -> dict[tuple[str, int], float]:
-    """Densities (tensor name, destination stage) -> d < 1 for the links that need them."""
+    """Densities (tensor name, destination stage) -> d < 1 for the links that need them; none
+    when the job's cut edges travel int8 (`JobSettings.int8_edges`: never also top-k)."""
     st = arrays.settings
+    if st.int8_edges:
+        return {}
     floor = st.density_floor
     dense = evaluate(arrays, stages)
     by_name = {t.name: t for t in arrays.graph.tensors}

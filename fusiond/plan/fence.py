@@ -630,6 +630,12 @@ def _refine(arrays: GraphArrays, best: _Candidate, compress: bool) -> _Candidate
     return best
 
 
+def _no_topk_on_int8(settings: JobSettings, compress: bool) -> None:
+    if compress and settings.int8_edges:
+        raise PlanError("AdaTopK (compress=True) does not apply to int8 cut edges "
+                        "(JobSettings.int8_edges): plan without compress")
+
+
 def plan_opfence(
     graph: CostGraph,
     cluster: Cluster,
@@ -643,8 +649,10 @@ def plan_opfence(
 ) -> Plan:
     """Plan `graph` on `cluster` with OP-Fence (and AdaTopK densities when `compress`).
 
-    Raises PlanError when no cut fits the machines' memory.
+    Raises PlanError when no cut fits the machines' memory. With `settings.int8_edges` the cut
+    edges are costed int8 and `compress` (top-k) is refused: the two do not stack.
     """
+    _no_topk_on_int8(settings, compress)
     arrays = arrays or GraphArrays(graph, cluster, settings)
     if arrays.n == 0:
         raise PlanError("cannot plan an empty graph")
@@ -692,7 +700,8 @@ def plan_opfence(
         )
     dense = evaluate(arrays, best.stages) if best.densities else best.evaluation
     return Plan(
-        method="op-fence+adatopk" if compress else "op-fence",
+        method="op-fence+adatopk" if compress else
+        "op-fence+int8" if settings.int8_edges else "op-fence",
         arrays=arrays,
         stages=tuple(best.stages),
         densities=best.densities,
@@ -791,6 +800,7 @@ def plan_from_stages(
     compress: bool = False,
 ) -> Plan:
     """Evaluate a given cut (e.g. from a re-plan or a user) as a Plan."""
+    _no_topk_on_int8(settings, compress)
     arrays = GraphArrays(graph, cluster, settings)
     cand = _score(arrays, list(stages), compress)
     return Plan(

@@ -291,7 +291,9 @@ class JobSettings:
     step (Adam: read p, g, m, v and write p, m, v = 7). `memory_fraction`: the share of a
     machine's memory the job may use (the rest is runtime, allocator slack, buffers).
     `topk_*_bytes`: wire bytes per kept element (forward: fp16 value + delta-coded index; the
-    backward only sends values, the sender knows the indices).
+    backward only sends values, the sender knows the indices). `int8_edges`: every compressible
+    cut tensor travels int8 block-quantized both ways (`int8_wire_bytes`), never top-k
+    (AdaTopK does not apply).
     """
 
     micro_batch_size: int = 1
@@ -303,6 +305,7 @@ class JobSettings:
     memory_fraction: float = 0.9
     topk_fwd_bytes: float = 3.5
     topk_bwd_bytes: float = 2.0
+    int8_edges: bool = False
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.num_micro_batches < 1:
@@ -368,12 +371,34 @@ def _op_arrays(graph: CostGraph) -> dict[str, Any]:
     return arr
 
 
+INT8_BLOCK_ELEMENTS = 256
+"""Elements per float32 scale of an int8 edge (`protocol.tensors.DEFAULT_BLOCK_SIZE`)."""
+INT8_SCALE_BYTES = 4
+
+
+def int8_wire_bytes(numel: float) -> float:
+    """Bytes of `numel` elements int8 block-quantized: one byte each plus a float32 scale per
+    block of `INT8_BLOCK_ELEMENTS` (the last block may be partial): (1 + 4/256) / 4 = 0.2539
+    of the fp32 bytes."""
+    return numel + INT8_SCALE_BYTES * math.ceil(numel / INT8_BLOCK_ELEMENTS)
+
+
+def dense_wire_bytes(t: TensorEdge, batch: int) -> tuple[float, float]:
+    """(forward, backward) bytes of tensor `t` sent uncompressed (its own dtype)."""
+    dense_f = batch * t.nbytes
+    return dense_f, dense_f if t.grad else 0.0
+
+
 def wire_bytes(t: TensorEdge, batch: int, density: float, settings: JobSettings) -> tuple[
     float, float
 ]:
-    """(forward, backward) bytes on the wire for tensor `t` at `density` (1.0 = dense)."""
-    dense_f = batch * t.nbytes
-    dense_b = dense_f if t.grad else 0.0
+    """(forward, backward) bytes on the wire for tensor `t` at `density` (1.0 = dense); with
+    `settings.int8_edges` a compressible tensor not in `exact_edges` is int8 both ways (the
+    planner gives such a tensor no density: AdaTopK does not apply to int8 edges)."""
+    dense_f, dense_b = dense_wire_bytes(t, batch)
+    if settings.int8_edges and t.compressible and t.name not in settings.exact_edges:
+        q = int8_wire_bytes(batch * t.numel)
+        return q, q if t.grad else 0.0
     if density >= 1.0 or not t.compressible:
         return dense_f, dense_b
     kept = batch * t.numel * density

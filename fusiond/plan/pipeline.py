@@ -39,6 +39,7 @@ from fusiond.plan.model import (
     CostGraph,
     JobSettings,
     PlanError,
+    dense_wire_bytes,
     op_forward_times,
     op_times,
     wire_bytes,
@@ -358,7 +359,7 @@ def evaluate(
         for ds in sorted({int(stage_of[d]) for d in t.dsts} - {ps}):
             d = dens.get((t.name, ds), 1.0)
             f, bk = wire_bytes(t, b, d, st)
-            df, db = wire_bytes(t, b, 1.0, st)
+            df, db = dense_wire_bytes(t, b)
             acc = traffic.setdefault((ps, ds), [0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0])
             acc[0] += f
             acc[1] += bk

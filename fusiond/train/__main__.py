@@ -90,7 +90,8 @@ async def _main(args: argparse.Namespace) -> int:
                 density = args.density if args.density is not None else spec.compression.density
                 layout = layout_job(spec.name, job.captured.graph, job.captured.state,
                                     {op: names[i] for op, i in cut.items()}, density=density,
-                                    exact=spec.compression.exact_edges)
+                                    exact=spec.compression.exact_edges,
+                                    int8=spec.compression.int8)
                 coord = JobCoordinator(
                     send=n0.send_fn(), spec=spec, captured=job.captured, layout=layout,
                     addresses={"node0": n0.net.address}

@@ -2,13 +2,17 @@
 
 An exact edge travels RAW (fp32 stays fp32, so an uncompressed pipeline is bit-identical to
 local autograd). A top-k edge travels TOPK forward and VALUES backward: the gradient only at the
-indices the forward kept, which is the exact gradient of `y = mask * x`.
+indices the forward kept, which is the exact gradient of `y = mask * x`. An int8 edge travels
+INT8 both ways (`encode_int8`: per-block absmax, `protocol.tensors.DEFAULT_BLOCK_SIZE` elements
+per float32 scale) and decodes dense: straight-through, the gradient with respect to the
+dequantized activation is taken as the activation's gradient.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
 import torch
@@ -18,16 +22,25 @@ from protocol.errors import RemoteProtocolError
 from protocol.limits import DEFAULT_LIMITS, Limits
 
 __all__ = [
+    "EDGE_ENCODINGS",
+    "EdgeEncoding",
     "Encoded",
     "decode_any",
     "decode_dense",
     "decode_topk",
     "decode_values",
     "encode_dense",
+    "encode_int8",
     "encode_topk",
     "encode_values",
     "topk_count",
 ]
+
+
+EdgeEncoding = Literal["raw", "int8"]
+"""How a cut edge travels when it is not top-k: "raw" (exact) or "int8" (block-quantized, both
+directions)."""
+EDGE_ENCODINGS: tuple[EdgeEncoding, ...] = get_args(EdgeEncoding)
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,16 @@ def encode_dense(t: torch.Tensor) -> Encoded:
     """RAW encoding: exact, every element."""
     arr = _np(t)
     enc = wire.encode(arr, wire.Encoding.RAW)
+    payload = _join(enc)
+    return Encoded(payload, len(payload), arr.nbytes)
+
+
+def encode_int8(t: torch.Tensor) -> Encoded:
+    """INT8 encoding: per-block absmax quantization, one float32 scale per
+    `protocol.tensors.DEFAULT_BLOCK_SIZE` elements; every element within absmax(block) / 254
+    of its value. Decodes dense (`decode_dense` / `decode_any`)."""
+    arr = _np(t)
+    enc = wire.encode(arr, wire.Encoding.INT8, block_size=wire.DEFAULT_BLOCK_SIZE)
     payload = _join(enc)
     return Encoded(payload, len(payload), arr.nbytes)
 

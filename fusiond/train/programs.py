@@ -11,7 +11,7 @@ held by several partitions (tied weights) are listed as shared so their gradient
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 
@@ -33,6 +33,7 @@ from protocol import ir
 __all__ = [
     "build_stage_module",
     "capture_job",
+    "compressible_edges",
     "cut_densities",
     "shared_params",
     "stage_program",
@@ -95,20 +96,18 @@ def shared_params(partitions: Sequence[Partition], stage_of: Mapping[int, int],
     return out
 
 
+def compressible_edges(partitions: Sequence[Partition], exact: Sequence[str] = ()) -> list[str]:
+    """The ids of every float cut edge, except edges (or values) named in `exact`."""
+    return [e.id for p in partitions for e in p.outputs
+            if e.dst != SINK and e.meta.is_float and e.id not in exact and e.value not in exact]
+
+
 def cut_densities(partitions: Sequence[Partition], density: float | None,
                   exact: Sequence[str] = ()) -> dict[str, float]:
     """Edge id -> density for every float cut edge, except edges (or values) named in `exact`."""
     if density is None:
         return {}
-    out: dict[str, float] = {}
-    for p in partitions:
-        for e in p.outputs:
-            if e.dst == SINK or not e.meta.is_float:
-                continue
-            if e.id in exact or e.value in exact:
-                continue
-            out[e.id] = density
-    return out
+    return dict.fromkeys(compressible_edges(partitions, exact), density)
 
 
 def stage_program(
@@ -121,9 +120,16 @@ def stage_program(
     densities: Mapping[str, float] | None = None,
     shared: Mapping[str, tuple[int, ...]] | None = None,
     per_row: bool = True,
+    int8_edges: Collection[str] = (),
 ) -> StageProgram:
-    """Build one partition into a `StageProgram` (parameters copied from `state`)."""
+    """Build one partition into a `StageProgram` (parameters copied from `state`); edges in
+    `int8_edges` travel int8 both ways."""
     densities = densities or {}
+
+    def edge(eid: str, src: int, dst: int) -> EdgeSpec:
+        return EdgeSpec(eid, src, dst, densities.get(eid), per_row,
+                        "int8" if eid in int8_edges else "raw")
+
     module = build_stage_module(part.graph, state)
     stage = stage_of[part.id]
     in_edges: list[EdgeSpec] = []
@@ -137,7 +143,7 @@ def stage_program(
             else:
                 raise StageError(f"partition {part.id} reads graph input {e.value!r}: no data")
             continue
-        in_edges.append(EdgeSpec(e.id, stage_of[e.src], stage, densities.get(e.id), per_row))
+        in_edges.append(edge(e.id, stage_of[e.src], stage))
     out_edges: list[EdgeSpec] = []
     loss_name: str | None = None
     for e in part.outputs:
@@ -145,7 +151,7 @@ def stage_program(
             if loss_name is None:
                 loss_name = e.value
             continue
-        out_edges.append(EdgeSpec(e.id, stage, stage_of[e.dst], densities.get(e.id), per_row))
+        out_edges.append(edge(e.id, stage, stage_of[e.dst]))
     in_value = {e.id: e.value for e in part.inputs}
     out_value = {e.id: e.value for e in part.outputs}
     data_key = {v: k for k, v in data_map.items()}
@@ -181,8 +187,10 @@ def stage_programs(
     *,
     densities: Mapping[str, float] | None = None,
     per_row: bool = True,
+    int8_edges: Collection[str] = (),
 ) -> list[StageProgram]:
-    """Every partition as a stage program; stage i is `partitions[i]`."""
+    """Every partition as a stage program; stage i is `partitions[i]` (edges in `int8_edges`
+    travel int8)."""
     stage_of = {p.id: i for i, p in enumerate(partitions)}
     shared = shared_params(partitions, stage_of, state)
     names = [i.name for i in graph.inputs]
@@ -194,6 +202,7 @@ def stage_programs(
         stage_program(
             p, state, stage_of=stage_of, input_name=inputs[0], targets_name=targets,
             densities=densities, shared=shared[stage_of[p.id]], per_row=per_row,
+            int8_edges=int8_edges,
         )
         for p in partitions
     ]

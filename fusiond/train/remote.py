@@ -2,8 +2,9 @@
 
 The scheduler side (`fusiond.jobs.assign`) sends every machine an `Assign`: its partition's
 sub-graph (`protocol.ir` bytes), its boundary edges (`EdgeRoute`: edge id, src/dst partition and
-node, density), the address of every node in the job, and `config`, the job settings below (a
-msgpack map); the partition's initial weights travel in the frame payload as safetensors bytes.
+node, density, encoding: "raw" or "int8"), the address of every node in the job, and `config`,
+the job settings below (a msgpack map); the partition's initial weights travel in the frame
+payload as safetensors bytes.
 Partition ids ARE pipeline stage numbers (0 reads the data; edges go from lower to higher).
 
 `StageHost(assign, payload, net)` validates all of that (a `RemoteError` names the bad field),
@@ -31,6 +32,7 @@ import torch
 from fusiond.errors import RemoteError
 from fusiond.graph import state_from_bytes
 from fusiond.graph.registry import check_ops
+from fusiond.train.codec import EDGE_ENCODINGS, EdgeEncoding
 from fusiond.train.data import DataSource, TextWindows, corpus_digest, make_source
 from fusiond.train.programs import build_stage_module
 from fusiond.train.schedule import schedule
@@ -212,8 +214,16 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
             raise RemoteError(f"Assign.edges: {r.edge!r} goes backwards in the pipeline")
         if not 0.0 < r.density <= 1.0:
             raise RemoteError(f"Assign.edges: {r.edge!r} density {r.density} not in (0, 1]")
+        if r.encoding not in EDGE_ENCODINGS:
+            raise RemoteError(f"Assign.edges: {r.edge!r} encoding {r.encoding!r} is not one of "
+                              f"{list(EDGE_ENCODINGS)}")
         density = None if r.density >= 1.0 else r.density
-        edges.append(EdgeSpec(r.edge, r.src_partition, r.dst_partition, density))
+        if r.encoding == "int8" and density is not None:
+            raise RemoteError(f"Assign.edges: {r.edge!r} is int8 and top-k (density "
+                              f"{r.density}): an int8 edge is never top-k")
+        encoding: EdgeEncoding = "int8" if r.encoding == "int8" else "raw"
+        edges.append(EdgeSpec(r.edge, r.src_partition, r.dst_partition, density,
+                              encoding=encoding))
         for s, node in ((r.src_partition, r.src_node), (r.dst_partition, r.dst_node)):
             if stage_nodes.setdefault(s, node) != node:
                 raise RemoteError(f"Assign.edges: partition {s} on two nodes")
@@ -305,12 +315,10 @@ def program_from_assignment(sa: StageAssignment) -> StageProgram:
     """Build the partition module and describe its boundary for the executor."""
     module = build_stage_module(sa.graph, sa.state)
     in_edges = tuple(
-        EdgeSpec(e.edge_id, e.src, e.dst, e.density, sa.per_row) for e in sa.edges
-        if e.dst == sa.stage
+        replace(e, per_row=sa.per_row) for e in sa.edges if e.dst == sa.stage
     )
     out_edges = tuple(
-        EdgeSpec(e.edge_id, e.src, e.dst, e.density, sa.per_row) for e in sa.edges
-        if e.src == sa.stage
+        replace(e, per_row=sa.per_row) for e in sa.edges if e.src == sa.stage
     )
     names = {i.name for i in sa.graph.inputs}
     data_map: dict[str, str] = {}

@@ -64,6 +64,8 @@ LossKind = Literal["lm_cross_entropy", "cross_entropy", "mse"]
 OptimizerKind = Literal["adamw", "sgd"]
 ScheduleKind = Literal["constant", "cosine"]
 PipelineKind = Literal["1f1b", "gpipe"]
+CodecKind = Literal["topk", "int8"]
+CODECS: tuple[CodecKind, ...] = ("topk", "int8")
 
 
 def default_text_path() -> Path:
@@ -149,8 +151,11 @@ class BatchSpec:
 
 @dataclass(frozen=True)
 class CompressionSpec:
-    """AdaTopK on cut edges.
+    """How cut edges are compressed.
 
+    `codec`: "topk" (the default: AdaTopK or a forced `density`, as below; neither = exact) or
+    "int8" (every float cut edge except `exact_edges` carries its activation and its gradient
+    int8 block-quantized, 0.254 of fp32 bytes, decoded dense; no top-k: `adatopk` is False).
     `adatopk`: let the planner pick per-edge densities from link speeds (>= `density_floor`).
     `density`: if set, force this density on every cut edge (except `exact_edges`) instead.
     `exact_edges`: edge ids or producing node ids never compressed.
@@ -166,6 +171,12 @@ class CompressionSpec:
     exact_edges: tuple[str, ...]
     per_row: bool = True
     readapt_interval_s: float = 10.0
+    codec: CodecKind = "topk"
+
+    @property
+    def int8(self) -> bool:
+        """Whether cut edges travel int8 block-quantized."""
+        return self.codec == "int8"
 
 
 @dataclass(frozen=True)
@@ -401,7 +412,20 @@ def _batch(t: _Table) -> BatchSpec:
 
 
 def _compression(t: _Table) -> CompressionSpec:
-    adatopk = t.boolean("adatopk", True)
+    raw_codec = t.get("codec")
+    if raw_codec is None:
+        codec: CodecKind = "topk"
+    elif isinstance(raw_codec, str) and raw_codec in CODECS:
+        codec = raw_codec
+    else:
+        raise JobSpecError(t.name("codec"), f"must be one of {list(CODECS)}, got {raw_codec!r}")
+    if codec != "topk":
+        # top-k and int8 do not stack: an int8 edge is never also top-k'd
+        for key, on in (("adatopk", t.get("adatopk") is True), ("density", t.has("density"))):
+            if on:
+                raise JobSpecError(t.name(key), f"top-k does not apply with compression.codec = "
+                                                f"{codec!r}; remove {key} or set codec = 'topk'")
+    adatopk = t.boolean("adatopk", codec == "topk")
     floor = t.number("density_floor", 0.01, lo=0.0, lo_open=True, hi=1.0)
     density: float | None = None
     if t.has("density"):
@@ -422,7 +446,7 @@ def _compression(t: _Table) -> CompressionSpec:
     t.finish()
     return CompressionSpec(
         adatopk=adatopk, density_floor=floor, density=density, exact_edges=exact, per_row=per_row,
-        readapt_interval_s=readapt_s,
+        readapt_interval_s=readapt_s, codec=codec,
     )
 
 

@@ -21,6 +21,8 @@ stays bit-identical), and the optimizer steps.
 
 Top-k edges: forward sends TOPK and the sender keeps the kept indices per (edge, micro-batch); the
 receiver learns them from the payload and answers with a VALUES gradient at those indices only.
+Int8 edges (`EdgeSpec.encoding`): forward sends INT8, the receiver decodes it dense and answers
+with an INT8 gradient (straight-through: the gradient at the dequantized activation).
 """
 
 from __future__ import annotations
@@ -154,7 +156,9 @@ class StageLink(Protocol):
 
 @dataclass(frozen=True)
 class EdgeSpec:
-    """A cut edge from stage `src` to stage `dst`; `density` None means exact (RAW).
+    """A cut edge from stage `src` to stage `dst`; `density` None means not top-k: the edge
+    travels as `encoding` says, "raw" (exact) or "int8" (activation and gradient int8
+    block-quantized, decoded dense; straight-through). An int8 edge is never top-k.
 
     `per_row`: top-k per row of the last axis rather than over the whole tensor.
     """
@@ -164,6 +168,15 @@ class EdgeSpec:
     dst: int
     density: float | None = None
     per_row: bool = True
+    encoding: codec.EdgeEncoding = "raw"
+
+    def __post_init__(self) -> None:
+        if self.encoding not in codec.EDGE_ENCODINGS:
+            raise StageError(f"edge {self.edge_id!r}: encoding {self.encoding!r} is not one of "
+                             f"{list(codec.EDGE_ENCODINGS)}")
+        if self.encoding == "int8" and self.density is not None:
+            raise StageError(f"edge {self.edge_id!r}: an int8 edge cannot also be top-k "
+                             f"(density {self.density})")
 
 
 RunFn = Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]
@@ -488,6 +501,9 @@ class StageExecutor:
         """
         if edge_id not in self._out:
             raise StageError(f"stage {self.stage} sends no edge {edge_id!r}")
+        if self._out[edge_id].encoding == "int8" and density is not None and density < 1.0:
+            raise StageError(f"edge {edge_id!r} travels int8: top-k (density {density}) does "
+                             "not apply to it")
         if density is not None and not 0.0 < density <= 1.0:
             raise StageError(f"edge {edge_id!r}: density {density} not in (0, 1]")
         self._density[edge_id] = None if density is not None and density >= 1.0 else density
@@ -606,8 +622,10 @@ class StageExecutor:
                                  fault=FAULT_JOB)
             t = out[edge_id]
             density = self._density[edge_id]
-            if density is None or not _is_float(t):
+            if not _is_float(t):
                 enc = codec.encode_dense(t)
+            elif density is None:
+                enc = codec.encode_int8(t) if e.encoding == "int8" else codec.encode_dense(t)
             else:
                 enc, sent_idx[edge_id] = codec.encode_topk(t, density, e.per_row)
             if _is_float(t):
@@ -644,6 +662,8 @@ class StageExecutor:
             g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             if edge_id in ctx.recv_idx:
                 enc = codec.encode_values(g, ctx.recv_idx[edge_id])
+            elif e.encoding == "int8":
+                enc = codec.encode_int8(g)
             else:
                 enc = codec.encode_dense(g)
             pkt = Packet(PacketKind.BACKWARD, step, micro, edge_id, self.stage, e.src, enc.payload)

@@ -259,6 +259,41 @@ def test_the_block_pipeline_cuts_only_at_block_boundaries() -> None:
     assert n <= 3 and plan.evaluation.iteration_s > 0
 
 
+def test_swarm_is_fusions_pipeline_with_int8_cuts_where_the_planner_puts_them() -> None:
+    from bench.wan import FUSION_RUNS, NOT_YET, expected_systems
+    from bench.wan_common import Workload
+    from bench.wan_fusion import job_toml, layout_for, make_plan
+    from fusiond.plan.topology import cluster_from_topology
+    from fusiond.train.programs import capture_job
+    from fusiond.train.spec import parse_job
+
+    assert "swarm" not in NOT_YET and "swarm" in FUSION_RUNS
+    assert all("swarm" in expected_systems(r) for r in ("fits", "nofit"))
+    wl = Workload(size="tiny", n_layer=2, n_embd=32, n_head=2, seq_len=16, batch=8,
+                  micro_batches=2)
+    modes = {m: parse_job(job_toml(wl, m)).compression for m in ("swarm", "opfence", "adatopk")}
+    assert modes["swarm"].int8 and not modes["swarm"].adatopk
+    assert not modes["opfence"].int8 and not modes["opfence"].adatopk
+    assert not modes["adatopk"].int8 and modes["adatopk"].adatopk
+    spec = parse_job(job_toml(wl, "swarm"))
+    _, captured = capture_job(spec)
+    kind = {"flops": {"matmul": 1e9, "conv": 1e9, "other": 2e8}, "mem_bw": 5e9,
+            "op_overhead_s": 1e-5, "memory_gib": 4}
+    cluster, _ = cluster_from_topology({
+        "name": "t", "kinds": {"cpu": kind},
+        "groups": [{"name": "g", "kind_counts": {"cpu": 3}, "mbit": 1000}],
+        "inter_mbit": [[0]]})
+    plan = make_plan("swarm", spec, captured, cluster)
+    assert plan.method == "op-fence+int8" and not plan.densities
+    node_of = {m: f"node-{m}" for m in cluster.ids()}
+    layout = layout_for(plan, spec, captured, node_of)
+    routes = layout.edges()
+    assert len(plan.stages) >= 2 and routes
+    assert layout.int8_edges and not layout.densities
+    assert {r.edge for r in routes if r.encoding == "int8"} == set(layout.int8_edges)
+    assert plan.evaluation.links[0].fwd_bytes < 0.3 * plan.evaluation.links[0].dense_fwd_bytes
+
+
 def test_the_plots_redraw_from_the_committed_traces(tmp_path: Path) -> None:
     import json
 

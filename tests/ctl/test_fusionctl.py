@@ -205,13 +205,16 @@ def test_job_view_shows_each_stage_busy_and_waiting(capsys: Capture) -> None:
     status = {"stages": [{"stage": 0, "node": "n0", "busy": 0.42, "wait": 0.31},
                          {"stage": 1, "node": "n1", "busy": None, "wait": None}],
               "edges": [{"edge": "h->1", "src": 0, "dst": 1, "density": 0.1,
-                         "wire_bytes": {"forward": 2048}, "dense_bytes": {"forward": 20480}}]}
+                         "wire_bytes": {"forward": 2048}, "dense_bytes": {"forward": 20480}},
+                        {"edge": "g->1", "src": 0, "dst": 1, "density": 1.0, "encoding": "int8",
+                         "wire_bytes": {"forward": 5200}, "dense_bytes": {"forward": 20480}}]}
     render_job({"job_id": "j1", "name": "gpt2", "state": "running", "step": 3, "steps": 10,
                 "loss": 4.2, "first_loss": 5.5, "eta_s": 12.0, "output": "runs/gpt2",
                 "plan": "2 stages", "history": [{"tokens_per_s": 1234.0}], "status": status})
     out = capsys.readouterr().out
     assert "waiting" in out and "42%" in out and "31%" in out
-    assert "1,234 tokens/s" in out and "0.1" in out
+    assert "1,234 tokens/s" in out and "top-k 0.1" in out
+    assert "int8" in out and "exact" not in out  # an int8 edge is not exact
 
 
 @pytest.mark.multidaemon

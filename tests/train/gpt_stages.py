@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusiond.models.gpt2 import GPT
+from fusiond.train.codec import EdgeEncoding
 from fusiond.train.stage import EdgeSpec, StageProgram
 
 
@@ -59,16 +60,17 @@ class _Last(nn.Module):
 
 
 def three_stages(g: GPT, density: float | None = None, *, first_blocks: int = 1,
-                 last_blocks: int = 0) -> list[StageProgram]:
+                 last_blocks: int = 0, encoding: EdgeEncoding = "raw") -> list[StageProgram]:
     """Stage 0: embeddings + the first `first_blocks` blocks; stage 1: the blocks between;
-    stage 2: the last `last_blocks` blocks, ln_f, LM head and the loss."""
+    stage 2: the last `last_blocks` blocks, ln_f, LM head and the loss. Both cut edges at
+    `density` (top-k) or travelling as `encoding`."""
     n = g.config.n_layer
     cut = n - last_blocks
     first = _First(g, list(range(first_blocks)))
     mid = _Middle(g, list(range(first_blocks, cut)))
     last = _Last(g, list(range(cut, n)))
-    e01 = EdgeSpec("h0", 0, 1, density)
-    e12 = EdgeSpec("h1", 1, 2, density)
+    e01 = EdgeSpec("h0", 0, 1, density, encoding=encoding)
+    e12 = EdgeSpec("h1", 1, 2, density, encoding=encoding)
 
     def run0(i: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {"h0": first(i["inputs"])}

@@ -77,6 +77,38 @@ async def test_topk_edges_compress_and_train(small_text: TextWindows,
     assert res.losses[-1] < res.losses[0]
 
 
+async def test_int8_edges_quantize_both_ways_and_train(small_text: TextWindows,
+                                                      adamw: OptimizerSpec) -> None:
+    torch.manual_seed(0)
+    g = gpt2("tiny")
+    from fusiond.train.stage import StageExecutor
+
+    steps = 8
+    execs: list[StageExecutor] = []
+    res = await run_pipeline(three_stages(g, encoding="int8"), data=small_text, batch_size=8,
+                             micro_batches=4, optimizer=adamw, steps=steps,
+                             on_executors=execs.extend)
+    want, _ = _reference(g, adamw, small_text, steps)
+    m = res.metrics[-1]
+    assert {e.edge for e in m.edges} == {"h0", "h1"}
+    # 1 byte per element + a float32 scale per 256: (1 + 4/256) / 4 = 0.2539 of fp32, plus a
+    # 96-byte descriptor per tensor (1.2 % of these 2 x 32 x 32 micro-batches), both ways; lz4
+    # may shave a little more off the int8 bytes (0.22-0.24 seen on bench/wan.py's GPT-2 mini)
+    for e in m.edges:
+        assert e.density is None
+        assert e.forward_dense == e.backward_dense == 8 * 32 * 32 * 4
+        assert 0.2 * e.forward_dense < e.forward_wire < 0.27 * e.forward_dense
+        assert 0.2 * e.backward_dense < e.backward_wire < 0.27 * e.backward_dense
+    # it trains, with the exact run's losses (measured: within 2e-5 relative; the scales of
+    # 256 elements keep every element within absmax/254 of its value)
+    assert res.losses[-1] < res.losses[0] - 0.2
+    for got, exp in zip(res.losses, want, strict=True):
+        assert got == pytest.approx(exp, rel=1e-3)
+    assert res.losses[0] != pytest.approx(want[0], rel=1e-7)  # ... but the edges quantized
+    with pytest.raises(StageError, match="travels int8"):  # AdaTopK re-adaptation cannot
+        execs[0].set_density("h0", 0.1)                      # turn an int8 edge top-k
+
+
 def _edge_program(fail_at: int | None = None) -> list[StageProgram]:
     """Two stages: y = w0 * x -> edge -> loss = mean((w1 * y - t)^2)."""
     w0, w1 = nn.Linear(4, 4), nn.Linear(4, 4)
@@ -117,6 +149,34 @@ async def test_task_failure_names_stage_and_step(adamw: OptimizerSpec) -> None:
                                    micro_batches=2, optimizer=adamw, steps=5)
         errs = [e for e in ei.value.exceptions if isinstance(e, StageError)]
         assert any("stage 0, step 2, F1" in str(e) and "boom" in str(e) for e in errs), errs
+
+
+async def test_a_non_finite_activation_on_an_int8_edge_fails_as_the_jobs_fault(
+        adamw: OptimizerSpec) -> None:
+    """int8 cannot scale inf or nan (a raw edge would carry it on): the job fails naming the
+    stage and step, and blames no machine (the model diverged)."""
+    from fusiond.train.stage import FAULT_JOB
+
+    w0, w1 = nn.Linear(4, 4), nn.Linear(4, 4)
+    e = EdgeSpec("y", 0, 1, encoding="int8")
+
+    def run0(i: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"y": w0(i["inputs"]) * float("inf")}
+
+    def run1(i: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"loss": ((w1(i["y"]) - i["targets"]) ** 2).mean()}
+
+    progs = [StageProgram(w0, run0, (), (e,), ("inputs",)),
+             StageProgram(w1, run1, (e,), (), ("targets",), True)]
+    with pytest.raises(ExceptionGroup) as ei:
+        async with asyncio.timeout(10):
+            await run_pipeline(progs, data=_Regression(), batch_size=4, micro_batches=2,
+                               optimizer=adamw, steps=2)
+    errs = [x for x in ei.value.exceptions if isinstance(x, StageError)]
+    assert any("stage 0, step 0, F0" in str(x) and "finite" in str(x) and x.fault == FAULT_JOB
+               for x in errs), errs
+    with pytest.raises(StageError, match="cannot also be top-k"):
+        EdgeSpec("y", 0, 1, 0.1, encoding="int8")
 
 
 async def test_missing_input_times_out_naming_the_edge(adamw: OptimizerSpec) -> None:

@@ -54,3 +54,79 @@ def test_job_larger_than_the_cluster_is_refused(captured_tiny) -> None:  # type:
     cluster = Cluster.build(_machines(64e3), [[1.25e9] * 3] * 3)  # 64 kB each
     with pytest.raises(PlanError, match="fits the machines' memory"):
         plan_job(spec, cap, cluster)
+
+
+def _int8(spec):  # type: ignore[no-untyped-def]
+    return replace(spec, compression=replace(spec.compression, codec="int8", adatopk=False))
+
+
+async def test_planned_int8_job_trains_with_quarter_size_cuts(captured_tiny) -> None:  # type: ignore[no-untyped-def]
+    """`compression.codec = "int8"`: the planner costs the cuts int8, every float cut edge goes
+    int8 both ways through the real Assign path (peer links on loopback), and it trains."""
+    spec, cap = captured_tiny
+    spec = _int8(replace(spec, steps=6))
+    cluster = Cluster.build(_machines(8e9), [[1.25e9] * 3] * 3)
+    plan = plan_job(spec, cap, cluster)
+    assert plan.method == "op-fence+int8" and not plan.densities
+    layout = layout_from_plan("int8", cap.graph, cap.state, plan, spec)
+    assert len(layout.stages) >= 2 and not layout.densities
+    routes = layout.edges()
+    floats = {e.id for s in layout.stages for e in s.partition.outputs
+              if e.meta.is_float and e.id in {r.edge for r in routes}}
+    assert floats and layout.int8_edges == floats
+    assert {r.edge: r.encoding for r in routes} == {
+        r.edge: "int8" if r.edge in floats else "raw" for r in routes}
+    assert all(r.density == 1.0 for r in routes)
+    losses: list[float] = []
+    async with inproc_cluster(3) as nodes:
+        sched = nodes["node0"]
+        c = JobCoordinator(send=sched.send_fn(), spec=spec, captured=cap, layout=layout,
+                           addresses={n: x.net.address for n, x in nodes.items()}, term=1,
+                           on_step=lambda m: losses.append(m.loss))
+        sched.coordinators.append(c)
+        out = await asyncio.wait_for(c.run(), 120)
+        status = c.status()
+    assert out.ok, out.failure
+    rt = ReferenceTrainer(build_model(spec.model, seed=spec.seed), loss_fn(spec.loss),
+                          spec.optimizer, data=make_source(spec.data, spec.seed),
+                          batch_size=spec.batch.size, micro_batches=spec.batch.micro_batches,
+                          total_steps=spec.steps)
+    want = rt.train(0, spec.steps)
+    assert losses[-1] < losses[0]
+    for got, exp in zip(losses, want, strict=True):
+        assert got == pytest.approx(exp, rel=1e-3)
+    assert losses != pytest.approx(want, rel=1e-7)  # quantized, not exact
+    quantized = [e for e in status["edges"] if e["edge"] in floats]
+    assert quantized and all(e["encoding"] == "int8" for e in quantized)
+    for e in quantized:
+        for way in ("forward", "backward"):
+            dense = e["dense_bytes"][way]
+            assert 0.2 * dense < e["wire_bytes"][way] < 0.30 * dense, (e, way)  # lz4 may help
+
+
+def test_an_assign_with_a_bad_or_top_k_int8_edge_is_refused(captured_tiny) -> None:  # type: ignore[no-untyped-def]
+    from fusiond.errors import RemoteError
+    from fusiond.graph import contiguous_assignment
+    from fusiond.jobs.assign import LayoutError, assign_messages, layout_job
+    from fusiond.train.remote import decode_assign, program_from_assignment
+
+    spec, cap = captured_tiny
+    names = ["a", "b"]
+    ops = {op: names[p] for op, p in contiguous_assignment(cap.graph, 2).items()}
+    layout = layout_job("j", cap.graph, cap.state, ops, int8=True)
+    assert layout.int8_edges
+    with pytest.raises(LayoutError, match="int8"):
+        layout_job("j", cap.graph, cap.state, ops, int8=True, density=0.1)
+    msgs = assign_messages(layout, _int8(spec), cap.state, term=1, plan_version=1,
+                           addresses={"a": ("127.0.0.1", 1), "b": ("127.0.0.1", 2)})
+    msg, payload = msgs["a"]
+    sa = decode_assign(msg, payload)
+    prog = program_from_assignment(sa)
+    assert {e.edge_id for e in prog.out_edges if e.encoding == "int8"} == set(layout.int8_edges)
+    edge = next(r for r in msg.edges if r.encoding == "int8")
+    for bad, why in ((replace(edge, encoding="fp4"), "encoding 'fp4' is not one of"),
+                     (replace(edge, density=0.5), "is int8 and top-k")):
+        tampered = replace(msg, edges=tuple(bad if r is edge else r for r in msg.edges))
+        with pytest.raises(RemoteError, match=why) as ei:
+            decode_assign(tampered, payload)
+        assert edge.edge in str(ei.value)

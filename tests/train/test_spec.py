@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,32 @@ def test_defaults() -> None:
     assert spec.output == Path("/tmp/runs/job")
     assert spec.compression.density is None and spec.compression.exact_edges == ()
     assert spec.compression.readapt_interval_s == 10.0
+    assert spec.compression.codec == "topk" and not spec.compression.int8
+    assert spec.compression.adatopk
+
+
+def test_int8_codec_replaces_topk_on_every_cut_edge() -> None:
+    spec = parse_job(MINIMAL + '[compression]\ncodec = "int8"\nexact_edges = ["x:0"]\n')
+    c = spec.compression
+    assert c.codec == "int8" and c.int8
+    assert not c.adatopk and c.density is None  # no top-k on top of int8
+    assert c.exact_edges == ("x:0",)
+    # saying adatopk = false too is allowed (it is what int8 means)
+    again = parse_job(MINIMAL + '[compression]\ncodec = "int8"\nadatopk = false\n')
+    assert again.compression == replace(c, exact_edges=())
+    # old job files (no codec) keep their meaning
+    old = parse_job(MINIMAL + "[compression]\nadatopk = false\ndensity = 0.1\n")
+    assert old.compression.codec == "topk" and old.compression.density == 0.1
+
+
+def test_a_bad_codec_names_the_allowed_values() -> None:
+    with pytest.raises(JobSpecError) as ei:
+        parse_job(MINIMAL + '[compression]\ncodec = "int4"\n')
+    assert ei.value.field == "compression.codec"
+    assert "'topk'" in str(ei.value) and "'int8'" in str(ei.value) and "'int4'" in str(ei.value)
+    with pytest.raises(JobSpecError, match=r"compression\.density: top-k does not apply with "
+                                           r"compression\.codec = 'int8'"):
+        parse_job(MINIMAL + '[compression]\ncodec = "int8"\ndensity = 0.5\n')
 
 
 def _doc(**tables: dict[str, Any]) -> dict[str, Any]:
@@ -96,6 +123,12 @@ BAD: list[tuple[dict[str, Any], str]] = [
     (_doc(compression={"adatopk": "yes"}), "compression.adatopk"),
     (_doc(compression={"exact_edges": "e1"}), "compression.exact_edges"),
     (_doc(compression={"readapt_interval_s": -1}), "compression.readapt_interval_s"),
+    (_doc(compression={"codec": "fp4"}), "compression.codec"),
+    (_doc(compression={"codec": 8}), "compression.codec"),
+    (_doc(compression={"codec": ""}), "compression.codec"),
+    (_doc(compression={"codec": "int8", "adatopk": True}), "compression.adatopk"),
+    (_doc(compression={"codec": "int8", "density": 0.1}), "compression.density"),
+    (_doc(compression={"codec": "int8", "adatopk": "no"}), "compression.adatopk"),
     (_doc(extra={"x": 1}), "extra"),
     ({"job": {"steps": 1}, "model": {"zoo": "gpt2"}, "optimizer": []}, "optimizer"),
 ]

@@ -64,6 +64,7 @@ from fusiond.cluster.trust import (
     entry_problem,
     header_statement,
 )
+from fusiond.defaults import ClusterSection as _CLUSTER
 from fusiond.errors import ConfigError
 from fusiond.units import bytes_per_s_from_bits_per_s
 from protocol.errors import LocalProtocolError
@@ -125,49 +126,51 @@ class Transport(Protocol):
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """Every interval and timeout of the cluster service (seconds unless named otherwise)."""
+    """Every interval and timeout of the cluster service (seconds unless named otherwise). The
+    defaults are the daemon's (`fusiond.defaults.ClusterSection`, ``[cluster]`` in
+    fusiond.toml); tests use shorter ones (tests/cluster/fakes.py FAST)."""
 
-    gossip_interval_s: float = 0.5
-    gossip_fanout: int = 3
+    gossip_interval_s: float = _CLUSTER.gossip_interval_s
+    gossip_fanout: int = _CLUSTER.gossip_fanout
     """Random live peers each gossip round goes to (plus one dead one, to heal partitions)."""
-    gossip_full_every: int = 4
+    gossip_full_every: int = _CLUSTER.gossip_full_every
     """Every n-th round carries our own profile and links to every target (other rounds carry
     heartbeats only)."""
-    gossip_sync_every: int = 10
+    gossip_sync_every: int = _CLUSTER.gossip_sync_every
     """Every n-th round one random target gets the whole view with everyone's profile and links
     (anti-entropy; with N members that message holds N*(N-1) link measurements)."""
-    suspect_after_s: float = 2.0
-    dead_after_s: float = 5.0
-    probe_interval_s: float = 30.0
-    probe_target_s: float = 0.3
-    probe_repeats: int = 3
-    probe_max_bytes: int = 64 << 20
-    probe_min_bytes: int = 64 << 10
-    probe_timeout_s: float = 5.0
-    probes: bool = True
+    suspect_after_s: float = _CLUSTER.suspect_after_s
+    dead_after_s: float = _CLUSTER.dead_after_s
+    probe_interval_s: float = _CLUSTER.probe_interval_s
+    probe_target_s: float = _CLUSTER.probe_target_s
+    probe_repeats: int = _CLUSTER.probe_repeats
+    probe_max_bytes: int = _CLUSTER.probe_max_bytes
+    probe_min_bytes: int = _CLUSTER.probe_min_bytes
+    probe_timeout_s: float = _CLUSTER.probe_timeout_s
+    probes: bool = _CLUSTER.probes
     """Measure links periodically (off: no bandwidth/RTT, e.g. in membership-only tests)."""
-    bandwidth_ewma: float = 0.3
-    election_timeout_s: float = 1.0
-    leader_heartbeat_s: float = 0.25
-    leader_lease_s: float = 0.8
+    bandwidth_ewma: float = _CLUSTER.bandwidth_ewma
+    election_timeout_s: float = _CLUSTER.election_timeout_s
+    leader_heartbeat_s: float = _CLUSTER.leader_heartbeat_s
+    leader_lease_s: float = _CLUSTER.leader_lease_s
     """Must be below election_timeout_s: an old leader lets go before a new one can win."""
-    election_stagger_s: float = 0.3
-    election_jitter_s: float = 0.1
-    election_grace_s: float = 1.5
+    election_stagger_s: float = _CLUSTER.election_stagger_s
+    election_jitter_s: float = _CLUSTER.election_jitter_s
+    election_grace_s: float = _CLUSTER.election_grace_s
     """After start: no campaigning or voting while the node learns the cluster."""
-    mdns: bool = True
+    mdns: bool = _CLUSTER.mdns
     mdns_interfaces: tuple[str, ...] | None = None
     """Addresses zeroconf binds to; None = all (tests must pass ("127.0.0.1",))."""
     mdns_service: str = SERVICE_TYPE
     bootstrap: tuple[tuple[str, int], ...] = ()
-    bootstrap_retry_s: float = 1.0
-    send_timeout_s: float = 2.0
+    bootstrap_retry_s: float = _CLUSTER.bootstrap_retry_s
+    send_timeout_s: float = _CLUSTER.send_timeout_s
     """A control send blocked (peer queue full) longer than this is dropped."""
-    tick_s: float = 0.05
+    tick_s: float = _CLUSTER.tick_s
     """Failure detector and election timer resolution."""
-    max_members: int = 4096
+    max_members: int = _CLUSTER.max_members
     """Bound on the membership table (peers cannot make us hold more)."""
-    quarantine_s: float = 5.0
+    quarantine_s: float = _CLUSTER.quarantine_s
     """A peer that relayed a forged or malformed fact is not listened to for this long (its
     own facts still arrive through the others)."""
 

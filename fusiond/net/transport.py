@@ -65,6 +65,7 @@ from typing import Any, Final, cast
 
 from cryptography.hazmat.primitives import serialization
 
+from fusiond.defaults import NetSection as _NET
 from fusiond.errors import ConfigError, FusionError, LocalError, RemoteError, SelfAddress
 from fusiond.net import tls as tlsmod
 from fusiond.net.pki import JoinAuthority, JoinTokenError, PKIError, TLSMaterial
@@ -126,56 +127,57 @@ class UnknownPeer(LocalError):
 
 @dataclass(frozen=True)
 class NetConfig:
-    """Every knob of the transport; defaults suit a real deployment, tests shrink the timeouts."""
+    """Every knob of the transport. The defaults are the daemon's (`fusiond.defaults.NetSection`,
+    ``[net]`` in fusiond.toml); tests shrink the timeouts."""
 
-    connect_timeout_s: float = 10.0
-    handshake_timeout_s: float = 10.0
-    backoff_initial_s: float = 0.2
-    backoff_max_s: float = 30.0
-    backoff_jitter: float = 0.5
+    connect_timeout_s: float = _NET.connect_timeout_s
+    handshake_timeout_s: float = _NET.handshake_timeout_s
+    backoff_initial_s: float = _NET.backoff_initial_s
+    backoff_max_s: float = _NET.backoff_max_s
+    backoff_jitter: float = _NET.backoff_jitter
     """Each backoff delay is multiplied by a uniform factor in [1 - jitter, 1 + jitter]."""
-    control_queue_frames: int = 1024
-    bulk_queue_frames: int = 16
-    inbox_frames: int = 64
+    control_queue_frames: int = _NET.control_queue_frames
+    bulk_queue_frames: int = _NET.bulk_queue_frames
+    inbox_frames: int = _NET.inbox_frames
     """Decoded messages waiting for the handler per connection before reading pauses."""
-    inbox_bytes: int = 128 * _MiB
+    inbox_bytes: int = _NET.inbox_bytes
     """Bytes of decoded frames waiting for the handler per connection before reading pauses
     (a single larger frame still gets through, alone)."""
-    bulk_chunk_bytes: int = 256 << 10
-    direct_payload_bytes: int = 64 << 10
+    bulk_chunk_bytes: int = _NET.bulk_chunk_bytes
+    direct_payload_bytes: int = _NET.direct_payload_bytes
     """Payloads at least this large are received straight into their own buffer."""
-    write_high_water_bytes: int = 4 * _MiB
+    write_high_water_bytes: int = _NET.write_high_water_bytes
     limits: Limits = DEFAULT_LIMITS
     payload_check: bool | None = None
     """xxh3 over payloads. None = only where nothing else guarantees integrity: plaintext links
     to a non-loopback address (TLS authenticates every record; loopback has no wire)."""
-    allow_plaintext_remote: bool = False
+    allow_plaintext_remote: bool = _NET.allow_plaintext_remote
     """Plaintext is for loopback development; this must be set to listen on anything else."""
-    close_timeout_s: float = 5.0
-    tune_allocator: bool = True
+    close_timeout_s: float = _NET.close_timeout_s
+    tune_allocator: bool = _NET.tune_allocator
     """Call `tune_allocator()` at start (glibc: reuse freed frame buffers, see there)."""
-    max_pending_handshakes: int = 256
+    max_pending_handshakes: int = _NET.max_pending_handshakes
     """Accepted connections still in TLS/Hello; more are closed at once (slow-loris guard)."""
-    max_pending_handshakes_per_source: int = 16
+    max_pending_handshakes_per_source: int = _NET.max_pending_handshakes_per_source
     """Connections still in their handshake from one address that never authenticated here;
     more from it are closed at once. Member addresses are bound only by the total."""
-    member_handshake_reserve: int = 64
+    member_handshake_reserve: int = _NET.member_handshake_reserve
     """Of `max_pending_handshakes`, slots only addresses of known members may take, so
     strangers (however many addresses they use) never starve members' reconnections."""
-    max_inbound_per_peer_lane: int = 4
+    max_inbound_per_peer_lane: int = _NET.max_inbound_per_peer_lane
     """Authenticated accepted connections per peer and lane; a new one closes the oldest (a
     restarted peer's new links win over its stale ones)."""
-    frame_deadline_floor_s: float = 30.0
+    frame_deadline_floor_s: float = _NET.frame_deadline_floor_s
     """A frame whose first bytes arrived must be complete within max(this, factor x its bytes
     / the link's rate); reading paused by us does not count."""
-    frame_deadline_factor: float = 4.0
-    default_link_bytes_per_s: float = 125_000.0
+    frame_deadline_factor: float = _NET.frame_deadline_factor
+    default_link_bytes_per_s: float = _NET.default_link_bytes_per_s
     """The link rate assumed for frame deadlines until `set_link_rate` reports one (1 Mbit/s:
     conservative, so a slow link is never cut off)."""
-    refusal_log_interval_s: float = 10.0
+    refusal_log_interval_s: float = _NET.refusal_log_interval_s
     """Refused/closed-connection warnings: at most `refusal_log_burst` lines per source and
     kind per interval, then one summary line at its end."""
-    refusal_log_burst: int = 5
+    refusal_log_burst: int = _NET.refusal_log_burst
     versions: tuple[int, int] = (MIN_PROTOCOL_VERSION, PROTOCOL_VERSION)
     """(min, max) protocol versions this node speaks (tests narrow it to provoke a refusal)."""
 

@@ -14,8 +14,8 @@ from fusiond.errors import ConfigError
         ({"gossip_interval_s": 0}, "gossip_interval_s"),
         ({"dead_after_s": float("nan")}, "dead_after_s"),
         ({"suspect_after_s": 6.0, "dead_after_s": 5.0}, "suspect_after_s"),
-        ({"leader_lease_s": 1.5}, "leader_lease_s"),
-        ({"leader_heartbeat_s": 0.9}, "leader_heartbeat_s"),
+        ({"leader_lease_s": 3.5}, "leader_lease_s"),  # above the 3 s election timeout
+        ({"leader_heartbeat_s": 2.5}, "leader_heartbeat_s"),  # above the 2 s lease
         ({"gossip_fanout": 0}, "gossip_fanout"),
         ({"bandwidth_ewma": 0.0}, "bandwidth_ewma"),
     ],

@@ -166,3 +166,17 @@ def test_every_cluster_and_net_knob_is_configurable() -> None:
     cfg.net.payload_check = "on"
     nc = _net_config(NetConfig, cfg)
     assert nc.backoff_max_s == 7.0 and nc.payload_check is True
+
+
+def test_the_daemon_and_the_services_share_one_set_of_defaults() -> None:
+    """A daemon started without a config file runs the transport and the cluster service on
+    exactly the settings `NetConfig()` and `ClusterConfig()` give in code (their defaults come
+    from fusiond.defaults): they once differed (connect timeout 5 vs 10 s, gossip interval 1.0
+    vs 0.5 s, election timeout 3 vs 1 s), so what tests measured was not what ran."""
+    from fusiond.cluster import ClusterConfig
+    from fusiond.daemon import _cluster_config, _net_config
+    from fusiond.net import NetConfig
+
+    cfg = DaemonConfig()
+    assert _net_config(NetConfig, cfg) == NetConfig()
+    assert _cluster_config(ClusterConfig, cfg, cfg.cluster.bootstrap) == ClusterConfig()

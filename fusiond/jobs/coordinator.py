@@ -30,6 +30,7 @@ from fusiond.jobs.worker import SendFn
 from fusiond.train.local import StepMetrics, merge_reports
 from fusiond.train.spec import JobSpec
 from fusiond.train.stage import StepReport
+from protocol import ir
 from protocol.messages import (
     Address,
     Error,
@@ -124,6 +125,12 @@ class JobOutcome:
             "failure": None if self.failure is None else str(self.failure),
             "stages": {str(s): n for s, n in sorted(self.stage_nodes.items())},
         }
+
+
+def _gather(graph: ir.Graph, parts: Mapping[int, bytes]) -> dict[str, torch.Tensor]:
+    """The whole model from each partition's state bytes (in partition order); run in a
+    thread: it decodes and copies a model's worth of bytes."""
+    return gather_state(graph, [state_from_bytes(parts[p]) for p in sorted(parts)])
 
 
 class JobCoordinator:
@@ -241,8 +248,9 @@ class JobCoordinator:
             if len(got) == len(self.stage_nodes):
                 del self._checkpoints[msg.step]
                 if self.on_checkpoint is not None and self.captured is not None:
-                    states = [state_from_bytes(got[s]) for s in sorted(got)]
-                    self.on_checkpoint(msg.step, gather_state(self.captured.graph, states))
+                    # A whole model's bytes: decoded and gathered off the event loop.
+                    state = await asyncio.to_thread(_gather, self.captured.graph, got)
+                    self.on_checkpoint(msg.step, state)
             return True
         self._reported.add(msg.partition)
         self._result_arrived.set()
@@ -463,9 +471,7 @@ class JobCoordinator:
             return JobOutcome(self.job_id, False, self._metrics, None, self._failure,
                               time.perf_counter() - t0, dict(self.stage_nodes))
         try:
-            states = [await asyncio.to_thread(state_from_bytes, self._results[s])
-                      for s in sorted(self._results)]
-            state = gather_state(captured.graph, states)
+            state = await asyncio.to_thread(_gather, captured.graph, dict(self._results))
         except Exception as e:  # the results make no model (bad bytes, copies that diverged)
             self._fail("scheduler", -1, f"gathering the stages' results failed: {e}", stage=-1,
                        fault=FAULT_SCHEDULER)

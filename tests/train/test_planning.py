@@ -130,3 +130,41 @@ def test_an_assign_with_a_bad_or_top_k_int8_edge_is_refused(captured_tiny) -> No
         with pytest.raises(RemoteError, match=why) as ei:
             decode_assign(tampered, payload)
         assert edge.edge in str(ei.value)
+
+
+async def test_checkpoints_are_gathered_off_the_event_loop(  # type: ignore[no-untyped-def]
+        captured_tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every stage sends its partition's state at a checkpoint step; decoding and gathering
+    them into the whole model (a model's worth of bytes) runs in a worker thread, not on the
+    scheduler's event loop, as do the final results; a checkpoint is the whole model (one
+    copy of a tied weight, as the final model)."""
+    import threading
+
+    from fusiond.jobs import coordinator
+
+    spec, cap = captured_tiny
+    spec = replace(spec, steps=5, checkpoint_interval=2)  # after steps 1 and 3; 4 ends it
+    cluster = Cluster.build(_machines(8e9), [[1.25e9] * 3] * 3)
+    layout = layout_from_plan("ckpt", cap.graph, cap.state, plan_job(spec, cap, cluster), spec)
+    assert len(layout.stages) >= 2
+    on_loop: list[bool] = []
+    real = coordinator._gather
+
+    def spy(graph, parts):  # type: ignore[no-untyped-def]
+        on_loop.append(threading.current_thread() is threading.main_thread())
+        return real(graph, parts)
+
+    monkeypatch.setattr(coordinator, "_gather", spy)
+    got: list[tuple[int, set[str]]] = []
+    async with inproc_cluster(3) as nodes:
+        sched = nodes["node0"]
+        c = JobCoordinator(send=sched.send_fn(), spec=spec, captured=cap, layout=layout,
+                           addresses={n: x.net.address for n, x in nodes.items()}, term=1,
+                           on_checkpoint=lambda step, state: got.append((step, set(state))))
+        sched.coordinators.append(c)
+        out = await asyncio.wait_for(c.run(), 120)
+    assert out.ok, out.failure
+    assert [step for step, _ in got] == [1, 3]
+    assert out.state is not None  # each checkpoint holds what the final model holds
+    assert all(names == set(out.state) for _, names in got)
+    assert len(on_loop) == 3 and not any(on_loop), on_loop  # two checkpoints, the results

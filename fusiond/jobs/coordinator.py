@@ -60,6 +60,12 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+ASSIGN_RESEND_MIN_S = 10.0
+"""An Assign without a Ready is sent again every max(this, a quarter of the Ready timeout):
+a failed dial drops the frames queued on it (the chaos check lost Assigns so), and the attempt
+used to wait out the whole Ready timeout (120 s) before restarting. The worker takes a repeat
+of an Assign it builds or runs as the same one (answering Ready again once built)."""
+
 FAULT_MACHINE = "machine"
 """The named machine(s) failed: a restart plans the job without them."""
 FAULT_JOB = "job"
@@ -416,9 +422,22 @@ class JobCoordinator:
             ready_all: asyncio.Future[Any] = asyncio.ensure_future(
                 asyncio.wait(list(self._ready.values())))
             done_wait: asyncio.Future[Any] = asyncio.ensure_future(self._done.wait())
+            resend_s = max(ASSIGN_RESEND_MIN_S, self.ready_timeout_s / 4)
+            deadline = loop.time() + self.ready_timeout_s
             try:  # every Ready in, the first failure, or the timeout
-                await asyncio.wait({ready_all, done_wait}, timeout=self.ready_timeout_s,
-                                   return_when=asyncio.FIRST_COMPLETED)
+                while True:
+                    left = deadline - loop.time()
+                    done, _ = await asyncio.wait({ready_all, done_wait},
+                                                 timeout=min(resend_s, max(0.0, left)),
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    if done or loop.time() >= deadline:
+                        break
+                    for node, (msg, payload) in assigns.items():
+                        if not self._ready[node].done():
+                            log.info("job %s v%d: no Ready from %s after %.0fs: its Assign "
+                                     "again", self.job_id, self.plan_version, node,
+                                     loop.time() - deadline + self.ready_timeout_s)
+                            await self.send(node, msg, (payload,))
             finally:
                 done_wait.cancel()
                 ready_all.cancel()

@@ -134,6 +134,8 @@ class JobWorker:
         self.leadership = leadership
         self.authority_wait_s = authority_wait_s
         self._jobs: dict[str, _Job] = {}
+        self._building: dict[str, int] = {}
+        """Job id -> plan version of an Assign whose stage is being built here."""
         self._cancelled: OrderedDict[str, int] = OrderedDict()
         self._ignored: set[tuple[str, str, str]] = set()
         """(job, sender, message kind) already logged as ignored (logged once each)."""
@@ -287,7 +289,20 @@ class JobWorker:
             log.info("Assign of job %s v%d from %s dropped: that version was cancelled",
                      msg.job_id, msg.plan_version, peer)
             return
+        if self._building.get(msg.job_id) == msg.plan_version:
+            # A repeat of the Assign being built (the scheduler sends it again when no Ready
+            # came in time): the first one's Ready answers both.
+            log.info("Assign of job %s v%d from %s repeated while it is built", msg.job_id,
+                     msg.plan_version, peer)
+            return
         old = self._jobs.get(msg.job_id)
+        if (old is not None and old.host.assignment.plan_version == msg.plan_version
+                and old.scheduler == peer):
+            # A repeat of the Assign this stage runs: our Ready was lost, or is late.
+            await self.send(peer, Ready(request_id=msg.request_id, job_id=msg.job_id,
+                                        plan_version=msg.plan_version,
+                                        partition=msg.partition, node_id=self.node_id), ())
+            return
         if old is not None and old.host.assignment.plan_version < msg.plan_version:
             # The scheduler restarted the job on a new plan: the old stage is superseded (its
             # JobCancel rides the control lane and may arrive after this Assign).
@@ -299,6 +314,7 @@ class JobWorker:
                                         job_id=msg.job_id, plan_version=msg.plan_version,
                                         message=f"job {msg.job_id} already runs here"), ())
             return
+        self._building[msg.job_id] = msg.plan_version
         try:
             # Decoding the IR and building the partition can take seconds: off the loop.
             host = await asyncio.to_thread(
@@ -314,6 +330,9 @@ class JobWorker:
                                         job_id=msg.job_id, plan_version=msg.plan_version,
                                         message=f"{self.node_id}: {e}"), ())
             return
+        finally:
+            if self._building.get(msg.job_id) == msg.plan_version:
+                del self._building[msg.job_id]
         if self._cancelled_already(msg):  # cancelled while it was being built
             log.info("job %s v%d cancelled while its stage was built; dropped", msg.job_id,
                      msg.plan_version)

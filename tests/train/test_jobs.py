@@ -570,3 +570,45 @@ async def test_only_the_jobs_scheduler_controls_it(  # type: ignore[no-untyped-d
         mine = [x for x in ignored if x.startswith(f"{kind} for job {c.job_id} from n2")]
         assert len(mine) == 1, (kind, ignored)
     assert any("the scheduler of term 1 is n0, not n2" in x for x in ignored), ignored
+
+
+@pytest.mark.parametrize("lost", ["Assign", "Ready"])
+async def test_a_lost_assign_or_ready_is_sent_again_instead_of_waiting_out_the_timeout(  # type: ignore[no-untyped-def]
+        captured_tiny, monkeypatch: pytest.MonkeyPatch, lost: str) -> None:
+    """A failed dial drops the frames queued on it; the chaos check lost Assigns so, and the
+    attempt waited out its whole Ready timeout (120 s by default) before restarting. The
+    scheduler sends an Assign without a Ready again after a quarter of the timeout; the worker
+    takes the repeat of an Assign it runs as the same one and answers Ready again. Here the
+    first Assign to n1 (or n1's first Ready) is lost and the job still starts within its 4 s
+    Ready timeout (the old code failed it: "no Ready within 4s")."""
+    from fusiond.jobs import coordinator as coordinator_module
+    from protocol.messages import Assign, Ready
+
+    monkeypatch.setattr(coordinator_module, "ASSIGN_RESEND_MIN_S", 0.2, raising=False)
+    spec, cap = captured_tiny
+    spec = replace(spec, steps=2)
+    assigns: list[str] = []
+    async with cluster() as nodes:
+        c = coordinator(nodes, spec, cap, ready_timeout_s=4.0)
+        send, handle = c.send, c.handle
+        dropped: list[Message] = []
+
+        async def lossy_send(peer: str, msg: Message, payload: Any = ()) -> None:
+            if isinstance(msg, Assign):
+                assigns.append(peer)
+                if lost == "Assign" and peer == "n1" and not dropped:
+                    dropped.append(msg)  # lost on a failed dial
+                    return
+            await send(peer, msg, payload)
+
+        async def lossy_handle(peer: str, msg: Message) -> bool:
+            if lost == "Ready" and isinstance(msg, Ready) and peer == "n1" and not dropped:
+                dropped.append(msg)
+                return True
+            return await handle(peer, msg)
+
+        c.send = lossy_send  # type: ignore[method-assign]
+        c.handle = lossy_handle  # type: ignore[method-assign]
+        out = await asyncio.wait_for(c.run(), 60)
+        assert out.ok, out.failure
+    assert dropped and assigns.count("n1") == 2 and assigns.count("n2") == 1, assigns

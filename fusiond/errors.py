@@ -22,3 +22,13 @@ class ConfigError(LocalError):
 class SelfAddress(RemoteError):
     """An address we dialled is this node itself (its own bootstrap address, e.g. from its own
     join token): nothing to dial there, ever."""
+
+
+def describe(e: BaseException) -> str:
+    """An exception as text for a message: its own, or where it has none its kind ("timed
+    out" for a timeout). `f"{e or type(e).__name__}"` never fell back (an exception is always
+    true), so a dial that timed out under load read "cannot connect to host:port: "."""
+    text = str(e)
+    if text:
+        return text
+    return "timed out" if isinstance(e, TimeoutError) else type(e).__name__

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fusiond.errors import RemoteError
+from fusiond.errors import RemoteError, describe
 from fusiond.opsets import (
     MAX_OPS,
     OpSet,
@@ -258,7 +258,7 @@ class OpSetService:
             try:
                 ops = await self._ask(m.node_id, digest, _timeout_s(getattr(m, "rtt_s", None)))
             except (RemoteError, TimeoutError, OSError) as e:
-                why.append(f"{m.node_id}: {e or type(e).__name__}")
+                why.append(f"{m.node_id}: {describe(e)}")
                 continue
             except asyncio.CancelledError:
                 raise

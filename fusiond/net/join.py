@@ -22,7 +22,7 @@ from pathlib import Path
 
 from cryptography import x509
 
-from fusiond.errors import RemoteError
+from fusiond.errors import RemoteError, describe
 from fusiond.net import tls as tlsmod
 from fusiond.net.pki import (
     JoinTokenError,
@@ -125,7 +125,7 @@ async def join_cluster(
         try:
             resp, server_der = await _exchange(address, request, timeout_s)
         except (OSError, TimeoutError, ssl.SSLError, ProtocolError, JoinFailed) as e:
-            errors.append(f"{address[0]}:{address[1]}: {e or type(e).__name__}")
+            errors.append(f"{address[0]}:{address[1]}: {describe(e)}")
             continue
         if not resp.ok:
             errors.append(f"{address[0]}:{address[1]}: {resp.reason}")

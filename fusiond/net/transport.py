@@ -66,7 +66,7 @@ from typing import Any, Final, cast
 from cryptography.hazmat.primitives import serialization
 
 from fusiond.defaults import NetSection as _NET
-from fusiond.errors import ConfigError, FusionError, LocalError, RemoteError, SelfAddress
+from fusiond.errors import ConfigError, FusionError, LocalError, RemoteError, SelfAddress, describe
 from fusiond.net import tls as tlsmod
 from fusiond.net.pki import JoinAuthority, JoinTokenError, PKIError, TLSMaterial
 from fusiond.tasks import raise_if_cancelling
@@ -1151,9 +1151,8 @@ class PeerNetwork:
                 c.connect_timeout_s,
             )
         except (TimeoutError, OSError) as e:
-            raise PeerUnreachable(
-                f"cannot connect to {host}:{port}: {e or type(e).__name__}"
-            ) from e
+            after = f" after {c.connect_timeout_s:g}s" if isinstance(e, TimeoutError) else ""
+            raise PeerUnreachable(f"cannot connect to {host}:{port}: {describe(e)}{after}") from e
         conn = proto
         assert isinstance(conn, _Conn) and conn.transport is not None
         self._conns.add(conn)
@@ -1170,9 +1169,9 @@ class PeerNetwork:
             reply = await asyncio.wait_for(conn.first_frame, c.handshake_timeout_s)
         except (TimeoutError, ConnectionError, ssl.SSLError) as e:
             conn.transport.abort()
+            after = f" after {c.handshake_timeout_s:g}s" if isinstance(e, TimeoutError) else ""
             raise PeerUnreachable(
-                f"handshake with {host}:{port} failed: {e or type(e).__name__}"
-            ) from e
+                f"handshake with {host}:{port} failed: {describe(e)}{after}") from e
         try:
             hs.receive(reply)
         except ProtocolError as e:
@@ -1240,7 +1239,7 @@ class PeerNetwork:
             if not self._closing:
                 self._log_refusal(host, "tls", f"refused connection from {_fmt(addr)}: TLS "
                                   "handshake failed (no valid cluster certificate?): "
-                                  f"{e or type(e).__name__}")
+                                  f"{describe(e)}")
 
     def _handshake_refusal(self, host: str) -> str | None:
         """Why a new connection from `host` may not start a handshake now (None: it may)."""

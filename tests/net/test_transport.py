@@ -501,3 +501,35 @@ async def test_garbage_after_handshake_closes_that_connection(
     await a.send("b", Ping(request_id=6, sent_at=0.0))
     ((peer, _),) = await ib.wait_for(1)
     assert peer == "a"
+
+
+async def test_a_dial_that_times_out_says_so_and_after_how_long(
+        net_factory: NetFactory) -> None:
+    """A peer that accepts TCP but never answers the Hello: the dial fails saying it timed out
+    and after how long (it used to read "handshake with 127.0.0.1:N failed: ", empty: the
+    chaos check's dials under load failed so, with no hint why)."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def silent(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    a = await net_factory("a", config=NetConfig(handshake_timeout_s=0.3))
+    try:
+        with pytest.raises(PeerUnreachable, match=r"handshake with 127\.0\.0\.1:\d+ failed: "
+                                                  r"timed out after 0\.3s"):
+            await a.connect(("127.0.0.1", port))
+    finally:
+        for w in held:
+            w.close()
+        server.close()
+        await server.wait_closed()
+
+
+def test_describe_names_an_exception_without_text() -> None:
+    from fusiond.errors import describe
+
+    assert describe(TimeoutError()) == "timed out"
+    assert describe(ConnectionResetError()) == "ConnectionResetError"
+    assert describe(OSError(111, "Connection refused")) == "[Errno 111] Connection refused"

@@ -27,7 +27,7 @@ FLOORS: dict[str, int] = {
     "jobs": 4, "metrics": 4,
     "api": 5,
     "daemon": 6,
-    "cli": 7, "local": 7, "__main__": 8,
+    "cli": 7, "__main__": 8,
 }
 
 #: (room, room it imports) breaks known today, and why; the list must only shrink
@@ -36,8 +36,6 @@ KNOWN: dict[tuple[str, str], str] = {
                        "clusters and run jobs); they move to a harness package",
     ("plan", "profile"): "plan/calibrate.py reads the CPU allowance from profile.py, which "
                          "itself calibrates with plan/: profile becomes its own room",
-    ("local", "fusionctl"): "fusiond/local.py (`fusionctl local`) asks the daemons through "
-                            "fusionctl's client; it moves to fusionctl/local.py",
 }
 
 #: what protocol/ may import besides itself and the standard library's pure parts
@@ -148,6 +146,14 @@ def test_protocol_is_sans_io() -> None:
     assert not bad, "\n".join(bad)
 
 
+#: (fusionctl file, fusiond module it imports) allowed although in a daemon room, and why
+FUSIONCTL_ALLOWED: dict[tuple[str, str], str] = {
+    ("fusionctl/local.py", "fusiond.net.pki"): "`fusionctl local up` writes each node's CA and "
+        "certificate in the daemon's on-disk format before the daemons start (pure file "
+        "crypto, no service)",
+}
+
+
 def test_fusionctl_never_imports_the_daemons_service_rooms() -> None:
     """fusionctl is a thin client: it captures and checks a job as the user (fusiond's graph,
     models, train spec and jobs.submit) but never runs a daemon's service."""
@@ -155,6 +161,8 @@ def test_fusionctl_never_imports_the_daemons_service_rooms() -> None:
     for path in sorted((REPO / "fusionctl").rglob("*.py")):
         for mod in _imports(path):
             parts = mod.split(".")
+            if (str(path.relative_to(REPO)), mod) in FUSIONCTL_ALLOWED:
+                continue
             if parts[0] == "fusiond" and len(parts) > 1 and parts[1] in (
                     "daemon", "api", "cluster", "net"):
                 bad.append(f"{path.relative_to(REPO)} imports {mod}")

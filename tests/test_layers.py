@@ -74,7 +74,7 @@ def _room_edges() -> dict[tuple[str, str], list[str]]:
             if parts[0] == "fusionctl":
                 dst = "fusionctl"
             elif parts[0] == "fusiond" and len(parts) > 1:
-                dst = parts[1]
+                dst = "__main__" if parts[-1] == "__main__" else parts[1]
             else:
                 continue
             if dst != src:

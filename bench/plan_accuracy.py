@@ -1,6 +1,6 @@
 """Estimator accuracy: predicted vs measured forward+backward time of GPT-2 partitions, here.
 
-Calibrates this machine (`fusiond.plan.calibrate`), captures GPT-2 (tiny and small by default),
+Calibrates this machine (`fusiond.profile.calibrate`), captures GPT-2 (tiny and small by default),
 cuts each into contiguous partitions, runs every partition's forward and backward with remote-
 autodiff semantics (`fusiond.graph.driver.Driver`) and compares the measured time per partition
 with the estimator's prediction. Prints a table; exits 1 if any partition is off by more than
@@ -23,9 +23,9 @@ from fusiond.graph.capture import capture
 from fusiond.graph.driver import Driver
 from fusiond.graph.partition import contiguous_assignment
 from fusiond.models.gpt2 import gpt2, lm_loss
-from fusiond.plan.calibrate import calibrate
 from fusiond.plan.estimator import cost_graph_from_ir
 from fusiond.plan.model import op_times
+from fusiond.profile.calibrate import calibrate
 
 
 def _timed(fn: Callable[..., Any], acc: list[float]) -> Callable[..., Any]:

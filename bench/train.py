@@ -6,7 +6,7 @@ Measures, in the same run:
   (real TCP sockets and frames; one process, so the stages share this machine's cores), dense
   and with top-k at `--density` on every cut edge;
 - the same job through the full job protocol (Assign/Ready/JobStart/StageStep/JobResult) with
-  stages 1 and 2 in their own processes (`fusiond.jobs.node`) and the scheduler + stage 0 here:
+  stages 1 and 2 in their own processes (`fusiond.harness.node`) and the scheduler + stage 0 here:
   three "daemons" without membership or API;
 - bytes on the wire per iteration: the tensor payloads the stages sent (and their dense size),
   every byte the sockets carried (frames, headers, tied-weight gradients included), and what the
@@ -31,10 +31,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fusiond.graph import contiguous_assignment
+from fusiond.harness.inproc import inproc_cluster
+from fusiond.harness.loopback import LoopbackResult, run_loopback
+from fusiond.harness.node import spawn_nodes
 from fusiond.jobs.assign import layout_job
 from fusiond.jobs.coordinator import JobCoordinator
-from fusiond.jobs.inproc import inproc_cluster
-from fusiond.jobs.node import spawn_nodes
 from fusiond.jobs.planning import job_settings
 from fusiond.plan import (
     Cluster,
@@ -47,7 +48,6 @@ from fusiond.plan import (
 )
 from fusiond.train.data import make_source
 from fusiond.train.local import ReferenceTrainer, StepMetrics
-from fusiond.train.loopback import LoopbackResult, run_loopback
 from fusiond.train.model import build_model, loss_fn
 from fusiond.train.programs import capture_job
 from fusiond.train.spec import JobSpec, parse_job

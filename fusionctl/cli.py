@@ -304,7 +304,7 @@ _job_commands()
 
 
 def _local(ns: argparse.Namespace, out: Out) -> int:
-    from fusiond import local
+    from fusionctl import local
 
     directory = local.default_dir() if ns.dir is None else ns.dir
     if ns.local_cmd == "up":

@@ -27,18 +27,16 @@ FLOORS: dict[str, int] = {
     "jobs": 4, "metrics": 4,
     "api": 5,
     "daemon": 6,
-    "cli": 7, "local": 7, "__main__": 8,
+    "cli": 7,
+    "harness": 8,
+    "__main__": 9,
 }
+"""`harness` (clusters in a process, bare nodes, the local run) may import every product room
+and no product room imports it. Every `__main__.py` is an entry point (`python -m` runs it,
+nothing imports it), so it sits in the `__main__` room at the top, whatever package holds it."""
 
 #: (room, room it imports) breaks known today, and why; the list must only shrink
-KNOWN: dict[tuple[str, str], str] = {
-    ("train", "jobs"): "train/loopback.py and train/__main__.py are harnesses (they build "
-                       "clusters and run jobs); they move to a harness package",
-    ("plan", "profile"): "plan/calibrate.py reads the CPU allowance from profile.py, which "
-                         "itself calibrates with plan/: profile becomes its own room",
-    ("local", "fusionctl"): "fusiond/local.py (`fusionctl local`) asks the daemons through "
-                            "fusionctl's client; it moves to fusionctl/local.py",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 #: what protocol/ may import besides itself and the standard library's pure parts
 PROTOCOL_ALLOWED = {"numpy", "msgpack", "xxhash", "lz4"}
@@ -63,7 +61,7 @@ def _imports(path: Path) -> Iterator[str]:
 
 def _room(path: Path) -> str:
     rel = path.relative_to(REPO / "fusiond").with_suffix("")
-    return rel.parts[0]
+    return "__main__" if rel.name == "__main__" else rel.parts[0]
 
 
 def _room_edges() -> dict[tuple[str, str], list[str]]:
@@ -76,7 +74,7 @@ def _room_edges() -> dict[tuple[str, str], list[str]]:
             if parts[0] == "fusionctl":
                 dst = "fusionctl"
             elif parts[0] == "fusiond" and len(parts) > 1:
-                dst = parts[1]
+                dst = "__main__" if parts[-1] == "__main__" else parts[1]
             else:
                 continue
             if dst != src:
@@ -148,6 +146,14 @@ def test_protocol_is_sans_io() -> None:
     assert not bad, "\n".join(bad)
 
 
+#: (fusionctl file, fusiond module it imports) allowed although in a daemon room, and why
+FUSIONCTL_ALLOWED: dict[tuple[str, str], str] = {
+    ("fusionctl/local.py", "fusiond.net.pki"): "`fusionctl local up` writes each node's CA and "
+        "certificate in the daemon's on-disk format before the daemons start (pure file "
+        "crypto, no service)",
+}
+
+
 def test_fusionctl_never_imports_the_daemons_service_rooms() -> None:
     """fusionctl is a thin client: it captures and checks a job as the user (fusiond's graph,
     models, train spec and jobs.submit) but never runs a daemon's service."""
@@ -155,6 +161,8 @@ def test_fusionctl_never_imports_the_daemons_service_rooms() -> None:
     for path in sorted((REPO / "fusionctl").rglob("*.py")):
         for mod in _imports(path):
             parts = mod.split(".")
+            if (str(path.relative_to(REPO)), mod) in FUSIONCTL_ALLOWED:
+                continue
             if parts[0] == "fusiond" and len(parts) > 1 and parts[1] in (
                     "daemon", "api", "cluster", "net"):
                 bad.append(f"{path.relative_to(REPO)} imports {mod}")

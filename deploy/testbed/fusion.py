@@ -1,6 +1,6 @@
 """Start a fusiond in every host of a testbed, all members of one cluster.
 
-Credentials: one cluster CA made up front (`fusiond.local.make_credentials`: the first host
+Credentials: one cluster CA made up front (`fusionctl.local.make_credentials`: the first host
 holds the CA key, every other host gets a node certificate), so links are mutual TLS exactly as
 in a deployment; ``insecure=True`` uses plaintext links instead (allowed off loopback only
 because the testbed is a closed namespace network). Discovery: every host dials the first
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deploy.testbed.bed import Testbed, TestbedError
-from fusiond.local import DEV_SETTINGS, LocalNode, agreement, make_credentials, merge
+from fusionctl.local import DEV_SETTINGS, LocalNode, agreement, make_credentials, merge
 
 PEER_PORT = 7420
 PROBE_TARGET_S = 1.0

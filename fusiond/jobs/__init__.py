@@ -6,5 +6,6 @@
 - `coordinator`: the scheduler side of a running job (start, follow, fail first, cancel,
   re-adapt densities, checkpoints, gather the result); `worker`: the daemon side (host stages).
 - `results`: gather weights into one state dict, write model and metrics.
-- `inproc`: several nodes in one process over loopback (tests, benches, the local run).
+- Running jobs without daemons (several nodes in one process, bare node processes) is
+  harness work: `fusiond.harness`.
 """

@@ -3,7 +3,7 @@
 Entry points: `cost_graph_from_ir` (IR -> costs), `plan_opfence` (the schedule),
 `adapt_densities` / `readapt` (AdaTopK), `uniform_plan` (baseline), `render_plan` (the table),
 `plan_summary` (the same as data),
-`calibrate` lives in `fusiond.plan.calibrate` (the one module that runs torch).
+measuring a machine (`calibrate`, which runs torch) is `fusiond.profile.calibrate`.
 """
 
 from fusiond.plan.adatopk import Readaptation, adapt_densities, readapt

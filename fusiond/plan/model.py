@@ -2,7 +2,7 @@
 
 Everything here is plain data and pure arithmetic (no I/O, no torch), so OP-Fence and AdaTopK
 can be simulated and tested on synthetic graphs. `fusiond.plan.estimator` builds a `CostGraph`
-from the captured IR; `fusiond.plan.calibrate` measures a `MachineProfile`.
+from the captured IR; `fusiond.profile.calibrate` measures a `MachineProfile`.
 
 Units: FLOPs, bytes, seconds, bytes per second. Per-sample quantities scale linearly with the
 micro-batch size (a sample is one row of the batch dimension, e.g. one sequence).
@@ -203,8 +203,8 @@ def scale_machine(m: MachineProfile, *, parallel: float, serial: float,
     may keep busy), the per-dispatch, per-wire-byte and per-message costs / `serial` (the share
     of one core the dispatching thread gets). Both must be > 0. With rates per CPU second and
     the shares from the host's quota and thread count, the planner's compute time of a stage is
-    its work over the speed the host really has (`fusiond.plan.calibrate.at_allowance`). `note` is
-    appended to `kind`."""
+    its work over the speed the host really has (`fusiond.profile.calibrate.at_allowance`).
+    `note` is appended to `kind`."""
     if not (parallel > 0 and serial > 0 and math.isfinite(parallel) and math.isfinite(serial)):
         raise PlanError(f"machine {m.id!r}: CPU shares must be positive, got {parallel}, {serial}")
     return MachineProfile(

@@ -7,6 +7,7 @@
 - `programs`: capture a job and build stage programs from `fusiond.graph` partitions;
   `remote`: a stage built from an `Assign`, talking over the peer network (`StageHost`).
 - `local`: the whole pipeline in one process over in-memory links, and the eager reference
-  trainer; `loopback`: the same over real loopback peer links; `sample`: text generation.
-- `python -m fusiond.train JOB.toml`: a job end to end on loopback (see docs/jobs.md).
+  trainer; `sample`: text generation. (Over real loopback peer links: `fusiond.harness`.)
+- `python -m fusiond.train JOB.toml`: a job end to end on loopback (see docs/jobs.md); the
+  runner is `fusiond.harness.run`.
 """

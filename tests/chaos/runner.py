@@ -55,7 +55,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fusiond.local import LocalNode, merge
+from fusionctl.local import LocalNode, merge
 from fusiond.train.spec import default_text_path
 from tests.chaos import checker
 from tests.daemon.harness import Cluster

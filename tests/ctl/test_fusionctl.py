@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from fusionctl.cli import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, run
+from fusionctl.local import LocalNode, wait_until
 from fusionctl.render import render_job, render_links, render_status
-from fusiond.local import LocalNode, wait_until
 
 Capture = pytest.CaptureFixture[str]
 
@@ -263,7 +263,7 @@ def test_local_up_fails_fast_with_the_cause() -> None:
     import socket
     import time
 
-    from fusiond import local
+    from fusionctl import local
 
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))

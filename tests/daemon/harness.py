@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fusiond.local import LocalNode, agreement, make_credentials, merge, summary, wait_until
+from fusionctl.local import LocalNode, agreement, make_credentials, merge, summary, wait_until
 
 TIMERS: dict[str, Any] = {
     "profile_benchmark": False,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from fusionctl.local import to_toml
 from fusiond.config import get, keys, load_config
-from fusiond.local import to_toml
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "deploy" / "systemd" / "fusiond.service"

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from fusiond.local import agreement, merge, summary
+from fusionctl.local import agreement, merge, summary
 from tests.daemon.harness import AGREE_S, TIMERS, Cluster, iter_members, state_of
 
 pytestmark = [pytest.mark.multidaemon, pytest.mark.timeout(180)]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fusiond.local import LocalNode, wait_until
+from fusionctl.local import LocalNode, wait_until
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from fusiond.local import merge
+from fusionctl.local import merge
 from tests.daemon.harness import Cluster
 
 JOB_MEMORY_GIB = 0.03

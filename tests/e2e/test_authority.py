@@ -295,7 +295,7 @@ def test_a_scheduler_that_lost_the_job_gets_it_resubmitted(
     """The scheduler restarts faster than the failure detector declares it dead (here: never
     within the test): alive, in a new incarnation, without the job. Its updates stop; the
     submitter asks, hears "unknown" and resubmits the job from its last checkpoint."""
-    from fusiond.local import merge
+    from fusionctl.local import merge
 
     root = Path(tempfile.mkdtemp(prefix="fzq"))
     c = start_cluster(root, timers={"suspect_after_s": 120.0, "dead_after_s": 240.0})

@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
+from fusionctl.local import merge
 from fusiond.jobs.results import load_model_state
-from fusiond.local import merge
 from fusiond.train.model import build_model
 from fusiond.train.spec import load_job
 from tests.daemon.harness import Cluster

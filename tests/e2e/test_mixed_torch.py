@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 
+from fusionctl.local import merge
 from fusiond.jobs.submit import prepare_job
-from fusiond.local import merge
 from fusiond.train.spec import load_job
 from tests.daemon.harness import Cluster
 from tests.e2e.conftest import ctl, start_cluster

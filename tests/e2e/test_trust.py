@@ -228,7 +228,7 @@ def test_a_daemon_running_as_its_own_user_serves_a_job_it_could_not_write(
     import subprocess
     import sys
 
-    from fusiond.local import LocalNode, agreement, make_credentials, merge, wait_until
+    from fusionctl.local import LocalNode, agreement, make_credentials, merge, wait_until
     from tests.daemon.harness import TIMERS
     from tests.users import REPO
 

@@ -28,7 +28,7 @@ TOPOLOGIES = Path(__file__).resolve().parents[2] / "bench" / "topologies"
 
 def test_calibrate_measures_positive_rates() -> None:
     pytest.importorskip("torch")
-    from fusiond.plan.calibrate import calibrate
+    from fusiond.profile.calibrate import calibrate
 
     p = calibrate("here", scale=0.1, repeats=1)
     assert p.id == "here"
@@ -72,12 +72,13 @@ def test_topology_errors_name_the_field() -> None:
 
 
 def test_planner_is_pure() -> None:
-    """fusiond.plan (all but calibrate, which imports torch lazily) pulls in no I/O or torch."""
+    """fusiond.plan pulls in no I/O or torch (calibration, which runs torch, is
+    fusiond.profile.calibrate)."""
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    code = ("import sys, json, fusiond.plan, fusiond.plan.calibrate\n"
+    code = ("import sys, json, fusiond.plan\n"
             "print(json.dumps(sorted(sys.modules)))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
                          check=True)
@@ -94,8 +95,8 @@ _BASE = MachineProfile("m", {"matmul": 4e10, "conv": 2e10, "other": 1e9}, mem_bw
 def test_stage_compute_is_work_over_the_speed_at_the_cpu_share(cores: float) -> None:
     """A host on a quota of `cores` (one thread) computes every op min(1, cores) times slower:
     rates, memory bandwidth and the dispatch cost all follow the share."""
-    from fusiond.plan.calibrate import at_allowance
     from fusiond.plan.model import op_times
+    from fusiond.profile.calibrate import at_allowance
     from tests.plan.synth import random_instance
 
     g = random_instance(np.random.default_rng(3)).graph
@@ -109,8 +110,8 @@ def test_stage_compute_is_work_over_the_speed_at_the_cpu_share(cores: float) -> 
 
 
 def test_wall_clock_rates_cap_an_optimistic_thread_count() -> None:
-    from fusiond.plan.calibrate import at_allowance
     from fusiond.plan.model import slower_of
+    from fusiond.profile.calibrate import at_allowance
 
     wall = MachineProfile("w", {"matmul": 6e10, "other": 5e9}, mem_bw=3e10,
                           op_overhead_s=2e-5, memory_bytes=1.0)
@@ -133,7 +134,7 @@ def test_cpu_share_must_be_positive() -> None:
 
 def test_calibration_is_per_cpu_second_then_scaled(monkeypatch: pytest.MonkeyPatch) -> None:
     torch = pytest.importorskip("torch")
-    from fusiond.plan import calibrate as cal
+    from fusiond.profile import calibrate as cal
 
     seen: list[bool | None] = []
 

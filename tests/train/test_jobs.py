@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from fusiond.graph import contiguous_assignment
+from fusiond.harness.inproc import InProcNode, inproc_cluster
 from fusiond.jobs.assign import layout_job
 from fusiond.jobs.coordinator import JobCoordinator, write_outputs
-from fusiond.jobs.inproc import InProcNode, inproc_cluster
 from fusiond.jobs.results import load_model_state
 from fusiond.jobs.worker import local_sender
 from fusiond.net.transport import NetConfig
@@ -211,8 +211,8 @@ async def test_a_lost_step_report_ends_the_attempt_instead_of_leaving_a_hole(  #
 
 
 async def test_stages_in_their_own_processes(captured_tiny) -> None:  # type: ignore[no-untyped-def]
-    from fusiond.jobs.inproc import inproc_cluster
-    from fusiond.jobs.node import spawn_nodes
+    from fusiond.harness.inproc import inproc_cluster
+    from fusiond.harness.node import spawn_nodes
 
     spec, cap = captured_tiny
     spec = replace(spec, steps=3)
@@ -243,8 +243,8 @@ async def test_stages_in_their_own_processes(captured_tiny) -> None:  # type: ig
 
 
 async def test_killing_a_stage_process_fails_the_job_naming_it(captured_tiny) -> None:  # type: ignore[no-untyped-def]
-    from fusiond.jobs.inproc import inproc_cluster
-    from fusiond.jobs.node import spawn_nodes
+    from fusiond.harness.inproc import inproc_cluster
+    from fusiond.harness.node import spawn_nodes
 
     spec, cap = captured_tiny
     spec = replace(spec, steps=10_000)

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
+from fusiond.harness.inproc import inproc_cluster
 from fusiond.jobs.coordinator import JobCoordinator
-from fusiond.jobs.inproc import inproc_cluster
 from fusiond.jobs.planning import layout_from_plan, plan_job
 from fusiond.plan import Cluster, MachineProfile, PlanError
 from fusiond.train.data import make_source

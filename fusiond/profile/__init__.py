@@ -17,6 +17,9 @@ speed and would overstate a 0.25-core container fourfold. The sustained rate of 
 costs (one thread) are divided by min(1, allowed cores). A quota that is not visible (no cgroup
 filesystem mounted in this mount namespace) counts as none: the profile then says what the
 node would do alone on its allowed cores, not what other tenants leave it.
+
+`calibrate` (this package's other module) times the planner's op classes on this node -> a
+`MachineProfile`: measuring this node is this room's job, so `fusiond.plan` stays pure.
 """
 
 from __future__ import annotations
@@ -453,7 +456,7 @@ def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> 
         return prof
     import torch
 
-    from fusiond.plan.calibrate import at_allowance, measure
+    from fusiond.profile.calibrate import at_allowance, measure
 
     kind = str(info["device_kind"])
     threads = torch.get_num_threads()

@@ -1,7 +1,7 @@
 """A bare job node in its own process: a PeerNetwork (plaintext, loopback) and a JobWorker.
 
 For benchmarks and tests that want stages in separate processes without full daemons:
-`python -m fusiond.jobs.node NAME` prints `READY <host> <port>` on stdout, then reads lines
+`python -m fusiond.harness.node NAME` prints `READY <host> <port>` on stdout, then reads lines
 `PEER <name> <host> <port>` on stdin; closing stdin shuts the node down (exit 0).
 `spawn_nodes(names)` starts several and wires them to each other and to extra in-process
 addresses.
@@ -74,7 +74,7 @@ async def spawn_nodes(names: list[str], *, cluster: str = "inproc",
     try:
         for name in names:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "fusiond.jobs.node", name, "--cluster", cluster,
+                sys.executable, "-m", "fusiond.harness.node", name, "--cluster", cluster,
                 "--recv-timeout", str(recv_timeout_s),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 env=dict(os.environ),
@@ -107,7 +107,7 @@ async def spawn_nodes(names: list[str], *, cluster: str = "inproc",
 
 def main() -> None:
     """Entry point of a node process."""
-    ap = argparse.ArgumentParser(prog="python -m fusiond.jobs.node")
+    ap = argparse.ArgumentParser(prog="python -m fusiond.harness.node")
     ap.add_argument("name")
     ap.add_argument("--cluster", default="inproc")
     ap.add_argument("--recv-timeout", type=float, default=120.0,

@@ -64,7 +64,7 @@ def default_dir() -> str:
 def to_toml(settings: Mapping[str, Any]) -> str:
     """Write a two-level settings dict (top-level keys and [section] tables) as TOML."""
     top = [f"{k} = {toml_value(v)}" for k, v in settings.items() if not isinstance(v, Mapping)]
-    out = ["# written by fusiond.local", *top]
+    out = ["# written by fusionctl.local", *top]
     for k, v in settings.items():
         if isinstance(v, Mapping):
             out.append(f"\n[{k}]")
@@ -259,8 +259,11 @@ def wait_until(check: Callable[[], tuple[bool, str]], timeout: float, interval: 
 
 
 def make_credentials(nodes: Sequence[LocalNode]) -> str:
-    """A local cluster CA (key kept by node 0) and a certificate per node; returns cluster id."""
-    from fusiond.net import pki
+    """A local cluster CA (key kept by node 0) and a certificate per node; returns cluster id.
+
+    Written in the daemon's on-disk format (fusiond.net.pki) before the daemons start: the one
+    place fusionctl touches a daemon room, named in tests/test_layers.py."""
+    import fusiond.net.pki as pki
 
     ca, _, _ = pki.init_cluster(nodes[0].state_dir)
     for n in nodes[1:]:

@@ -1,6 +1,7 @@
 """Calibration: time representative ops on this machine -> a `MachineProfile`.
 
-The only non-pure part of `fusiond.plan` (it runs torch). The daemon calls it once and gossips
+It measures this node for the planner (`fusiond.plan`, which stays pure: no torch, no clocks),
+so it lives with the rest of the node's profile. The daemon calls it once and gossips
 `profile.to_dict()`. Each measurement matches a rule of the estimator, so the two agree on
 units: a matmul of transformer-like shape (FLOP/s of class "matmul"), a 3x3 convolution
 ("conv"), GELU on a large tensor at the estimator's 16 FLOPs per element ("other"), a large add

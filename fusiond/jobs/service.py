@@ -58,15 +58,7 @@ import torch
 from fusiond.errors import FusionError, LocalError
 from fusiond.graph import CapturedModel, contiguous_assignment, state_from_bytes, state_to_bytes
 from fusiond.jobs.assign import Corpus, JobLayout, layout_job
-from fusiond.jobs.coordinator import (
-    FAULT_JOB,
-    FAULT_MACHINE,
-    FAULT_REFUSED,
-    FAULT_SCHEDULER,
-    FAULT_STALE,
-    JobCoordinator,
-    JobOutcome,
-)
+from fusiond.jobs.coordinator import JobCoordinator, JobOutcome
 from fusiond.jobs.history import (
     HISTORY_KEPT,
     RECORDS_KEPT,
@@ -92,6 +84,8 @@ from fusiond.jobs.outputs import (
     is_output_name,
 )
 from fusiond.jobs.planning import layout_from_plan, plan_job, readapted_densities
+from fusiond.jobs.runner import EXCLUDE_FOR_S as EXCLUDE_FOR_S  # (read by tests as service's)
+from fusiond.jobs.runner import decide_restart, released_exclusions
 from fusiond.jobs.submit import (
     check_capacity,
     check_finite,
@@ -109,7 +103,7 @@ from fusiond.tasks import cancel_and_wait, raise_if_cancelling
 from fusiond.train.local import StepMetrics
 from fusiond.train.remote import MAX_RECV_TIMEOUT_S, MIN_RECV_TIMEOUT_S
 from fusiond.train.spec import JobSpec, parse_job
-from fusiond.train.stage import StageConfig, is_input_timeout
+from fusiond.train.stage import StageConfig
 from fusiond.units import bytes_per_s_from_bits_per_s
 from protocol import ir
 from protocol.messages import (
@@ -178,11 +172,6 @@ RECV_TIMEOUT_ITERATIONS = 10.0
 """A stage waits for its inputs at least this many of the plan's predicted iterations (on the
 measured links), so an 8 Mbit/s link carrying big activations never trips the stage's own
 `recv_timeout_s`, which stays the floor."""
-EXCLUDE_FOR_S = 60.0
-"""How long a job's later attempts are planned without a machine that failed it (unless it
-restarts sooner: then it is planned again at once). Long enough that a machine the failure
-detector has not yet declared dead is not picked again at once; bounded so that a job outlives
-more machine failures than it has machines."""
 SHIP_TIMEOUT_FACTOR = 3.0
 """The scheduler waits for Ready at least this many times the time the largest partition's
 weights take over the measured link to its machine (plus the configured `ready_timeout_s`)."""
@@ -1789,45 +1778,21 @@ class JobService:
         `max_restarts` allows, plan the job again on the machines still alive (the failed ones
         left out) and start it from the last checkpoint (step 0 without one). True when a new
         attempt is ready in `rec.coord`; False to end the job with `outcome`."""
-        failure = outcome.failure
-        if outcome.ok or failure is None or rec.cancel_requested or self._closed:
-            return False
-        if not rec.handed_back and (why := self._not_leading()) is not None:
-            rec.handed_back = why  # a minority never re-plans: the next scheduler does
-            rec.log(f"attempt {rec.restarts + 1} failed ({failure}); not restarted here: {why}")
-            return False
-        if rec.handed_back:
-            return False
-        if failure.fault == FAULT_STALE:
-            # This daemon's view lags (it was frozen or cut off while another scheduler was
-            # elected): the job goes to that one. It used to end the job failed (the chaos
-            # check: a scheduler thawed after 3 s restarted its job in its stale term).
-            rec.handed_back = f"a member does not take this daemon for the scheduler: {failure}"
-            rec.log(f"attempt {rec.restarts + 1} failed ({failure}); not restarted here: "
-                    "another scheduler was elected")
-            return False
-        if failure.fault == FAULT_JOB:  # the same on every machine: blame none, retry never
-            rec.log(f"not restarted: {failure}")
-            return False
-        # A machine that refused its partition is left out, the scheduler's own included; any
-        # other failure of the scheduler's machine (or side) ends the job, except its stage
-        # waiting too long for an input: this machine is alive, a neighbour or the link to it
-        # failed (a tensor lost when a dial failed), and the attempt restarts, blaming none
-        # (the chaos check saw such a timeout on the scheduler's own stage, reported before
-        # the neighbours' own timeouts could arrive, end a job for good).
-        victim = failure.node == self.node_id and failure.fault == FAULT_MACHINE \
-            and is_input_timeout(failure.cause)
-        if (failure.fault == FAULT_SCHEDULER or not failure.machines
-                or (failure.fault != FAULT_REFUSED and failure.node == self.node_id
-                    and not victim)
-                or rec.restarts >= rec.spec.max_restarts):
+        decision = decide_restart(
+            outcome.ok, outcome.failure, self_node=self.node_id, restarts=rec.restarts,
+            max_restarts=rec.spec.max_restarts, cancel_requested=rec.cancel_requested,
+            closed=self._closed, handed_back=rec.handed_back,
+            not_leading=None if rec.handed_back else self._not_leading())
+        if decision.hand_back is not None:
+            rec.handed_back = decision.hand_back
+        if decision.log is not None:
+            rec.log(decision.log)
+        if not decision.restart:
             return False
         view = self.view()
         now = time.monotonic()
-        for m in failure.machines:
-            if not (victim and m == self.node_id):
-                rec.excluded[m] = (_incarnation(view, m), now, failure.fault == FAULT_REFUSED)
-        rec.log(f"attempt {rec.restarts + 1} failed: {failure}")
+        for m in decision.exclude:
+            rec.excluded[m] = (_incarnation(view, m), now, decision.refused)
         try:
             if view is None:
                 raise JobRefused("this daemon left the cluster")
@@ -1876,20 +1841,12 @@ class JobService:
 
     @staticmethod
     def _excluded_now(rec: _Record, view: Any, now: float) -> set[str]:
-        """The machines `rec`'s next attempt is planned without. A machine that failed the job
-        is planned again once it restarted (a new incarnation in the view) or, unless it
-        refused its partition, `EXCLUDE_FOR_S` after its failure: exclusions used to last the
-        job's life, so after every other machine had failed once (a chaos run's kills,
-        freezes and partitions of a minority) the job ran on ever fewer stages, and the next
-        failure ended it."""
-        for node, (inc, at, refused) in list(rec.excluded.items()):
-            cur = _incarnation(view, node)
-            if (cur is not None and inc is not None and cur != inc) \
-                    or (not refused and now - at >= EXCLUDE_FOR_S):
-                del rec.excluded[node]
-                rec.log(f"{node} planned again: "
-                        + ("it restarted since it failed" if cur != inc else
-                           f"{EXCLUDE_FOR_S:g}s since it failed"))
+        """The machines `rec`'s next attempt is planned without (`released_exclusions` says
+        which of those that failed it are planned again, logged here)."""
+        for node, why in released_exclusions(rec.excluded, lambda n: _incarnation(view, n),
+                                             now).items():
+            del rec.excluded[node]
+            rec.log(f"{node} planned again: {why}")
         return set(rec.excluded)
 
     def _hold(self, rec: _Record, state: dict[str, torch.Tensor]) -> None:

@@ -1513,14 +1513,11 @@ class JobService:
             r.checkpoint = (step, state)
             self._spawn(self._checkpoint_out(r, step, state), f"checkpoint {r.job_id}")
 
-        ready_s, recv_s = derived_timeouts(layout, captured.state, plan, cluster, self.node_id,
-                                           self.ready_timeout_s)
-        coord = JobCoordinator(
-            send=self.send, spec=spec, captured=captured, layout=layout, addresses=addresses,
-            term=term, first_step=first, plan_version=term * PLAN_EPOCH + 1,
-            ready_timeout_s=ready_s, failure_grace_s=self.failure_grace_s,
-            tokens_per_sample=tps, on_step=on_step, on_checkpoint=on_checkpoint, corpus=corpus,
-            recv_timeout_s=recv_s)
+        coord = self._coordinator(spec, captured, layout, plan, cluster, addresses, term=term,
+                                  plan_version=term * PLAN_EPOCH + 1, first_step=first,
+                                  tokens_per_sample=tps, on_step=on_step,
+                                  on_checkpoint=on_checkpoint, corpus=corpus)
+        ready_s, recv_s = coord.ready_timeout_s, coord.recv_timeout_s
         rec = _Record(job_id, spec, layout, coord, plan_text, time.time(), tps,
                       submitter=submitter if submitter != self.node_id else "", plan=plan,
                       stages=stages, first_step=first, restarts=used, term=term,
@@ -1549,6 +1546,24 @@ class JobService:
         if plan is not None and c.adatopk and c.density is None and c.readapt_interval_s > 0:
             self._spawn(self._readapt(rec, c.readapt_interval_s), f"readapt {job_id}")
         return summary
+
+    def _coordinator(self, spec: JobSpec, captured: CapturedModel, layout: JobLayout,
+                     plan: Plan | None, cluster: Cluster, addresses: Mapping[str, Address], *,
+                     term: int, plan_version: int, first_step: int, tokens_per_sample: int,
+                     on_step: Callable[[StepMetrics], Any] | None,
+                     on_checkpoint: Callable[[int, dict[str, torch.Tensor]], Any] | None,
+                     corpus: Corpus | None) -> JobCoordinator:
+        """The coordinator of one attempt of a job (the first, from `submit`, and each restart,
+        from `_restart`): `captured`'s state is what its Assigns ship, and its Ready and input
+        timeouts come from the measured links (`derived_timeouts`)."""
+        ready_s, recv_s = derived_timeouts(layout, captured.state, plan, cluster, self.node_id,
+                                           self.ready_timeout_s)
+        return JobCoordinator(
+            send=self.send, spec=spec, captured=captured, layout=layout, addresses=addresses,
+            term=term, plan_version=plan_version, first_step=first_step,
+            ready_timeout_s=ready_s, failure_grace_s=self.failure_grace_s,
+            tokens_per_sample=tokens_per_sample, on_step=on_step, on_checkpoint=on_checkpoint,
+            corpus=corpus, recv_timeout_s=recv_s)
 
     async def _layout(self, job_id: str, spec: JobSpec, captured: CapturedModel,
                       state: Mapping[str, torch.Tensor], cluster: Cluster,
@@ -1822,15 +1837,11 @@ class JobService:
         rec.earlier = [m for m in [*rec.earlier, *outcome.metrics] if m.step < first]
         rec.history.truncate_from(first)  # the new attempt redoes them
         rec.layout, rec.plan, rec.plan_text = layout, plan, text
-        ready_s, recv_s = derived_timeouts(layout, state, plan, cluster, self.node_id,
-                                           self.ready_timeout_s)
-        rec.coord = JobCoordinator(
-            send=self.send, spec=rec.spec, captured=captured, layout=layout,
-            addresses=addresses, term=rec.term, plan_version=version,
-            first_step=first, ready_timeout_s=ready_s,
-            failure_grace_s=self.failure_grace_s, tokens_per_sample=old.tokens_per_sample,
-            on_step=old.on_step, on_checkpoint=old.on_checkpoint, corpus=old.corpus,
-            recv_timeout_s=recv_s)
+        rec.coord = self._coordinator(rec.spec, captured, layout, plan, cluster, addresses,
+                                      term=rec.term, plan_version=version, first_step=first,
+                                      tokens_per_sample=old.tokens_per_sample,
+                                      on_step=old.on_step, on_checkpoint=old.on_checkpoint,
+                                      corpus=old.corpus)
         rec.log(f"restart {rec.restarts}/{rec.spec.max_restarts}: "
                 + (f"from step {first} (no checkpoint yet)" if rec.checkpoint is None else
                    f"from the checkpoint after step {first}")

@@ -1,10 +1,11 @@
 """The scheduler role's decisions about a running job, as pure functions of plain values.
 
 `decide_restart` is the one place that says whether a failed attempt is restarted (and whom
-the next attempt leaves out), and `released_exclusions` when a machine left out is planned
-again. `JobService` (fusiond/jobs/service.py) asks them, then acts: it re-plans, builds the
-next `JobCoordinator`, hands the job back. They take no service, no network and no clock:
-tests/train/test_restart_decision.py calls them with plain values.
+the next attempt leaves out), `released_exclusions` when a machine left out is planned
+again, and `derived_timeouts` how long an attempt waits for Ready and its stages for their
+inputs, from the measured links. `JobService` (fusiond/jobs/service.py) asks them, then acts:
+it re-plans, builds the next `JobCoordinator`, hands the job back. They take no service, no
+network and no clock: tests/train/test_restart_decision.py calls them with plain values.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import torch
+
+from fusiond.jobs.assign import JobLayout
 from fusiond.jobs.coordinator import (
     FAULT_JOB,
     FAULT_MACHINE,
@@ -20,15 +24,32 @@ from fusiond.jobs.coordinator import (
     FAULT_STALE,
     FailureReport,
 )
+from fusiond.plan import Cluster, Plan
+from fusiond.train.remote import MAX_RECV_TIMEOUT_S, MIN_RECV_TIMEOUT_S
 from fusiond.train.stage import is_input_timeout
 
-__all__ = ["EXCLUDE_FOR_S", "RestartDecision", "decide_restart", "released_exclusions"]
+__all__ = [
+    "EXCLUDE_FOR_S",
+    "RECV_TIMEOUT_ITERATIONS",
+    "SHIP_TIMEOUT_FACTOR",
+    "RestartDecision",
+    "decide_restart",
+    "derived_timeouts",
+    "released_exclusions",
+]
 
 EXCLUDE_FOR_S = 60.0
 """How long a job's later attempts are planned without a machine that failed it (unless it
 restarts sooner: then it is planned again at once). Long enough that a machine the failure
 detector has not yet declared dead is not picked again at once; bounded so that a job outlives
 more machine failures than it has machines."""
+RECV_TIMEOUT_ITERATIONS = 10.0
+"""A stage waits for its inputs at least this many of the plan's predicted iterations (on the
+measured links), so an 8 Mbit/s link carrying big activations never trips the stage's own
+`recv_timeout_s`, which stays the floor."""
+SHIP_TIMEOUT_FACTOR = 3.0
+"""The scheduler waits for Ready at least this many times the time the largest partition's
+weights take over the measured link to its machine (plus the configured `ready_timeout_s`)."""
 
 
 @dataclass(frozen=True)
@@ -127,3 +148,26 @@ def released_exclusions(excluded: Mapping[str, tuple[int | None, float, bool]],
             released[node] = ("it restarted since it failed" if cur != inc else
                               f"{EXCLUDE_FOR_S:g}s since it failed")
     return released
+
+
+def derived_timeouts(layout: JobLayout, state: Mapping[str, torch.Tensor], plan: Plan | None,
+                     cluster: Cluster, scheduler: str, ready_floor_s: float
+                     ) -> tuple[float, float | None]:
+    """(ready timeout, stages' receive timeout) for a job, from the measured links: Ready may
+    take the configured `ready_floor_s` plus `SHIP_TIMEOUT_FACTOR` x the slowest partition's
+    weights over its link from the scheduler; a stage waits `RECV_TIMEOUT_ITERATIONS` x the
+    plan's predicted iteration (None without a plan: the stages' own bound)."""
+    ids = cluster.ids()
+    ship = 0.0
+    for s in layout.stages:
+        nbytes = sum(state[k].numel() * state[k].element_size()
+                     for k in s.partition.param_names if k in state)
+        if s.node_id != scheduler and scheduler in ids and s.node_id in ids:
+            link_bytes_per_s = float(
+                cluster.bandwidth_bytes_per_s[ids.index(scheduler), ids.index(s.node_id)])
+            ship = max(ship, nbytes / link_bytes_per_s)
+    recv = None
+    if plan is not None:  # within what an Assign may carry (a fast plan asks for little)
+        recv = min(MAX_RECV_TIMEOUT_S,
+                   max(MIN_RECV_TIMEOUT_S, RECV_TIMEOUT_ITERATIONS * plan.iteration_s))
+    return ready_floor_s + SHIP_TIMEOUT_FACTOR * ship, recv

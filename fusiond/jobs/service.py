@@ -90,7 +90,7 @@ from fusiond.jobs.planning import (
 )
 from fusiond.jobs.records import LOG_LINES, JobRecord, RemoteJob, steps_done
 from fusiond.jobs.runner import EXCLUDE_FOR_S as EXCLUDE_FOR_S  # (read by tests as service's)
-from fusiond.jobs.runner import decide_restart, released_exclusions
+from fusiond.jobs.runner import decide_restart, derived_timeouts, released_exclusions
 from fusiond.jobs.submit import (
     check_capacity,
     check_finite,
@@ -116,7 +116,6 @@ from fusiond.plan import Cluster, Plan
 from fusiond.plan.render import plan_summary, render_plan
 from fusiond.tasks import cancel_and_wait, raise_if_cancelling
 from fusiond.train.local import StepMetrics
-from fusiond.train.remote import MAX_RECV_TIMEOUT_S, MIN_RECV_TIMEOUT_S
 from fusiond.train.spec import JobSpec, parse_job
 from fusiond.train.stage import StageConfig
 from protocol import ir
@@ -176,13 +175,6 @@ STALE_UPDATE_S = 20 * UPDATE_S
 asked about (`JobQuery`, on the CONTROL lane: it does not wait behind outputs)."""
 QUERY_TIMEOUT_S = 5.0
 """How long a `JobQuery` waits for its answer before it is asked again."""
-RECV_TIMEOUT_ITERATIONS = 10.0
-"""A stage waits for its inputs at least this many of the plan's predicted iterations (on the
-measured links), so an 8 Mbit/s link carrying big activations never trips the stage's own
-`recv_timeout_s`, which stays the floor."""
-SHIP_TIMEOUT_FACTOR = 3.0
-"""The scheduler waits for Ready at least this many times the time the largest partition's
-weights take over the measured link to its machine (plus the configured `ready_timeout_s`)."""
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}-[0-9a-f]{6}")
 
 
@@ -192,29 +184,6 @@ class NotScheduler(JobRefused):
 
 _Record = JobRecord  # (the names tests know them by)
 _Remote = RemoteJob
-
-
-def derived_timeouts(layout: JobLayout, state: Mapping[str, torch.Tensor], plan: Plan | None,
-                     cluster: Cluster, scheduler: str, ready_floor_s: float
-                     ) -> tuple[float, float | None]:
-    """(ready timeout, stages' receive timeout) for a job, from the measured links: Ready may
-    take the configured `ready_floor_s` plus `SHIP_TIMEOUT_FACTOR` x the slowest partition's
-    weights over its link from the scheduler; a stage waits `RECV_TIMEOUT_ITERATIONS` x the
-    plan's predicted iteration (None without a plan: the stages' own bound)."""
-    ids = cluster.ids()
-    ship = 0.0
-    for s in layout.stages:
-        nbytes = sum(state[k].numel() * state[k].element_size()
-                     for k in s.partition.param_names if k in state)
-        if s.node_id != scheduler and scheduler in ids and s.node_id in ids:
-            link_bytes_per_s = float(
-                cluster.bandwidth_bytes_per_s[ids.index(scheduler), ids.index(s.node_id)])
-            ship = max(ship, nbytes / link_bytes_per_s)
-    recv = None
-    if plan is not None:  # within what an Assign may carry (a fast plan asks for little)
-        recv = min(MAX_RECV_TIMEOUT_S,
-                   max(MIN_RECV_TIMEOUT_S, RECV_TIMEOUT_ITERATIONS * plan.iteration_s))
-    return ready_floor_s + SHIP_TIMEOUT_FACTOR * ship, recv
 
 
 def _incarnation(view: Any, node_id: str) -> int | None:

@@ -8,29 +8,133 @@ AdaTopK policy (or the job's forced `compression.density`; with `compression.cod
 every float cut edge int8 instead, costed so by the planner). `readapted_densities` is the
 scheduler's re-adaptation decision while the job runs: the same cut, densities recomputed for
 the links as measured now.
+
+`cluster_for_planner(view)` is the adapter from the daemon's `ClusterView` (members, gossiped
+profiles, measured links in bits per second) to the planner's `Cluster` (bytes per second:
+`link_bytes_per_s` is the one conversion); a view with no member to run on is `JobRefused`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
 
 import torch
 
+from fusiond.errors import LocalError
 from fusiond.graph import CapturedModel
 from fusiond.jobs.assign import JobLayout, layout_job
 from fusiond.plan import (
     Cluster,
     JobSettings,
+    MachineProfile,
     Plan,
     batch_symbol,
     cost_graph_from_ir,
     plan_opfence,
     readapt,
 )
+from fusiond.profile import machine_from_profile
 from fusiond.train.spec import JobSpec
+from fusiond.units import bytes_per_s_from_bits_per_s
 from protocol import ir
+from protocol.messages import Address
 
-__all__ = ["job_settings", "layout_from_plan", "plan_job", "readapted_densities"]
+__all__ = [
+    "DEFAULT_GFLOPS",
+    "DEFAULT_LINK_BYTES_PER_S",
+    "JobRefused",
+    "cluster_for_planner",
+    "job_settings",
+    "layout_from_plan",
+    "link_bytes_per_s",
+    "plan_job",
+    "readapted_densities",
+]
+
+DEFAULT_GFLOPS = 10.0
+"""A member that did not benchmark itself (profile_benchmark off) counts as this fast."""
+DEFAULT_LINK_BYTES_PER_S = bytes_per_s_from_bits_per_s(1e9)
+"""An unmeasured link counts as 1 Gbit/s (the prober fills in the real figure)."""
+
+
+class JobRefused(LocalError):
+    """A submission the cluster cannot run; nothing was started."""
+
+
+def _member_memory(profile: Mapping[str, Any]) -> float:
+    for key in ("job_memory_bytes", "free_memory_bytes", "memory_bytes"):
+        v = profile.get(key)
+        if isinstance(v, int | float) and not isinstance(v, bool) and v > 0:
+            return float(v)
+    return 0.0
+
+
+def cluster_for_planner(view: Any, exclude: Iterable[str] = (),
+                        op_sets: Mapping[str, frozenset[str] | None] | None = None
+                        ) -> tuple[Cluster, dict[str, Address], dict[str, int]]:
+    """The planner's `Cluster` from a `ClusterView`: alive members (less `exclude`), their
+    gossiped profiles (speed, memory offered to jobs) and the measured bandwidth/RTT matrix (an
+    unmeasured link counts as `DEFAULT_LINK_BYTES_PER_S`). Also every member's address and
+    memory (for the capacity check). `op_sets`: member -> the ops it runs
+    (`fusiond.jobs.opsets`; a member absent or None runs every op), so that the planner places
+    each stage only where every op of it runs.
+
+    The view's links are in bits per second, as probed and gossiped; the planner's `Cluster`
+    is in bytes per second: `link_bytes_per_s` is the one conversion."""
+    skip = set(exclude)
+    members = sorted((m for m in view.members if m.state == "alive" and m.node_id not in skip),
+                     key=lambda m: m.node_id)
+    if not members:
+        raise JobRefused("no alive member to run a job on")
+    machines = []
+    memory: dict[str, int] = {}
+    for m in members:
+        prof = dict(m.profile or {})
+        mem = _member_memory(prof)
+        memory[m.node_id] = int(mem)
+        # the member's own calibration at its CPU allowance (fusiond.profile); else its matmul
+        # rate for every op class (sustained too), else a default
+        machine = machine_from_profile(m.node_id, prof, mem)
+        if machine is None:
+            gflops = prof.get("gflops")
+            rate = float(gflops) * 1e9 if isinstance(gflops, int | float) and gflops > 0 \
+                else DEFAULT_GFLOPS * 1e9
+            machine = MachineProfile(id=m.node_id, flops={"other": rate}, mem_bw=rate / 2,
+                                     op_overhead_s=2e-5, memory_bytes=max(mem, 1.0),
+                                     kind=str(prof.get("device_kind", "")))
+        ops = (op_sets or {}).get(m.node_id)
+        if ops is not None:
+            machine = replace(machine, ops=ops)
+        machines.append(machine)
+    ids = [m.node_id for m in members]
+    links = dict(getattr(view, "links", {}) or {})
+    k = len(ids)
+    bw_bytes_per_s = [[DEFAULT_LINK_BYTES_PER_S] * k for _ in range(k)]
+    rtt_s = [[0.0] * k for _ in range(k)]
+    for i, a in enumerate(ids):
+        for j, b in enumerate(ids):
+            got = links.get((a, b)) or links.get((b, a))
+            if got is not None:
+                measured_bytes_per_s = link_bytes_per_s(got)
+                if measured_bytes_per_s is not None:
+                    bw_bytes_per_s[i][j] = measured_bytes_per_s
+                rtt_s[i][j] = max(0.0, float(got[1]))
+    addresses = {m.node_id: (str(m.address[0]), int(m.address[1])) for m in members}
+    return Cluster.build(machines, bw_bytes_per_s, rtt_s), addresses, memory
+
+
+def link_bytes_per_s(link: Sequence[float]) -> float | None:
+    """The planner's rate (bytes per second) of one measured link of a `ClusterView`, whose
+    first field is the gossiped rate in bits per second (`fusiond.cluster.membership.Link`);
+    None while no bandwidth sample has counted (0). The only bits -> bytes conversion on the
+    way from the prober to the planner."""
+    bits_per_s = float(link[0])
+    if not (bits_per_s > 0 and math.isfinite(bits_per_s)):
+        return None
+    return bytes_per_s_from_bits_per_s(bits_per_s)
 
 
 def job_settings(spec: JobSpec) -> JobSettings:

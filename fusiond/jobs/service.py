@@ -41,15 +41,14 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import re
 import secrets
 import shutil
 import tempfile
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -58,19 +57,10 @@ import torch
 from fusiond.errors import FusionError, LocalError
 from fusiond.graph import CapturedModel, contiguous_assignment, state_from_bytes, state_to_bytes
 from fusiond.jobs.assign import Corpus, JobLayout, layout_job
-from fusiond.jobs.coordinator import (
-    FAULT_JOB,
-    FAULT_MACHINE,
-    FAULT_REFUSED,
-    FAULT_SCHEDULER,
-    FAULT_STALE,
-    JobCoordinator,
-    JobOutcome,
-)
+from fusiond.jobs.coordinator import JobCoordinator, JobOutcome
 from fusiond.jobs.history import (
     HISTORY_KEPT,
     RECORDS_KEPT,
-    Cursor,
     JobHistory,
     StepHistory,
     finite_records,
@@ -91,7 +81,16 @@ from fusiond.jobs.outputs import (
     checkpoint_name,
     is_output_name,
 )
-from fusiond.jobs.planning import layout_from_plan, plan_job, readapted_densities
+from fusiond.jobs.planning import (
+    JobRefused,
+    cluster_for_planner,
+    layout_from_plan,
+    plan_job,
+    readapted_densities,
+)
+from fusiond.jobs.records import LOG_LINES, JobRecord, RemoteJob, steps_done
+from fusiond.jobs.runner import EXCLUDE_FOR_S as EXCLUDE_FOR_S  # (read by tests as service's)
+from fusiond.jobs.runner import decide_restart, derived_timeouts, released_exclusions
 from fusiond.jobs.submit import (
     check_capacity,
     check_finite,
@@ -101,16 +100,24 @@ from fusiond.jobs.submit import (
     resume_state,
 )
 from fusiond.jobs.upload import Upload, decode_upload, encode_upload, read_upload
+from fusiond.jobs.views import (
+    jobs_view,
+    logs_view,
+    output_dir_of,
+    outputs_brief,
+    outputs_view,
+    owner_of,
+    past_view,
+    record_view,
+    remote_view,
+)
 from fusiond.jobs.worker import JobWorker, Leadership, LeadershipFn, SendFn, local_sender
-from fusiond.plan import Cluster, MachineProfile, Plan
+from fusiond.plan import Cluster, Plan
 from fusiond.plan.render import plan_summary, render_plan
-from fusiond.profile import machine_from_profile
 from fusiond.tasks import cancel_and_wait, raise_if_cancelling
 from fusiond.train.local import StepMetrics
-from fusiond.train.remote import MAX_RECV_TIMEOUT_S, MIN_RECV_TIMEOUT_S
 from fusiond.train.spec import JobSpec, parse_job
-from fusiond.train.stage import StageConfig, is_input_timeout
-from fusiond.units import bytes_per_s_from_bits_per_s
+from fusiond.train.stage import StageConfig
 from protocol import ir
 from protocol.messages import (
     Address,
@@ -130,8 +137,6 @@ __all__ = ["JobService", "cluster_for_planner"]
 
 log = logging.getLogger("fusiond.jobs")
 
-LOG_LINES = 500
-"""Log lines kept per job (`fusionctl logs`)."""
 MAX_UPDATE_STEPS = 500
 """Step records one `JobUpdate` carries at most (more follow in further updates)."""
 MAX_UPDATE_STEP_BYTES = 4 << 20
@@ -144,10 +149,6 @@ MAX_HELD_JOBS = 4
 (a full disk); the oldest is dropped, with a log line, to hold a newer one."""
 FETCH_TIMEOUT_S = 600.0
 """How long `fusionctl fetch` waits for held outputs to be stored again."""
-DEFAULT_GFLOPS = 10.0
-"""A member that did not benchmark itself (profile_benchmark off) counts as this fast."""
-DEFAULT_LINK_BYTES_PER_S = bytes_per_s_from_bits_per_s(1e9)
-"""An unmeasured link counts as 1 Gbit/s (the prober fills in the real figure)."""
 UPDATE_S = 0.5
 """How often the scheduler sends a remote submitter the job's status."""
 SUBMIT_TIMEOUT_S = 300.0
@@ -174,170 +175,15 @@ STALE_UPDATE_S = 20 * UPDATE_S
 asked about (`JobQuery`, on the CONTROL lane: it does not wait behind outputs)."""
 QUERY_TIMEOUT_S = 5.0
 """How long a `JobQuery` waits for its answer before it is asked again."""
-RECV_TIMEOUT_ITERATIONS = 10.0
-"""A stage waits for its inputs at least this many of the plan's predicted iterations (on the
-measured links), so an 8 Mbit/s link carrying big activations never trips the stage's own
-`recv_timeout_s`, which stays the floor."""
-EXCLUDE_FOR_S = 60.0
-"""How long a job's later attempts are planned without a machine that failed it (unless it
-restarts sooner: then it is planned again at once). Long enough that a machine the failure
-detector has not yet declared dead is not picked again at once; bounded so that a job outlives
-more machine failures than it has machines."""
-SHIP_TIMEOUT_FACTOR = 3.0
-"""The scheduler waits for Ready at least this many times the time the largest partition's
-weights take over the measured link to its machine (plus the configured `ready_timeout_s`)."""
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}-[0-9a-f]{6}")
-
-
-class JobRefused(LocalError):
-    """A submission the cluster cannot run; nothing was started."""
 
 
 class NotScheduler(JobRefused):
     """This daemon is not (or no longer) the scheduler holding the lease: ask the next one."""
 
 
-@dataclass
-class _Remote:
-    """A job submitted here and coordinated by the scheduler elsewhere: its last status, and
-    what this daemon keeps of it (the full step history, the outputs in its store)."""
-
-    job_id: str
-    scheduler: str
-    output: Path
-    status: dict[str, Any]
-    ended: asyncio.Event = field(default_factory=asyncio.Event)
-    upload: Upload | None = None
-    """What was forwarded (kept to resubmit if the scheduler dies)."""
-    max_restarts: int = 0
-    restarts: int = 0
-    checkpoint: Path | None = None
-    """The last checkpoint the scheduler sent here (a resubmission resumes from it)."""
-    failing_over: bool = False
-    notes: list[str] = field(default_factory=list)
-    """This daemon's own log lines for the job (failover, outputs), before the scheduler's."""
-    owner_uid: int | None = None
-    """The user who submitted it (None: the daemon's operator only)."""
-    history: StepHistory = field(default_factory=StepHistory)
-    """Every step record the schedulers sent (survives failovers; persisted)."""
-    pending_checkpoint: tuple[int, Path] | None = None
-    """A checkpoint stored before the history covered the steps it follows (promoted to
-    `checkpoint` once it does, so a failover resumes without a gap in the history)."""
-    unstored: dict[str, str] = field(default_factory=dict)
-    """Output name -> why it could not be stored here."""
-    held_by: str | None = None
-    """The scheduler holding the weights this daemon could not store (`fusionctl fetch`)."""
-    finishing: bool = False
-    """The final update arrived; metrics.json is being stored (the state stays running)."""
-    storage_failed: bool = False
-    """It trained to the end but its outputs could not be stored: done once they are."""
-    submitted_at: float = field(default_factory=time.time)
-    term: int = 0
-    """The scheduler's term when it took the job: after it gave the job back, it may take a
-    resubmission only in a newer term."""
-    heard: float = field(default_factory=time.monotonic)
-    """When the scheduler last said something about the job (monotonic clock)."""
-    query: asyncio.Future[JobQueryReply] | None = None
-    stream_through: int = -1
-    """The last step of the records taken from the current scheduler's updates (-1: none
-    yet): an update whose records follow a later one (`JobUpdate.after`) comes after a lost
-    one, and the records are asked for again."""
-    resend_asked: float = -math.inf
-    """When this daemon last asked the scheduler to send records again (monotonic clock)."""
-
-    @property
-    def state(self) -> str:
-        return str(self.status.get("state", "running"))
-
-    def note(self, text: str) -> None:
-        self.notes.append(f"{time.strftime('%H:%M:%S', time.gmtime())} {text}")
-        log.info("job %s: %s", self.job_id, text)
-
-
-@dataclass
-class _Record:
-    job_id: str
-    spec: JobSpec
-    layout: JobLayout
-    coord: JobCoordinator
-    plan_text: str
-    submitted_at: float
-    tokens_per_sample: int
-    state: str = "running"
-    task: asyncio.Task[None] | None = None
-    cancel_requested: bool = False
-    history: StepHistory = field(default_factory=StepHistory)
-    logs: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_LINES))
-    outcome: dict[str, Any] | None = None
-    first_loss: float | None = None
-    submitter: str = ""
-    """The daemon that took the submission; its outputs go there (empty: this one)."""
-    plan: Plan | None = None
-    """The planner's plan (None for a `--stages` cut): AdaTopK re-adapts on its cut."""
-    stages: int | None = None
-    """The `--stages` count asked for (None: planned)."""
-    first_step: int = 0
-    """The step the job started at (> 0: resumed from a checkpoint with `--resume`)."""
-    restarts: int = 0
-    checkpoint: tuple[int, dict[str, torch.Tensor]] | None = None
-    """The last whole-model checkpoint: (step, state after that step), to resume from."""
-    excluded: dict[str, tuple[int | None, float, bool]] = field(default_factory=dict)
-    """Machines that failed this job -> (their incarnation then, when (monotonic clock),
-    whether they refused their partition): later attempts are planned without them until they
-    restarted (a new incarnation) or, for a machine that failed rather than refused,
-    `EXCLUDE_FOR_S` passed (`_excluded_now`)."""
-    earlier: list[StepMetrics] = field(default_factory=list)
-    """Metrics of the steps earlier attempts made and the current one resumed from."""
-    owner_uid: int | None = None
-    """The user who submitted it here (None: the daemon's operator only; always None for a
-    job coordinated for another submitting daemon)."""
-    update_cursor: Cursor = field(default_factory=Cursor)
-    """How far the step history went to the remote submitter (registered on `history` when
-    the job has one: `history.cursor()`)."""
-    held: dict[str, torch.Tensor] | None = None
-    """The final weights, kept in memory because they could not be stored (here, or on the
-    submitter); `fusionctl fetch` (or the submitter's `JobFetch`) stores them again."""
-    unstored: dict[str, str] = field(default_factory=dict)
-    """Output name -> why it could not be stored (a job submitted here)."""
-    update_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    storage_failed: bool = False
-    """It trained to the end but its outputs could not be stored: done once they are."""
-    upload: Upload | None = None
-    """What was submitted here (a job of this daemon's own submitter, kept to fail it over)."""
-    term: int = 0
-    """The term this daemon scheduled the job in."""
-    handed_back: str = ""
-    """Why this daemon gave the job up (it lost the scheduler's lease); empty while it runs."""
-    stale_lease: int = -1
-    """The term in which this daemon last noted it is no longer the scheduler (logged once)."""
-
-    def log(self, text: str) -> None:
-        stamp = time.strftime("%H:%M:%S", time.gmtime())
-        self.logs.append(f"{stamp} {text}")
-        log.info("job %s: %s", self.job_id, text)
-
-
-def derived_timeouts(layout: JobLayout, state: Mapping[str, torch.Tensor], plan: Plan | None,
-                     cluster: Cluster, scheduler: str, ready_floor_s: float
-                     ) -> tuple[float, float | None]:
-    """(ready timeout, stages' receive timeout) for a job, from the measured links: Ready may
-    take the configured `ready_floor_s` plus `SHIP_TIMEOUT_FACTOR` x the slowest partition's
-    weights over its link from the scheduler; a stage waits `RECV_TIMEOUT_ITERATIONS` x the
-    plan's predicted iteration (None without a plan: the stages' own bound)."""
-    ids = cluster.ids()
-    ship = 0.0
-    for s in layout.stages:
-        nbytes = sum(state[k].numel() * state[k].element_size()
-                     for k in s.partition.param_names if k in state)
-        if s.node_id != scheduler and scheduler in ids and s.node_id in ids:
-            link_bytes_per_s = float(
-                cluster.bandwidth_bytes_per_s[ids.index(scheduler), ids.index(s.node_id)])
-            ship = max(ship, nbytes / link_bytes_per_s)
-    recv = None
-    if plan is not None:  # within what an Assign may carry (a fast plan asks for little)
-        recv = min(MAX_RECV_TIMEOUT_S,
-                   max(MIN_RECV_TIMEOUT_S, RECV_TIMEOUT_ITERATIONS * plan.iteration_s))
-    return ready_floor_s + SHIP_TIMEOUT_FACTOR * ship, recv
+_Record = JobRecord  # (the names tests know them by)
+_Remote = RemoteJob
 
 
 def _incarnation(view: Any, node_id: str) -> int | None:
@@ -347,84 +193,6 @@ def _incarnation(view: Any, node_id: str) -> int | None:
             inc = getattr(m, "incarnation", None)
             return inc if isinstance(inc, int) else None
     return None
-
-
-def _steps_done(r: _Record) -> int:
-    """Steps of the job done so far (a resumed job counts the steps before it started)."""
-    return int(r.history[-1]["step"]) + 1 if r.history else r.first_step
-
-
-def _member_memory(profile: Mapping[str, Any]) -> float:
-    for key in ("job_memory_bytes", "free_memory_bytes", "memory_bytes"):
-        v = profile.get(key)
-        if isinstance(v, int | float) and not isinstance(v, bool) and v > 0:
-            return float(v)
-    return 0.0
-
-
-def cluster_for_planner(view: Any, exclude: Iterable[str] = (),
-                        op_sets: Mapping[str, frozenset[str] | None] | None = None
-                        ) -> tuple[Cluster, dict[str, Address], dict[str, int]]:
-    """The planner's `Cluster` from a `ClusterView`: alive members (less `exclude`), their
-    gossiped profiles (speed, memory offered to jobs) and the measured bandwidth/RTT matrix (an
-    unmeasured link counts as `DEFAULT_LINK_BYTES_PER_S`). Also every member's address and
-    memory (for the capacity check). `op_sets`: member -> the ops it runs
-    (`fusiond.jobs.opsets`; a member absent or None runs every op), so that the planner places
-    each stage only where every op of it runs.
-
-    The view's links are in bits per second, as probed and gossiped; the planner's `Cluster`
-    is in bytes per second: `link_bytes_per_s` is the one conversion."""
-    skip = set(exclude)
-    members = sorted((m for m in view.members if m.state == "alive" and m.node_id not in skip),
-                     key=lambda m: m.node_id)
-    if not members:
-        raise JobRefused("no alive member to run a job on")
-    machines = []
-    memory: dict[str, int] = {}
-    for m in members:
-        prof = dict(m.profile or {})
-        mem = _member_memory(prof)
-        memory[m.node_id] = int(mem)
-        # the member's own calibration at its CPU allowance (fusiond.profile); else its matmul
-        # rate for every op class (sustained too), else a default
-        machine = machine_from_profile(m.node_id, prof, mem)
-        if machine is None:
-            gflops = prof.get("gflops")
-            rate = float(gflops) * 1e9 if isinstance(gflops, int | float) and gflops > 0 \
-                else DEFAULT_GFLOPS * 1e9
-            machine = MachineProfile(id=m.node_id, flops={"other": rate}, mem_bw=rate / 2,
-                                     op_overhead_s=2e-5, memory_bytes=max(mem, 1.0),
-                                     kind=str(prof.get("device_kind", "")))
-        ops = (op_sets or {}).get(m.node_id)
-        if ops is not None:
-            machine = replace(machine, ops=ops)
-        machines.append(machine)
-    ids = [m.node_id for m in members]
-    links = dict(getattr(view, "links", {}) or {})
-    k = len(ids)
-    bw_bytes_per_s = [[DEFAULT_LINK_BYTES_PER_S] * k for _ in range(k)]
-    rtt_s = [[0.0] * k for _ in range(k)]
-    for i, a in enumerate(ids):
-        for j, b in enumerate(ids):
-            got = links.get((a, b)) or links.get((b, a))
-            if got is not None:
-                measured_bytes_per_s = link_bytes_per_s(got)
-                if measured_bytes_per_s is not None:
-                    bw_bytes_per_s[i][j] = measured_bytes_per_s
-                rtt_s[i][j] = max(0.0, float(got[1]))
-    addresses = {m.node_id: (str(m.address[0]), int(m.address[1])) for m in members}
-    return Cluster.build(machines, bw_bytes_per_s, rtt_s), addresses, memory
-
-
-def link_bytes_per_s(link: Sequence[float]) -> float | None:
-    """The planner's rate (bytes per second) of one measured link of a `ClusterView`, whose
-    first field is the gossiped rate in bits per second (`fusiond.cluster.membership.Link`);
-    None while no bandwidth sample has counted (0). The only bits -> bytes conversion on the
-    way from the prober to the planner."""
-    bits_per_s = float(link[0])
-    if not (bits_per_s > 0 and math.isfinite(bits_per_s)):
-        return None
-    return bytes_per_s_from_bits_per_s(bits_per_s)
 
 
 def _corpus(upload: Upload) -> Corpus | None:
@@ -551,8 +319,8 @@ class JobService:
         self.leadership: LeadershipFn = leadership or (lambda: Leadership.of(self.view()))
         self.worker = JobWorker(node_id=node_id, send=self.send, stage_config=stage_config,
                                 leadership=self.leadership)
-        self._jobs: dict[str, _Record] = {}
-        self._remote: dict[str, _Remote] = {}
+        self._jobs: dict[str, JobRecord] = {}
+        self._remote: dict[str, RemoteJob] = {}
         self._pending: dict[str, asyncio.Future[JobSubmitReply]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -703,7 +471,7 @@ class JobService:
 
         self._spawn(asyncio.to_thread(prune), "prune outputs")
 
-    def _remote_ended(self, r: _Remote) -> None:
+    def _remote_ended(self, r: RemoteJob) -> None:
         r.ended.set()
         self._persist(r.job_id)
         if not self._closed:  # (close() writes what is left itself)
@@ -806,7 +574,7 @@ class JobService:
             return f"this daemon lost its quorum (term {lead.term})"
         return None
 
-    def _hand_back(self, rec: _Record, why: str) -> None:
+    def _hand_back(self, rec: JobRecord, why: str) -> None:
         """Stop scheduling `rec` at once (this daemon lost the lease): cancel its attempt (the
         stages are told to stop) and, once it has ended, give the job back to its submitter
         (`_handed_back`), which resubmits it to the next scheduler."""
@@ -820,7 +588,7 @@ class JobService:
         self._spawn(rec.coord.cancel(f"the scheduler {self.node_id} stepped down: {why}"),
                     f"hand back {rec.job_id}")
 
-    async def _handed_back(self, rec: _Record) -> None:
+    async def _handed_back(self, rec: JobRecord) -> None:
         """`rec`'s attempt ended after `_hand_back`: tell the submitter (it fails the job over),
         or, when the job was submitted here, fail it over from here."""
         rec.state = "handed_back"
@@ -848,7 +616,7 @@ class JobService:
         status = json.loads(json.dumps(self.job(rec.job_id, history=1), default=str))
         # The step history and the stored outputs stay this daemon's: the next scheduler's
         # attempt redoes the steps after the checkpoint and they replace the ones recorded.
-        r = _Remote(rec.job_id, self.node_id, rec.spec.output, {**status, "state": "running"},
+        r = RemoteJob(rec.job_id, self.node_id, rec.spec.output, {**status, "state": "running"},
                     upload=upload, max_restarts=rec.spec.max_restarts, restarts=rec.restarts,
                     term=rec.term, failing_over=True, notes=list(rec.logs),
                     owner_uid=rec.owner_uid, history=rec.history,
@@ -937,7 +705,7 @@ class JobService:
                 await asyncio.sleep(0.2)
         if not dry_run:
             job_id = str(summary["job_id"])
-            self._remote[job_id] = _Remote(job_id, leader, spec.output, {
+            self._remote[job_id] = RemoteJob(job_id, leader, spec.output, {
                 "job_id": job_id, "name": spec.name, "state": "running", "steps": spec.steps,
                 "step": 0, "loss": None, "first_loss": None, "stages": len(summary["stages"]),
                 "output": str(spec.output), "plan": summary["plan"], "history": [],
@@ -1029,7 +797,7 @@ class JobService:
         summary["scheduler"] = leader
         return summary
 
-    async def _failover(self, r: _Remote, why: str, *, same_term_ok: bool = False) -> None:
+    async def _failover(self, r: RemoteJob, why: str, *, same_term_ok: bool = False) -> None:
         """The scheduler of a job submitted here died, gave the job back or lost it: once a
         scheduler is elected (another one, or the same in a newer term, or with
         `same_term_ok` the same one: it lost the job), submit the job to it again under the
@@ -1112,7 +880,7 @@ class JobService:
         log.info("job %s resubmitted to %s", r.job_id, leader)
 
     @staticmethod
-    def _adopt(r: _Remote, took: _Record) -> None:
+    def _adopt(r: RemoteJob, took: JobRecord) -> None:
         """This daemon became the scheduler of a job submitted here: its record keeps the
         steps done before the failover (the new attempt appends to them) and the outputs."""
         took.history = StepHistory([h for h in r.history if int(h["step"]) < took.first_step]
@@ -1186,7 +954,7 @@ class JobService:
             return
         r.status = status
 
-    def _ask_resend(self, r: _Remote, why: str) -> None:
+    def _ask_resend(self, r: RemoteJob, why: str) -> None:
         """Ask `r`'s scheduler for its step records after the last one taken, and the status
         (`JobQuery.through`; at most once a second)."""
         now = time.monotonic()
@@ -1203,7 +971,7 @@ class JobService:
 
         self._spawn(ask(), f"resend {r.job_id}")
 
-    def _promote_checkpoint(self, r: _Remote) -> None:
+    def _promote_checkpoint(self, r: RemoteJob) -> None:
         """A stored checkpoint after step s becomes the one a failover resumes from once the
         history holds every step up to s (else the resumed history would have a gap)."""
         if r.pending_checkpoint is None:
@@ -1213,7 +981,7 @@ class JobService:
             r.checkpoint = path
             r.pending_checkpoint = None
 
-    async def _finish_remote(self, r: _Remote, status: dict[str, Any]) -> None:
+    async def _finish_remote(self, r: RemoteJob, status: dict[str, Any]) -> None:
         """The scheduler's final update: store metrics.json from this daemon's full history;
         the job is done only if the model and the metrics are stored here."""
         state = str(status["state"])
@@ -1262,7 +1030,7 @@ class JobService:
                 "thinned_steps": history.thinned,
                 "wall_s": outcome.get("wall_s", time.time() - submitted_at)}
 
-    def _start_failover(self, r: _Remote, why: str, *, same_term_ok: bool = False) -> None:
+    def _start_failover(self, r: RemoteJob, why: str, *, same_term_ok: bool = False) -> None:
         """Fail `r` over to the next scheduler, or fail it when it has no restart left."""
         if r.failing_over or r.state in FINAL:
             return
@@ -1276,7 +1044,7 @@ class JobService:
                                     f"{r.max_restarts})"}}
         self._remote_ended(r)
 
-    async def _watch(self, r: _Remote) -> None:
+    async def _watch(self, r: RemoteJob) -> None:
         """While `r` runs elsewhere: if its scheduler says nothing about it for
         `STALE_UPDATE_S`, ask (`JobQuery`); a scheduler that no longer knows the job (it
         restarted, or lost it) gets it failed over, and one that stays silent for
@@ -1310,7 +1078,7 @@ class JobService:
                        "its final update never came")}}
                 self._remote_ended(r)
 
-    async def _query(self, r: _Remote) -> JobQueryReply | None:
+    async def _query(self, r: RemoteJob) -> JobQueryReply | None:
         """Ask `r`'s scheduler about the job; its answer, or None within `QUERY_TIMEOUT_S`."""
         fut: asyncio.Future[JobQueryReply] = asyncio.get_running_loop().create_future()
         r.query = fut
@@ -1373,13 +1141,13 @@ class JobService:
             await self.send(peer, JobOutputAck(job_id=r.job_id, request_id=msg.request_id,
                                                ok=ok, message=why), ())
 
-    async def _push(self, rec: _Record) -> None:
+    async def _push(self, rec: JobRecord) -> None:
         """Send a remote submitter the job's status every UPDATE_S until it ends."""
         while rec.state == "running":
             await self._send_update(rec)
             await asyncio.sleep(UPDATE_S)
 
-    async def _send_update(self, rec: _Record) -> None:
+    async def _send_update(self, rec: JobRecord) -> None:
         """The job's status and the step records the submitter has not had yet (in as many
         updates as they take; the status rides on the last). One at a time per job, and a
         failed send rewinds: the submitter gets every record (again) with the next one."""
@@ -1391,7 +1159,7 @@ class JobService:
                 rec.update_cursor.through = min(rec.update_cursor.through, start)
                 log.info("job %s: update to %s not sent: %s", rec.job_id, rec.submitter, e)
 
-    async def _send_update_locked(self, rec: _Record) -> None:
+    async def _send_update_locked(self, rec: JobRecord) -> None:
         async def send(msg: JobUpdate) -> None:
             async with asyncio.timeout(REMOTE_SEND_S):  # a dead submitter must not stall us
                 await self.send(rec.submitter, msg, ())
@@ -1413,7 +1181,7 @@ class JobService:
         await send(JobUpdate(job_id=rec.job_id, status=st, steps=tuple(_wire(steps)),
                              after=after))
 
-    async def _checkpoint_out(self, rec: _Record, step: int,
+    async def _checkpoint_out(self, rec: JobRecord, step: int,
                               state: dict[str, torch.Tensor]) -> None:
         """A whole-model checkpoint: into the store (a job submitted here), or to the
         submitter, right behind the step records it follows."""
@@ -1514,7 +1282,7 @@ class JobService:
         if dry_run:
             return summary
         tps = spec.data.seq_len if spec.data.kind == "text" else 0
-        rec_box: list[_Record] = []
+        rec_box: list[JobRecord] = []
 
         def on_step(m: StepMetrics) -> None:
             self._on_step(rec_box[0], m)
@@ -1524,15 +1292,12 @@ class JobService:
             r.checkpoint = (step, state)
             self._spawn(self._checkpoint_out(r, step, state), f"checkpoint {r.job_id}")
 
-        ready_s, recv_s = derived_timeouts(layout, captured.state, plan, cluster, self.node_id,
-                                           self.ready_timeout_s)
-        coord = JobCoordinator(
-            send=self.send, spec=spec, captured=captured, layout=layout, addresses=addresses,
-            term=term, first_step=first, plan_version=term * PLAN_EPOCH + 1,
-            ready_timeout_s=ready_s, failure_grace_s=self.failure_grace_s,
-            tokens_per_sample=tps, on_step=on_step, on_checkpoint=on_checkpoint, corpus=corpus,
-            recv_timeout_s=recv_s)
-        rec = _Record(job_id, spec, layout, coord, plan_text, time.time(), tps,
+        coord = self._coordinator(spec, captured, layout, plan, cluster, addresses, term=term,
+                                  plan_version=term * PLAN_EPOCH + 1, first_step=first,
+                                  tokens_per_sample=tps, on_step=on_step,
+                                  on_checkpoint=on_checkpoint, corpus=corpus)
+        ready_s, recv_s = coord.ready_timeout_s, coord.recv_timeout_s
+        rec = JobRecord(job_id, spec, layout, coord, plan_text, time.time(), tps,
                       submitter=submitter if submitter != self.node_id else "", plan=plan,
                       stages=stages, first_step=first, restarts=used, term=term,
                       owner_uid=None if submitter and submitter != self.node_id else owner_uid)
@@ -1560,6 +1325,24 @@ class JobService:
         if plan is not None and c.adatopk and c.density is None and c.readapt_interval_s > 0:
             self._spawn(self._readapt(rec, c.readapt_interval_s), f"readapt {job_id}")
         return summary
+
+    def _coordinator(self, spec: JobSpec, captured: CapturedModel, layout: JobLayout,
+                     plan: Plan | None, cluster: Cluster, addresses: Mapping[str, Address], *,
+                     term: int, plan_version: int, first_step: int, tokens_per_sample: int,
+                     on_step: Callable[[StepMetrics], Any] | None,
+                     on_checkpoint: Callable[[int, dict[str, torch.Tensor]], Any] | None,
+                     corpus: Corpus | None) -> JobCoordinator:
+        """The coordinator of one attempt of a job (the first, from `submit`, and each restart,
+        from `_restart`): `captured`'s state is what its Assigns ship, and its Ready and input
+        timeouts come from the measured links (`derived_timeouts`)."""
+        ready_s, recv_s = derived_timeouts(layout, captured.state, plan, cluster, self.node_id,
+                                           self.ready_timeout_s)
+        return JobCoordinator(
+            send=self.send, spec=spec, captured=captured, layout=layout, addresses=addresses,
+            term=term, plan_version=plan_version, first_step=first_step,
+            ready_timeout_s=ready_s, failure_grace_s=self.failure_grace_s,
+            tokens_per_sample=tokens_per_sample, on_step=on_step, on_checkpoint=on_checkpoint,
+            corpus=corpus, recv_timeout_s=recv_s)
 
     async def _layout(self, job_id: str, spec: JobSpec, captured: CapturedModel,
                       state: Mapping[str, torch.Tensor], cluster: Cluster,
@@ -1605,7 +1388,7 @@ class JobService:
         profiles = {m.node_id: dict(m.profile or {}) for m in (view.members if view else ())}
         return MemberOpSets({m.id: m.ops for m in cluster.machines}, {}, profiles)
 
-    async def _readapt(self, rec: _Record, interval_s: float) -> None:
+    async def _readapt(self, rec: JobRecord, interval_s: float) -> None:
         """AdaTopK re-adaptation while `rec` runs: every `interval_s`, densities for the plan's
         cut under the links as measured now; changed ones go to the sending stages. Follows
         the job across restarts (a new plan, a new cut)."""
@@ -1640,7 +1423,7 @@ class JobService:
                 if v != current.get(k, 1.0)))
             current = {k: v for k, v in new.items() if v < 1.0}
 
-    def _on_step(self, rec: _Record, m: StepMetrics) -> None:
+    def _on_step(self, rec: JobRecord, m: StepMetrics) -> None:
         d = m.as_dict()
         if rec.first_loss is None and m.loss is not None:
             rec.first_loss = m.loss
@@ -1654,7 +1437,7 @@ class JobService:
                     f"{'tokens' if d.get('tokens_per_s') else 'samples'}/s wire "
                     f"{m.wire_bytes} B/step")
 
-    async def _run(self, rec: _Record) -> None:
+    async def _run(self, rec: JobRecord) -> None:
         try:
             await self._run_attempts(rec)
         finally:  # also when the daemon stops (cancelled): the record says how it ended
@@ -1666,7 +1449,7 @@ class JobService:
                 self._prune_outputs()
 
     @staticmethod
-    def _release(rec: _Record) -> None:
+    def _release(rec: JobRecord) -> None:
         """A job that ended keeps its record (while it has outputs to fetch, or coordinated
         for another daemon) but not what only a run needs: the captured model, the corpus,
         the partitions' results, the last checkpoint, the upload. Each of them is a model's
@@ -1729,7 +1512,7 @@ class JobService:
 
                 self._spawn(asyncio.to_thread(forget), "forget past jobs")
 
-    async def _run_attempts(self, rec: _Record) -> None:
+    async def _run_attempts(self, rec: JobRecord) -> None:
         outcome: JobOutcome | None = None
         try:
             while True:
@@ -1775,7 +1558,7 @@ class JobService:
         else:
             if rec.cancel_requested:
                 rec.state = "cancelled"
-                rec.log(f"cancelled after {_steps_done(rec)} of {rec.spec.steps} steps; every "
+                rec.log(f"cancelled after {steps_done(rec)} of {rec.spec.steps} steps; every "
                         "stage was told to stop and free its partition")
             else:
                 rec.state = "failed"
@@ -1784,50 +1567,26 @@ class JobService:
         if rec.submitter:
             await self._send_update(rec)  # the final status, behind the outputs (both BULK)
 
-    async def _restart(self, rec: _Record, outcome: JobOutcome) -> bool:
+    async def _restart(self, rec: JobRecord, outcome: JobOutcome) -> bool:
         """After a failed attempt: when a stage machine other than this one failed and
         `max_restarts` allows, plan the job again on the machines still alive (the failed ones
         left out) and start it from the last checkpoint (step 0 without one). True when a new
         attempt is ready in `rec.coord`; False to end the job with `outcome`."""
-        failure = outcome.failure
-        if outcome.ok or failure is None or rec.cancel_requested or self._closed:
-            return False
-        if not rec.handed_back and (why := self._not_leading()) is not None:
-            rec.handed_back = why  # a minority never re-plans: the next scheduler does
-            rec.log(f"attempt {rec.restarts + 1} failed ({failure}); not restarted here: {why}")
-            return False
-        if rec.handed_back:
-            return False
-        if failure.fault == FAULT_STALE:
-            # This daemon's view lags (it was frozen or cut off while another scheduler was
-            # elected): the job goes to that one. It used to end the job failed (the chaos
-            # check: a scheduler thawed after 3 s restarted its job in its stale term).
-            rec.handed_back = f"a member does not take this daemon for the scheduler: {failure}"
-            rec.log(f"attempt {rec.restarts + 1} failed ({failure}); not restarted here: "
-                    "another scheduler was elected")
-            return False
-        if failure.fault == FAULT_JOB:  # the same on every machine: blame none, retry never
-            rec.log(f"not restarted: {failure}")
-            return False
-        # A machine that refused its partition is left out, the scheduler's own included; any
-        # other failure of the scheduler's machine (or side) ends the job, except its stage
-        # waiting too long for an input: this machine is alive, a neighbour or the link to it
-        # failed (a tensor lost when a dial failed), and the attempt restarts, blaming none
-        # (the chaos check saw such a timeout on the scheduler's own stage, reported before
-        # the neighbours' own timeouts could arrive, end a job for good).
-        victim = failure.node == self.node_id and failure.fault == FAULT_MACHINE \
-            and is_input_timeout(failure.cause)
-        if (failure.fault == FAULT_SCHEDULER or not failure.machines
-                or (failure.fault != FAULT_REFUSED and failure.node == self.node_id
-                    and not victim)
-                or rec.restarts >= rec.spec.max_restarts):
+        decision = decide_restart(
+            outcome.ok, outcome.failure, self_node=self.node_id, restarts=rec.restarts,
+            max_restarts=rec.spec.max_restarts, cancel_requested=rec.cancel_requested,
+            closed=self._closed, handed_back=rec.handed_back,
+            not_leading=None if rec.handed_back else self._not_leading())
+        if decision.hand_back is not None:
+            rec.handed_back = decision.hand_back
+        if decision.log is not None:
+            rec.log(decision.log)
+        if not decision.restart:
             return False
         view = self.view()
         now = time.monotonic()
-        for m in failure.machines:
-            if not (victim and m == self.node_id):
-                rec.excluded[m] = (_incarnation(view, m), now, failure.fault == FAULT_REFUSED)
-        rec.log(f"attempt {rec.restarts + 1} failed: {failure}")
+        for m in decision.exclude:
+            rec.excluded[m] = (_incarnation(view, m), now, decision.refused)
         try:
             if view is None:
                 raise JobRefused("this daemon left the cluster")
@@ -1857,15 +1616,11 @@ class JobService:
         rec.earlier = [m for m in [*rec.earlier, *outcome.metrics] if m.step < first]
         rec.history.truncate_from(first)  # the new attempt redoes them
         rec.layout, rec.plan, rec.plan_text = layout, plan, text
-        ready_s, recv_s = derived_timeouts(layout, state, plan, cluster, self.node_id,
-                                           self.ready_timeout_s)
-        rec.coord = JobCoordinator(
-            send=self.send, spec=rec.spec, captured=captured, layout=layout,
-            addresses=addresses, term=rec.term, plan_version=version,
-            first_step=first, ready_timeout_s=ready_s,
-            failure_grace_s=self.failure_grace_s, tokens_per_sample=old.tokens_per_sample,
-            on_step=old.on_step, on_checkpoint=old.on_checkpoint, corpus=old.corpus,
-            recv_timeout_s=recv_s)
+        rec.coord = self._coordinator(rec.spec, captured, layout, plan, cluster, addresses,
+                                      term=rec.term, plan_version=version, first_step=first,
+                                      tokens_per_sample=old.tokens_per_sample,
+                                      on_step=old.on_step, on_checkpoint=old.on_checkpoint,
+                                      corpus=old.corpus)
         rec.log(f"restart {rec.restarts}/{rec.spec.max_restarts}: "
                 + (f"from step {first} (no checkpoint yet)" if rec.checkpoint is None else
                    f"from the checkpoint after step {first}")
@@ -1875,24 +1630,16 @@ class JobService:
         return True
 
     @staticmethod
-    def _excluded_now(rec: _Record, view: Any, now: float) -> set[str]:
-        """The machines `rec`'s next attempt is planned without. A machine that failed the job
-        is planned again once it restarted (a new incarnation in the view) or, unless it
-        refused its partition, `EXCLUDE_FOR_S` after its failure: exclusions used to last the
-        job's life, so after every other machine had failed once (a chaos run's kills,
-        freezes and partitions of a minority) the job ran on ever fewer stages, and the next
-        failure ended it."""
-        for node, (inc, at, refused) in list(rec.excluded.items()):
-            cur = _incarnation(view, node)
-            if (cur is not None and inc is not None and cur != inc) \
-                    or (not refused and now - at >= EXCLUDE_FOR_S):
-                del rec.excluded[node]
-                rec.log(f"{node} planned again: "
-                        + ("it restarted since it failed" if cur != inc else
-                           f"{EXCLUDE_FOR_S:g}s since it failed"))
+    def _excluded_now(rec: JobRecord, view: Any, now: float) -> set[str]:
+        """The machines `rec`'s next attempt is planned without (`released_exclusions` says
+        which of those that failed it are planned again, logged here)."""
+        for node, why in released_exclusions(rec.excluded, lambda n: _incarnation(view, n),
+                                             now).items():
+            del rec.excluded[node]
+            rec.log(f"{node} planned again: {why}")
         return set(rec.excluded)
 
-    def _hold(self, rec: _Record, state: dict[str, torch.Tensor]) -> None:
+    def _hold(self, rec: JobRecord, state: dict[str, torch.Tensor]) -> None:
         """Keep the final weights of `rec` in memory (they could not be stored); at most
         `MAX_HELD_JOBS` jobs hold weights, the oldest lets go."""
         rec.held = state
@@ -1903,7 +1650,7 @@ class JobService:
             old.log(f"the held weights of this job are dropped: {MAX_HELD_JOBS} newer jobs "
                     "hold theirs")
 
-    async def _store_outputs(self, rec: _Record, summary: Mapping[str, Any],
+    async def _store_outputs(self, rec: JobRecord, summary: Mapping[str, Any],
                              state: dict[str, torch.Tensor] | None) -> str | None:
         """Store a job submitted here: the model (`state`: a job that trained to the end) and
         metrics.json from its full history (with `summary`, the outcome), durably. None when
@@ -1936,7 +1683,7 @@ class JobService:
         return (f"the outputs could not be stored in {where} ({'; '.join(failures)}); "
                 f"{held_note}free space there, then `fusionctl fetch {rec.job_id}`")
 
-    async def _ship(self, rec: _Record, state: dict[str, torch.Tensor]) -> JobOutputAck:
+    async def _ship(self, rec: JobRecord, state: dict[str, torch.Tensor]) -> JobOutputAck:
         """Send the model to the submitter and wait until it says it stored it (or not)."""
         blob = await asyncio.to_thread(_safetensors_bytes, state, {"job_id": rec.job_id})
         rid = secrets.token_hex(8)
@@ -1954,7 +1701,7 @@ class JobService:
         finally:
             self._acks.pop(rid, None)
 
-    async def _send_outputs(self, rec: _Record, outcome: JobOutcome) -> str | None:
+    async def _send_outputs(self, rec: JobRecord, outcome: JobOutcome) -> str | None:
         """A job coordinated for another daemon: send it the model and wait for its ack (it
         writes metrics.json itself, from the history it kept). None when stored; else why not,
         and the weights stay here, in memory, for a `JobFetch`."""
@@ -1968,7 +1715,7 @@ class JobService:
                 f"({ack.message}); the scheduler {self.node_id} holds the weights in memory "
                 f"until it stops: free space there, then `fusionctl fetch {rec.job_id}`")
 
-    async def _resend_held(self, rec: _Record, request_id: str) -> None:
+    async def _resend_held(self, rec: JobRecord, request_id: str) -> None:
         """The submitter asks again for the weights it could not store (`JobFetch`)."""
         if rec.held is None:
             ack = JobOutputAck(job_id=rec.job_id, request_id=request_id, ok=False,
@@ -1991,35 +1738,12 @@ class JobService:
 
     def jobs(self) -> dict[str, Any]:
         """Jobs submitted here (before this daemon's start too) and stages hosted here."""
-        keys = ("job_id", "name", "state", "steps", "step", "loss", "first_loss", "stages",
-                "submitted_at", "output", "scheduler", "owner_uid")
-        live = set(self._jobs) | set(self._remote)
-        past = sorted((p for j, p in self._past.items() if j not in live),
-                      key=lambda p: float(p.get("submitted_at") or 0.0))
-        return {
-            "node_id": self.node_id,
-            "jobs": [{k: p.get(k) for k in keys} for p in past]
-            + [self._brief(r) for r in self._jobs.values() if not r.submitter]
-            + [{k: v for k, v in self._remote_view(r, 0).items() if k in keys}
-               for r in self._remote.values()],
-            "coordinating": [self._brief(r) | {"submitter": r.submitter}
-                             for r in self._jobs.values() if r.submitter],
-            "stages": [{"job_id": j, **v} for j, v in self.worker.jobs().items()],
-        }
+        return jobs_view(self.node_id, self._jobs, self._remote, self._past, self.worker.jobs())
 
-    def _brief(self, r: _Record) -> dict[str, Any]:
-        last = r.history[-1] if r.history else {}
-        return {"job_id": r.job_id, "name": r.spec.name, "state": r.state,
-                "steps": r.spec.steps, "step": _steps_done(r),
-                "loss": last.get("loss"), "first_loss": r.first_loss,
-                "stages": len(r.layout.stages), "submitted_at": r.submitted_at,
-                "output": str(r.spec.output), "scheduler": self.node_id,
-                "owner_uid": r.owner_uid}
-
-    def get(self, job_id: str) -> _Record | _Remote:
+    def get(self, job_id: str) -> JobRecord | RemoteJob:
         """The job submitted here (or coordinated here); KeyError if unknown."""
         # A job this daemon took over from a dead scheduler is in both for a moment.
-        rec: _Record | _Remote | None = self._jobs.get(job_id) or self._remote.get(job_id)
+        rec: JobRecord | RemoteJob | None = self._jobs.get(job_id) or self._remote.get(job_id)
         if rec is None:
             raise KeyError(job_id)
         return rec
@@ -2028,76 +1752,38 @@ class JobService:
         """Everything `fusionctl job ID` shows."""
         past = self._past_only(job_id)
         if past is not None:
-            hist = past.get("history") or []
-            return {**past, "history": hist[-history:] if history else []}
+            return past_view(past, history)
         got = self.get(job_id)
-        if isinstance(got, _Remote):
+        if isinstance(got, RemoteJob):
             return self._remote_view(got, history)
-        r = got
-        elapsed = time.time() - r.submitted_at
-        done = _steps_done(r)
-        eta = None
-        if r.state == "running" and r.history:
-            recent = list(r.history)[-20:]
-            per_step = sum(float(h.get("wall_s") or 0.0) for h in recent) / len(recent)
-            eta = per_step * (r.spec.steps - done)
-        return {**self._brief(r), **{"status": r.coord.status()}, "plan": r.plan_text,
-                "elapsed_s": elapsed, "eta_s": eta, "outcome": r.outcome,
-                "outputs": self._outputs_brief(job_id) if not r.submitter else {},
-                "unstored": dict(r.unstored), "held": r.held is not None,
-                "history": r.history.tail(history), "steps_recorded": len(r.history),
-                "tokens_per_sample": r.tokens_per_sample}
+        return record_view(got, history, scheduler=self.node_id,
+                           outputs=self._outputs_brief(job_id) if not got.submitter else {},
+                           now=time.time())
 
     def _outputs_brief(self, job_id: str) -> dict[str, dict[str, Any]]:
         """name -> {size_bytes, sha256} of the job's stored outputs."""
-        return {f.name: {"size_bytes": f.size_bytes, "sha256": f.sha256}
-                for f in self.store.files(job_id)}
+        return outputs_brief(self.store.files(job_id))
 
-    def _remote_view(self, r: _Remote, history: int) -> dict[str, Any]:
-        """A forwarded job as the scheduler reported it, with what this daemon keeps: its
-        own full history (it outlives schedulers), its stored outputs, its owner."""
-        last = r.history[-1] if r.history else None
-        losses = [h.get("loss") for h in r.history.tail(1 << 30) if h.get("loss") is not None] \
-            if r.history and r.status.get("first_loss") is None else []
-        return {**r.status, "scheduler": r.scheduler, "owner_uid": r.owner_uid,
-                "step": int(last["step"]) + 1 if last is not None else r.status.get("step", 0),
-                "loss": last.get("loss") if last is not None else r.status.get("loss"),
-                "first_loss": r.status.get("first_loss") or (losses[0] if losses else None),
-                "outputs": self._outputs_brief(r.job_id), "unstored": dict(r.unstored),
-                "held_by": r.held_by, "history": r.history.tail(history),
-                "steps_recorded": len(r.history), "submitted_at": r.submitted_at}
+    def _remote_view(self, r: RemoteJob, history: int) -> dict[str, Any]:
+        return remote_view(r, history, self._outputs_brief(r.job_id))
 
     def owner(self, job_id: str) -> int | None:
         """The uid that submitted `job_id` here (None: only the operator may see it)."""
-        got = self._jobs.get(job_id) or self._remote.get(job_id)
-        if got is not None:
-            return got.owner_uid
-        past = self._past.get(job_id)
-        v = past.get("owner_uid") if past is not None else None
-        return v if isinstance(v, int) and not isinstance(v, bool) else None
+        return owner_of(self._jobs.get(job_id) or self._remote.get(job_id),
+                        self._past.get(job_id))
 
     def output_dir(self, job_id: str) -> str | None:
         """The job's `output` path as the submitter's job file resolved it (where fusionctl
         writes the outputs)."""
-        got = self._jobs.get(job_id) or self._remote.get(job_id)
-        if isinstance(got, _Record):
-            return str(got.spec.output)
-        if isinstance(got, _Remote):
-            return str(got.output)
-        past = self._past.get(job_id)
-        return None if past is None or past.get("output") is None else str(past["output"])
+        return output_dir_of(self._jobs.get(job_id) or self._remote.get(job_id),
+                             self._past.get(job_id))
 
     def outputs(self, job_id: str) -> dict[str, Any]:
         """What `GET /v1/jobs/ID/outputs` answers: the stored files (name, size, sha256) and
         what could not be stored (and who holds it)."""
-        got = self._jobs.get(job_id) or self._remote.get(job_id)
-        state = got.state if got is not None else str(self._past.get(job_id, {}).get("state"))
-        held = got.held is not None if isinstance(got, _Record) else False
-        held_by = got.held_by if isinstance(got, _Remote) else (self.node_id if held else None)
-        unstored = dict(got.unstored) if got is not None else {}
-        return {"job_id": job_id, "state": state, "output": self.output_dir(job_id),
-                "files": [f.as_dict() for f in self.store.files(job_id)],
-                "unstored": unstored, "held_by": held_by}
+        return outputs_view(job_id, self._jobs.get(job_id) or self._remote.get(job_id),
+                            self._past.get(job_id, {}), node_id=self.node_id,
+                            output=self.output_dir(job_id), files=self.store.files(job_id))
 
     def output_file(self, job_id: str, name: str) -> tuple[Path, str] | None:
         """(path in the store, sha256) of one stored output, or None."""
@@ -2119,7 +1805,7 @@ class JobService:
 
     async def _fetch(self, job_id: str) -> dict[str, Any]:
         got = self._jobs.get(job_id) or self._remote.get(job_id)
-        if isinstance(got, _Record) and not got.submitter and got.unstored \
+        if isinstance(got, JobRecord) and not got.submitter and got.unstored \
                 and got.state in FINAL:
             summary = {**(got.outcome or {})}
             if got.storage_failed:
@@ -2134,11 +1820,11 @@ class JobService:
                                "held_by": None}
             got.log("the outputs are stored now (fusionctl fetch)")
             self._persist(job_id)
-        elif isinstance(got, _Remote) and got.state in FINAL and got.unstored:
+        elif isinstance(got, RemoteJob) and got.state in FINAL and got.unstored:
             await self._fetch_remote(got)
         return self.outputs(job_id)
 
-    async def _fetch_remote(self, r: _Remote) -> None:
+    async def _fetch_remote(self, r: RemoteJob) -> None:
         """Ask the scheduler holding the model again (`JobFetch`), then store metrics.json."""
         if MODEL in r.unstored:
             holder = r.held_by or r.scheduler
@@ -2192,19 +1878,14 @@ class JobService:
 
     def logs(self, job_id: str) -> dict[str, Any]:
         past = self._past_only(job_id)
-        if past is not None:
-            return {"job_id": job_id, "lines": list(past.get("lines") or [])}
-        r = self.get(job_id)
-        lines = ([*r.notes, *r.status.get("lines", [])] if isinstance(r, _Remote)
-                 else list(r.logs))
-        return {"job_id": job_id, "lines": lines}
+        return logs_view(job_id, self.get(job_id) if past is None else None, past)
 
     async def cancel(self, job_id: str) -> dict[str, Any]:
         past = self._past_only(job_id)
         if past is not None:
             return {"job_id": job_id, "state": past.get("state"), "cancelled": False}
         got = self.get(job_id)
-        if isinstance(got, _Remote):
+        if isinstance(got, RemoteJob):
             if got.state in FINAL:
                 return {"job_id": job_id, "state": got.state, "cancelled": False}
             if got.failing_over:  # no scheduler has it now: it is not resubmitted

@@ -100,8 +100,7 @@ def test_fusionctl_plan_sees_the_shaped_links_and_plans_as_the_topology_file(
         pytest.skip(why)
     from deploy.testbed.fusion import start_fusiond
     from fusiond.cluster.membership import Link
-    from fusiond.jobs.planning import plan_job
-    from fusiond.jobs.service import cluster_for_planner
+    from fusiond.jobs.planning import cluster_for_planner, plan_job
     from fusiond.jobs.submit import prepare_job, restore_job
     from fusiond.plan import plan_summary
 

@@ -363,7 +363,7 @@ def test_timeouts_follow_the_measured_links(captured_tiny) -> None:  # type: ign
 
     from fusiond.errors import RemoteError
     from fusiond.jobs.assign import assign_messages
-    from fusiond.jobs.service import RECV_TIMEOUT_ITERATIONS, SHIP_TIMEOUT_FACTOR, derived_timeouts
+    from fusiond.jobs.runner import RECV_TIMEOUT_ITERATIONS, SHIP_TIMEOUT_FACTOR, derived_timeouts
     from fusiond.plan import Cluster, MachineProfile
     from fusiond.train.remote import StageHost
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from fusiond.cluster.membership import Link
-from fusiond.jobs.service import DEFAULT_LINK_BYTES_PER_S, cluster_for_planner, link_bytes_per_s
+from fusiond.jobs.planning import DEFAULT_LINK_BYTES_PER_S, cluster_for_planner, link_bytes_per_s
 from fusiond.plan import (
     CostGraph,
     JobSettings,

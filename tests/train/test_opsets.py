@@ -25,7 +25,8 @@ from fusiond.jobs.opsets import (
     refuse_stages,
     refuse_unrunnable,
 )
-from fusiond.jobs.service import JobRefused, JobService, cluster_for_planner
+from fusiond.jobs.planning import JobRefused, cluster_for_planner
+from fusiond.jobs.service import JobService
 from fusiond.opsets import OpSet, check_op_names, digest_of_profile, lacking_ops, ops_digest
 from fusiond.train.remote import StageHost
 from fusiond.train.stage import StageConfig

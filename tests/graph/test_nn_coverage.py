@@ -454,3 +454,19 @@ def test_added_op_round_trip(name: str) -> None:
     torch.manual_seed(7)
     (s,) = [s for s in _samples() if s.name == name]
     _eager_vs_program(name, _Scalar(s.make()).train(), s.inputs(), s.grad_inputs)
+
+
+def test_program_copy_matches_aten_copy_and_is_differentiable() -> None:
+    """A program's `aten.copy` gives aten.copy's values (broadcast, dtype cast) and a gradient
+    to its source, where eager autograd has no derivative for aten.copy."""
+    from fusiond.graph.program import _copy
+
+    dst = torch.zeros(2, 3, 4, dtype=torch.float64)
+    src = torch.randn(3, 1, requires_grad=True)
+    got = _copy(dst, src)
+    want = torch.ops.aten.copy.default(dst, src.detach())
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    got.sum().backward()
+    assert src.grad is not None and torch.equal(src.grad, torch.full((3, 1), 8.0))
+    with pytest.raises(RuntimeError, match="derivative for aten::copy is not implemented"):
+        torch.ops.aten.copy.default(dst, src).sum().backward()

@@ -41,6 +41,16 @@ def _update_buffer(buf: torch.Tensor, new: torch.Tensor) -> None:
     buf.data.copy_(new.detach())
 
 
+def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """`aten.copy` (the functional `copy_`: `src`'s values in `dst`'s shape, dtype and device)
+    through differentiable ops. Eager autograd has no derivative for `aten.copy`, and the
+    lowering emits it (circular padding: CircularPad1d/2d/3d, Conv with
+    padding_mode="circular"), so training through it failed in backward. The gradient goes to
+    `src` (summed over broadcast dims) and none to `dst`, whose values are overwritten."""
+    del non_blocking  # a program runs its ops in stream order
+    return src.to(dtype=dst.dtype, device=dst.device).expand_as(dst).clone()
+
+
 class GraphProgram(fx.GraphModule):
     """A partition (or whole graph) as an `nn.Module`.
 
@@ -177,6 +187,8 @@ def build_program(
             # strides: a view that was valid there can be invalid here (x.T sent, then
             # x.T.T.view(-1)). reshape is view wherever view is valid and copies otherwise.
             fn = torch.ops.aten.reshape.default
+        elif fn is torch.ops.aten.copy.default:
+            fn = _copy
         args = tuple(conv(a) for a in node.args)
         kwargs = {k: conv(v) for k, v in node.kwargs.items()}
         # create_node dedups the name against fx's own (getitem_*, ...), keeping code readable.

@@ -827,6 +827,11 @@ class JobService:
                 meta["first_step"] = first
             if isinstance(meta.get("stages"), int):
                 meta["stages"] = max(1, min(meta["stages"], alive))
+            start = int(meta.get("first_step") or 0)
+            # Where the resubmission starts: a checkpoint sent here, else where the job itself
+            # started (a job submitted with --resume starts past step 0).
+            whence = (f" from {r.checkpoint.name} (step {start})" if r.checkpoint is not None
+                      else f" from step {start}, where it started (no checkpoint came yet)")
             upload = Upload(meta, r.upload.graph_bytes, state_bytes, r.upload.data_bytes)
             while True:
                 try:
@@ -837,8 +842,7 @@ class JobService:
                         took.upload = upload
                         self._adopt(r, took)
                         lines.append(f"{time.strftime('%H:%M:%S', time.gmtime())} this daemon "
-                                     "is the new scheduler: it runs the job"
-                                     + (f" from {r.checkpoint.name}" if r.checkpoint else ""))
+                                     f"is the new scheduler: it runs the job{whence}")
                         took.logs = deque([*lines, *took.logs], maxlen=LOG_LINES)
                     else:
                         summary = await self._forward(upload, leader, dry_run=False)
@@ -874,8 +878,7 @@ class JobService:
             r.scheduler = leader
             r.stream_through = -1  # its records are a new stream
             lines.append(f"{time.strftime('%H:%M:%S', time.gmtime())} resubmitted to the new "
-                         f"scheduler {leader}" + (f" from {r.checkpoint.name}" if r.checkpoint
-                                                  else " from step 0"))
+                         f"scheduler {leader}{whence}")
             r.status = {**r.status, "lines": [], "stages": len(summary["stages"])}
         log.info("job %s resubmitted to %s", r.job_id, leader)
 

@@ -255,11 +255,14 @@ def _scheduler(net: Net, *, knows: bool | None) -> Any:
     return seen
 
 
+@pytest.mark.parametrize("first_step", [0, 3])
 async def test_a_submitter_whose_scheduler_lost_the_job_resubmits_it(
-        prepared: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        prepared: Any, monkeypatch: pytest.MonkeyPatch, first_step: int) -> None:
     """The scheduler stays alive (it restarted faster than the failure detector) but no longer
     has the job: its updates stop; the submitter asks, hears "unknown", and resubmits the job
-    (the scheduler may be the same node: it lost the job) within the failover bound."""
+    (the scheduler may be the same node: it lost the job) within the failover bound. Without a
+    checkpoint it starts where the job started, and the log says that step (a job submitted
+    with --resume read "from step 0")."""
     monkeypatch.setattr(service, "STALE_UPDATE_S", 0.5)
     net = Net()
     view = View(["m0", "m1"], leader="m0")
@@ -268,7 +271,8 @@ async def test_a_submitter_whose_scheduler_lost_the_job_resubmits_it(
     submits = _scheduler(net, knows=False)
     await svc.start()
     try:
-        summary = await svc.submit_upload(upload(prepared, stages=1))
+        meta = {"first_step": first_step} if first_step else {}
+        summary = await svc.submit_upload(upload(prepared, stages=1, **meta))
         r = svc.get(summary["job_id"])
         assert isinstance(r, service._Remote)
         await wait(lambda: len(submits) == 2, 10, "the resubmission")
@@ -276,6 +280,8 @@ async def test_a_submitter_whose_scheduler_lost_the_job_resubmits_it(
         assert r.restarts == 1 and r.state == "running"
         lines = svc.logs(r.job_id)["lines"]
         assert any("no longer knows the job" in x for x in lines), lines
+        assert any(f"resubmitted to the new scheduler m0 from step {first_step}, where it "
+                   "started" in x for x in lines), lines
     finally:
         await svc.close()
 

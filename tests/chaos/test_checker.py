@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,12 @@ def test_a_process_left_behind_is_found(tmp_path: Path) -> None:
     marker = str(tmp_path / "chaos-run-marker")
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker])
     try:
+        # Until it has exec'd, the child's command line is still pytest's (CI scanned /proc
+        # that early once and found nothing).
+        deadline = time.monotonic() + 10
+        while marker.encode() not in Path(f"/proc/{p.pid}/cmdline").read_bytes():
+            assert time.monotonic() < deadline, "the child never exec'd"
+            time.sleep(0.01)
         v = checker.no_leftovers(marker)
         assert not v.ok and f"pid {p.pid}" in v.violations[0]
     finally:

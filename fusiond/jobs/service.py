@@ -153,6 +153,10 @@ UPDATE_S = 0.5
 """How often the scheduler sends a remote submitter the job's status."""
 SUBMIT_TIMEOUT_S = 300.0
 """How long a forwarded submission waits for the scheduler's answer (planning a big model)."""
+VIEW_RECHECK_S = 0.25
+"""A wait for a scheduler wakes on every change of the cluster's view (`on_view`: at once,
+where it polled every 0.1 s), and re-reads the view at least this often besides (a lease
+that lapses without a change the cluster reports; a view handed in without a callback)."""
 FORWARD_CHECK_S = 0.5
 """How often a submission forwarded to a scheduler checks that it is still the scheduler."""
 FINAL = ("done", "failed", "cancelled")
@@ -325,6 +329,9 @@ class JobService:
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
         self._by_type = self._handlers()
+        self._view_changed = asyncio.Event()
+        """Set (and replaced) on every change of the cluster's view: what waits for a
+        scheduler wakes on it instead of polling."""
 
     # -- service ------------------------------------------------------------------------------
 
@@ -629,7 +636,10 @@ class JobService:
 
     def on_view(self, view: Any) -> None:
         """Membership changed: a stage machine declared dead (or gone) fails its job; a dead
-        scheduler fails the jobs it coordinated for us."""
+        scheduler fails the jobs it coordinated for us; whatever waits for a scheduler looks
+        again."""
+        changed, self._view_changed = self._view_changed, asyncio.Event()
+        changed.set()
         gone = {m.node_id: m.state for m in view.members if m.state in ("dead", "left")}
         for r in list(self._remote.values()):
             if r.state in FINAL or r.scheduler not in gone or r.failing_over:
@@ -699,10 +709,11 @@ class JobService:
                     return await self.submit(upload, dry_run=dry_run, owner_uid=owner_uid)
                 summary = await self._forward(upload, leader, dry_run=dry_run)
                 break
-            except NotScheduler:  # it stepped down meanwhile: ask the next one
-                if loop.time() >= deadline:
+            except NotScheduler:  # it stepped down meanwhile: ask the next one, once the
+                if loop.time() >= deadline:  # view has changed (our view may still name it)
                     raise
-                await asyncio.sleep(0.2)
+                await self._view_change(self._view_changed,
+                                        min(VIEW_RECHECK_S, deadline - loop.time()))
         if not dry_run:
             job_id = str(summary["job_id"])
             self._remote[job_id] = RemoteJob(job_id, leader, spec.output, {
@@ -744,6 +755,7 @@ class JobService:
         cluster's own advice when none came."""
         loop = asyncio.get_running_loop()
         while True:
+            changed = self._view_changed  # before reading the view: no change slips between
             view = self.view()
             if view is None:
                 raise JobRefused("this daemon is not in a cluster: `fusionctl init` or `join` "
@@ -762,7 +774,16 @@ class JobService:
                 raise NotScheduler(
                     f"no scheduler: {advice}; waited {SCHEDULER_WAIT_S:g}s. A minority of the "
                     "cluster never schedules: `fusionctl status` shows who is alive")
-            await asyncio.sleep(0.1)
+            await self._view_change(changed, min(VIEW_RECHECK_S, deadline - loop.time()))
+
+    @staticmethod
+    async def _view_change(changed: asyncio.Event, timeout_s: float) -> None:
+        """Until the cluster's view changes (`changed` is the event read before the view
+        was), or `timeout_s`."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(0.0, timeout_s)):
+                await changed.wait()
+        raise_if_cancelling()
     async def _forward(self, upload: Upload, leader: str, *, dry_run: bool) -> dict[str, Any]:
         """Hand `upload` to the scheduler `leader`; its summary, or `JobRefused`."""
         data = encode_upload(upload.meta, upload.graph_bytes, upload.state_bytes,
@@ -850,7 +871,8 @@ class JobService:
                 except NotScheduler:  # it stepped down meanwhile: the next one, in time
                     if loop.time() >= deadline:
                         raise
-                    await asyncio.sleep(0.2)
+                    await self._view_change(self._view_changed,
+                                            min(VIEW_RECHECK_S, deadline - loop.time()))
                     leader = await self._await_scheduler(deadline)
         except asyncio.CancelledError:
             raise

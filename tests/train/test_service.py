@@ -619,3 +619,48 @@ async def test_a_scheduler_that_stops_hands_another_daemons_job_back(prepared: A
     finally:
         if not closed:
             await svc.close()
+
+
+async def test_a_wait_for_a_scheduler_wakes_on_the_views_change(
+        prepared: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A submission waiting for a scheduler is woken by the cluster's change callback
+    (`on_view`) at once instead of polling the view ten times a second: with the periodic
+    re-read pushed out to 30 s, the election 1.5 s in still starts the job at once, and the
+    view was read a few times, not 15 (the old loop polled it every 0.1 s)."""
+    monkeypatch.setattr(service, "SCHEDULER_WAIT_S", 60.0)
+    monkeypatch.setattr(service, "VIEW_RECHECK_S", 30.0, raising=False)
+    net = Net()
+    view = View(["m0"], leader=None, has_quorum=False)
+    reads = 0
+
+    def read() -> View:
+        nonlocal reads
+        reads += 1
+        return view
+
+    svc = JobService(node_id="m0", send_raw=net.send, view=read)
+    net.svc = svc
+    await svc.start()
+    waiting = 0
+    try:
+        async def elected() -> None:
+            nonlocal waiting
+            await asyncio.sleep(1.5)
+            waiting = reads - before  # while it waited for a scheduler
+            view.leader, view.has_quorum = "m0", True
+            svc.on_view(view)
+
+        before = reads
+        task = asyncio.create_task(elected())
+        t0 = asyncio.get_running_loop().time()
+        summary = await asyncio.wait_for(svc.submit_upload(upload(prepared, stages=1,
+                                                                  steps=2)), 10)
+        took = asyncio.get_running_loop().time() - t0
+        await task
+        assert took < 2.5 and summary["term"] == 1
+        assert waiting <= 4, f"the view was read {waiting} times in 1.5 s of waiting"
+        rec = svc.get(summary["job_id"])
+        assert isinstance(rec, service._Record)
+        await asyncio.wait_for(asyncio.shield(rec.task), 60)  # type: ignore[arg-type]
+    finally:
+        await svc.close()

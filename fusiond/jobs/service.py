@@ -1281,9 +1281,15 @@ class JobService:
         check_capacity(captured, spec, memory)
         job_id = meta.get("job_id") or f"{spec.name}-{secrets.token_hex(3)}"
         taken = self._jobs.get(job_id) if isinstance(job_id, str) else None
-        # (a job this daemon handed back comes back under its id, from the next failover)
+        # A job whose attempt here ended comes back under its id from its own submitter (the
+        # authority on the job): after a hand-back, or after the submitter failed it over
+        # elsewhere and cancelled the attempt here (the chaos check: this daemon, frozen as
+        # its scheduler, thawed, was cancelled, then was elected and refused the job).
+        ended_here = taken is not None and (
+            taken.state == "handed_back"
+            or (taken.state in FINAL and taken.submitter and taken.submitter == submitter))
         if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id) or (
-                taken is not None and taken.state != "handed_back"):
+                taken is not None and not ended_here):
             raise JobRefused(f"job id {job_id!r} is malformed or already in use here")
         used = meta.get("restarts", 0)
         if not isinstance(used, int) or isinstance(used, bool) or not 0 <= used <= 100:

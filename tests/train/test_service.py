@@ -664,3 +664,40 @@ async def test_a_wait_for_a_scheduler_wakes_on_the_views_change(
         await asyncio.wait_for(asyncio.shield(rec.task), 60)  # type: ignore[arg-type]
     finally:
         await svc.close()
+
+
+async def test_a_job_cancelled_here_comes_back_from_its_submitter_under_its_id(
+        prepared: Any) -> None:
+    """The chaos check: this daemon scheduled m1's job, was frozen, m1 failed the job over to
+    another scheduler and cancelled the attempt here; later this daemon was elected again and
+    m1 resubmitted the job to it under its id: it was refused as "already in use here", and
+    the job failed. A job whose attempt here ended comes back from its own submitter; another
+    daemon may still not take its id."""
+    from protocol.messages import JobCancel
+
+    net = Net()
+    view = View(["m0", "m1", "m2"], leader="m0")
+    svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
+    net.svc = svc
+    await svc.start()
+    try:
+        summary = await svc.submit(service.decode_upload(upload(prepared, stages=1)),
+                                   submitter="m1")
+        job_id = summary["job_id"]
+        rec = svc.get(job_id)
+        assert isinstance(rec, service._Record)
+        await wait(lambda: bool(rec.history), 60, "the first step")
+        await svc.dispatch("m1", JobCancel(job_id=job_id, reason="failed over elsewhere"))
+        await asyncio.wait_for(asyncio.shield(rec.task), 20)  # type: ignore[arg-type]
+        assert rec.state == "cancelled", rec.state
+        with pytest.raises(service.JobRefused, match="already in use here"):
+            await svc.submit(service.decode_upload(upload(prepared, stages=1, job_id=job_id)),
+                             submitter="m2")
+        again = await svc.submit(service.decode_upload(upload(prepared, stages=1,
+                                                              job_id=job_id)), submitter="m1")
+        assert again["job_id"] == job_id
+        took = svc.get(job_id)
+        assert isinstance(took, service._Record) and took is not rec
+        assert took.state == "running" and took.submitter == "m1"
+    finally:
+        await svc.close()

@@ -6,7 +6,8 @@ submitter. (Real daemons: tests/e2e/test_authority.py.)"""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -111,6 +112,27 @@ async def wait(cond: Any, timeout_s: float, what: str) -> None:
     raise AssertionError(f"{what}: not within {timeout_s} s")
 
 
+@contextlib.asynccontextmanager
+async def _scheduling_for_m1(prepared: Any) -> AsyncIterator[
+        tuple[Net, View, JobService, service._Record]]:
+    """This daemon, m0, schedules a job m1 submitted (m0, m1, m2; m0 leads), past its first
+    step: (the network, the view, the service, the job's record); the service closes after."""
+    net = Net()
+    view = View(["m0", "m1", "m2"], leader="m0")
+    svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
+    net.svc = svc
+    await svc.start()
+    try:
+        summary = await svc.submit(service.decode_upload(upload(prepared, stages=1)),
+                                   submitter="m1")
+        rec = svc.get(summary["job_id"])
+        assert isinstance(rec, service._Record)
+        await wait(lambda: bool(rec.history), 60, "the first step")
+        yield net, view, svc, rec
+    finally:
+        await svc.close()
+
+
 async def test_a_submission_without_a_scheduler_waits_for_one(
         prepared: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """No scheduler (no quorum): the submission waits `SCHEDULER_WAIT_S`, then is refused with
@@ -149,17 +171,7 @@ async def test_a_scheduler_that_loses_its_lease_hands_the_job_back(prepared: Any
     """The scheduler of a job submitted by m1 loses its quorum (3 of 5 gone, or cut off): at
     once its attempt is cancelled (its stage freed), nothing is re-planned, and m1 gets the job
     back (`JobUpdate.handed_back`) to resubmit it to the next scheduler."""
-    net = Net()
-    view = View(["m0", "m1", "m2"], leader="m0")
-    svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
-    net.svc = svc
-    await svc.start()
-    try:
-        summary = await svc.submit(service.decode_upload(upload(prepared, stages=1)),
-                                   submitter="m1")
-        rec = svc.get(summary["job_id"])
-        assert isinstance(rec, service._Record)
-        await wait(lambda: bool(rec.history), 60, "the first step")
+    async with _scheduling_for_m1(prepared) as (net, view, svc, rec):
         assert svc.worker.jobs()
         view.leader, view.has_quorum = None, False  # a minority now
         svc.on_view(view)
@@ -173,8 +185,6 @@ async def test_a_scheduler_that_loses_its_lease_hands_the_job_back(prepared: Any
         # and a stale submission is refused, saying who to ask
         with pytest.raises(NotScheduler, match="not the scheduler"):
             await svc.submit(service.decode_upload(upload(prepared, stages=1)), submitter="m1")
-    finally:
-        await svc.close()
 
 
 async def test_a_scheduler_that_lost_the_lease_among_a_majority_decides_nothing_more(
@@ -182,17 +192,7 @@ async def test_a_scheduler_that_lost_the_lease_among_a_majority_decides_nothing_
     """Another member leads now, and this daemon still sees a majority: its running attempt
     goes on (no other scheduler knows the job, and no minority is scheduling), but it decides
     nothing more: the attempt's failure is handed back instead of restarted here."""
-    net = Net()
-    view = View(["m0", "m1", "m2"], leader="m0")
-    svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
-    net.svc = svc
-    await svc.start()
-    try:
-        summary = await svc.submit(service.decode_upload(upload(prepared, stages=1)),
-                                   submitter="m1")
-        rec = svc.get(summary["job_id"])
-        assert isinstance(rec, service._Record)
-        await wait(lambda: bool(rec.history), 60, "the first step")
+    async with _scheduling_for_m1(prepared) as (net, view, svc, rec):
         view.leader, view.term = "m2", 2  # a lease that lapsed under load, say
         svc.on_view(view)
         at = len(rec.history)
@@ -205,8 +205,6 @@ async def test_a_scheduler_that_lost_the_lease_among_a_majority_decides_nothing_
         await asyncio.wait_for(asyncio.shield(rec.task), 20)  # type: ignore[arg-type]
         assert rec.state == "handed_back" and rec.restarts == 0, list(rec.logs)
         assert any(isinstance(m, JobUpdate) and m.handed_back for _, m in net.sent)
-    finally:
-        await svc.close()
 
 
 async def test_a_scheduler_bug_ends_the_job_on_its_submitter(
@@ -675,18 +673,8 @@ async def test_a_job_cancelled_here_comes_back_from_its_submitter_under_its_id(
     daemon may still not take its id."""
     from protocol.messages import JobCancel
 
-    net = Net()
-    view = View(["m0", "m1", "m2"], leader="m0")
-    svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
-    net.svc = svc
-    await svc.start()
-    try:
-        summary = await svc.submit(service.decode_upload(upload(prepared, stages=1)),
-                                   submitter="m1")
-        job_id = summary["job_id"]
-        rec = svc.get(job_id)
-        assert isinstance(rec, service._Record)
-        await wait(lambda: bool(rec.history), 60, "the first step")
+    async with _scheduling_for_m1(prepared) as (_net, _view, svc, rec):
+        job_id = rec.job_id
         await svc.dispatch("m1", JobCancel(job_id=job_id, reason="failed over elsewhere"))
         await asyncio.wait_for(asyncio.shield(rec.task), 20)  # type: ignore[arg-type]
         assert rec.state == "cancelled", rec.state
@@ -699,5 +687,3 @@ async def test_a_job_cancelled_here_comes_back_from_its_submitter_under_its_id(
         took = svc.get(job_id)
         assert isinstance(took, service._Record) and took is not rec
         assert took.state == "running" and took.submitter == "m1"
-    finally:
-        await svc.close()

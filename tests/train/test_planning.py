@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -24,6 +25,17 @@ def _machines(memory: float) -> list[MachineProfile]:
                            memory_bytes=memory) for i in range(3)]
 
 
+async def _run(spec: Any, cap: Any, layout: Any, **kw: Any) -> tuple[Any, dict[str, Any]]:
+    """Run `layout` on 3 in-process nodes, node0 scheduling: (its outcome, its last status)."""
+    async with inproc_cluster(3) as nodes:
+        sched = nodes["node0"]
+        c = JobCoordinator(send=sched.send_fn(), spec=spec, captured=cap, layout=layout,
+                           addresses={n: x.net.address for n, x in nodes.items()}, term=1, **kw)
+        sched.coordinators.append(c)
+        out = await asyncio.wait_for(c.run(), 120)
+        return out, c.status()
+
+
 async def test_planned_job_matches_eager(captured_tiny) -> None:  # type: ignore[no-untyped-def]
     spec, cap = captured_tiny
     spec = replace(spec, steps=5)
@@ -33,13 +45,7 @@ async def test_planned_job_matches_eager(captured_tiny) -> None:  # type: ignore
     assert [s.node_id for s in layout.stages] == plan.machine_of_stage()
     assert len(layout.stages) >= 2 and not layout.densities
     losses: list[float] = []
-    async with inproc_cluster(3) as nodes:
-        sched = nodes["node0"]
-        c = JobCoordinator(send=sched.send_fn(), spec=spec, captured=cap, layout=layout,
-                           addresses={n: x.net.address for n, x in nodes.items()}, term=1,
-                           on_step=lambda m: losses.append(m.loss))
-        sched.coordinators.append(c)
-        out = await asyncio.wait_for(c.run(), 120)
+    out, _ = await _run(spec, cap, layout, on_step=lambda m: losses.append(m.loss))
     assert out.ok, out.failure
     rt = ReferenceTrainer(build_model(spec.model, seed=spec.seed), loss_fn(spec.loss),
                           spec.optimizer, data=make_source(spec.data, spec.seed),
@@ -78,14 +84,7 @@ async def test_planned_int8_job_trains_with_quarter_size_cuts(captured_tiny) -> 
         r.edge: "int8" if r.edge in floats else "raw" for r in routes}
     assert all(r.density == 1.0 for r in routes)
     losses: list[float] = []
-    async with inproc_cluster(3) as nodes:
-        sched = nodes["node0"]
-        c = JobCoordinator(send=sched.send_fn(), spec=spec, captured=cap, layout=layout,
-                           addresses={n: x.net.address for n, x in nodes.items()}, term=1,
-                           on_step=lambda m: losses.append(m.loss))
-        sched.coordinators.append(c)
-        out = await asyncio.wait_for(c.run(), 120)
-        status = c.status()
+    out, status = await _run(spec, cap, layout, on_step=lambda m: losses.append(m.loss))
     assert out.ok, out.failure
     rt = ReferenceTrainer(build_model(spec.model, seed=spec.seed), loss_fn(spec.loss),
                           spec.optimizer, data=make_source(spec.data, spec.seed),
@@ -156,13 +155,8 @@ async def test_checkpoints_are_gathered_off_the_event_loop(  # type: ignore[no-u
 
     monkeypatch.setattr(coordinator, "_gather", spy)
     got: list[tuple[int, set[str]]] = []
-    async with inproc_cluster(3) as nodes:
-        sched = nodes["node0"]
-        c = JobCoordinator(send=sched.send_fn(), spec=spec, captured=cap, layout=layout,
-                           addresses={n: x.net.address for n, x in nodes.items()}, term=1,
-                           on_checkpoint=lambda step, state: got.append((step, set(state))))
-        sched.coordinators.append(c)
-        out = await asyncio.wait_for(c.run(), 120)
+    out, _ = await _run(spec, cap, layout,
+                        on_checkpoint=lambda step, state: got.append((step, set(state))))
     assert out.ok, out.failure
     assert [step for step, _ in got] == [1, 3]
     assert out.state is not None  # each checkpoint holds what the final model holds

@@ -611,4 +611,6 @@ async def test_a_lost_assign_or_ready_is_sent_again_instead_of_waiting_out_the_t
         c.handle = lossy_handle  # type: ignore[method-assign]
         out = await asyncio.wait_for(c.run(), 60)
         assert out.ok, out.failure
-    assert dropped and assigns.count("n1") == 2 and assigns.count("n2") == 1, assigns
+    # n1's Assign went out again; on a slow machine n2 may not have answered within the 1 s
+    # resend interval either and gets a repeat too, which it takes as the same Assign.
+    assert dropped and assigns.count("n1") >= 2 and assigns.count("n2") >= 1, assigns

@@ -87,6 +87,11 @@ def run(argv: Sequence[str]) -> int:
         log.warning("%s", w)
     log.info("fusiond %s starting on the %s event loop (config: %s)", fusiond.__version__,
              loop_name, loaded.file or "defaults")
+    from fusiond.profile.threads import apply_cpu_allowance
+
+    threads = apply_cpu_allowance()  # before the profile is measured: it reports these threads
+    log.info("torch compute threads: %d (torch's default %d; %s)", threads.threads,
+             threads.default, threads.why)
     daemon = Daemon(loaded, flags=ns, config_path=ns.config, owns_process=True)
     kwargs: dict[str, Any] = {"loop_factory": factory} if factory else {}
     try:

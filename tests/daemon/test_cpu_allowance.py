@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -221,3 +222,67 @@ def test_profile_speed_follows_the_allowance(tmp_path: Path,
     # the real transport's cost per message (two PeerNetworks over loopback TLS) is measured
     assert 1e-7 < full["plan_msg_s"] < 1e-2
     assert quarter["plan_msg_s"] / full["plan_msg_s"] == pytest.approx(share)
+
+
+@given(st.floats(min_value=0.001, max_value=256), st.integers(min_value=1, max_value=128))
+def test_compute_threads_are_the_allowed_cores_rounded_up_within_torchs_default(
+        cores: float, default: int) -> None:
+    from fusiond.profile.threads import threads_for
+
+    n = threads_for(cores, default)
+    assert 1 <= n <= default
+    assert n == min(default, max(1, math.ceil(cores - 1e-9)))
+    assert threads_for(0.5, 2) == 1 and threads_for(1.5, 4) == 2 and threads_for(8.0, 2) == 2
+
+
+def test_operator_thread_choice_is_kept() -> None:
+    import torch
+
+    from fusiond.profile.threads import apply_cpu_allowance
+
+    before = torch.get_num_threads()
+    got = apply_cpu_allowance(CpuAllowance(0.25, 0.25, 4, "test"), env={"OMP_NUM_THREADS": "3"})
+    assert got.threads == before == torch.get_num_threads() and "OMP_NUM_THREADS" in got.why
+
+
+_CHILD = ("from fusiond.profile.threads import apply_cpu_allowance; import torch; "
+          "c = apply_cpu_allowance(); print(c.default, c.threads, torch.get_num_threads())")
+
+
+@pytest.mark.netns
+def test_a_process_under_a_cpu_quota_runs_no_more_torch_threads_than_it_may_keep_busy(
+        tmp_path: Path) -> None:
+    """The real kernel limit: a process put into a cgroup with a 0.5-core CFS quota before it
+    starts python sets torch to 1 thread; the same command outside the cgroup keeps torch's
+    default (the cores of this machine)."""
+    import subprocess
+    import sys
+
+    from deploy.testbed.bed import detect_cgroup
+
+    cg = detect_cgroup()
+    if cg.root is None or os.geteuid() != 0:
+        pytest.skip(f"needs root and a writable cpu cgroup: {cg.reason}")
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs to tell a quota of 0.5 core from the machine")
+    path = cg.root / f"fusion-test-threads-{os.getpid()}"
+    path.mkdir()
+    try:
+        if cg.kind == "v2":
+            (path / "cpu.max").write_text("50000 100000")
+        else:
+            (path / "cpu.cfs_period_us").write_text("100000")
+            (path / "cpu.cfs_quota_us").write_text("50000")
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+        procs = "cgroup.procs"
+        inside = subprocess.run(
+            ["sh", "-c", f'echo $$ > "{path / procs}" && exec "$0" -c "$1"', sys.executable,
+             _CHILD], capture_output=True, text=True, env=env, timeout=120, check=True)
+        outside = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
+                                 env=env, timeout=120, check=True)
+    finally:
+        path.rmdir()
+    d_in, n_in, now_in = map(int, inside.stdout.split())
+    d_out, n_out, now_out = map(int, outside.stdout.split())
+    assert d_in >= 2 and n_in == now_in == 1, inside.stdout
+    assert n_out == now_out == d_out >= 2, outside.stdout

@@ -116,6 +116,7 @@ def test_real_gpt2_capture_plans_and_partitions() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timed
 def test_plan_real_gpt2_small_on_48_machines_fast() -> None:
     """The issue's speed target: GPT-2 small's full ATen graph, 48 machines in 6 groups, <= 2 s."""
     import json

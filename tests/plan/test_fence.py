@@ -146,6 +146,7 @@ def test_balances_heterogeneous_speeds() -> None:
                                                    ).samples_per_s
 
 
+@pytest.mark.timed
 def test_planning_speed_48_machines_6_groups() -> None:
     """A GPT-2-small-sized synthetic graph (~400 ops with residual skips) on 48 machines."""
     rng = np.random.default_rng(3)

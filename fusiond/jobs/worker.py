@@ -141,6 +141,7 @@ class JobWorker:
         """(job, sender, message kind) already logged as ignored (logged once each)."""
         self._ready = asyncio.Event()
         self._closed = False
+        self._by_type = self._handlers()
 
     async def start(self) -> None:
         """Nothing to open: jobs arrive as messages."""
@@ -167,56 +168,64 @@ class JobWorker:
         }
 
     async def handle(self, peer: str, msg: Message) -> bool:
-        """Take a job message; False if it is not one (someone else's)."""
-        if isinstance(msg, (Forward, Backward)):
-            job = self._jobs.get(msg.job_id)
-            if job is None:
-                log.debug("%s for unknown job %s from %s dropped", type(msg).__name__,
-                          msg.job_id, peer)
-            elif msg.plan_version != job.host.assignment.plan_version:
-                # In flight from the job's previous plan (before a restart): not ours any more.
-                log.debug("%s of job %s v%d from %s dropped (the stage runs v%d)",
-                          type(msg).__name__, msg.job_id, msg.plan_version, peer,
-                          job.host.assignment.plan_version)
-            else:
-                job.host.on_message(peer, msg)
-            return True
-        if isinstance(msg, Assign):
-            await self._assign(peer, msg)
-            return True
-        if isinstance(msg, JobStart):
-            if self._from_assigner(peer, msg, msg.job_id):
-                self._start(peer, msg)
-            return True
-        if isinstance(msg, JobDensities):
-            job = self._jobs.get(msg.job_id)
-            if job is not None and self._from_assigner(peer, msg, msg.job_id):
-                try:
-                    for edge, d in msg.densities.items():
-                        job.host.executor.set_density(edge, d)
-                except FusionError as e:
-                    log.warning("JobDensities for job %s from %s refused: %s", msg.job_id, peer, e)
-            return True
-        if isinstance(msg, JobCancel):
-            job = self._jobs.get(msg.job_id)
-            if job is None:
-                # Its Assign may not have arrived yet (CONTROL overtakes BULK): remember the
-                # version, from the current scheduler only, so the late Assign is dropped.
-                if self._may_control_unassigned(peer):
-                    self._note_cancelled(msg.job_id, msg.plan_version)
-                return True
-            running = job.host.assignment.plan_version
-            if not self._from_assigner(peer, msg, msg.job_id):
-                return True
-            self._note_cancelled(msg.job_id, msg.plan_version or running)
-            if msg.plan_version != 0 and msg.plan_version < running:
-                log.info("JobCancel of job %s v%d from %s ignored: the stage runs v%d", msg.job_id,
-                         msg.plan_version, peer, running)
-            else:
-                log.info("job %s cancelled by %s: %s", msg.job_id, peer, msg.reason or "-")
-                await self._drop(msg.job_id)
-            return True
-        return False
+        """Take a job message (by its type, `_handlers`); False if it is not one (someone
+        else's)."""
+        handler = self._by_type.get(type(msg))
+        if handler is None:
+            return False
+        await handler(peer, msg)
+        return True
+
+    def _handlers(self) -> dict[type[Message], Callable[[str, Any], Awaitable[None]]]:
+        """The stage side of the job protocol, by message type (`handle`)."""
+        return {Forward: self._on_tensor, Backward: self._on_tensor, Assign: self._assign,
+                JobStart: self._on_start, JobDensities: self._on_densities,
+                JobCancel: self._on_cancel}
+
+    async def _on_tensor(self, peer: str, msg: Forward | Backward) -> None:
+        job = self._jobs.get(msg.job_id)
+        if job is None:
+            log.debug("%s for unknown job %s from %s dropped", type(msg).__name__,
+                      msg.job_id, peer)
+        elif msg.plan_version != job.host.assignment.plan_version:
+            # In flight from the job's previous plan (before a restart): not ours any more.
+            log.debug("%s of job %s v%d from %s dropped (the stage runs v%d)",
+                      type(msg).__name__, msg.job_id, msg.plan_version, peer,
+                      job.host.assignment.plan_version)
+        else:
+            job.host.on_message(peer, msg)
+
+    async def _on_start(self, peer: str, msg: JobStart) -> None:
+        if self._from_assigner(peer, msg, msg.job_id):
+            self._start(peer, msg)
+
+    async def _on_densities(self, peer: str, msg: JobDensities) -> None:
+        job = self._jobs.get(msg.job_id)
+        if job is not None and self._from_assigner(peer, msg, msg.job_id):
+            try:
+                for edge, d in msg.densities.items():
+                    job.host.executor.set_density(edge, d)
+            except FusionError as e:
+                log.warning("JobDensities for job %s from %s refused: %s", msg.job_id, peer, e)
+
+    async def _on_cancel(self, peer: str, msg: JobCancel) -> None:
+        job = self._jobs.get(msg.job_id)
+        if job is None:
+            # Its Assign may not have arrived yet (CONTROL overtakes BULK): remember the
+            # version, from the current scheduler only, so the late Assign is dropped.
+            if self._may_control_unassigned(peer):
+                self._note_cancelled(msg.job_id, msg.plan_version)
+            return
+        running = job.host.assignment.plan_version
+        if not self._from_assigner(peer, msg, msg.job_id):
+            return
+        self._note_cancelled(msg.job_id, msg.plan_version or running)
+        if msg.plan_version != 0 and msg.plan_version < running:
+            log.info("JobCancel of job %s v%d from %s ignored: the stage runs v%d", msg.job_id,
+                     msg.plan_version, peer, running)
+        else:
+            log.info("job %s cancelled by %s: %s", msg.job_id, peer, msg.reason or "-")
+            await self._drop(msg.job_id)
 
     def _note_cancelled(self, job_id: str, plan_version: int) -> None:
         if plan_version <= 0:

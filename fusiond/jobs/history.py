@@ -48,6 +48,7 @@ __all__ = [
     "JobHistory",
     "StepHistory",
     "finite_records",
+    "metrics_summary",
 ]
 
 log = logging.getLogger("fusiond.jobs")
@@ -355,6 +356,18 @@ class JobHistory:
             log.warning("job record %s skipped: %s", path, e)
             return None
         return rec
+
+
+def metrics_summary(history: StepHistory, outcome: Mapping[str, Any],
+                    submitted_at: float) -> dict[str, Any]:
+    """metrics.json's summary: the outcome, with the figures of the full history."""
+    losses = [h.get("loss") for h in history if h.get("loss") is not None]
+    return {**outcome, "steps": len(history), "first_loss": losses[0] if losses else None,
+            "final_loss": losses[-1] if losses else None,
+            "first_step": int(history[0]["step"]) if history else None,
+            "last_step": int(history[-1]["step"]) if history else None,
+            "thinned_steps": history.thinned,
+            "wall_s": outcome.get("wall_s", time.time() - submitted_at)}
 
 
 def finite_records(recs: Iterable[Mapping[str, Any]]) -> Iterator[Any]:

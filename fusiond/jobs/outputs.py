@@ -39,7 +39,7 @@ from fusiond.errors import LocalError
 from fusiond.jobs.results import metrics_document, save_model
 
 __all__ = ["CHECKPOINT", "KEEP_CHECKPOINTS", "KEEP_JOBS", "METRICS", "MODEL", "OutputStore",
-           "StoredFile", "checkpoint_name", "is_output_name"]
+           "StoredFile", "checkpoint_name", "is_output_name", "reason"]
 
 log = logging.getLogger("fusiond.jobs")
 
@@ -54,6 +54,14 @@ KEEP_JOBS = 10
 """Jobs whose outputs the store keeps after they ended (the newest by end of job)."""
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,80}")
 HASH_CHUNK_BYTES = 4 << 20
+
+
+def reason(e: BaseException) -> str:
+    """An error in a few words for a log line or a failure ("[Errno 28] No space left on
+    device: '/var/lib/fusion/outputs/x/.model...tmp'" -> "No space left on device")."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return str(e) or type(e).__name__
 
 
 def checkpoint_name(step: int) -> str:

@@ -26,12 +26,14 @@ from fusiond.train.local import StepMetrics
 from fusiond.train.spec import JobSpec
 from protocol.messages import JobQueryReply
 
-__all__ = ["LOG_LINES", "JobRecord", "RemoteJob", "steps_done"]
+__all__ = ["FINAL", "LOG_LINES", "JobRecord", "RemoteJob", "steps_done"]
 
 log = logging.getLogger("fusiond.jobs")
 
 LOG_LINES = 500
 """Log lines kept per job (`fusionctl logs`)."""
+FINAL = ("done", "failed", "cancelled")
+"""The states a job ends in."""
 
 
 @dataclass

@@ -21,18 +21,18 @@ Every daemon runs one `JobService` once its peer network is up. It
   daemon's operator at it.
 
 A submission goes to the elected scheduler (`JobSubmit` over the peer network) when this
-daemon is not the scheduler; the scheduler runs the coordinator, streams `JobUpdate`s back
-(the status, and every step record since the last update) and sends the outputs
-(`JobOutput`), which the submitting daemon stores durably and acknowledges (`JobOutputAck`):
-the job is done only once the model is stored there. If it cannot be (a full disk), the
-job ends failed saying why, and the scheduler keeps the weights in memory until the submitter
-asks for them again (`JobFetch`, from `fusionctl fetch ID`). Without a scheduler (no quorum
-yet) a submission waits for one (`SCHEDULER_WAIT_S`), then is refused: only the scheduler of the
-current term, holding its lease (the view's leader is itself, with a quorum), plans, re-plans or
-re-adapts a job. A scheduler that loses its quorum stops at once: its attempts are cancelled and
-each job is handed back to its submitter, which resubmits it to the next scheduler
-(`_failover`), as when the scheduler dies. A submitter that stops hearing from its scheduler
-asks it (`JobQuery`) and fails over, or fails the job, when the scheduler no longer knows it.
+daemon is not the scheduler: that submitter role (forward, follow the job's `JobUpdate`s and
+`JobOutput`s, fail it over) is `fusiond.jobs.submission.Submissions`, to which this service
+routes the submitter-side messages. As the scheduler, this service runs the coordinator,
+streams `JobUpdate`s back to the submitter (the status, and every step record since the last
+update) and sends the outputs (`JobOutput`), which the submitting daemon stores durably and
+acknowledges (`JobOutputAck`): the job is done only once the model is stored there. If it
+cannot be (a full disk), the job ends failed saying why, and the scheduler keeps the weights in
+memory until the submitter asks for them again (`JobFetch`, from `fusionctl fetch ID`). Only
+the scheduler of the current term, holding its lease (the view's leader is itself, with a
+quorum), plans, re-plans or re-adapts a job. A scheduler that loses its quorum stops at once:
+its attempts are cancelled and each job is handed back to its submitter, which resubmits it to
+the next scheduler, as when the scheduler dies.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -64,6 +63,7 @@ from fusiond.jobs.history import (
     JobHistory,
     StepHistory,
     finite_records,
+    metrics_summary,
 )
 from fusiond.jobs.opsets import (
     MemberOpSets,
@@ -73,13 +73,12 @@ from fusiond.jobs.opsets import (
     software_line,
 )
 from fusiond.jobs.outputs import (
-    CHECKPOINT,
     KEEP_JOBS,
     METRICS,
     MODEL,
     OutputStore,
     checkpoint_name,
-    is_output_name,
+    reason,
 )
 from fusiond.jobs.planning import (
     JobRefused,
@@ -88,18 +87,18 @@ from fusiond.jobs.planning import (
     plan_job,
     readapted_densities,
 )
-from fusiond.jobs.records import LOG_LINES, JobRecord, RemoteJob, steps_done
+from fusiond.jobs.records import FINAL, JobRecord, RemoteJob, steps_done
 from fusiond.jobs.runner import EXCLUDE_FOR_S as EXCLUDE_FOR_S  # (read by tests as service's)
 from fusiond.jobs.runner import decide_restart, derived_timeouts, released_exclusions
+from fusiond.jobs.submission import UPDATE_S, NotScheduler, Submissions, SubmitterHost
 from fusiond.jobs.submit import (
     check_capacity,
     check_finite,
     is_default_corpus,
     memory_estimate,
     restore_job,
-    resume_state,
 )
-from fusiond.jobs.upload import Upload, decode_upload, encode_upload, read_upload
+from fusiond.jobs.upload import Upload, decode_upload, read_upload
 from fusiond.jobs.views import (
     jobs_view,
     logs_view,
@@ -133,7 +132,7 @@ from protocol.messages import (
     Message,
 )
 
-__all__ = ["JobService", "cluster_for_planner"]
+__all__ = ["JobService", "NotScheduler", "cluster_for_planner"]
 
 log = logging.getLogger("fusiond.jobs")
 
@@ -147,19 +146,6 @@ fsyncs them at most this far apart (a kill loses none; a power loss at most this
 MAX_HELD_JOBS = 4
 """Jobs whose final weights this daemon holds in memory because they could not be stored
 (a full disk); the oldest is dropped, with a log line, to hold a newer one."""
-FETCH_TIMEOUT_S = 600.0
-"""How long `fusionctl fetch` waits for held outputs to be stored again."""
-UPDATE_S = 0.5
-"""How often the scheduler sends a remote submitter the job's status."""
-SUBMIT_TIMEOUT_S = 300.0
-"""How long a forwarded submission waits for the scheduler's answer (planning a big model)."""
-VIEW_RECHECK_S = 0.25
-"""A wait for a scheduler wakes on every change of the cluster's view (`on_view`: at once,
-where it polled every 0.1 s), and re-reads the view at least this often besides (a lease
-that lapses without a change the cluster reports; a view handed in without a callback)."""
-FORWARD_CHECK_S = 0.5
-"""How often a submission forwarded to a scheduler checks that it is still the scheduler."""
-FINAL = ("done", "failed", "cancelled")
 REMOTE_SEND_S = 10.0
 """Bound on one status update to a remote submitter."""
 REMOTE_OUTPUTS_S = 600.0
@@ -168,22 +154,7 @@ PLAN_EPOCH = 1024
 """A job's first plan version at a scheduler is `term * PLAN_EPOCH + 1`, and each restart adds
 one (`max_restarts` <= 100): versions grow across restarts and across schedulers, so a stage's
 newer Assign supersedes a stale one and stale tensors are told apart by version alone."""
-FAILOVER_WAIT_S = 120.0
-"""How long a submitting daemon waits for a new scheduler after the old one died (or gave the
-job back), and the longest it lets a scheduler stay silent about a job before failing it."""
-SCHEDULER_WAIT_S = 30.0
-"""How long a submission waits for the cluster to have a scheduler (an election after a start
-or a failure) before it is refused: a daemon that is not the scheduler never coordinates."""
-STALE_UPDATE_S = 20 * UPDATE_S
-"""A remote job whose scheduler sent nothing about it (JobUpdate, JobOutput) for this long is
-asked about (`JobQuery`, on the CONTROL lane: it does not wait behind outputs)."""
-QUERY_TIMEOUT_S = 5.0
-"""How long a `JobQuery` waits for its answer before it is asked again."""
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}-[0-9a-f]{6}")
-
-
-class NotScheduler(JobRefused):
-    """This daemon is not (or no longer) the scheduler holding the lease: ask the next one."""
 
 
 _Record = JobRecord  # (the names tests know them by)
@@ -254,14 +225,6 @@ def _checked_data(upload: Upload, spec: JobSpec) -> Upload:
     return upload
 
 
-def _why(e: BaseException) -> str:
-    """An error in a few words for a log line or a failure ("[Errno 28] No space left on
-    device: '/var/lib/fusion/outputs/x/.model...tmp'" -> "No space left on device")."""
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
-    return str(e) or type(e).__name__
-
-
 def _wire(steps: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Step records as msgpack-safe maps (str keys, non-finite floats as null)."""
     return [json.loads(json.dumps(r, default=str, allow_nan=False))
@@ -324,14 +287,21 @@ class JobService:
         self.worker = JobWorker(node_id=node_id, send=self.send, stage_config=stage_config,
                                 leadership=self.leadership)
         self._jobs: dict[str, JobRecord] = {}
-        self._remote: dict[str, RemoteJob] = {}
-        self._pending: dict[str, asyncio.Future[JobSubmitReply]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+        self.submissions = Submissions(
+            node_id=node_id, send=self.send, view=self.view, leadership=self.leadership,
+            store=self.store, host=SubmitterHost(
+                run_here=self.submit, local_record=self._jobs.get, persist=self._persist,
+                steps_arrived=self._steps_arrived, tracked=self._track_steps,
+                ended=self._submitted_ended))
+        """The submitter role: the jobs submitted here and coordinated elsewhere."""
         self._by_type = self._handlers()
-        self._view_changed = asyncio.Event()
-        """Set (and replaced) on every change of the cluster's view: what waits for a
-        scheduler wakes on it instead of polling."""
+
+    @property
+    def _remote(self) -> Mapping[str, RemoteJob]:
+        """The jobs submitted here and coordinated elsewhere (`Submissions.records`)."""
+        return self.submissions.records
 
     # -- service ------------------------------------------------------------------------------
 
@@ -339,9 +309,11 @@ class JobService:
         if self._history is not None:
             self._past = await asyncio.to_thread(self._history.load)
         await asyncio.to_thread(self.store.sweep)
+        await self.submissions.start()
         await self.worker.start()
 
     async def ready(self) -> None:
+        await self.submissions.ready()
         await self.worker.ready()
 
     async def close(self) -> None:
@@ -351,6 +323,7 @@ class JobService:
         if self._closed:
             return
         self._closed = True
+        self.submissions.closing()  # no failover starts from now on
         for rec in list(self._jobs.values()):
             if rec.task is not None and not rec.task.done():
                 if rec.submitter:
@@ -370,6 +343,7 @@ class JobService:
                 await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10.0)
         await cancel_and_wait([t for t in [*tasks, *self._tasks] if not t.done()],
                               what="job task")
+        await self.submissions.close()
         for job_id in [*self._jobs, *self._remote]:  # what arrived since the last flush
             with contextlib.suppress(Exception):
                 await self._save_steps(job_id)
@@ -478,11 +452,15 @@ class JobService:
 
         self._spawn(asyncio.to_thread(prune), "prune outputs")
 
-    def _remote_ended(self, r: RemoteJob) -> None:
-        r.ended.set()
-        self._persist(r.job_id)
+    def _track_steps(self, job_id: str) -> None:
+        """A job submitted here is forwarded: keep its step records on disk as they come."""
+        self._spawn(self._keep_steps(job_id), f"steps {job_id}")
+
+    def _submitted_ended(self, job_id: str) -> None:
+        """A job submitted here and coordinated elsewhere ended (`Submissions`)."""
+        self._persist(job_id)
         if not self._closed:  # (close() writes what is left itself)
-            self._spawn(self._retire_when_saved(r.job_id), f"steps {r.job_id}")
+            self._spawn(self._retire_when_saved(job_id), f"steps {job_id}")
         self._prune_outputs()
 
     def coordinators(self) -> Iterable[JobCoordinator]:
@@ -518,23 +496,24 @@ class JobService:
         return True
 
     async def _on_submit_reply(self, peer: str, msg: JobSubmitReply) -> bool:
-        fut = self._pending.get(msg.request_id)
-        if fut is not None and not fut.done():
-            fut.set_result(msg)
+        self.submissions.on_submit_reply(peer, msg)
         return True
 
     async def _on_update_msg(self, peer: str, msg: JobUpdate) -> bool:
-        self._on_update(peer, msg)
+        self.submissions.on_update(peer, msg)
         return True
 
     async def _on_output_msg(self, peer: str, msg: JobOutput) -> bool:
-        self._heard(peer, msg.job_id)
-        await self._on_output(peer, msg)
+        await self.submissions.on_output(peer, msg)
         return True
 
     async def _on_output_ack(self, peer: str, msg: JobOutputAck) -> bool:
+        """The submitter's ack of a model shipped from here, or (`Submissions`) a scheduler's
+        answer to a `JobFetch` sent from here."""
         ack = self._acks.get(msg.request_id)
-        if ack is not None and not ack.done():
+        if ack is None:
+            self.submissions.on_output_ack(peer, msg)
+        elif not ack.done():
             ack.set_result(msg)
         return True
 
@@ -553,10 +532,7 @@ class JobService:
         return True
 
     async def _on_query_reply(self, peer: str, msg: JobQueryReply) -> bool:
-        r = self._remote.get(msg.job_id)
-        if r is not None and peer == r.scheduler and r.query is not None \
-                and not r.query.done():
-            r.query.set_result(msg)
+        self.submissions.on_query_reply(peer, msg)
         return True
 
     async def _on_cancel_msg(self, peer: str, msg: JobCancel) -> bool:
@@ -629,30 +605,15 @@ class JobService:
                     owner_uid=rec.owner_uid, history=rec.history,
                     unstored=dict(rec.unstored), submitted_at=rec.submitted_at)
         self._jobs.pop(rec.job_id, None)
-        self._remote[rec.job_id] = r
-        self._spawn(self._failover(r, f"this daemon, its scheduler, gave the job up: "
-                                      f"{rec.handed_back}"), f"failover {rec.job_id}")
-        self._spawn(self._watch(r), f"watch {rec.job_id}")
+        self.submissions.take_back(r, f"this daemon, its scheduler, gave the job up: "
+                                      f"{rec.handed_back}")
 
     def on_view(self, view: Any) -> None:
         """Membership changed: a stage machine declared dead (or gone) fails its job; a dead
         scheduler fails the jobs it coordinated for us; whatever waits for a scheduler looks
         again."""
-        changed, self._view_changed = self._view_changed, asyncio.Event()
-        changed.set()
         gone = {m.node_id: m.state for m in view.members if m.state in ("dead", "left")}
-        for r in list(self._remote.values()):
-            if r.state in FINAL or r.scheduler not in gone or r.failing_over:
-                continue
-            why = (f"job failed on {r.scheduler} (the scheduler): the membership layer "
-                   f"declared it {gone[r.scheduler]}")
-            if r.upload is not None and r.restarts < r.max_restarts and not self._closed:
-                r.failing_over = True
-                self._spawn(self._failover(r, why), f"failover {r.job_id}")
-                continue
-            r.status = {**r.status, "state": "failed",
-                        "outcome": {"ok": False, "failure": why}}
-            self._remote_ended(r)
+        self.submissions.on_view(gone)
         for rec in self._jobs.values():
             if rec.state != "running":
                 continue
@@ -689,7 +650,7 @@ class JobService:
                             owner_uid: int | None = None) -> dict[str, Any]:
         """The API's entry (`data`: the upload, or the file the API spooled it to): hand it to
         the elected scheduler, or run it here when this daemon is the scheduler; with none
-        yet, wait for one (`SCHEDULER_WAIT_S`). `owner_uid`: the calling user (None: the
+        yet, wait for one (`Submissions.submit`). `owner_uid`: the calling user (None: the
         daemon's operator)."""
         upload = await asyncio.to_thread(read_upload, data) if isinstance(data, Path) \
             else decode_upload(data)
@@ -700,34 +661,7 @@ class JobService:
             upload.meta["base"]), out_base=Path(upload.meta["out_base"]), check_paths=False)
         upload = await asyncio.to_thread(_checked_data, upload, spec)
         await self._check_ops_here(upload)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + SCHEDULER_WAIT_S
-        while True:
-            leader = await self._await_scheduler(deadline)
-            try:
-                if leader == self.node_id:
-                    return await self.submit(upload, dry_run=dry_run, owner_uid=owner_uid)
-                summary = await self._forward(upload, leader, dry_run=dry_run)
-                break
-            except NotScheduler:  # it stepped down meanwhile: ask the next one, once the
-                if loop.time() >= deadline:  # view has changed (our view may still name it)
-                    raise
-                await self._view_change(self._view_changed,
-                                        min(VIEW_RECHECK_S, deadline - loop.time()))
-        if not dry_run:
-            job_id = str(summary["job_id"])
-            self._remote[job_id] = RemoteJob(job_id, leader, spec.output, {
-                "job_id": job_id, "name": spec.name, "state": "running", "steps": spec.steps,
-                "step": 0, "loss": None, "first_loss": None, "stages": len(summary["stages"]),
-                "output": str(spec.output), "plan": summary["plan"], "history": [],
-                "status": {}, "lines": [], "outcome": None, "eta_s": None,
-                "submitted_at": time.time()},
-                upload=upload, max_restarts=spec.max_restarts, owner_uid=owner_uid,
-                term=int(summary.get("term") or 0))
-            self._persist(job_id)
-            self._spawn(self._keep_steps(job_id), f"steps {job_id}")
-            self._spawn(self._watch(self._remote[job_id]), f"watch {job_id}")
-        return summary
+        return await self.submissions.submit(upload, spec, dry_run=dry_run, owner_uid=owner_uid)
 
     async def _check_ops_here(self, upload: Upload) -> None:
         """`JobRefused` when no member alive in this daemon's view runs some op of the
@@ -747,182 +681,6 @@ class JobService:
         if why is not None:
             raise JobRefused(why)
 
-    async def _await_scheduler(self, deadline: float, *, not_before: tuple[str, int] | None
-                               = None) -> str:
-        """The scheduler of the cluster once there is one (the view's leader; this daemon only
-        with a quorum), waiting until `deadline` (loop time); `not_before`: (a scheduler, its
-        term) that gave a job up: it counts again only in a newer term. `NotScheduler` with the
-        cluster's own advice when none came."""
-        loop = asyncio.get_running_loop()
-        while True:
-            changed = self._view_changed  # before reading the view: no change slips between
-            view = self.view()
-            if view is None:
-                raise JobRefused("this daemon is not in a cluster: `fusionctl init` or `join` "
-                                 "first")
-            lead = Leadership.of(view)
-            assert lead is not None
-            ok = lead.leader is not None and (lead.leader != self.node_id or lead.has_quorum)
-            if ok and not_before is not None and lead.leader == not_before[0] \
-                    and lead.term <= not_before[1]:
-                ok = False
-            if ok and lead.leader is not None:
-                return lead.leader
-            if loop.time() >= deadline:
-                advice = getattr(view, "quorum_advice", lambda: None)() \
-                    or f"no scheduler elected (term {lead.term})"
-                raise NotScheduler(
-                    f"no scheduler: {advice}; waited {SCHEDULER_WAIT_S:g}s. A minority of the "
-                    "cluster never schedules: `fusionctl status` shows who is alive")
-            await self._view_change(changed, min(VIEW_RECHECK_S, deadline - loop.time()))
-
-    @staticmethod
-    async def _view_change(changed: asyncio.Event, timeout_s: float) -> None:
-        """Until the cluster's view changes (`changed` is the event read before the view
-        was), or `timeout_s`."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(max(0.0, timeout_s)):
-                await changed.wait()
-        raise_if_cancelling()
-    async def _forward(self, upload: Upload, leader: str, *, dry_run: bool) -> dict[str, Any]:
-        """Hand `upload` to the scheduler `leader`; its summary, or `JobRefused`."""
-        data = encode_upload(upload.meta, upload.graph_bytes, upload.state_bytes,
-                             upload.data_bytes)
-        rid = secrets.token_hex(8)
-        fut: asyncio.Future[JobSubmitReply] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = fut
-        try:
-            await self.send(leader, JobSubmit(request_id=rid, dry_run=dry_run), (data,))
-            async with asyncio.timeout(SUBMIT_TIMEOUT_S):
-                while not fut.done():
-                    # Another scheduler elected meanwhile: this one can no longer take the job
-                    # (it decides nothing more), and its answer may never come (the
-                    # submission, or the answer, lost to a failed dial): the caller asks the
-                    # new one. A failover stalled here for SUBMIT_TIMEOUT_S, then failed.
-                    await asyncio.wait({fut}, timeout=FORWARD_CHECK_S)
-                    lead = self.leadership()
-                    if not fut.done() and lead is not None and lead.leader is not None \
-                            and lead.leader != leader:
-                        raise NotScheduler(f"the scheduler {leader} did not answer the "
-                                           f"submission before {lead.leader} was elected")
-                reply = fut.result()
-        except TimeoutError:
-            raise JobRefused(f"the scheduler {leader} did not answer the submission within "
-                             f"{SUBMIT_TIMEOUT_S:g}s") from None
-        finally:
-            self._pending.pop(rid, None)
-        if not reply.ok:
-            cls = NotScheduler if reply.code == "not_scheduler" else JobRefused
-            raise cls(f"{reply.message} (refused by the scheduler {leader})")
-        summary = dict(reply.summary)
-        summary["scheduler"] = leader
-        return summary
-
-    async def _failover(self, r: RemoteJob, why: str, *, same_term_ok: bool = False) -> None:
-        """The scheduler of a job submitted here died, gave the job back or lost it: once a
-        scheduler is elected (another one, or the same in a newer term, or with
-        `same_term_ok` the same one: it lost the job), submit the job to it again under the
-        same id, from the last checkpoint it sent here (or from the start), or run it here if
-        this daemon is the scheduler. On any refusal the job ends failed with both reasons."""
-        assert r.upload is not None
-        lines = r.notes
-        lines += list(r.status.get("lines", []))  # the dead scheduler's, before they are gone
-        stamp = time.strftime("%H:%M:%S", time.gmtime())
-        lines.append(f"{stamp} {why}; waiting for a new scheduler to resubmit the job")
-        log.warning("job %s: %s; resubmitting once a new scheduler is elected", r.job_id, why)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + FAILOVER_WAIT_S
-        try:
-            leader = await self._await_scheduler(
-                deadline, not_before=None if same_term_ok else (r.scheduler, r.term))
-            if r.state in FINAL:  # cancelled meanwhile
-                return
-            view = self.view()
-            alive = sum(1 for m in view.members if m.state == "alive") if view is not None \
-                else 1
-            meta = {**r.upload.meta, "job_id": r.job_id, "restarts": r.restarts + 1}
-            state_bytes = r.upload.state_bytes
-            if r.checkpoint is not None:
-                state_bytes, first = await asyncio.to_thread(self._resume_bytes, r.upload,
-                                                             r.checkpoint)
-                meta["first_step"] = first
-            if isinstance(meta.get("stages"), int):
-                meta["stages"] = max(1, min(meta["stages"], alive))
-            start = int(meta.get("first_step") or 0)
-            # Where the resubmission starts: a checkpoint sent here, else where the job itself
-            # started (a job submitted with --resume starts past step 0).
-            whence = (f" from {r.checkpoint.name} (step {start})" if r.checkpoint is not None
-                      else f" from step {start}, where it started (no checkpoint came yet)")
-            upload = Upload(meta, r.upload.graph_bytes, state_bytes, r.upload.data_bytes)
-            while True:
-                try:
-                    if leader == self.node_id:
-                        summary = await self.submit(upload, owner_uid=r.owner_uid)
-                        self._remote.pop(r.job_id, None)  # `get` finds the local record
-                        took = self._jobs[r.job_id]
-                        took.upload = upload
-                        self._adopt(r, took)
-                        lines.append(f"{time.strftime('%H:%M:%S', time.gmtime())} this daemon "
-                                     f"is the new scheduler: it runs the job{whence}")
-                        took.logs = deque([*lines, *took.logs], maxlen=LOG_LINES)
-                    else:
-                        summary = await self._forward(upload, leader, dry_run=False)
-                    break
-                except NotScheduler:  # it stepped down meanwhile: the next one, in time
-                    if loop.time() >= deadline:
-                        raise
-                    await self._view_change(self._view_changed,
-                                            min(VIEW_RECHECK_S, deadline - loop.time()))
-                    leader = await self._await_scheduler(deadline)
-        except asyncio.CancelledError:
-            raise
-        except (FusionError, TimeoutError, OSError, ValueError) as e:
-            cause = (f"no new scheduler within {FAILOVER_WAIT_S:g}s: {e}"
-                     if isinstance(e, NotScheduler) else str(e))
-            r.status = {**r.status, "state": "failed", "outcome": {
-                "ok": False, "failure": f"{why}; resubmitting failed: {cause}"}}
-            self._remote_ended(r)
-            return
-        if r.state in FINAL:  # cancelled while it was being resubmitted: stop it there too
-            rec = self._jobs.get(r.job_id)
-            if rec is not None:
-                rec.cancel_requested = True
-                await rec.coord.cancel()
-            else:
-                await self.send(leader, JobCancel(job_id=r.job_id, reason="cancelled by the "
-                                                  f"user on {self.node_id}"), ())
-            return
-        r.restarts += 1
-        r.failing_over = False
-        r.heard = time.monotonic()
-        r.term = int(summary.get("term") or 0)
-        if leader != self.node_id:
-            r.scheduler = leader
-            r.stream_through = -1  # its records are a new stream
-            lines.append(f"{time.strftime('%H:%M:%S', time.gmtime())} resubmitted to the new "
-                         f"scheduler {leader}{whence}")
-            r.status = {**r.status, "lines": [], "stages": len(summary["stages"])}
-        log.info("job %s resubmitted to %s", r.job_id, leader)
-
-    @staticmethod
-    def _adopt(r: RemoteJob, took: JobRecord) -> None:
-        """This daemon became the scheduler of a job submitted here: its record keeps the
-        steps done before the failover (the new attempt appends to them) and the outputs."""
-        took.history = StepHistory([h for h in r.history if int(h["step"]) < took.first_step]
-                                   + list(took.history))
-        took.submitted_at = r.submitted_at
-        losses = [h.get("loss") for h in took.history if h.get("loss") is not None]
-        took.first_loss = losses[0] if losses else took.first_loss
-
-    @staticmethod
-    def _resume_bytes(upload: Upload, checkpoint: Path) -> tuple[bytes, int]:
-        """The upload's weights replaced by `checkpoint`'s (checked), and the step to start."""
-        meta = upload.meta
-        _, captured = restore_job(meta["toml"], meta["base"], meta["out_base"],
-                                  upload.graph_bytes, upload.state_bytes, check_paths=False)
-        state, first = resume_state(captured, checkpoint)
-        return state_to_bytes(state), first
-
     async def _on_remote_submit(self, peer: str, msg: JobSubmit) -> None:
         """A submission forwarded by `peer`: plan and start it; answer either way."""
         try:
@@ -936,189 +694,6 @@ class JobService:
             reply = JobSubmitReply(request_id=msg.request_id, ok=False, message=str(e),
                                    code="not_scheduler" if isinstance(e, NotScheduler) else "")
         await self.send(peer, reply, ())
-
-    def _heard(self, peer: str, job_id: str) -> None:
-        r = self._remote.get(job_id)
-        if r is not None and peer == r.scheduler:
-            r.heard = time.monotonic()
-
-    def _on_update(self, peer: str, msg: JobUpdate) -> None:
-        """The scheduler's status of a job submitted here, and the step records since its
-        last update (appended to this daemon's own history: it outlives schedulers)."""
-        r = self._remote.get(msg.job_id)
-        if r is None or peer != r.scheduler or r.state in FINAL or r.finishing \
-                or r.failing_over:
-            return
-        r.heard = time.monotonic()
-        if msg.after > r.stream_through:
-            # An update before this one was lost: its records are not ours yet, and neither
-            # is this one's status (a final one must not end the job with steps missing).
-            self._ask_resend(r, f"its updates after step {r.stream_through} are missing "
-                                f"(this one follows step {msg.after})")
-            return
-        for rec in msg.steps:
-            try:
-                r.history.add(rec)
-                r.stream_through = int(rec["step"])
-            except ValueError as e:
-                log.warning("job %s: step record from %s skipped: %s", r.job_id, peer, e)
-        self._promote_checkpoint(r)
-        if msg.steps:
-            self._steps_arrived(r.job_id)
-        if msg.handed_back:  # the scheduler lost its lease and gave the job up
-            r.status = {**dict(msg.status), "state": "running"}
-            self._start_failover(r, f"the scheduler {peer} gave the job up: {msg.handed_back}")
-            return
-        if not msg.status:
-            return  # steps only (the status follows in the last of a batch)
-        status = dict(msg.status)
-        if str(status.get("state", "running")) in FINAL:
-            r.finishing = True  # running until metrics.json is stored (`_finish_remote`)
-            r.status = {**status, "state": "running"}
-            self._spawn(self._finish_remote(r, status), f"finish {r.job_id}")
-            return
-        r.status = status
-
-    def _ask_resend(self, r: RemoteJob, why: str) -> None:
-        """Ask `r`'s scheduler for its step records after the last one taken, and the status
-        (`JobQuery.through`; at most once a second)."""
-        now = time.monotonic()
-        if now - r.resend_asked < 1.0:
-            return
-        r.resend_asked = now
-        log.info("job %s: asking the scheduler %s to send again: %s", r.job_id, r.scheduler, why)
-
-        async def ask() -> None:
-            with contextlib.suppress(LocalError, OSError, TimeoutError):
-                async with asyncio.timeout(QUERY_TIMEOUT_S):
-                    await self.send(r.scheduler, JobQuery(job_id=r.job_id,
-                                                          through=r.stream_through), ())
-
-        self._spawn(ask(), f"resend {r.job_id}")
-
-    def _promote_checkpoint(self, r: RemoteJob) -> None:
-        """A stored checkpoint after step s becomes the one a failover resumes from once the
-        history holds every step up to s (else the resumed history would have a gap)."""
-        if r.pending_checkpoint is None:
-            return
-        step, path = r.pending_checkpoint
-        if r.history and int(r.history[-1]["step"]) >= step:
-            r.checkpoint = path
-            r.pending_checkpoint = None
-
-    async def _finish_remote(self, r: RemoteJob, status: dict[str, Any]) -> None:
-        """The scheduler's final update: store metrics.json from this daemon's full history;
-        the job is done only if the model and the metrics are stored here."""
-        state = str(status["state"])
-        outcome = dict(status.get("outcome") or {})
-        held = outcome.get("held_by")
-        if isinstance(held, str) and held:  # the scheduler kept the weights it could not ship
-            r.held_by = held
-            r.storage_failed = True
-            r.unstored.setdefault(MODEL, "not stored")
-        if state == "done" and MODEL not in {f.name for f in await asyncio.to_thread(
-                self.store.files, r.job_id)}:
-            why = r.unstored.get(MODEL, "it never arrived")
-            r.unstored[MODEL] = why
-            state = "failed"
-            r.storage_failed = True
-            outcome = {**outcome, "ok": False, "failure": (
-                f"the model could not be stored on this machine ({why})")}
-        try:
-            await asyncio.to_thread(self.store.put_metrics, r.job_id, list(r.history),
-                                    self._metrics_summary(r.history, outcome, r.submitted_at))
-            r.unstored.pop(METRICS, None)
-        except (OSError, LocalError) as e:
-            r.unstored[METRICS] = _why(e)
-            r.note(f"metrics.json not stored in {self.store.job_dir(r.job_id)}: {_why(e)}")
-            if state == "done":
-                state = "failed"
-                r.storage_failed = True
-                outcome = {**outcome, "ok": False, "failure": (
-                    f"metrics.json could not be stored on this machine ({_why(e)}); the "
-                    f"step history is kept: free space, then `fusionctl fetch {r.job_id}`")}
-        r.status = {**status, "state": state, "outcome": outcome}
-        if state == "failed" and outcome.get("failure"):
-            r.note(f"failed: {outcome['failure']}")
-        r.finishing = False
-        self._remote_ended(r)
-
-    @staticmethod
-    def _metrics_summary(history: StepHistory, outcome: Mapping[str, Any],
-                         submitted_at: float) -> dict[str, Any]:
-        """metrics.json's summary: the outcome, with the figures of the full history."""
-        losses = [h.get("loss") for h in history if h.get("loss") is not None]
-        return {**outcome, "steps": len(history), "first_loss": losses[0] if losses else None,
-                "final_loss": losses[-1] if losses else None,
-                "first_step": int(history[0]["step"]) if history else None,
-                "last_step": int(history[-1]["step"]) if history else None,
-                "thinned_steps": history.thinned,
-                "wall_s": outcome.get("wall_s", time.time() - submitted_at)}
-
-    def _start_failover(self, r: RemoteJob, why: str, *, same_term_ok: bool = False) -> None:
-        """Fail `r` over to the next scheduler, or fail it when it has no restart left."""
-        if r.failing_over or r.state in FINAL:
-            return
-        if r.upload is not None and r.restarts < r.max_restarts and not self._closed:
-            r.failing_over = True
-            self._spawn(self._failover(r, why, same_term_ok=same_term_ok),
-                        f"failover {r.job_id}")
-            return
-        r.status = {**r.status, "state": "failed", "outcome": {
-            "ok": False, "failure": f"{why}; no restart left (job.max_restarts = "
-                                    f"{r.max_restarts})"}}
-        self._remote_ended(r)
-
-    async def _watch(self, r: RemoteJob) -> None:
-        """While `r` runs elsewhere: if its scheduler says nothing about it for
-        `STALE_UPDATE_S`, ask (`JobQuery`); a scheduler that no longer knows the job (it
-        restarted, or lost it) gets it failed over, and one that stays silent for
-        `FAILOVER_WAIT_S` fails it, naming the scheduler. Within the failover bound either way."""
-        while r.state not in FINAL and not self._closed and self._remote.get(r.job_id) is r:
-            await asyncio.sleep(min(1.0, STALE_UPDATE_S / 4))
-            if r.failing_over or r.state in FINAL or r.scheduler == self.node_id:
-                continue
-            silent = time.monotonic() - r.heard
-            if silent < STALE_UPDATE_S:
-                continue
-            reply = await self._query(r)
-            if r.failing_over or r.state in FINAL:
-                continue
-            if reply is not None and reply.known and reply.state == "running":
-                r.heard = time.monotonic()  # alive and running: its updates are delayed
-                continue
-            if reply is not None and (not reply.known or reply.state == "handed_back"):
-                why = (f"the scheduler {r.scheduler} no longer knows the job (restarted, or "
-                       "lost it)" if not reply.known else
-                       f"the scheduler {r.scheduler} gave the job up")
-                log.warning("job %s: %s", r.job_id, why)
-                self._start_failover(r, why, same_term_ok=not reply.known)
-                continue
-            if silent >= FAILOVER_WAIT_S:
-                ended = "" if reply is None else f" (it says the job is {reply.state})"
-                r.status = {**r.status, "state": "failed", "outcome": {
-                    "ok": False, "failure": f"the scheduler {r.scheduler} sent nothing about "
-                    f"the job for {silent:.0f}s{ended} and "
-                    + ("does not answer status queries" if reply is None else
-                       "its final update never came")}}
-                self._remote_ended(r)
-
-    async def _query(self, r: RemoteJob) -> JobQueryReply | None:
-        """Ask `r`'s scheduler about the job; its answer, or None within `QUERY_TIMEOUT_S`."""
-        fut: asyncio.Future[JobQueryReply] = asyncio.get_running_loop().create_future()
-        r.query = fut
-        try:
-            async with asyncio.timeout(QUERY_TIMEOUT_S):
-                # (through: what it sent that did not come, the final update included, comes
-                # again)
-                await self.send(r.scheduler, JobQuery(job_id=r.job_id,
-                                                      through=r.stream_through), ())
-                return await fut
-        except (LocalError, OSError, TimeoutError) as e:
-            log.info("job %s: no answer from the scheduler %s: %s", r.job_id, r.scheduler, e)
-            return None
-        finally:
-            r.query = None
 
     async def _answer_query(self, peer: str, msg: JobQuery) -> None:
         rec = self._jobs.get(msg.job_id)
@@ -1134,37 +709,6 @@ class JobService:
                 await self.send(peer, reply, ())
         except (LocalError, OSError, TimeoutError) as e:
             log.info("job %s: query answer to %s not sent: %s", msg.job_id, peer, e)
-
-    async def _on_output(self, peer: str, msg: JobOutput) -> None:
-        """An output of a job submitted here, from its scheduler: store it durably in this
-        daemon's output store and, when asked, acknowledge (the scheduler keeps the weights
-        until then)."""
-        r = self._remote.get(msg.job_id)
-        name = msg.name
-        if r is None or peer not in (r.scheduler, r.held_by):
-            return
-        ok, why = False, ""
-        if not is_output_name(name) or name == METRICS:
-            why = f"output name {name!r} refused"
-            log.warning("job %s: %s (from %s)", msg.job_id, why, peer)
-        else:
-            try:
-                await asyncio.to_thread(self.store.put_bytes, r.job_id, name, msg.payload)
-                ok = True
-            except (OSError, LocalError) as e:
-                why = _why(e)
-        if ok:
-            r.unstored.pop(name, None)
-            m = CHECKPOINT.fullmatch(name)
-            if m:
-                r.pending_checkpoint = (int(m.group(1)) - 1, self.store.job_dir(r.job_id) / name)
-                self._promote_checkpoint(r)
-        else:
-            r.unstored[name] = why
-            r.note(f"{name} not stored in {self.store.job_dir(r.job_id)}: {why}")
-        if msg.request_id:
-            await self.send(peer, JobOutputAck(job_id=r.job_id, request_id=msg.request_id,
-                                               ok=ok, message=why), ())
 
     async def _push(self, rec: JobRecord) -> None:
         """Send a remote submitter the job's status every UPDATE_S until it ends."""
@@ -1216,9 +760,9 @@ class JobService:
                 await asyncio.to_thread(self.store.put_model, rec.job_id, name, state,
                                         {"step": str(step), "job_id": rec.job_id})
             except (OSError, LocalError) as e:
-                rec.unstored[name] = _why(e)
+                rec.unstored[name] = reason(e)
                 rec.log(f"checkpoint {name} NOT stored in {self.store.job_dir(rec.job_id)}: "
-                        f"{_why(e)} (the job goes on; it resumes from an earlier one)")
+                        f"{reason(e)} (the job goes on; it resumes from an earlier one)")
                 return
             rec.unstored.pop(name, None)
             rec.log(f"checkpoint {name} stored")
@@ -1230,7 +774,7 @@ class JobService:
             async with asyncio.timeout(REMOTE_OUTPUTS_S):
                 await self.send(rec.submitter, JobOutput(job_id=rec.job_id, name=name), (blob,))
         except (LocalError, OSError, TimeoutError) as e:
-            rec.log(f"checkpoint {name} not sent to {rec.submitter}: {_why(e)}")
+            rec.log(f"checkpoint {name} not sent to {rec.submitter}: {reason(e)}")
             return
         rec.log(f"checkpoint {name} sent to {rec.submitter}")
 
@@ -1518,7 +1062,7 @@ class JobService:
                 return
             record = self._remote_view(r, 0) | {"lines": self.logs(job_id)["lines"]}
             hist = r.history.tail(HISTORY_KEPT)
-            del self._remote[job_id]
+            self.submissions.forget(job_id)
         else:
             return
         past = json.loads(json.dumps(record, default=str))
@@ -1696,17 +1240,16 @@ class JobService:
                 rec.unstored.pop(MODEL, None)
                 rec.held = None
             except (OSError, LocalError) as e:
-                rec.unstored[MODEL] = _why(e)
-                failures.append(f"{MODEL}: {_why(e)}")
+                rec.unstored[MODEL] = reason(e)
+                failures.append(f"{MODEL}: {reason(e)}")
                 self._hold(rec, state)
         try:
             await asyncio.to_thread(self.store.put_metrics, rec.job_id, list(rec.history),
-                                    self._metrics_summary(rec.history, summary,
-                                                          rec.submitted_at))
+                                    metrics_summary(rec.history, summary, rec.submitted_at))
             rec.unstored.pop(METRICS, None)
         except (OSError, LocalError) as e:
-            rec.unstored[METRICS] = _why(e)
-            failures.append(f"{METRICS}: {_why(e)}")
+            rec.unstored[METRICS] = reason(e)
+            failures.append(f"{METRICS}: {reason(e)}")
         if not failures:
             return None
         held_note = ("the daemon holds the weights in memory until it stops; "
@@ -1727,7 +1270,7 @@ class JobService:
                 return await fut
         except (LocalError, OSError, TimeoutError) as e:
             why = (f"no answer within {REMOTE_OUTPUTS_S:g}s" if isinstance(e, TimeoutError)
-                   else _why(e))
+                   else reason(e))
             return JobOutputAck(job_id=rec.job_id, request_id=rid, ok=False, message=why)
         finally:
             self._acks.pop(rid, None)
@@ -1852,50 +1395,8 @@ class JobService:
             got.log("the outputs are stored now (fusionctl fetch)")
             self._persist(job_id)
         elif isinstance(got, RemoteJob) and got.state in FINAL and got.unstored:
-            await self._fetch_remote(got)
+            await self.submissions.fetch(got)
         return self.outputs(job_id)
-
-    async def _fetch_remote(self, r: RemoteJob) -> None:
-        """Ask the scheduler holding the model again (`JobFetch`), then store metrics.json."""
-        if MODEL in r.unstored:
-            holder = r.held_by or r.scheduler
-            rid = secrets.token_hex(8)
-            fut: asyncio.Future[JobOutputAck] = asyncio.get_running_loop().create_future()
-            self._acks[rid] = fut
-            try:
-                await self.send(holder, JobFetch(job_id=r.job_id, request_id=rid), ())
-                async with asyncio.timeout(FETCH_TIMEOUT_S):
-                    ack = await fut
-            except (LocalError, OSError) as e:
-                raise LocalError(f"the scheduler {holder} holding the model of job {r.job_id} "
-                                 f"cannot be reached: {_why(e)}") from None
-            except TimeoutError:
-                raise LocalError(f"the scheduler {holder} did not send the model of job "
-                                 f"{r.job_id} within {FETCH_TIMEOUT_S:g}s") from None
-            finally:
-                self._acks.pop(rid, None)
-            if not ack.ok:
-                raise LocalError(f"the model of job {r.job_id} is still not stored: "
-                                 f"{ack.message}")
-            r.note(f"the model is stored now (fetched again from {holder})")
-        outcome = dict(r.status.get("outcome") or {})
-        if r.storage_failed:
-            outcome |= {"ok": True, "failure": None, "held_by": None}
-        try:
-            await asyncio.to_thread(self.store.put_metrics, r.job_id, list(r.history),
-                                    self._metrics_summary(r.history, outcome, r.submitted_at))
-            r.unstored.pop(METRICS, None)
-        except (OSError, LocalError) as e:
-            r.unstored[METRICS] = _why(e)
-            raise LocalError(f"metrics.json of job {r.job_id} is still not stored in "
-                             f"{self.store.job_dir(r.job_id)}: {_why(e)}") from None
-        r.unstored.pop(MODEL, None)
-        r.held_by = None
-        if r.storage_failed:
-            r.storage_failed = False
-            r.status = {**r.status, "state": "done", "outcome": {
-                **outcome, "ok": True, "failure": None, "held_by": None}}
-        self._persist(r.job_id)
 
     def knows(self, job_id: str) -> bool:
         """Whether `job_id` was submitted (or is coordinated) here, in this run or before."""
@@ -1917,19 +1418,7 @@ class JobService:
             return {"job_id": job_id, "state": past.get("state"), "cancelled": False}
         got = self.get(job_id)
         if isinstance(got, RemoteJob):
-            if got.state in FINAL:
-                return {"job_id": job_id, "state": got.state, "cancelled": False}
-            if got.failing_over:  # no scheduler has it now: it is not resubmitted
-                got.status = {**got.status, "state": "cancelled", "outcome": {
-                    "ok": False, "failure": f"cancelled by the user on {self.node_id} while "
-                                            "failing over"}}
-                self._remote_ended(got)
-                return {"job_id": job_id, "state": "cancelled", "cancelled": True}
-            await self.send(got.scheduler, JobCancel(job_id=job_id, reason="cancelled by the "
-                                                     f"user on {self.node_id}"), ())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(got.ended.wait(), 20.0)
-            return {"job_id": job_id, "state": got.state, "cancelled": got.state == "cancelled"}
+            return await self.submissions.cancel(got)
         r = got
         if r.state != "running":
             return {"job_id": job_id, "state": r.state, "cancelled": False}

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from fusiond.jobs.service import FAILOVER_WAIT_S
+from fusiond.jobs.submission import FAILOVER_WAIT_S
 from tests.daemon.harness import Cluster
 from tests.e2e.conftest import ctl, leader_and_other, start_cluster
 from tests.e2e.test_jobs import GPT2, _write

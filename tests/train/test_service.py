@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from fusiond.jobs import service
+from fusiond.jobs import service, submission
 from fusiond.jobs.service import JobService, NotScheduler
 from protocol.messages import (
     JobQuery,
@@ -139,7 +139,7 @@ async def test_a_submission_without_a_scheduler_waits_for_one(
     the cluster's advice, and nothing was planned or sent (this daemon used to coordinate the
     job itself). Once a scheduler is elected during the wait, it goes there: here this daemon
     (a one-node cluster elects itself), which runs it on its own stage."""
-    monkeypatch.setattr(service, "SCHEDULER_WAIT_S", 0.6)
+    monkeypatch.setattr(submission, "SCHEDULER_WAIT_S", 0.6)
     net = Net()
     view = View(["m0", "m1", "m2"], leader=None, has_quorum=False)
     svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
@@ -261,7 +261,7 @@ async def test_a_submitter_whose_scheduler_lost_the_job_resubmits_it(
     (the scheduler may be the same node: it lost the job) within the failover bound. Without a
     checkpoint it starts where the job started, and the log says that step (a job submitted
     with --resume read "from step 0")."""
-    monkeypatch.setattr(service, "STALE_UPDATE_S", 0.5)
+    monkeypatch.setattr(submission, "STALE_UPDATE_S", 0.5)
     net = Net()
     view = View(["m0", "m1"], leader="m0")
     svc = JobService(node_id="m1", send_raw=net.send, view=lambda: view)
@@ -289,9 +289,9 @@ async def test_a_silent_scheduler_fails_the_job_within_the_failover_bound(
     """A scheduler alive in the membership view that neither sends updates nor answers: the
     job fails after `FAILOVER_WAIT_S` of silence, naming it; one that answers "running" keeps
     the job (its updates are only late)."""
-    monkeypatch.setattr(service, "STALE_UPDATE_S", 0.5)
-    monkeypatch.setattr(service, "QUERY_TIMEOUT_S", 0.3)
-    monkeypatch.setattr(service, "FAILOVER_WAIT_S", 2.0)
+    monkeypatch.setattr(submission, "STALE_UPDATE_S", 0.5)
+    monkeypatch.setattr(submission, "QUERY_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(submission, "FAILOVER_WAIT_S", 2.0)
     for knows in (None, True):
         net = Net()
         view = View(["m0", "m1"], leader="m0")
@@ -517,7 +517,7 @@ async def test_a_forwarded_submission_goes_to_the_next_scheduler_when_the_first_
     which was replaced 2 s later (the submission, or its answer, lost); the submitting daemon
     waited the whole `SUBMIT_TIMEOUT_S` (300 s) for that answer, then failed the job. Once
     another scheduler is elected the submission goes there."""
-    monkeypatch.setattr(service, "SUBMIT_TIMEOUT_S", 30.0)
+    monkeypatch.setattr(submission, "SUBMIT_TIMEOUT_S", 30.0)
     net = Net()
     view = View(["m0", "m1", "m2"], leader="m0")
     svc = JobService(node_id="m1", send_raw=net.send, view=lambda: view)
@@ -625,8 +625,8 @@ async def test_a_wait_for_a_scheduler_wakes_on_the_views_change(
     (`on_view`) at once instead of polling the view ten times a second: with the periodic
     re-read pushed out to 30 s, the election 1.5 s in still starts the job at once, and the
     view was read a few times, not 15 (the old loop polled it every 0.1 s)."""
-    monkeypatch.setattr(service, "SCHEDULER_WAIT_S", 60.0)
-    monkeypatch.setattr(service, "VIEW_RECHECK_S", 30.0, raising=False)
+    monkeypatch.setattr(submission, "SCHEDULER_WAIT_S", 60.0)
+    monkeypatch.setattr(submission, "VIEW_RECHECK_S", 30.0, raising=False)
     net = Net()
     view = View(["m0"], leader=None, has_quorum=False)
     reads = 0

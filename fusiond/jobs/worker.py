@@ -121,6 +121,17 @@ class _Job:
     started: float = field(default=0.0)
 
 
+class _WorkerNet:
+    """The worker's `send` as the `PeerSender` a stage host takes: looked up at each call, so
+    a `JobWorker.send` replaced later (a test's lossy link) applies to running stages too."""
+
+    def __init__(self, worker: JobWorker) -> None:
+        self._worker = worker
+
+    async def send(self, peer: str, msg: Message, payload: Sequence[Any] = ()) -> None:
+        await self._worker.send(peer, msg, payload)
+
+
 class JobWorker:
     """Hosts this node's stages; a service (start/ready/close)."""
 
@@ -352,14 +363,8 @@ class JobWorker:
                                     plan_version=msg.plan_version, partition=msg.partition,
                                     node_id=self.node_id), ())
 
-    def _net_for_stage(self) -> Any:
-        worker = self
-
-        class _Net:
-            async def send(self, peer: str, msg: Message, payload: Sequence[Any] = ()) -> None:
-                await worker.send(peer, msg, payload)
-
-        return _Net()
+    def _net_for_stage(self) -> _WorkerNet:
+        return _WorkerNet(self)
 
     def _start(self, peer: str, msg: JobStart) -> None:
         job = self._jobs.get(msg.job_id)

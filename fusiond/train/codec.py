@@ -45,24 +45,35 @@ EDGE_ENCODINGS: tuple[EdgeEncoding, ...] = get_args(EdgeEncoding)
 
 @dataclass(frozen=True)
 class Encoded:
-    """One encoded tensor: the bytes to send and how many they are, plus the dense size."""
+    """One encoded tensor: the gather list `protocol.tensors` built (`parts`, sent as they are:
+    a RAW part references the tensor's own memory), how many bytes they make, and the dense
+    size. Safe without a copy because a stage never modifies a tensor it has sent: outputs and
+    input gradients are fresh per micro-batch, and parameter gradients are replaced, not
+    zeroed in place (`p.grad = total`, `zero_grad(set_to_none=True)`); the parts keep the
+    memory alive until the bytes are written."""
 
-    payload: bytes
+    parts: tuple[memoryview, ...]
     nbytes: int
     dense_nbytes: int
 
     @property
-    def buffers(self) -> Sequence[bytes]:
-        """The payload as a gather list for `PeerNetwork.send`."""
-        return (self.payload,)
+    def buffers(self) -> Sequence[memoryview]:
+        """The gather list for `PeerNetwork.send` (no copy)."""
+        return self.parts
+
+    @property
+    def payload(self) -> bytes:
+        """The encoding as one bytes object (a copy: for in-memory links and tests)."""
+        return b"".join(self.parts)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().cpu().numpy()
 
 
-def _join(enc: wire.EncodedTensor) -> bytes:
-    return enc.tobytes()
+def _encoded(enc: wire.EncodedTensor, dense_nbytes: int) -> Encoded:
+    parts = tuple(enc.buffers())
+    return Encoded(parts, sum(p.nbytes for p in parts), dense_nbytes)
 
 
 def topk_count(numel: int, density: float) -> int:
@@ -74,8 +85,7 @@ def encode_dense(t: torch.Tensor) -> Encoded:
     """RAW encoding: exact, every element."""
     arr = _np(t)
     enc = wire.encode(arr, wire.Encoding.RAW)
-    payload = _join(enc)
-    return Encoded(payload, len(payload), arr.nbytes)
+    return _encoded(enc, arr.nbytes)
 
 
 def encode_int8(t: torch.Tensor) -> Encoded:
@@ -84,8 +94,7 @@ def encode_int8(t: torch.Tensor) -> Encoded:
     of its value. Decodes dense (`decode_dense` / `decode_any`)."""
     arr = _np(t)
     enc = wire.encode(arr, wire.Encoding.INT8, block_size=wire.DEFAULT_BLOCK_SIZE)
-    payload = _join(enc)
-    return Encoded(payload, len(payload), arr.nbytes)
+    return _encoded(enc, arr.nbytes)
 
 
 def encode_topk(
@@ -104,16 +113,14 @@ def encode_topk(
     else:
         enc = wire.encode(arr, wire.Encoding.TOPK, k=topk_count(arr.size, density))
     assert enc.indices is not None, "protocol.tensors TOPK must expose the kept indices"
-    payload = _join(enc)
-    return Encoded(payload, len(payload), arr.nbytes), np.asarray(enc.indices, dtype=np.int64)
+    return _encoded(enc, arr.nbytes), np.asarray(enc.indices, dtype=np.int64)
 
 
 def encode_values(grad: torch.Tensor, indices: np.ndarray) -> Encoded:
     """VALUES encoding: the gradient at the forward's kept `indices` only."""
     arr = _np(grad)
     enc = wire.encode_values(arr, indices)
-    payload = _join(enc)
-    return Encoded(payload, len(payload), arr.nbytes)
+    return _encoded(enc, arr.nbytes)
 
 
 def _tensor(arr: np.ndarray) -> torch.Tensor:

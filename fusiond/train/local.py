@@ -93,7 +93,7 @@ class MemoryLinks:
         """Queue a packet (awaits while the pair's queue is full)."""
         q = await self._queue(packet.src, packet.dst)
         key = (packet.src, packet.dst)
-        self.bytes_sent[key] = self.bytes_sent.get(key, 0) + len(packet.payload)
+        self.bytes_sent[key] = self.bytes_sent.get(key, 0) + packet.nbytes
         await q.put(packet)
 
     async def close(self) -> None:

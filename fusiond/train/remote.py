@@ -405,7 +405,7 @@ class NetStageLink:
         else:
             msg = Backward(job_id=self.job_id, plan_version=self.plan_version,
                            iteration=packet.step, microbatch=0, edge=PARAM_PREFIX + packet.edge)
-        await self.net.send(node, msg, (packet.payload,))
+        await self.net.send(node, msg, packet.buffers())
 
 
 def _own_corpus_only(sa: StageAssignment) -> None:

@@ -131,7 +131,8 @@ class PacketKind(enum.StrEnum):
 @dataclass(frozen=True)
 class Packet:
     """One tensor between two stages. `edge` is the edge id, or the parameter name for
-    PARAM_GRAD; `payload` is a `protocol.tensors` encoding."""
+    PARAM_GRAD; `payload` is a `protocol.tensors` encoding: one buffer as received, or the
+    sender's gather list (`codec.Encoded.parts`, no copy) on its way out."""
 
     kind: PacketKind
     step: int
@@ -139,7 +140,22 @@ class Packet:
     edge: str
     src: int
     dst: int
-    payload: bytes | memoryview
+    payload: bytes | memoryview | tuple[memoryview, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the encoding."""
+        if isinstance(self.payload, tuple):
+            return sum(p.nbytes for p in self.payload)
+        return memoryview(self.payload).nbytes
+
+    def buffers(self) -> tuple[bytes | memoryview, ...]:
+        """The encoding as a gather list for `PeerNetwork.send` (no copy)."""
+        return self.payload if isinstance(self.payload, tuple) else (self.payload,)
+
+    def data(self) -> bytes | memoryview:
+        """The encoding as one buffer, for decoding (joins a gather list: a copy)."""
+        return b"".join(self.payload) if isinstance(self.payload, tuple) else self.payload
 
 
 class StageLink(Protocol):
@@ -473,13 +489,13 @@ class StageExecutor:
             key = (packet.kind, packet.step, packet.src, packet.edge)
         fut = self._waiters.pop(key, None)
         if fut is not None and not fut.done():
-            fut.set_result(packet.payload)
+            fut.set_result(packet.data())
         elif key in self._inbox:
             raise RemoteError(f"stage {self.stage}: duplicate {key}")
         else:
             # Early (its task has not come yet, e.g. a neighbour started the step first):
             # kept, within bounds; past them the attempt fails loudly instead of dropping it.
-            size = memoryview(packet.payload).nbytes
+            size = packet.nbytes
             if (len(self._inbox) >= self._inbox_max
                     or self._inbox_bytes + size > self.config.inbox_bytes):
                 self.fail(StageError(
@@ -489,7 +505,7 @@ class StageExecutor:
                     f"StageConfig.inbox_slack / inbox_bytes); the last: {packet.kind} for step "
                     f"{packet.step} on {packet.edge!r}"))
                 return
-            self._inbox[key] = packet.payload
+            self._inbox[key] = packet.data()
             self._inbox_bytes += size
 
     def set_density(self, edge_id: str, density: float | None) -> None:
@@ -630,7 +646,7 @@ class StageExecutor:
                 enc, sent_idx[edge_id] = codec.encode_topk(t, density, e.per_row)
             if _is_float(t):
                 grad_edges.add(edge_id)
-            pkt = Packet(PacketKind.FORWARD, step, micro, edge_id, self.stage, e.dst, enc.payload)
+            pkt = Packet(PacketKind.FORWARD, step, micro, edge_id, self.stage, e.dst, enc.parts)
             packets.append((pkt, enc, density))
         ctx = _Ctx(leaves, out, loss, recv_idx, sent_idx, grad_edges)
         return ctx, packets
@@ -666,7 +682,7 @@ class StageExecutor:
                 enc = codec.encode_int8(g)
             else:
                 enc = codec.encode_dense(g)
-            pkt = Packet(PacketKind.BACKWARD, step, micro, edge_id, self.stage, e.src, enc.payload)
+            pkt = Packet(PacketKind.BACKWARD, step, micro, edge_id, self.stage, e.src, enc.parts)
             packets.append((pkt, enc, e.density))
         return packets
 
@@ -677,7 +693,7 @@ class StageExecutor:
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             enc = codec.encode_dense(g)
             for peer in holders:
-                pkt = Packet(PacketKind.PARAM_GRAD, step, 0, name, self.stage, peer, enc.payload)
+                pkt = Packet(PacketKind.PARAM_GRAD, step, 0, name, self.stage, peer, enc.parts)
                 packets.append((pkt, enc, None))
         return packets
 

@@ -3,6 +3,7 @@ plus a float32 scale per 256 on the wire, decoded dense by the same decoders as 
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import numpy as np
@@ -80,3 +81,29 @@ def test_int8_bound_holds_on_random_shapes(shape: list[int], seed: int,
     assert q.shape == x.shape
     _check_bound(x, q)
     assert enc.nbytes <= int8_wire_bytes(x.numel()) + DESCRIPTOR_MAX_BYTES
+
+
+def test_a_dense_edge_is_sent_from_the_tensors_own_memory() -> None:
+    """The gather list protocol.tensors builds goes to the network as it is (issue 16: the
+    codec used to join it into one bytes object, a copy of every activation: 3.5 ms for
+    16 MiB here); the joined payload, for in-memory links, decodes to the same tensor."""
+    from fusiond.train.remote import NetStageLink
+    from fusiond.train.stage import Packet, PacketKind
+
+    x = torch.randn(64, 256)
+    enc = codec.encode_dense(x)
+    assert np.shares_memory(np.frombuffer(enc.parts[-1], dtype=np.uint8), x.numpy())
+    assert enc.nbytes == len(enc.payload) > x.numel() * 4
+    assert torch.equal(codec.decode_dense(enc.payload), x)
+
+    sent: list[tuple[object, ...]] = []
+
+    class _Net:
+        async def send(self, peer: str, msg: object, payload: tuple[object, ...] = ()) -> None:
+            sent.append(tuple(payload))
+
+    link = NetStageLink(_Net(), "job", 1, {1: "n1"})  # type: ignore[arg-type]
+    pkt = Packet(PacketKind.FORWARD, 0, 0, "e0", 0, 1, enc.parts)
+    asyncio.run(link.send(pkt))
+    assert len(sent) == 1 and all(a is b for a, b in zip(sent[0], enc.parts, strict=True))
+    assert pkt.nbytes == enc.nbytes and pkt.data() == enc.payload

@@ -399,6 +399,7 @@ def _modes(model: nn.Module) -> tuple[str, ...]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # ~90 s alone; it shares the cores in the parallel phase
 def test_registry_covers_torch_nn() -> None:
     torch.manual_seed(20)
     samples = _samples()

@@ -260,7 +260,7 @@ def test_unknown_fields_in_nested_structs_are_ignored() -> None:
         "profile": {"node_id": "n", "gpu_count": 8},
     }  # fmt: skip
     g = decode_message(header_frame(Gossip, {"sender": "s", "members": [entry]}))
-    assert isinstance(g, Gossip) and g.members[0].profile == NodeProfile("n")
+    assert isinstance(g, Gossip) and g.members[0].profile == NodeProfile()
 
 
 @pytest.mark.parametrize("cls", KINDS)

@@ -368,6 +368,83 @@ class EdgeRoute(Struct):
     "int8" (forward and backward int8 block-quantized; never with density < 1)."""
 
 
+MAX_ASSIGN_STAGES: Final = 4096
+"""Bound on `AssignConfig.stage_nodes` and `AssignConfig.shared` entries (stages of a job)."""
+
+
+@dataclass(frozen=True)
+class OptimizerConfig(Struct):
+    """A job's optimizer, as its Assign carries it (fusiond.train.spec.OptimizerSpec)."""
+
+    kind: str
+    """"adamw" or "sgd"."""
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    eps: float
+    momentum: float
+    schedule: str
+    warmup_steps: int
+    min_lr: float
+
+
+@dataclass(frozen=True)
+class DataConfig(Struct):
+    """A job's data, as its Assign carries it (fusiond.train.spec.DataSpec)."""
+
+    kind: str
+    tokenizer: str
+    seq_len: int
+    image_size: int
+    channels: int
+    num_classes: int
+    path: str | None = None
+    """The corpus path on the submitting machine (None: no file)."""
+    digest: str = ""
+    """The submitter's corpus hash ("": unchecked)."""
+    default_corpus: bool = False
+    """The stages read the default corpus from their own standard library, not `path`."""
+
+
+@dataclass(frozen=True)
+class AssignConfig(Struct):
+    """A job's settings, the same in every stage's Assign (built by fusiond.jobs.assign, read
+    by fusiond.train.remote.decode_assign). Validated on decode: a missing or mistyped field
+    is a RemoteProtocolError naming its path (`Assign.config.optimizer.lr: expected float`);
+    the checks across fields (batch_size / micro_batches, first_step < steps, the stages'
+    nodes) are decode_assign's, naming the field too."""
+
+    version: int
+    """The layout of this record (fusiond.train.remote.CONFIG_VERSION)."""
+    steps: int
+    seed: int
+    batch_size: int
+    micro_batches: int
+    pipeline: str
+    optimizer: OptimizerConfig
+    data: DataConfig
+    input_name: str
+    loss_name: str
+    stage_nodes: dict[str, str]
+    """Stage (decimal str) -> node id, for every stage."""
+    shared: dict[str, dict[str, tuple[int, ...]]] = field(default_factory=dict)
+    """Stage (decimal str) -> {tied parameter -> the other stages holding it}."""
+    first_step: int = 0
+    """The step this attempt starts at (> 0 when it resumes)."""
+    checkpoint_interval: int = 0
+    """Steps between checkpoints (0: none)."""
+    per_row: bool = True
+    targets_name: str | None = None
+    recv_timeout_s: float | None = None
+    """The scheduler's bound on one wait for a task's inputs (None: the stage's own)."""
+
+    def __post_init__(self) -> None:
+        for name in ("stage_nodes", "shared"):
+            n = len(getattr(self, name))
+            if n > MAX_ASSIGN_STAGES:
+                raise ValueError(f"{name} has {n} entries, limit is {MAX_ASSIGN_STAGES}")
+
+
 # --- handshake (type ids 1..3; layout frozen for every protocol version) ---------------------
 
 
@@ -549,8 +626,8 @@ class Assign(Message):
     edges: tuple[EdgeRoute, ...] = ()
     nodes: dict[str, Address] = field(default_factory=dict)
     """node id -> address of every node taking part in the job."""
-    config: dict[str, Any] = field(default_factory=dict)
-    """Job settings (micro-batches, optimizer, schedule, ...), a msgpack map."""
+    config: AssignConfig | None = None
+    """The job's settings (the same in every stage's Assign); None only in a malformed one."""
 
 
 @dataclass(frozen=True)

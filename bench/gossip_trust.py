@@ -36,13 +36,13 @@ from fusiond.cluster.trust import (
 )
 from fusiond.net import pki
 from protocol.frames import Buffer
-from protocol.messages import Gossip, Message
+from protocol.messages import Gossip, Message, NodeProfile
 
 Address = tuple[str, int]
-PROFILE = {"gflops": 50.0, "device_kind": "cpu", "memory_bytes": 16 << 30, "cpu_count": 8,
-           "torch_version": "2.13.0", "python_version": "3.11.7", "fusion_version": "0.1.0",
-           "hostname": "host", "device_name": "cpu", "device_count": 1,
-           "device_memory_bytes": 16 << 30, "free_memory_bytes": 8 << 30, "arch": "x86_64"}
+PROFILE = NodeProfile(gflops=50.0, device_kind="cpu", memory_bytes=16 << 30, cpu_count=8,
+                      torch_version="2.13.0", python_version="3.11.7", fusiond_version="0.1.0",
+                      device_name="cpu", device_count=1, device_memory_bytes=16 << 30,
+                      free_memory_bytes=8 << 30, labels={"host": "host", "arch": "x86_64"})
 
 
 class NullNet:
@@ -72,7 +72,7 @@ def sign(sim: Sim, cluster_id: str, body: bool) -> None:
                                    r.heartbeat, False, r.term)) if tr else b""
     sim.record = dataclasses.replace(r, signature=sig)
     if body:
-        profile = {**PROFILE, "free_memory_bytes": random.randrange(1 << 30)}
+        profile = dataclasses.replace(PROFILE, free_memory_bytes=random.randrange(1 << 30))
         digest = body_digest(profile, sim.record.links)
         bsig = tr.sign(body_statement(cluster_id, r.node_id, r.incarnation, r.heartbeat,
                                       digest)) if tr else b""
@@ -98,11 +98,11 @@ async def run(members: int, rounds: int, signed: bool, state: Path,
         trust, nid = identity(i)
         links = {f"peer{j}": (1e9, 0.001) for j in range(members - 1)}
         sims.append(Sim(trust, MemberRecord(nid, ("127.0.0.1", 20000 + i), 1000 + i, 0,
-                                            "alive", dict(PROFILE), links)))
+                                            "alive", PROFILE, links)))
     for s in sims:
         sign(s, ca.cluster_id, body=True)
     node = Cluster(node_id=me, cluster_id=ca.cluster_id, net=NullNet(),
-                   advertise=("127.0.0.1", 20000), profile=lambda: dict(PROFILE),
+                   advertise=("127.0.0.1", 20000), profile=lambda: PROFILE,
                    trust=me_trust, config=cfg)
     await node.start()
     checks = [0]

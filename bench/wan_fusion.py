@@ -64,7 +64,7 @@ from fusiond.train.programs import capture_job
 from fusiond.train.spec import parse_job
 from fusiond.train.stage import StageConfig
 from fusiond.units import bits_per_s_from_bytes_per_s, bytes_per_s_from_bits_per_s
-from protocol.messages import Message, StageCheckpoint
+from protocol.messages import Message, NodeProfile, StageCheckpoint
 
 T_PROCESS = time.perf_counter()
 """After the imports: start-up (reported apart from the budget) is what follows them."""
@@ -75,7 +75,7 @@ def _addr(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def build_cluster(desc: dict[str, Any], hosts: list[str], profiles: dict[str, dict[str, Any]]
+def build_cluster(desc: dict[str, Any], hosts: list[str], profiles: dict[str, NodeProfile]
                   ) -> Cluster:
     """The planner's cluster: machine ids are `<index>-<host>` (so a uniform split takes
     the hosts in topology order; `node_of` maps them to the nodes' TLS ids); links as
@@ -96,22 +96,23 @@ def build_cluster(desc: dict[str, Any], hosts: list[str], profiles: dict[str, di
     return Cluster.build(machines, bw_bytes_per_s, rtt_s)
 
 
-def host_profile(state_dir: Path) -> dict[str, Any]:
+def host_profile(state_dir: Path) -> NodeProfile:
     """This host's profile as its daemon would gossip it (benchmarks cached in the host's
     state dir, so the later runs of a topology re-read only the CPU allowance)."""
     return compute_profile(state_dir / "cache", benchmark=True)
 
 
 def read_profiles(profile_dir: Path, hosts: list[str], timeout_s: float = 300.0
-                  ) -> dict[str, dict[str, Any]]:
-    """Every host's profile (`<host>.json`, written by each host once it serves)."""
+                  ) -> dict[str, NodeProfile]:
+    """Every host's profile (`<host>.json`, its wire form, written by each host once it
+    serves)."""
     deadline = time.monotonic() + timeout_s
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, NodeProfile] = {}
     while len(out) < len(hosts):
         for h in hosts:
             p = profile_dir / f"{h}.json"
             if h not in out and p.exists():
-                out[h] = json.loads(p.read_text())
+                out[h] = NodeProfile.from_wire(json.loads(p.read_text()))
         if len(out) < len(hosts):
             if time.monotonic() > deadline:
                 raise SystemExit(f"no profile from {sorted(set(hosts) - set(out))}")
@@ -298,7 +299,7 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
         "densities": plan.edge_densities(),
         "int8_edges": sorted(layout.int8_edges),
         "idle": dict(plan.idle),
-        "profiles": profiles,
+        "profiles": {h: p.to_wire() for h, p in profiles.items()},
         "prediction": prediction_detail(plan, wl.micro_batches),
         "checkpoint_interval": every,
     }
@@ -400,7 +401,7 @@ def main() -> None:
         every host's profile is there."""
         args.profile_dir.mkdir(parents=True, exist_ok=True)
         tmp = args.profile_dir / f"{args.name}.tmp"
-        tmp.write_text(json.dumps(prof))
+        tmp.write_text(json.dumps(prof.to_wire()))
         tmp.replace(args.profile_dir / f"{args.name}.json")
 
     peers = {}

@@ -9,6 +9,9 @@ from typing import Any, NamedTuple
 from rich.console import Console
 from rich.table import Table
 
+from protocol.errors import RemoteProtocolError
+from protocol.messages import NodeProfile
+
 SLOW_FACTOR = 10.0
 """A link is slow when its bandwidth is this many times below the median link (or RTT above)."""
 
@@ -181,20 +184,31 @@ def quorum_line(view: Mapping[str, Any]) -> str | None:
     return out
 
 
+def _node_profile(raw: Any) -> NodeProfile | None:
+    """The daemon's `profile` (its JSON form: the NodeProfile's fields), or None when it has
+    none or an unreadable one."""
+    if not isinstance(raw, Mapping) or not raw:
+        return None
+    try:
+        prof = NodeProfile.from_wire(dict(raw))
+    except RemoteProtocolError:
+        return None
+    return prof if isinstance(prof, NodeProfile) else None
+
+
 def render_status(data: Mapping[str, Any]) -> None:
     c = _console()
     node = data.get("node", {})
     view = data.get("cluster")
-    prof = node.get("profile") or {}
+    prof = _node_profile(node.get("profile"))
     c.print(f"node       {node.get('node_id')} ({node.get('name')})  "
             f"{node.get('phase')}  {node.get('security')} links")
     c.print(f"address    {fmt_addr(node.get('address'))}")
     c.print(f"cluster    {node.get('cluster_id') or '(none)'}")
-    if prof:
-        gflops = prof.get("gflops") or 0
-        speed = f"{gflops:.1f} GFLOP/s" if gflops > 0 else "speed not measured"
-        c.print(f"device     {prof.get('device_kind')} {prof.get('device_name')}, {speed}, "
-                f"torch {prof.get('torch_version')}")
+    if prof is not None:
+        speed = f"{prof.gflops:.1f} GFLOP/s" if prof.gflops > 0 else "speed not measured"
+        c.print(f"device     {prof.device_kind} {prof.device_name}, {speed}, "
+                f"torch {prof.torch_version or None}")
     if data.get("warning"):
         c.print(f"WARNING    {data['warning']}")
     software = data.get("software")

@@ -273,11 +273,11 @@ class Daemon:
             await self._start_service("metrics", self.metrics)
         static = await asyncio.to_thread(profiling.compute_profile, cfg.cache_dir,
                                          benchmark=cfg.profile_benchmark)
-        if cfg.job_memory_gib > 0:  # gossiped: the memory the planner gives this node
-            static["job_memory_bytes"] = int(cfg.job_memory_gib * 2**30)
         self.profiler = profiling.Profiler(static)
-        log.info("profile: %s %s, %.1f GFLOP/s", static["device_kind"], static["device_name"],
-                 static["gflops"])
+        if cfg.job_memory_gib > 0:  # gossiped: the memory the planner gives this node
+            self.profiler.update(job_memory_bytes=int(cfg.job_memory_gib * 2**30))
+        log.info("profile: %s %s, %.1f GFLOP/s", static.device_kind, static.device_name,
+                 static.gflops)
         if self._has_credentials() and not (self.state_dir / LEFT_MARKER).exists():
             await self._start_peer_services(self._load_bootstrap())
             status = (f"serving {self.cluster_id} as {self.node_id} on "
@@ -542,7 +542,7 @@ class Daemon:
             log.info("jobs.disabled_ops: this daemon runs no stage using %s",
                      ", ".join(ops.disabled))
         assert self.profiler is not None
-        self.profiler.static.update(fields)
+        self.profiler.update(**fields)
 
         async def send(peer: str, msg: Any, payload: Any = ()) -> None:
             if self.net is None:
@@ -668,9 +668,10 @@ class Daemon:
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"node": self._node_block(), "cluster": None, "hint": None}
         if self.cluster is not None:
-            out["cluster"] = view_json(self.cluster.view())
+            view = self.cluster.view()
+            out["cluster"] = view_json(view)
             # torch/Python/fusiond versions and op sets per member; a warning when mixed
-            out["software"] = profiling.software_summary(out["cluster"]["members"])
+            out["software"] = profiling.software_summary(view.members)
         elif self.phase == "unconfigured":
             out["hint"] = ("this node is not in a cluster: run `fusionctl init` to create one, "
                            "or `fusionctl join TOKEN` with a token from a member "
@@ -706,10 +707,11 @@ class Daemon:
         }
 
     def version(self) -> dict[str, Any]:
-        static = self.profiler.static if self.profiler else {}
+        static = self.profiler.static if self.profiler else None
         return {"fusiond": fusiond.__version__, "protocol": protocol.PROTOCOL_VERSION,
                 "protocol_min": protocol.MIN_PROTOCOL_VERSION,
-                "torch": static.get("torch_version"), "python": static.get("python_version")}
+                "torch": static.torch_version or None if static else None,
+                "python": static.python_version or None if static else None}
 
     async def init(self, body: Mapping[str, Any]) -> dict[str, Any]:
         from fusiond.net import pki

@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from protocol.messages import NodeProfile
+
 __all__ = [
     "DIGEST_RE",
     "MAX_OPS",
@@ -89,11 +91,11 @@ class OpSet:
                 "ops_disabled": list(self.disabled)}
 
 
-def digest_of_profile(profile: Mapping[str, Any]) -> str | None:
+def digest_of_profile(profile: NodeProfile) -> str | None:
     """The op set digest a member gossips, or None when it gossips none (an older daemon) or a
     malformed one."""
-    d = profile.get("ops_digest")
-    return d if isinstance(d, str) and DIGEST_RE.fullmatch(d) else None
+    d = profile.ops_digest
+    return d if DIGEST_RE.fullmatch(d) else None
 
 
 def lacking_ops(graph_ops: Iterable[str], machines: Mapping[str, frozenset[str] | None]

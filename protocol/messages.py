@@ -179,26 +179,127 @@ class LinkMeasurement(Struct):
     ((max - min) / 2 / median; 0.05 = +-5 %; 0: unknown or a single sample)."""
 
 
+MAX_PROFILE_TEXT_BYTES: Final = 256
+"""Bound on each text field of a NodeProfile (a version, a device name, a cgroup path)."""
+MAX_PROFILE_LABELS: Final = 64
+"""Bound on the entries of `NodeProfile.labels`."""
+MAX_PROFILE_DISABLED_OPS: Final = 4096
+"""Bound on `NodeProfile.ops_disabled` (an op registry has about 2000 ops)."""
+
+
 @dataclass(frozen=True)
 class NodeProfile(Struct):
-    """What a node can do: device, measured speed, memory, software versions."""
+    """What a node can do, as it gossips it (built by fusiond.profile, signed as part of the
+    member's body by fusiond.cluster.trust): the one schema of the profile.
 
-    node_id: str
-    hostname: str = ""
-    device: str = "cpu"
-    """torch device string, e.g. "cpu" or "cuda:0"."""
+    The field names are the keys users see in `fusionctl status --json` and `/v1/status`
+    (`node.profile`, `cluster.members[].profile`); 0 / "" / () mean "not measured" or "not
+    known" (a daemon without benchmark, an older daemon). Every text field is at most
+    MAX_PROFILE_TEXT_BYTES; a profile that breaks a bound does not decode (RemoteProtocolError
+    naming the field).
+    """
+
+    device_kind: str = "cpu"
+    """The device training uses: "cpu" or "cuda"."""
     device_name: str = ""
-    flops: float = 0.0
-    """Measured FLOP/s of this node on a calibration workload."""
+    device_memory_bytes: int = 0
+    """Total memory of that device (the host's memory on a CPU node)."""
+    device_free_bytes: int = 0
+    """Free memory of that device when the profile was computed."""
+    device_count: int = 0
+    """GPUs on a CUDA node; CPUs on a CPU node."""
     memory_bytes: int = 0
-    """Memory available for training on `device`."""
-    host_memory_bytes: int = 0
-    cores: int = 0
-    software: dict[str, str] = field(default_factory=dict)
-    """e.g. {"python": "3.11.7", "torch": "2.13.0", "fusion": "0.1.0"}."""
+    """Total memory of the host."""
+    free_memory_bytes: int = 0
+    """Available host memory (MemAvailable), re-read on every profile."""
+    job_memory_bytes: int = 0
+    """Memory the operator offers to jobs (config `job_memory_gib`); 0: its free memory."""
+    cpu_count: int = 0
+    """CPUs of the host (os.cpu_count)."""
+    cpu_cores: float = 0.0
+    """Cores this process may keep busy (min of the cgroup quota and the affinity mask)."""
+    cpu_quota_cores: float = 0.0
+    """The tightest cgroup CPU quota in cores (0: none seen)."""
+    cpu_quota_period_s: float = 0.0
+    """The CFS period of that quota (0: none)."""
+    cpu_limit: str = ""
+    """Where the binding CPU limit comes from ("affinity", "cgroup2:/path", ...)."""
+    threads: int = 0
+    """torch's thread count (0: not benchmarked)."""
+    gflops: float = 0.0
+    """Sustained float32 matmul speed, in GFLOP per second (0: not measured)."""
+    gflops_per_cpu_s: float = 0.0
+    """The same per CPU second of one thread (CPU nodes)."""
+    plan_flops_matmul: float = 0.0
+    """The planner's calibrated rate of matmul-class ops, FLOP per second (0: none)."""
+    plan_flops_conv: float = 0.0
+    """Of conv-class ops, FLOP per second."""
+    plan_flops_other: float = 0.0
+    """Of the other ops, FLOP per second (0: the node is not calibrated)."""
+    plan_mem_bw: float = 0.0
+    """Calibrated memory bandwidth, bytes per second."""
+    plan_op_overhead_s: float = 0.0
+    """Fixed cost of dispatching one op, seconds."""
+    plan_wire_s_per_byte: float = 0.0
+    """CPU seconds the transport spends per byte sent."""
+    plan_msg_s: float = 0.0
+    """CPU seconds the transport spends per message."""
+    plan_wake_s: float = 0.0
+    """Average wake-up latency a CPU quota adds to a hand-off, seconds."""
+    torch_version: str = ""
+    python_version: str = ""
+    fusiond_version: str = ""
+    protocol_version: int = 0
+    ops_digest: str = ""
+    """sha256 hex of the sorted op names this node runs ("": none gossiped)."""
+    ops_count: int = 0
+    """How many ops that set holds."""
+    ops_disabled: tuple[str, ...] = ()
+    """Ops the operator disabled (config `jobs.disabled_ops`)."""
     labels: dict[str, str] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
-    """The daemon's full profile map (free memory now, device count, ...), kept as given."""
+    """Free-form operator labels (at most MAX_PROFILE_LABELS)."""
+
+    def __post_init__(self) -> None:
+        for f in _PROFILE_TEXT_FIELDS:
+            _bounded_text(f, getattr(self, f))
+        if len(self.ops_disabled) > MAX_PROFILE_DISABLED_OPS:
+            raise ValueError(f"ops_disabled has {len(self.ops_disabled)} items, limit is "
+                             f"{MAX_PROFILE_DISABLED_OPS}")
+        for i, op in enumerate(self.ops_disabled):
+            _bounded_text(f"ops_disabled[{i}]", op)
+        if len(self.labels) > MAX_PROFILE_LABELS:
+            raise ValueError(f"labels has {len(self.labels)} entries, limit is "
+                             f"{MAX_PROFILE_LABELS}")
+        for k, v in self.labels.items():
+            _bounded_text(f"labels key {k[:32]!r}", k)
+            _bounded_text(f"labels[{k[:32]!r}]", v)
+
+    @property
+    def software(self) -> dict[str, str]:
+        """The software versions it gossips, e.g. {"torch": "2.13.0", "python": "3.11.7"}."""
+        out = {"torch": self.torch_version, "python": self.python_version,
+               "fusiond": self.fusiond_version,
+               "protocol": str(self.protocol_version) if self.protocol_version else ""}
+        return {k: v for k, v in out.items() if v}
+
+    # Compatibility, until fusiond/jobs/service.py reads typed profiles: there
+    # `dict(member.profile or {})` must still give the wire map. Nothing else should use it.
+    def keys(self) -> list[str]:
+        """The wire map's keys (see `to_wire`); for `dict(profile)` only."""
+        return list(self.to_wire())
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_wire()[key]
+
+
+_PROFILE_TEXT_FIELDS: Final = ("device_kind", "device_name", "cpu_limit", "torch_version",
+                               "python_version", "fusiond_version", "ops_digest")
+
+
+def _bounded_text(name: str, value: object) -> None:
+    if isinstance(value, str) and len(value.encode("utf-8", "replace")) > MAX_PROFILE_TEXT_BYTES:
+        raise ValueError(f"{name} is {len(value.encode('utf-8', 'replace'))} bytes, limit is "
+                         f"{MAX_PROFILE_TEXT_BYTES}")
 
 
 @dataclass(frozen=True)
@@ -265,6 +366,83 @@ class EdgeRoute(Struct):
     encoding: str = "raw"
     """Tensor encoding (protocol.tensors.Encoding value) for the dense case: "raw" (exact) or
     "int8" (forward and backward int8 block-quantized; never with density < 1)."""
+
+
+MAX_ASSIGN_STAGES: Final = 4096
+"""Bound on `AssignConfig.stage_nodes` and `AssignConfig.shared` entries (stages of a job)."""
+
+
+@dataclass(frozen=True)
+class OptimizerConfig(Struct):
+    """A job's optimizer, as its Assign carries it (fusiond.train.spec.OptimizerSpec)."""
+
+    kind: str
+    """"adamw" or "sgd"."""
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    eps: float
+    momentum: float
+    schedule: str
+    warmup_steps: int
+    min_lr: float
+
+
+@dataclass(frozen=True)
+class DataConfig(Struct):
+    """A job's data, as its Assign carries it (fusiond.train.spec.DataSpec)."""
+
+    kind: str
+    tokenizer: str
+    seq_len: int
+    image_size: int
+    channels: int
+    num_classes: int
+    path: str | None = None
+    """The corpus path on the submitting machine (None: no file)."""
+    digest: str = ""
+    """The submitter's corpus hash ("": unchecked)."""
+    default_corpus: bool = False
+    """The stages read the default corpus from their own standard library, not `path`."""
+
+
+@dataclass(frozen=True)
+class AssignConfig(Struct):
+    """A job's settings, the same in every stage's Assign (built by fusiond.jobs.assign, read
+    by fusiond.train.remote.decode_assign). Validated on decode: a missing or mistyped field
+    is a RemoteProtocolError naming its path (`Assign.config.optimizer.lr: expected float`);
+    the checks across fields (batch_size / micro_batches, first_step < steps, the stages'
+    nodes) are decode_assign's, naming the field too."""
+
+    version: int
+    """The layout of this record (fusiond.train.remote.CONFIG_VERSION)."""
+    steps: int
+    seed: int
+    batch_size: int
+    micro_batches: int
+    pipeline: str
+    optimizer: OptimizerConfig
+    data: DataConfig
+    input_name: str
+    loss_name: str
+    stage_nodes: dict[str, str]
+    """Stage (decimal str) -> node id, for every stage."""
+    shared: dict[str, dict[str, tuple[int, ...]]] = field(default_factory=dict)
+    """Stage (decimal str) -> {tied parameter -> the other stages holding it}."""
+    first_step: int = 0
+    """The step this attempt starts at (> 0 when it resumes)."""
+    checkpoint_interval: int = 0
+    """Steps between checkpoints (0: none)."""
+    per_row: bool = True
+    targets_name: str | None = None
+    recv_timeout_s: float | None = None
+    """The scheduler's bound on one wait for a task's inputs (None: the stage's own)."""
+
+    def __post_init__(self) -> None:
+        for name in ("stage_nodes", "shared"):
+            n = len(getattr(self, name))
+            if n > MAX_ASSIGN_STAGES:
+                raise ValueError(f"{name} has {n} entries, limit is {MAX_ASSIGN_STAGES}")
 
 
 # --- handshake (type ids 1..3; layout frozen for every protocol version) ---------------------
@@ -448,8 +626,8 @@ class Assign(Message):
     edges: tuple[EdgeRoute, ...] = ()
     nodes: dict[str, Address] = field(default_factory=dict)
     """node id -> address of every node taking part in the job."""
-    config: dict[str, Any] = field(default_factory=dict)
-    """Job settings (micro-batches, optimizer, schedule, ...), a msgpack map."""
+    config: AssignConfig | None = None
+    """The job's settings (the same in every stage's Assign); None only in a malformed one."""
 
 
 @dataclass(frozen=True)

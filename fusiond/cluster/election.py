@@ -49,7 +49,7 @@ import math
 import random
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 from fusiond.cluster.membership import Address, Link, MemberRecord
 from protocol.messages import (
@@ -57,6 +57,7 @@ from protocol.messages import (
     Leader,
     LeaderAck,
     Message,
+    NodeProfile,
     PreVote,
     Vote,
     VoteRequest,
@@ -97,19 +98,16 @@ def _bucket(value: float) -> int:
     return math.floor(math.log2(value)) if value > 0 and math.isfinite(value) else -1
 
 
-def _num(profile: Mapping[str, Any], key: str) -> float:
-    value = profile.get(key, 0)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return 0.0
+def _finite(value: float) -> float:
     return float(value) if math.isfinite(value) else 0.0
 
 
-def capability(profile: Mapping[str, Any]) -> tuple[float, float]:
-    """(FLOP/s, device memory bytes) from a profile map: ``flops`` or ``gflops`` * 1e9, and
-    ``device_memory_bytes`` or ``memory_bytes``; 0 where absent or not a number."""
-    flops = _num(profile, "flops") or _num(profile, "gflops") * 1e9
-    memory = _num(profile, "device_memory_bytes") or _num(profile, "memory_bytes")
-    return flops, memory
+def capability(profile: NodeProfile) -> tuple[float, float]:
+    """(FLOP/s, device memory bytes) from a profile: `gflops` * 1e9, and
+    `device_memory_bytes` or else `memory_bytes`; 0 where not measured or not finite."""
+    flops_per_s = _finite(profile.gflops) * 1e9
+    memory_bytes = float(profile.device_memory_bytes or profile.memory_bytes)
+    return flops_per_s, memory_bytes
 
 
 def connectivity(node_id: str, links: Mapping[tuple[str, str], Link],

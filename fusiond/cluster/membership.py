@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
+
+from protocol.messages import NodeProfile
 
 Address = tuple[str, int]
 MemberState = Literal["alive", "suspect", "dead", "left"]
@@ -53,7 +54,7 @@ class Link(NamedTuple):
     """Unix time (the measurer's clock) of the last probe round; 0 when unknown."""
 
 
-ELIDED: Mapping[str, Any] = types.MappingProxyType({})
+ELIDED: NodeProfile = NodeProfile()
 """Marks a record that carried no profile and no links (a heartbeat-only gossip entry): merging
 it keeps the profile and links already known. Compare with ``is``."""
 
@@ -75,7 +76,7 @@ class MemberRecord:
     heartbeat: int
     state: MemberState
     """The sender's local judgement; only ``left`` is authoritative."""
-    profile: Mapping[str, Any] = field(default_factory=dict)
+    profile: NodeProfile = field(default_factory=NodeProfile)
     links: Mapping[str, Link] = field(default_factory=dict)
     """peer id -> the link this member measured to it."""
     term: int = 0
@@ -138,7 +139,7 @@ class Membership:
         node_id: str,
         address: Address,
         incarnation: int,
-        profile: Mapping[str, Any],
+        profile: NodeProfile,
         now: float,
         suspect_after_s: float,
         dead_after_s: float,
@@ -153,7 +154,7 @@ class Membership:
         can make us hold; a real cluster that large needs a larger `max_members`)."""
         self._suspect_after = suspect_after_s
         self._dead_after = dead_after_s
-        me = MemberRecord(node_id, address, incarnation, 0, "alive", dict(profile), {})
+        me = MemberRecord(node_id, address, incarnation, 0, "alive", profile, {})
         self._members: dict[str, _Member] = {node_id: _Member(me, "alive", "self", now)}
         self._hints: dict[str, MemberSource] = {}
         self._removed: dict[str, bytes] = {}
@@ -169,7 +170,7 @@ class Membership:
     def _set_me(self, record: MemberRecord) -> None:
         self._members[self.node_id].record = record
 
-    def beat(self, now: float, profile: Mapping[str, Any] | None = None) -> None:
+    def beat(self, now: float, profile: NodeProfile | None = None) -> None:
         """Advance our heartbeat (once per gossip round), optionally with a fresh profile."""
         me = self.me
         if me.state == "left":
@@ -177,7 +178,7 @@ class Membership:
         self._set_me(
             MemberRecord(
                 me.node_id, me.address, me.incarnation, me.heartbeat + 1, "alive",
-                dict(profile) if profile is not None else me.profile, me.links,
+                profile if profile is not None else me.profile, me.links,
             )
         )
         self._members[self.node_id].last_update = now
@@ -345,7 +346,7 @@ class Membership:
                 else:
                     state, last = "alive", now
                 if rec.profile is ELIDED:
-                    rec = dataclasses.replace(rec, profile={}, links={}, body_version=-1,
+                    rec = dataclasses.replace(rec, profile=NodeProfile(), links={}, body_version=-1,
                                               body_signature=b"")
                 source = self._hints.pop(rec.node_id, "gossip")
                 self._members[rec.node_id] = _Member(_signed_claim(rec), state, source, last)

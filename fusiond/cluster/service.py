@@ -210,7 +210,7 @@ class MemberView:
     state: MemberState
     incarnation: int
     heartbeat: int
-    profile: Mapping[str, Any]
+    profile: NodeProfile
     rtt_s: float | None
     """Round trip between this node and the member (our measurement, else the member's)."""
     bandwidth_bits_per_s: float | None
@@ -267,69 +267,13 @@ class ClusterView:
 
 # -- wire conversion ------------------------------------------------------------------------
 
-_PROFILE_FIELDS = {f.name for f in dataclasses.fields(NodeProfile)}
-
-
-def profile_to_wire(node_id: str, profile: Mapping[str, Any]) -> NodeProfile:
-    """The daemon's profile map as a NodeProfile: well-known fields filled, the map in extra."""
-
-    def num(*keys: str) -> float:
-        for key in keys:
-            value = profile.get(key)
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                return float(value)
-        return 0.0
-
-    flops = num("flops") or num("gflops") * 1e9
-    software = {k.removesuffix("_version"): str(v) for k, v in profile.items()
-                if k.endswith("_version")}
-    return NodeProfile(
-        node_id=node_id,
-        hostname=str(profile.get("hostname", "")),
-        device=str(profile.get("device_kind", profile.get("device", "cpu"))),
-        device_name=str(profile.get("device_name", "")),
-        flops=flops,
-        memory_bytes=int(num("device_memory_bytes", "memory_bytes")),
-        host_memory_bytes=int(num("memory_bytes")),
-        cores=int(num("cpu_count", "cores")),
-        software=software,
-        extra=dict(profile),
-    )
-
-
-def _is_plain(value: Any, depth: int = 0) -> bool:
-    if depth > 8:
-        return False
-    if isinstance(value, int) and not isinstance(value, bool):
-        return -(1 << 63) <= value < 1 << 64  # what msgpack can carry
-    if value is None or isinstance(value, bool | float | str):
-        return True
-    if isinstance(value, list | tuple):
-        return all(_is_plain(v, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _is_plain(v, depth + 1) for k, v in value.items())
-    return False
-
-
-def plain_profile(profile: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """(the entries of `profile` that msgpack can carry, the keys dropped)."""
-    clean: dict[str, Any] = {}
-    dropped: list[str] = []
-    for key, value in profile.items():
-        if isinstance(key, str) and _is_plain(value):
-            clean[key] = value
-        else:
-            dropped.append(str(key))
-    return clean, dropped
-
-
-def profile_from_wire(profile: NodeProfile | None) -> dict[str, Any]:
-    """The profile map a member published (its `extra`, or the well-known fields)."""
-    if profile is None:
-        return {}
-    if profile.extra:
-        return dict(profile.extra)
-    return {k: getattr(profile, k) for k in _PROFILE_FIELDS if k != "extra"}
+def checked_profile(profile: NodeProfile) -> str | None:
+    """None if `profile` can go on the wire; else what is wrong with it (a field named)."""
+    try:
+        profile.to_wire()
+    except LocalProtocolError as exc:
+        return str(exc)
+    return None
 
 
 def record_to_wire(rec: MemberRecord, full: bool = True, credential: bytes = b"") -> MemberEntry:
@@ -342,7 +286,7 @@ def record_to_wire(rec: MemberRecord, full: bool = True, credential: bytes = b""
         incarnation=rec.incarnation,
         heartbeat=rec.heartbeat,
         state=WireState(rec.state),
-        profile=profile_to_wire(rec.node_id, rec.profile) if full else None,
+        profile=rec.profile if full else None,
         links=tuple(LinkMeasurement(peer=p, bandwidth_bits_per_s=lk.bandwidth_bits_per_s,
                                     rtt_s=lk.rtt_s, measured_at=lk.measured_at,
                                     bandwidth_spread_ratio=lk.bandwidth_spread_ratio)
@@ -370,7 +314,7 @@ def record_from_wire(entry: MemberEntry) -> MemberRecord:
         heartbeat=entry.heartbeat,
         state=_STATE_FROM_WIRE[entry.state],
         # No profile: a heartbeat-only entry, which also leaves the links out.
-        profile=profile_from_wire(entry.profile) if entry.profile is not None else ELIDED,
+        profile=entry.profile if entry.profile is not None else ELIDED,
         links={m.peer: Link(m.bandwidth_bits_per_s, m.rtt_s, m.bandwidth_spread_ratio,
                             m.measured_at) for m in entry.links},
         term=entry.term,
@@ -393,7 +337,7 @@ class Cluster:
         cluster_id: str,
         net: Transport,
         advertise: Address,
-        profile: Callable[[], dict[str, Any]],
+        profile: Callable[[], NodeProfile],
         config: ClusterConfig,
         incarnation: int | None = None,
         state_path: str | os.PathLike[str] | None = None,
@@ -481,7 +425,7 @@ class Cluster:
         self._done = asyncio.get_running_loop().create_future()
         self._membership = Membership(
             node_id=self.node_id, address=self._advertise, incarnation=self._incarnation,
-            profile=self._safe_profile({}), now=now,
+            profile=self._safe_profile(NodeProfile()), now=now,
             suspect_after_s=self.config.suspect_after_s, dead_after_s=self.config.dead_after_s,
             max_members=self.config.max_members)
         c = self.config
@@ -834,7 +778,7 @@ class Cluster:
         if entry.profile is not None:
             ok = False
             if body:
-                profile = dict(entry.profile.extra)  # the map the member signed
+                profile = entry.profile  # as the member signed it
                 raw = body_bytes(profile, rec.links)
                 ok = len(raw) <= MAX_BODY_BYTES and tr.verify_by(nid, body_statement(
                     self.cluster_id, nid, rec.incarnation, rec.body_version,
@@ -1236,7 +1180,8 @@ class Cluster:
                     continue
             records.append(MemberRecord(
                 m.node_id, m.address, m.incarnation, m.heartbeat,
-                "left" if m.left else "alive", {}, {}, term=m.term, signature=m.signature,
+                "left" if m.left else "alive", NodeProfile(), {}, term=m.term,
+                signature=m.signature,
                 body_version=-1))
         removals = {n: sig for n, sig in saved.removals.items()
                     if tr is None or tr.verify_removal(n, sig)}
@@ -1251,18 +1196,19 @@ class Cluster:
         log.info("cluster: restored %d member(s) from %s: %d voters, %d needed for a "
                  "majority", len(restored), self._members_path, len(voters), majority(voters))
 
-    def _safe_profile(self, fallback: Mapping[str, Any]) -> dict[str, Any]:
+    def _safe_profile(self, fallback: NodeProfile) -> NodeProfile:
         try:
-            raw = self._profile()
+            profile = self._profile()
+            problem = checked_profile(profile)
         except Exception as exc:  # a broken profile source must not stop gossip
-            log.warning("cluster: profile() failed, gossiping the previous one: %r", exc)
-            return dict(fallback)
-        clean, dropped = plain_profile(raw)
-        if dropped and not self._warned_profile:
+            problem = repr(exc)
+        if problem is None:
+            return profile
+        if not self._warned_profile:
             self._warned_profile = True
-            log.warning("cluster: profile keys %s are not plain data; not gossiped",
-                        ", ".join(sorted(dropped)))
-        return clean
+            log.warning("cluster: profile() gave no sendable profile (%s); gossiping the "
+                        "previous one", problem)
+        return fallback
 
     def _reachable(self) -> list[str]:
         ms = self._membership

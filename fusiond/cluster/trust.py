@@ -12,8 +12,10 @@ one kind or one cluster is never valid for another):
 - header  ``["fusion-member/1", cluster, node, host, port, incarnation, heartbeat, left, term]``:
   where the member listens, that it is alive (each heartbeat) or left, and the highest term it
   has seen. Signed by the member once per gossip round (and when its term changes).
-- body    ``["fusion-body/1", cluster, node, incarnation, body_version, sha256(profile, links)]``:
-  its profile and measured links as of heartbeat `body_version`. Signed when they change.
+- body    ``["fusion-body/2", cluster, node, incarnation, body_version, sha256(profile, links)]``:
+  its profile (the `NodeProfile` schema's wire map) and measured links as of heartbeat
+  `body_version`. Signed when they change. (`/1` covered the free-form profile map that
+  travelled in `NodeProfile.extra`; a `/1` signature never verifies as `/2`.)
 - support ``["fusion-support/1", cluster, term, leader, voter]``: `voter` supports `leader` as
   the scheduler of `term` (a granted vote, or an accepted leader heartbeat). A majority of
   them is a leader's proof.
@@ -44,7 +46,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from fusiond.cluster.errors import NotAuthorizedError, TrustError
-from protocol.messages import MemberEntry
+from protocol.messages import MemberEntry, NodeProfile
 
 MAX_COUNTER = (1 << 53) - 1
 """Bound on every term, incarnation and heartbeat a peer may assert (exact in a float64 and in
@@ -72,13 +74,14 @@ def header_statement(cluster_id: str, node_id: str, address: tuple[str, int],
                   incarnation, heartbeat, bool(left), term])
 
 
-def body_bytes(profile: Mapping[str, Any], links: Mapping[str, tuple[float, ...]]) -> bytes:
-    """A member's profile map and links, canonically encoded (a map survives the wire
-    unchanged: msgpack keeps key order, int/float kinds and float64 bits)."""
-    return _pack([dict(profile), [[peer, *link] for peer, link in sorted(links.items())]])
+def body_bytes(profile: NodeProfile, links: Mapping[str, tuple[float, ...]]) -> bytes:
+    """A member's profile and links, canonically encoded: the profile as its schema writes it
+    on the wire (fields in declaration order, each of its declared kind), so a receiver that
+    decoded it re-encodes exactly the bytes the member signed."""
+    return _pack([profile.to_wire(), [[peer, *link] for peer, link in sorted(links.items())]])
 
 
-def body_digest(profile: Mapping[str, Any], links: Mapping[str, tuple[float, ...]]) -> bytes:
+def body_digest(profile: NodeProfile, links: Mapping[str, tuple[float, ...]]) -> bytes:
     """SHA-256 of `body_bytes`: what a body signature covers."""
     return hashlib.sha256(body_bytes(profile, links)).digest()
 
@@ -86,7 +89,7 @@ def body_digest(profile: Mapping[str, Any], links: Mapping[str, tuple[float, ...
 def body_statement(cluster_id: str, node_id: str, incarnation: int, body_version: int,
                    digest: bytes) -> bytes:
     """The bytes a member signs for its body."""
-    return _pack(["fusion-body/1", cluster_id, node_id, incarnation, body_version, digest])
+    return _pack(["fusion-body/2", cluster_id, node_id, incarnation, body_version, digest])
 
 
 def support_statement(cluster_id: str, term: int, leader: str, voter: str) -> bytes:

@@ -35,7 +35,8 @@ from fusiond.opsets import (
 )
 from fusiond.tasks import cancel_and_wait
 from protocol import ir
-from protocol.messages import Message, OpSetReply, OpSetRequest
+from protocol.errors import RemoteProtocolError
+from protocol.messages import Message, NodeProfile, OpSetReply, OpSetRequest
 
 __all__ = ["MemberOpSets", "OpSetService", "check_reply", "graph_ops", "lack_reason",
            "refuse_stages", "refuse_unrunnable", "software_line"]
@@ -63,15 +64,33 @@ class MemberOpSets:
 
     ops: Mapping[str, frozenset[str] | None] = field(default_factory=dict)
     unknown: Mapping[str, str] = field(default_factory=dict)
-    profiles: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    profiles: Mapping[str, NodeProfile | Mapping[str, Any]] = field(default_factory=dict)
+    """Read them with `profile(member)`. (A map, the profile's wire form, is accepted for
+    fusiond/jobs/service.py's `dict(m.profile or {})` until it passes typed profiles.)"""
+
+    def profile(self, member: str) -> NodeProfile:
+        """`member`'s gossiped profile (an empty one when unknown)."""
+        return _typed(self.profiles.get(member))
 
 
-def lack_reason(op: str, profile: Mapping[str, Any]) -> str:
+def _typed(profile: object) -> NodeProfile:
+    if isinstance(profile, NodeProfile):
+        return profile
+    if profile is None:
+        return NodeProfile()
+    try:
+        got = NodeProfile.from_wire(dict(profile) if isinstance(profile, Mapping) else profile)
+    except RemoteProtocolError:
+        return NodeProfile()
+    assert isinstance(got, NodeProfile)
+    return got
+
+
+def lack_reason(op: str, profile: NodeProfile) -> str:
     """Why a member lacks `op`: its operator disabled it, or its torch's registry has none."""
-    off = profile.get("ops_disabled")
-    if isinstance(off, list) and op in off:
+    if op in profile.ops_disabled:
         return "disabled by its jobs.disabled_ops"
-    tv = profile.get("torch_version")
+    tv = profile.torch_version
     return f"not in torch {tv}'s registry" if tv else "not in its op registry"
 
 
@@ -90,7 +109,7 @@ def refuse_unrunnable(graph: ir.Graph, sets: MemberOpSets, machines: Iterable[st
     ms = list(machines)
     captured, _ = graph.captured_with
     msg = unrunnable_message(graph_ops(graph), {m: sets.ops.get(m) for m in ms},
-                             lambda op, m: lack_reason(op, sets.profiles.get(m, {})))
+                             lambda op, m: lack_reason(op, sets.profile(m)))
     if msg is None:
         return None
     head = f"the graph (captured with torch {captured}) " if captured else "the graph "
@@ -109,7 +128,7 @@ def refuse_stages(graph: ir.Graph, stages: Mapping[int, tuple[str, Iterable[str]
             continue
         missing = sorted(graph_ops(graph, nodes) - have)
         if missing:
-            prof = sets.profiles.get(machine, {})
+            prof = sets.profile(machine)
             shown = ", ".join(f"{op!r} ({lack_reason(op, prof)})" for op in missing[:4])
             more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
             bad.append(f"stage {s} goes to {machine}, which cannot run op {shown}{more}")
@@ -124,12 +143,12 @@ def software_line(graph: ir.Graph, sets: MemberOpSets) -> str:
     members run, and the members whose op set is restricted."""
     torch_v, py = graph.captured_with
     by_version: dict[str, list[str]] = {}
-    for m, prof in sorted(sets.profiles.items()):
-        by_version.setdefault(str(prof.get("torch_version") or "?"), []).append(m)
+    profiles = {m: sets.profile(m) for m in sorted(sets.profiles)}
+    for m, prof in profiles.items():
+        by_version.setdefault(prof.torch_version or "?", []).append(m)
     runs = "; ".join(f"torch {v} on {', '.join(ms)}" for v, ms in sorted(by_version.items()))
-    off = [f"{m} disables {', '.join(map(str, prof['ops_disabled'][:4]))}"
-           for m, prof in sorted(sets.profiles.items())
-           if isinstance(prof.get("ops_disabled"), list) and prof["ops_disabled"]]
+    off = [f"{m} disables {', '.join(prof.ops_disabled[:4])}"
+           for m, prof in profiles.items() if prof.ops_disabled]
     return (f"graph captured with torch {torch_v or '?'} (Python {py or '?'}); members run "
             f"{runs or 'nothing known'}" + (f"; {'; '.join(off)}" if off else "")
             + ("; the planner places each stage only where every op of it runs"
@@ -212,7 +231,7 @@ class OpSetService:
         """The op sets of `view`'s alive members: cached ones at once, the others fetched
         (concurrently, one request per digest, from the members that gossip it in turn)."""
         members = [m for m in view.members if m.state == "alive"]
-        profiles = {m.node_id: dict(m.profile or {}) for m in members}
+        profiles: dict[str, NodeProfile] = {m.node_id: m.profile for m in members}
         digests: dict[str, str | None] = {m.node_id: digest_of_profile(profiles[m.node_id])
                                           for m in members}
         holders: dict[str, list[Any]] = {}

@@ -40,7 +40,7 @@ from fusiond.profile import machine_from_profile
 from fusiond.train.spec import JobSpec
 from fusiond.units import bytes_per_s_from_bits_per_s
 from protocol import ir
-from protocol.messages import Address
+from protocol.messages import Address, NodeProfile
 
 __all__ = [
     "DEFAULT_GFLOPS",
@@ -64,10 +64,11 @@ class JobRefused(LocalError):
     """A submission the cluster cannot run; nothing was started."""
 
 
-def _member_memory(profile: Mapping[str, Any]) -> float:
-    for key in ("job_memory_bytes", "free_memory_bytes", "memory_bytes"):
-        v = profile.get(key)
-        if isinstance(v, int | float) and not isinstance(v, bool) and v > 0:
+def _member_memory_bytes(profile: NodeProfile) -> float:
+    """The memory a member offers to jobs: its operator's `job_memory_gib`, else its free
+    memory, else its total memory (0: unknown)."""
+    for v in (profile.job_memory_bytes, profile.free_memory_bytes, profile.memory_bytes):
+        if v > 0:
             return float(v)
     return 0.0
 
@@ -92,19 +93,17 @@ def cluster_for_planner(view: Any, exclude: Iterable[str] = (),
     machines = []
     memory: dict[str, int] = {}
     for m in members:
-        prof = dict(m.profile or {})
-        mem = _member_memory(prof)
+        prof: NodeProfile = m.profile
+        mem = _member_memory_bytes(prof)
         memory[m.node_id] = int(mem)
         # the member's own calibration at its CPU allowance (fusiond.profile); else its matmul
         # rate for every op class (sustained too), else a default
         machine = machine_from_profile(m.node_id, prof, mem)
         if machine is None:
-            gflops = prof.get("gflops")
-            rate = float(gflops) * 1e9 if isinstance(gflops, int | float) and gflops > 0 \
-                else DEFAULT_GFLOPS * 1e9
+            rate = (prof.gflops if prof.gflops > 0 else DEFAULT_GFLOPS) * 1e9
             machine = MachineProfile(id=m.node_id, flops={"other": rate}, mem_bw=rate / 2,
                                      op_overhead_s=2e-5, memory_bytes=max(mem, 1.0),
-                                     kind=str(prof.get("device_kind", "")))
+                                     kind=prof.device_kind)
         ops = (op_sets or {}).get(m.node_id)
         if ops is not None:
             machine = replace(machine, ops=ops)

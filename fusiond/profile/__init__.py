@@ -1,8 +1,8 @@
 """What this node can do: device, memory, measured compute speed, CPU allowance, versions.
 
 The profile is gossiped to every member (the election ranks on it and the planner sizes
-partitions with it), so it is a plain JSON-able dict of str/int/float values (plus the
-planner's calibrated `machine` dict). Computing it is cheap except the benchmarks, which run
+partitions with it) as one typed, bounded schema, `protocol.messages.NodeProfile`: this room
+builds it, every reader uses its attributes. Computing it is cheap except the benchmarks, which run
 once and are cached by (device, torch version) in the cache directory; `free_memory_bytes` is
 re-read every time the profile is asked for.
 
@@ -41,6 +41,7 @@ import protocol
 from fusiond import durable
 from fusiond.opsets import OpSet
 from fusiond.plan.model import MachineProfile, PlanError
+from protocol.messages import NodeProfile
 
 log = logging.getLogger("fusiond.profile")
 
@@ -403,28 +404,25 @@ def planner_fields(m: MachineProfile) -> dict[str, float]:
     return out
 
 
-def machine_from_profile(node_id: str, profile: Mapping[str, Any],
+def machine_from_profile(node_id: str, profile: NodeProfile,
                          memory_bytes: float) -> MachineProfile | None:
     """The planner's view of a node from its gossiped profile (`planner_fields`), or None when
     the profile carries no calibration (an older daemon, or one started without benchmark)."""
-
-    def num(key: str) -> float:
-        v = profile.get(key)
-        return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else 0.0
-
-    flops = {c: num(key) for c, key in PLAN_FIELDS.items() if num(key) > 0}
-    if "other" not in flops or num("plan_mem_bw") <= 0:
+    rates = {"matmul": profile.plan_flops_matmul, "conv": profile.plan_flops_conv,
+             "other": profile.plan_flops_other}
+    flops = {c: float(r) for c, r in rates.items() if r > 0}
+    if "other" not in flops or profile.plan_mem_bw <= 0:
         return None
-    return MachineProfile(id=node_id, flops=flops, mem_bw=num("plan_mem_bw"),
-                          op_overhead_s=max(0.0, num("plan_op_overhead_s")),
+    return MachineProfile(id=node_id, flops=flops, mem_bw=profile.plan_mem_bw,
+                          op_overhead_s=max(0.0, profile.plan_op_overhead_s),
                           memory_bytes=max(memory_bytes, 1.0),
-                          kind=str(profile.get("device_kind", "")),
-                          wire_s_per_byte=max(0.0, num("plan_wire_s_per_byte")),
-                          msg_s=max(0.0, num("plan_msg_s")),
-                          wake_s=min(max(0.0, num("plan_wake_s")), MAX_WAKE_S))
+                          kind=profile.device_kind,
+                          wire_s_per_byte=max(0.0, profile.plan_wire_s_per_byte),
+                          msg_s=max(0.0, profile.plan_msg_s),
+                          wake_s=min(max(0.0, profile.plan_wake_s), MAX_WAKE_S))
 
 
-def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> dict[str, Any]:
+def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> NodeProfile:
     """The static part of the profile, with the benchmarks cached in `cache_dir` when given.
 
     `benchmark` False skips importing torch altogether (device probing, the matmul and the
@@ -453,7 +451,7 @@ def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> 
         "gflops": 0.0,
     }
     if not benchmark:
-        return prof
+        return NodeProfile(**prof)
     import torch
 
     from fusiond.profile.calibrate import at_allowance, measure
@@ -504,7 +502,7 @@ def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> 
     machine = dataclasses.replace(machine, wake_s=allowance.wake_s(threads))
     prof["gflops"] = round(gflops, 2)
     prof.update(planner_fields(machine))
-    return prof
+    return NodeProfile(**prof)
 
 
 def _raw_benchmarks(data: Mapping[str, Any], kind: str
@@ -528,37 +526,33 @@ def op_set_fields(disabled: Iterable[str] = ()) -> tuple[OpSet, dict[str, Any]]:
 
 
 SOFTWARE_KEYS = ("torch_version", "python_version", "fusiond_version", "protocol_version")
-"""Profile keys of the software a node runs (`NodeProfile.software` carries them too)."""
+"""NodeProfile fields of the software a node runs."""
 
 MIXED_TORCH_WARNING = ("members run different torch versions ({versions}): a graph is "
                        "captured with the submitter's torch and runs on the others'; the "
                        "planner places each stage only where every op of it runs")
 
 
-def software_summary(members: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """What `fusionctl status` shows about the software of the members (each a member of
-    `/v1/status`'s cluster view: ``node_id``, ``state``, ``profile``): per node its torch,
-    Python, fusiond and protocol versions and op set (digest, size, disabled ops); the torch
-    versions of the members that are not dead or gone, and a warning when they differ."""
+def software_summary(members: Iterable[Any]) -> dict[str, Any]:
+    """What `fusionctl status` shows about the software of the members (each a
+    `fusiond.cluster.MemberView`: ``node_id``, ``state``, a `NodeProfile` ``profile``): per
+    node its torch, Python, fusiond and protocol versions and op set (digest, size, disabled
+    ops; null where the member gossips none); the torch versions of the members that are not
+    dead or gone, and a warning when they differ."""
     nodes: list[dict[str, Any]] = []
     torch_of: dict[str, list[str]] = {}
     for m in members:
-        prof = m.get("profile")
-        prof = prof if isinstance(prof, Mapping) else {}
-        node_id = str(m.get("node_id"))
-        row: dict[str, Any] = {"node_id": node_id, "state": m.get("state")}
+        prof: NodeProfile = m.profile
+        node_id = str(m.node_id)
+        row: dict[str, Any] = {"node_id": node_id, "state": m.state}
         for key in SOFTWARE_KEYS:
-            v = prof.get(key)
-            row[key.removesuffix("_version")] = None if v is None else str(v)
-        digest = prof.get("ops_digest")
-        row["ops_digest"] = digest if isinstance(digest, str) else None
-        count = prof.get("ops_count")
-        row["ops_count"] = count if isinstance(count, int) and not isinstance(count, bool) \
-            else None
-        off = prof.get("ops_disabled")
-        row["ops_disabled"] = [str(x) for x in off[:64]] if isinstance(off, list) else []
+            v = getattr(prof, key)
+            row[key.removesuffix("_version")] = str(v) if v else None
+        row["ops_digest"] = prof.ops_digest or None
+        row["ops_count"] = prof.ops_count if prof.ops_digest else None
+        row["ops_disabled"] = list(prof.ops_disabled[:64])
         nodes.append(row)
-        if m.get("state") not in ("dead", "left") and row["torch"] is not None:
+        if m.state not in ("dead", "left") and row["torch"] is not None:
             torch_of.setdefault(row["torch"], []).append(node_id)
     mixed = len(torch_of) > 1
     versions = "; ".join(f"{v} on {', '.join(sorted(ids))}" for v, ids in sorted(torch_of.items()))
@@ -571,8 +565,14 @@ def software_summary(members: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
 class Profiler:
     """Holds the static profile; `__call__` adds what changes (free memory) each time."""
 
-    def __init__(self, static: dict[str, Any]) -> None:
-        self.static = dict(static)
+    def __init__(self, static: NodeProfile) -> None:
+        self.static = static
 
-    def __call__(self) -> dict[str, Any]:
-        return {**self.static, "free_memory_bytes": free_memory_bytes()}
+    def update(self, **fields: Any) -> None:
+        """Set fields of the static profile (e.g. the op set's, `OpSet.profile_fields`)."""
+        if isinstance(fields.get("ops_disabled"), list):
+            fields["ops_disabled"] = tuple(fields["ops_disabled"])
+        self.static = dataclasses.replace(self.static, **fields)
+
+    def __call__(self) -> NodeProfile:
+        return dataclasses.replace(self.static, free_memory_bytes=free_memory_bytes())

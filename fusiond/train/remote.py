@@ -54,7 +54,15 @@ from fusiond.train.stage import (
 )
 from protocol import ir
 from protocol.limits import DEFAULT_LIMITS, Limits
-from protocol.messages import Assign, Backward, Forward, Message
+from protocol.messages import (
+    Assign,
+    AssignConfig,
+    Backward,
+    DataConfig,
+    Forward,
+    Message,
+    OptimizerConfig,
+)
 
 __all__ = [
     "CONFIG_VERSION",
@@ -72,7 +80,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 CONFIG_VERSION = 1
-"""Version of the `Assign.config` map written by `job_config`."""
+"""Version of the `Assign.config` record (`protocol.messages.AssignConfig`) `job_config`
+writes."""
 DATA_TOKENS_KEY = "__fusion_data__.tokens"
 """Entry of an Assign's safetensors payload carrying the shipped text corpus (token ids)."""
 PARAM_PREFIX = "param:"
@@ -94,8 +103,8 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
                shared: Mapping[int, Mapping[str, Sequence[int]]],
                input_name: str, targets_name: str | None, loss_name: str,
                corpus_digest: str = "", default_corpus: bool = False,
-               recv_timeout_s: float | None = None, first_step: int = 0) -> dict[str, Any]:
-    """The `Assign.config` map for a job (the same for every stage; msgpack-able).
+               recv_timeout_s: float | None = None, first_step: int = 0) -> AssignConfig:
+    """The `Assign.config` record for a job (the same for every stage).
 
     `stage_nodes`: stage -> node id for every stage; `shared`: stage -> {tied parameter -> the
     other stages holding it}; the names say which sub-graph inputs are data and which output
@@ -109,36 +118,34 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
     """
     o = spec.optimizer
     d = spec.data
-    extra: dict[str, Any] = {}
-    if recv_timeout_s is not None:
-        extra["recv_timeout_s"] = float(recv_timeout_s)
-    return extra | {
-        "version": CONFIG_VERSION,
-        "steps": spec.steps,
-        "first_step": int(first_step),
-        "seed": spec.seed,
-        "checkpoint_interval": spec.checkpoint_interval,
-        "batch_size": spec.batch.size,
-        "micro_batches": spec.batch.micro_batches,
-        "pipeline": spec.batch.pipeline,
-        "per_row": spec.compression.per_row,
-        "optimizer": {
-            "kind": o.kind, "lr": o.lr, "weight_decay": o.weight_decay, "betas": list(o.betas),
-            "eps": o.eps, "momentum": o.momentum, "schedule": o.schedule,
-            "warmup_steps": o.warmup_steps, "min_lr": o.min_lr,
-        },
-        "data": {
-            "kind": d.kind, "path": None if d.path is None else str(d.path),
-            "tokenizer": d.tokenizer, "seq_len": d.seq_len, "image_size": d.image_size,
-            "channels": d.channels, "num_classes": d.num_classes,
-            "digest": corpus_digest, "default_corpus": default_corpus,
-        },
-        "input_name": input_name,
-        "targets_name": targets_name,
-        "loss_name": loss_name,
-        "stage_nodes": {str(s): n for s, n in stage_nodes.items()},
-        "shared": {str(s): {k: list(v) for k, v in m.items()} for s, m in shared.items()},
-    }
+    return AssignConfig(
+        version=CONFIG_VERSION,
+        steps=spec.steps,
+        first_step=int(first_step),
+        seed=spec.seed,
+        checkpoint_interval=spec.checkpoint_interval,
+        batch_size=spec.batch.size,
+        micro_batches=spec.batch.micro_batches,
+        pipeline=spec.batch.pipeline,
+        per_row=spec.compression.per_row,
+        optimizer=OptimizerConfig(
+            kind=o.kind, lr=float(o.lr), weight_decay=float(o.weight_decay),
+            betas=(float(o.betas[0]), float(o.betas[1])), eps=float(o.eps),
+            momentum=float(o.momentum), schedule=o.schedule, warmup_steps=o.warmup_steps,
+            min_lr=float(o.min_lr)),
+        data=DataConfig(
+            kind=d.kind, path=None if d.path is None else str(d.path),
+            tokenizer=d.tokenizer, seq_len=d.seq_len, image_size=d.image_size,
+            channels=d.channels, num_classes=d.num_classes,
+            digest=corpus_digest, default_corpus=default_corpus),
+        input_name=input_name,
+        targets_name=targets_name,
+        loss_name=loss_name,
+        stage_nodes={str(s): n for s, n in stage_nodes.items()},
+        shared={str(s): {k: tuple(int(x) for x in v) for k, v in m.items()}
+                for s, m in shared.items()},
+        recv_timeout_s=None if recv_timeout_s is None else float(recv_timeout_s),
+    )
 
 
 @dataclass(frozen=True)
@@ -176,21 +183,14 @@ class StageAssignment:
     """The step the attempt starts at (the JobStart's `first_step` says the same)."""
 
 
-def _get(cfg: Mapping[str, Any], key: str, typ: type | tuple[type, ...], where: str) -> Any:
-    if key not in cfg:
-        raise RemoteError(f"Assign.config.{where}{key}: missing")
-    v = cfg[key]
-    if not isinstance(v, typ) or (isinstance(v, bool) and typ in (int, float, (int, float))):
-        raise RemoteError(f"Assign.config.{where}{key}: wrong type {type(v).__name__}")
-    return v
-
-
 def decode_assign(msg: Assign, payload: bytes | memoryview, *,
                   limits: Limits = DEFAULT_LIMITS) -> StageAssignment:
     """Validate an Assign and its weights; `RemoteError` names the bad field."""
     cfg = msg.config
-    if cfg.get("version") != CONFIG_VERSION:
-        raise RemoteError(f"Assign.config.version: {cfg.get('version')!r}, want {CONFIG_VERSION}")
+    if cfg is None:
+        raise RemoteError("Assign.config: missing")
+    if cfg.version != CONFIG_VERSION:
+        raise RemoteError(f"Assign.config.version: {cfg.version!r}, want {CONFIG_VERSION}")
     try:
         graph = ir.loads(msg.graph, limits)
     except Exception as e:
@@ -229,80 +229,57 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
                 raise RemoteError(f"Assign.edges: partition {s} on two nodes")
             if node not in msg.nodes:
                 raise RemoteError(f"Assign.nodes: no address for {node!r}")
-    o = _get(cfg, "optimizer", dict, "")
-    d = _get(cfg, "data", dict, "")
-    betas = _get(o, "betas", list, "optimizer.")
-    shared_raw = _get(cfg, "shared", dict, "").get(str(stage), {})
-    shared = {str(k): tuple(int(x) for x in v) for k, v in shared_raw.items()}
-    stage_map = _get(cfg, "stage_nodes", dict, "")
+    o, d = cfg.optimizer, cfg.data
+    shared = {k: tuple(v) for k, v in cfg.shared.get(str(stage), {}).items()}
+    stage_map = cfg.stage_nodes
     stages = len(stage_map)
     if not 0 <= stage < stages:
         raise RemoteError(f"Assign.partition: {stage} is not a stage of {stages}")
     for s in {x for v in shared.values() for x in v} | set(stage_nodes):
-        node = stage_map.get(str(s))
-        if not isinstance(node, str) or node not in msg.nodes:
+        on = stage_map.get(str(s))
+        if on is None or on not in msg.nodes:
             raise RemoteError(f"Assign.config.stage_nodes: no node for stage {s}")
-        if stage_nodes.setdefault(s, node) != node:
-            raise RemoteError(f"Assign: stage {s} is on {node!r} and {stage_nodes[s]!r}")
+        if stage_nodes.setdefault(s, on) != on:
+            raise RemoteError(f"Assign: stage {s} is on {on!r} and {stage_nodes[s]!r}")
     try:
         optimizer = OptimizerSpec(
-            kind=_get(o, "kind", str, "optimizer."),
-            lr=float(_get(o, "lr", (int, float), "optimizer.")),
-            weight_decay=float(_get(o, "weight_decay", (int, float), "optimizer.")),
-            betas=(float(betas[0]), float(betas[1])),
-            eps=float(_get(o, "eps", (int, float), "optimizer.")),
-            momentum=float(_get(o, "momentum", (int, float), "optimizer.")),
-            schedule=_get(o, "schedule", str, "optimizer."),
-            warmup_steps=int(_get(o, "warmup_steps", int, "optimizer.")),
-            min_lr=float(_get(o, "min_lr", (int, float), "optimizer.")),
+            kind=o.kind,  # type: ignore[arg-type]  # checked below
+            lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps,
+            momentum=o.momentum, schedule=o.schedule,  # type: ignore[arg-type]
+            warmup_steps=o.warmup_steps, min_lr=o.min_lr,
         )
-        path = d.get("path")
-        if d.get("default_corpus") is True:  # this machine's own standard library
-            path = str(default_text_path())
-        digest = d.get("digest", "")
-        if not isinstance(digest, str):
-            raise RemoteError("Assign.config.data.digest: wrong type")
+        path = str(default_text_path()) if d.default_corpus else d.path  # the stage's own
         data = DataSpec(
-            kind=_get(d, "kind", str, "data."), path=None if path is None else Path(str(path)),
-            tokenizer=_get(d, "tokenizer", str, "data."), seq_len=_get(d, "seq_len", int, "data."),
-            image_size=_get(d, "image_size", int, "data."),
-            channels=_get(d, "channels", int, "data."),
-            num_classes=_get(d, "num_classes", int, "data."),
+            kind=d.kind, path=None if path is None else Path(path),  # type: ignore[arg-type]
+            tokenizer=d.tokenizer, seq_len=d.seq_len, image_size=d.image_size,
+            channels=d.channels, num_classes=d.num_classes,
         )
-        size = _get(cfg, "batch_size", int, "")
-        micro = _get(cfg, "micro_batches", int, "")
+        size, micro = cfg.batch_size, cfg.micro_batches
         if size < 1 or micro < 1 or size % micro:
             raise RemoteError(f"Assign.config: batch_size {size} / micro_batches {micro}")
-        batch = BatchSpec(size=size, micro_batches=micro, pipeline=_get(cfg, "pipeline", str, ""))
+        batch = BatchSpec(size=size, micro_batches=micro,
+                          pipeline=cfg.pipeline)  # type: ignore[arg-type]
     except (IndexError, ValueError) as e:
         raise RemoteError(f"Assign.config: {e}") from e
     if optimizer.kind not in ("adamw", "sgd"):
         raise RemoteError(f"Assign.config.optimizer.kind: {optimizer.kind!r}")
-    targets = cfg.get("targets_name")
-    recv_timeout = cfg.get("recv_timeout_s")
-    if recv_timeout is not None and (
-            isinstance(recv_timeout, bool) or not isinstance(recv_timeout, int | float)
-            or not MIN_RECV_TIMEOUT_S <= recv_timeout <= MAX_RECV_TIMEOUT_S):
+    recv_timeout = cfg.recv_timeout_s
+    if recv_timeout is not None and not MIN_RECV_TIMEOUT_S <= recv_timeout <= MAX_RECV_TIMEOUT_S:
         raise RemoteError(f"Assign.config.recv_timeout_s: {recv_timeout!r} is not a number of "
                           f"seconds in [{MIN_RECV_TIMEOUT_S:g}, {MAX_RECV_TIMEOUT_S:g}]")
-    steps = _get(cfg, "steps", int, "")
-    first_step = cfg.get("first_step", 0)
-    if isinstance(first_step, bool) or not isinstance(first_step, int) \
-            or not 0 <= first_step < max(1, steps):
+    steps, first_step = cfg.steps, cfg.first_step
+    if not 0 <= first_step < max(1, steps):
         raise RemoteError(f"Assign.config.first_step: {first_step!r} is not a step of the job's "
                           f"{steps}")
     return StageAssignment(
         job_id=msg.job_id, plan_version=msg.plan_version, stage=stage, graph=graph, state=state,
         edges=tuple(edges), stages=stages, stage_nodes=stage_nodes,
-        steps=steps, first_step=first_step,
-        seed=_get(cfg, "seed", int, ""),
-        checkpoint_interval=int(cfg.get("checkpoint_interval", 0) or 0),
+        steps=steps, first_step=first_step, seed=cfg.seed,
+        checkpoint_interval=cfg.checkpoint_interval,
         batch=batch, optimizer=optimizer, data=data,
-        per_row=bool(cfg.get("per_row", True)), input_name=_get(cfg, "input_name", str, ""),
-        targets_name=targets if isinstance(targets, str) else None,
-        loss_name=_get(cfg, "loss_name", str, ""), shared=shared, data_tokens=data_tokens,
-        data_digest=digest,
-        recv_timeout_s=None if recv_timeout is None else float(recv_timeout),
+        per_row=cfg.per_row, input_name=cfg.input_name, targets_name=cfg.targets_name,
+        loss_name=cfg.loss_name, shared=shared, data_tokens=data_tokens, data_digest=d.digest,
+        recv_timeout_s=recv_timeout,
     )
 
 

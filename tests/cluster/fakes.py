@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from fusiond.cluster import Cluster, ClusterConfig, ClusterView, Trust, TrustError
 from protocol.frames import Buffer, FrameDecoder
-from protocol.messages import Message, decode_message, encode_message
+from protocol.messages import Message, NodeProfile, decode_message, encode_message
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +292,7 @@ class Swarm:
         self.addresses[node_id] = net.address
         cfg = config or self.config
         cfg = replace(cfg, bootstrap=tuple(bootstrap))
-        prof = dict(profile or {"gflops": 10.0, "memory_bytes": 1 << 30})
+        prof = NodeProfile(**(profile or {"gflops": 10.0, "memory_bytes": 1 << 30}))  # type: ignore[arg-type]
         node = Cluster(node_id=node_id, cluster_id="test", net=net, advertise=net.address,
                        profile=lambda: prof, config=cfg, incarnation=incarnation,
                        state_path=state_path, members_path=members_path,

@@ -60,7 +60,7 @@ async def test_five_nodes_converge_on_members_and_one_leader(swarm: Swarm) -> No
     assert n2 is not None and n2.source == "bootstrap"
     # Profiles travel with gossip.
     n3 = views["n1"].member("n3")
-    assert n3 is not None and n3.profile["gflops"] == 10.0
+    assert n3 is not None and n3.profile.gflops == 10.0
 
 
 async def test_crashed_worker_is_suspected_then_dead_on_time(swarm: Swarm) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from fusiond.cluster.election import (
     CONFLICT,
     TERM_LEAD_MAX,
@@ -14,7 +16,7 @@ from fusiond.cluster.election import (
     rank_order,
 )
 from fusiond.cluster.membership import MemberRecord
-from protocol.messages import Leader, LeaderAck, PreVote, Vote, VoteRequest
+from protocol.messages import Leader, LeaderAck, NodeProfile, PreVote, Vote, VoteRequest
 
 T = ElectionTiming(election_timeout_s=1.0, heartbeat_s=0.25, lease_s=0.8, stagger_s=0.3,
                    jitter_s=0.0, grace_s=0.5)
@@ -27,7 +29,8 @@ def role(el: Election) -> Role:
 
 
 def rec(node_id: str, incarnation: int = 1, **profile: float) -> MemberRecord:
-    return MemberRecord(node_id, ("127.0.0.1", 1), incarnation, 0, "alive", dict(profile))
+    return MemberRecord(node_id, ("127.0.0.1", 1), incarnation, 0, "alive",
+                        NodeProfile(**profile))  # type: ignore[arg-type]
 
 
 # -- rank -----------------------------------------------------------------------------------
@@ -70,9 +73,9 @@ def test_connectivity_uses_the_better_direction_and_the_median() -> None:
 
 
 def test_capability_reads_the_daemon_profile_keys() -> None:
-    assert capability({"gflops": 2.0, "device_memory_bytes": 10}) == (2e9, 10.0)
-    assert capability({"flops": 5.0, "memory_bytes": 3}) == (5.0, 3.0)
-    assert capability({"gflops": "fast", "memory_bytes": True}) == (0.0, 0.0)
+    assert capability(NodeProfile(gflops=2.0, device_memory_bytes=10)) == (2e9, 10.0)
+    assert capability(NodeProfile(memory_bytes=3)) == (0.0, 3.0)
+    assert capability(NodeProfile(gflops=math.inf)) == (0.0, 0.0)
 
 
 def test_majority() -> None:

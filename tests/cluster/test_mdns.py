@@ -11,6 +11,7 @@ import pytest
 
 from fusiond.cluster import Cluster
 from fusiond.cluster.discovery import MdnsDiscovery, parse_txt
+from protocol.messages import NodeProfile
 from tests.cluster.fakes import FAST, FakeHub, FakeNet, until
 
 MDNS = dataclasses.replace(FAST, mdns=True, mdns_interfaces=("127.0.0.1",))
@@ -26,7 +27,7 @@ async def test_two_nodes_find_each_other_by_mdns_and_ignore_another_cluster() ->
                              ("stranger", f"other-{uuid.uuid4().hex[:8]}")):
             net = FakeNet(hub, f"{node_id}-{cluster_id}")
             node = Cluster(node_id=net.node_id, cluster_id=cid, net=net, advertise=net.address,
-                           profile=lambda: {"gflops": 1.0}, config=MDNS)
+                           profile=lambda: NodeProfile(gflops=1.0), config=MDNS)
             net.handler = node.handle
             nodes.append(node)
             nets.append(net)

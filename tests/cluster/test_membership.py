@@ -5,24 +5,20 @@ from __future__ import annotations
 import pytest
 
 from fusiond.cluster.membership import ELIDED, Link, MemberRecord, Membership
-from fusiond.cluster.service import (
-    plain_profile,
-    profile_from_wire,
-    profile_to_wire,
-    record_from_wire,
-    record_to_wire,
-)
+from fusiond.cluster.service import checked_profile, record_from_wire, record_to_wire
+from protocol.messages import NodeProfile
 
 
 def mk(now: float = 0.0) -> Membership:
-    return Membership(node_id="me", address=("127.0.0.1", 1), incarnation=100, profile={},
+    return Membership(node_id="me", address=("127.0.0.1", 1), incarnation=100,
+                      profile=NodeProfile(),
                       now=now, suspect_after_s=2.0, dead_after_s=5.0)
 
 
 def r(node_id: str, inc: int = 1, hb: int = 0, state: str = "alive",
       links: dict[str, Link] | None = None) -> MemberRecord:
-    return MemberRecord(node_id, ("10.0.0.1", 7), inc, hb, state, {"gflops": 1.0},  # type: ignore[arg-type]
-                        links or {})
+    return MemberRecord(node_id, ("10.0.0.1", 7), inc, hb, state,  # type: ignore[arg-type]
+                        NodeProfile(gflops=1.0), links or {})
 
 
 def test_failure_detector_alive_suspect_dead_by_silence() -> None:
@@ -126,25 +122,23 @@ def test_hint_source_upgrades_to_the_most_direct() -> None:
 
 def test_timeouts_validated() -> None:
     with pytest.raises(ValueError):
-        Membership(node_id="x", address=("h", 1), incarnation=1, profile={}, now=0.0,
+        Membership(node_id="x", address=("h", 1), incarnation=1,
+                   profile=NodeProfile(), now=0.0,
                    suspect_after_s=5.0, dead_after_s=5.0)
 
 
 def test_wire_round_trip_keeps_profile_links_and_state() -> None:
     rec = MemberRecord("a", ("10.0.0.2", 7420), 7, 3, "suspect",
-                       {"gflops": 12.5, "device_kind": "cpu", "torch_version": "2.13.0",
-                        "free_memory_bytes": 123},
+                       NodeProfile(gflops=12.5, device_kind="cpu", torch_version="2.13.0",
+                                   free_memory_bytes=123),
                        {"b": Link(1e9, 0.002, 0.04, 1.7e9)})
     entry = record_to_wire(rec)
-    assert entry.profile is not None and entry.profile.flops == 12.5e9
+    assert entry.profile is not None and entry.profile.gflops == 12.5
     assert entry.profile.software["torch"] == "2.13.0"
     assert entry.links[0].bandwidth_bits_per_s == 1e9
     assert entry.links[0].bandwidth_spread_ratio == 0.04 and entry.links[0].measured_at == 1.7e9
     back = record_from_wire(entry)
     assert back == rec
-    assert profile_from_wire(None) == {}
-    bare = profile_to_wire("x", {})
-    assert profile_from_wire(bare)["node_id"] == "x"
 
 
 def test_heartbeat_only_entries_keep_the_known_profile_and_links() -> None:
@@ -159,11 +153,13 @@ def test_heartbeat_only_entries_keep_the_known_profile_and_links() -> None:
     assert got.heartbeat == 2 and got.profile == full.profile and got.links == full.links
     # A member first heard of through a heartbeat-only entry starts with an empty profile.
     m.merge([record_from_wire(record_to_wire(r("b"), full=False))], 0.5)
-    assert m.get("b").profile == {}  # type: ignore[union-attr]
+    assert m.get("b").profile == NodeProfile()  # type: ignore[union-attr]
+    assert m.get("b").profile is not ELIDED  # type: ignore[union-attr]
 
 
 def test_the_table_is_bounded() -> None:
-    m = Membership(node_id="me", address=("h", 1), incarnation=1, profile={}, now=0.0,
+    m = Membership(node_id="me", address=("h", 1), incarnation=1,
+                   profile=NodeProfile(), now=0.0,
                    suspect_after_s=1.0, dead_after_s=2.0, max_members=3)
     m.merge([r(f"x{i}") for i in range(10)], 0.0)
     assert len(m.ids()) == 3 and m.refused == 8
@@ -171,11 +167,12 @@ def test_the_table_is_bounded() -> None:
     assert m.get("x0").heartbeat == 5  # type: ignore[union-attr]
 
 
-def test_profiles_that_msgpack_cannot_carry_are_filtered() -> None:
-    clean, dropped = plain_profile({"ok": 1, "nested": {"a": [1, 2.5, "x", None]},
-                                    "obj": object(), "huge": 1 << 70, "setv": {1, 2}})
-    assert clean == {"ok": 1, "nested": {"a": [1, 2.5, "x", None]}}
-    assert sorted(dropped) == ["huge", "obj", "setv"]
+def test_profiles_the_schema_cannot_carry_are_refused_naming_the_field() -> None:
+    assert checked_profile(NodeProfile(gflops=1.0, ops_disabled=("aten.relu",))) is None
+    problem = checked_profile(NodeProfile(memory_bytes=1 << 70))
+    assert problem is not None and "NodeProfile.memory_bytes" in problem
+    problem = checked_profile(NodeProfile(torch_version=7))  # type: ignore[arg-type]
+    assert problem is not None and "torch_version: expected str" in problem
 
 
 def test_a_newer_body_alone_does_not_revive_a_silent_member() -> None:
@@ -185,11 +182,11 @@ def test_a_newer_body_alone_does_not_revive_a_silent_member() -> None:
     m.merge([r("a", hb=5)], 0.0)
     m.check(3.0)
     assert m.state("a") == "suspect"
-    body = MemberRecord("a", ("10.0.0.1", 7), 1, 4, "alive", {"gflops": 9.0}, {},
+    body = MemberRecord("a", ("10.0.0.1", 7), 1, 4, "alive", NodeProfile(gflops=9.0), {},
                         body_version=4)
     res = m.merge([body], 3.0)
     assert m.state("a") == "suspect" and not res.transitions
-    assert m.get("a").profile == {"gflops": 9.0}  # type: ignore[union-attr]
+    assert m.get("a").profile == NodeProfile(gflops=9.0)  # type: ignore[union-attr]
     assert [t.new for t in m.check(5.0)] == ["dead"]
 
 

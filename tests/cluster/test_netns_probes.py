@@ -31,6 +31,7 @@ CHILD = textwrap.dedent('''
     import asyncio, json, sys
     from fusiond.cluster import Cluster, ClusterConfig
     from fusiond.net import NetConfig, PeerNetwork
+    from protocol.messages import NodeProfile
 
     async def main(node_id, host, peer_host, mode, timeout):
         box = {}
@@ -47,7 +48,7 @@ CHILD = textwrap.dedent('''
         cfg = ClusterConfig(mdns=False, probes=probe, probe_interval_s=600.0,
                             bootstrap=((peer_host, %(port)d),) if probe else ())
         c = Cluster(node_id=node_id, cluster_id="netns-probe", net=net,
-                    advertise=(host, %(port)d), profile=lambda: {}, config=cfg)
+                    advertise=(host, %(port)d), profile=NodeProfile, config=cfg)
         box["c"] = c
         await c.start()
         print("READY", flush=True)

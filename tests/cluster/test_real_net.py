@@ -9,7 +9,7 @@ from typing import Any
 
 from fusiond.cluster import Cluster
 from fusiond.net import NetConfig, PeerNetwork
-from protocol.messages import Message
+from protocol.messages import Message, NodeProfile
 from tests.cluster.fakes import FAST, agreed_leader, until
 
 # Real sockets cost more CPU than the fake: timers closer to the daemon tests' than to FAST,
@@ -40,7 +40,7 @@ async def test_three_nodes_over_real_sockets() -> None:
             await net.ready()
             bootstrap = (nets[0].address,) if nets else ()
             node = Cluster(node_id=f"r{i}", cluster_id=cluster_id, net=net,
-                           advertise=net.address, profile=lambda: {"gflops": 1.0},
+                           advertise=net.address, profile=lambda: NodeProfile(gflops=1.0),
                            config=dataclasses.replace(CFG, bootstrap=bootstrap))
             box["node"] = node
             await node.start()

@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives import serialization
 
 from fusiond.cluster import NotAuthorizedError, Trust, TrustError, X509Authority
 from fusiond.cluster.membership import Link, MemberRecord
-from fusiond.cluster.service import profile_to_wire, record_from_wire, record_to_wire
+from fusiond.cluster.service import record_from_wire, record_to_wire
 from fusiond.cluster.trust import (
     body_digest,
     body_statement,
@@ -26,6 +26,7 @@ from protocol.messages import (
     LinkMeasurement,
     MemberEntry,
     MemberState,
+    NodeProfile,
     decode_message,
     encode_message,
 )
@@ -110,8 +111,9 @@ def test_support_signatures_name_term_leader_and_voter(tmp_path: Path,
 
 def test_body_digest_survives_the_wire() -> None:
 
-    profile = {"gflops": 12.5, "cpu_count": 4, "nested": {"x": [1, 2.0, "s", None]},
-               "flag": True, "big": 1 << 63}
+    profile = NodeProfile(gflops=12.5, cpu_count=4, memory_bytes=(1 << 64) - 1,
+                          ops_disabled=("aten.relu", "aten.gelu"), labels={"rack": "r1"},
+                          cpu_quota_cores=3)  # an int for a float field: encoded as a float
     links = {"b": Link(1e9, 0.002, 0.05, 1.7e9), "c": Link(0.0, 0.5)}
     rec = MemberRecord("a", ("h", 1), 1, 2, "alive", profile, links)
     entry = record_to_wire(rec)
@@ -120,9 +122,12 @@ def test_body_digest_survives_the_wire() -> None:
     assert isinstance(got, Gossip)
     back = record_from_wire(got.members[0])
     assert got.members[0].profile is not None
-    assert body_digest(dict(got.members[0].profile.extra), back.links) == body_digest(
-        profile, links)
-    assert profile_to_wire("a", profile).extra == profile
+    assert got.members[0].profile == profile and back.profile == profile
+    assert body_digest(got.members[0].profile, back.links) == body_digest(profile, links)
+    assert body_digest(profile, links) == body_digest(
+        NodeProfile(gflops=12.5, cpu_count=4, memory_bytes=(1 << 64) - 1,
+                    ops_disabled=("aten.relu", "aten.gelu"), labels={"rack": "r1"},
+                    cpu_quota_cores=3.0), links)
 
 
 def entry(**kw: object) -> MemberEntry:
@@ -169,7 +174,7 @@ def test_sign_and_verify_cost_per_entry(tmp_path: Path, ca: pki.ClusterCA) -> No
     for c in others:
         b.learn(c.node_id, c.credential)
     learn_s = (time.perf_counter() - t0) / len(others)
-    body = body_statement(ca.cluster_id, a.node_id, 1, 1, body_digest({"k": 1}, {}))
+    body = body_statement(ca.cluster_id, a.node_id, 1, 1, body_digest(NodeProfile(gflops=1.0), {}))
     assert b.verify_by(a.node_id, body, a.sign(body))
     print(f"sign {sign_s * 1e6:.0f} us, verify {verify_s * 1e6:.0f} us per entry; "
           f"certificate check {learn_s * 1e6:.0f} us (once per member)")

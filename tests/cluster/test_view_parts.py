@@ -8,7 +8,7 @@ import time
 from fusiond.cluster.membership import Link, MemberRecord
 from fusiond.cluster.service import VIEW_PART_BYTES
 from protocol.limits import DEFAULT_LIMITS
-from protocol.messages import encode_message
+from protocol.messages import NodeProfile, encode_message
 from tests.cluster.fakes import Swarm
 
 MEMBERS = 96
@@ -21,7 +21,7 @@ PROFILE = {"device_kind": "cpu", "device_name": "x86_64", "gflops": 7.7, "thread
 def _records(ids: list[str]) -> list[MemberRecord]:
     now = time.time()
     return [MemberRecord(i, ("10.0.0.1", 7420 + n), 3, 1 << 20, "alive",
-                         {**PROFILE, "hostname": f"host-{i}"},
+                         NodeProfile(**PROFILE, labels={"host": f"host-{i}"}),  # type: ignore[arg-type]
                          {p: Link(1e9, 0.001, 0.03, now) for p in ids if p != i})
             for n, i in enumerate(ids)]
 

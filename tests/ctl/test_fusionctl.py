@@ -8,6 +8,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -150,21 +151,25 @@ def test_status_says_no_quorum_in_plain_words(capsys: Capture) -> None:
 def test_status_shows_versions_and_warns_when_members_run_different_torch(
         capsys: Capture) -> None:
     from fusiond.profile import software_summary
+    from protocol.messages import NodeProfile
 
     def member(node: str, torch: str, state: str = "alive", off: list[str] | None = None
-               ) -> dict[str, object]:
-        return {"node_id": node, "state": state, "address": ["10.0.0.1", 7420],
-                "profile": {"torch_version": torch, "python_version": "3.11.7",
-                            "fusiond_version": "0.1.0", "protocol_version": 1,
-                            "ops_digest": "a" * 64, "ops_count": 211,
-                            "ops_disabled": off or []}}
+               ) -> SimpleNamespace:
+        return SimpleNamespace(
+            node_id=node, state=state, address=("10.0.0.1", 7420),
+            profile=NodeProfile(torch_version=torch, python_version="3.11.7",
+                                fusiond_version="0.1.0", protocol_version=1,
+                                ops_digest="a" * 64, ops_count=211,
+                                ops_disabled=tuple(off or ())))
 
     same = [member("na", "2.13.0"), member("nb", "2.13.0"), member("nc", "2.14.1", "dead")]
     assert software_summary(same)["warning"] is None  # a dead member does not count
     members = [member("na", "2.13.0"), member("nb", "2.14.1", off=["aten.gelu.default"])]
     sw = software_summary(members)
     assert sw["mixed_torch"] and sw["torch_versions"] == {"2.13.0": ["na"], "2.14.1": ["nb"]}
-    view = {"leader": "na", "term": 1, "has_quorum": True, "links": {}, "members": members}
+    view = {"leader": "na", "term": 1, "has_quorum": True, "links": {},
+            "members": [{"node_id": m.node_id, "state": m.state, "address": list(m.address),
+                         "profile": m.profile.to_wire()} for m in members]}
     render_status({"node": {"node_id": "na", "phase": "running"}, "cluster": view,
                    "software": sw})
     out = capsys.readouterr().out

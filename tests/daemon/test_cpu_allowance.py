@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -28,6 +29,7 @@ from fusiond.profile import (
     sustained,
     tightest,
 )
+from protocol.messages import NodeProfile
 
 quotas = st.integers(min_value=1000, max_value=10**7)
 periods = st.integers(min_value=1000, max_value=10**6)
@@ -179,17 +181,17 @@ def test_cpu_allowance_without_a_visible_cgroup_is_the_affinity(tmp_path: Path) 
 def test_planner_fields_round_trip_through_the_gossiped_profile() -> None:
     m = MachineProfile("x", {"matmul": 4e10, "conv": 3e10, "other": 1e9}, mem_bw=5e9,
                        op_overhead_s=2e-5, memory_bytes=1.0)
-    prof = {"device_kind": "cpu", **planner_fields(m)}
+    prof = NodeProfile(device_kind="cpu", **planner_fields(m))
     back = machine_from_profile("node-1", prof, 2**30)
     assert back is not None
     assert back.flops == m.flops and back.mem_bw == m.mem_bw
     assert back.op_overhead_s == m.op_overhead_s and back.memory_bytes == 2**30
     assert back.id == "node-1"
-    assert machine_from_profile("n", {"gflops": 10.0}, 1.0) is None  # no calibration
-    slow = machine_from_profile("n", {**prof, "plan_wake_s": 0.008}, 1.0)
+    assert machine_from_profile("n", NodeProfile(gflops=10.0), 1.0) is None  # no calibration
+    slow = machine_from_profile("n", dataclasses.replace(prof, plan_wake_s=0.008), 1.0)
     assert slow is not None and slow.wake_s == 0.008 and back.wake_s == 0.0
     # a gossiped profile cannot claim a wake-up beyond the longest CFS period
-    huge = machine_from_profile("n", {**prof, "plan_wake_s": 1e9}, 1.0)
+    huge = machine_from_profile("n", dataclasses.replace(prof, plan_wake_s=1e9), 1.0)
     assert huge is not None and huge.wake_s == profile.MAX_WAKE_S
 
 
@@ -209,19 +211,19 @@ def test_profile_speed_follows_the_allowance(tmp_path: Path,
     monkeypatch.setattr(profile, "cpu_allowance",
                         lambda proc="/proc/self": CpuAllowance(0.25, 0.25, aff, "test", 0.01))
     quarter = profile.compute_profile(tmp_path, benchmark=True)  # cached: same raw numbers
-    assert quarter["cpu_cores"] == 0.25 and quarter["cpu_limit"] == "test"
-    assert quarter["cpu_quota_period_s"] == 0.01
-    assert quarter["plan_wake_s"] == pytest.approx(0.0075)  # 0.75 of each 10 ms period
-    assert full["threads"] == 1 and quarter["threads"] == 1
-    share = min(1.0, full["cpu_cores"]) / 0.25
-    assert quarter["gflops"] == pytest.approx(full["gflops_per_cpu_s"] * 0.25, rel=0.01)
-    assert full["gflops"] / quarter["gflops"] == pytest.approx(share, rel=0.01)
-    assert full["plan_flops_matmul"] / quarter["plan_flops_matmul"] == pytest.approx(share)
-    assert quarter["plan_op_overhead_s"] / full["plan_op_overhead_s"] == pytest.approx(share)
-    assert quarter["plan_wire_s_per_byte"] / full["plan_wire_s_per_byte"] == pytest.approx(share)
+    assert quarter.cpu_cores == 0.25 and quarter.cpu_limit == "test"
+    assert quarter.cpu_quota_period_s == 0.01
+    assert quarter.plan_wake_s == pytest.approx(0.0075)  # 0.75 of each 10 ms period
+    assert full.threads == 1 and quarter.threads == 1
+    share = min(1.0, full.cpu_cores) / 0.25
+    assert quarter.gflops == pytest.approx(full.gflops_per_cpu_s * 0.25, rel=0.01)
+    assert full.gflops / quarter.gflops == pytest.approx(share, rel=0.01)
+    assert full.plan_flops_matmul / quarter.plan_flops_matmul == pytest.approx(share)
+    assert quarter.plan_op_overhead_s / full.plan_op_overhead_s == pytest.approx(share)
+    assert quarter.plan_wire_s_per_byte / full.plan_wire_s_per_byte == pytest.approx(share)
     # the real transport's cost per message (two PeerNetworks over loopback TLS) is measured
-    assert 1e-7 < full["plan_msg_s"] < 1e-2
-    assert quarter["plan_msg_s"] / full["plan_msg_s"] == pytest.approx(share)
+    assert 1e-7 < full.plan_msg_s < 1e-2
+    assert quarter.plan_msg_s / full.plan_msg_s == pytest.approx(share)
 
 
 @given(st.floats(min_value=0.001, max_value=256), st.integers(min_value=1, max_value=128))

@@ -254,10 +254,11 @@ async def test_stop_during_a_slow_start_does_not_wait_for_it(
     import time
 
     from fusiond import profile
+    from protocol.messages import NodeProfile
 
-    def slow_profile(*a: Any, **k: Any) -> dict[str, Any]:
+    def slow_profile(*a: Any, **k: Any) -> NodeProfile:
         time.sleep(2.0)  # a long benchmark, in its thread
-        return {"device_kind": "cpu", "device_name": "x", "gflops": 0.0}
+        return NodeProfile(device_kind="cpu", device_name="x", gflops=0.0)
 
     monkeypatch.setattr(profile, "compute_profile", slow_profile)
     d = Daemon(_config(short_dir))

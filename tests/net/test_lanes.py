@@ -189,8 +189,7 @@ def test_our_largest_control_messages_fit_the_control_bound() -> None:
     members = tuple(
         MemberEntry(node_id=i, address=("10.0.0.1", 7420), incarnation=3, heartbeat=1 << 20,
                     state=MemberState.ALIVE,
-                    profile=NodeProfile(node_id=i, hostname="host-" + i, flops=7.7e9,
-                                        memory_bytes=1 << 34, cores=16, extra=extra),
+                    profile=NodeProfile(**extra, labels={"host": "host-" + i}),  # type: ignore[arg-type]
                     links=tuple(LinkMeasurement(peer=p, bandwidth_bits_per_s=1e9, rtt_s=0.001,
                                                 measured_at=1.7e9) for p in ids if p != i)
                     if i == ids[0] else ())

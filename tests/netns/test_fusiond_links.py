@@ -28,6 +28,7 @@ import pytest
 
 from deploy.testbed import list_namespaces, testbed
 from deploy.testbed.topology import parse_topology
+from protocol.messages import NodeProfile
 from tests.netns.conftest import (
     SETTLE_PROBE_INTERVAL_S,
     needs_delay_stage,
@@ -149,7 +150,8 @@ def test_fusionctl_plan_sees_the_shaped_links_and_plans_as_the_topology_file(
         # links, the planner run here on the job as the daemon restored it
         view = node.api("GET", "/v1/status")["cluster"]
         members = [SimpleNamespace(node_id=m["node_id"], state=m["state"],
-                                   address=tuple(m["address"]), profile=m["profile"])
+                                   address=tuple(m["address"]),
+                                   profile=NodeProfile.from_wire(m["profile"]))
                    for m in view["members"]]
         links = {(x, y): Link(topo.link(host_of[x], host_of[y]).bandwidth_bits_per_s,
                               topo.link(host_of[x], host_of[y]).rtt_s) for x, y in want}

@@ -22,11 +22,12 @@ from fusiond.plan import (
     render_plan,
 )
 from fusiond.units import bits_per_s_from_bytes_per_s, bytes_per_s_from_bits_per_s
+from protocol.messages import NodeProfile
 
 
 def _view(links: dict[tuple[str, str], Link]) -> SimpleNamespace:
     members = [SimpleNamespace(node_id=f"m{i}", state="alive", address=("127.0.0.1", 7420 + i),
-                               profile={"gflops": 100.0, "memory_bytes": 1e10})
+                               profile=NodeProfile(gflops=100.0, memory_bytes=10**10))
                for i in range(3)]
     return SimpleNamespace(members=members, links=links)
 

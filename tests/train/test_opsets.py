@@ -31,7 +31,7 @@ from fusiond.opsets import OpSet, check_op_names, digest_of_profile, lacking_ops
 from fusiond.train.remote import StageHost
 from fusiond.train.stage import StageConfig
 from protocol import ir
-from protocol.messages import Message, OpSetReply, OpSetRequest
+from protocol.messages import Message, NodeProfile, OpSetReply, OpSetRequest
 
 NAMES = ["n0", "n1", "n2"]
 LINEAR = "aten.linear.default"
@@ -44,8 +44,9 @@ def test_digest_is_of_the_set_not_the_order() -> None:
     a = ops_digest(["aten.add.Tensor", "sym.mul", "aten.add.Tensor"])
     assert a == ops_digest(["sym.mul", "aten.add.Tensor"])
     assert a != ops_digest(["sym.mul"]) and len(a) == 64
-    assert digest_of_profile({"ops_digest": a}) == a
-    assert digest_of_profile({"ops_digest": "zz"}) is None and digest_of_profile({}) is None
+    assert digest_of_profile(NodeProfile(ops_digest=a)) == a
+    assert digest_of_profile(NodeProfile(ops_digest="zz")) is None
+    assert digest_of_profile(NodeProfile()) is None
 
 
 def test_disabled_ops_leave_the_set_and_unknown_names_are_kept_apart() -> None:
@@ -169,10 +170,10 @@ class _Wire:
 
 
 def _member(node: str, ops: OpSet | None, state: str = "alive", **extra: Any) -> Any:
-    prof: dict[str, Any] = {"torch_version": "2.13.0", "gflops": 100.0,
-                            "memory_bytes": 1 << 30, **extra}
+    prof = NodeProfile(torch_version="2.13.0", gflops=100.0, memory_bytes=1 << 30, **extra)
     if ops is not None:
-        prof.update(ops.profile_fields())
+        prof = dataclasses.replace(prof, ops_digest=ops.digest, ops_count=len(ops.ops),
+                                   ops_disabled=tuple(ops.disabled))
     return SimpleNamespace(node_id=node, state=state, address=("127.0.0.1", 1), profile=prof,
                            rtt_s=0.001)
 

@@ -18,6 +18,7 @@ from fusiond.plan import (
     TensorEdge,
     plan_from_stages,
 )
+from protocol.messages import NodeProfile
 
 EDGES = ["b->1", "ids->1"]  # the cut's edges as the layout names them
 
@@ -97,7 +98,7 @@ async def test_service_sends_densities_when_the_measured_link_slows() -> None:
     # the view's links are gossiped in bits per second: 8e9 bit/s is the plan's 1e9 bytes/s
     links: dict[tuple[str, str], tuple[float, float]] = {("m0", "m1"): (8e9, 0.0)}
     members = [SimpleNamespace(node_id=f"m{i}", state="alive", address=("127.0.0.1", 1),
-                               profile={"gflops": 1000.0, "memory_bytes": 1e12})
+                               profile=NodeProfile(gflops=1000.0, memory_bytes=10**12))
                for i in range(2)]
     view = SimpleNamespace(members=members, links=links, leader="m0", term=1, has_quorum=True)
 

@@ -22,6 +22,7 @@ from protocol.messages import (
     JobSubmitReply,
     JobUpdate,
     Message,
+    NodeProfile,
 )
 
 pytestmark = pytest.mark.slow
@@ -69,7 +70,7 @@ def upload(job: Any, **meta: Any) -> bytes:
 
 def member(node_id: str) -> SimpleNamespace:
     return SimpleNamespace(node_id=node_id, state="alive", address=("127.0.0.1", 1),
-                           profile={"gflops": 100.0, "memory_bytes": 1e10})
+                           profile=NodeProfile(gflops=100.0, memory_bytes=10**10))
 
 
 class View(SimpleNamespace):

@@ -799,17 +799,70 @@ class JobStart(Message):
     first_step: int = 0
 
 
+MAX_STEP_TASKS: Final = 4096
+"""The most task timings one step report may carry."""
+MAX_STEP_EDGES: Final = 4096
+"""The most cut edges one step report may carry."""
+MAX_TASK_NAME_BYTES: Final = 64
+"""The longest task name in a step report's timeline."""
+
+
+@dataclass(frozen=True)
+class EdgeFigures(Struct):
+    """One cut edge's bytes in one step, as a stage sent them (fusiond.train.stage.EdgeStats)."""
+
+    edge: str
+    kind: str
+    """"forward", "backward" or "param_grad" (fusiond.train.stage.PacketKind)."""
+    peer: int
+    """The other stage."""
+    wire_bytes: int
+    dense_bytes: int
+    density: float | None = None
+    """The top-k density it was sent at (None: exact or int8)."""
+
+
+@dataclass(frozen=True)
+class StepFigures(Struct):
+    """What one stage did in one step (fusiond.train.stage.StepReport on the wire): seconds
+    from the step's start in `timeline` rows (task, ready_s, start_s, end_s, wait_s)."""
+
+    lr: float
+    wall_s: float
+    busy_s: float
+    loss: float | None = None
+    """The step's loss (the loss stage only)."""
+    edges: tuple[EdgeFigures, ...] = ()
+    timeline: tuple[tuple[str, float, float, float, float], ...] = ()
+    start_mono: float | None = None
+    """The step's start on the stage host's monotonic clock (lines up hosts of one machine)."""
+    wait_s: float = 0.0
+    """Seconds the stage sat waiting for its inputs over the step's tasks."""
+
+    def __post_init__(self) -> None:
+        if len(self.timeline) > MAX_STEP_TASKS:
+            raise ValueError(f"timeline: {len(self.timeline)} tasks, more than {MAX_STEP_TASKS}")
+        if len(self.edges) > MAX_STEP_EDGES:
+            raise ValueError(f"edges: {len(self.edges)}, more than {MAX_STEP_EDGES}")
+        for row in self.timeline:
+            if len(row[0].encode()) > MAX_TASK_NAME_BYTES:
+                raise ValueError(f"timeline: task name of {len(row[0].encode())} bytes, more "
+                                 f"than {MAX_TASK_NAME_BYTES}")
+        # Ranges (times >= 0, densities in (0, 1]) are the reader's checks:
+        # fusiond.train.stage.StepReport.from_figures.
+
+
 @dataclass(frozen=True)
 class StageStep(Message):
-    """Stage -> scheduler after each step: `figures` holds loss (loss stage only), lr, wall_s,
-    busy_s and per-edge bytes (see fusiond.train.stage.StepReport)."""
+    """Stage -> scheduler after each step: its `figures` (loss on the loss stage only, lr,
+    wall_s, busy_s, per-edge bytes, the task timeline)."""
 
     TYPE_ID: ClassVar[int] = 41
     job_id: str
     plan_version: int
     partition: int
     step: int
-    figures: dict[str, Any] = field(default_factory=dict)
+    figures: StepFigures
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ from fusiond.train.data import Batch, DataSource, split_micro_batches
 from fusiond.train.optim import lr_at, make_optimizer, set_lr
 from fusiond.train.schedule import Phase, Task
 from fusiond.train.spec import OptimizerSpec
+from protocol.messages import MAX_STEP_TASKS, MAX_TASK_NAME_BYTES, EdgeFigures, StepFigures
 
 __all__ = [
     "FAULT_JOB",
@@ -248,7 +249,7 @@ class EdgeStats:
     density: float | None = None
 
 
-MAX_TIMELINE = 4096
+MAX_TIMELINE = MAX_STEP_TASKS
 """The most task timings one step report may carry (a StageStep from the network)."""
 
 
@@ -293,46 +294,39 @@ class StepReport:
         """Share of the step's wall time this stage's worker spent computing."""
         return self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
 
-    def to_figures(self) -> dict[str, Any]:
-        """The msgpack-able `StageStep.figures` map of this report."""
-        return {
-            "loss": self.loss, "lr": self.lr, "wall_s": self.wall_s, "busy_s": self.busy_s,
-            "edges": [
-                {"edge": e.edge, "kind": str(e.kind), "peer": e.peer, "wire_bytes": e.wire_bytes,
-                 "dense_bytes": e.dense_bytes, "density": e.density}
-                for e in self.edges
-            ],
-            "timeline": [[t.task, round(t.ready_s, 6), round(t.start_s, 6), round(t.end_s, 6),
-                          round(t.wait_s, 6)] for t in self.timeline],
-            "start_mono": self.start_mono,
-            "wait_s": self.wait_s,
-        }
+    def to_figures(self) -> StepFigures:
+        """This report as `StageStep.figures` (the typed wire schema)."""
+        return StepFigures(
+            lr=self.lr, wall_s=self.wall_s, busy_s=self.busy_s, loss=self.loss,
+            edges=tuple(EdgeFigures(e.edge, str(e.kind), e.peer, e.wire_bytes, e.dense_bytes,
+                                    e.density) for e in self.edges),
+            timeline=tuple((t.task.encode()[:MAX_TASK_NAME_BYTES].decode(errors="ignore"),
+                            round(t.ready_s, 6), round(t.start_s, 6), round(t.end_s, 6),
+                            round(t.wait_s, 6)) for t in self.timeline[:MAX_TIMELINE]),
+            start_mono=self.start_mono, wait_s=self.wait_s)
 
     @classmethod
-    def from_figures(cls, stage: int, step: int, figures: Mapping[str, Any]) -> StepReport:
-        """Rebuild a report from `StageStep.figures`; `RemoteError` names a bad field."""
+    def from_figures(cls, stage: int, step: int, figures: StepFigures) -> StepReport:
+        """Rebuild a report from `StageStep.figures` (the schema checked types and bounds on
+        decode); `RemoteError` names an edge kind that is not one."""
+        where = f"StageStep.figures from stage {stage}"
+        for name in ("wall_s", "busy_s", "wait_s"):
+            v = getattr(figures, name)
+            if not 0.0 <= v < float("inf"):
+                raise RemoteError(f"{where}: {name} is {v}, not a duration")
+        for e in figures.edges:
+            if e.wire_bytes < 0 or e.dense_bytes < 0:
+                raise RemoteError(f"{where}: edge {e.edge!r} has negative byte counts")
+            if e.density is not None and not 0.0 < e.density <= 1.0:
+                raise RemoteError(f"{where}: edge {e.edge!r} density {e.density} not in (0, 1]")
         try:
-            loss = figures.get("loss")
-            edges = [
-                EdgeStats(str(e["edge"]), PacketKind(e["kind"]), int(e["peer"]),
-                          int(e["wire_bytes"]), int(e["dense_bytes"]),
-                          None if e.get("density") is None else float(e["density"]))
-                for e in figures.get("edges", [])
-            ]
-            rows = figures.get("timeline") or []
-            if len(rows) > MAX_TIMELINE:
-                raise ValueError(f"timeline: {len(rows)} tasks, more than {MAX_TIMELINE}")
-            timeline = [TaskTiming(str(r[0])[:32], float(r[1]), float(r[2]), float(r[3]),
-                                   float(r[4])) for r in rows]
-            mono = figures.get("start_mono")
-            wait = float(figures.get("wait_s") or 0.0)
-            if not 0.0 <= wait < float("inf"):
-                raise ValueError(f"wait_s: {wait}")
-            return cls(stage, step, None if loss is None else float(loss), float(figures["lr"]),
-                       float(figures["wall_s"]), float(figures["busy_s"]), edges, timeline,
-                       None if mono is None else float(mono), wait)
-        except (KeyError, TypeError, ValueError, IndexError) as e:
-            raise RemoteError(f"StageStep.figures from stage {stage}: bad or missing {e}") from e
+            edges = [EdgeStats(e.edge, PacketKind(e.kind), e.peer, e.wire_bytes, e.dense_bytes,
+                               e.density) for e in figures.edges]
+        except ValueError as e:
+            raise RemoteError(f"{where}: bad edge kind: {e}") from e
+        timeline = [TaskTiming(*row) for row in figures.timeline]
+        return cls(stage, step, figures.loss, figures.lr, figures.wall_s, figures.busy_s, edges,
+                   timeline, figures.start_mono, figures.wait_s)
 
 
 @dataclass

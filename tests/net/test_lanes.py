@@ -31,6 +31,7 @@ from protocol.messages import (
     Ping,
     Pong,
     ProbeData,
+    StepFigures,
     encode_message,
 )
 from tests.net.conftest import FAST, Inbox, NetFactory, make_cluster, make_node, until
@@ -195,9 +196,9 @@ def test_our_largest_control_messages_fit_the_control_bound() -> None:
                     if i == ids[0] else ())
         for i in ids)
     gossip = encode_message(Gossip(sender=ids[0], members=members, term=9, leader=ids[0]))
-    row = ["stage1/forward/mb1023", 0.123456, 0.234567, 0.345678, 0.0001]
-    figures = {"loss": 1.0, "lr": 1e-3, "wall_s": 1.0, "busy_s": 0.5, "edges": [],
-               "timeline": [row] * MAX_TIMELINE, "start_mono": 1.0, "wait_s": 0.1}
+    row = ("stage1/forward/mb1023", 0.123456, 0.234567, 0.345678, 0.0001)
+    figures = StepFigures(loss=1.0, lr=1e-3, wall_s=1.0, busy_s=0.5, edges=(),
+                          timeline=(row,) * MAX_TIMELINE, start_mono=1.0, wait_s=0.1)
     step = encode_message(StageStep(job_id="j", plan_version=1, partition=1, step=1,
                                     figures=figures))
     for parts in (gossip, step):

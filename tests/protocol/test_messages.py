@@ -38,12 +38,14 @@ from protocol.messages import (
     AssignConfig,
     Backward,
     DataConfig,
+    EdgeFigures,
     EdgeRoute,
     Error,
     Forward,
     Gossip,
     Hello,
     HelloAck,
+    JobSubmitReply,
     Lane,
     LinkMeasurement,
     MemberEntry,
@@ -54,7 +56,7 @@ from protocol.messages import (
     Ping,
     ProbeData,
     Refuse,
-    StageStep,
+    StepFigures,
     decode_message,
     encode_message,
     message_class,
@@ -371,10 +373,11 @@ def test_any_fields_are_bounded_in_depth() -> None:
     for _ in range(40):
         deep = [deep]
     with pytest.raises(LocalProtocolError, match="nested deeper than"):
-        encode_message(StageStep("j", 1, 0, 1, figures={"x": deep}))
-    header = {**StageStep("j", 1, 0, 1).to_wire(), "figures": {"x": deep}}
-    with pytest.raises(RemoteProtocolError, match=r"StageStep\.figures\['x'\].*nested deeper"):
-        decode_message(header_frame(StageStep, header))
+        encode_message(JobSubmitReply("r", True, summary={"x": deep}))
+    header = {**JobSubmitReply("r", True).to_wire(), "summary": {"x": deep}}
+    with pytest.raises(RemoteProtocolError,
+                       match=r"JobSubmitReply\.summary\['x'\].*nested deeper"):
+        decode_message(header_frame(JobSubmitReply, header))
     # Deeper than msgpack's own stack: still a protocol error, not a RecursionError.
     raw = b"\x91" * 100_000 + b"\xc0"
     [frame] = FrameDecoder().feed(frame_bytes(encode_frame(Assign.TYPE_ID, raw)))
@@ -511,7 +514,8 @@ def test_docs_list_every_message_with_its_id_and_fields(cls: type[Message]) -> N
 
 
 @pytest.mark.parametrize("cls", [LinkMeasurement, NodeProfile, MemberEntry, EdgeRoute,
-                                 AssignConfig, OptimizerConfig, DataConfig])
+                                 AssignConfig, OptimizerConfig, DataConfig, StepFigures,
+                                 EdgeFigures])
 def test_docs_list_every_record_field(cls: type[Struct]) -> None:
     section = doc_section(DOC.read_text(), f"**{cls.__name__}**")
     for field_name, _label, _required in cls.wire_fields():

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 from pathlib import Path
 
+import msgpack
 import pytest
 import torch
 
@@ -22,8 +23,16 @@ from fusiond.train.model import build_model, loss_fn
 from fusiond.train.programs import stage_programs
 from fusiond.train.remote import StageHost
 from fusiond.train.stage import StepReport
-from protocol.frames import FrameDecoder
-from protocol.messages import Assign, Message, decode_message, encode_message
+from protocol.errors import RemoteProtocolError
+from protocol.frames import Frame, FrameDecoder, encode_frame, frame_bytes
+from protocol.messages import (
+    Assign,
+    EdgeFigures,
+    Message,
+    StageStep,
+    decode_message,
+    encode_message,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -56,15 +65,35 @@ def _check_timelines(res: PipelineResult, micro_batches: int) -> None:
                 dataclasses.replace(t, ready_s=round(t.ready_s, 6), start_s=round(t.start_s, 6),
                                     end_s=round(t.end_s, 6), wait_s=round(t.wait_s, 6))
                 for t in rep.timeline]
-    fig = next(iter(res.reports.values()))[0].to_figures()
-    with pytest.raises(RemoteError, match="timeline"):
-        StepReport.from_figures(0, 0, {**fig, "timeline": [["F0", 0, 0, 0, 0]] * 5000})
-    for bad in ([["F0", "x", 0, 0, 0]], [["F0", 0.1]], 7):
-        with pytest.raises(RemoteError, match=r"StageStep\.figures from stage 0"):
-            StepReport.from_figures(0, 0, {**fig, "timeline": bad})
-    for wait in (-1.0, float("nan"), "x"):
-        with pytest.raises(RemoteError, match=r"wait_s|could not convert"):
-            StepReport.from_figures(0, 0, {**fig, "wait_s": wait})
+    # Off the wire, the StageStep schema bounds and types the figures before a report exists.
+    rep0 = next(iter(res.reports.values()))[0]
+    wire = StageStep("j", 1, 0, 0, figures=rep0.to_figures()).to_wire()
+    assert decode_message(_frame(StageStep, wire)).figures == rep0.to_figures()
+
+    def bad(**figures: object) -> None:
+        header = {**wire, "figures": {**wire["figures"], **figures}}
+        with pytest.raises(RemoteProtocolError, match=r"StageStep\.figures"):
+            decode_message(_frame(StageStep, header))
+
+    bad(timeline=[["F0", 0, 0, 0, 0]] * 5000)
+    for rows in ([["F0", "x", 0, 0, 0]], [["F0", 0.1]], 7, [["F" * 100, 0, 0, 0, 0]]):
+        bad(timeline=rows)
+    bad(wait_s="x")
+    bad(edges=[{"edge": "e", "kind": "forward", "peer": "one", "wire_bytes": 1,
+                "dense_bytes": 0}])
+    # ... and the reader checks the ranges, naming the field.
+    for odd, what in ((dict(wait_s=-1.0), "wait_s"), (dict(wall_s=float("nan")), "wall_s"),
+                      (dict(edges=(EdgeFigures("e", "sideways", 1, 0, 0),)), "bad edge kind"),
+                      (dict(edges=(EdgeFigures("e", "forward", 1, -1, 0),)), "negative"),
+                      (dict(edges=(EdgeFigures("e", "forward", 1, 1, 1, 1.5),)), "density")):
+        with pytest.raises(RemoteError, match=rf"StageStep\.figures from stage 0: .*{what}"):
+            StepReport.from_figures(0, 0, dataclasses.replace(rep0.to_figures(), **odd))
+
+
+def _frame(cls: type[Message], header: object) -> Frame:
+    raw = msgpack.packb(header, use_bin_type=True)
+    [frame] = FrameDecoder().feed(frame_bytes(encode_frame(cls.TYPE_ID, raw)))
+    return frame
 
 
 async def test_captured_partitions_match_eager(captured_tiny) -> None:  # type: ignore[no-untyped-def]

@@ -22,7 +22,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fusiond.errors import RemoteError, describe
 from fusiond.opsets import (
@@ -37,6 +37,9 @@ from fusiond.tasks import cancel_and_wait
 from protocol import ir
 from protocol.errors import RemoteProtocolError
 from protocol.messages import Message, NodeProfile, OpSetReply, OpSetRequest
+
+if TYPE_CHECKING:  # the cluster's view types, for annotations only
+    from fusiond.cluster import ClusterView, MemberView
 
 __all__ = ["MemberOpSets", "OpSetService", "check_reply", "graph_ops", "lack_reason",
            "refuse_stages", "refuse_unrunnable", "software_line"]
@@ -227,14 +230,14 @@ class OpSetService:
 
     # -- resolving ------------------------------------------------------------------------
 
-    async def resolve(self, view: Any) -> MemberOpSets:
+    async def resolve(self, view: ClusterView) -> MemberOpSets:
         """The op sets of `view`'s alive members: cached ones at once, the others fetched
         (concurrently, one request per digest, from the members that gossip it in turn)."""
         members = [m for m in view.members if m.state == "alive"]
         profiles: dict[str, NodeProfile] = {m.node_id: m.profile for m in members}
         digests: dict[str, str | None] = {m.node_id: digest_of_profile(profiles[m.node_id])
                                           for m in members}
-        holders: dict[str, list[Any]] = {}
+        holders: dict[str, list[MemberView]] = {}
         for m in members:
             d = digests[m.node_id]
             if d is not None and d not in self._cache:
@@ -260,7 +263,7 @@ class OpSetService:
                                 f"{errors.get(d, 'evicted')}"
         return MemberOpSets(ops, unknown, profiles)
 
-    async def _fetch(self, digest: str, holders: Sequence[Any]) -> frozenset[str]:
+    async def _fetch(self, digest: str, holders: Sequence[MemberView]) -> frozenset[str]:
         task = self._inflight.get(digest)
         if task is None:
             task = asyncio.create_task(self._fetch_from(digest, holders),
@@ -269,13 +272,13 @@ class OpSetService:
             task.add_done_callback(lambda _t: self._inflight.pop(digest, None))
         return await asyncio.shield(task)
 
-    async def _fetch_from(self, digest: str, holders: Sequence[Any]) -> frozenset[str]:
+    async def _fetch_from(self, digest: str, holders: Sequence[MemberView]) -> frozenset[str]:
         why: list[str] = []
         for m in holders:
             if self._closed:
                 raise RemoteError("the op set service is closing")
             try:
-                ops = await self._ask(m.node_id, digest, _timeout_s(getattr(m, "rtt_s", None)))
+                ops = await self._ask(m.node_id, digest, _timeout_s(m.rtt_s))
             except (RemoteError, TimeoutError, OSError) as e:
                 why.append(f"{m.node_id}: {describe(e)}")
                 continue

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,6 +41,9 @@ from fusiond.train.spec import JobSpec
 from fusiond.units import bytes_per_s_from_bits_per_s
 from protocol import ir
 from protocol.messages import Address, NodeProfile
+
+if TYPE_CHECKING:  # the cluster's view types, for annotations only
+    from fusiond.cluster import ClusterView
 
 __all__ = [
     "DEFAULT_GFLOPS",
@@ -73,7 +76,7 @@ def _member_memory_bytes(profile: NodeProfile) -> float:
     return 0.0
 
 
-def cluster_for_planner(view: Any, exclude: Iterable[str] = (),
+def cluster_for_planner(view: ClusterView, exclude: Iterable[str] = (),
                         op_sets: Mapping[str, frozenset[str] | None] | None = None
                         ) -> tuple[Cluster, dict[str, Address], dict[str, int]]:
     """The planner's `Cluster` from a `ClusterView`: alive members (less `exclude`), their
@@ -109,7 +112,7 @@ def cluster_for_planner(view: Any, exclude: Iterable[str] = (),
             machine = replace(machine, ops=ops)
         machines.append(machine)
     ids = [m.node_id for m in members]
-    links = dict(getattr(view, "links", {}) or {})
+    links = dict(view.links)
     k = len(ids)
     bw_bytes_per_s = [[DEFAULT_LINK_BYTES_PER_S] * k for _ in range(k)]
     rtt_s = [[0.0] * k for _ in range(k)]

@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fusiond.errors import FusionError, LocalError
 from fusiond.graph import state_to_bytes
@@ -59,6 +59,9 @@ from protocol.messages import (
 )
 
 __all__ = ["NotScheduler", "RunHere", "Submissions", "SubmitterHost"]
+
+if TYPE_CHECKING:  # the cluster's view type, for annotations only
+    from fusiond.cluster import ClusterView
 
 log = logging.getLogger("fusiond.jobs")
 
@@ -165,7 +168,7 @@ class Submissions:
     not in a cluster), `leadership()` who schedules in it, `store` where the outputs of the
     jobs submitted here go; `host` the rest (`SubmitterHost`)."""
 
-    def __init__(self, *, node_id: str, send: SendFn, view: Callable[[], Any],
+    def __init__(self, *, node_id: str, send: SendFn, view: Callable[[], ClusterView | None],
                  leadership: LeadershipFn, store: OutputStore, host: SubmitterHost) -> None:
         self.node_id = node_id
         self._send = send
@@ -284,8 +287,7 @@ class Submissions:
             if ok and lead.leader is not None:
                 return lead.leader
             if loop.time() >= deadline:
-                advice = getattr(view, "quorum_advice", lambda: None)() \
-                    or f"no scheduler elected (term {lead.term})"
+                advice = view.quorum_advice() or f"no scheduler elected (term {lead.term})"
                 raise NotScheduler(
                     f"no scheduler: {advice}; waited {SCHEDULER_WAIT_S:g}s. A minority of the "
                     "cluster never schedules: `fusionctl status` shows who is alive")

@@ -35,7 +35,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fusiond.errors import FusionError
 from fusiond.graph import state_to_bytes
@@ -57,6 +57,9 @@ from protocol.messages import (
     StageCheckpoint,
     StageStep,
 )
+
+if TYPE_CHECKING:  # the cluster's view type, for annotations only
+    from fusiond.cluster import ClusterView
 
 __all__ = ["AUTHORITY_WAIT_S", "JobWorker", "Leadership", "LeadershipFn", "SendFn",
            "local_sender"]
@@ -99,12 +102,11 @@ class Leadership:
     has_quorum: bool
 
     @classmethod
-    def of(cls, view: Any) -> Leadership | None:
+    def of(cls, view: ClusterView | None) -> Leadership | None:
         """From a `ClusterView` (None: not in a cluster)."""
         if view is None:
             return None
-        return cls(getattr(view, "leader", None), int(getattr(view, "term", 0)),
-                   bool(getattr(view, "has_quorum", False)))
+        return cls(view.leader, view.term, view.has_quorum)
 
 
 LeadershipFn = Callable[[], "Leadership | None"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
@@ -19,29 +19,26 @@ from prometheus_client.registry import Collector
 
 from fusiond.units import bytes_per_s_from_bits_per_s
 
+if TYPE_CHECKING:  # the records it reads, for annotations only
+    from fusiond.cluster import ClusterView
+    from fusiond.net.transport import PeerStats
+
 log = logging.getLogger("fusiond.metrics")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def _num(obj: Any, *names: str) -> float | None:
-    """First present numeric attribute/key among `names` of a stats object (or None)."""
-    for n in names:
-        v = obj.get(n) if isinstance(obj, Mapping) else getattr(obj, n, None)
-        if isinstance(v, int | float) and not isinstance(v, bool):
-            return float(v)
-    return None
-
-
 class DaemonCollector(Collector):
-    """Collects from callables returning the live state; each may return None when not up."""
+    """Collects from callables returning the live state; each may return None when not up:
+    the transport's per-peer `PeerStats` and the cluster's `ClusterView`, read as the typed
+    records they are."""
 
     def __init__(
         self,
         *,
         node_id: Callable[[], str],
-        net_stats: Callable[[], Mapping[str, Any] | None],
-        cluster_view: Callable[[], Any | None],
+        net_stats: Callable[[], Mapping[str, PeerStats] | None],
+        cluster_view: Callable[[], ClusterView | None],
         started_at: float,
     ) -> None:
         self._node_id = node_id
@@ -73,26 +70,12 @@ class DaemonCollector(Collector):
         conn = GaugeMetricFamily("fusion_net_connected_peers",
                                  "1 when a connection to the peer is open", labels=["peer"])
         for peer, st in stats.items():
-            for stage, names in (("wire", ("bytes_sent", "sent_bytes", "wire_bytes_sent")),
-                                 ("raw", ("raw_bytes_sent", "bytes_sent_raw"))):
-                v = _num(st, *names)
-                if v is not None:
-                    sent.add_metric([peer, stage], v)
-            for stage, names in (("wire", ("bytes_received", "received_bytes",
-                                           "wire_bytes_received")),
-                                 ("raw", ("raw_bytes_received", "bytes_received_raw"))):
-                v = _num(st, *names)
-                if v is not None:
-                    recv.add_metric([peer, stage], v)
-            for lane in ("control", "bulk"):
-                v = _num(st, f"{lane}_queue_depth", f"queue_{lane}", f"{lane}_queued")
-                if v is not None:
-                    depth.add_metric([peer, lane], v)
-            c = _num(st, "connected")
-            if c is None and isinstance(getattr(st, "connected", None), bool):
-                c = float(getattr(st, "connected"))  # noqa: B009 - bool is excluded by _num
-            if c is not None:
-                conn.add_metric([peer], c)
+            # "wire": every byte the sockets carried (frames and headers included)
+            sent.add_metric([peer, "wire"], float(st.bytes_sent))
+            recv.add_metric([peer, "wire"], float(st.bytes_received))
+            depth.add_metric([peer, "control"], float(st.control_queue_depth))
+            depth.add_metric([peer, "bulk"], float(st.bulk_queue_depth))
+            conn.add_metric([peer], 1.0 if st.connected else 0.0)
         yield from (sent, recv, depth, conn)
 
     def _collect_cluster(self) -> Iterator[Any]:
@@ -107,27 +90,23 @@ class DaemonCollector(Collector):
         members = GaugeMetricFamily("fusion_cluster_members", "Members by state",
                                     labels=["state"])
         counts: dict[str, int] = {}
-        for m in getattr(view, "members", ()):
-            state = str(getattr(m, "state", "unknown"))
-            state = getattr(getattr(m, "state", None), "value", state)
-            counts[str(state)] = counts.get(str(state), 0) + 1
-            nid = str(getattr(m, "node_id", ""))
-            r = _num(m, "rtt_s")
-            if r is not None:
-                rtt.add_metric([nid], r)
-            b = _num(m, "bandwidth_bits_per_s")
-            if b is not None:
-                bw.add_metric([nid], bytes_per_s_from_bits_per_s(b))
+        for m in view.members:
+            state = str(m.state)  # a StrEnum: its value
+            counts[state] = counts.get(state, 0) + 1
+            if m.rtt_s is not None:
+                rtt.add_metric([m.node_id], m.rtt_s)
+            if m.bandwidth_bits_per_s is not None:
+                bw.add_metric([m.node_id], bytes_per_s_from_bits_per_s(m.bandwidth_bits_per_s))
         for state, n in sorted(counts.items()):
             members.add_metric([state], n)
         term = GaugeMetricFamily("fusion_cluster_term", "Current election term")
-        term.add_metric([], float(getattr(view, "term", 0) or 0))
+        term.add_metric([], float(view.term))
         leader = GaugeMetricFamily("fusion_cluster_leader",
                                    "1 when this node is the elected scheduler")
-        leader.add_metric([], 1.0 if getattr(view, "leader", None) == self._node_id() else 0.0)
+        leader.add_metric([], 1.0 if view.leader == self._node_id() else 0.0)
         quorum = GaugeMetricFamily("fusion_cluster_quorum",
                                    "1 when this node sees a majority of members")
-        quorum.add_metric([], 1.0 if getattr(view, "has_quorum", False) else 0.0)
+        quorum.add_metric([], 1.0 if view.has_quorum else 0.0)
         yield from (rtt, bw, members, term, leader, quorum)
 
 

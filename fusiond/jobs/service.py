@@ -1,38 +1,34 @@
-"""The daemon's job service: hosts stages (JobWorker) and runs the jobs submitted here.
+"""The daemon's job service: hosts stages (JobWorker) and runs the jobs submitted here, by role.
 
 Every daemon runs one `JobService` once its peer network is up. It
 
 - hosts the stages the scheduler of a job assigns to this node (`JobWorker`);
-- takes submissions from the local API (`submit`): restores the job (IR + weights, validated
-  again), refuses it if the cluster's memory cannot hold it (`check_capacity`), plans it on the
-  live cluster view (`plan_job`: the members' gossiped profiles and the measured link matrix)
-  or cuts it over a requested number of machines, and runs a `JobCoordinator` for it;
-- keeps the outputs of the jobs submitted here (model.safetensors, metrics.json from the
-  job's full step history, the newest checkpoints) in its own store, `<state_dir>/outputs/`
-  (`fusiond.jobs.outputs.OutputStore`), from where `fusionctl` downloads them and writes them
-  at the job's output path as the user: the daemon never reads or writes a path named in a job;
-- re-adapts a planned job's AdaTopK densities to the measured links every
-  `compression.readapt_interval_s` (`_readapt`);
-- fails a job's attempt when a stage machine is declared dead (`node_failed`) or a stage
-  fails, then restarts it on the machines left, from its last checkpoint (`_restart`, up to
-  `job.max_restarts` times);
-- answers the API's read commands (`jobs`, `job`, `logs`, `outputs`) and `cancel`; each job
-  records the uid that submitted it (`owner_uid`), and the API lets only that user and the
-  daemon's operator at it.
+- takes submissions from the local API (`submit_upload`): validates the job file and the data
+  it carries, refuses at once a graph no live member can run, then hands it to the submitter
+  role (`fusiond.jobs.submission.Submissions`), which forwards it to the elected scheduler
+  (`JobSubmit`) and follows it there, or, this daemon being the scheduler, to the scheduler
+  role (`fusiond.jobs.scheduling.Scheduling`), which plans it and runs its attempts (restarts,
+  re-adaptation, updates and outputs back to the submitter, the hand-back when it loses the
+  lease);
+- routes the peer messages of the job protocol by type (`_handlers`): the submitter-side ones
+  to `Submissions`, the scheduler-side ones to `Scheduling`, the rest to the running
+  coordinators, then the worker; and membership changes to both roles (`on_view`);
+- keeps what both roles share on disk: each job's record and step history in the state dir
+  (`JobHistory`; step records fsync'ed at most `STEPS_FSYNC_S` apart), the outputs of the jobs
+  submitted here (model.safetensors, metrics.json from the job's full step history, the newest
+  checkpoints) in its own store, `<state_dir>/outputs/` (`fusiond.jobs.outputs.OutputStore`),
+  from where `fusionctl` downloads them and writes them at the job's output path as the user:
+  the daemon never reads or writes a path named in a job; and retires an ended job's record to
+  the past ones (`_retire`), pruning the store;
+- answers the API (`jobs`, `job`, `logs`, `outputs`, and `cancel`/`fetch`, handed to the role
+  that holds the job); each job records the uid that submitted it (`owner_uid`), and the API
+  lets only that user and the daemon's operator at it.
 
-A submission goes to the elected scheduler (`JobSubmit` over the peer network) when this
-daemon is not the scheduler: that submitter role (forward, follow the job's `JobUpdate`s and
-`JobOutput`s, fail it over) is `fusiond.jobs.submission.Submissions`, to which this service
-routes the submitter-side messages. As the scheduler, this service runs the coordinator,
-streams `JobUpdate`s back to the submitter (the status, and every step record since the last
-update) and sends the outputs (`JobOutput`), which the submitting daemon stores durably and
-acknowledges (`JobOutputAck`): the job is done only once the model is stored there. If it
-cannot be (a full disk), the job ends failed saying why, and the scheduler keeps the weights in
-memory until the submitter asks for them again (`JobFetch`, from `fusionctl fetch ID`). Only
-the scheduler of the current term, holding its lease (the view's leader is itself, with a
-quorum), plans, re-plans or re-adapts a job. A scheduler that loses its quorum stops at once:
-its attempts are cancelled and each job is handed back to its submitter, which resubmits it to
-the next scheduler, as when the scheduler dies.
+Its lifecycle orders the roles: `start` loads the past records and sweeps the store, then
+starts the roles and the worker; `close` stops new failovers, closes the scheduler role (its
+running attempts handed back or cancelled), its own persistence tasks, the submitter role,
+writes the last step records, and closes the worker. Each role gets a frozen host of callables
+(`SubmitterHost`, `SchedulerHost`), never the service itself.
 """
 
 from __future__ import annotations

@@ -435,7 +435,7 @@ class Scheduling:
             try:
                 async with asyncio.timeout(REMOTE_SEND_S):
                     await self._send(rec.submitter, JobUpdate(job_id=rec.job_id, status=st,
-                                                             handed_back=rec.handed_back), ())
+                                                              handed_back=rec.handed_back), ())
             except (LocalError, OSError, TimeoutError) as e:  # it asks, or sees us gone
                 log.info("job %s: hand-back to %s not sent: %s", rec.job_id, rec.submitter, e)
             return
@@ -1030,7 +1030,7 @@ class Scheduling:
         try:
             async with asyncio.timeout(REMOTE_OUTPUTS_S):
                 await self._send(rec.submitter, JobOutput(job_id=rec.job_id, name=MODEL,
-                                                         request_id=rid), (blob,))
+                                                          request_id=rid), (blob,))
                 return await fut
         except (LocalError, OSError, TimeoutError) as e:
             why = (f"no answer within {REMOTE_OUTPUTS_S:g}s" if isinstance(e, TimeoutError)

@@ -964,7 +964,7 @@ class JobUpdate(Message):
     status: dict[str, Any] = field(default_factory=dict)
     steps: tuple[dict[str, Any], ...] = ()
     """The step records (`StepMetrics.as_dict`) since the previous update, oldest first, a
-    bounded number per message (`fusiond.jobs.service.MAX_UPDATE_STEPS`); a record for a step
+    bounded number per message (`fusiond.jobs.scheduling.MAX_UPDATE_STEPS`); a record for a step
     the submitter already has supersedes it and every later one (a restarted or failed-over
     attempt redoes them)."""
     handed_back: str = ""

@@ -10,7 +10,7 @@ job's plan, with the reason in the job's log; a member that gossips no digest (a
 daemon) counts as running every op, and its stage's own check at Assign is the last word.
 
 Pure helpers (`lack_reason`, `graph_ops`, `refuse_unrunnable`, `refuse_stages`) turn the sets
-into the refusals `JobService.submit` raises, naming the op and the machines.
+into the refusals `Scheduling.submit` raises, naming the op and the machines.
 """
 
 from __future__ import annotations

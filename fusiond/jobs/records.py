@@ -1,7 +1,9 @@
 """What a daemon keeps of each job it knows in this run: `JobRecord`, a job coordinated here
 (submitted here, or for another submitting daemon), and `RemoteJob`, a job submitted here and
-coordinated by the scheduler elsewhere. Plain records: `JobService` (fusiond/jobs/service.py)
-changes them, `fusiond.jobs.views` renders them for the API.
+coordinated by the scheduler elsewhere. Plain records: the scheduler role (`Scheduling`,
+fusiond/jobs/scheduling.py) and the submitter role (`Submissions`, fusiond/jobs/submission.py)
+change them, `JobService` (fusiond/jobs/service.py) persists and retires them,
+`fusiond.jobs.views` renders them for the API.
 """
 
 from __future__ import annotations

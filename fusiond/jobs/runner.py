@@ -3,7 +3,7 @@
 `decide_restart` is the one place that says whether a failed attempt is restarted (and whom
 the next attempt leaves out), `released_exclusions` when a machine left out is planned
 again, and `derived_timeouts` how long an attempt waits for Ready and its stages for their
-inputs, from the measured links. `JobService` (fusiond/jobs/service.py) asks them, then acts:
+inputs, from the measured links. `Scheduling` (fusiond/jobs/scheduling.py) asks them, then acts:
 it re-plans, builds the next `JobCoordinator`, hands the job back. They take no service, no
 network and no clock: tests/train/test_restart_decision.py calls them with plain values.
 """

@@ -17,9 +17,9 @@ is resubmitted under its id to the next scheduler, from the last checkpoint sent
 asked (`JobQuery`, `_watch`) and fails it after `FAILOVER_WAIT_S`.
 
 `Submissions` holds this role's records and tasks; `JobService` (fusiond/jobs/service.py)
-routes it the submitter-side messages, runs the scheduler role it hands jobs to when this
-daemon is the scheduler, and keeps the step histories on disk (`SubmitterHost` names the
-little it needs from the service).
+routes it the submitter-side messages and keeps the step histories on disk; when this daemon
+is the scheduler it hands jobs to the scheduler role (`Scheduling.submit`,
+fusiond/jobs/scheduling.py). `SubmitterHost` names the little it needs from the service.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ if TYPE_CHECKING:  # the cluster's view type, for annotations only
 log = logging.getLogger("fusiond.jobs")
 
 UPDATE_S = 0.5
-"""How often the scheduler sends a remote submitter the job's status (`JobService._push`)."""
+"""How often the scheduler sends a remote submitter the job's status (`Scheduling._push`)."""
 SUBMIT_TIMEOUT_S = 300.0
 """How long a forwarded submission waits for the scheduler's answer (planning a big model)."""
 VIEW_RECHECK_S = 0.25
@@ -97,7 +97,7 @@ class NotScheduler(JobRefused):
 
 
 class RunHere(Protocol):
-    """The scheduler role on this daemon (`JobService.submit`): plan (and unless `dry_run`,
+    """The scheduler role on this daemon (`Scheduling.submit`): plan (and unless `dry_run`,
     start) the job here; its summary, or `NotScheduler` unless this daemon holds the lease."""
 
     def __call__(self, upload: Upload, *, dry_run: bool = False,

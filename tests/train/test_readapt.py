@@ -111,7 +111,7 @@ async def test_service_sends_densities_when_the_measured_link_slows() -> None:
     layout = SimpleNamespace(densities={}, edges=lambda: [SimpleNamespace(edge=e) for e in EDGES])
     rec = SimpleNamespace(state="running", coord=coord, layout=layout, plan=plan,
                           log=lines.append)
-    task = asyncio.create_task(svc._readapt(rec, 0.01))  # type: ignore[arg-type]
+    task = asyncio.create_task(svc.scheduling._readapt(rec, 0.01))  # type: ignore[arg-type]
     try:
         await asyncio.sleep(0.1)
         assert coord.sent == []  # fast link as planned: nothing to send

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from fusiond.jobs import service, submission
+from fusiond.jobs.scheduling import Scheduling
 from fusiond.jobs.service import JobService, NotScheduler
 from protocol.messages import (
     JobQuery,
@@ -454,15 +455,15 @@ def test_a_machine_that_failed_a_job_is_planned_again_once_it_restarted_or_later
         m.incarnation = 100 + i
     t0 = 1000.0
     rec.excluded = {"m1": (101, t0, False), "m2": (102, t0, False), "m3": (103, t0, True)}
-    assert JobService._excluded_now(rec, view, t0 + 1) == {"m1", "m2", "m3"}  # type: ignore[arg-type]
+    assert Scheduling._excluded_now(rec, view, t0 + 1) == {"m1", "m2", "m3"}  # type: ignore[arg-type]
     view.members[1].incarnation = 201  # m1 restarted
-    assert JobService._excluded_now(rec, view, t0 + 2) == {"m2", "m3"}  # type: ignore[arg-type]
+    assert Scheduling._excluded_now(rec, view, t0 + 2) == {"m2", "m3"}  # type: ignore[arg-type]
     assert lines == ["m1 planned again: it restarted since it failed"]
     late = t0 + service.EXCLUDE_FOR_S
-    assert JobService._excluded_now(rec, view, late) == {"m3"}  # type: ignore[arg-type]
+    assert Scheduling._excluded_now(rec, view, late) == {"m3"}  # type: ignore[arg-type]
     assert lines[-1] == f"m2 planned again: {service.EXCLUDE_FOR_S:g}s since it failed"
     view.members[3].incarnation = 203  # the machine that refused restarted (new torch, say)
-    assert JobService._excluded_now(rec, view, late) == set()  # type: ignore[arg-type]
+    assert Scheduling._excluded_now(rec, view, late) == set()  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("cause", [

@@ -282,15 +282,6 @@ class NodeProfile(Struct):
                "protocol": str(self.protocol_version) if self.protocol_version else ""}
         return {k: v for k, v in out.items() if v}
 
-    # Compatibility, until fusiond/jobs/service.py reads typed profiles: there
-    # `dict(member.profile or {})` must still give the wire map. Nothing else should use it.
-    def keys(self) -> list[str]:
-        """The wire map's keys (see `to_wire`); for `dict(profile)` only."""
-        return list(self.to_wire())
-
-    def __getitem__(self, key: str) -> Any:
-        return self.to_wire()[key]
-
 
 _PROFILE_TEXT_FIELDS: Final = ("device_kind", "device_name", "cpu_limit", "torch_version",
                                "python_version", "fusiond_version", "ops_digest")

@@ -35,7 +35,6 @@ from fusiond.opsets import (
 )
 from fusiond.tasks import cancel_and_wait
 from protocol import ir
-from protocol.errors import RemoteProtocolError
 from protocol.messages import Message, NodeProfile, OpSetReply, OpSetRequest
 
 if TYPE_CHECKING:  # the cluster's view types, for annotations only
@@ -67,26 +66,12 @@ class MemberOpSets:
 
     ops: Mapping[str, frozenset[str] | None] = field(default_factory=dict)
     unknown: Mapping[str, str] = field(default_factory=dict)
-    profiles: Mapping[str, NodeProfile | Mapping[str, Any]] = field(default_factory=dict)
-    """Read them with `profile(member)`. (A map, the profile's wire form, is accepted for
-    fusiond/jobs/service.py's `dict(m.profile or {})` until it passes typed profiles.)"""
+    profiles: Mapping[str, NodeProfile] = field(default_factory=dict)
+    """Read them with `profile(member)`."""
 
     def profile(self, member: str) -> NodeProfile:
         """`member`'s gossiped profile (an empty one when unknown)."""
-        return _typed(self.profiles.get(member))
-
-
-def _typed(profile: object) -> NodeProfile:
-    if isinstance(profile, NodeProfile):
-        return profile
-    if profile is None:
-        return NodeProfile()
-    try:
-        got = NodeProfile.from_wire(dict(profile) if isinstance(profile, Mapping) else profile)
-    except RemoteProtocolError:
-        return NodeProfile()
-    assert isinstance(got, NodeProfile)
-    return got
+        return self.profiles.get(member) or NodeProfile()
 
 
 def lack_reason(op: str, profile: NodeProfile) -> str:

@@ -35,7 +35,7 @@ import secrets
 import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -91,6 +91,9 @@ from protocol.messages import (
 
 __all__ = ["MAX_UPDATE_STEPS", "SchedulerHost", "Scheduling", "checked_data", "member_ops"]
 
+if TYPE_CHECKING:  # the cluster's view type, for annotations only
+    from fusiond.cluster import ClusterView
+
 log = logging.getLogger("fusiond.jobs")
 
 MAX_UPDATE_STEPS = 500
@@ -111,12 +114,11 @@ newer Assign supersedes a stale one and stale tensors are told apart by version 
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}-[0-9a-f]{6}")
 
 
-def _incarnation(view: Any, node_id: str) -> int | None:
-    """`node_id`'s incarnation in `view` (None: not a member, or not said)."""
-    for m in getattr(view, "members", ()) or ():
+def _incarnation(view: ClusterView | None, node_id: str) -> int | None:
+    """`node_id`'s incarnation in `view` (None: not a member, or no view)."""
+    for m in view.members if view is not None else ():
         if m.node_id == node_id:
-            inc = getattr(m, "incarnation", None)
-            return inc if isinstance(inc, int) else None
+            return m.incarnation
     return None
 
 
@@ -238,7 +240,7 @@ class Scheduling:
     go, `op_sets` the members' op sets; `ready_timeout_s` and `failure_grace_s` bound each
     attempt's coordinator; `host` the rest (`SchedulerHost`)."""
 
-    def __init__(self, *, node_id: str, send: SendFn, view: Callable[[], Any],
+    def __init__(self, *, node_id: str, send: SendFn, view: Callable[[], ClusterView | None],
                  leadership: LeadershipFn, store: OutputStore, op_sets: OpSetService | None,
                  ready_timeout_s: float, failure_grace_s: float, host: SchedulerHost) -> None:
         self.node_id = node_id
@@ -663,7 +665,7 @@ class Scheduling:
         why = self._not_leading()  # planning took a while: still ours to start?
         if why is not None:
             raise NotScheduler(f"{why}: only the scheduler starts jobs")
-        term = int(getattr(view, "term", 0))
+        term = view.term if view is not None else 0
         summary = {
             "job_id": job_id, "name": spec.name, "steps": spec.steps,
             "stages": [{"stage": s.stage, "node": s.node_id} for s in layout.stages],
@@ -774,7 +776,7 @@ class Scheduling:
     def _sets_of(self, cluster: Cluster) -> MemberOpSets:
         """The op sets the planner's `cluster` was built with, with the members' profiles."""
         view = self._view()
-        profiles = {m.node_id: dict(m.profile or {}) for m in (view.members if view else ())}
+        profiles = {m.node_id: m.profile for m in (view.members if view else ())}
         return MemberOpSets({m.id: m.ops for m in cluster.machines}, {}, profiles)
 
     # -- running its attempts ------------------------------------------------------------------

@@ -42,7 +42,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fusiond.jobs.coordinator import JobCoordinator
 from fusiond.jobs.history import HISTORY_KEPT, RECORDS_KEPT, JobHistory, StepHistory
@@ -85,6 +85,9 @@ from protocol.messages import (
 
 __all__ = ["JobService", "NotScheduler", "cluster_for_planner"]
 
+if TYPE_CHECKING:  # the cluster's view type, for annotations only
+    from fusiond.cluster import ClusterView
+
 log = logging.getLogger("fusiond.jobs")
 
 STEPS_FSYNC_S = 1.0
@@ -101,7 +104,8 @@ class JobService:
     schedules in it (by default read from `view()`), which both the stages hosted here (whose
     Assign to take) and the scheduling here (whether this daemon holds the lease) follow."""
 
-    def __init__(self, *, node_id: str, send_raw: SendFn, view: Callable[[], Any],
+    def __init__(self, *, node_id: str, send_raw: SendFn,
+                 view: Callable[[], ClusterView | None],
                  stage_config: StageConfig | None = None, ready_timeout_s: float = 120.0,
                  failure_grace_s: float = 2.0, state_dir: Path | None = None,
                  op_sets: OpSetService | None = None,

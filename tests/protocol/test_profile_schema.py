@@ -3,7 +3,6 @@ oversized field is refused with an error naming it."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest
@@ -120,7 +119,3 @@ def test_at_the_bound_is_accepted() -> None:
     assert _through_the_wire(p) == p
 
 
-def test_dict_gives_the_wire_map_for_the_jobs_service_compatibility_path() -> None:
-    p = NodeProfile(gflops=3.0, ops_disabled=("a",))
-    assert dict(p) == p.to_wire() and dict(p)["ops_disabled"] == ["a"]
-    assert dataclasses.replace(p, gflops=4.0).gflops == 4.0

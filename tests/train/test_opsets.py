@@ -259,7 +259,7 @@ def test_cluster_for_planner_carries_the_op_sets() -> None:
 def test_refusals_name_the_op_the_machines_and_why(captured_tiny) -> None:  # type: ignore[no-untyped-def]
     _, cap = captured_tiny
     lacking = op_set([LINEAR])
-    profiles = {n: {"ops_disabled": [LINEAR], "torch_version": "2.13.0"} for n in NAMES}
+    profiles = {n: NodeProfile(ops_disabled=(LINEAR,), torch_version="2.13.0") for n in NAMES}
     everywhere = MemberOpSets({n: lacking.ops for n in NAMES}, {}, profiles)
     msg = refuse_unrunnable(cap.graph, everywhere, NAMES)
     assert msg is not None and "op 'aten.linear.default' runs on no live machine" in msg

@@ -689,6 +689,8 @@ class Scheduling:
             r.checkpoint = (step, state)
             self._spawn(self._checkpoint_out(r, step, state), f"checkpoint {r.job_id}")
 
+        if self._closing:  # planning outlived the start of close, which would not await it
+            raise NotScheduler(f"{self.node_id} is stopping: the job goes to the next scheduler")
         coord = self._coordinator(spec, captured, layout, plan, cluster, addresses, term=term,
                                   plan_version=term * PLAN_EPOCH + 1, first_step=first,
                                   tokens_per_sample=tps, on_step=on_step,

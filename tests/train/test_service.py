@@ -689,3 +689,35 @@ async def test_a_job_cancelled_here_comes_back_from_its_submitter_under_its_id(
         took = svc.get(job_id)
         assert isinstance(took, service._Record) and took is not rec
         assert took.state == "running" and took.submitter == "m1"
+
+
+async def test_a_submission_still_planning_when_the_daemon_stops_is_refused_not_leaked(
+        prepared: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Close began while a submission was still planning (in a thread, seconds for a big
+    model): the attempt it would start after close gathered the running ones would never be
+    awaited. It is refused instead, as by a daemon that is not the scheduler (the submitter
+    asks the next one), and nothing runs or is recorded here."""
+    planning, release = asyncio.Event(), asyncio.Event()
+    real = Scheduling._layout
+
+    async def slow_layout(self: Scheduling, *a: Any, **kw: Any) -> Any:
+        planning.set()
+        await release.wait()
+        return await real(self, *a, **kw)
+
+    monkeypatch.setattr(Scheduling, "_layout", slow_layout)
+    net = Net()
+    view = View(["m0", "m1", "m2"], leader="m0")
+    svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
+    await svc.start()
+    sub = asyncio.create_task(svc.submit(service.decode_upload(upload(prepared, stages=1)),
+                                         submitter="m1"))
+    await asyncio.wait_for(planning.wait(), 30)
+    closing = asyncio.create_task(svc.close())
+    await asyncio.sleep(0.1)
+    release.set()
+    with pytest.raises(NotScheduler, match="m0 is stopping"):
+        await asyncio.wait_for(sub, 30)
+    await asyncio.wait_for(closing, 30)
+    assert svc.scheduling.records == {} and not svc.worker.jobs()
+    assert [t for t in asyncio.all_tasks() if t.get_name().startswith("job ")] == []

@@ -1,4 +1,4 @@
-"""Child tasks, ended properly: `cancel_and_wait`.
+"""Child tasks, ended properly: `cancel_and_wait`, and `TaskSet` for a service's background tasks.
 
 The pattern it replaces, `t.cancel()` then `with suppress(CancelledError): await t`, has a
 flaw: when the task doing the waiting is itself cancelled during the `await`, its own
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable, Iterator
 from typing import Any
 
 log = logging.getLogger("fusiond.tasks")
@@ -51,3 +51,48 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Future[Any]], *, what: str = "
         if exc is not None:
             name = t.get_name() if isinstance(t, asyncio.Task) else what
             log.warning("%s %s had failed: %s: %s", what, name, type(exc).__name__, exc)
+
+
+class TaskSet:
+    """A service's background tasks, the one way fusiond keeps them: `spawn` starts a task and
+    holds it until it ends; one that ends with an error is logged then (it used to vanish with
+    the set's reference, or surface as asyncio's "exception was never retrieved" at garbage
+    collection); `close` cancels and awaits every one still running (`cancel_and_wait`), and
+    after it `spawn` closes the coroutine unstarted. Idempotent."""
+
+    def __init__(self, what: str = "task") -> None:
+        self._what = what
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any] | None:
+        """Start `coro` as a task named `name` (None, and the coroutine closed, after close)."""
+        if self._closed:
+            coro.close()
+            return None
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._ended)
+        return task
+
+    def _ended(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("%s %s failed: %s: %s", self._what, task.get_name(),
+                        type(exc).__name__, exc)
+
+    def __iter__(self) -> Iterator[asyncio.Task[Any]]:
+        return iter(list(self._tasks))
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def running(self) -> list[asyncio.Task[Any]]:
+        """The tasks not yet ended."""
+        return [t for t in self._tasks if not t.done()]
+
+    async def close(self, *also: asyncio.Future[Any]) -> None:
+        """Cancel and await every task still running (and `also`); nothing spawns after."""
+        self._closed = True
+        await cancel_and_wait([*(t for t in also if not t.done()), *self.running()],
+                              what=self._what)

@@ -89,3 +89,33 @@ async def test_a_child_that_swallows_its_cancel_is_cancelled_again() -> None:
     async with asyncio.timeout(5):
         await cancel_and_wait([t])
     assert swallowed.is_set() and t.cancelled()
+
+
+async def test_a_task_set_logs_a_failure_when_it_happens_and_closes_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A background task's error is logged as it ends (it used to vanish with the set's
+    reference); close cancels and awaits the rest; after close nothing starts."""
+    from fusiond.tasks import TaskSet
+
+    ts = TaskSet("test task")
+
+    async def boom() -> None:
+        raise ValueError("broken")
+
+    started = asyncio.Event()
+
+    async def forever() -> None:
+        started.set()
+        await asyncio.sleep(3600)
+
+    ts.spawn(boom(), "boom")
+    long = ts.spawn(forever(), "forever")
+    await started.wait()
+    await asyncio.sleep(0)
+    assert "test task boom failed: ValueError: broken" in caplog.text
+    assert list(ts) == [long] and len(ts) == 1
+    await ts.close()
+    assert long is not None and long.cancelled() and len(ts) == 0
+    late = forever()
+    assert ts.spawn(late, "late") is None and late.cr_frame is None  # closed unstarted
+    await ts.close()  # idempotent

@@ -73,7 +73,7 @@ from fusiond.jobs.upload import Upload, decode_upload
 from fusiond.jobs.worker import LeadershipFn, SendFn
 from fusiond.plan import Cluster, Plan
 from fusiond.plan.render import plan_summary, render_plan
-from fusiond.tasks import cancel_and_wait
+from fusiond.tasks import TaskSet
 from fusiond.train.local import StepMetrics
 from fusiond.train.spec import JobSpec
 from protocol.messages import (
@@ -255,7 +255,7 @@ class Scheduling:
         self.records: dict[str, JobRecord] = {}
         """The jobs coordinated here (submitted here, or for another daemon)."""
         self._acks: dict[str, asyncio.Future[JobOutputAck]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet("job task")
         self._closing = False
         """Set when close begins: no attempt restarts, and no ended job is retired."""
         self._closed = False
@@ -296,16 +296,10 @@ class Scheduling:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10.0)
         self._closed = True
-        await cancel_and_wait([t for t in [*tasks, *self._tasks] if not t.done()],
-                              what="job task")
+        await self._tasks.close(*tasks)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
-        if self._closed:  # (what it would do is cancelled at close anyway)
-            coro.close()
-            return
-        t = asyncio.create_task(coro, name=name)
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(coro, name)  # after close: closed unstarted
 
     def coordinators(self) -> Iterable[JobCoordinator]:
         """Running coordinators (the Prometheus JobCollector reads these; the service offers

@@ -66,7 +66,7 @@ from fusiond.jobs.views import (
     remote_view,
 )
 from fusiond.jobs.worker import JobWorker, Leadership, LeadershipFn, SendFn, local_sender
-from fusiond.tasks import cancel_and_wait, raise_if_cancelling
+from fusiond.tasks import TaskSet, raise_if_cancelling
 from fusiond.train.spec import parse_job
 from fusiond.train.stage import StageConfig
 from protocol import ir
@@ -130,7 +130,7 @@ class JobService:
         self.leadership: LeadershipFn = leadership or (lambda: Leadership.of(self.view()))
         self.worker = JobWorker(node_id=node_id, send=self.send, stage_config=stage_config,
                                 leadership=self.leadership)
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet("job task")
         self._closed = False
         self.scheduling = Scheduling(
             node_id=node_id, send=self.send, view=self.view, leadership=self.leadership,
@@ -184,7 +184,7 @@ class JobService:
         self._closed = True
         self.submissions.closing()  # no failover starts from now on
         await self.scheduling.close()  # its jobs stopped (handed back or cancelled)
-        await cancel_and_wait([t for t in self._tasks if not t.done()], what="job task")
+        await self._tasks.close()
         await self.submissions.close()
         for job_id in [*self._jobs, *self._remote]:  # what arrived since the last flush
             with contextlib.suppress(Exception):
@@ -194,9 +194,7 @@ class JobService:
             await asyncio.to_thread(shutil.rmtree, self._scratch, True)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
-        t = asyncio.create_task(coro, name=name)
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(coro, name)
 
     def _persist(self, job_id: str) -> None:
         """Write the record of a job submitted here (running or ended) to the state dir (its

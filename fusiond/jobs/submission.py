@@ -44,7 +44,7 @@ from fusiond.jobs.records import FINAL, LOG_LINES, JobRecord, RemoteJob
 from fusiond.jobs.submit import restore_job, resume_state
 from fusiond.jobs.upload import Upload, encode_upload
 from fusiond.jobs.worker import Leadership, LeadershipFn, SendFn
-from fusiond.tasks import cancel_and_wait, raise_if_cancelling
+from fusiond.tasks import TaskSet, raise_if_cancelling
 from fusiond.train.spec import JobSpec
 from protocol.messages import (
     JobCancel,
@@ -180,7 +180,7 @@ class Submissions:
         """The jobs submitted here, coordinated by a scheduler elsewhere (or failing over)."""
         self._pending: dict[str, asyncio.Future[JobSubmitReply]] = {}
         self._acks: dict[str, asyncio.Future[JobOutputAck]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet("submitter task")
         self._closing = False
         self._closed = False
         self._view_changed = asyncio.Event()
@@ -206,15 +206,10 @@ class Submissions:
         if self._closed:
             return
         self._closed = True
-        await cancel_and_wait([t for t in self._tasks if not t.done()], what="submitter task")
+        await self._tasks.close()
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
-        if self._closed:  # (what it would do is cancelled at close anyway)
-            coro.close()
-            return
-        t = asyncio.create_task(coro, name=name)
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(coro, name)  # after close: closed unstarted
 
     # -- records ------------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from fusionctl.client import (
     endpoint_from,
     env_default,
 )
-from fusionctl.render import render_links, render_status
+from fusionctl.render import fmt_age, render_links, render_status
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -236,7 +236,7 @@ def _init(c: Client, ns: argparse.Namespace, out: Out) -> int:
     out.result(data, lambda: print(
         f"created cluster {data['cluster_id']}; this node is {data['node_id']}\n\n"
         f"join token ({'one-time, ' if data.get('one_time') else ''}valid "
-        f"{_dur(data.get('expires_in_s'))}):\n  {data['token']}\n\n"
+        f"{fmt_age(data.get('expires_in_s'))}):\n  {data['token']}\n\n"
         f"next, on each other machine (with fusiond running):\n  {data['next']}"))
     return EXIT_OK
 
@@ -329,16 +329,6 @@ def _local(ns: argparse.Namespace, out: Out) -> int:
         return EXIT_OK
     print("fusionctl local: say `up -n N`, `down` or `status`", file=sys.stderr)
     return EXIT_USAGE
-
-
-def _dur(s: Any) -> str:
-    if not isinstance(s, int | float):
-        return "?"
-    if s >= 3600:
-        return f"{s / 3600:g} h"
-    if s >= 60:
-        return f"{s / 60:g} min"
-    return f"{s:g} s"
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -58,7 +58,8 @@ def fmt_bw_spread(bits_per_s: Any, spread_ratio: Any) -> str:
 
 
 def fmt_age(age_s: Any) -> str:
-    """How old a measurement is: ``12s``, ``3m05s``, ``2h10m``."""
+    """A duration (how old a measurement is, how long a token stays valid): ``12s``,
+    ``3m05s``, ``2h10m``; the one duration formatter of fusionctl."""
     if not isinstance(age_s, int | float) or age_s < 0:
         return "-"
     s = int(age_s)

@@ -82,9 +82,12 @@ def topk_count(numel: int, density: float) -> int:
 
 
 def encode_dense(t: torch.Tensor) -> Encoded:
-    """RAW encoding: exact, every element."""
+    """RAW encoding: exact, every element. Float data goes out as it is: lz4 saves nothing on
+    it (docs/tensor-codec.md), and sampling it to find that out was a fifth of a small
+    activation's encode (issue 15); integer data (token ids, masks) may still shrink."""
     arr = _np(t)
-    enc = wire.encode(arr, wire.Encoding.RAW)
+    enc = wire.encode(arr, wire.Encoding.RAW,
+                      compress="none" if t.dtype.is_floating_point else "auto")
     return _encoded(enc, arr.nbytes)
 
 

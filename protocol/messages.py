@@ -829,8 +829,13 @@ class StepFigures(Struct):
     """The step's start on the stage host's monotonic clock (lines up hosts of one machine)."""
     wait_s: float = 0.0
     """Seconds the stage sat waiting for its inputs over the step's tasks."""
+    costs: tuple[tuple[float, float, float, float], ...] = ()
+    """Per `timeline` row, where its time went: (cpu_s, kernel_s, codec_s, send_s) (empty from
+    a stage that does not measure them)."""
 
     def __post_init__(self) -> None:
+        if len(self.costs) > MAX_STEP_TASKS:
+            raise ValueError(f"costs: {len(self.costs)} rows, more than {MAX_STEP_TASKS}")
         if len(self.timeline) > MAX_STEP_TASKS:
             raise ValueError(f"timeline: {len(self.timeline)} tasks, more than {MAX_STEP_TASKS}")
         if len(self.edges) > MAX_STEP_EDGES:

@@ -67,15 +67,18 @@ class NodeProcess:
 async def spawn_nodes(names: list[str], *, cluster: str = "inproc",
                       extra: Mapping[str, Address] | None = None,
                       start_timeout_s: float = 60.0,
-                      recv_timeout_s: float = 120.0) -> AsyncIterator[dict[str, NodeProcess]]:
+                      recv_timeout_s: float = 120.0,
+                      threads: int | None = None) -> AsyncIterator[dict[str, NodeProcess]]:
     """Start one process per name, tell each every other's address (and `extra`'s); on exit
-    close their stdin and wait for them (killed after 10 s)."""
+    close their stdin and wait for them (killed after 10 s). `threads`: torch's compute
+    threads in each (None: the daemon's rule, `fusiond.profile.threads`)."""
     procs: dict[str, NodeProcess] = {}
     try:
         for name in names:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "fusiond.harness.node", name, "--cluster", cluster,
                 "--recv-timeout", str(recv_timeout_s),
+                *(["--threads", str(threads)] if threads is not None else []),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 env=dict(os.environ),
             )
@@ -112,7 +115,17 @@ def main() -> None:
     ap.add_argument("--cluster", default="inproc")
     ap.add_argument("--recv-timeout", type=float, default=120.0,
                     help="seconds a stage waits for an input before failing the job")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch compute threads (default: from the CPU allowance, as fusiond)")
     args = ap.parse_args()
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, args.threads))
+    else:
+        from fusiond.profile.threads import apply_cpu_allowance
+
+        apply_cpu_allowance()
     asyncio.run(_serve(args.name, args.cluster, args.recv_timeout))
 
 

@@ -10,10 +10,14 @@ when its inputs are there:
   backward from `loss / M`, so gradients accumulate into the mean over micro-batches, exactly as
   gradient accumulation in one process).
 
-Compute (decode, run, autograd, encode) happens on one worker thread per stage, so the event
-loop keeps receiving while a task runs. Results leave through one bounded outbound queue per
-destination stage and a sender task that calls `StageLink.send`: computing micro-batch m overlaps
-sending m-1, and a full queue (a slow link) backs up into the compute loop.
+A whole step runs as one loop on the stage's compute thread (issue 15): it waits for a task's
+inputs on a condition variable that `deliver` (on the event loop) signals, decodes, runs,
+encodes and hands the results to the event loop, which only moves bytes. The loop keeps
+receiving while a task runs, and a task starts a wake-up after its last input arrived instead
+of after a chain of futures, executor submissions and coroutine resumptions (docs/runtime.md
+has the measurements). Results leave through one bounded outbound queue per destination stage
+and a sender task that calls `StageLink.send`: computing micro-batch m overlaps sending m-1, and
+a full queue (a slow link) blocks the compute loop (backpressure).
 
 After the last backward, parameters that several stages hold (tied weights such as GPT-2's
 embedding and LM head) exchange gradients, each holder sums them in stage order (so every copy
@@ -33,7 +37,9 @@ import functools
 import inspect
 import logging
 import re
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -266,6 +272,28 @@ class TaskTiming:
     """The worker thread finished it."""
     wait_s: float
     """How long the stage waited for this task's inputs with nothing else to do."""
+    cpu_s: float = 0.0
+    """CPU time of the compute thread during the task (start to end); `end_s - start_s - cpu_s`
+    is time the thread could not run: the GIL held elsewhere, or no core free."""
+    kernel_s: float = 0.0
+    """Seconds in the model's own computation: the partition's forward, or autograd's backward."""
+    codec_s: float = 0.0
+    """Seconds decoding the inputs and encoding the outputs (`fusiond.train.codec`)."""
+    send_s: float = 0.0
+    """Seconds after `end_s` that handing the outputs to the outbound queues took (blocked
+    while a queue was full: a slow link's backpressure)."""
+
+    @property
+    def dispatch_s(self) -> float:
+        """From the inputs being in (or the stage free) to the compute thread starting it."""
+        return max(0.0, self.start_s - self.ready_s)
+
+    @property
+    def overhead_s(self) -> float:
+        """The runtime's own cost of this task: everything from its inputs being in to its
+        outputs being queued that is not the model's computation (dispatch, decode, encode,
+        bookkeeping, waiting for the GIL or a core, backpressure)."""
+        return max(0.0, self.end_s - self.ready_s + self.send_s - self.kernel_s)
 
 
 @dataclass
@@ -303,7 +331,9 @@ class StepReport:
             timeline=tuple((t.task.encode()[:MAX_TASK_NAME_BYTES].decode(errors="ignore"),
                             round(t.ready_s, 6), round(t.start_s, 6), round(t.end_s, 6),
                             round(t.wait_s, 6)) for t in self.timeline[:MAX_TIMELINE]),
-            start_mono=self.start_mono, wait_s=self.wait_s)
+            start_mono=self.start_mono, wait_s=self.wait_s,
+            costs=tuple((round(t.cpu_s, 6), round(t.kernel_s, 6), round(t.codec_s, 6),
+                         round(t.send_s, 6)) for t in self.timeline[:MAX_TIMELINE]))
 
     @classmethod
     def from_figures(cls, stage: int, step: int, figures: StepFigures) -> StepReport:
@@ -324,7 +354,14 @@ class StepReport:
                                e.density) for e in figures.edges]
         except ValueError as e:
             raise RemoteError(f"{where}: bad edge kind: {e}") from e
-        timeline = [TaskTiming(*row) for row in figures.timeline]
+        if figures.costs and len(figures.costs) != len(figures.timeline):
+            raise RemoteError(f"{where}: costs has {len(figures.costs)} rows for "
+                              f"{len(figures.timeline)} timeline rows")
+        for row in figures.costs:
+            if not all(0.0 <= v < float("inf") for v in row):
+                raise RemoteError(f"{where}: costs row {row} holds a value that is not a duration")
+        costs = figures.costs or ((0.0, 0.0, 0.0, 0.0),) * len(figures.timeline)
+        timeline = [TaskTiming(*row, *c) for row, c in zip(figures.timeline, costs, strict=True)]
         return cls(stage, step, figures.loss, figures.lr, figures.wall_s, figures.busy_s, edges,
                    timeline, figures.start_mono, figures.wait_s)
 
@@ -347,6 +384,67 @@ _Key = tuple[PacketKind, int, int, str]
 
 def _is_float(t: torch.Tensor) -> bool:
     return t.dtype.is_floating_point
+
+
+@dataclass
+class _Cost:
+    """Where one task's compute time went (seconds)."""
+
+    kernel_s: float = 0.0
+    codec_s: float = 0.0
+
+
+class _Outbound:
+    """One destination's outbound packets: put by the compute thread, which blocks while
+    `capacity` packets are queued or being sent (backpressure), and sent by the destination's
+    sender task on the event loop."""
+
+    def __init__(self, capacity: int) -> None:
+        self._slots = threading.Semaphore(max(1, capacity))
+        self._lock = threading.Lock()
+        self._queue: deque[Packet] = deque()
+        self._aborted = False
+        self.pending = 0
+        """Packets queued or being sent."""
+        self.ready = asyncio.Event()
+        """Set (on the event loop) when packets wait for the sender."""
+        self.drained = asyncio.Event()
+        """Set when the last pending packet has been handed to the link."""
+
+    def put(self, pkt: Packet) -> bool:
+        """Queue `pkt` (compute thread); False once aborted."""
+        while not self._slots.acquire(timeout=_ABORT_POLL_S):
+            if self._aborted:
+                return False
+        if self._aborted:
+            self._slots.release()
+            return False
+        with self._lock:
+            self._queue.append(pkt)
+            self.pending += 1
+        return True
+
+    def pop(self) -> Packet | None:
+        """The next packet to send (event loop), or None."""
+        with self._lock:
+            return self._queue.popleft() if self._queue else None
+
+    def done(self) -> None:
+        """A popped packet was handed to the link (or failed to be)."""
+        with self._lock:
+            self.pending -= 1
+            left = self.pending
+        self._slots.release()
+        if left == 0:
+            self.drained.set()
+
+    def abort(self) -> None:
+        """Stop taking packets: a blocked `put` returns False (within `_ABORT_POLL_S`)."""
+        self._aborted = True
+
+
+_ABORT_POLL_S = 0.05
+"""How often a compute thread blocked on a full outbound queue checks for an abort."""
 
 
 class StageExecutor:
@@ -394,10 +492,14 @@ class StageExecutor:
         self._out = {e.edge_id: e for e in program.out_edges}
         self._density: dict[str, float | None] = {e.edge_id: e.density for e in program.out_edges}
         self._pool: ThreadPoolExecutor | None = None
-        self._queues: dict[int, asyncio.Queue[Packet | None]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._outq: dict[int, _Outbound] = {}
         self._senders: list[asyncio.Task[None]] = []
-        self._inbox: dict[_Key, bytes | memoryview] = {}
-        self._waiters: dict[_Key, asyncio.Future[bytes | memoryview]] = {}
+        self._cond = threading.Condition()
+        """Guards the inbox, `_failed` and `_step` between the event loop (deliver, fail) and
+        the compute thread (which waits on it for a task's inputs)."""
+        self._inbox: dict[_Key, tuple[bytes | memoryview, float]] = {}
+        """Received packets not yet taken by their task: payload and arrival time."""
         self._failed: BaseException | None = None
         self._step = first_step
         """The step being run; packets for it and later steps are kept until their task (a
@@ -408,25 +510,23 @@ class StageExecutor:
         self._inbox_max = 2 * per_step + self.config.inbox_slack
         self._ready = asyncio.Event()
         self._closed = False
-        self._busy = 0.0
-        self._last_run = (0.0, 0.0)
         self._stats: dict[tuple[str, PacketKind], EdgeStats] = {}
 
     # -- service --------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the worker thread and one sender task per destination stage."""
+        """Start the compute thread and one sender task per destination stage."""
         if self._pool is not None:
             return
+        self._loop = asyncio.get_running_loop()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.stage}")
         peers = {e.dst for e in self.program.out_edges} | {e.src for e in self.program.in_edges}
         for holders in self.program.shared.values():
             peers.update(holders)
         for peer in sorted(peers - {self.stage}):
-            q: asyncio.Queue[Packet | None] = asyncio.Queue(maxsize=self.config.send_queue)
-            self._queues[peer] = q
+            out = self._outq[peer] = _Outbound(self.config.send_queue)
             self._senders.append(
-                asyncio.create_task(self._sender(peer, q), name=f"stage{self.stage}->stage{peer}")
+                asyncio.create_task(self._sender(peer, out), name=f"stage{self.stage}->stage{peer}")
             )
         self._ready.set()
 
@@ -435,27 +535,29 @@ class StageExecutor:
         await self._ready.wait()
 
     async def close(self) -> None:
-        """Stop senders (cancelled and awaited) and the worker; idempotent."""
+        """Stop senders (cancelled and awaited) and the compute thread; idempotent."""
         if self._closed:
             return
         self._closed = True
+        # a step still running on the compute thread ends at its next wait
+        self.fail(StageError(f"stage {self.stage} closed"))
         await cancel_and_wait(self._senders, what="sender")
         self._senders.clear()
-        for fut in self._waiters.values():
-            if not fut.done():
-                fut.cancel()
         if self._pool is not None:
             # Waiting for a running task (seconds on a big model) must not block the loop.
             await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
-        self._inbox.clear()
-        self._inbox_bytes = 0
+        with self._cond:
+            self._inbox.clear()
+            self._inbox_bytes = 0
 
     async def flush(self) -> None:
         """Wait until every queued outbound packet has been handed to the link."""
-        for q in self._queues.values():
-            await q.join()
+        for out in self._outq.values():
+            while out.pending:
+                out.drained.clear()
+                await out.drained.wait()
 
-    # -- receiving ------------------------------------------------------------------------
+    # -- receiving (event loop) -----------------------------------------------------------
 
     def deliver(self, packet: Packet) -> None:
         """Accept a packet addressed to this stage (from the link). Never blocks.
@@ -481,26 +583,27 @@ class StageExecutor:
         key = (packet.kind, packet.step, packet.micro, packet.edge)
         if packet.kind == PacketKind.PARAM_GRAD:
             key = (packet.kind, packet.step, packet.src, packet.edge)
-        fut = self._waiters.pop(key, None)
-        if fut is not None and not fut.done():
-            fut.set_result(packet.data())
-        elif key in self._inbox:
-            raise RemoteError(f"stage {self.stage}: duplicate {key}")
-        else:
-            # Early (its task has not come yet, e.g. a neighbour started the step first):
-            # kept, within bounds; past them the attempt fails loudly instead of dropping it.
-            size = packet.nbytes
+        size = packet.nbytes
+        with self._cond:
+            if key in self._inbox:
+                raise RemoteError(f"stage {self.stage}: duplicate {key}")
+            # Kept until its task takes it (early ones too: a neighbour may start a step before
+            # this stage has), within bounds; past them the attempt fails loudly instead of
+            # dropping it.
             if (len(self._inbox) >= self._inbox_max
                     or self._inbox_bytes + size > self.config.inbox_bytes):
-                self.fail(StageError(
+                failure = StageError(
                     f"stage {self.stage} at step {self._step}: {len(self._inbox) + 1} packets "
                     f"({self._inbox_bytes + size} bytes) arrived ahead of their tasks, more than "
                     f"the bound ({self._inbox_max} packets, {self.config.inbox_bytes} bytes; "
                     f"StageConfig.inbox_slack / inbox_bytes); the last: {packet.kind} for step "
-                    f"{packet.step} on {packet.edge!r}"))
+                    f"{packet.step} on {packet.edge!r}")
+            else:
+                self._inbox[key] = (packet.data(), time.perf_counter())
+                self._inbox_bytes += size
+                self._cond.notify_all()
                 return
-            self._inbox[key] = packet.data()
-            self._inbox_bytes += size
+        self.fail(failure)
 
     def set_density(self, edge_id: str, density: float | None) -> None:
         """Change an outgoing edge's top-k density (None: exact) from the next forward on.
@@ -529,52 +632,55 @@ class StageExecutor:
         return self._step
 
     def fail(self, exc: BaseException) -> None:
-        """Abort: every pending and future wait raises `exc` (e.g. a peer stage died)."""
-        self._failed = exc
-        for fut in self._waiters.values():
-            if not fut.done():
-                fut.set_exception(exc)
-        self._waiters.clear()
+        """Abort: every pending and future wait raises `exc` (e.g. a peer stage died). The
+        first failure is kept."""
+        with self._cond:
+            if self._failed is None:
+                self._failed = exc
+            self._cond.notify_all()
+        for out in self._outq.values():
+            out.abort()
 
-    async def _recv(self, key: _Key, deadline: float,
-                    what: str) -> bytes | memoryview:
-        if self._failed is not None:
-            raise self._failed
-        if key in self._inbox:
-            got = self._inbox.pop(key)
-            self._inbox_bytes -= memoryview(got).nbytes
-            return got
-        fut: asyncio.Future[bytes | memoryview] = asyncio.get_running_loop().create_future()
-        self._waiters[key] = fut
-        try:
-            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation
-            # that races with the packet's arrival, leaving a cancelled job's stage waiting.
-            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                return await fut
-        except TimeoutError:
-            raise StageError(
-                f"stage {self.stage}, step {key[1]}, {what}: no {key[0]} on edge {key[3]!r} "
-                f"within {self.config.recv_timeout_s:g}s"
-            ) from None
-        finally:
-            self._waiters.pop(key, None)
+    # -- the compute thread's waits -------------------------------------------------------
+
+    def _take(self, key: _Key, deadline: float, what: str) -> tuple[bytes | memoryview, float]:
+        """Wait (on the compute thread) for the packet `key`: its payload and arrival time."""
+        with self._cond:
+            while True:
+                if self._failed is not None:
+                    raise self._failed
+                got = self._inbox.pop(key, None)
+                if got is not None:
+                    self._inbox_bytes -= memoryview(got[0]).nbytes
+                    return got
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StageError(
+                        f"stage {self.stage}, step {key[1]}, {what}: no {key[0]} on edge "
+                        f"{key[3]!r} within {self.config.recv_timeout_s:g}s")
+                self._cond.wait(left)
 
     # -- sending --------------------------------------------------------------------------
 
-    async def _sender(self, peer: int, q: asyncio.Queue[Packet | None]) -> None:
+    async def _sender(self, peer: int, out: _Outbound) -> None:
         while True:
-            pkt = await q.get()
-            try:
-                if pkt is not None:
+            await out.ready.wait()
+            out.ready.clear()
+            while (pkt := out.pop()) is not None:
+                try:
                     await self.link.send(pkt)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self.fail(StageError(f"stage {self.stage}: sending to stage {peer} failed: {e}"))
-            finally:
-                q.task_done()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    self.fail(StageError(f"stage {self.stage}: sending to stage {peer} failed: "
+                                         f"{e}"))
+                finally:
+                    out.done()
 
-    async def _emit(self, packets: Sequence[tuple[Packet, codec.Encoded, float | None]]) -> None:
+    def _emit(self, packets: Sequence[tuple[Packet, codec.Encoded, float | None]]) -> float:
+        """Queue `packets` for their senders (on the compute thread; blocks while a queue is
+        full); the seconds it blocked."""
+        t0 = time.perf_counter()
         for pkt, enc, density in packets:
             key = (pkt.edge, pkt.kind)
             st = self._stats.get(key)
@@ -582,26 +688,28 @@ class StageExecutor:
                 st = self._stats[key] = EdgeStats(pkt.edge, pkt.kind, pkt.dst, density=density)
             st.wire_bytes += enc.nbytes
             st.dense_bytes += enc.dense_nbytes
-            await self._queues[pkt.dst].put(pkt)
+            if not self._outq[pkt.dst].put(pkt):
+                with self._cond:
+                    failed = self._failed
+                raise failed or StageError(f"stage {self.stage}: sender to {pkt.dst} stopped")
+        if packets:
+            loop = self._loop
+            assert loop is not None
+            # one wake-up of the event loop for all of a task's packets
+            loop.call_soon_threadsafe(self._wake_senders)
+        return time.perf_counter() - t0
 
-    # -- compute --------------------------------------------------------------------------
+    def _wake_senders(self) -> None:
+        for out in self._outq.values():
+            if out.pending:
+                out.ready.set()
 
-    async def _compute(self, fn: Callable[[], T]) -> T:
-        assert self._pool is not None, "StageExecutor.start() was not called"
-        loop = asyncio.get_running_loop()
-
-        def timed() -> tuple[T, float, float]:
-            t0 = time.perf_counter()
-            out = fn()
-            return out, t0, time.perf_counter()
-
-        result, start, end = await loop.run_in_executor(self._pool, timed)
-        self._busy += end - start
-        self._last_run = (start, end)
-        return result
+    # -- compute (the compute thread) -----------------------------------------------------
 
     def _forward(self, step: int, micro: int, payloads: Mapping[str, bytes | memoryview],
-                 mb: Batch | None) -> tuple[_Ctx, list[tuple[Packet, codec.Encoded, float | None]]]:
+                 mb: Batch | None, cost: _Cost
+                 ) -> tuple[_Ctx, list[tuple[Packet, codec.Encoded, float | None]]]:
+        t0 = time.perf_counter()
         leaves: dict[str, torch.Tensor] = {}
         recv_idx: dict[str, np.ndarray] = {}
         for edge_id, payload in payloads.items():
@@ -618,7 +726,9 @@ class StageExecutor:
                 inputs["inputs"] = mb.inputs
             if "targets" in self.program.data_inputs:
                 inputs["targets"] = mb.targets
+        t1 = time.perf_counter()
         out = dict(self.program.run(inputs))
+        t2 = time.perf_counter()
         loss = out.pop("loss", None) if self.program.has_loss else None
         if self.program.has_loss and loss is None:
             raise StageError(f"stage {self.stage}: the loss stage's module returned no 'loss'",
@@ -642,12 +752,15 @@ class StageExecutor:
                 grad_edges.add(edge_id)
             pkt = Packet(PacketKind.FORWARD, step, micro, edge_id, self.stage, e.dst, enc.parts)
             packets.append((pkt, enc, density))
+        cost.kernel_s += t2 - t1
+        cost.codec_s += (t1 - t0) + (time.perf_counter() - t2)
         ctx = _Ctx(leaves, out, loss, recv_idx, sent_idx, grad_edges)
         return ctx, packets
 
     def _backward(self, step: int, micro: int, ctx: _Ctx,
-                  payloads: Mapping[str, bytes | memoryview]
+                  payloads: Mapping[str, bytes | memoryview], cost: _Cost
                   ) -> list[tuple[Packet, codec.Encoded, float | None]]:
+        t0 = time.perf_counter()
         roots: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         for edge_id, payload in payloads.items():
@@ -662,8 +775,10 @@ class StageExecutor:
         if ctx.loss is not None:
             roots.append(ctx.loss / self.micro_batches)
             grads.append(torch.ones_like(ctx.loss))
+        t1 = time.perf_counter()
         if roots:
             torch.autograd.backward(roots, grads)
+        t2 = time.perf_counter()
         packets: list[tuple[Packet, codec.Encoded, float | None]] = []
         for edge_id, leaf in ctx.leaves.items():
             if not leaf.requires_grad:
@@ -678,6 +793,8 @@ class StageExecutor:
                 enc = codec.encode_dense(g)
             pkt = Packet(PacketKind.BACKWARD, step, micro, edge_id, self.stage, e.src, enc.parts)
             packets.append((pkt, enc, e.density))
+        cost.kernel_s += t2 - t1
+        cost.codec_s += (t1 - t0) + (time.perf_counter() - t2)
         return packets
 
     def _shared_grads(self, step: int) -> list[tuple[Packet, codec.Encoded, float | None]]:
@@ -714,88 +831,112 @@ class StageExecutor:
     # -- the iteration --------------------------------------------------------------------
 
     async def run_step(self, step: int) -> StepReport:
-        """Run every task of `step` in schedule order, then step the optimizer."""
+        """Run every task of `step` in schedule order on the compute thread, then step the
+        optimizer. Cancelling it stops the thread at its next wait."""
         if self._pool is None:
             await self.start()
-        self._step = step
-        t0 = time.perf_counter()
-        self._busy = 0.0
-        self._stats = {}
-        mbs: list[Batch] | None = None
-        if self.program.data_inputs:
-            assert self.data is not None
-            try:
-                mbs = split_micro_batches(self.data.batch(step, self.batch_size),
-                                          self.micro_batches)
-            except Exception as e:  # the job's data pipeline: the same on any machine
-                raise StageError(f"stage {self.stage}, step {step}, data: {e!r}",
-                                 fault=fault_of(e)) from e
-        ctxs: dict[int, _Ctx] = {}
-        losses: list[float] = []
-        timeline: list[TaskTiming] = []
-        waited = 0.0
-        free = t0  # when the stage last had nothing to do but wait
-        for task in self.tasks:
-            deadline = time.monotonic() + self.config.recv_timeout_s
-            m = task.micro
-            what = f"{task}"
-            if task.phase is Phase.F:
-                payloads = {
-                    e: await self._recv((PacketKind.FORWARD, step, m, e), deadline, what)
-                    for e in self._in
-                }
-                ready = time.perf_counter()
-                mb = mbs[m] if mbs is not None else None
-                ctx, packets = await self._guard(
-                    what, step, functools.partial(self._forward, step, m, payloads, mb)
-                )
-                if ctx.loss is not None:
-                    losses.append(float(ctx.loss.detach()))
-                ctxs[m] = ctx
-            else:
-                ctx = ctxs.pop(m)
-                payloads = {
-                    e: await self._recv((PacketKind.BACKWARD, step, m, e), deadline, what)
-                    for e in sorted(ctx.grad_edges)
-                }
-                ready = time.perf_counter()
-                packets = await self._guard(
-                    what, step, functools.partial(self._backward, step, m, ctx, payloads)
-                )
-            start, end = self._last_run
-            waited += max(0.0, ready - free)
-            if len(timeline) < MAX_TIMELINE:  # a bounded report, however many micro-batches
-                timeline.append(TaskTiming(what, ready - t0, start - t0, end - t0,
-                                           max(0.0, ready - free)))
-            await self._emit(packets)
-            free = time.perf_counter()
-        if self.program.shared:
-            await self._emit(await self._guard("shared grads", step,
-                                               lambda: self._shared_grads(step)))
-            deadline = time.monotonic() + self.config.recv_timeout_s
-            received: dict[tuple[str, int], bytes | memoryview] = {}
-            for name, holders in self.program.shared.items():
-                for peer in holders:
-                    received[(name, peer)] = await self._recv(
-                        (PacketKind.PARAM_GRAD, step, peer, name), deadline, "shared grads"
-                    )
-            await self._guard("shared grads", step, lambda: self._apply_shared(received))
-        lr = lr_at(self.opt_spec, step, self.total_steps)
-        await self._guard("optimizer step", step, lambda: self._opt_step(lr))
-        wall = time.perf_counter() - t0
-        loss = sum(losses) / len(losses) if losses else None
-        return StepReport(self.stage, step, loss, lr, wall, self._busy, list(self._stats.values()),
-                          timeline, t0, waited)
-
-    async def _guard(self, what: str, step: int, fn: Callable[[], T]) -> T:
+        assert self._pool is not None
+        with self._cond:
+            if self._failed is not None:
+                raise self._failed
+            self._step = step
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, self._run_step, step)
         try:
-            return await self._compute(fn)
-        except (StageError, asyncio.CancelledError):
+            return await fut
+        except asyncio.CancelledError:
+            self.fail(StageError(f"stage {self.stage}, step {step}: cancelled"))
+            raise
+
+    def _guard(self, what: str, step: int, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except StageError:
             raise
         except Exception as e:  # classified here, where we know what raised it
             where = getattr(e, "fusion_where", None)  # the op that raised (StageHost's run)
             raise StageError(f"stage {self.stage}, step {step}, {what}: {e!r}"
                              + (f" in {where}" if where else ""), fault=fault_of(e)) from e
+
+    def _run_step(self, step: int) -> StepReport:
+        """One step, on the compute thread."""
+        t0 = time.perf_counter()
+        busy = 0.0
+        self._stats = {}
+        mbs: list[Batch] | None = None
+        if self.program.data_inputs:
+            assert self.data is not None
+            data = self.data
+            mbs = self._guard("data", step, lambda: split_micro_batches(
+                data.batch(step, self.batch_size), self.micro_batches))
+        ctxs: dict[int, _Ctx] = {}
+        losses: list[float] = []
+        timeline: list[TaskTiming] = []
+        waited = 0.0
+        free = time.perf_counter()  # when the stage last had nothing to do but wait
+        for task in self.tasks:
+            deadline = time.monotonic() + self.config.recv_timeout_s
+            m = task.micro
+            what = f"{task}"
+            cost = _Cost()
+            if task.phase is Phase.F:
+                got, arrived = self._take_all(
+                    [(PacketKind.FORWARD, step, m, e) for e in self._in], deadline, what)
+                payloads = {k[3]: payload for k, payload in got.items()}
+                ready = max(free, arrived)
+                start, cpu0 = time.perf_counter(), time.thread_time()
+                mb = mbs[m] if mbs is not None else None
+                ctx, packets = self._guard(
+                    what, step, functools.partial(self._forward, step, m, payloads, mb, cost))
+                if ctx.loss is not None:
+                    losses.append(float(ctx.loss.detach()))
+                ctxs[m] = ctx
+            else:
+                ctx = ctxs.pop(m)
+                got, arrived = self._take_all(
+                    [(PacketKind.BACKWARD, step, m, e) for e in sorted(ctx.grad_edges)],
+                    deadline, what)
+                payloads = {k[3]: payload for k, payload in got.items()}
+                ready = max(free, arrived)
+                start, cpu0 = time.perf_counter(), time.thread_time()
+                packets = self._guard(
+                    what, step, functools.partial(self._backward, step, m, ctx, payloads, cost))
+            end, cpu = time.perf_counter(), time.thread_time() - cpu0
+            busy += end - start
+            waited += max(0.0, ready - free)
+            send_s = self._emit(packets)
+            if len(timeline) < MAX_TIMELINE:  # a bounded report, however many micro-batches
+                timeline.append(TaskTiming(what, ready - t0, start - t0, end - t0,
+                                           max(0.0, ready - free), cpu, cost.kernel_s,
+                                           cost.codec_s, send_s))
+            free = time.perf_counter()
+        if self.program.shared:
+            tb = time.perf_counter()
+            self._emit(self._guard("shared grads", step, lambda: self._shared_grads(step)))
+            deadline = time.monotonic() + self.config.recv_timeout_s
+            keys = [(PacketKind.PARAM_GRAD, step, peer, name)
+                    for name, holders in self.program.shared.items() for peer in holders]
+            got, _ = self._take_all(keys, deadline, "shared grads")
+            received = {(k[3], k[2]): payload for k, payload in got.items()}
+            self._guard("shared grads", step, lambda: self._apply_shared(received))
+            busy += time.perf_counter() - tb
+        lr = lr_at(self.opt_spec, step, self.total_steps)
+        to = time.perf_counter()
+        self._guard("optimizer step", step, lambda: self._opt_step(lr))
+        busy += time.perf_counter() - to
+        wall = time.perf_counter() - t0
+        loss = sum(losses) / len(losses) if losses else None
+        return StepReport(self.stage, step, loss, lr, wall, busy, list(self._stats.values()),
+                          timeline, t0, waited)
+
+    def _take_all(self, keys: Sequence[_Key], deadline: float, what: str
+                  ) -> tuple[dict[_Key, bytes | memoryview], float]:
+        """Wait for every packet of `keys`: their payloads, and the last one's arrival."""
+        got: dict[_Key, bytes | memoryview] = {}
+        last = 0.0
+        for k in keys:
+            got[k], arrived = self._take(k, deadline, what)
+            last = max(last, arrived)
+        return got, last
 
     async def run(self, first: int, count: int,
                   on_step: Callable[[StepReport], Any] | None = None) -> list[StepReport]:
@@ -805,7 +946,8 @@ class StageExecutor:
         the report to the scheduler), it is awaited before the next step.
         """
         reports: list[StepReport] = []
-        self._step = first  # packets for `first` may arrive before run_step starts
+        with self._cond:
+            self._step = first  # packets for `first` may arrive before run_step starts
         for s in range(first, first + count):
             rep = await self.run_step(s)
             reports.append(rep)

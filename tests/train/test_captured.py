@@ -59,11 +59,17 @@ def _check_timelines(res: PipelineResult, micro_batches: int) -> None:
                 assert t.start_s >= prev_end and t.wait_s >= 0
                 prev_end = t.end_s
             assert rep.wait_s == pytest.approx(sum(t.wait_s for t in rep.timeline))
+            for t in rep.timeline:  # the breakdown: parts of the task's own time
+                assert t.kernel_s > 0 and t.cpu_s > 0 and t.codec_s >= 0 and t.send_s >= 0
+                assert t.kernel_s + t.codec_s <= t.end_s - t.start_s + 1e-6
+                assert t.overhead_s >= t.dispatch_s >= 0
             assert 0 <= rep.wait_s <= rep.wall_s and rep.start_mono is not None
             back = StepReport.from_figures(stage, rep.step, rep.to_figures())
             assert back.timeline == [
                 dataclasses.replace(t, ready_s=round(t.ready_s, 6), start_s=round(t.start_s, 6),
-                                    end_s=round(t.end_s, 6), wait_s=round(t.wait_s, 6))
+                                    end_s=round(t.end_s, 6), wait_s=round(t.wait_s, 6),
+                                    cpu_s=round(t.cpu_s, 6), kernel_s=round(t.kernel_s, 6),
+                                    codec_s=round(t.codec_s, 6), send_s=round(t.send_s, 6))
                 for t in rep.timeline]
     # Off the wire, the StageStep schema bounds and types the figures before a report exists.
     rep0 = next(iter(res.reports.values()))[0]

@@ -199,6 +199,38 @@ async def test_missing_input_times_out_naming_the_edge(adamw: OptimizerSpec) -> 
         await hub.close()
 
 
+async def test_a_cancelled_step_stops_the_compute_thread_at_once(adamw: OptimizerSpec) -> None:
+    """The step runs on the compute thread, which waits for its inputs there: cancelling the
+    step (a cancelled job) and closing the stage end that wait at once, not at the receive
+    timeout, and a later step refuses to run."""
+    import time
+
+    from fusiond.train.local import MemoryLinks
+    from fusiond.train.schedule import one_f_one_b
+    from fusiond.train.stage import StageConfig, StageExecutor
+
+    progs = _edge_program()
+    hub = MemoryLinks()
+    ex = StageExecutor(stage=1, program=progs[1], link=hub.link(1),
+                       tasks=one_f_one_b(2, 2)[1], micro_batches=2, optimizer=adamw,
+                       total_steps=2, data=_Regression(), batch_size=4,
+                       config=StageConfig(recv_timeout_s=60.0))
+    await ex.start()
+    try:
+        step = asyncio.create_task(ex.run_step(0))
+        await asyncio.sleep(0.2)  # the thread waits for F0's input
+        t0 = time.monotonic()
+        step.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await step
+        with pytest.raises(StageError, match="cancelled"):
+            await ex.run_step(1)
+    finally:
+        await ex.close()
+        await hub.close()
+    assert time.monotonic() - t0 < 5.0  # close waited for the thread: it had stopped
+
+
 async def test_deliver_rejects_unexpected_packets(adamw: OptimizerSpec) -> None:
     from fusiond.errors import RemoteError
     from fusiond.train.local import MemoryLinks

@@ -181,12 +181,13 @@ async def _processes(spec: JobSpec, captured: Any, density: float | None,
     return seen
 
 
-BREAKDOWN = ("dispatch", "kernel", "codec", "no_cpu", "send", "overhead")
+BREAKDOWN = ("dispatch", "kernel", "codec", "no_cpu", "send", "overhead", "handoff")
 """Per-task figures (ms, median over every task of every stage after warm-up): dispatch (inputs
 in -> compute thread starts), kernel (the model's forward or autograd's backward), codec
 (decode + encode), no_cpu (the task's wall time in which its thread did not run: the GIL or a
 core held elsewhere), send (blocked on a full outbound queue), overhead (all of the task's time
-from inputs in to outputs queued that is not kernel: the runtime's own cost)."""
+from inputs in to outputs queued that is not kernel: the runtime's own cost), handoff (a
+task's end on one stage to its outputs being in on the next, `handoffs`)."""
 
 
 def breakdown(ms: list[StepMetrics]) -> dict[str, float]:
@@ -201,7 +202,31 @@ def breakdown(ms: list[StepMetrics]) -> dict[str, float]:
                 rows["no_cpu"].append(max(0.0, t.end_s - t.start_s - t.cpu_s))
                 rows["send"].append(t.send_s)
                 rows["overhead"].append(t.overhead_s)
+    rows["handoff"] = handoffs(ms)
     return {k: round(median(v) * 1e3, 3) if v else float("nan") for k, v in rows.items()}
+
+
+def handoffs(ms: list[StepMetrics]) -> list[float]:
+    """From a task's end on one stage to its successor's inputs being in on the next (F m on
+    stage k after F m on k-1, B m on k after B m on k+1), where the successor was waiting for
+    them (else its start says nothing of the hand-off): the send, the wire and the receive.
+    The stages share this machine's monotonic clock."""
+    out: list[float] = []
+    for m in ms:
+        ends: dict[tuple[int, str], float] = {}
+        for stage, rep in m.reports.items():
+            if rep.start_mono is None:
+                continue
+            for t in rep.timeline:
+                ends[(stage, t.task)] = rep.start_mono + t.end_s
+        for stage, rep in m.reports.items():
+            if rep.start_mono is None:
+                continue
+            for t in rep.timeline:
+                prev = (stage - 1 if t.task.startswith("F") else stage + 1, t.task)
+                if t.wait_s > 0 and prev in ends:
+                    out.append(max(0.0, rep.start_mono + t.ready_s - ends[prev]))
+    return out
 
 
 def distributed_processes(spec: JobSpec, captured: Any, density: float | None,

@@ -127,7 +127,12 @@ def encode_values(grad: torch.Tensor, indices: np.ndarray) -> Encoded:
 
 
 def _tensor(arr: np.ndarray) -> torch.Tensor:
-    # RAW decodes as a read-only view of the received bytes; autograd needs its own memory.
+    """A decoded array as a tensor autograd may own. RAW decodes as a view of the received
+    buffer: a read-only one (bytes) is copied, a writable and aligned one (the bytearray a
+    daemon's stage receives into, which nothing else holds) is used as it is (issue 15: the
+    second copy of every received activation); what other encodings decode is fresh memory."""
+    if arr.flags.writeable and arr.flags.aligned:
+        return torch.from_numpy(arr)
     return torch.from_numpy(np.array(arr, copy=True))
 
 

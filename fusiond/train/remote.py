@@ -470,8 +470,9 @@ class StageHost:
         edge = msg.edge
         if kind == PacketKind.BACKWARD and edge.startswith(PARAM_PREFIX):
             kind, edge = PacketKind.PARAM_GRAD, edge[len(PARAM_PREFIX):]
-        # Own the bytes: the frame buffer may be reused once the handler returns.
-        payload = bytes(msg.payload)
+        # Own the bytes: the frame buffer may be reused once the handler returns. A bytearray,
+        # so the decoded tensor can live in it without a second copy (codec._tensor).
+        payload = memoryview(bytearray(msg.payload))
         self.executor.deliver(
             Packet(kind, msg.iteration, msg.microbatch, edge, src, sa.stage, payload)
         )

@@ -85,13 +85,22 @@ def _check_timelines(res: PipelineResult, micro_batches: int) -> None:
     for rows in ([["F0", "x", 0, 0, 0]], [["F0", 0.1]], 7, [["F" * 100, 0, 0, 0, 0]]):
         bad(timeline=rows)
     bad(wait_s="x")
+    bad(costs=[[0.0, 0.0, 0.0, 0.0]] * 5000)
+    bad(costs=[[0.0, "x", 0.0, 0.0]])
     bad(edges=[{"edge": "e", "kind": "forward", "peer": "one", "wire_bytes": 1,
                 "dense_bytes": 0}])
+    # A stage that measures no breakdown (an older one) sends no costs: zeros, same timeline.
+    old = StepReport.from_figures(0, 0, dataclasses.replace(rep0.to_figures(), costs=()))
+    assert [t.task for t in old.timeline] == [t.task for t in rep0.timeline]
+    assert all(t.kernel_s == t.cpu_s == 0.0 for t in old.timeline)
     # ... and the reader checks the ranges, naming the field.
     for odd, what in ((dict(wait_s=-1.0), "wait_s"), (dict(wall_s=float("nan")), "wall_s"),
                       (dict(edges=(EdgeFigures("e", "sideways", 1, 0, 0),)), "bad edge kind"),
                       (dict(edges=(EdgeFigures("e", "forward", 1, -1, 0),)), "negative"),
-                      (dict(edges=(EdgeFigures("e", "forward", 1, 1, 1, 1.5),)), "density")):
+                      (dict(edges=(EdgeFigures("e", "forward", 1, 1, 1, 1.5),)), "density"),
+                      (dict(costs=((0.0, 0.0, 0.0, 0.0),)), "costs has 1 rows"),
+                      (dict(costs=((0.0, -1.0, 0.0, 0.0),) * len(rep0.timeline)),
+                       "not a duration")):
         with pytest.raises(RemoteError, match=rf"StageStep\.figures from stage 0: .*{what}"):
             StepReport.from_figures(0, 0, dataclasses.replace(rep0.to_figures(), **odd))
 

@@ -15,8 +15,9 @@ graph's topological order on one machine. Model (see docs/planner.md):
   consecutive stages, one RTT and the *wake-up* of both hosts in each direction: the
   GPipe/1F1B bubble model. A wake-up (`MachineProfile.wake_s`) is what a hand-off costs on a
   host under a CFS CPU quota: once its share of the period is used, the woken thread waits
-  for the next period (8 ms for 0.2 core with a 10 ms period). Handing a task to the stage's
-  worker thread costs half a wake-up, counted in the stage's time (`StageReport.dispatch_s`).
+  for the next period (8 ms for 0.2 core with a 10 ms period). A stage's tasks run as one
+  loop on its compute thread (docs/runtime.md), so a task whose inputs are in costs no
+  wake-up; one whose inputs arrive while the thread waits pays the hop's wake-up, counted here.
   The tied-weight sync counts only what the exchange takes beyond the next micro-batch's
   forward to the later holder (`_tied_sync`). Measured against task timelines: docs/planner.md.
 - Memory of a stage: unique parameters + their gradients + optimizer state + saved activations
@@ -72,15 +73,11 @@ class StageReport:
     """The stage's own time per micro-batch to send and receive its cut tensors
     (`MachineProfile.wire_s_per_byte` per byte, `msg_s` per message); it adds to `compute_s`
     as the stage's busy time."""
-    dispatch_s: float = 0.0
-    """Per micro-batch, what handing its two tasks (forward, backward) to the worker thread
-    costs on a host under a CPU quota: half a wake-up each (`MachineProfile.wake_s`; the share
-    is used up about half the time a task is handed over)."""
 
     @property
     def busy_s(self) -> float:
-        """Compute, wire handling and dispatch: the stage's time per micro-batch."""
-        return self.compute_s + self.wire_cpu_s + self.dispatch_s
+        """Compute and wire handling: the stage's time per micro-batch."""
+        return self.compute_s + self.wire_cpu_s
 
 
 @dataclass(frozen=True)
@@ -263,7 +260,7 @@ def _tied_sync(arrays: GraphArrays, stages: Sequence[StageSpec],
         s, r = stages[i], reports[i]
         f = float(arrays.prefix_f[s.machine, s.stop] - arrays.prefix_f[s.machine, s.start])
         share = f / r.compute_s if r.compute_s > 0 else 0.0
-        return f + share * r.wire_cpu_s + r.dispatch_s / 2
+        return f + share * r.wire_cpu_s
 
     out = 0.0
     for (h0, h), nbytes in pair_bytes.items():
@@ -392,8 +389,7 @@ def evaluate(
             msgs[end] += lk.fwd_msgs + lk.bwd_msgs
     reports = [dataclasses.replace(
         r, wire_cpu_s=handled[i] * c.machines[r.machine].wire_s_per_byte
-        + msgs[i] * c.machines[r.machine].msg_s,
-        dispatch_s=c.machines[r.machine].wake_s)
+        + msgs[i] * c.machines[r.machine].msg_s)
         for i, r in enumerate(reports)]
     compute_b = max(r.busy_s for r in reports)
     bottleneck_s, bottleneck = compute_b, f"compute {reports[0].machine_id}"

@@ -268,7 +268,7 @@ def handoffs(trace: Trace) -> tuple[float | None, float]:
     for step in trace.extra.get("timelines", [])[1:]:  # the first may hold start-up
         at: dict[tuple[int, str], tuple[float, float]] = {}
         for k, v in step.items():
-            for name, ready, _start, end, _wait in v["tasks"]:
+            for name, ready, _start, end, *_ in v["tasks"]:
                 at[(int(k), name)] = (v["start"] + ready, v["start"] + end)
         for (s, name), (ready, _end) in at.items():
             src = (s - 1, name) if name.startswith("F") else (s + 1, name)

@@ -320,7 +320,8 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
         # monotonic clock, so they line up): where a step's time goes
         timelines = extra.setdefault("timelines", [])
         timelines.append({str(k): {"start": r.start_mono, "wall_s": r.wall_s,
-                                   "tasks": [[t.task, t.ready_s, t.start_s, t.end_s, t.wait_s]
+                                   "tasks": [[t.task, t.ready_s, t.start_s, t.end_s, t.wait_s,
+                                              t.cpu_s, t.kernel_s, t.codec_s, t.send_s]
                                              for t in r.timeline]}
                           for k, r in m.reports.items()})
         del timelines[:-8]

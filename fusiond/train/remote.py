@@ -445,7 +445,7 @@ class StageHost:
         )
 
     async def start(self) -> None:
-        """Start the executor (worker thread, senders)."""
+        """Start the executor (compute thread, senders)."""
         await self.executor.start()
 
     async def ready(self) -> None:

@@ -267,9 +267,9 @@ class TaskTiming:
     ready_s: float
     """Its inputs were all in (its turn came, or the last input arrived)."""
     start_s: float
-    """The worker thread began it."""
+    """The compute thread began it."""
     end_s: float
-    """The worker thread finished it."""
+    """The compute thread finished it (its outputs encoded; queuing them is `send_s`)."""
     wait_s: float
     """How long the stage waited for this task's inputs with nothing else to do."""
     cpu_s: float = 0.0

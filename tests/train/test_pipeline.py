@@ -179,17 +179,23 @@ async def test_a_non_finite_activation_on_an_int8_edge_fails_as_the_jobs_fault(
         EdgeSpec("y", 0, 1, 0.1, encoding="int8")
 
 
-async def test_missing_input_times_out_naming_the_edge(adamw: OptimizerSpec) -> None:
+def _lone_stage1(adamw: OptimizerSpec, steps: int, recv_timeout_s: float
+                 ) -> tuple[Any, Any]:
+    """Stage 1 of the edge program with no stage 0 running: its first input never comes."""
     from fusiond.train.local import MemoryLinks
     from fusiond.train.schedule import one_f_one_b
     from fusiond.train.stage import StageConfig, StageExecutor
 
-    progs = _edge_program()
     hub = MemoryLinks()
-    ex = StageExecutor(stage=1, program=progs[1], link=hub.link(1),
+    ex = StageExecutor(stage=1, program=_edge_program()[1], link=hub.link(1),
                        tasks=one_f_one_b(2, 2)[1], micro_batches=2, optimizer=adamw,
-                       total_steps=1, data=_Regression(), batch_size=4,
-                       config=StageConfig(recv_timeout_s=0.2))
+                       total_steps=steps, data=_Regression(), batch_size=4,
+                       config=StageConfig(recv_timeout_s=recv_timeout_s))
+    return ex, hub
+
+
+async def test_missing_input_times_out_naming_the_edge(adamw: OptimizerSpec) -> None:
+    ex, hub = _lone_stage1(adamw, 1, 0.2)
     await ex.start()
     try:
         with pytest.raises(StageError, match=r"stage 1, step 0, F0: no forward on edge 'y'"):
@@ -205,16 +211,7 @@ async def test_a_cancelled_step_stops_the_compute_thread_at_once(adamw: Optimize
     timeout, and a later step refuses to run."""
     import time
 
-    from fusiond.train.local import MemoryLinks
-    from fusiond.train.schedule import one_f_one_b
-    from fusiond.train.stage import StageConfig, StageExecutor
-
-    progs = _edge_program()
-    hub = MemoryLinks()
-    ex = StageExecutor(stage=1, program=progs[1], link=hub.link(1),
-                       tasks=one_f_one_b(2, 2)[1], micro_batches=2, optimizer=adamw,
-                       total_steps=2, data=_Regression(), batch_size=4,
-                       config=StageConfig(recv_timeout_s=60.0))
+    ex, hub = _lone_stage1(adamw, 2, 60.0)
     await ex.start()
     try:
         step = asyncio.create_task(ex.run_step(0))

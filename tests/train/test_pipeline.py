@@ -228,6 +228,68 @@ async def test_a_cancelled_step_stops_the_compute_thread_at_once(adamw: Optimize
     assert time.monotonic() - t0 < 5.0  # close waited for the thread: it had stopped
 
 
+async def test_a_full_send_queue_holds_the_compute_thread_until_the_link_takes_more(
+        adamw: OptimizerSpec) -> None:
+    """Backpressure: with `send_queue` packets queued or being sent, the compute thread waits
+    before producing more (a slow link slows the stage, memory stays bounded); when the link
+    takes them it goes on; a failure while it waits ends the wait with that failure."""
+    from fusiond.train.schedule import gpipe
+    from fusiond.train.stage import Packet, StageConfig, StageExecutor
+
+    class Stalled:  # a link that takes nothing until opened
+        def __init__(self) -> None:
+            self.open = asyncio.Event()
+            self.sent: list[Packet] = []
+
+        async def send(self, packet: Packet) -> None:
+            await self.open.wait()
+            self.sent.append(packet)
+
+    micro = 4
+    link = Stalled()
+    prog = _edge_program()[0]
+    runs = [0]
+    inner = prog.run
+
+    def counted(i: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        runs[0] += 1
+        return inner(i)
+
+    prog.run = counted
+    ex = StageExecutor(stage=0, program=prog, link=link,
+                       tasks=gpipe(2, micro)[0], micro_batches=micro, optimizer=adamw,
+                       total_steps=2, data=_Regression(), batch_size=8,
+                       config=StageConfig(recv_timeout_s=0.5, send_queue=2))
+    await ex.start()
+    try:
+        step = asyncio.create_task(ex.run_step(0))
+        await asyncio.sleep(0.3)
+        # F0 is with the link, F1 queued: F2 ran and waits for room, F3 has not run
+        assert not step.done() and link.sent == [] and runs[0] == 3
+        link.open.set()
+        # the forwards go out; then B0's gradient never comes: the receive timeout
+        with pytest.raises(StageError, match="no backward on edge 'y'"):
+            await step
+        assert [p.micro for p in link.sent] == list(range(micro))
+    finally:
+        await ex.close()
+
+    link = Stalled()
+    ex = StageExecutor(stage=0, program=_edge_program()[0], link=link,
+                       tasks=gpipe(2, micro)[0], micro_batches=micro, optimizer=adamw,
+                       total_steps=2, data=_Regression(), batch_size=8,
+                       config=StageConfig(recv_timeout_s=60.0, send_queue=1))
+    await ex.start()
+    try:
+        step = asyncio.create_task(ex.run_step(0))
+        await asyncio.sleep(0.3)
+        ex.fail(StageError("stage 1 died"))
+        with pytest.raises(StageError, match="stage 1 died"):
+            await asyncio.wait_for(step, 5.0)
+    finally:
+        await ex.close()
+
+
 async def test_deliver_rejects_unexpected_packets(adamw: OptimizerSpec) -> None:
     from fusiond.errors import RemoteError
     from fusiond.train.local import MemoryLinks

@@ -439,8 +439,10 @@ class _Outbound:
             self.drained.set()
 
     def abort(self) -> None:
-        """Stop taking packets: a blocked `put` returns False (within `_ABORT_POLL_S`)."""
+        """Stop taking packets: a blocked `put` returns False (within `_ABORT_POLL_S`), and a
+        `flush` waiting for the queue to drain stops waiting (event loop)."""
         self._aborted = True
+        self.drained.set()
 
 
 _ABORT_POLL_S = 0.05
@@ -551,9 +553,12 @@ class StageExecutor:
             self._inbox_bytes = 0
 
     async def flush(self) -> None:
-        """Wait until every queued outbound packet has been handed to the link."""
+        """Wait until every queued outbound packet has been handed to the link; the stage's
+        failure if it fails (or closes) first."""
         for out in self._outq.values():
             while out.pending:
+                if self._failed is not None:
+                    raise self._failed
                 out.drained.clear()
                 await out.drained.wait()
 

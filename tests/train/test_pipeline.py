@@ -286,6 +286,9 @@ async def test_a_full_send_queue_holds_the_compute_thread_until_the_link_takes_m
         ex.fail(StageError("stage 1 died"))
         with pytest.raises(StageError, match="stage 1 died"):
             await asyncio.wait_for(step, 5.0)
+        # F0 is still with the stalled link: waiting for it to drain ends with the failure
+        with pytest.raises(StageError, match="stage 1 died"):
+            await asyncio.wait_for(ex.flush(), 5.0)
     finally:
         await ex.close()
 

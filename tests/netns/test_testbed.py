@@ -62,6 +62,10 @@ def test_three_hosts_up_check_down(state_dir: Path) -> None:
         # Nothing of the testbed is visible from the root namespace.
         assert snapshot() == before
         results = tb.check(duration_s=1.0)
+        again = [(r.src, r.dst) for r in results if not r.ok]
+        if again:  # timings on a shared machine: a link that misses twice is misconfigured
+            redo = {(r.src, r.dst): r for r in tb.check(duration_s=1.0, pairs=again)}
+            results = [redo.get((r.src, r.dst), r) for r in results]
         report = "\n".join(r.line() for r in results)
         print(report)
         assert len(results) == 6

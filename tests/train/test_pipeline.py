@@ -256,10 +256,15 @@ async def test_a_full_send_queue_holds_the_compute_thread_until_the_link_takes_m
         return inner(i)
 
     prog.run = counted
-    ex = StageExecutor(stage=0, program=prog, link=link,
-                       tasks=gpipe(2, micro)[0], micro_batches=micro, optimizer=adamw,
-                       total_steps=2, data=_Regression(), batch_size=8,
-                       config=StageConfig(recv_timeout_s=0.5, send_queue=2))
+
+    def stage0(program: StageProgram, recv_timeout_s: float, send_queue: int) -> StageExecutor:
+        return StageExecutor(stage=0, program=program, link=link,
+                             tasks=gpipe(2, micro)[0], micro_batches=micro, optimizer=adamw,
+                             total_steps=2, data=_Regression(), batch_size=8,
+                             config=StageConfig(recv_timeout_s=recv_timeout_s,
+                                                send_queue=send_queue))
+
+    ex = stage0(prog, 0.5, 2)
     await ex.start()
     try:
         step = asyncio.create_task(ex.run_step(0))
@@ -275,10 +280,7 @@ async def test_a_full_send_queue_holds_the_compute_thread_until_the_link_takes_m
         await ex.close()
 
     link = Stalled()
-    ex = StageExecutor(stage=0, program=_edge_program()[0], link=link,
-                       tasks=gpipe(2, micro)[0], micro_batches=micro, optimizer=adamw,
-                       total_steps=2, data=_Regression(), batch_size=8,
-                       config=StageConfig(recv_timeout_s=60.0, send_queue=1))
+    ex = stage0(_edge_program()[0], 60.0, 1)
     await ex.start()
     try:
         step = asyncio.create_task(ex.run_step(0))

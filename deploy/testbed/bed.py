@@ -26,6 +26,7 @@ after a crash too: it kills every process in the testbed's namespaces, deletes t
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -851,6 +852,10 @@ class Testbed:
         self.down()
 
 
+CGROUP_REMOVE_GRACE_S = 10.0
+"""How long `teardown` keeps trying to remove a cgroup its killed processes are still leaving."""
+
+
 def teardown(name: str, state: Mapping[str, Any], state_dir: Path) -> list[str]:
     """Remove what `state` records for testbed `name`: the processes inside its namespaces
     (found through the namespaces, never by pid or name: a pid may have been reused), the
@@ -876,11 +881,18 @@ def teardown(name: str, state: Mapping[str, Any], state_dir: Path) -> list[str]:
         kill_cgroup_processes(Path(cg))
     for cg in state.get("cgroups", []):
         path = Path(cg)
-        if path.is_dir():
+        # A killed process leaves its cgroup only once the kernel has finished its exit (a
+        # loaded machine took more than the kill's grace once): EBUSY is retried, killing again.
+        deadline = time.monotonic() + CGROUP_REMOVE_GRACE_S
+        while path.is_dir():
             try:
                 path.rmdir()
             except OSError as exc:
-                problems.append(f"cgroup {cg}: {exc}")
+                if exc.errno != errno.EBUSY or time.monotonic() >= deadline:
+                    problems.append(f"cgroup {cg}: {exc}")
+                    break
+                kill_cgroup_processes(path, grace_s=0.2)
+                time.sleep(0.1)
     if not problems:
         for d in state.get("dirs", []):
             _rmtree(Path(d))

@@ -10,16 +10,23 @@ micro-batch from the same sizes, and is scored with the planner's own cost model
 
     (a) best single machine      (b) even block split (GPipe / torch.distributed.pipelining)
     (c) bandwidth-aware block placement (in the manner of Petals / SWARM / DT-FM)
+    (f) DDP + PowerSGD (the k fastest machines that hold the model, every k)
     (d) OP-Fence                 (e) OP-Fence + AdaTopK
+    (g) OP-Fence with replicas (pipelines, data parallelism and their mixes as one space)
+
+Replicated stages reduce their gradients once per iteration, low-rank (PowerSGD-style) down to
+`--grad-density-floor` (default 0.01, about rank 4 on these models' matrices) where the
+reduction would not hide behind the drain; DDP's PowerSGD hook gets the same floor.
 
 Per plan: predicted samples/s, machines used, bottleneck, `fraction_of_aggregate_compute`
-(samples/s over the sum of what each machine reaches alone), planning time. Target per model
-and topology: OP-Fence's best >= `--min-ratio` (1.0) x the strongest baseline; a miss prints
-FAIL and the bench exits 1. The fractions are printed against the data-parallel issue's
-targets (issue 21), marked "not yet": informational.
+(samples/s over the sum of what each machine reaches alone), planning time. Targets per model
+and topology: OP-Fence's best >= `--min-ratio` (1.0) x the strongest baseline, and (issue 21)
+its fraction of aggregate compute >= 0.6 on campus and 0.4 on geo and volunteer; a miss prints
+FAIL and the bench exits 1.
 
     .venv/bin/python bench/plan.py [--models gpt2-small,resnet101] [--topologies a.json,...]
                                    [--json | --markdown] [--show-plan] [--min-ratio 1.0]
+                                   [--grad-density-floor 0.01]
 
 Exit codes: 0 every target met, 1 a target missed, 2 bad arguments.
 """
@@ -64,8 +71,13 @@ from fusiond.plan import (  # noqa: E402
 )
 from protocol import ir  # noqa: E402
 
-#: the data-parallel issue's targets on fraction_of_aggregate_compute (printed, not enforced)
+#: the data-parallel issue's targets on fraction_of_aggregate_compute
 ISSUE21_FRACTION_TARGET: dict[str, float] = {"campus": 0.6, "geo": 0.4, "volunteer": 0.4}
+#: PowerSGD at rank 4 sends about 1 % of these models' gradients (GPT-2 small's 768 x 768 to
+#: 50257 x 768 matrices: 0.5-1.0 %; ResNet-101's convolutions as out x in*k*k: 0.5-1.6 %;
+#: biases and norms dense, 0.1 % of the parameters); rank 4 is where PowerSGD's paper matches
+#: full-precision accuracy
+GRAD_DENSITY_FLOOR = 0.01
 
 
 @dataclass(frozen=True)
@@ -141,14 +153,15 @@ def block_bounds(graph: ir.Graph, pattern: str) -> tuple[int, ...]:
     return (*(first[k] for k in order), last[order[-1]] + 1)
 
 
-def build_workload(name: str) -> tuple[Workload, float]:
+def build_workload(name: str, grad_density_floor: float = 1.0) -> tuple[Workload, float]:
     """The workload and the capture time in seconds."""
     spec = MODELS[name]
     t0 = time.perf_counter()
     graph = spec.capture()
     graphs = {b: cost_graph_from_ir(graph, spec.symbols(b), name=name)
               for b in spec.micro_batches}
-    wl = Workload(name, spec.global_batch, graphs, block_bounds(graph, spec.block_pattern))
+    wl = Workload(name, spec.global_batch, graphs, block_bounds(graph, spec.block_pattern),
+                  grad_density_floor)
     return wl, time.perf_counter() - t0
 
 
@@ -170,11 +183,11 @@ class Result:
         return fraction_of_aggregate_compute(o.samples_per_s, self.alone)
 
 
-def run(models: Sequence[str], topologies: Sequence[Path], min_ratio: float
-        ) -> list[Result]:
+def run(models: Sequence[str], topologies: Sequence[Path], min_ratio: float,
+        grad_density_floor: float = 1.0) -> list[Result]:
     out: list[Result] = []
     for mname in models:
-        wl, _ = build_workload(mname)
+        wl, _ = build_workload(mname, grad_density_floor)
         for tp in topologies:
             spec = json.loads(tp.read_text())
             cluster, _ = cluster_from_topology(spec)
@@ -237,6 +250,7 @@ def verdict_rows(results: Sequence[Result]) -> list[dict[str, Any]]:
             "passed": v.passed,
             "fraction_of_aggregate_compute": r.fraction(best) if best else 0.0,
             "issue21_fraction_target": ISSUE21_FRACTION_TARGET.get(r.topology),
+            "fraction_passed": fraction_passed(r),
         })
     return out
 
@@ -297,13 +311,23 @@ def _verdict_line(r: Result) -> str:
             f"({ours}; {base}{dense})")
 
 
+def fraction_passed(r: Result) -> bool | None:
+    """Issue 21's target on the fraction of aggregate compute (None: none for this topology)."""
+    tgt = ISSUE21_FRACTION_TARGET.get(r.topology)
+    if tgt is None:
+        return None
+    best = r.verdict.best
+    return best is not None and r.fraction(best) >= tgt
+
+
 def _fraction_line(r: Result) -> str:
     best = r.verdict.best
     frac = r.fraction(best) if best else 0.0
     tgt = ISSUE21_FRACTION_TARGET.get(r.topology)
-    goal = (f"issue 21 target >= {tgt:g}, not yet" if tgt is not None
-            else "no issue 21 target for this topology")
-    return (f"info  fraction_of_aggregate_compute of OP-Fence best: {frac:.3f} ({goal}); "
+    ok = fraction_passed(r)
+    tag = "info" if ok is None else "PASS" if ok else "FAIL"
+    goal = f">= {tgt:g}" if tgt is not None else "(no target for this topology)"
+    return (f"{tag}  fraction_of_aggregate_compute of OP-Fence best {goal}: {frac:.3f}; "
             f"strongest baseline: "
             f"{r.fraction(r.verdict.strongest) if r.verdict.strongest else 0.0:.3f}")
 
@@ -320,6 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     out.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     ap.add_argument("--min-ratio", type=float, default=1.0,
                     help="target: OP-Fence best >= this x the strongest baseline (default 1.0)")
+    ap.add_argument("--grad-density-floor", type=float, default=GRAD_DENSITY_FLOOR,
+                    help="the least share of a replicated stage's gradient bytes its reduction "
+                         f"may send, for DDP's PowerSGD hook and OP-Fence alike (default "
+                         f"{GRAD_DENSITY_FLOOR:g}; 1 = dense)")
     args = ap.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     unknown = [m for m in models if m not in MODELS]
@@ -332,10 +360,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"topology file(s) not found: {missing or '(none given)'}")
     if not args.min_ratio > 0:
         ap.error("--min-ratio must be > 0")
+    if not 0 < args.grad_density_floor <= 1:
+        ap.error("--grad-density-floor must be in (0, 1]")
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    results = run(models, topos, args.min_ratio)
-    ok = all(r.verdict.passed for r in results)
+    results = run(models, topos, args.min_ratio, args.grad_density_floor)
+    ok = all(r.verdict.passed and fraction_passed(r) is not False for r in results)
     if args.json:
         print(json.dumps({"rows": rows(results), "verdicts": verdict_rows(results)}, indent=1))
         return 0 if ok else 1
@@ -343,8 +373,10 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(_table(r, args.markdown)))
         print()
     passed = sum(r.verdict.passed for r in results)
+    fr = [f for f in map(fraction_passed, results) if f is not None]
     print(f"{passed} of {len(results)} targets met (OP-Fence best >= {args.min_ratio:g}x the "
-          f"strongest baseline); bench took {time.perf_counter() - t0:.0f} s")
+          f"strongest baseline); {sum(fr)} of {len(fr)} fraction-of-aggregate-compute targets "
+          f"met; bench took {time.perf_counter() - t0:.0f} s")
     if args.show_plan:
         for r in results:
             for o in r.outcomes:

@@ -16,7 +16,14 @@ micro-batch sizes, so a ratio between two rows compares plans, not models. docs/
   placed to minimise the bottleneck, a stage's time being the larger of its compute and its
   incoming link (Petals' server throughput, min of compute and network), over machines grouped
   by similar bandwidth and ordered as an open path through the groups (DT-FM's pipeline order).
-- (d), (e): OP-Fence dense and OP-Fence + AdaTopK (`fusiond.plan.plan_opfence`).
+- (f) `data_parallel`: DDP with its PowerSGD hook (low-rank gradients with error feedback, at
+  the workload's gradient density floor, dense where the reduction hides behind the last
+  backward anyway): the whole model on each of the k fastest machines that hold it, for every
+  k in the planner's replica sizes and all of them, the one ring or hierarchical all-reduce
+  the planner's model costs.
+- (d), (e): OP-Fence dense and OP-Fence + AdaTopK (`fusiond.plan.plan_opfence`), one machine
+  per stage; (g) OP-Fence with replicas (`plan_opfence(replicate=True)`): pipelines, data
+  parallelism and their mixes searched as one space.
 
 `fraction_of_aggregate_compute`: a plan's samples/s over the sum of what each machine reaches
 alone (same model, same global batch, best micro-batch, memory not checked: the cluster's
@@ -44,6 +51,7 @@ from fusiond.plan import (
     evaluate,
     plan_opfence,
 )
+from fusiond.plan.fence import REPLICA_SET_SIZES
 
 #: clusters up to this many machines get every ordered machine subset (6: 1956 orders)
 EXHAUSTIVE_MACHINES = 6
@@ -60,8 +68,10 @@ SYSTEMS: tuple[tuple[str, str], ...] = (
     ("placement", "(c) bandwidth-aware block placement"),
     ("opfence", "(d) OP-Fence"),
     ("opfence+adatopk", "(e) OP-Fence + AdaTopK"),
+    ("ddp", "(f) DDP + PowerSGD"),
+    ("opfence+replicas", "(g) OP-Fence with replicas"),
 )
-BASELINES: frozenset[str] = frozenset({"single", "even", "placement"})
+BASELINES: frozenset[str] = frozenset({"single", "even", "placement", "ddp"})
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,9 @@ class Workload:
     global_batch: int
     graphs: Mapping[int, CostGraph]
     block_bounds: tuple[int, ...]
+    grad_density_floor: float = 1.0
+    """What a replicated stage's gradient reduction may shrink to (`JobSettings`); the same
+    for DDP's PowerSGD hook and OP-Fence's replicas."""
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or not self.graphs:
@@ -111,7 +124,8 @@ class Workload:
 
     def settings(self, micro_batch_size: int) -> JobSettings:
         return JobSettings(micro_batch_size=micro_batch_size,
-                           num_micro_batches=self.global_batch // micro_batch_size)
+                           num_micro_batches=self.global_batch // micro_batch_size,
+                           grad_density_floor=self.grad_density_floor)
 
     def units(self) -> tuple[int, ...]:
         """Boundaries of the placement units: the pre segment, each block, the post segment
@@ -147,7 +161,7 @@ class Outcome:
 
     @property
     def machines_used(self) -> int:
-        return len(self.found.stages) if self.found else 0
+        return sum(len(s.machines) for s in self.found.stages) if self.found else 0
 
 
 Search = Callable[[GraphArrays, Workload], Found | None]
@@ -348,13 +362,24 @@ def block_placement(arrays: GraphArrays, workload: Workload) -> Found | None:
     return _best(arrays, candidates())
 
 
-def opfence(compress: bool) -> Search:
-    """(d)/(e) The product's planner, on the same cost tables."""
+def data_parallel(arrays: GraphArrays, workload: Workload) -> Found | None:
+    """(f) The whole model on each of the k fastest machines that hold it alone."""
+    n = arrays.n
+    K = len(arrays.cluster)
+    alone = arrays.prefix[:, -1]
+    fit = [m for m in sorted(range(K), key=lambda m: (float(alone[m]), m))
+           if evaluate(arrays, [StageSpec(m, 0, n)]).feasible]
+    sizes = sorted({k for k in (*REPLICA_SET_SIZES, len(fit)) if 2 <= k <= len(fit)})
+    return _best(arrays, ([StageSpec(fit[0], 0, n, tuple(fit[1:k]))] for k in sizes))
+
+
+def opfence(compress: bool, replicate: bool = False) -> Search:
+    """(d)/(e)/(g) The product's planner, on the same cost tables."""
 
     def search(arrays: GraphArrays, workload: Workload) -> Found | None:
         try:
             plan = plan_opfence(arrays.graph, arrays.cluster, arrays.settings,
-                                compress=compress, arrays=arrays)
+                                compress=compress, arrays=arrays, replicate=replicate)
         except PlanError:
             return None
         return Found(plan.stages, plan.evaluation)
@@ -368,6 +393,8 @@ SEARCHES: Mapping[str, Search] = {
     "placement": block_placement,
     "opfence": opfence(False),
     "opfence+adatopk": opfence(True),
+    "ddp": data_parallel,
+    "opfence+replicas": opfence(False, replicate=True),
 }
 
 
@@ -393,10 +420,10 @@ def run_system(system: str, workload: Workload, tables: Mapping[int, GraphArrays
     planning_s = time.perf_counter() - t0
     cluster = next(iter(tables.values())).cluster
     if best is None:
-        why = ("needs at least 2 machines" if system in ("even", "placement")
+        why = ("needs at least 2 machines" if system in ("even", "placement", "ddp")
                and len(cluster) < 2 else "does not fit")
         return Outcome(system, label, None, 0, planning_s, (), why)
-    ids = tuple(cluster.machines[s.machine].id for s in best.stages)
+    ids = tuple(cluster.machines[m].id for s in best.stages for m in s.machines)
     return Outcome(system, label, best, best_b, planning_s, ids)
 
 

@@ -28,7 +28,15 @@ import numpy as np
 import numpy.typing as npt
 
 from fusiond.plan.adatopk import adapt_densities
-from fusiond.plan.model import F64, Cluster, CostGraph, JobSettings, PlanError, wire_bytes
+from fusiond.plan.model import (
+    F64,
+    Cluster,
+    CostGraph,
+    JobSettings,
+    MachineProfile,
+    PlanError,
+    wire_bytes,
+)
 from fusiond.plan.pipeline import Evaluation, GraphArrays, Plan, StageSpec, evaluate
 from fusiond.units import bits_per_s_from_bytes_per_s
 
@@ -665,8 +673,13 @@ def plan_opfence(
     max_cuts: int = 384,
     orders: int = 5,
     arrays: GraphArrays | None = None,
+    replicate: bool = False,
 ) -> Plan:
     """Plan `graph` on `cluster` with OP-Fence (and AdaTopK densities when `compress`).
+
+    With `replicate`, stages may also run on several machines each (data parallelism; the
+    shapes of `replica_shapes`, searched as one space with the plain pipeline; docs/planner.md
+    "Replicas"). The stage runtime does not run replicas yet: the daemon plans without.
 
     Raises PlanError when no cut fits the machines' memory. With `settings.int8_edges` the cut
     edges are costed int8 and `compress` (top-k) is refused: the two do not stack.
@@ -709,6 +722,17 @@ def plan_opfence(
         best = _local_search(arrays, best, compress, modes)
         if best is not None:
             best = _refine(arrays, best, compress)
+    shape = ""
+    if replicate and len(cluster) > 1:
+        rep = _replicated_candidate(arrays, groups, compress, group_ratio)
+        if rep is not None and (best is None or rep[0].evaluation.iteration_s
+                                < best.evaluation.iteration_s * (1 - 1e-9)):
+            best, shape = rep
+        if small and best is not None:
+            refined = _refine_replicas(arrays, best, compress)
+            if refined is not best:
+                best = refined
+                shape = shape or "a pipeline with replicas added"
     if best is None:
         ops_note = ("; each stage also needs a machine that runs every op of it, and some "
                     "machines lack ops of this graph" if arrays.restricted else "")
@@ -728,7 +752,7 @@ def plan_opfence(
         dense=dense,
         groups=tuple(tuple(cluster.machines[m].id for m in g) for g in groups),
         idle=_idle_reasons(arrays, groups, best.stages, best.evaluation),
-        notes=_op_notes(arrays),
+        notes=_op_notes(arrays) + ((f"replicas: {shape}",) if shape else ()),
     )
 
 
@@ -749,8 +773,9 @@ def _idle_reasons(
     arrays: GraphArrays, groups: list[list[int]], stages: Sequence[StageSpec],
     ev: Evaluation,
 ) -> dict[str, str]:
-    used = {s.machine for s in stages}
-    busy = "a stage here would add more transfer and pipeline fill than it saves"
+    used = {m for s in stages for m in s.machines}
+    busy = ("a stage or a replica here would add more transfer, pipeline fill or gradient "
+            "reduction than it saves")
     if ev.bottleneck.startswith("compute"):
         # a bottleneck made of one op cannot be split further by adding machines
         r = max(ev.stages, key=lambda x: x.compute_s)
@@ -832,3 +857,274 @@ def plan_from_stages(
         groups=(tuple(cluster.ids()),),
         idle={},
     )
+
+
+# --- replicas: data parallelism inside and across bandwidth groups -------------------------
+
+REPLICA_SET_SIZES: tuple[int, ...] = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+"""Replicas per stage the shape search tries inside each bandwidth group."""
+
+
+def _inverse_sum(xs: Sequence[float]) -> float:
+    """1 / sum(1 / x): what a cost paid per micro-batch on each of several machines working
+    side by side costs per micro-batch of their sum (0 when one of them pays nothing)."""
+    if any(x <= 0 for x in xs):
+        return 0.0
+    return 1.0 / sum(1.0 / x for x in xs)
+
+
+def _virtual_machine(idx: int, members: Sequence[MachineProfile]) -> MachineProfile:
+    """Replicas side by side as one machine for the cut search: their rates summed (the
+    throughput of the set), the memory of the smallest (each holds the whole stage), the
+    longest wake-up, the ops every one of them runs."""
+    if len(members) == 1:
+        return members[0]
+    classes = sorted({k for m in members for k in m.flops})
+    ops = None
+    for m in members:
+        if m.ops is not None:
+            ops = m.ops if ops is None else ops & m.ops
+    return MachineProfile(
+        id=f"replicas{idx}:" + "+".join(m.id for m in members),
+        flops={k: sum(m.rate(k) for m in members) for k in classes},
+        mem_bw=sum(m.mem_bw for m in members),
+        op_overhead_s=_inverse_sum([m.op_overhead_s for m in members]),
+        memory_bytes=min(m.memory_bytes for m in members),
+        kind="replicas",
+        wire_s_per_byte=_inverse_sum([m.wire_s_per_byte for m in members]),
+        msg_s=_inverse_sum([m.msg_s for m in members]),
+        wake_s=max(m.wake_s for m in members),
+        ops=ops,
+    )
+
+
+def _virtual_link(cluster: Cluster, a_set: Sequence[int], b_set: Sequence[int]
+                  ) -> tuple[float, float, float, float]:
+    """(bytes/s a->b, b->a, rtt) of two replica sets seen as one link: the pairs that will
+    carry the micro-batches (the fastest first, every machine of the larger set used, the
+    smaller set's machines shared evenly) side by side, their rates summed; and the slowest
+    of those pairs' one-way rate (a micro-batch's own latency)."""
+    bw = cluster.bandwidth_bytes_per_s
+    big, small, swap = (a_set, b_set, False) if len(a_set) >= len(b_set) else (b_set, a_set, True)
+    per_small = math.ceil(len(big) / len(small))
+    pairs = sorted(((min(float(bw[x, y]), float(bw[y, x])), x, y) for x in big for y in small),
+                   key=lambda p: -p[0])
+    used_big: set[int] = set()
+    load: dict[int, int] = {}
+    fwd = bwd = 0.0
+    rtt = 0.0
+    slowest = math.inf
+    for _, x, y in pairs:
+        if x in used_big or load.get(y, 0) >= per_small:
+            continue
+        used_big.add(x)
+        load[y] = load.get(y, 0) + 1
+        a, b = (y, x) if swap else (x, y)
+        fwd += float(bw[a, b])
+        bwd += float(bw[b, a])
+        rtt = max(rtt, float(cluster.rtt_s[a, b]))
+        slowest = min(slowest, float(bw[a, b]))
+    return fwd, bwd, rtt, slowest
+
+
+def _virtual_cluster(cluster: Cluster, sets: Sequence[Sequence[int]]) -> Cluster:
+    machines = [_virtual_machine(i, [cluster.machines[m] for m in s]) for i, s in enumerate(sets)]
+    k = len(sets)
+    bw = np.full((k, k), np.inf)
+    rtt = np.zeros((k, k))
+    for i in range(k):
+        for j in range(i + 1, k):
+            f, b, r, _ = _virtual_link(cluster, sets[i], sets[j])
+            bw[i, j], bw[j, i] = f, b
+            rtt[i, j] = rtt[j, i] = r
+    return Cluster(tuple(machines), bw, rtt)
+
+
+def _deal(ms: Sequence[int], nsets: int) -> list[list[int]]:
+    """`ms` (fastest first) dealt into `nsets` sets of about equal speed."""
+    nsets = max(1, min(nsets, len(ms)))
+    return [list(ms[j::nsets]) for j in range(nsets)]
+
+
+def replica_shapes(arrays: GraphArrays, groups: Sequence[Sequence[int]]
+                   ) -> list[tuple[str, list[list[int]]]]:
+    """The replica sets the shape search tries, each (name, sets; a set's machines fastest
+    first), the machines of a shape all distinct:
+
+    - inside every bandwidth group, sets of about r machines (r in `REPLICA_SET_SIZES`), so
+      the cut search can give each set a stage: replicas on fast links;
+    - the groups zipped: the i-th fastest machine of each of the best-provided groups in one
+      set, the rest alone: pipelines replicated across sites, gradients reduced over the
+      slow links;
+    - the fastest k machines of the cluster, and of each group, in one set: pure data
+      parallelism (a single stage), machines that would slow it left out.
+    """
+    alone = arrays.prefix[:, -1]
+    ff = [sorted(g, key=lambda m: (float(alone[m]), m)) for g in groups]
+    everyone = sorted((m for g in ff for m in g), key=lambda m: (float(alone[m]), m))
+    out: list[tuple[str, list[list[int]]]] = []
+    seen: set[tuple[tuple[int, ...], ...]] = set()
+
+    def add(name: str, sets: list[list[int]]) -> None:
+        key = tuple(sorted(tuple(s) for s in sets))
+        if key not in seen and any(len(s) > 1 for s in sets):
+            seen.add(key)
+            out.append((name, sets))
+
+    biggest = max(len(g) for g in ff)
+    for r in REPLICA_SET_SIZES:
+        if r > biggest:
+            break
+        add(f"{r} per set inside groups",
+            [s for g in ff for s in _deal(g, round(len(g) / r))])
+    by_speed = sorted(range(len(ff)), key=lambda i: -sum(1.0 / max(float(alone[m]), 1e-300)
+                                                         for m in ff[i]))
+    for k in range(2, len(ff) + 1):
+        chosen = [ff[i] for i in by_speed[:k]]
+        depth = min(len(g) for g in chosen)
+        zipped = [[g[i] for g in chosen] for i in range(depth)]
+        rest = [[m] for g in chosen for m in g[depth:]] + [
+            [m] for i in by_speed[k:] for m in ff[i]]
+        add(f"{k} groups zipped", zipped + rest)
+    sizes = sorted({k for k in (*REPLICA_SET_SIZES, len(everyone)) if 2 <= k <= len(everyone)})
+    for k in sizes:
+        add(f"fastest {k} data-parallel", [everyone[:k]])
+    for i in by_speed[:2]:
+        for k in sizes:
+            if k <= len(ff[i]):
+                add(f"fastest {k} of a group data-parallel", [ff[i][:k]])
+    if len(everyone) <= EXHAUSTIVE_SHAPES_MACHINES:
+        for sets in _set_partitions_of_subsets(everyone):
+            add("replica sets of a small cluster",
+                [sorted(x, key=lambda m: (float(alone[m]), m)) for x in sets])
+    return out
+
+
+EXHAUSTIVE_SHAPES_MACHINES = 5
+"""Clusters up to this many machines get every way of forming replica sets (203 for 5)."""
+
+
+def _set_partitions_of_subsets(ms: Sequence[int]) -> list[list[list[int]]]:
+    """Every way to leave some of `ms` out and split the rest into non-empty sets."""
+    out: list[list[list[int]]] = []
+
+    def rec(i: int, sets: list[list[int]]) -> None:
+        if i == len(ms):
+            if sets:
+                out.append([list(x) for x in sets])
+            return
+        rec(i + 1, sets)  # ms[i] idle
+        for x in sets:
+            x.append(ms[i])
+            rec(i + 1, sets)
+            x.pop()
+        sets.append([ms[i]])
+        rec(i + 1, sets)
+        sets.pop()
+
+    rec(0, [])
+    return out
+
+
+def _expand(stages: Sequence[StageSpec], sets: Sequence[Sequence[int]]) -> list[StageSpec]:
+    """A cut of the virtual cluster (machine = replica set) as stages of the real one."""
+    return [StageSpec(sets[s.machine][0], s.start, s.stop, tuple(sets[s.machine][1:]))
+            for s in stages]
+
+
+def _trim_replicas(arrays: GraphArrays, best: _Candidate, compress: bool) -> _Candidate:
+    """Drop a stage's replicas that make it slower (the slowest first): one that gets no
+    micro-batch, or whose gradient reduction costs more than its share saves."""
+    improved = True
+    while improved:
+        improved = False
+        for i, s in enumerate(best.stages):
+            if not s.replicas:
+                continue
+            slowest = max(s.replicas, key=lambda m: float(arrays.prefix[m, s.stop]
+                                                          - arrays.prefix[m, s.start]))
+            trimmed = StageSpec(s.machine, s.start, s.stop,
+                                tuple(m for m in s.replicas if m != slowest))
+            cand = _score(arrays, [*best.stages[:i], trimmed, *best.stages[i + 1:]], compress)
+            if cand.evaluation.feasible and (cand.evaluation.iteration_s
+                                             < best.evaluation.iteration_s * (1 - 1e-9)):
+                best, improved = cand, True
+                break
+    return best
+
+
+def _replica_neighbours(stages: list[StageSpec], K: int) -> list[list[StageSpec]]:
+    """Replica edits one step away: a machine joins a stage (from idle or from another
+    stage's replicas), a replica leaves its stage, a stage boundary moves by one op."""
+    out: list[list[StageSpec]] = []
+    where = {m: i for i, s in enumerate(stages) for m in s.machines}
+
+    def without(st: StageSpec, m: int) -> StageSpec | None:
+        ms = [x for x in st.machines if x != m]
+        return StageSpec(ms[0], st.start, st.stop, tuple(ms[1:])) if ms else None
+
+    for m in range(K):
+        src = where.get(m)
+        base = list(stages)
+        if src is not None:
+            left = without(stages[src], m)
+            if left is None:
+                continue
+            base[src] = left
+            out.append(list(base))  # m leaves: idle
+        for i, st in enumerate(base):
+            if i == src:
+                continue
+            moved = list(base)
+            moved[i] = StageSpec(st.machine, st.start, st.stop, (*st.replicas, m))
+            out.append(moved)
+    for i in range(len(stages) - 1):
+        a, b = stages[i], stages[i + 1]
+        for d in (-1, 1):
+            cut = a.stop + d
+            if a.start < cut < b.stop:
+                out.append([*stages[:i], StageSpec(a.machine, a.start, cut, a.replicas),
+                            StageSpec(b.machine, cut, b.stop, b.replicas), *stages[i + 2:]])
+    return out
+
+
+def _refine_replicas(arrays: GraphArrays, best: _Candidate, compress: bool) -> _Candidate:
+    """Hill-climb over `_replica_neighbours` on the exact evaluator (small problems)."""
+    K = len(arrays.cluster)
+    for _ in range(20):
+        improved = False
+        for stages in _replica_neighbours(best.stages, K):
+            cand = _score(arrays, stages, compress)
+            if cand.evaluation.feasible and cand.evaluation.iteration_s < (
+                    best.evaluation.iteration_s * (1 - 1e-9)):
+                best, improved = cand, True
+        if not improved:
+            break
+    return best
+
+
+def _replicated_candidate(arrays: GraphArrays, groups: Sequence[Sequence[int]], compress: bool,
+                          group_ratio: float) -> tuple[_Candidate, str] | None:
+    """The best plan over `replica_shapes`: each shape's sets become machines of a virtual
+    cluster, OP-Fence cuts the graph over them, and the exact evaluator (replica shares,
+    routes, gradient reduction) scores the result on the real cluster."""
+    best: tuple[_Candidate, str] | None = None
+    for name, sets in replica_shapes(arrays, groups):
+        if len(sets) == 1:  # pure data parallelism: one stage, nothing to cut
+            stages = [StageSpec(sets[0][0], 0, arrays.n, tuple(sets[0][1:]))]
+        else:
+            virtual = _virtual_cluster(arrays.cluster, sets)
+            try:
+                vplan = plan_opfence(arrays.graph, virtual, arrays.settings, compress=False,
+                                     group_ratio=group_ratio, orders=1, max_cuts=96)
+            except PlanError:
+                continue
+            stages = _expand(vplan.stages, sets)
+        cand = _score(arrays, stages, compress)
+        if not cand.evaluation.feasible:
+            continue
+        if best is None or cand.evaluation.iteration_s < 1.25 * best[0].evaluation.iteration_s:
+            cand = _trim_replicas(arrays, cand, compress)
+        if best is None or cand.evaluation.iteration_s < best[0].evaluation.iteration_s:
+            best = (cand, name)
+    return best

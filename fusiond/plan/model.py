@@ -306,6 +306,11 @@ class JobSettings:
     topk_fwd_bytes: float = 3.5
     topk_bwd_bytes: float = 2.0
     int8_edges: bool = False
+    grad_density_floor: float = 1.0
+    """The least share of a replicated stage's gradient bytes its reduction may send
+    (low-rank, PowerSGD-style, with error feedback: rank r of an m x n gradient sends
+    r (m + n) / (m n) of it); 1.0: gradients are reduced dense. The planner sends as much as
+    the reduction can hide behind the drain, down to this floor."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.num_micro_batches < 1:
@@ -316,6 +321,9 @@ class JobSettings:
             raise PlanError(f"schedule must be '1f1b' or 'gpipe', got {self.schedule!r}")
         if not 0 < self.memory_fraction <= 1:
             raise PlanError("memory_fraction must be in (0, 1]")
+        if not 0 < self.grad_density_floor <= 1:
+            raise PlanError(f"grad_density_floor must be in (0, 1], got "
+                            f"{self.grad_density_floor}")
 
 
 def op_times(graph: CostGraph, machine: MachineProfile, batch: int) -> F64:

@@ -28,7 +28,9 @@ graph's topological order on one machine. Model (see docs/planner.md):
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -49,11 +51,20 @@ from fusiond.plan.model import (
 
 @dataclass(frozen=True)
 class StageSpec:
-    """Machine `machine` (an index into the cluster) runs ops [start, stop)."""
+    """Machine `machine` (an index into the cluster) runs ops [start, stop); so does every
+    machine in `replicas` (data parallelism inside the stage: each replica runs its share of
+    the micro-batches, `micro_batch_shares`, and the replicas reduce the stage's gradients
+    once per iteration before the optimizer step)."""
 
     machine: int
     start: int
     stop: int
+    replicas: tuple[int, ...] = ()
+
+    @property
+    def machines(self) -> tuple[int, ...]:
+        """Every machine of the stage, `machine` first."""
+        return (self.machine, *self.replicas)
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,10 @@ class StageReport:
     """The stage's own time per micro-batch to send and receive its cut tensors
     (`MachineProfile.wire_s_per_byte` per byte, `msg_s` per message); it adds to `compute_s`
     as the stage's busy time."""
+    replica: int = 0
+    """Which of the stage's machines this is (0: `StageSpec.machine`)."""
+    micro_batches: int = 0
+    """Micro-batches of an iteration this machine runs (all M without replicas)."""
 
     @property
     def busy_s(self) -> float:
@@ -103,6 +118,35 @@ class LinkReport:
     fwd_msgs: float = 0.0
     """Messages per micro-batch forward (one per tensor) and backward (one per gradient)."""
     bwd_msgs: float = 0.0
+    micro_batches: int = 0
+    """Micro-batches of an iteration routed over this machine pair (all M without
+    replicas); the bytes and `time_s` above are per micro-batch."""
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """The gradient reduction among one stage's replicas, once per iteration."""
+
+    stage: int
+    machine_ids: tuple[str, ...]
+    grad_bytes: float
+    """The stage's unique parameter gradients (fp32), what each replica contributes."""
+    scheme: str
+    """"ring" (every replica in one ring) or "hierarchical" (a ring inside each bandwidth
+    group, then one among the groups' first replicas)."""
+    slowest_bytes_per_s: float
+    """The slowest link the reduction crosses."""
+    time_s: float
+    overlap_s: float
+    """What it hides behind: the stage's own last backward and the drain of the stages before
+    it (their last backward passes)."""
+    density: float = 1.0
+    """The share of `grad_bytes` sent (< 1: compressed low-rank with error feedback, at least
+    `JobSettings.grad_density_floor`); `time_s` includes the compression's own work."""
+
+    @property
+    def exposed_s(self) -> float:
+        return max(0.0, self.time_s - self.overlap_s)
 
 
 @dataclass(frozen=True)
@@ -122,6 +166,13 @@ class Evaluation:
     over_memory: tuple[str, ...]
     unrunnable: tuple[str, ...] = ()
     """`"<machine>: <op>, ..."` for each stage whose machine cannot run some of its ops."""
+    replicas: tuple[StageReport, ...] = ()
+    """Every machine of every stage (`stages` holds each stage's first machine)."""
+    syncs: tuple[SyncReport, ...] = ()
+    """One per stage with replicas."""
+    grad_sync_s: float = 0.0
+    """What the replicas' gradient reductions add to the iteration (the slowest's exposed
+    part; they run at once, on different links)."""
 
     @property
     def memory_ok(self) -> bool:
@@ -294,6 +345,221 @@ def graph_param_sizes(graph: CostGraph) -> dict[str, float]:
     return sizes
 
 
+DDP_BUCKET_BYTES = 25 * 2**20
+"""A replicated stage's gradient bucket (DDP's default `bucket_cap_mb`): the reduction's
+buffer, counted in each replica's memory."""
+
+
+def micro_batch_shares(times_s: Sequence[float], num_micro_batches: int) -> list[int]:
+    """Micro-batches per replica for replicas taking `times_s` each per micro-batch: each one
+    goes to the replica that would finish it first (the least max share x time; optimal for
+    equal jobs on machines of different speeds). Ties go to the earlier replica."""
+    if not times_s:
+        raise PlanError("a stage needs at least one machine")
+    shares = [0] * len(times_s)
+    heap = [(max(float(t), 0.0), i) for i, t in enumerate(times_s)]
+    heapq.heapify(heap)
+    for _ in range(num_micro_batches):
+        _, i = heapq.heappop(heap)
+        shares[i] += 1
+        heapq.heappush(heap, ((shares[i] + 1) * max(float(times_s[i]), 0.0), i))
+    return shares
+
+
+def _interleave(shares: Sequence[int]) -> list[int]:
+    """Smooth weighted round robin: replica indices, each `shares[i]` times, spread out."""
+    total = sum(shares)
+    current = [0] * len(shares)
+    out: list[int] = []
+    for _ in range(total):
+        for i, w in enumerate(shares):
+            current[i] += w
+        i = max(range(len(shares)), key=lambda x: (current[x], -x))
+        current[i] -= total
+        out.append(i)
+    return out
+
+
+def route_micro_batches(cluster: Cluster, stages: Sequence[StageSpec],
+                        shares: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """`route[s][j]`: which of stage s's machines (an index into `StageSpec.machines`) runs
+    micro-batch j of an iteration. Stage 0 deals its shares out interleaved; between two
+    stages, the fastest machine pairs carry as many micro-batches as both ends' shares allow
+    (so replicated pipelines keep their micro-batches on their own site), then the next
+    fastest. A micro-batch's path is fixed for the iteration, so its backward retraces it."""
+    bw = np.minimum(cluster.bandwidth_bytes_per_s, cluster.bandwidth_bytes_per_s.T)
+    first = _interleave(shares[0])
+    routes: list[tuple[int, ...]] = [tuple(first)]
+    for s in range(1, len(stages)):
+        prev = routes[-1]
+        a_ms, b_ms = stages[s - 1].machines, stages[s].machines
+        if len(b_ms) == 1:
+            routes.append((0,) * len(prev))
+            continue
+        pools: list[list[int]] = [[] for _ in a_ms]
+        for j, a in enumerate(prev):
+            pools[a].append(j)
+        want = list(shares[s])
+        pairs = sorted(((float(bw[a_ms[a], b_ms[b]]), a, b) for a in range(len(a_ms))
+                        for b in range(len(b_ms))), key=lambda x: (-x[0], x[1], x[2]))
+        nxt = [0] * len(prev)
+        for _, a, b in pairs:
+            k = min(len(pools[a]), want[b])
+            for j in pools[a][:k]:
+                nxt[j] = b
+            del pools[a][:k]
+            want[b] -= k
+        routes.append(tuple(nxt))
+    return tuple(routes)
+
+
+_RING_EXHAUSTIVE = 7
+"""Rings through up to this many machines are chosen among all orders."""
+
+
+def _ring_order(bw: F64, ms: Sequence[int]) -> list[int]:
+    """A ring through `ms` whose slowest link is as fast as can be found (then the most
+    bandwidth in total): every order up to `_RING_EXHAUSTIVE` machines, else the greedy
+    best-connected-next walk from every start."""
+
+    def key(order: Sequence[int]) -> tuple[float, float]:
+        edges = [float(bw[a, b]) for a, b in zip(order, [*order[1:], order[0]], strict=True)]
+        return min(edges), sum(1.0 / e for e in edges) * -1
+
+    if len(ms) <= 2:
+        return list(ms)
+    if len(ms) <= _RING_EXHAUSTIVE:
+        first, rest = ms[0], ms[1:]
+        return max(([first, *p] for p in itertools.permutations(rest)), key=key)
+    best: list[int] | None = None
+    for start in ms:
+        order = [start]
+        left = [m for m in ms if m != start]
+        while left:
+            nxt = max(left, key=lambda m: (float(bw[order[-1], m]), -m))
+            order.append(nxt)
+            left.remove(nxt)
+        if best is None or key(order) > key(best):
+            best = order
+    assert best is not None
+    return best
+
+
+@dataclass(frozen=True)
+class _Ring:
+    """A ring all-reduce's time as `s_per_byte` x bytes + `fixed_s`, and its slowest link."""
+
+    s_per_byte: float
+    fixed_s: float
+    slowest_bytes_per_s: float
+
+    def time_s(self, nbytes: float) -> float:
+        return self.s_per_byte * nbytes + self.fixed_s if nbytes > 0 else 0.0
+
+
+def _ring(c: Cluster, ms: Sequence[int], homogeneous: bool = False) -> _Ring:
+    """An all-reduce over `ms`: each machine sends and receives 2 (n - 1) / n x the bytes at
+    the speed of the slowest link of the ring (`_ring_order`) and handles them on its own CPU
+    (`wire_s_per_byte`, the slowest machine's), in 2 (n - 1) steps of one message (a one-way
+    latency each); machines on links of one speed (a bandwidth group) use halving-doubling
+    instead (the same bytes in 2 ceil(log2 n) steps, gloo's and MPI's choice)."""
+    n = len(ms)
+    if n < 2:
+        return _Ring(0.0, 0.0, math.inf)
+    bw = np.minimum(c.bandwidth_bytes_per_s, c.bandwidth_bytes_per_s.T)
+    ring = _ring_order(bw, ms)
+    edges = list(zip(ring, ring[1:] + ring[:1], strict=True))
+    slowest = min(float(bw[a, b]) for a, b in edges)
+    lat = max(float(c.rtt_s[a, b]) for a, b in edges) / 2
+    if homogeneous:
+        slowest = min(float(bw[a, b]) for a, b in itertools.combinations(ms, 2))
+        lat = max(float(c.rtt_s[a, b]) for a, b in itertools.combinations(ms, 2)) / 2
+    steps = 2 * math.ceil(math.log2(n)) if homogeneous else 2 * (n - 1)
+    share = 2 * (n - 1) / n
+    cpu = max(c.machines[m].wire_s_per_byte for m in ms) * 2
+    msg = max(c.machines[m].msg_s for m in ms) * 2 * steps
+    return _Ring(share * (1 / slowest + cpu), steps * lat + msg, slowest)
+
+
+def _sync_groups(c: Cluster, ms: Sequence[int], ratio: float = 4.0) -> list[list[int]]:
+    """`ms` joined into bandwidth groups (links within `ratio` of the best link of both
+    ends, among these machines)."""
+    bw = np.minimum(c.bandwidth_bytes_per_s, c.bandwidth_bytes_per_s.T)
+    best = {a: max((float(bw[a, b]) for b in ms if b != a), default=0.0) for a in ms}
+    parent = {m: m for m in ms}
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for a, b in itertools.combinations(ms, 2):
+        if float(bw[a, b]) * ratio >= max(best[a], best[b]):
+            parent[find(b)] = find(a)
+    groups: dict[int, list[int]] = {}
+    for m in ms:
+        groups.setdefault(find(m), []).append(m)
+    return list(groups.values())
+
+
+@dataclass(frozen=True)
+class GradientSync:
+    """How one stage's replicas reduce their gradients: one ring, or hierarchical (a ring
+    inside each bandwidth group, then one ring among the groups' first machines with the
+    whole gradient; the inner all-reduce covers both the reduction and the way back)."""
+
+    flat: _Ring
+    inner: tuple[_Ring, ...]
+    outer: _Ring | None
+
+    def time_s(self, nbytes: float) -> tuple[float, float, str]:
+        """(seconds, slowest link bytes/s, scheme) for `nbytes` per replica."""
+        ring_s = self.flat.time_s(nbytes)
+        if self.outer is None:
+            return ring_s, self.flat.slowest_bytes_per_s, "ring"
+        hier_s = max(r.time_s(nbytes) for r in self.inner) + self.outer.time_s(nbytes)
+        if hier_s < ring_s:
+            return (hier_s, min([self.outer.slowest_bytes_per_s,
+                                 *(r.slowest_bytes_per_s for r in self.inner)]),
+                    "hierarchical")
+        return ring_s, self.flat.slowest_bytes_per_s, "ring"
+
+
+def gradient_sync(c: Cluster, ms: Sequence[int]) -> GradientSync:
+    """The reduction among machines `ms` (see `GradientSync`)."""
+    groups = _sync_groups(c, ms)
+    if len(groups) == 1:
+        return GradientSync(_ring(c, ms, homogeneous=True), (), None)
+    if all(len(g) == 1 for g in groups):
+        return GradientSync(_ring(c, ms), (), None)
+    return GradientSync(_ring(c, ms), tuple(_ring(c, g, homogeneous=True) for g in groups),
+                        _ring(c, [g[0] for g in groups]))
+
+
+def _sync_density(sync: GradientSync, grad_bytes: float, overlap_s: float, floor: float,
+                  extra_s_per_byte: float) -> float:
+    """The largest share of the gradient bytes (>= `floor`) whose reduction, plus its
+    compression (`extra_s_per_byte` of the dense bytes when compressed), hides behind
+    `overlap_s`; `floor` when none does."""
+    if sync.time_s(grad_bytes)[0] <= overlap_s or floor >= 1.0:
+        return 1.0
+
+    def cost(d: float) -> float:
+        return sync.time_s(grad_bytes * d)[0] + extra_s_per_byte * grad_bytes
+
+    if cost(floor) >= overlap_s:
+        return floor
+    lo, hi = floor, 1.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        if cost(mid) <= overlap_s:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def evaluate(
     arrays: GraphArrays,
     stages: Sequence[StageSpec],
@@ -301,8 +567,10 @@ def evaluate(
 ) -> Evaluation:
     """Predict iteration time, per-stage/per-link times and memory of `stages`.
 
-    `stages` must cover ops [0, n) contiguously, in order, each on a distinct machine.
+    `stages` must cover ops [0, n) contiguously, in order, no machine in two places.
     `densities[(tensor, dst_stage)]` < 1 sends that tensor top-k compressed to that stage.
+    A stage with replicas splits the micro-batches (`micro_batch_shares`, by compute time),
+    routes them (`route_micro_batches`) and reduces its gradients (`gradient_sync`).
     """
     g, c, st = arrays.graph, arrays.cluster, arrays.settings
     n = arrays.n
@@ -311,42 +579,56 @@ def evaluate(
     for prev, nxt in itertools.pairwise(stages):
         if prev.stop != nxt.start or nxt.start >= nxt.stop:
             raise PlanError("stages must be contiguous and non-empty")
-    if len({s.machine for s in stages}) != len(stages):
+    every = [m for s in stages for m in s.machines]
+    if len(set(every)) != len(every):
         raise PlanError("a machine may run only one stage")
     dens = densities or {}
     S = len(stages)
     M = st.num_micro_batches
     b = st.micro_batch_size
+    replicated = any(s.replicas for s in stages)
     stage_of = np.empty(n, dtype=np.int64)
     for i, s in enumerate(stages):
         stage_of[s.start : s.stop] = i
 
-    reports: list[StageReport] = []
+    computes = [[float(arrays.prefix[m, s.stop] - arrays.prefix[m, s.start]) for m in s.machines]
+                for s in stages]
+    shares = [micro_batch_shares(cs, M) if len(cs) > 1 else [M] for cs in computes]
+    routes = route_micro_batches(c, stages, shares) if replicated else None
+
+    reps: list[list[StageReport]] = []
     over: list[str] = []
     unrunnable: list[str] = []
     holders: dict[str, list[int]] = {}
     opt_s = 0.0
     sizes = graph_param_sizes(g)
+    grad_bytes: list[float] = []
     for i, s in enumerate(stages):
-        m = c.machines[s.machine]
-        compute = float(arrays.prefix[s.machine, s.stop] - arrays.prefix[s.machine, s.start])
         params, opt, names = _stage_static(g, s.start, s.stop)
+        grad_bytes.append(params)
         for p in names:
             holders.setdefault(p, []).append(i)
-        inflight = M if st.schedule == "gpipe" else min(M, S - i)
-        mem = (2 * params + opt + inflight * float(arrays.saved[s.start : s.stop].sum())
-               + float(arrays.out[s.start : s.stop].max()))
-        cap = float(arrays.caps[s.machine])
-        if mem > cap:
-            over.append(m.id)
-        if not arrays.stage_runs(s.machine, s.start, s.stop):
-            lacks = arrays.missing_ops(s.machine, s.start, s.stop)
-            unrunnable.append(f"{m.id}: {', '.join(lacks)}")
-        opt_s = max(opt_s, params * st.optimizer_passes / m.mem_bw)
-        reports.append(StageReport(
-            i, s.machine, m.id, s.start, s.stop, g.ops[s.start].name, g.ops[s.stop - 1].name,
-            compute, mem, cap, inflight,
-        ))
+        saved = float(arrays.saved[s.start : s.stop].sum())
+        work = float(arrays.out[s.start : s.stop].max())
+        row: list[StageReport] = []
+        for r, mi in enumerate(s.machines):
+            m = c.machines[mi]
+            mb = shares[i][r]
+            inflight = mb if st.schedule == "gpipe" else min(mb, S - i)
+            bucket = min(params, DDP_BUCKET_BYTES) if s.replicas else 0.0
+            mem = 2 * params + opt + inflight * saved + work + bucket
+            cap = float(arrays.caps[mi])
+            if mem > cap:
+                over.append(m.id)
+            if not arrays.stage_runs(mi, s.start, s.stop):
+                lacks = arrays.missing_ops(mi, s.start, s.stop)
+                unrunnable.append(f"{m.id}: {', '.join(lacks)}")
+            opt_s = max(opt_s, params * st.optimizer_passes / m.mem_bw)
+            row.append(StageReport(
+                i, mi, m.id, s.start, s.stop, g.ops[s.start].name, g.ops[s.stop - 1].name,
+                computes[i][r], mem, cap, inflight, replica=r, micro_batches=mb,
+            ))
+        reps.append(row)
 
     # route every tensor directly to each later stage that reads it
     traffic: dict[tuple[int, int], list[float]] = {}
@@ -369,47 +651,108 @@ def evaluate(
             names_on.setdefault((ps, ds), []).append(t.name)
     links: list[LinkReport] = []
     for (ps, ds), (f, bk, df, db, dmin, nf, nb) in sorted(traffic.items()):
-        a, z = stages[ps].machine, stages[ds].machine
-        fwd_bytes_per_s = float(c.bandwidth_bytes_per_s[a, z])
-        bwd_bytes_per_s = float(c.bandwidth_bytes_per_s[z, a])
-        t_link = max(f / fwd_bytes_per_s, bk / bwd_bytes_per_s)
-        links.append(LinkReport(
-            ps, ds, a, z, f, bk, df, db, fwd_bytes_per_s, bwd_bytes_per_s, float(c.rtt_s[a, z]),
-            t_link,
-            tuple(names_on[(ps, ds)]), dmin, nf, nb,
-        ))
+        if routes is None:
+            pair_counts = {(0, 0): M}
+        else:
+            pair_counts = {}
+            for ra, rz in zip(routes[ps], routes[ds], strict=True):
+                pair_counts[(ra, rz)] = pair_counts.get((ra, rz), 0) + 1
+        for (ra, rz), count in sorted(pair_counts.items()):
+            a, z = stages[ps].machines[ra], stages[ds].machines[rz]
+            fwd_bytes_per_s = float(c.bandwidth_bytes_per_s[a, z])
+            bwd_bytes_per_s = float(c.bandwidth_bytes_per_s[z, a])
+            t_link = max(f / fwd_bytes_per_s, bk / bwd_bytes_per_s)
+            links.append(LinkReport(
+                ps, ds, a, z, f, bk, df, db, fwd_bytes_per_s, bwd_bytes_per_s,
+                float(c.rtt_s[a, z]), t_link, tuple(names_on[(ps, ds)]), dmin, nf, nb,
+                micro_batches=count,
+            ))
 
     # a stage's host also pays for every byte it sends and receives (encoding, TLS, socket
     # copies): on a small CPU share that is time the stage is not computing
-    handled = [0.0] * S
-    msgs = [0.0] * S
+    handled: dict[int, float] = {}
     for lk in links:
-        for end in (lk.src_stage, lk.dst_stage):
-            handled[end] += lk.fwd_bytes + lk.bwd_bytes
-            msgs[end] += lk.fwd_msgs + lk.bwd_msgs
-    reports = [dataclasses.replace(
-        r, wire_cpu_s=handled[i] * c.machines[r.machine].wire_s_per_byte
-        + msgs[i] * c.machines[r.machine].msg_s)
-        for i, r in enumerate(reports)]
-    compute_b = max(r.busy_s for r in reports)
-    bottleneck_s, bottleneck = compute_b, f"compute {reports[0].machine_id}"
-    for r in reports:
-        if r.busy_s >= bottleneck_s:
-            bottleneck_s, bottleneck = r.busy_s, f"compute {r.machine_id}"
+        for end in (lk.src, lk.dst):
+            pm = c.machines[end]
+            handled[end] = handled.get(end, 0.0) + lk.micro_batches * (
+                (lk.fwd_bytes + lk.bwd_bytes) * pm.wire_s_per_byte
+                + (lk.fwd_msgs + lk.bwd_msgs) * pm.msg_s)
+    reps = [[dataclasses.replace(r, wire_cpu_s=handled.get(r.machine, 0.0)
+                                 / max(r.micro_batches, 1)) for r in row] for row in reps]
+    reports = [row[0] for row in reps]
+    flat = [r for row in reps for r in row]
+
+    # every resource's load over the iteration, less the one micro-batch the fill counts
+    def rest(load_s: float, unit_s: float) -> float:
+        return max(load_s - unit_s, 0.0)
+
+    active = [r for r in flat if r.micro_batches > 0]
+    compute_b = max(r.micro_batches * r.busy_s for r in active) / M
+    bottleneck_rest, bottleneck = -1.0, ""
+    for rep in active:
+        x = rest(rep.micro_batches * rep.busy_s, rep.busy_s)
+        if x >= bottleneck_rest:
+            bottleneck_rest, bottleneck = x, f"compute {rep.machine_id}"
+    bottleneck_s = compute_b
     for lk in links:
-        if lk.time_s > bottleneck_s:
-            bottleneck_s = lk.time_s
+        x = rest(lk.micro_batches * lk.time_s, lk.time_s)
+        if x > bottleneck_rest:
+            bottleneck_rest = x
             bottleneck = f"link {c.machines[lk.src].id}->{c.machines[lk.dst].id}"
-    fill = sum(r.busy_s for r in reports)
-    fill += sum(lk.fwd_bytes / lk.bandwidth_fwd_bytes_per_s
-                + lk.bwd_bytes / lk.bandwidth_bwd_bytes_per_s for lk in links)
-    fill += sum(float(c.rtt_s[stages[i].machine, stages[i + 1].machine]) for i in range(S - 1))
-    # every hand-off between consecutive stages, forward and backward, wakes both hosts
-    wake = sum(2 * (c.machines[stages[i].machine].wake_s + c.machines[stages[i + 1].machine].wake_s)
-               for i in range(S - 1))
-    fill += wake
+        bottleneck_s = max(bottleneck_s, lk.micro_batches * lk.time_s / M)
+    # the fill: one micro-batch through every stage (its slowest busy machine) and link
+    busy = [max((r.busy_s for r in row if r.micro_batches > 0), default=0.0) for row in reps]
+    fill = sum(busy)
+    per_pair: dict[tuple[int, int], float] = {}
+    for lk in links:
+        x = (lk.fwd_bytes / lk.bandwidth_fwd_bytes_per_s
+             + lk.bwd_bytes / lk.bandwidth_bwd_bytes_per_s)
+        key = (lk.src_stage, lk.dst_stage)
+        per_pair[key] = max(per_pair.get(key, 0.0), x)
+    fill += sum(per_pair.values())
+
+    def hop(i: int) -> tuple[float, float]:
+        """(round trip, wake-ups forward and backward) of the hop from stage i to i + 1."""
+        a_ms, z_ms = stages[i].machines, stages[i + 1].machines
+        rtt = max(float(c.rtt_s[a, z]) for a in a_ms for z in z_ms)
+        wake = 2 * (max(c.machines[a].wake_s for a in a_ms)
+                    + max(c.machines[z].wake_s for z in z_ms))
+        return rtt, wake
+
+    hops = [hop(i) for i in range(S - 1)]
+    fill += sum(r + w for r, w in hops)
     sync = _tied_sync(arrays, stages, reports, links, holders, sizes)
-    iteration = (M - 1) * bottleneck_s + fill + opt_s + sync
+
+    # replicas reduce their gradients after their last backward; that hides behind the
+    # stage's own last backward and the drain of the stages before it
+    syncs: list[SyncReport] = []
+    back = []
+    for i, s in enumerate(stages):
+        f = max(float(arrays.prefix_f[m, s.stop] - arrays.prefix_f[m, s.start])
+                for m in s.machines)
+        back.append(max(busy[i] - f, 0.0))
+    bwd_link = [0.0] * S
+    for lk in links:
+        if lk.dst_stage == lk.src_stage + 1:
+            bwd_link[lk.src_stage] = max(bwd_link[lk.src_stage],
+                                         lk.bwd_bytes / lk.bandwidth_bwd_bytes_per_s)
+    for i, s in enumerate(stages):
+        if not s.replicas:
+            continue
+        plan_sync = gradient_sync(c, s.machines)
+        drain = back[i] + sum(back[j] + bwd_link[j] + hops[j][0] / 2 for j in range(i))
+        # compressing costs each replica a few passes over its gradient (error feedback, the
+        # projections): its memory traffic and 4 FLOPs per byte at its matmul rate
+        extra = max(3 / c.machines[m].mem_bw + 4 / c.machines[m].rate("matmul")
+                    for m in s.machines)
+        d = _sync_density(plan_sync, grad_bytes[i], drain, st.grad_density_floor, extra)
+        t_s, slowest, scheme = plan_sync.time_s(grad_bytes[i] * d)
+        if d < 1.0:
+            t_s += extra * grad_bytes[i]
+        syncs.append(SyncReport(i, tuple(c.machines[m].id for m in s.machines), grad_bytes[i],
+                                scheme, slowest, t_s, drain, density=d))
+    grad_sync = max((x.exposed_s for x in syncs), default=0.0)
+    iteration = bottleneck_rest + fill + opt_s + sync + grad_sync
     return Evaluation(
         stages=tuple(reports),
         links=tuple(links),
@@ -423,6 +766,9 @@ def evaluate(
         samples_per_s=M * b / iteration,
         over_memory=tuple(over),
         unrunnable=tuple(unrunnable),
+        replicas=tuple(flat),
+        syncs=tuple(syncs),
+        grad_sync_s=grad_sync,
     )
 
 

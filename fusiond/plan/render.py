@@ -21,6 +21,24 @@ class PlanStageSummary(TypedDict):
     last_op: str
     compute_s: float
     memory_bytes: float
+    replica_machine_ids: list[str]
+    """The stage's other machines (data parallelism), each running its share of the
+    micro-batches; empty for a stage on one machine."""
+    micro_batches: list[int]
+    """Micro-batches per iteration of `machine_id`, then of each replica."""
+
+
+class PlanSyncSummary(TypedDict):
+    """One replicated stage's gradient reduction, once per iteration."""
+
+    stage: int
+    machine_ids: list[str]
+    grad_bytes: float
+    density: float
+    scheme: str
+    slowest_bytes_per_s: float
+    time_s: float
+    exposed_s: float
 
 
 class PlanLinkSummary(TypedDict):
@@ -49,6 +67,8 @@ class PlanSummary(TypedDict):
     stages: list[PlanStageSummary]
     links: list[PlanLinkSummary]
     """Every link between stages (`render_plan` shows the busiest)."""
+    syncs: list[PlanSyncSummary]
+    """The gradient reductions of replicated stages."""
     idle: dict[str, str]
     iteration_s: float
     samples_per_s: float
@@ -64,8 +84,17 @@ def plan_summary(plan: Plan) -> PlanSummary:
         machines=ids,
         stages=[PlanStageSummary(stage=r.index, machine_id=r.machine_id, start_op=r.start,
                                  stop_op=r.stop, first_op=r.first_op, last_op=r.last_op,
-                                 compute_s=r.compute_s, memory_bytes=r.memory_bytes)
+                                 compute_s=r.compute_s, memory_bytes=r.memory_bytes,
+                                 replica_machine_ids=[x.machine_id for x in ev.replicas
+                                                      if x.index == r.index and x.replica],
+                                 micro_batches=[x.micro_batches for x in ev.replicas
+                                                if x.index == r.index])
                 for r in ev.stages],
+        syncs=[PlanSyncSummary(stage=x.stage, machine_ids=list(x.machine_ids),
+                               grad_bytes=x.grad_bytes, density=x.density, scheme=x.scheme,
+                               slowest_bytes_per_s=x.slowest_bytes_per_s, time_s=x.time_s,
+                               exposed_s=x.exposed_s)
+               for x in ev.syncs],
         links=[PlanLinkSummary(src_stage=lk.src_stage, dst_stage=lk.dst_stage,
                                src_machine_id=ids[lk.src], dst_machine_id=ids[lk.dst],
                                bandwidth_fwd_bytes_per_s=lk.bandwidth_fwd_bytes_per_s,
@@ -96,20 +125,27 @@ def render_plan(plan: Plan, *, max_links: int = 24) -> str:
     ev = plan.evaluation
     c = plan.arrays.cluster
     st = plan.arrays.settings
+    used = sum(len(s.machines) for s in plan.stages)
+    replicated = any(s.replicas for s in plan.stages)
     lines = [
         f"plan {plan.method} for {plan.arrays.graph.name!r}: {len(plan.stages)} stages on "
-        f"{len(c)} machines; micro-batch {st.micro_batch_size} x {st.num_micro_batches} "
-        f"({st.schedule})",
+        f"{used} of {len(c)} machines; micro-batch {st.micro_batch_size} x "
+        f"{st.num_micro_batches} ({st.schedule})",
         "",
         f"{'stage':>5}  {'machine':<14}{'ops':>6}  {'first op':<28}{'last op':<28}"
-        f"{'compute ms':>11}{'memory':>12}{'of':>11}",
+        f"{'compute ms':>11}{'memory':>12}{'of':>11}" + (f"{'micro-b.':>10}" if replicated
+                                                         else ""),
     ]
-    for r in ev.stages:
+    for r in (ev.replicas or ev.stages):
+        head = f"{r.index:>5}" if r.replica == 0 else f"{'+':>5}"
         lines.append(
-            f"{r.index:>5}  {r.machine_id:<14}{r.stop - r.start:>6}  {r.first_op[:27]:<28}"
+            f"{head}  {r.machine_id:<14}{r.stop - r.start:>6}  {r.first_op[:27]:<28}"
             f"{r.last_op[:27]:<28}{_ms(r.compute_s):>11}{_si(r.memory_bytes, 'B'):>12}"
-            f"{_si(r.memory_cap, 'B'):>11}"
+            f"{_si(r.memory_cap, 'B'):>11}" + (f"{r.micro_batches:>10}" if replicated else "")
         )
+    if replicated:
+        lines.append("(+: a replica of the stage above: the same ops on its share of the "
+                     "micro-batches)")
     lines += ["", f"{'link':<30}{'Mbit/s':>10}{'dense MB':>10}{'wire MB':>10}{'density':>9}"
                   f"{'ms':>10}{'dense ms':>10}"]
     dense_links = {(lk.src_stage, lk.dst_stage): lk for lk in plan.dense.links}
@@ -137,13 +173,27 @@ def render_plan(plan: Plan, *, max_links: int = 24) -> str:
         lines.append(f"({hidden} more links, each under "
                      f"{_ms(max((lk.time_s for lk in ev.links if lk not in shown), default=0))}"
                      " ms)")
+    if ev.syncs:
+        lines += ["", f"{'gradient reduction':<24}{'replicas':>9}{'MB':>9}{'density':>9}"
+                      f"{'slowest Mbit/s':>16}{'ms':>9}{'hidden ms':>11}  scheme"]
+        for x in ev.syncs:
+            lines.append(
+                f"{'stage ' + str(x.stage):<24}{len(x.machine_ids):>9}"
+                f"{x.grad_bytes * x.density / 1e6:>9.3g}{x.density:>9.3f}"
+                f"{bits_per_s_from_bytes_per_s(x.slowest_bytes_per_s) / 1e6:>16.4g}"
+                f"{_ms(x.time_s):>9}{_ms(min(x.time_s, x.overlap_s)):>11}  {x.scheme}")
     lines += [
         "",
-        f"bottleneck: {ev.bottleneck} ({_ms(ev.bottleneck_s)} ms per micro-batch); "
+        f"bottleneck: {ev.bottleneck} ({_ms(ev.bottleneck_s)} ms per micro-batch"
+        + (" of the iteration" if ev.syncs else "") + "); "
         f"compute bottleneck {_ms(ev.compute_bottleneck_s)} ms",
-        f"iteration: {ev.iteration_s:.4g} s = ({st.num_micro_batches} - 1) x bottleneck + fill "
+        f"iteration: {ev.iteration_s:.4g} s = "
+        + (f"({st.num_micro_batches} - 1) x bottleneck" if not ev.syncs else
+           "the bottleneck's micro-batches but one")
+        + f" + fill "
         f"{ev.fill_s:.4g} s + optimizer {ev.optimizer_s:.3g} s + tied-weight sync "
-        f"{ev.sync_s:.3g} s",
+        f"{ev.sync_s:.3g} s" + (f" + gradient reduction {ev.grad_sync_s:.3g} s (not hidden)"
+                                if ev.syncs else ""),
         f"throughput: {ev.samples_per_s:.4g} samples/s"
         + (f"; AdaTopK gain {plan.gain:.2f}x over the same cut dense" if plan.densities else ""),
     ]

@@ -74,6 +74,11 @@ def _pipeline_samples_per_s(stage_s: list[float], link_s: float, rtt_s: float, M
     return G / ((M - 1) * bottleneck + fill)
 
 
+#: the one-machine-per-stage systems: these tests' chains have no parameters, so data
+#: parallelism would reduce nothing and win everywhere (its own tests are below)
+PIPELINES = ["single", "even", "placement", "opfence", "opfence+adatopk"]
+
+
 def _by(outcomes: list[Outcome]) -> dict[str, Outcome]:
     return {o.system: o for o in outcomes}
 
@@ -81,7 +86,7 @@ def _by(outcomes: list[Outcome]) -> dict[str, Outcome]:
 def test_two_machines_on_a_slow_link_the_single_machine_wins() -> None:
     wl = _workload(2)
     cl = _cluster([_machine(0), _machine(1)], 1e6, 0.002)
-    outcomes, alone = compare(wl, cl)
+    outcomes, alone = compare(wl, cl, PIPELINES)
     by = _by(outcomes)
     b, M = 4, 4
     op_s = b * 3 * FLOPS / 1e12                      # 0.12 s per op and micro-batch
@@ -103,7 +108,7 @@ def test_two_machines_on_a_slow_link_the_single_machine_wins() -> None:
 def test_two_machines_on_a_fast_link_the_even_split_wins() -> None:
     wl = _workload(2)
     cl = _cluster([_machine(0), _machine(1)], 1e12, 0.002)
-    outcomes, alone = compare(wl, cl)
+    outcomes, alone = compare(wl, cl, PIPELINES)
     by = _by(outcomes)
     b, M = 4, 4
     op_s = b * 3 * FLOPS / 1e12
@@ -126,7 +131,7 @@ def test_a_faster_machine_gets_more_blocks_in_the_bandwidth_aware_placement() ->
     2 ops), the placement gives it one and the fast machine three (bottleneck 1 op)."""
     wl = _workload(4)
     cl = _cluster([_machine(0, 1e12), _machine(1, 3e12)], 1e12, 0.001)
-    by = _by(compare(wl, cl)[0])
+    by = _by(compare(wl, cl, PIPELINES)[0])
     b, M = 4, 4
     op_s = b * 3 * FLOPS / 1e12
     link_s = b * NBYTES / 1e12
@@ -147,7 +152,7 @@ def test_every_system_picks_its_best_micro_batch_at_the_same_global_batch() -> N
     tables = cost_tables(wl, cl)
     assert {b: a.settings.micro_batch_size * a.settings.num_micro_batches
             for b, a in tables.items()} == {1: 16, 2: 16, 4: 16, 8: 16}
-    by = _by(compare(wl, cl)[0])
+    by = _by(compare(wl, cl, PIPELINES)[0])
     # the bubble (fill) shrinks with the micro-batch and nothing here grows: the smallest wins
     op_s = 3 * FLOPS / 1e12
     best = _pipeline_samples_per_s([op_s, op_s], NBYTES / 1e12, 0.002, 16, 16)
@@ -166,6 +171,30 @@ def test_a_model_that_fits_no_machine_does_not_fit_and_the_target_fails() -> Non
     assert all(x > 0 for x in alone)
     v = verdict(outcomes)
     assert v.strongest is None and v.best is None and v.ratio == 0.0 and not v.passed
+
+
+def test_ddp_with_powersgd_is_a_baseline_and_replicas_never_plan_worse() -> None:
+    """Two equal machines, 40 MB of parameters: on a fast link DDP nearly doubles one
+    machine; over 8 Mbit/s dense gradients cost more than they save, PowerSGD at the floor
+    saves most of it. OP-Fence with replicas searches a superset of DDP's plans."""
+    wl = _workload(2, param_bytes=2e7)
+    fast = _cluster([_machine(0), _machine(1)], 1.25e9, 0.0002)
+    by = _by(compare(wl, fast, ["single", "ddp", "opfence+replicas"])[0])
+    assert by["ddp"].machines_used == 2
+    assert by["ddp"].samples_per_s > 1.8 * by["single"].samples_per_s
+    assert by["opfence+replicas"].samples_per_s >= by["ddp"].samples_per_s * (1 - 1e-9)
+    slow = _cluster([_machine(0), _machine(1)], 1e6, 0.05)
+    dense = _by(compare(wl, slow, ["single", "ddp"])[0])
+    assert dense["ddp"].samples_per_s < dense["single"].samples_per_s
+    low = _workload(2, param_bytes=2e7)
+    low = Workload(low.name, low.global_batch, low.graphs, low.block_bounds,
+                   grad_density_floor=0.001)
+    comp = _by(compare(low, slow, ["single", "ddp", "opfence+replicas"])[0])
+    assert comp["ddp"].samples_per_s > dense["ddp"].samples_per_s
+    assert comp["opfence+replicas"].samples_per_s >= max(
+        comp["ddp"].samples_per_s, comp["single"].samples_per_s) * (1 - 1e-9)
+    v = verdict(list(comp.values()))
+    assert v.strongest is not None and v.passed
 
 
 def test_fraction_of_aggregate_compute_arithmetic() -> None:
@@ -214,7 +243,7 @@ def test_large_cluster_sequences_stay_in_a_site_before_a_slow_link() -> None:
 def test_verdict_tolerates_equal_plans_and_names_the_strongest_baseline() -> None:
     wl = _workload(2)
     cl = _cluster([_machine(0), _machine(1)], 1e6, 0.0)
-    outcomes, _ = compare(wl, cl)
+    outcomes, _ = compare(wl, cl, PIPELINES)
     v = verdict(outcomes)
     assert v.strongest is not None and v.strongest.system == "single"
     assert v.passed  # OP-Fence finds the same single-machine plan: 1.0x passes

@@ -144,7 +144,15 @@ def test_plan_real_gpt2_small_on_48_machines_fast() -> None:
     t0 = time.perf_counter()
     plan_c = plan_opfence(cg, cluster, st, compress=True)
     dt_c = time.perf_counter() - t0
+    st_r = JobSettings(micro_batch_size=8, num_micro_batches=64, grad_density_floor=0.01)
+    t0 = time.perf_counter()
+    plan_r = plan_opfence(cg, cluster, st_r, replicate=True)
+    dt_r = time.perf_counter() - t0
     print(f"planning GPT-2 small ({len(cg.ops)} ops) on 48 machines: {dt:.2f} s, "
-          f"with AdaTopK {dt_c:.2f} s")
+          f"with AdaTopK {dt_c:.2f} s, with replicas (global batch 512) {dt_r:.2f} s")
     assert plan.evaluation.memory_ok and plan_c.evaluation.memory_ok
+    assert plan_r.evaluation.feasible
+    plain_r = plan_opfence(cg, cluster, st_r)
+    assert plan_r.samples_per_s > 2 * plain_r.samples_per_s
     assert dt <= 2.0
+    assert dt_r <= 2.0

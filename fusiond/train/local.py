@@ -11,6 +11,7 @@ with the same optimizer: the yardstick the pipeline must match.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from fusiond.tasks import cancel_and_wait
 from fusiond.train.data import DataSource, split_micro_batches
 from fusiond.train.model import LossFn, WithLoss
 from fusiond.train.optim import lr_at, make_optimizer, set_lr
-from fusiond.train.schedule import schedule
+from fusiond.train.schedule import Task, schedule
 from fusiond.train.spec import OptimizerSpec
 from fusiond.train.stage import (
     Packet,
@@ -40,9 +41,14 @@ __all__ = [
     "MemoryLinks",
     "PipelineResult",
     "ReferenceTrainer",
+    "ReplicatedResult",
     "StepMetrics",
     "merge_reports",
+    "replica_programs",
+    "replica_slots",
+    "replica_tasks",
     "run_pipeline",
+    "run_replicated",
 ]
 
 
@@ -60,8 +66,8 @@ class MemoryLinks:
         self.bytes_sent: dict[tuple[int, int], int] = {}
 
     def attach(self, executor: StageExecutor) -> None:
-        """Route packets addressed to `executor.stage` to it."""
-        self._executors[executor.stage] = executor
+        """Route packets addressed to `executor.slot` (its stage, without replicas) to it."""
+        self._executors[executor.slot] = executor
 
     def link(self, stage: int) -> _Link:
         """The link stage `stage` sends through."""
@@ -307,6 +313,123 @@ async def run_pipeline(
         await hub.close()
     states = {ex.stage: ex.state_dict() for ex in execs}
     return PipelineResult(metrics, states, time.perf_counter() - t0, reports)
+
+
+def replica_slots(replicas: Sequence[int]) -> dict[tuple[int, int], int]:
+    """(stage, replica) -> slot, for stages with `replicas[stage]` replicas each: replica 0
+    of stage s is slot s (a stage without replicas is addressed as before), the others
+    numbered on from the number of stages."""
+    out: dict[tuple[int, int], int] = {}
+    nxt = len(replicas)
+    for s, n in enumerate(replicas):
+        for r in range(n):
+            if r == 0:
+                out[(s, r)] = s
+            else:
+                out[(s, r)] = nxt
+                nxt += 1
+    return out
+
+
+def replica_tasks(kind: str, stage: int, stages: int, micros: Sequence[int]) -> list[Task]:
+    """A replica's tasks: the schedule of `stage` over its own micro-batches (`micros`, in
+    the iteration's numbering), so each replica fills and drains as a stage of the pipeline
+    would with that many micro-batches."""
+    if not micros:
+        return []
+    base = schedule(kind, stages, len(micros))[stage]
+    return [dataclasses.replace(t, micro=micros[t.micro]) for t in base]
+
+
+def replica_programs(programs: Sequence[Sequence[StageProgram]],
+                     slots: Mapping[tuple[int, int], int]) -> dict[int, StageProgram]:
+    """slot -> its program, each parameter of a replicated stage shared with the stage's
+    other replicas, and a tied parameter with every replica of every stage holding it: the
+    gradient exchange (`StageExecutor` sums every holder's gradient in slot order) is the
+    replicas' all-reduce, bit-identical on every holder."""
+    out: dict[int, StageProgram] = {}
+    for s, reps in enumerate(programs):
+        for r, prog in enumerate(reps):
+            shared: dict[str, tuple[int, ...]] = {}
+            for name, _ in prog.module.named_parameters():
+                holders = [slots[(s, r2)] for r2 in range(len(reps)) if r2 != r]
+                for s2 in prog.shared.get(name, ()):
+                    holders += [slots[(s2, r2)] for r2 in range(len(programs[s2]))]
+                if holders:
+                    shared[name] = tuple(sorted(holders))
+            out[slots[(s, r)]] = dataclasses.replace(prog, shared=shared)
+    return out
+
+
+@dataclass
+class ReplicatedResult:
+    """What `run_replicated` returns: the loss of every step (the mean over the whole
+    iteration's micro-batches) and every slot's final state."""
+
+    losses: list[float]
+    states: dict[int, dict[str, torch.Tensor]]
+    slots: dict[tuple[int, int], int]
+
+
+async def run_replicated(
+    programs: Sequence[Sequence[StageProgram]],
+    routes: Sequence[Sequence[int]],
+    *,
+    data: DataSource,
+    batch_size: int,
+    micro_batches: int,
+    optimizer: OptimizerSpec,
+    steps: int,
+    pipeline: str = "1f1b",
+    config: StageConfig | None = None,
+    queue_size: int = 4,
+) -> ReplicatedResult:
+    """Train `steps` steps of a pipeline whose stage s runs on `len(programs[s])` replicas
+    (each program its own copy of the stage, with the same initial weights); `routes[s][m]`
+    is the replica of stage s that runs micro-batch m (`fusiond.plan.route_micro_batches`).
+    Each replica runs its share; a replicated stage's gradients are summed over its replicas
+    before every optimizer step."""
+    S = len(programs)
+    if len(routes) != S or any(len(r) != micro_batches for r in routes):
+        raise LocalError(f"routes must give each of the {S} stages a replica per micro-batch")
+    for s, route in enumerate(routes):
+        if any(not 0 <= x < len(programs[s]) for x in route):
+            raise LocalError(f"stage {s}: a route names a replica it does not have")
+    slots = replica_slots([len(p) for p in programs])
+    route_slots = {s: [slots[(s, x)] for x in routes[s]] for s in range(S)}
+    progs = replica_programs(programs, slots)
+    hub = MemoryLinks(queue_size)
+    execs: list[StageExecutor] = []
+    for (s, r), slot in sorted(slots.items()):
+        micros = [m for m in range(micro_batches) if routes[s][m] == r]
+        p = progs[slot]
+        execs.append(StageExecutor(
+            stage=s, program=p, link=hub.link(slot),
+            tasks=replica_tasks(pipeline, s, S, micros), micro_batches=micro_batches,
+            optimizer=optimizer, total_steps=steps, data=data if p.data_inputs else None,
+            batch_size=batch_size, config=config, slot=slot, routes=route_slots))
+    for ex in execs:
+        hub.attach(ex)
+    try:
+        for ex in execs:
+            await ex.start()
+        async with asyncio.TaskGroup() as tg:
+            runs = {ex.slot: tg.create_task(ex.run(0, steps)) for ex in execs}
+    finally:
+        for ex in execs:
+            await ex.close()
+        await hub.close()
+    last = S - 1
+    losses: list[float] = []
+    for step in range(steps):
+        total = 0.0
+        for r in range(len(programs[last])):
+            n = sum(1 for x in routes[last] if x == r)
+            rep = runs[slots[(last, r)]].result()[step]
+            if n and rep.loss is not None:
+                total += rep.loss * n
+        losses.append(total / micro_batches)
+    return ReplicatedResult(losses, {ex.slot: ex.state_dict() for ex in execs}, slots)
 
 
 class ReferenceTrainer:

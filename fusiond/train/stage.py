@@ -411,11 +411,16 @@ class _Outbound:
         self.drained = asyncio.Event()
         """Set when the last pending packet has been handed to the link."""
 
-    def put(self, pkt: Packet) -> bool:
-        """Queue `pkt` (compute thread); False once aborted."""
-        while not self._slots.acquire(timeout=_ABORT_POLL_S):
-            if self._aborted:
-                return False
+    def put(self, pkt: Packet, wake: Callable[[], None] | None = None) -> bool:
+        """Queue `pkt` (compute thread); False once aborted. When the queue is full, `wake`
+        is called before blocking (the sender must be woken for the packets already queued,
+        or a task with more packets for one peer than the queue holds waits for ever)."""
+        if not self._slots.acquire(blocking=False):
+            if wake is not None:
+                wake()
+            while not self._slots.acquire(timeout=_ABORT_POLL_S):
+                if self._aborted:
+                    return False
         if self._aborted:
             self._slots.release()
             return False
@@ -470,10 +475,28 @@ class StageExecutor:
         batch_size: int = 0,
         config: StageConfig | None = None,
         first_step: int = 0,
+        slot: int | None = None,
+        routes: Mapping[int, Sequence[int]] | None = None,
     ) -> None:
         if program.data_inputs and (data is None or batch_size <= 0):
             raise StageError(f"stage {stage} reads {program.data_inputs} but has no data source")
         self.stage = stage
+        self.slot = stage if slot is None else slot
+        """Where packets for this executor are addressed: the stage itself, or with replicas
+        (several executors running one stage, each on its share of the micro-batches) an id
+        of its own; `routes[stage][micro]` is the slot that runs `micro` of `stage` (a stage
+        absent from `routes` runs everything in the slot numbered like it). `tasks` name the
+        micro-batches of the whole iteration this executor runs; a replicated stage's
+        parameters are in `program.shared` with its other replicas' slots."""
+        self._routes = {k: tuple(v) for k, v in (routes or {}).items()}
+        for k, v in self._routes.items():
+            if len(v) != micro_batches:
+                raise StageError(f"stage {stage}: the route of stage {k} names {len(v)} "
+                                 f"micro-batches, not {micro_batches}")
+        mine = {t.micro for t in tasks}
+        if any(self._slot_of(stage, m) != self.slot for m in mine):
+            raise StageError(f"stage {stage} (slot {self.slot}): its tasks include micro-batches "
+                             "its route gives another replica")
         self.program = program
         self.link = link
         self.tasks = list(tasks)
@@ -514,6 +537,11 @@ class StageExecutor:
         self._closed = False
         self._stats: dict[tuple[str, PacketKind], EdgeStats] = {}
 
+    def _slot_of(self, stage: int, micro: int) -> int:
+        """The slot that runs micro-batch `micro` of stage `stage`."""
+        route = self._routes.get(stage)
+        return stage if route is None else route[micro]
+
     # -- service --------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -521,14 +549,16 @@ class StageExecutor:
         if self._pool is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.stage}")
-        peers = {e.dst for e in self.program.out_edges} | {e.src for e in self.program.in_edges}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.slot}")
+        micros = {t.micro for t in self.tasks}
+        peers = {self._slot_of(e.dst, m) for e in self.program.out_edges for m in micros}
+        peers |= {self._slot_of(e.src, m) for e in self.program.in_edges for m in micros}
         for holders in self.program.shared.values():
             peers.update(holders)
-        for peer in sorted(peers - {self.stage}):
+        for peer in sorted(peers - {self.slot}):
             out = self._outq[peer] = _Outbound(self.config.send_queue)
             self._senders.append(
-                asyncio.create_task(self._sender(peer, out), name=f"stage{self.stage}->stage{peer}")
+                asyncio.create_task(self._sender(peer, out), name=f"stage{self.slot}->stage{peer}")
             )
         self._ready.set()
 
@@ -570,8 +600,9 @@ class StageExecutor:
         A packet this stage cannot expect (wrong stage, unknown edge, a step already finished,
         a duplicate) is a `RemoteError` naming it; the stage keeps running.
         """
-        if packet.dst != self.stage:
-            raise RemoteError(f"stage {self.stage} got a packet for stage {packet.dst}")
+        if packet.dst != self.slot:
+            raise RemoteError(f"stage {self.stage} (slot {self.slot}) got a packet for "
+                              f"{packet.dst}")
         if packet.step < self._step or packet.step >= self.total_steps:
             raise RemoteError(
                 f"stage {self.stage} at step {self._step} got {packet.kind} for step {packet.step}"
@@ -686,6 +717,13 @@ class StageExecutor:
         """Queue `packets` for their senders (on the compute thread; blocks while a queue is
         full); the seconds it blocked."""
         t0 = time.perf_counter()
+        loop = self._loop
+        assert loop is not None or not packets
+
+        def wake() -> None:
+            assert loop is not None
+            loop.call_soon_threadsafe(self._wake_senders)
+
         for pkt, enc, density in packets:
             key = (pkt.edge, pkt.kind)
             st = self._stats.get(key)
@@ -693,15 +731,13 @@ class StageExecutor:
                 st = self._stats[key] = EdgeStats(pkt.edge, pkt.kind, pkt.dst, density=density)
             st.wire_bytes += enc.nbytes
             st.dense_bytes += enc.dense_nbytes
-            if not self._outq[pkt.dst].put(pkt):
+            if not self._outq[pkt.dst].put(pkt, wake):
                 with self._cond:
                     failed = self._failed
                 raise failed or StageError(f"stage {self.stage}: sender to {pkt.dst} stopped")
         if packets:
-            loop = self._loop
-            assert loop is not None
             # one wake-up of the event loop for all of a task's packets
-            loop.call_soon_threadsafe(self._wake_senders)
+            wake()
         return time.perf_counter() - t0
 
     def _wake_senders(self) -> None:
@@ -755,7 +791,8 @@ class StageExecutor:
                 enc, sent_idx[edge_id] = codec.encode_topk(t, density, e.per_row)
             if _is_float(t):
                 grad_edges.add(edge_id)
-            pkt = Packet(PacketKind.FORWARD, step, micro, edge_id, self.stage, e.dst, enc.parts)
+            pkt = Packet(PacketKind.FORWARD, step, micro, edge_id, self.slot,
+                         self._slot_of(e.dst, micro), enc.parts)
             packets.append((pkt, enc, density))
         cost.kernel_s += t2 - t1
         cost.codec_s += (t1 - t0) + (time.perf_counter() - t2)
@@ -796,7 +833,8 @@ class StageExecutor:
                 enc = codec.encode_int8(g)
             else:
                 enc = codec.encode_dense(g)
-            pkt = Packet(PacketKind.BACKWARD, step, micro, edge_id, self.stage, e.src, enc.parts)
+            pkt = Packet(PacketKind.BACKWARD, step, micro, edge_id, self.slot,
+                         self._slot_of(e.src, micro), enc.parts)
             packets.append((pkt, enc, e.density))
         cost.kernel_s += t2 - t1
         cost.codec_s += (t1 - t0) + (time.perf_counter() - t2)
@@ -809,7 +847,7 @@ class StageExecutor:
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             enc = codec.encode_dense(g)
             for peer in holders:
-                pkt = Packet(PacketKind.PARAM_GRAD, step, 0, name, self.stage, peer, enc.parts)
+                pkt = Packet(PacketKind.PARAM_GRAD, step, 0, name, self.slot, peer, enc.parts)
                 packets.append((pkt, enc, None))
         return packets
 
@@ -817,7 +855,7 @@ class StageExecutor:
         for name, holders in self.program.shared.items():
             p = self._params[name]
             mine = p.grad if p.grad is not None else torch.zeros_like(p)
-            parts = {self.stage: mine}
+            parts = {self.slot: mine}
             for peer in holders:
                 parts[peer] = codec.decode_dense(received[(name, peer)]).view_as(p)
             # Sum in stage order on every holder, so the copies stay bit-identical.

@@ -39,6 +39,10 @@ def add_parsers(cmd: Any) -> None:
         sp.add_argument("--stages", type=int, default=None, metavar="N",
                         help="cut the model evenly over N machines (this one first) instead of "
                              "letting the planner choose")
+        sp.add_argument("--replicas", type=int, default=None, metavar="R",
+                        help="with --stages: run every stage on R machines (data "
+                             "parallelism; N x R machines), each on its share of the "
+                             "micro-batches")
         sp.add_argument("--steps", type=int, default=None, metavar="N",
                         help="override job.steps")
         sp.add_argument("--resume", default=None, metavar="FILE.safetensors",
@@ -87,6 +91,10 @@ def _prepare(ns: argparse.Namespace) -> tuple[bytes, Any] | None:
     if ns.stages is not None and ns.stages < 1:
         print(f"fusionctl {ns.cmd}: --stages must be >= 1", file=sys.stderr)
         return None
+    if ns.replicas is not None and (ns.replicas < 1 or ns.stages is None):
+        print(f"fusionctl {ns.cmd}: --replicas takes R >= 1 and goes with --stages N",
+              file=sys.stderr)
+        return None
     if not Path(ns.job).is_file():
         print(f"fusionctl {ns.cmd}: job refused: {ns.job}: no such file", file=sys.stderr)
         return None
@@ -122,6 +130,8 @@ def _prepare(ns: argparse.Namespace) -> tuple[bytes, Any] | None:
                   f"starting from the weights in {ns.resume} (no step: a new run)")
     if ns.stages is not None:
         meta["stages"] = ns.stages
+    if ns.replicas is not None:
+        meta["replicas"] = ns.replicas
     if ns.steps is not None:
         meta["steps"] = ns.steps
     if ns.cmd == "submit" and not _output_allowed(ns, job.spec.output):

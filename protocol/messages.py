@@ -417,9 +417,12 @@ class AssignConfig(Struct):
     input_name: str
     loss_name: str
     stage_nodes: dict[str, str]
-    """Stage (decimal str) -> node id, for every stage."""
+    """Slot (decimal str) -> node id, for every slot: a slot is what a node runs and what
+    its messages name as `partition`; without replicas slot = stage."""
     shared: dict[str, dict[str, tuple[int, ...]]] = field(default_factory=dict)
-    """Stage (decimal str) -> {tied parameter -> the other stages holding it}."""
+    """Slot (decimal str) -> {parameter -> the other slots holding it}: a tied parameter's
+    other stages, and every parameter of a replicated stage with its other replicas; each
+    holder sums every holder's gradient in slot order before its optimizer step."""
     first_step: int = 0
     """The step this attempt starts at (> 0 when it resumes)."""
     checkpoint_interval: int = 0
@@ -428,9 +431,15 @@ class AssignConfig(Struct):
     targets_name: str | None = None
     recv_timeout_s: float | None = None
     """The scheduler's bound on one wait for a task's inputs (None: the stage's own)."""
+    slot_stages: dict[str, int] = field(default_factory=dict)
+    """Slot (decimal str) -> the stage it runs, for every replica beyond a stage's first (a
+    slot absent runs the stage numbered like it)."""
+    routes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Stage (decimal str) -> the slot that runs each micro-batch of an iteration, for every
+    replicated stage (one entry per micro-batch)."""
 
     def __post_init__(self) -> None:
-        for name in ("stage_nodes", "shared"):
+        for name in ("stage_nodes", "shared", "slot_stages", "routes"):
             n = len(getattr(self, name))
             if n > MAX_ASSIGN_STAGES:
                 raise ValueError(f"{name} has {n} entries, limit is {MAX_ASSIGN_STAGES}")

@@ -15,8 +15,8 @@ Pure functions (no I/O): the daemon's scheduler calls
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,7 +24,13 @@ import torch
 from fusiond.errors import LocalError
 from fusiond.graph import SINK, SOURCE, Partition, partition, state_to_bytes
 from fusiond.train.data import text_tokens
-from fusiond.train.programs import compressible_edges, cut_densities, shared_params
+from fusiond.train.local import replica_slots
+from fusiond.train.programs import (
+    compressible_edges,
+    cut_densities,
+    shared_params,
+    trainable_params,
+)
 from fusiond.train.remote import DATA_TOKENS_KEY, job_config
 from fusiond.train.spec import JobSpec, default_text_path
 from protocol import ir
@@ -73,11 +79,59 @@ class JobLayout:
     loss_name: str
     int8_edges: frozenset[str] = frozenset()
     """Edge ids that travel int8 block-quantized both ways (never also in `densities`)."""
+    replicas: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+    """stage -> its other machines (data parallelism: the same partition on each, every one
+    on its share of the micro-batches); a stage absent runs on its own machine only."""
+    routes: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    """Replicated stage -> which of its machines (0: `StagePlan.node_id`, then `replicas`)
+    runs each micro-batch of an iteration."""
 
     @property
     def stage_nodes(self) -> dict[int, str]:
-        """stage -> machine."""
+        """stage -> machine (its first one, with replicas)."""
         return {s.stage: s.node_id for s in self.stages}
+
+    def slots(self) -> dict[tuple[int, int], int]:
+        """(stage, replica) -> slot: what each machine runs and reports as (replica 0 of stage
+        s is slot s; the others are numbered on from the number of stages)."""
+        return replica_slots([1 + len(self.replicas.get(s.stage, ())) for s in self.stages])
+
+    @property
+    def slot_nodes(self) -> dict[int, str]:
+        """slot -> machine, for every machine of the job (= `stage_nodes` without replicas)."""
+        nodes = {s.stage: (s.node_id, *self.replicas.get(s.stage, ())) for s in self.stages}
+        return {slot: nodes[st][r] for (st, r), slot in self.slots().items()}
+
+    def slot_stages(self) -> dict[int, int]:
+        """Replica slot -> its stage (the slots beyond each stage's first)."""
+        return {slot: st for (st, r), slot in self.slots().items() if r > 0}
+
+    def slot_routes(self) -> dict[int, tuple[int, ...]]:
+        """Replicated stage -> the slot running each micro-batch."""
+        slots = self.slots()
+        return {st: tuple(slots[(st, r)] for r in route) for st, route in self.routes.items()}
+
+    def slot_shared(self, state: Mapping[str, torch.Tensor]) -> dict[int, dict[str, tuple[
+            int, ...]]]:
+        """slot -> {parameter -> the other slots holding it}: a replicated stage's trainable
+        parameters with its other replicas, a tied one with every replica of every holder."""
+        slots = self.slots()
+        count = {s.stage: 1 + len(self.replicas.get(s.stage, ())) for s in self.stages}
+        out: dict[int, dict[str, tuple[int, ...]]] = {}
+        for sp in self.stages:
+            st = sp.stage
+            tied = self.shared.get(st, {})
+            names = trainable_params(sp.partition, state) if count[st] > 1 else list(tied)
+            for r in range(count[st]):
+                mine: dict[str, tuple[int, ...]] = {}
+                for name in names:
+                    holders = [slots[(st, r2)] for r2 in range(count[st]) if r2 != r]
+                    for s2 in tied.get(name, ()):
+                        holders += [slots[(s2, r2)] for r2 in range(count[s2])]
+                    if holders:
+                        mine[name] = tuple(sorted(holders))
+                out[slots[(st, r)]] = mine
+        return out
 
     def edges(self) -> list[EdgeRoute]:
         """Every cut edge between stages, with its machines and density."""
@@ -105,8 +159,14 @@ def layout_job(
     density: float | None = None,
     exact: tuple[str, ...] = (),
     int8: bool = False,
+    replicas: Mapping[str, Sequence[str]] | None = None,
+    routes: Mapping[str, Sequence[int]] | None = None,
 ) -> JobLayout:
     """Cut `graph` by the plan's op -> machine map; one stage per machine, in pipeline order.
+
+    `replicas`: a stage's machine (as in `op_nodes`) -> the other machines that run the same
+    partition; `routes`: that machine -> which of them (0: itself, then `replicas` in order)
+    runs each micro-batch of an iteration.
 
     `densities` (edge id `<value>-><dst stage>` -> density) comes from the planner's AdaTopK;
     `density` instead forces one density on every float cut edge except `exact` ones; `int8`
@@ -153,8 +213,35 @@ def layout_job(
             if e.src == SOURCE and e.value not in names:
                 raise LayoutError(f"partition {p.id} reads unknown graph input {e.value!r}")
     int8_edges = frozenset(compressible_edges(parts, exact)) if int8 else frozenset()
+    stage_of_node = {s.node_id: s.stage for s in stages}
+    reps: dict[int, tuple[str, ...]] = {}
+    rts: dict[int, tuple[int, ...]] = {}
+    taken = set(stage_of_node)
+    for node, extra in (replicas or {}).items():
+        if node not in stage_of_node:
+            raise LayoutError(f"replicas of {node!r}, which runs no stage")
+        for x in extra:
+            if x in taken:
+                raise LayoutError(f"machine {x!r} is in two places of the layout")
+            taken.add(x)
+        if extra:
+            reps[stage_of_node[node]] = tuple(extra)
+    for node, route in (routes or {}).items():
+        st = stage_of_node.get(node)
+        if st is None or st not in reps:
+            raise LayoutError(f"a route for {node!r}, which runs no replicated stage")
+        count = 1 + len(reps[st])
+        if any(not 0 <= x < count for x in route) or set(route) != set(range(count)):
+            raise LayoutError(f"the route of stage {st} must give each of its {count} machines "
+                              "micro-batches and name no other")
+        rts[st] = tuple(int(x) for x in route)
+    missing_route = sorted(set(reps) - set(rts))
+    if missing_route:
+        raise LayoutError(f"stage {missing_route[0]} has replicas but no route")
+    if len({len(r) for r in rts.values()}) > 1:
+        raise LayoutError("the routes of the replicated stages name different micro-batch counts")
     return JobLayout(job_id, graph, stages, dict(densities), shared, data[0], targets,
-                     graph.outputs[0].name, int8_edges)
+                     graph.outputs[0].name, int8_edges, reps, rts)
 
 
 @dataclass(frozen=True)
@@ -198,29 +285,37 @@ def assign_messages(
     corpus here (in-process drivers, where here is the submitting machine). `recv_timeout_s`:
     the stages' bound on one wait for inputs (`job_config`); `first_step`: where this attempt
     starts. Each Assign gets a request id of its own (`next_request_id`)."""
-    nodes = layout.stage_nodes
+    nodes = layout.slot_nodes
     absent = [n for n in nodes.values() if n not in addresses]
     if absent:
         raise LayoutError(f"no address for machine {absent[0]!r}")
-    config = job_config(spec, stage_nodes=nodes, shared=layout.shared,
+    routes_by_slot = layout.slot_routes()
+    if routes_by_slot and any(len(r) != spec.batch.micro_batches
+                              for r in routes_by_slot.values()):
+        raise LayoutError(f"the layout's routes do not name the job's "
+                          f"{spec.batch.micro_batches} micro-batches")
+    config = job_config(spec, stage_nodes=nodes, shared=layout.slot_shared(state),
                         input_name=layout.input_name, targets_name=layout.targets_name,
                         loss_name=layout.loss_name,
                         corpus_digest="" if corpus is None else corpus.digest,
                         default_corpus=corpus is not None and corpus.default,
-                        recv_timeout_s=recv_timeout_s, first_step=first_step)
+                        recv_timeout_s=recv_timeout_s, first_step=first_step,
+                        slot_stages=layout.slot_stages(), routes=routes_by_slot)
     routes = layout.edges()
     job_nodes = {n: tuple(addresses[n]) for n in nodes.values()}
     shipped = _shipped_tokens(spec) if corpus is None else corpus.tokens
+    by_stage = {s.stage: s for s in layout.stages}
     out: dict[str, tuple[Assign, bytes]] = {}
-    for s in layout.stages:
+    for (stage, _r), slot in sorted(layout.slots().items()):
+        s = by_stage[stage]
         mine = tuple(r for r in routes if s.stage in (r.src_partition, r.dst_partition))
         weights = {k: state[k] for k in s.partition.param_names if k in state}
         if shipped is not None and any(e.src == SOURCE for e in s.partition.inputs):
             weights[DATA_TOKENS_KEY] = shipped
         msg = Assign(
             request_id=next_request_id(), term=term, job_id=layout.job_id,
-            plan_version=plan_version, partition=s.stage, graph=ir.dumps(s.partition.graph),
+            plan_version=plan_version, partition=slot, graph=ir.dumps(s.partition.graph),
             edges=mine, nodes=dict(job_nodes), config=config,  # type: ignore[arg-type]
         )
-        out[s.node_id] = (msg, state_to_bytes(weights))
+        out[nodes[slot]] = (msg, state_to_bytes(weights))
     return out

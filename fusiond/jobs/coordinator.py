@@ -179,7 +179,7 @@ class JobCoordinator:
         self.on_step = on_step
         self.on_checkpoint = on_checkpoint
         self._checkpoints: dict[int, dict[int, bytes]] = {}
-        self.stage_nodes = layout.stage_nodes
+        self.stage_nodes = layout.slot_nodes  # slot -> node (slot = stage without replicas)
         self._node_stage = {n: s for s, n in self.stage_nodes.items()}
         self._ready: dict[str, asyncio.Future[None]] = {}
         self._results: dict[int, bytes] = {}

@@ -117,6 +117,8 @@ class JobRecord:
     """The planner's plan (None for a `--stages` cut): AdaTopK re-adapts on its cut."""
     stages: int | None = None
     """The `--stages` count asked for (None: planned)."""
+    replicas: int = 1
+    """The `--replicas` count asked for with `--stages` (machines per stage)."""
     first_step: int = 0
     """The step the job started at (> 0: resumed from a checkpoint with `--resume`)."""
     restarts: int = 0

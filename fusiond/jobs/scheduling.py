@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -197,6 +198,10 @@ def _stages_table(layout: JobLayout, densities: Mapping[str, float]) -> str:
     for s in layout.stages:
         lines.append(f"{s.stage:>5}  {s.node_id:<40}{len(s.partition.node_ids):>6}  "
                      f"{len(s.partition.param_names):>10}")
+        route = layout.routes.get(s.stage, ())
+        for r, node in enumerate(layout.replicas.get(s.stage, ()), start=1):
+            lines.append(f"{'+':>5}  {node:<40}{'':>6}  {'':>10}  replica: "
+                         f"{route.count(r)} of {len(route)} micro-batches")
     if densities:
         lines.append("top-k edges: " + ", ".join(f"{e} {d:g}" for e, d in densities.items()))
     if layout.int8_edges:
@@ -469,7 +474,7 @@ class Scheduling:
                 self._spawn(rec.coord.cancel(f"the submitting daemon {rec.submitter} is "
                                              f"{gone[rec.submitter]}"), f"orphan {rec.job_id}")
                 continue
-            for node in rec.layout.stage_nodes.values():
+            for node in rec.layout.slot_nodes.values():
                 if node in gone:
                     rec.coord.node_failed(node, f"the membership layer declared {node} "
                                                 f"{gone[node]} (daemon stopped or unreachable)")
@@ -621,6 +626,10 @@ class Scheduling:
         if stages is not None and (not isinstance(stages, int) or isinstance(stages, bool)
                                    or stages < 1):
             raise JobRefused(f"stages must be an integer >= 1, got {stages!r}")
+        replicas = meta.get("replicas", 1)
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1 or (
+                replicas > 1 and stages is None):
+            raise JobRefused(f"replicas must be an integer >= 1, with stages, got {replicas!r}")
         first = meta.get("first_step", 0)
         if not isinstance(first, int) or isinstance(first, bool) or not 0 <= first < spec.steps:
             raise JobRefused(f"first_step must be an integer in [0, {spec.steps}) (the job's "
@@ -655,7 +664,7 @@ class Scheduling:
         if not isinstance(used, int) or isinstance(used, bool) or not 0 <= used <= 100:
             raise JobRefused(f"restarts must be an integer in [0, 100], got {used!r}")
         layout, plan, plan_text = await self._layout(job_id, spec, captured, captured.state,
-                                                     cluster, memory, stages)
+                                                     cluster, memory, stages, replicas)
         why = self._not_leading()  # planning took a while: still ours to start?
         if why is not None:
             raise NotScheduler(f"{why}: only the scheduler starts jobs")
@@ -692,7 +701,8 @@ class Scheduling:
         ready_s, recv_s = coord.ready_timeout_s, coord.recv_timeout_s
         rec = JobRecord(job_id, spec, layout, coord, plan_text, time.time(), tps,
                       submitter=submitter if submitter != self.node_id else "", plan=plan,
-                      stages=stages, first_step=first, restarts=used, term=term,
+                      stages=stages, replicas=replicas, first_step=first, restarts=used,
+                      term=term,
                       owner_uid=None if submitter and submitter != self.node_id else owner_uid)
         if rec.submitter:
             rec.update_cursor = rec.history.cursor()
@@ -739,24 +749,37 @@ class Scheduling:
 
     async def _layout(self, job_id: str, spec: JobSpec, captured: CapturedModel,
                       state: Mapping[str, torch.Tensor], cluster: Cluster,
-                      memory: Mapping[str, int], stages: int | None,
+                      memory: Mapping[str, int], stages: int | None, replicas: int = 1,
                       ) -> tuple[JobLayout, Plan | None, str]:
-        """Cut the job over `stages` machines of `cluster` (this node first), or plan it on
-        `cluster` (OP-Fence); the stages start from `state`. `JobRefused` if it cannot run."""
+        """Cut the job over `stages` machines of `cluster` (this node first), each stage on
+        `replicas` machines, or plan it on `cluster` (OP-Fence); the stages start from
+        `state`. `JobRefused` if it cannot run."""
         if stages is not None:
             ids = ([self.node_id] if self.node_id in cluster.ids() else []) \
                 + [n for n in cluster.ids() if n != self.node_id]
-            if stages > len(ids):
-                raise JobRefused(f"{stages} stages asked, the cluster has {len(ids)} alive "
-                                 "members")
+            if stages * replicas > len(ids):
+                raise JobRefused(f"{stages} stages x {replicas} replicas asked, the cluster has "
+                                 f"{len(ids)} alive members")
+            micro = spec.batch.micro_batches
+            if replicas > micro:
+                raise JobRefused(f"{replicas} replicas per stage need at least as many "
+                                 f"micro-batches; the job has {micro} (batch.micro_batches)")
             cut = contiguous_assignment(captured.graph, stages)
             op_nodes = {op: ids[p] for op, p in cut.items()}
+            extra = {ids[p]: ids[stages + p * (replicas - 1): stages + (p + 1) * (replicas - 1)]
+                     for p in range(stages)} if replicas > 1 else {}
+            # the micro-batches dealt in turn: machines of one speed on loopback
+            routes = {ids[p]: [m % replicas for m in range(micro)]
+                      for p in range(stages)} if replicas > 1 else {}
             layout = await asyncio.to_thread(
-                layout_job, job_id, captured.graph, state, op_nodes,
+                functools.partial(layout_job, replicas=extra, routes=routes),
+                job_id, captured.graph, state, op_nodes,
                 density=spec.compression.density, exact=spec.compression.exact_edges,
                 int8=spec.compression.int8)
-            why = refuse_stages(captured.graph, {s.stage: (s.node_id, s.partition.node_ids)
-                                                 for s in layout.stages},
+            parts = {s.stage: s.partition.node_ids for s in layout.stages}
+            slot_stage = {**{s.stage: s.stage for s in layout.stages}, **layout.slot_stages()}
+            why = refuse_stages(captured.graph, {slot: (node, parts[slot_stage[slot]])
+                                                 for slot, node in layout.slot_nodes.items()},
                                 self._sets_of(cluster), stages)
             if why is not None:
                 raise JobRefused(why)
@@ -940,9 +963,11 @@ class Scheduling:
                 state = {k: ckpt.get(k, v) for k, v in captured.state.items()}
             check_capacity(captured, rec.spec, memory)
             stages = None if rec.stages is None else min(rec.stages, len(cluster.ids()))
+            replicas = 1 if stages is None else max(1, min(rec.replicas,
+                                                           len(cluster.ids()) // stages))
             version = old.plan_version + 1
             layout, plan, text = await self._layout(rec.job_id, rec.spec, captured, state,
-                                                    cluster, memory, stages)
+                                                    cluster, memory, stages, replicas)
             captured = replace(captured, state=state)  # what the new Assigns ship
         except (FusionError, ValueError) as e:
             rec.log(f"cannot restart the job: {e}")

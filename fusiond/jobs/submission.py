@@ -393,6 +393,8 @@ class Submissions:
                 meta["first_step"] = first
             if isinstance(meta.get("stages"), int):
                 meta["stages"] = max(1, min(meta["stages"], alive))
+                if isinstance(meta.get("replicas"), int):
+                    meta["replicas"] = max(1, min(meta["replicas"], alive // meta["stages"]))
             start = int(meta.get("first_step") or 0)
             # Where the resubmission starts: a checkpoint sent here, else where the job itself
             # started (a job submitted with --resume starts past step 0).

@@ -142,10 +142,11 @@ def _int(meta: Mapping[str, Any], key: str, lo: int, hi: int) -> None:
 
 def check_meta(meta: Mapping[str, Any]) -> None:
     """Every option of an upload's meta section has its type and range (`UploadError` naming
-    the field): `steps` 1..1e9, `stages` 1..1024, `first_step` >= 0, `restarts` 0..100,
-    `data_digest` hex, `data_default` bool, `job_id` a job id."""
+    the field): `steps` 1..1e9, `stages` 1..1024, `replicas` 1..1024, `first_step` >= 0,
+    `restarts` 0..100, `data_digest` hex, `data_default` bool, `job_id` a job id."""
     _int(meta, "steps", 1, 10**9)
     _int(meta, "stages", 1, 1024)
+    _int(meta, "replicas", 1, 1024)
     _int(meta, "first_step", 0, 10**9)
     _int(meta, "restarts", 0, 100)
     digest = meta.get("data_digest")

@@ -384,14 +384,14 @@ class JobWorker:
         async def progress(rep: StepReport) -> None:
             job.steps_done += 1
             await self.send(job.scheduler, StageStep(
-                job_id=job_id, plan_version=sa.plan_version, partition=sa.stage, step=rep.step,
+                job_id=job_id, plan_version=sa.plan_version, partition=sa.own_slot, step=rep.step,
                 figures=rep.to_figures()), ())
             every = sa.checkpoint_interval
             if every > 0 and (rep.step + 1) % every == 0 and rep.step + 1 < sa.steps:
                 # The executor waits for this callback before its next step: a consistent state.
                 blob = await asyncio.to_thread(state_to_bytes, host.state_dict())
                 await self.send(job.scheduler, StageCheckpoint(
-                    job_id=job_id, plan_version=sa.plan_version, partition=sa.stage,
+                    job_id=job_id, plan_version=sa.plan_version, partition=sa.own_slot,
                     step=rep.step), (blob,))
 
         result: JobResult
@@ -399,14 +399,14 @@ class JobWorker:
         try:
             await host.run(progress, first=first)
             payload = await asyncio.to_thread(state_to_bytes, host.state_dict())
-            result = JobResult(job_id=job_id, plan_version=sa.plan_version, partition=sa.stage,
+            result = JobResult(job_id=job_id, plan_version=sa.plan_version, partition=sa.own_slot,
                                ok=True)
         except asyncio.CancelledError:
             raise
         except Exception as e:
             fault = fault_of(e)
             log.warning("job %s stage %d failed (%s's fault): %s", job_id, sa.stage, fault, e)
-            result = JobResult(job_id=job_id, plan_version=sa.plan_version, partition=sa.stage,
+            result = JobResult(job_id=job_id, plan_version=sa.plan_version, partition=sa.own_slot,
                                ok=False, message=f"{self.node_id}: {e}",
                                step=host.executor.current_step, fault=fault)
         try:

@@ -25,7 +25,7 @@ from fusiond.tasks import cancel_and_wait
 from fusiond.train.data import DataSource, split_micro_batches
 from fusiond.train.model import LossFn, WithLoss
 from fusiond.train.optim import lr_at, make_optimizer, set_lr
-from fusiond.train.schedule import Task, schedule
+from fusiond.train.schedule import replica_tasks, schedule
 from fusiond.train.spec import OptimizerSpec
 from fusiond.train.stage import (
     Packet,
@@ -46,7 +46,6 @@ __all__ = [
     "merge_reports",
     "replica_programs",
     "replica_slots",
-    "replica_tasks",
     "run_pipeline",
     "run_replicated",
 ]
@@ -187,7 +186,9 @@ def merge_reports(reports: Sequence[StepReport], *, samples: int, tokens: int,
     if not reports:
         raise LocalError("no stage reports to merge")
     step = reports[0].step
-    loss = next((r.loss for r in reports if r.loss is not None), None)
+    # each loss-stage replica reports its share of the iteration's mean loss
+    shares = [r.loss for r in reports if r.loss is not None]
+    loss = sum(shares) if shares else None
     edges: dict[str, EdgeFigures] = {}
     shared = 0
     for r in reports:
@@ -331,16 +332,6 @@ def replica_slots(replicas: Sequence[int]) -> dict[tuple[int, int], int]:
     return out
 
 
-def replica_tasks(kind: str, stage: int, stages: int, micros: Sequence[int]) -> list[Task]:
-    """A replica's tasks: the schedule of `stage` over its own micro-batches (`micros`, in
-    the iteration's numbering), so each replica fills and drains as a stage of the pipeline
-    would with that many micro-batches."""
-    if not micros:
-        return []
-    base = schedule(kind, stages, len(micros))[stage]
-    return [dataclasses.replace(t, micro=micros[t.micro]) for t in base]
-
-
 def replica_programs(programs: Sequence[Sequence[StageProgram]],
                      slots: Mapping[tuple[int, int], int]) -> dict[int, StageProgram]:
     """slot -> its program, each parameter of a replicated stage shared with the stage's
@@ -422,13 +413,8 @@ async def run_replicated(
     last = S - 1
     losses: list[float] = []
     for step in range(steps):
-        total = 0.0
-        for r in range(len(programs[last])):
-            n = sum(1 for x in routes[last] if x == r)
-            rep = runs[slots[(last, r)]].result()[step]
-            if n and rep.loss is not None:
-                total += rep.loss * n
-        losses.append(total / micro_batches)
+        shares = [runs[slots[(last, r)]].result()[step].loss for r in range(len(programs[last]))]
+        losses.append(sum(x for x in shares if x is not None))
     return ReplicatedResult(losses, {ex.slot: ex.state_dict() for ex in execs}, slots)
 
 

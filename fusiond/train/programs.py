@@ -38,6 +38,7 @@ __all__ = [
     "shared_params",
     "stage_program",
     "stage_programs",
+    "trainable_params",
 ]
 
 
@@ -75,18 +76,26 @@ def capture_job(spec: JobSpec) -> tuple[torch.nn.Module, CapturedModel]:
     return model, captured
 
 
+def trainable_params(p: Partition, state: Mapping[str, torch.Tensor]) -> list[str]:
+    """The partition's trainable floating-point parameters (what an optimizer steps)."""
+    out: list[str] = []
+    for name in p.param_names:
+        t = state.get(name)
+        if t is None or not t.is_floating_point():
+            continue
+        spec = p.graph.param_map.get(name)
+        if spec is None or spec.kind is not ir.ParamKind.PARAMETER or not spec.requires_grad:
+            continue
+        out.append(name)
+    return out
+
+
 def shared_params(partitions: Sequence[Partition], stage_of: Mapping[int, int],
                   state: Mapping[str, torch.Tensor]) -> dict[int, dict[str, tuple[int, ...]]]:
     """stage -> {parameter name -> the other stages holding it}, for trainable parameters only."""
     holders: dict[str, list[int]] = {}
     for p in partitions:
-        for name in p.param_names:
-            t = state.get(name)
-            if t is None or not t.is_floating_point():
-                continue
-            spec = p.graph.param_map.get(name)
-            if spec is None or spec.kind is not ir.ParamKind.PARAMETER or not spec.requires_grad:
-                continue
+        for name in trainable_params(p, state):
             holders.setdefault(name, []).append(stage_of[p.id])
     out: dict[int, dict[str, tuple[int, ...]]] = {stage_of[p.id]: {} for p in partitions}
     for name, stages in holders.items():

@@ -35,7 +35,7 @@ from fusiond.graph.registry import check_ops
 from fusiond.train.codec import EDGE_ENCODINGS, EdgeEncoding
 from fusiond.train.data import DataSource, TextWindows, corpus_digest, make_source
 from fusiond.train.programs import build_stage_module
-from fusiond.train.schedule import schedule
+from fusiond.train.schedule import replica_tasks, schedule
 from fusiond.train.spec import (
     BatchSpec,
     DataSpec,
@@ -103,7 +103,9 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
                shared: Mapping[int, Mapping[str, Sequence[int]]],
                input_name: str, targets_name: str | None, loss_name: str,
                corpus_digest: str = "", default_corpus: bool = False,
-               recv_timeout_s: float | None = None, first_step: int = 0) -> AssignConfig:
+               recv_timeout_s: float | None = None, first_step: int = 0,
+               slot_stages: Mapping[int, int] | None = None,
+               routes: Mapping[int, Sequence[int]] | None = None) -> AssignConfig:
     """The `Assign.config` record for a job (the same for every stage).
 
     `stage_nodes`: stage -> node id for every stage; `shared`: stage -> {tied parameter -> the
@@ -115,6 +117,9 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
     the measured links (a stage waits at least its own configured bound). `first_step`: the
     step this attempt starts at (> 0 when it resumes), so a stage is at that step from its
     Assign on and keeps a neighbour's first tensors that arrive before its JobStart.
+    With replicas, `stage_nodes` and `shared` are keyed by slot (`AssignConfig`), and
+    `slot_stages` (replica slot -> stage) and `routes` (replicated stage -> the slot of each
+    micro-batch) say who runs what.
     """
     o = spec.optimizer
     d = spec.data
@@ -145,6 +150,8 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
         shared={str(s): {k: tuple(int(x) for x in v) for k, v in m.items()}
                 for s, m in shared.items()},
         recv_timeout_s=None if recv_timeout_s is None else float(recv_timeout_s),
+        slot_stages={str(k): int(v) for k, v in (slot_stages or {}).items()},
+        routes={str(k): tuple(int(x) for x in v) for k, v in (routes or {}).items()},
     )
 
 
@@ -181,6 +188,22 @@ class StageAssignment:
     """The scheduler's bound on one wait for inputs (None: the stage's own config)."""
     first_step: int = 0
     """The step the attempt starts at (the JobStart's `first_step` says the same)."""
+    slot: int = -1
+    """What this node runs and is addressed as (the stage itself without replicas; -1:
+    the stage)."""
+    slot_nodes: dict[int, str] | None = None
+    """Every slot of the job -> its node (None: `stage_nodes`)."""
+    routes: dict[int, tuple[int, ...]] | None = None
+    """Replicated stage -> the slot running each micro-batch."""
+    slot_stages: dict[int, int] | None = None
+    """Replica slot -> its stage (slots absent run the stage numbered like them)."""
+
+    @property
+    def own_slot(self) -> int:
+        return self.stage if self.slot < 0 else self.slot
+
+    def stage_of_slot(self, slot: int) -> int:
+        return (self.slot_stages or {}).get(slot, slot)
 
 
 def decode_assign(msg: Assign, payload: bytes | memoryview, *,
@@ -204,7 +227,12 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
                                                                            torch.int32)):
         raise RemoteError(f"Assign payload: {DATA_TOKENS_KEY} must be 1-D uint8 or int32")
     data_tokens = None if shipped is None else shipped.numpy().astype(np.int64)
-    stage = msg.partition
+    slot = msg.partition
+    try:
+        slot_stages = {int(k): int(v) for k, v in cfg.slot_stages.items()}
+    except ValueError as e:
+        raise RemoteError(f"Assign.config.slot_stages: {e}") from e
+    stage = slot_stages.get(slot, slot)
     edges: list[EdgeSpec] = []
     stage_nodes: dict[int, str] = {}
     for r in msg.edges:
@@ -230,11 +258,26 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
             if node not in msg.nodes:
                 raise RemoteError(f"Assign.nodes: no address for {node!r}")
     o, d = cfg.optimizer, cfg.data
-    shared = {k: tuple(v) for k, v in cfg.shared.get(str(stage), {}).items()}
+    shared = {k: tuple(v) for k, v in cfg.shared.get(str(slot), {}).items()}
     stage_map = cfg.stage_nodes
-    stages = len(stage_map)
+    stages = len(stage_map) - len(slot_stages)
     if not 0 <= stage < stages:
         raise RemoteError(f"Assign.partition: {stage} is not a stage of {stages}")
+    for k, v in slot_stages.items():
+        if str(k) not in stage_map or k < stages or not 0 <= v < stages:
+            raise RemoteError(f"Assign.config.slot_stages: slot {k} -> stage {v} is not a "
+                              f"replica slot (>= {stages}, with a node) of a stage")
+    routes: dict[int, tuple[int, ...]] = {}
+    for key, route in cfg.routes.items():
+        try:
+            rs = int(key)
+        except ValueError as e:
+            raise RemoteError(f"Assign.config.routes: {e}") from e
+        if not 0 <= rs < stages or len(route) != cfg.micro_batches or any(
+                str(x) not in stage_map or slot_stages.get(x, x) != rs for x in route):
+            raise RemoteError(f"Assign.config.routes: stage {key} must name one of its own "
+                              f"slots for each of the {cfg.micro_batches} micro-batches")
+        routes[rs] = tuple(route)
     for s in {x for v in shared.values() for x in v} | set(stage_nodes):
         on = stage_map.get(str(s))
         if on is None or on not in msg.nodes:
@@ -279,7 +322,9 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         batch=batch, optimizer=optimizer, data=data,
         per_row=cfg.per_row, input_name=cfg.input_name, targets_name=cfg.targets_name,
         loss_name=cfg.loss_name, shared=shared, data_tokens=data_tokens, data_digest=d.digest,
-        recv_timeout_s=recv_timeout,
+        recv_timeout_s=recv_timeout, slot=slot,
+        slot_nodes={int(k): v for k, v in stage_map.items()},
+        routes=routes, slot_stages=slot_stages,
     )
 
 
@@ -414,7 +459,12 @@ class StageHost:
         # not), before anything is built
         check_ops(sa.graph, config.disabled_ops)
         self.program = program_from_assignment(sa)
-        self._node_stage = {n: s for s, n in sa.stage_nodes.items() if s != sa.stage}
+        slot_nodes = sa.slot_nodes if sa.slot_nodes is not None else dict(sa.stage_nodes)
+        talks = set(sa.stage_nodes) | {x for h in sa.shared.values() for x in h}
+        # the nodes this one exchanges tensors with: every replica of the stages it talks to
+        self._node_stage = {n: s for s, n in slot_nodes.items()
+                            if s != sa.own_slot and (s in talks
+                                                     or sa.stage_of_slot(s) in sa.stage_nodes)}
         if self.program.data_inputs and data is None:
             if sa.data_tokens is not None:
                 data = TextWindows(None, seq_len=sa.data.seq_len, seed=sa.seed,
@@ -432,16 +482,22 @@ class StageHost:
                         f"submitter's (hash {here[:12]} vs {sa.data_digest[:12]}): the default "
                         "corpus differs between Python versions; give the job a data.path "
                         "(shipped from the submitter) to train on the same tokens everywhere")
-        tasks = schedule(sa.batch.pipeline, sa.stages, sa.batch.micro_batches)
+        route = (sa.routes or {}).get(sa.stage)
+        if route is None:
+            tasks = schedule(sa.batch.pipeline, sa.stages, sa.batch.micro_batches)[sa.stage]
+        else:
+            tasks = replica_tasks(sa.batch.pipeline, sa.stage, sa.stages,
+                                  [m for m, x in enumerate(route) if x == sa.own_slot])
         if sa.recv_timeout_s is not None and sa.recv_timeout_s > config.recv_timeout_s:
             # slow links: the plan says a step takes this long; never time out before it
             config = replace(config, recv_timeout_s=sa.recv_timeout_s)
         self.executor = StageExecutor(
             stage=sa.stage, program=self.program,
-            link=NetStageLink(net, sa.job_id, sa.plan_version, sa.stage_nodes),
-            tasks=tasks[sa.stage],
+            link=NetStageLink(net, sa.job_id, sa.plan_version, slot_nodes),
+            tasks=tasks,
             micro_batches=sa.batch.micro_batches, optimizer=sa.optimizer, total_steps=sa.steps,
             data=data, batch_size=sa.batch.size, config=config, first_step=sa.first_step,
+            slot=sa.own_slot, routes=sa.routes,
         )
 
     async def start(self) -> None:
@@ -474,7 +530,7 @@ class StageHost:
         # so the decoded tensor can live in it without a second copy (codec._tensor).
         payload = memoryview(bytearray(msg.payload))
         self.executor.deliver(
-            Packet(kind, msg.iteration, msg.microbatch, edge, src, sa.stage, payload)
+            Packet(kind, msg.iteration, msg.microbatch, edge, src, sa.own_slot, payload)
         )
 
     def fail(self, exc: BaseException) -> None:

@@ -25,6 +25,7 @@ __all__ = [
     "gpipe",
     "max_in_flight",
     "one_f_one_b",
+    "replica_tasks",
     "schedule",
     "simulate",
 ]
@@ -161,3 +162,13 @@ def simulate(
         waits = ", ".join(f"stage {i} at {tasks[i][pos[i]]}" for i in stuck)
         raise ScheduleError(f"pipeline deadlocks: {waits}")
     return order
+
+
+def replica_tasks(kind: str, stage: int, stages: int, micros: Sequence[int]) -> list[Task]:
+    """A replica's tasks: the schedule of `stage` over its own micro-batches (`micros`, in
+    the iteration's numbering), so each replica fills and drains as a stage of the pipeline
+    would with that many micro-batches."""
+    if not micros:
+        return []
+    base = schedule(kind, stages, len(micros))[stage]
+    return [Task(t.phase, micros[t.micro]) for t in base]

@@ -967,7 +967,9 @@ class StageExecutor:
         self._guard("optimizer step", step, lambda: self._opt_step(lr))
         busy += time.perf_counter() - to
         wall = time.perf_counter() - t0
-        loss = sum(losses) / len(losses) if losses else None
+        # this executor's share of the iteration's mean loss (all of it without replicas:
+        # it ran every micro-batch); the loss stage's replicas' shares add up
+        loss = sum(losses) / self.micro_batches if losses else None
         return StepReport(self.stage, step, loss, lr, wall, busy, list(self._stats.values()),
                           timeline, t0, waited)
 

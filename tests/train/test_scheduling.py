@@ -71,7 +71,7 @@ def record(job_id: str = "j-000001", submitter: str = "m1", **kw: Any) -> Any:
     fields: dict[str, Any] = dict(
         job_id=job_id, submitter=submitter, state="running", history=history,
         update_cursor=history.cursor(), update_lock=asyncio.Lock(), logs=lines,
-        log=lines.append, coord=Coord(), layout=SimpleNamespace(stage_nodes={}),
+        log=lines.append, coord=Coord(), layout=SimpleNamespace(stage_nodes={}, slot_nodes={}),
         cancel_requested=False, handed_back="", stale_lease=-1, held=None, submitted_at=0.0,
         task=None)
     return SimpleNamespace(**(fields | kw))

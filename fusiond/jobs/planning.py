@@ -159,7 +159,8 @@ def plan_job(spec: JobSpec, captured: CapturedModel, cluster: Cluster) -> Plan:
     opt_factor = 2.0 if o.kind == "adamw" else (1.0 if o.momentum else 0.0)
     cost = cost_graph_from_ir(captured.graph, symbols, exact_edges=spec.compression.exact_edges,
                               optimizer_state_factor=opt_factor, name=spec.name)
-    return plan_opfence(cost, cluster, job_settings(spec), compress=spec.compression.adatopk)
+    return plan_opfence(cost, cluster, job_settings(spec), compress=spec.compression.adatopk,
+                        replicate=spec.batch.replicas)
 
 
 def layout_from_plan(job_id: str, graph: ir.Graph, state: Mapping[str, torch.Tensor],
@@ -168,14 +169,19 @@ def layout_from_plan(job_id: str, graph: ir.Graph, state: Mapping[str, torch.Ten
     int8 cut edges."""
     machines = plan.machine_of_stage()
     op_nodes = {op: machines[s] for op, s in plan.stage_assignment().items()}
+    ids = plan.arrays.cluster.ids()
+    replicas = {machines[i]: [ids[m] for m in st.replicas]
+                for i, st in enumerate(plan.stages) if st.replicas}
+    routes = {machines[i]: list(r) for i, r in plan.routes().items()}
     if spec.compression.int8:
         return layout_job(job_id, graph, state, op_nodes, int8=True,
-                          exact=spec.compression.exact_edges)
+                          exact=spec.compression.exact_edges, replicas=replicas, routes=routes)
     if spec.compression.density is not None:
         return layout_job(job_id, graph, state, op_nodes, density=spec.compression.density,
-                          exact=spec.compression.exact_edges)
+                          exact=spec.compression.exact_edges, replicas=replicas, routes=routes)
     densities = plan.edge_densities() if spec.compression.adatopk else {}
-    return layout_job(job_id, graph, state, op_nodes, densities=densities)
+    return layout_job(job_id, graph, state, op_nodes, densities=densities, replicas=replicas,
+                      routes=routes)
 
 
 def readapted_densities(plan: Plan, cluster: Cluster, current: Mapping[str, float],

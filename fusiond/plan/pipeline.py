@@ -818,9 +818,20 @@ class Plan:
                 for k, s in enumerate(self.stages) for i in range(s.start, s.stop)}
 
     def machine_of_stage(self) -> list[str]:
-        """Stage index -> machine id."""
+        """Stage index -> machine id (its first machine, with replicas)."""
         ids = self.arrays.cluster.ids()
         return [ids[s.machine] for s in self.stages]
+
+    def routes(self) -> dict[int, tuple[int, ...]]:
+        """Replicated stage -> which of its machines (0: `StageSpec.machine`, then its
+        replicas) runs each micro-batch of an iteration (`route_micro_batches` on the
+        evaluation's shares)."""
+        if not any(s.replicas for s in self.stages):
+            return {}
+        shares = [[r.micro_batches for r in self.evaluation.replicas if r.index == i]
+                  for i in range(len(self.stages))]
+        routes = route_micro_batches(self.arrays.cluster, self.stages, shares)
+        return {i: routes[i] for i, s in enumerate(self.stages) if s.replicas}
 
     def edge_densities(self) -> dict[str, float]:
         """Compressed cut edges by `fusiond.graph.partition.Edge.id` (`"<value>-><dst stage>"`)

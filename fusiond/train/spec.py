@@ -137,11 +137,14 @@ class OptimizerSpec:
 
 @dataclass(frozen=True)
 class BatchSpec:
-    """`size` samples per step, split into `micro_batches` equal micro-batches."""
+    """`size` samples per step, split into `micro_batches` equal micro-batches. `replicas`:
+    the planner may run a stage on several machines, each on its share of the micro-batches
+    (data parallelism; gradients reduced dense every step)."""
 
     size: int
     micro_batches: int
     pipeline: PipelineKind
+    replicas: bool = False
 
     @property
     def micro_batch_size(self) -> int:
@@ -407,8 +410,10 @@ def _batch(t: _Table) -> BatchSpec:
                 t.name("micro_batches"), f"must divide batch.size={size}, got {count}"
             )
     pipeline = t.choice("pipeline", "1f1b", ("1f1b", "gpipe"))
+    replicas = t.boolean("replicas", False)
     t.finish()
-    return BatchSpec(size=size, micro_batches=count, pipeline=pipeline)  # type: ignore[arg-type]
+    return BatchSpec(size=size, micro_batches=count, pipeline=pipeline,  # type: ignore[arg-type]
+                     replicas=replicas)
 
 
 def _compression(t: _Table) -> CompressionSpec:

@@ -1,0 +1,68 @@
+"""A job the planner gives replicas, run by the scheduler's coordinator over loopback peer
+links (TLS) on in-process daemons: machines of unequal speed get unequal shares of the
+micro-batches, and the job trains as single-process training on the global batch."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from fusiond.harness.inproc import inproc_cluster
+from fusiond.jobs.coordinator import JobCoordinator
+from fusiond.jobs.planning import layout_from_plan, plan_job
+from fusiond.jobs.worker import local_sender
+from fusiond.net.transport import NetConfig
+from fusiond.plan import Cluster, MachineProfile
+from fusiond.train.data import make_source
+from fusiond.train.local import ReferenceTrainer
+from fusiond.train.model import build_model, loss_fn
+
+pytestmark = pytest.mark.slow
+
+
+def _machine(name: str, flops: float) -> MachineProfile:
+    return MachineProfile(name, {"matmul": flops, "other": flops}, mem_bw=flops,
+                          op_overhead_s=1e-6, memory_bytes=8e9)
+
+
+async def test_planned_replicas_of_unequal_speed_train_as_single_process(  # type: ignore[no-untyped-def]
+        captured_tiny) -> None:
+    spec, cap = captured_tiny
+    spec = replace(spec, steps=6, batch=replace(spec.batch, size=16, micro_batches=8,
+                                                replicas=True))
+    # speeds 3 : 2 : 2, 10 Gbit/s and 2 ms between them: the planner runs the model on all
+    # three, the fast one on twice the micro-batches (a pipeline pays the round trips)
+    names = ["n0", "n1", "n2"]
+    k = len(names)
+    cluster = Cluster.build([_machine("n0", 3e9), _machine("n1", 2e9), _machine("n2", 2e9)],
+                            np.full((k, k), 1.25e9), np.full((k, k), 2e-3))
+    plan = plan_job(spec, cap, cluster)
+    assert sum(len(s.machines) for s in plan.stages) == 3, plan.stages
+    layout = layout_from_plan("job-r", cap.graph, cap.state, plan, spec)
+    assert layout.replicas and layout.routes
+    shares = {st: sorted(route.count(r) for r in set(route))
+              for st, route in layout.routes.items()}
+    assert any(len(set(s)) > 1 for s in shares.values()), shares  # unequal speeds, shares
+    cfg = NetConfig(connect_timeout_s=2, handshake_timeout_s=2, backoff_max_s=0.5)
+    async with inproc_cluster(k, net_config=cfg, prefix="n") as nodes:
+        n0 = nodes["n0"]
+        losses: list[float] = []
+        c = JobCoordinator(send=local_sender("n0", n0.net.send, n0.dispatch), spec=spec,
+                           captured=cap, layout=layout,
+                           addresses={n: x.net.address for n, x in nodes.items()}, term=1,
+                           on_step=lambda m: losses.append(m.loss))
+        n0.coordinators.append(c)
+        out = await asyncio.wait_for(c.run(), 120)
+        assert out.ok, out.failure
+        assert all(not n.worker.jobs() for n in nodes.values())
+    model = build_model(spec.model, seed=spec.seed)
+    rt = ReferenceTrainer(model, loss_fn(spec.loss), spec.optimizer,
+                          data=make_source(spec.data, spec.seed), batch_size=spec.batch.size,
+                          micro_batches=spec.batch.micro_batches, total_steps=spec.steps)
+    want = rt.train(0, spec.steps)
+    assert len(losses) == spec.steps
+    for got, w in zip(losses, want, strict=True):
+        assert got == pytest.approx(w, rel=1e-5)

@@ -477,6 +477,7 @@ class StageExecutor:
         first_step: int = 0,
         slot: int | None = None,
         routes: Mapping[int, Sequence[int]] | None = None,
+        grad_density: float | None = None,
     ) -> None:
         if program.data_inputs and (data is None or batch_size <= 0):
             raise StageError(f"stage {stage} reads {program.data_inputs} but has no data source")
@@ -488,6 +489,15 @@ class StageExecutor:
         absent from `routes` runs everything in the slot numbered like it). `tasks` name the
         micro-batches of the whole iteration this executor runs; a replicated stage's
         parameters are in `program.shared` with its other replicas' slots."""
+        if grad_density is not None and not 0.0 < grad_density < 1.0:
+            raise StageError(f"stage {stage}: grad_density {grad_density} is not in (0, 1) "
+                             "(None: shared gradients travel dense)")
+        self.grad_density = grad_density
+        """Shared (replicated, tied) gradients travel top-k at this density with error
+        feedback (None: dense)."""
+        self._grad_err: dict[str, torch.Tensor] = {}
+        """Per shared parameter, what top-k left out so far (added to the next step's)."""
+        self._own_shared: dict[str, torch.Tensor] = {}
         self._routes = {k: tuple(v) for k, v in (routes or {}).items()}
         for k, v in self._routes.items():
             if len(v) != micro_batches:
@@ -841,20 +851,35 @@ class StageExecutor:
         return packets
 
     def _shared_grads(self, step: int) -> list[tuple[Packet, codec.Encoded, float | None]]:
+        """This holder's contribution to every shared gradient, dense, or with `grad_density`
+        its top-k with error feedback: what was not sent is added to the next step's
+        gradient; the holder sums its own contribution as its peers decode it."""
         packets: list[tuple[Packet, codec.Encoded, float | None]] = []
+        density = self.grad_density
         for name, holders in self.program.shared.items():
             p = self._params[name]
             g = p.grad if p.grad is not None else torch.zeros_like(p)
-            enc = codec.encode_dense(g)
+            if density is not None and g.is_floating_point() and g.numel() > 1:
+                err = self._grad_err.get(name)
+                acc = g.detach() if err is None else g.detach() + err
+                enc, _ = codec.encode_topk(acc, density, per_row=False)
+                own, _ = codec.decode_any(b"".join(enc.parts))
+                own = own.view_as(p).to(p.dtype)
+                self._grad_err[name] = acc - own
+                self._own_shared[name] = own
+            else:
+                enc = codec.encode_dense(g)
             for peer in holders:
                 pkt = Packet(PacketKind.PARAM_GRAD, step, 0, name, self.slot, peer, enc.parts)
-                packets.append((pkt, enc, None))
+                packets.append((pkt, enc, density))
         return packets
 
     def _apply_shared(self, received: Mapping[tuple[str, int], bytes | memoryview]) -> None:
         for name, holders in self.program.shared.items():
             p = self._params[name]
-            mine = p.grad if p.grad is not None else torch.zeros_like(p)
+            mine = self._own_shared.pop(name, None)
+            if mine is None:
+                mine = p.grad if p.grad is not None else torch.zeros_like(p)
             parts = {self.slot: mine}
             for peer in holders:
                 parts[peer] = codec.decode_dense(received[(name, peer)]).view_as(p)

@@ -11,7 +11,7 @@ from fusiond.train.data import TextWindows
 from fusiond.train.local import ReferenceTrainer, replica_slots, run_replicated
 from fusiond.train.schedule import Phase, replica_tasks
 from fusiond.train.spec import OptimizerSpec
-from fusiond.train.stage import StageError, StageExecutor
+from fusiond.train.stage import PacketKind, StageError, StageExecutor
 
 from .gpt_stages import merged_state, three_stages
 
@@ -81,3 +81,46 @@ def test_an_executor_refuses_tasks_its_route_gives_another_replica(
         StageExecutor(stage=1, program=prog, link=MemoryLinks().link(1),
                       tasks=replica_tasks("1f1b", 1, 3, [0, 1]), micro_batches=2,
                       optimizer=adamw, total_steps=1, slot=1, routes={1: [1, 4]})
+
+
+async def test_compressed_reduction_keeps_replicas_identical_and_feeds_back_what_it_drops(
+        small_text: TextWindows, adamw: OptimizerSpec) -> None:
+    """Top-k at 10 % with error feedback: every replica applies the same sum (bit-identical
+    weights), and what one replica left out waits in its error buffer: sent + left out =
+    its gradient plus what it carried in."""
+    torch.manual_seed(0)
+    g = gpt2("tiny")
+    programs = [[p0, p1] for p0, p1 in zip(three_stages(g), three_stages(g), strict=True)]
+    routes = [[m % 2 for m in range(MICRO)]] * 3
+    seen: list[StageExecutor] = []
+    import fusiond.train.local as local
+
+    real = local.StageExecutor
+
+    def spy(*a: object, **kw: object) -> StageExecutor:
+        ex = real(*a, **kw)  # type: ignore[arg-type]
+        seen.append(ex)
+        return ex
+
+    local.StageExecutor = spy  # type: ignore[misc, assignment]
+    try:
+        res = await run_replicated(programs, routes, data=small_text, batch_size=BATCH,
+                                   micro_batches=MICRO, optimizer=adamw, steps=3,
+                                   grad_density=0.1)
+    finally:
+        local.StageExecutor = real  # type: ignore[misc]
+    for s in range(3):
+        a, b = res.states[res.slots[(s, 0)]], res.states[res.slots[(s, 1)]]
+        for k in a:
+            assert torch.equal(a[k], b[k]), (s, k)
+    ex = next(e for e in seen if e.stage == 1 and e.slot == 1)
+    assert ex.grad_density == 0.1 and set(ex._grad_err) == set(ex.program.shared)
+    # the exchange's wire bytes: 10 % of the elements as values and indices
+    grads = [st for (_, kind), st in ex._stats.items() if kind is PacketKind.PARAM_GRAD]
+    wire = sum(st.wire_bytes for st in grads)
+    dense = sum(st.dense_bytes for st in grads)
+    assert 0.05 * dense < wire < 0.35 * dense, (wire, dense)
+    # what was not sent waits: the error buffers hold most of the gradient's elements
+    for name, err in ex._grad_err.items():
+        assert float((err != 0).float().mean()) > 0.85, name
+    assert all(x == x for x in res.losses)  # finite

@@ -655,7 +655,7 @@ class Runner:
 
 
 Evaluator = Callable[[str, Path, Trace], list[HeldoutPoint]]
-FUSION_RUNS = ("pipeline", "swarm", "opfence", "adatopk")
+FUSION_RUNS = ("pipeline", "swarm", "opfence", "adatopk", "replicas")
 """Systems run by fusion's own pipeline (`bench/wan_fusion.py`): (1) with a block-boundary
 plan, (6) with int8 cut edges where the planner puts them, (2) and (3) as its planner
 decides."""

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 SYSTEMS = ("single", "pipeline", "ddp_fp16", "ddp_powersgd", "fsdp", "hivemind", "swarm",
-           "opfence", "adatopk")
-"""Every system of issue 14: the baselines (0), (1), (4) twice, FSDP, (5), (6), then fusion."""
+           "opfence", "adatopk", "replicas")
+"""Every system of issue 14: the baselines (0), (1), (4) twice, FSDP, (5), (6), then fusion
+(and issue 21's OP-Fence with replicas)."""
 
 LABELS = {
     "single": "(0) fastest host alone",
@@ -32,6 +33,7 @@ LABELS = {
     "swarm": "(6) SWARM-style int8 cuts",
     "opfence": "(2) fusion OP-Fence, dense",
     "adatopk": "(3) fusion OP-Fence + AdaTopK",
+    "replicas": "(7) fusion OP-Fence with replicas",
 }
 
 
@@ -68,7 +70,8 @@ class Workload:
         return out
 
     def job_toml(self, *, adatopk: bool, steps: int = 1_000_000,
-                 checkpoint_interval: int = 0, codec: str = "topk") -> str:
+                 checkpoint_interval: int = 0, codec: str = "topk",
+                 replicas: bool = False) -> str:
         """The fusion job file: constant learning rate (a wall-clock budget has no 'last step'
         for a schedule to decay to), AdamW, byte tokens of the training split (or of the
         default corpus); `codec` is the job's `compression.codec` ("int8": SWARM-style int8
@@ -93,6 +96,7 @@ lr = {self.lr}
 [batch]
 size = {self.batch}
 micro_batches = {self.micro_batches}
+replicas = {"true" if replicas else "false"}
 [compression]
 codec = "{codec}"
 adatopk = {"true" if adatopk else "false"}
@@ -411,7 +415,7 @@ class TopologyVerdict:
         return text
 
 
-FUSION_SYSTEMS = frozenset({"opfence", "adatopk"})
+FUSION_SYSTEMS = frozenset({"opfence", "adatopk", "replicas"})
 """Fusion as its planner decides, (2) and (3); every other system is a baseline."""
 
 

@@ -129,11 +129,16 @@ def layout_for(plan: Plan, spec: Any, captured: Any, node_of: dict[str, str]) ->
     ids (the TLS identities the stages run under)."""
     machines = [node_of[m] for m in plan.machine_of_stage()]
     op_nodes = {op: machines[s] for op, s in plan.stage_assignment().items()}
+    ids = plan.arrays.cluster.ids()
+    replicas = {machines[i]: [node_of[ids[m]] for m in st.replicas]
+                for i, st in enumerate(plan.stages) if st.replicas}
+    routes = {machines[i]: list(r) for i, r in plan.routes().items()}
     if spec.compression.int8:
         return layout_job("wan", captured.graph, captured.state, op_nodes, int8=True,
-                          exact=spec.compression.exact_edges)
+                          exact=spec.compression.exact_edges, replicas=replicas, routes=routes)
     densities = plan.edge_densities() if spec.compression.adatopk else {}
-    return layout_job("wan", captured.graph, captured.state, op_nodes, densities=densities)
+    return layout_job("wan", captured.graph, captured.state, op_nodes, densities=densities,
+                      replicas=replicas, routes=routes)
 
 
 _BLOCK_RE = re.compile(r"(?:^|\.)h\.(\d+)\.")
@@ -201,7 +206,8 @@ def make_plan(mode: str, spec: Any, captured: Any, cluster: Cluster) -> Plan:
 
 def job_toml(wl: Workload, mode: str) -> str:
     """The job file of a run mode: AdaTopK only for `adatopk`, int8 cut edges for `swarm`."""
-    return wl.job_toml(adatopk=mode == "adatopk", codec="int8" if mode == "swarm" else "topk")
+    return wl.job_toml(adatopk=mode == "adatopk", codec="int8" if mode == "swarm" else "topk",
+                       replicas=mode == "replicas")
 
 
 def snapshot_name(partition: int, step: int) -> str:
@@ -296,6 +302,8 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
         "predicted_tokens_per_s": plan.samples_per_s * wl.seq_len,
         "predicted_iteration_s": plan.iteration_s,
         "stages": plan.machine_of_stage(),
+        "replicas": {str(i): [plan.arrays.cluster.ids()[m] for m in st.replicas]
+                     for i, st in enumerate(plan.stages) if st.replicas},
         "densities": plan.edge_densities(),
         "int8_edges": sorted(layout.int8_edges),
         "idle": dict(plan.idle),
@@ -380,7 +388,8 @@ def main() -> None:
                     help="this host's TLS credentials (ca.crt, node.crt, node key)")
     ap.add_argument("--listen", type=_addr, required=True)
     ap.add_argument("--peer", action="append", default=[], help="NODE_ID=ADDR:PORT")
-    ap.add_argument("--mode", choices=["uniform", "pipeline", "opfence", "adatopk", "swarm"],
+    ap.add_argument("--mode", choices=["uniform", "pipeline", "opfence", "adatopk", "swarm",
+                                       "replicas"],
                     default="adatopk")
     ap.add_argument("--budget", type=float, default=60.0)
     ap.add_argument("--cluster", help="JSON: hosts, bandwidth_bits_per_s, rtt_s, cpu")

@@ -43,13 +43,20 @@ def test_defaults() -> None:
     assert spec.data.kind == "text" and spec.data.path == default_text_path()
     assert spec.data.tokenizer == "bytes"
     assert spec.optimizer.kind == "adamw" and spec.optimizer.schedule == "constant"
-    assert spec.batch.pipeline == "1f1b"
+    assert spec.batch.pipeline == "1f1b" and not spec.batch.replicas
     assert spec.batch.micro_batch_size * spec.batch.micro_batches == spec.batch.size
     assert spec.output == Path("/tmp/runs/job")
     assert spec.compression.density is None and spec.compression.exact_edges == ()
     assert spec.compression.readapt_interval_s == 10.0
     assert spec.compression.codec == "topk" and not spec.compression.int8
     assert spec.compression.adatopk
+
+
+def test_batch_replicas_lets_the_planner_replicate_stages() -> None:
+    spec = parse_job(MINIMAL + "[batch]\nreplicas = true\n")
+    assert spec.batch.replicas
+    with pytest.raises(JobSpecError, match="batch.replicas"):
+        parse_job(MINIMAL + '[batch]\nreplicas = "yes"\n')
 
 
 def test_int8_codec_replaces_topk_on_every_cut_edge() -> None:

@@ -993,6 +993,19 @@ def replica_shapes(arrays: GraphArrays, groups: Sequence[Sequence[int]]
         for k in sizes:
             if k <= len(ff[i]):
                 add(f"fastest {k} of a group data-parallel", [ff[i][:k]])
+    # whole groups data-parallel, grown from each of the best-provided groups by the group
+    # best connected to those already in (a site and its well-connected neighbours)
+    bw = np.minimum(arrays.cluster.bandwidth_bytes_per_s, arrays.cluster.bandwidth_bytes_per_s.T)
+    for start in by_speed[:3]:
+        grown = [start]
+        while len(grown) < len(ff):
+            left = [i for i in range(len(ff)) if i not in grown]
+            nxt = max(left, key=lambda i: (min(float(bw[a, b]) for g in grown for a in ff[g]
+                                               for b in ff[i]), -i))
+            grown.append(nxt)
+            members = sorted((m for g in grown for m in ff[g]),
+                             key=lambda m: (float(alone[m]), m))
+            add(f"{len(grown)} groups data-parallel", [members])
     if len(everyone) <= EXHAUSTIVE_SHAPES_MACHINES:
         for sets in _set_partitions_of_subsets(everyone):
             add("replica sets of a small cluster",

@@ -132,8 +132,9 @@ class SyncReport:
     grad_bytes: float
     """The stage's unique parameter gradients (fp32), what each replica contributes."""
     scheme: str
-    """"ring" (every replica in one ring) or "hierarchical" (a ring inside each bandwidth
-    group, then one among the groups' first replicas)."""
+    """"ring" (every replica in one ring), "hierarchical" (a ring inside each bandwidth
+    group, then one among the groups' first replicas) or "two-level" (inside each group a
+    reduce-scatter, then one ring per shard across the groups, then an all-gather)."""
     slowest_bytes_per_s: float
     """The slowest link the reduction crosses."""
     time_s: float
@@ -513,17 +514,30 @@ class GradientSync:
     inner: tuple[_Ring, ...]
     outer: _Ring | None
 
+    shards: int = 1
+    """Machines in the smallest group: a two-level reduction splits the gradient in this many
+    shards, each all-reduced across the groups by a ring of its own."""
+
     def time_s(self, nbytes: float) -> tuple[float, float, str]:
-        """(seconds, slowest link bytes/s, scheme) for `nbytes` per replica."""
+        """(seconds, slowest link bytes/s, scheme) for `nbytes` per replica: the fastest of
+        one ring, hierarchical (the whole gradient between the groups' first replicas) and
+        two-level (reduce-scatter inside each group, each of `shards` shards all-reduced
+        across the groups at once on its own machines' links, all-gather inside)."""
         ring_s = self.flat.time_s(nbytes)
         if self.outer is None:
             return ring_s, self.flat.slowest_bytes_per_s, "ring"
-        hier_s = max(r.time_s(nbytes) for r in self.inner) + self.outer.time_s(nbytes)
-        if hier_s < ring_s:
-            return (hier_s, min([self.outer.slowest_bytes_per_s,
-                                 *(r.slowest_bytes_per_s for r in self.inner)]),
-                    "hierarchical")
-        return ring_s, self.flat.slowest_bytes_per_s, "ring"
+        inner_s = max(r.time_s(nbytes) for r in self.inner)
+        slowest = min([self.outer.slowest_bytes_per_s,
+                       *(r.slowest_bytes_per_s for r in self.inner)])
+        best = (ring_s, self.flat.slowest_bytes_per_s, "ring")
+        hier_s = inner_s + self.outer.time_s(nbytes)
+        if hier_s < best[0]:
+            best = (hier_s, slowest, "hierarchical")
+        if self.shards > 1:
+            two_s = inner_s + self.outer.time_s(nbytes / self.shards)
+            if two_s < best[0]:
+                best = (two_s, slowest, "two-level")
+        return best
 
 
 def gradient_sync(c: Cluster, ms: Sequence[int]) -> GradientSync:
@@ -534,7 +548,7 @@ def gradient_sync(c: Cluster, ms: Sequence[int]) -> GradientSync:
     if all(len(g) == 1 for g in groups):
         return GradientSync(_ring(c, ms), (), None)
     return GradientSync(_ring(c, ms), tuple(_ring(c, g, homogeneous=True) for g in groups),
-                        _ring(c, [g[0] for g in groups]))
+                        _ring(c, [g[0] for g in groups]), shards=min(len(g) for g in groups))
 
 
 def _sync_density(sync: GradientSync, grad_bytes: float, overlap_s: float, floor: float,

@@ -55,7 +55,7 @@ def test_defaults() -> None:
 def test_batch_replicas_lets_the_planner_replicate_stages() -> None:
     spec = parse_job(MINIMAL + "[batch]\nreplicas = true\n")
     assert spec.batch.replicas
-    with pytest.raises(JobSpecError, match="batch.replicas"):
+    with pytest.raises(JobSpecError, match=r"batch\.replicas"):
         parse_job(MINIMAL + '[batch]\nreplicas = "yes"\n')
 
 

@@ -276,7 +276,8 @@ def test_bench_prints_pass_fail_and_exits_non_zero_on_a_miss(
                  "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     systems = {r["system"] for r in doc["rows"]}
-    assert systems == {"single", "even", "placement", "opfence", "opfence+adatopk"}
+    assert systems == {"single", "even", "placement", "opfence", "opfence+adatopk", "ddp",
+                       "opfence+replicas"}
     for r in doc["rows"]:
         assert r["global_batch"] == 32
         assert r["fits"] and r["micro_batch_size"] * r["num_micro_batches"] == 32
@@ -285,6 +286,7 @@ def test_bench_prints_pass_fail_and_exits_non_zero_on_a_miss(
         assert 0 < r["fraction_of_aggregate_compute"] <= 1
     [v] = doc["verdicts"]
     assert not v["passed"] and v["min_ratio"] == 1e9
+    assert v["fraction_passed"] is None  # no issue 21 target for this topology
     # the real target on the same cluster: OP-Fence never below a baseline in its search space
     assert main(["--models", "gpt2-tiny", "--topologies", topo]) == 0
     text = capsys.readouterr().out
@@ -380,3 +382,29 @@ def test_block_placement_dp_matches_brute_force() -> None:
             assert worst == pytest.approx(best, rel=1e-12)
             checked += 1
     assert checked >= 40
+
+
+@pytest.mark.slow
+def test_a_missed_fraction_of_aggregate_compute_target_fails_the_bench(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A topology named like one with an issue 21 target (campus: 0.6) where the best plan
+    turns less of the cluster's compute into throughput: FAIL, exit 1."""
+    from bench.plan import main
+
+    path = _tiny_topology(tmp_path)
+    spec = json.loads(path.read_text())
+    spec["name"] = "campus"
+    # every link 8 Mbit/s and 200 ms: the gradient reductions and the cut tensors cost more
+    # than another machine brings, so the best plan is one machine: 1/3 of the sum at best
+    spec["groups"] = [{**g, "mbit": 8, "rtt_ms": 200} for g in spec["groups"]]
+    spec["inter_mbit"] = [[0, 8], [8, 0]]
+    spec["inter_rtt_ms"] = [[0, 200], [200, 0]]
+    path.write_text(json.dumps(spec))
+    rc = main(["--models", "gpt2-tiny", "--topologies", str(path), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    [v] = doc["verdicts"]
+    assert v["issue21_fraction_target"] == 0.6
+    assert v["fraction_of_aggregate_compute"] < 0.6 and v["fraction_passed"] is False
+    assert rc == 1
+    assert main(["--models", "gpt2-tiny", "--topologies", str(path)]) == 1
+    assert "FAIL  fraction_of_aggregate_compute" in capsys.readouterr().out

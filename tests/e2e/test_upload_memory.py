@@ -85,7 +85,8 @@ def _big_upload(tmp_path: Path) -> bytes:
     job = tmp_path / "big.toml"
     job.write_text('[job]\nname = "big"\nsteps = 2\n[model]\nzoo = "gpt2"\n'
                    'config = { size = "tiny" }\n[data]\nseq_len = 16\n')
-    ns = argparse.Namespace(cmd="plan", job=str(job), json=True, stages=None, steps=None,
+    ns = argparse.Namespace(cmd="plan", job=str(job), json=True, stages=None, replicas=None,
+                            steps=None,
                             resume=None, force=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -33,7 +33,7 @@ async def test_two_replicas_by_three_stages_with_unequal_shares_match_eager(
         small_text: TextWindows, adamw: OptimizerSpec) -> None:
     """2 replicas x 3 stages, shares 5:3, 2:6 and 6:2 of 8 micro-batches (replicas of unequal
     speeds), micro-batches crossing between replicas from stage to stage: losses and final
-    weights as eager training on the whole batch, within 1e-5 relative; the replicas of a
+    weights as eager training on the whole batch, within 1e-5 (weights: atol); the replicas of a
     stage, and the tied weight's four copies, bit-identical."""
     torch.manual_seed(0)
     g = gpt2("tiny")
@@ -56,7 +56,10 @@ async def test_two_replicas_by_three_stages_with_unequal_shares_match_eager(
             assert torch.equal(a[k], b[k]), (s, k)
     got_state = merged_state([programs[0][0], programs[1][0], programs[2][0]])
     for k, v in want_state.items():
-        torch.testing.assert_close(got_state[k], v, rtol=1e-5, atol=1e-6, msg=k)
+        # atol 1e-5: Adam divides each element's step by its own gradient scale, so a
+        # near-zero element's summation-order noise grows to ~2e-6 in 20 steps (measured on
+        # CI's machine; 0.2 % of one step's update), as between eager and the plain pipeline
+        torch.testing.assert_close(got_state[k], v, rtol=1e-5, atol=1e-5, msg=k)
     ties = [res.states[slots[(0, r)]]["tied"] for r in (0, 1)]
     ties += [res.states[slots[(2, r)]]["tied"] for r in (0, 1)]
     assert all(torch.equal(ties[0], t) for t in ties[1:])

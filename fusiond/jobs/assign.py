@@ -24,7 +24,6 @@ import torch
 from fusiond.errors import LocalError
 from fusiond.graph import SINK, SOURCE, Partition, partition, state_to_bytes
 from fusiond.train.data import text_tokens
-from fusiond.train.local import replica_slots
 from fusiond.train.programs import (
     compressible_edges,
     cut_densities,
@@ -32,6 +31,7 @@ from fusiond.train.programs import (
     trainable_params,
 )
 from fusiond.train.remote import DATA_TOKENS_KEY, job_config
+from fusiond.train.schedule import replica_slots
 from fusiond.train.spec import JobSpec, default_text_path
 from protocol import ir
 from protocol.messages import Address, Assign, EdgeRoute

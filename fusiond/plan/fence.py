@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -640,13 +640,17 @@ def _neighbours(stages: list[StageSpec], K: int) -> list[list[StageSpec]]:
     return out
 
 
-def _refine(arrays: GraphArrays, best: _Candidate, compress: bool) -> _Candidate:
-    """Hill-climb on the exact evaluator (small problems): repairs what the DP approximates
-    (skip edges charged on the next link, the conservative 1F1B memory bound)."""
+def _refine(arrays: GraphArrays, best: _Candidate, compress: bool,
+            neighbours: Callable[[list[StageSpec], int], list[list[StageSpec]]] | None = None,
+            ) -> _Candidate:
+    """Hill-climb on the exact evaluator (small problems) over `neighbours` (default: the
+    one-machine-per-stage edits of `_neighbours`): repairs what the DP approximates (skip
+    edges charged on the next link, the conservative 1F1B memory bound)."""
+    step = neighbours or _neighbours
     K = len(arrays.cluster)
     for _ in range(20):
         improved = False
-        for stages in _neighbours(best.stages, K):
+        for stages in step(best.stages, K):
             cand = _score(arrays, stages, compress)
             if cand.evaluation.feasible and cand.evaluation.iteration_s < (
                 best.evaluation.iteration_s * (1 - 1e-9)
@@ -729,7 +733,7 @@ def plan_opfence(
                                 < best.evaluation.iteration_s * (1 - 1e-9)):
             best, shape = rep
         if small and best is not None:
-            refined = _refine_replicas(arrays, best, compress)
+            refined = _refine(arrays, best, compress, _replica_neighbours)
             if refined is not best:
                 best = refined
                 shape = shape or "a pipeline with replicas added"
@@ -899,11 +903,11 @@ def _virtual_machine(idx: int, members: Sequence[MachineProfile]) -> MachineProf
 
 
 def _virtual_link(cluster: Cluster, a_set: Sequence[int], b_set: Sequence[int]
-                  ) -> tuple[float, float, float, float]:
+                  ) -> tuple[float, float, float]:
     """(bytes/s a->b, b->a, rtt) of two replica sets seen as one link: the pairs that will
     carry the micro-batches (the fastest first, every machine of the larger set used, the
-    smaller set's machines shared evenly) side by side, their rates summed; and the slowest
-    of those pairs' one-way rate (a micro-batch's own latency)."""
+    smaller set's machines shared evenly) side by side, their rates summed; and the longest
+    of those pairs' round trips."""
     bw = cluster.bandwidth_bytes_per_s
     big, small, swap = (a_set, b_set, False) if len(a_set) >= len(b_set) else (b_set, a_set, True)
     per_small = math.ceil(len(big) / len(small))
@@ -913,7 +917,6 @@ def _virtual_link(cluster: Cluster, a_set: Sequence[int], b_set: Sequence[int]
     load: dict[int, int] = {}
     fwd = bwd = 0.0
     rtt = 0.0
-    slowest = math.inf
     for _, x, y in pairs:
         if x in used_big or load.get(y, 0) >= per_small:
             continue
@@ -923,8 +926,7 @@ def _virtual_link(cluster: Cluster, a_set: Sequence[int], b_set: Sequence[int]
         fwd += float(bw[a, b])
         bwd += float(bw[b, a])
         rtt = max(rtt, float(cluster.rtt_s[a, b]))
-        slowest = min(slowest, float(bw[a, b]))
-    return fwd, bwd, rtt, slowest
+    return fwd, bwd, rtt
 
 
 def _virtual_cluster(cluster: Cluster, sets: Sequence[Sequence[int]]) -> Cluster:
@@ -934,7 +936,7 @@ def _virtual_cluster(cluster: Cluster, sets: Sequence[Sequence[int]]) -> Cluster
     rtt = np.zeros((k, k))
     for i in range(k):
         for j in range(i + 1, k):
-            f, b, r, _ = _virtual_link(cluster, sets[i], sets[j])
+            f, b, r = _virtual_link(cluster, sets[i], sets[j])
             bw[i, j], bw[j, i] = f, b
             rtt[i, j] = rtt[j, i] = r
     return Cluster(tuple(machines), bw, rtt)
@@ -1099,21 +1101,6 @@ def _replica_neighbours(stages: list[StageSpec], K: int) -> list[list[StageSpec]
                 out.append([*stages[:i], StageSpec(a.machine, a.start, cut, a.replicas),
                             StageSpec(b.machine, cut, b.stop, b.replicas), *stages[i + 2:]])
     return out
-
-
-def _refine_replicas(arrays: GraphArrays, best: _Candidate, compress: bool) -> _Candidate:
-    """Hill-climb over `_replica_neighbours` on the exact evaluator (small problems)."""
-    K = len(arrays.cluster)
-    for _ in range(20):
-        improved = False
-        for stages in _replica_neighbours(best.stages, K):
-            cand = _score(arrays, stages, compress)
-            if cand.evaluation.feasible and cand.evaluation.iteration_s < (
-                    best.evaluation.iteration_s * (1 - 1e-9)):
-                best, improved = cand, True
-        if not improved:
-            break
-    return best
 
 
 def _replicated_candidate(arrays: GraphArrays, groups: Sequence[Sequence[int]], compress: bool,

@@ -757,12 +757,13 @@ def evaluate(
         drain = back[i] + sum(back[j] + bwd_link[j] + hops[j][0] / 2 for j in range(i))
         # compressing costs each replica a few passes over its gradient (error feedback, the
         # projections): its memory traffic and 4 FLOPs per byte at its matmul rate
-        extra = max(3 / c.machines[m].mem_bw + 4 / c.machines[m].rate("matmul")
-                    for m in s.machines)
-        d = _sync_density(plan_sync, grad_bytes[i], drain, st.grad_density_floor, extra)
+        compress_s_per_byte = max(3 / c.machines[m].mem_bw + 4 / c.machines[m].rate("matmul")
+                                  for m in s.machines)
+        d = _sync_density(plan_sync, grad_bytes[i], drain, st.grad_density_floor,
+                          compress_s_per_byte)
         t_s, slowest, scheme = plan_sync.time_s(grad_bytes[i] * d)
         if d < 1.0:
-            t_s += extra * grad_bytes[i]
+            t_s += compress_s_per_byte * grad_bytes[i]
         syncs.append(SyncReport(i, tuple(c.machines[m].id for m in s.machines), grad_bytes[i],
                                 scheme, slowest, t_s, drain, density=d))
     grad_sync = max((x.exposed_s for x in syncs), default=0.0)

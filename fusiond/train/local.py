@@ -25,7 +25,7 @@ from fusiond.tasks import cancel_and_wait
 from fusiond.train.data import DataSource, split_micro_batches
 from fusiond.train.model import LossFn, WithLoss
 from fusiond.train.optim import lr_at, make_optimizer, set_lr
-from fusiond.train.schedule import replica_tasks, schedule
+from fusiond.train.schedule import replica_slots, replica_tasks, schedule
 from fusiond.train.spec import OptimizerSpec
 from fusiond.train.stage import (
     Packet,
@@ -45,7 +45,6 @@ __all__ = [
     "StepMetrics",
     "merge_reports",
     "replica_programs",
-    "replica_slots",
     "run_pipeline",
     "run_replicated",
 ]
@@ -314,22 +313,6 @@ async def run_pipeline(
         await hub.close()
     states = {ex.stage: ex.state_dict() for ex in execs}
     return PipelineResult(metrics, states, time.perf_counter() - t0, reports)
-
-
-def replica_slots(replicas: Sequence[int]) -> dict[tuple[int, int], int]:
-    """(stage, replica) -> slot, for stages with `replicas[stage]` replicas each: replica 0
-    of stage s is slot s (a stage without replicas is addressed as before), the others
-    numbered on from the number of stages."""
-    out: dict[tuple[int, int], int] = {}
-    nxt = len(replicas)
-    for s, n in enumerate(replicas):
-        for r in range(n):
-            if r == 0:
-                out[(s, r)] = s
-            else:
-                out[(s, r)] = nxt
-                nxt += 1
-    return out
 
 
 def replica_programs(programs: Sequence[Sequence[StageProgram]],

@@ -460,11 +460,11 @@ class StageHost:
         check_ops(sa.graph, config.disabled_ops)
         self.program = program_from_assignment(sa)
         slot_nodes = sa.slot_nodes if sa.slot_nodes is not None else dict(sa.stage_nodes)
-        talks = set(sa.stage_nodes) | {x for h in sa.shared.values() for x in h}
-        # the nodes this one exchanges tensors with: every replica of the stages it talks to
-        self._node_stage = {n: s for s, n in slot_nodes.items()
-                            if s != sa.own_slot and (s in talks
-                                                     or sa.stage_of_slot(s) in sa.stage_nodes)}
+        holders = {x for h in sa.shared.values() for x in h}
+        # the nodes this one exchanges tensors with: every replica of the stages it talks to,
+        # and every holder of a parameter it shares
+        self._node_stage = {n: s for s, n in slot_nodes.items() if s != sa.own_slot and (
+            s in holders or sa.stage_of_slot(s) in sa.stage_nodes)}
         if self.program.data_inputs and data is None:
             if sa.data_tokens is not None:
                 data = TextWindows(None, seq_len=sa.data.seq_len, seed=sa.seed,

@@ -25,6 +25,7 @@ __all__ = [
     "gpipe",
     "max_in_flight",
     "one_f_one_b",
+    "replica_slots",
     "replica_tasks",
     "schedule",
     "simulate",
@@ -172,3 +173,19 @@ def replica_tasks(kind: str, stage: int, stages: int, micros: Sequence[int]) -> 
         return []
     base = schedule(kind, stages, len(micros))[stage]
     return [Task(t.phase, micros[t.micro]) for t in base]
+
+
+def replica_slots(replicas: Sequence[int]) -> dict[tuple[int, int], int]:
+    """(stage, replica) -> slot, for stages with `replicas[stage]` replicas each: replica 0
+    of stage s is slot s (a stage without replicas is addressed as before), the others
+    numbered on from the number of stages."""
+    out: dict[tuple[int, int], int] = {}
+    nxt = len(replicas)
+    for s, n in enumerate(replicas):
+        for r in range(n):
+            if r == 0:
+                out[(s, r)] = s
+            else:
+                out[(s, r)] = nxt
+                nxt += 1
+    return out

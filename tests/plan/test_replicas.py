@@ -15,7 +15,6 @@ from fusiond.plan import (
     Cluster,
     CostGraph,
     JobSettings,
-    MachineProfile,
     OpCost,
     PlanError,
     StageSpec,
@@ -27,10 +26,7 @@ from fusiond.plan import (
 from fusiond.plan.fence import replica_shapes
 from fusiond.plan.pipeline import GraphArrays, micro_batch_shares, route_micro_batches
 from tests.plan.synth import Instance, random_instance
-
-
-def _machine(i: int, speed: float = 1e12, mem: float = 1e12) -> MachineProfile:
-    return MachineProfile(f"m{i}", {"matmul": speed, "other": speed}, speed, 0.0, mem)
+from tests.plan.test_fence import _machine
 
 
 def _chain(n: int, flops: float = 1e10, nbytes: float = 1e6, params: float = 0.0

@@ -8,8 +8,8 @@ import torch
 
 from fusiond.models.gpt2 import gpt2, lm_loss
 from fusiond.train.data import TextWindows
-from fusiond.train.local import ReferenceTrainer, replica_slots, run_replicated
-from fusiond.train.schedule import Phase, replica_tasks
+from fusiond.train.local import ReferenceTrainer, run_replicated
+from fusiond.train.schedule import Phase, replica_slots, replica_tasks
 from fusiond.train.spec import OptimizerSpec
 from fusiond.train.stage import PacketKind, StageError, StageExecutor
 

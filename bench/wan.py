@@ -14,10 +14,10 @@ wall-clock budget, the same model, training split, global batch and optimizer
 (`bench.wan_common.Workload`):
 
 - (0) `single`: the fastest host alone (with activation checkpointing in "does not fit");
-- (1) `pipeline`: equal transformer blocks per stage, cut at block boundaries, the stage
-  count and host order the planner's model predicts best, run by fusion's own 1F1B pipeline
-  (`bench/wan_fusion.py --mode pipeline`; torch.distributed.pipelining was not tried across
-  the namespaces);
+- (1) `pipeline`: torch.distributed.pipelining itself over gloo: equal transformer blocks
+  per stage, `Schedule1F1B` over the job's micro-batches, the tied embedding's gradient
+  all-reduced between the first and last stage; the stage count and host order a plain
+  1F1B model predicts best (`pipeline_hosts`; `bench/wan_ddp.py --pipeline`);
 - (4) `fsdp` ("does not fit" only): FSDP2 over gloo on the host subset the same model picks,
   activation checkpointing;
 - (5) `hivemind`: hivemind 1.1.12 as its quickstart configures it (local updates, fp16
@@ -337,6 +337,7 @@ class RunRecord:
     wall_s: float
     cpu_utilisation: dict[str, float] = dataclasses.field(default_factory=dict)
     peak_rss_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    peak_anon_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def result(self, target: float) -> RunResult:
         final = self.curve[-1].loss if self.curve else None
@@ -348,7 +349,7 @@ class RunRecord:
         return {"system": self.system, "outcome": self.outcome, "reason": self.reason,
                 "wire_bytes": self.wire_bytes, "peak_bytes": self.peak_bytes,
                 "wall_s": self.wall_s, "cpu_utilisation": self.cpu_utilisation,
-                "peak_rss_bytes": self.peak_rss_bytes,
+                "peak_rss_bytes": self.peak_rss_bytes, "peak_anon_bytes": self.peak_anon_bytes,
                 "heldout": [[p.t_s, p.step, p.loss] for p in self.curve],
                 "heldout_at": at_fixed_points(self.curve, interval_s, budget_s),
                 "trace": json.loads(self.trace.to_json())}
@@ -389,6 +390,46 @@ def ddp_hosts(topo: Topology, system: str, n_params: int, sample_cpu_s: float,
                 best = (step, list(sub))
     if best is None:
         raise SystemExit(f"no host subset of {hosts} splits the global batch {batch}")
+    return best[1]
+
+
+MAX_PIPELINE_ORDERS = 5000
+"""Host orders `pipeline_hosts` scores per stage count (all of them up to 7 of 8 hosts' 4)."""
+
+
+def pipeline_hosts(topo: Topology, n_blocks: int, sample_cpu_s: float, batch: int,
+                   micro: int, act_bytes_per_sample: float) -> list[str]:
+    """The stage count (2 ..) and host order a competent user would run (1) on: the least
+    predicted step of a plain 1F1B model of equal blocks per stage. A stage's time per
+    micro-batch is its blocks' share of one sample's forward and backward (`sample_cpu_s`,
+    one core) times the micro-batch, over its host's cores; a hop carries the micro-batch's
+    residual stream forward and its gradient back over that link (95 % goodput) plus its
+    RTT; a step is the fill (every stage and hop once) plus M - 1 times the slowest of
+    them. Rank i runs stage i on the i-th host returned."""
+    from bench.wan_ddp import pipeline_bounds
+
+    mb = batch / micro
+    hosts = list(topo.hosts)
+    rng = random.Random(0)
+    best: tuple[float, list[str]] | None = None
+    for k in range(2, min(len(hosts), n_blocks) + 1):
+        bounds = pipeline_bounds(n_blocks, k)
+        orders = list(itertools.permutations(hosts, k))
+        if len(orders) > MAX_PIPELINE_ORDERS:
+            orders = rng.sample(orders, MAX_PIPELINE_ORDERS)
+        for order in orders:
+            stage_s = [(hi - lo) / n_blocks * mb * sample_cpu_s / topo.cpu.get(h, 1.0)
+                       for (lo, hi), h in zip(bounds, order, strict=True)]
+            hop_s = []
+            for a, b in itertools.pairwise(order):
+                lk = topo.link(a, b)
+                hop_s.append(2 * act_bytes_per_sample * mb
+                             / (lk.bandwidth_bits_per_s / 8 * 0.95) + lk.rtt_s)
+            step = sum(stage_s) + sum(hop_s) + (micro - 1) * max(stage_s + hop_s)
+            if best is None or step < best[0]:
+                best = (step, list(order))
+    if best is None:
+        raise SystemExit(f"a pipeline needs at least 2 hosts and 2 blocks ({hosts})")
     return best[1]
 
 
@@ -462,11 +503,13 @@ class CpuMeter:
                             if c.endswith(f"-{tb.name}-{h}")] for h in hosts}
         self.ticks: dict[str, dict[int, int]] = {h: {} for h in hosts}
         self.hwm: dict[str, dict[int, int]] = {h: {} for h in hosts}
+        self.anon_peak: dict[str, int] = {}
         self.tick_s = 1.0 / os.sysconf("SC_CLK_TCK")
 
     def sample(self) -> None:
         self.wall_s = time.monotonic() - self.t0
         for h, cgs in self.cgroups.items():
+            anon = 0
             for pid in {p for c in cgs for p in cgroup_pids(c)}:
                 try:
                     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -477,7 +520,15 @@ class CpuMeter:
                     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                         if line.startswith("VmHWM:"):
                             self.hwm[h][pid] = int(line.split()[1]) * 1024
-                            break
+                        elif line.startswith("RssAnon:"):
+                            anon += int(line.split()[1]) * 1024
+            self.anon_peak[h] = max(self.anon_peak.get(h, 0), anon)
+
+    def peak_anon_bytes(self) -> dict[str, int]:
+        """Host -> the largest sum, over one sample, of its processes' anonymous resident
+        memory (RssAnon): what the host's training needs at once, without the file pages
+        (shared libraries) that VmHWM counts in every process and the kernel may reclaim."""
+        return {h: v for h, v in self.anon_peak.items() if v}
 
     def peak_rss_bytes(self) -> dict[str, int]:
         """Host -> the sum of its processes' peak resident memory (VmHWM): the memory a host
@@ -525,7 +576,7 @@ class Runner:
                 if any(p.poll() not in (None, 0) for p in procs.values()):
                     break
                 self.cpu.sample()
-                time.sleep(0.2)
+                time.sleep(0.1)
         finally:
             before = {h: p.poll() for h, p in procs.items()}
             stop(list(procs.values()))
@@ -550,6 +601,8 @@ class Runner:
                  and self.args.regime == "nofit" else [])
         if system == "fsdp":
             extra.append("--fsdp")
+        if system == "pipeline":
+            extra += ["--pipeline", f"--hosts={','.join(hosts)}"]
         procs = {h: self.tb.exec(h, [
             sys.executable, str(REPO / "bench" / "wan_ddp.py"), f"--rank={i}",
             f"--world={len(hosts)}", f"--master={master}", f"--budget={self.args.budget}",
@@ -585,6 +638,7 @@ class Runner:
             f"--mode={mode}", f"--budget={self.args.budget}",
             f"--cluster={self.work / 'cluster.json'}",
             f"--workload={self.work / 'workload.json'}", f"--out={out}",
+            f"--captured={self.args.captured_dir}",
         ], log=self.work / f"{mode}-{h0}.log", env=self.env)
         exits = self._wait(procs[h0], procs, timeout=self.args.budget + 300)
         return self._trace(out, mode), exits
@@ -626,6 +680,10 @@ class Runner:
         elif system.startswith("ddp_") or system == "fsdp":
             used = ddp_hosts(self.tb.topology, system, self.args.n_params,
                              self.args.sample_cpu_s, self.wl.batch)
+        elif system == "pipeline":
+            used = pipeline_hosts(self.tb.topology, self.args.n_blocks, self.args.sample_cpu_s,
+                                  self.wl.batch, self.wl.micro_batches,
+                                  self.wl.seq_len * self.args.n_embd * 4.0)
         else:
             used = self.hosts
         for h in used:
@@ -651,14 +709,13 @@ class Runner:
         outcome, reason = run_outcome(trace, exits, reports, len(curve))
         return RunRecord(system, trace, outcome, reason, curve, wire, peaks,
                          time.monotonic() - t0, self.cpu.utilisation(),
-                         self.cpu.peak_rss_bytes())
+                         self.cpu.peak_rss_bytes(), self.cpu.peak_anon_bytes())
 
 
 Evaluator = Callable[[str, Path, Trace], list[HeldoutPoint]]
-FUSION_RUNS = ("pipeline", "swarm", "opfence", "adatopk", "replicas")
-"""Systems run by fusion's own pipeline (`bench/wan_fusion.py`): (1) with a block-boundary
-plan, (6) with int8 cut edges where the planner puts them, (2) and (3) as its planner
-decides."""
+FUSION_RUNS = ("swarm", "opfence", "adatopk", "replicas")
+"""Systems run by fusion's own pipeline (`bench/wan_fusion.py`): (6) with int8 cut edges
+where the planner puts them, (2), (3) and (7) as its planner decides."""
 
 
 @dataclass
@@ -685,12 +742,13 @@ def prepare_data(args: argparse.Namespace, root: Path) -> Data:
     return Data(path, heldout_batch(held, seq_len=args.seq, count=args.eval_windows))
 
 
-def make_evaluator(wl: Workload, data: Data, interval_s: float) -> Evaluator:
+def make_evaluator(wl: Workload, data: Data, interval_s: float, captured_dir: Path
+                   ) -> Evaluator:
     """The one evaluator: the dense snapshots of any system, on the held-out windows."""
+    from bench.wan_fusion import load_captured
     from fusiond.graph.capture import state_from_bytes
     from fusiond.jobs.results import gather_state
     from fusiond.train.model import build_model, loss_fn
-    from fusiond.train.programs import capture_job
     from fusiond.train.spec import parse_job
 
     spec = parse_job(wl.job_toml(adatopk=False))
@@ -711,7 +769,7 @@ def make_evaluator(wl: Workload, data: Data, interval_s: float) -> Evaluator:
             _, part, _, step = p.stem.split("-")
             by_step.setdefault(int(step), {})[int(part)] = p
         if not captured:
-            captured.append(capture_job(spec)[1])
+            captured.append(load_captured(captured_dir))
         complete = sorted(s for s, parts in by_step.items()
                           if len(parts) == n_stages and s in at)
         clock = SnapshotClock(interval_s)
@@ -758,6 +816,31 @@ def make_evaluator(wl: Workload, data: Data, interval_s: float) -> Evaluator:
             for p in parts.values():
                 p.unlink(missing_ok=True)
 
+    def pipeline_snapshots(snapdir: Path, trace: Trace) -> None:
+        """Merge the torch pipeline's stages (each rank's parameters under the full model's
+        names) of the steps at the fixed wall-clock points (rank 0's clock) and the last."""
+        import safetensors.torch
+
+        world = int(trace.extra.get("world", 0))
+        at = {int(s): float(t) for t, s, _, _ in trace.events}
+        by_step: dict[int, dict[int, Path]] = {}
+        for p in snapdir.glob("pipe-rank*-step*.safetensors"):
+            rank, step = p.stem.removeprefix("pipe-rank").split("-step")
+            by_step.setdefault(int(step), {})[int(rank)] = p
+        complete = sorted(s for s, parts in by_step.items() if len(parts) == world and s in at)
+        clock = SnapshotClock(interval_s)
+        keep = [s for s in complete if clock.due(at[s])]
+        if complete and complete[-1] not in keep:
+            keep.append(complete[-1])
+        for i, step in enumerate(keep):
+            full: dict[str, Any] = {}
+            for r in range(world):
+                full |= safetensors.torch.load_file(str(by_step[step][r]))
+            save_snapshot(snapdir, i, at[step], step, full)
+        for parts in by_step.values():
+            for p in parts.values():
+                p.unlink(missing_ok=True)
+
     initial: list[HeldoutPoint] = []
 
     def evaluate(system: str, snapdir: Path, trace: Trace) -> list[HeldoutPoint]:
@@ -775,6 +858,8 @@ def make_evaluator(wl: Workload, data: Data, interval_s: float) -> Evaluator:
             fusion_snapshots(snapdir, trace)
         if system == "fsdp":
             fsdp_snapshots(snapdir, trace)
+        if system == "pipeline":
+            pipeline_snapshots(snapdir, trace)
         return initial + evaluate_snapshots(snapdir, make_model, data.heldout, lossf)
 
     return evaluate
@@ -876,13 +961,13 @@ def run_topology(name: str, args: argparse.Namespace, wl: Workload, evaluate: Ev
                                  "'fits' regime with the single-host run first")
             recs = run_regime(name, regime, topo, args, wl, evaluate, limit, order)
             records += recs
-            single = next((r for r in recs if r.system == "single" and r.peak_rss_bytes),
+            single = next((r for r in recs if r.system == "single" and r.peak_anon_bytes),
                           None)
             if regime == "fits" and nofit_limit is None and single is not None:
-                need = max(single.peak_rss_bytes.values())
+                need = max(single.peak_anon_bytes.values())
                 nofit_limit = int(args.nofit_fraction * need)
                 print(f"[{name}] 'does not fit' limit: {args.nofit_fraction:g} x the single "
-                      f"host's peak resident memory {need / 2**20:.0f} MiB = "
+                      f"host's peak anonymous memory {need / 2**20:.0f} MiB = "
                       f"{nofit_limit / 2**20:.0f} MiB", flush=True)
         v = verdict(name, REGIME_TEXT[regime], [r.result(args.target_loss) for r in records],
                     expected)
@@ -914,13 +999,15 @@ def results_table(v: TopologyVerdict, records: list[RunRecord], labels: dict[str
     """One line per system: outcome, time to the held-out target and final held-out loss
     (median [min .. max] over runs), steps, bytes sent and the largest host peak."""
     lines = ["| system | outcome | time to target (held-out) | final held-out loss | steps "
-             "| wire bytes | peak RSS / host | CPU used / quota | start-up |", "|" + "---|" * 9]
+             "| wire bytes | peak RSS (anon) / host | CPU used / quota | start-up |",
+             "|" + "---|" * 9]
     for s, summ in v.summaries.items():
         recs = [r for r in records if r.system == s]
         steps = ", ".join(str(len(r.trace.events)) for r in recs) or "-"
         wire = ", ".join(f"{r.wire_bytes / 1e6:.1f} MB" for r in recs
                          if r.wire_bytes is not None) or "-"
         peak = max((p for r in recs for p in r.peak_rss_bytes.values()), default=None)
+        anon = max((p for r in recs for p in r.peak_anon_bytes.values()), default=None)
         tt = summ.time_to_target.text() if summ.time_to_target else "-"
         fl = summ.final_loss.text("", 3) if summ.final_loss else "-"
         outcome = summ.outcome + (f": {summ.reason}" if summ.reason else "")
@@ -929,7 +1016,8 @@ def results_table(v: TopologyVerdict, records: list[RunRecord], labels: dict[str
         start = ", ".join(f"{float(r.trace.extra['startup_s']):.0f} s" for r in recs
                           if r.trace.extra.get("startup_s") is not None) or "-"
         lines.append(f"| {labels.get(s, s)} | {outcome} | {tt} | {fl} | {steps} | {wire} "
-                     f"| {'-' if peak is None else f'{peak / 2**20:.0f} MiB'} | {cpu} "
+                     f"| {'-' if peak is None else f'{peak / 2**20:.0f} MiB'}"
+                     f"{'' if anon is None else f' ({anon / 2**20:.0f})'} | {cpu} "
                      f"| {start} |")
     return "\n".join(lines)
 
@@ -962,7 +1050,7 @@ def main() -> None:
     ap.add_argument("--eval-windows", type=int, default=128,
                     help="held-out windows of --seq tokens per evaluation")
     ap.add_argument("--snapshot-interval", type=float, default=5.0)
-    ap.add_argument("--target-loss", type=float, default=3.0,
+    ap.add_argument("--target-loss", type=float, default=3.1,
                     help="held-out loss that counts as reached")
     ap.add_argument("--nofit-memory-mb", type=float,
                     help="per-host memory limit of the 'does not fit' regime (default: "
@@ -1003,8 +1091,19 @@ def main() -> None:
     wl = Workload(size=args.size, batch=args.batch, micro_batches=args.micro,
                   seq_len=args.seq, lr=args.lr, seed=args.seed, n_layer=args.n_layer,
                   n_embd=args.n_embd, n_head=args.n_head, corpus=str(data.train_path))
-    evaluate = make_evaluator(wl, data, args.snapshot_interval)
-    args.n_params = sum(p.numel() for p in make_model_for(wl).parameters())
+    # the submitting side (fusionctl submit's capture): once, outside every host's quota
+    # and memory limit; every fusion run's lead reads the IR and weights it wrote
+    from bench.wan_fusion import save_captured
+    from fusiond.train.spec import parse_job
+
+    args.captured_dir = Path(args.logs) / "captured"
+    args.capture_s = save_captured(parse_job(wl.job_toml(adatopk=False)), args.captured_dir)
+    evaluate = make_evaluator(wl, data, args.snapshot_interval, args.captured_dir)
+    model = make_model_for(wl)
+    args.n_params = sum(p.numel() for p in model.parameters())
+    args.n_blocks = len(model.transformer.h)
+    args.n_embd = int(model.transformer.wte.weight.shape[1])
+    del model
     args.sample_cpu_s = sample_cpu_seconds(wl)
     print(f"model: {args.n_params / 1e6:.2f} M parameters, {args.sample_cpu_s * 1e3:.0f} ms "
           "per sample (forward + backward, one thread)", flush=True)
@@ -1064,9 +1163,11 @@ NOTES = """
   and fusiond imported). A run in which the kernel killed a process at its limit is "out of
   memory", never "did not reach the target".
 - **Systems.** (0) the fastest host alone (activation checkpointing in "does not fit");
-  (1) equal transformer blocks per stage cut at block boundaries, the stage count and host
-  order the planner's model predicts best, on fusion's own 1F1B pipeline
-  (torch.distributed.pipelining was not tried across the namespaces); (4) DDP over gloo with
+  (1) torch.distributed.pipelining itself over gloo across the namespaces: equal transformer
+  blocks per stage, 1F1B (`Schedule1F1B`) over the job's micro-batches, the tied
+  embedding's gradient all-reduced between the first and last stage (as Megatron does), the
+  stage count and host order a plain 1F1B model of the hosts' quotas and links predicts
+  best; (4) DDP over gloo with
   the fp16 and with the PowerSGD comm hook (rank 2, error feedback, warm start, 2 warm-up
   steps), one bucket, no extra per-step collective, on the host subset a ring all-reduce
   model predicts fastest; in "does not fit" also FSDP2 (`fully_shard`) over gloo with

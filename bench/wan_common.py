@@ -25,7 +25,7 @@ SYSTEMS = ("single", "pipeline", "ddp_fp16", "ddp_powersgd", "fsdp", "hivemind",
 
 LABELS = {
     "single": "(0) fastest host alone",
-    "pipeline": "(1) pipeline, equal blocks",
+    "pipeline": "(1) torch pipelining, equal blocks",
     "ddp_fp16": "(4) DDP + fp16 hook",
     "ddp_powersgd": "(4) DDP + PowerSGD",
     "fsdp": "(4) FSDP",

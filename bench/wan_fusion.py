@@ -2,11 +2,14 @@
 
 `node` mode: a PeerNetwork (mutual TLS, credentials made by wan.py) on this host's address
 and a JobWorker; serves until SIGTERM/SIGINT. `lead` mode (host 0): the same, plus the
-scheduler side: it captures the job, plans it on the testbed's configured links (uniform
-split, block pipeline, OP-Fence, OP-Fence + AdaTopK, or `swarm`: OP-Fence with every float
+scheduler side: it reads the captured job (`--captured`: the IR and the initial weights, which
+`bench/wan.py` captured once on the submitting side with `save_captured`, as `fusionctl submit`
+does: a daemon never runs torch.export), plans it on the testbed's configured links (block
+pipeline, OP-Fence, OP-Fence + AdaTopK, with replicas, or `swarm`: OP-Fence with every float
 cut edge int8 block-quantized both ways, `compression.codec = "int8"`, no AdaTopK), runs a
-`JobCoordinator` for the wall-clock budget, then cancels the job and writes a trace
-(`bench/wan_common.py`) with the planner's prediction.
+`JobCoordinator` until every stage is Ready (start-up: the weights shipped), then for the
+wall-clock budget of training, cancels the job and writes a trace (`bench/wan_common.py`)
+with the planner's prediction.
 
 Snapshots for the held-out evaluator (`bench/wan_eval.py`): the job checkpoints every step
 (`checkpoint_interval` 1; `bench/wan.py` keeps the steps at its fixed wall-clock points and the
@@ -17,7 +20,7 @@ load the links the run is measured on. `bench/wan.py` gathers them after the run
 
     python bench/wan_fusion.py node NAME --listen ADDR:PORT --peer N=ADDR:PORT ...
     python bench/wan_fusion.py lead NAME --listen ... --peer ... --mode adatopk --budget 60 \
-        --cluster cluster.json --workload workload.json --out trace.json
+        --cluster cluster.json --workload workload.json --captured DIR --out trace.json
 """
 
 from __future__ import annotations
@@ -26,11 +29,8 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import itertools
 import json
 import os
-import random
-import re
 import signal
 import sys
 import time
@@ -45,18 +45,13 @@ import torch
 from bench.wan_common import Trace, Workload
 from fusiond.jobs.assign import layout_job
 from fusiond.jobs.coordinator import JobCoordinator
-from fusiond.jobs.planning import job_settings, plan_job
+from fusiond.jobs.planning import plan_job
 from fusiond.jobs.worker import JobWorker, local_sender
 from fusiond.net.pki import TLSMaterial
 from fusiond.net.transport import NetConfig, PeerNetwork
 from fusiond.plan import (
     Cluster,
     Plan,
-    StageSpec,
-    batch_symbol,
-    cost_graph_from_ir,
-    plan_from_stages,
-    uniform_plan,
 )
 from fusiond.profile import compute_profile, machine_from_profile
 from fusiond.train.local import StepMetrics
@@ -141,66 +136,10 @@ def layout_for(plan: Plan, spec: Any, captured: Any, node_of: dict[str, str]) ->
                       replicas=replicas, routes=routes)
 
 
-_BLOCK_RE = re.compile(r"(?:^|\.)h\.(\d+)\.")
-MAX_ORDERS = 2000
-"""Host orders the block pipeline tries per stage count (all of them up to 5 hosts: 120)."""
-
-
-def block_starts(ops: Any) -> list[int]:
-    """For each transformer block b (parameters named `...h.<b>....`), the index of the first
-    op that uses one of its parameters: a cut just before it sends the residual stream only."""
-    first: dict[int, int] = {}
-    for i, op in enumerate(ops):
-        for p in op.params:
-            m = _BLOCK_RE.search(p)
-            if m is not None:
-                first.setdefault(int(m.group(1)), i)
-    if not first or sorted(first) != list(range(len(first))):
-        raise SystemExit(f"no transformer blocks h.<i> found in the graph's parameters: "
-                         f"{sorted(first)}")
-    return [first[b] for b in range(len(first))]
-
-
-def block_plan(spec: Any, captured: Any, cluster: Cluster) -> Plan:
-    """(1) the naive pipeline done right: equal transformer blocks per stage, cut at block
-    boundaries (embedding with the first stage, the final norm and head with the last),
-    dense, fusion's 1F1B pipeline; the stage count (2 ..) and host order with the best
-    predicted step among those within memory (the planner's model), as a user tuning a
-    GPipe-style split would pick them."""
-    sym = batch_symbol(captured.graph)
-    cost = cost_graph_from_ir(captured.graph, {sym: spec.batch.micro_batch_size} if sym else {})
-    starts = block_starts(cost.ops)
-    n_blocks, n_ops = len(starts), len(cost.ops)
-    settings = job_settings(spec)
-    rng = random.Random(0)
-    best: tuple[tuple[bool, float], Plan] | None = None
-    for k in range(2, min(len(cluster), n_blocks) + 1):
-        cuts = [0, *[starts[round(i * n_blocks / k)] for i in range(1, k)], n_ops]
-        orders = list(itertools.permutations(range(len(cluster)), k))
-        if len(orders) > MAX_ORDERS:
-            orders = rng.sample(orders, MAX_ORDERS)
-        for order in orders:
-            stages = [StageSpec(order[i], cuts[i], cuts[i + 1]) for i in range(k)]
-            plan = plan_from_stages(cost, cluster, settings, stages, compress=False)
-            key = (bool(plan.evaluation.over_memory), plan.iteration_s)
-            if best is None or key < best[0]:
-                best = (key, plan)
-    if best is None:
-        raise SystemExit("a block pipeline needs at least 2 hosts and 2 blocks")
-    return best[1]
-
-
-def make_plan(mode: str, spec: Any, captured: Any, cluster: Cluster) -> Plan:
-    """(1) uniform: equal op counts per machine in host order, dense; (2) OP-Fence dense;
-    (3) OP-Fence + AdaTopK; (6) OP-Fence with int8 cut edges (the spec's `compression`
-    decides 2, 3 or 6: the planner costs the cuts as they will travel)."""
-    if mode == "pipeline":
-        return block_plan(spec, captured, cluster)
-    if mode == "uniform":
-        sym = batch_symbol(captured.graph)
-        cost = cost_graph_from_ir(captured.graph,
-                                  {sym: spec.batch.micro_batch_size} if sym else {})
-        return uniform_plan(cost, cluster, job_settings(spec))
+def make_plan(spec: Any, captured: Any, cluster: Cluster) -> Plan:
+    """(2) OP-Fence dense, (3) with AdaTopK, (6) with int8 cut edges, (7) with replicas: the
+    daemon's own planning (`plan_job`); the spec's `compression` and `batch.replicas` decide
+    which (the planner costs the cuts as they will travel)."""
     return plan_job(spec, captured, cluster)
 
 
@@ -208,6 +147,35 @@ def job_toml(wl: Workload, mode: str) -> str:
     """The job file of a run mode: AdaTopK only for `adatopk`, int8 cut edges for `swarm`."""
     return wl.job_toml(adatopk=mode == "adatopk", codec="int8" if mode == "swarm" else "topk",
                        replicas=mode == "replicas")
+
+
+CAPTURED_GRAPH = "graph.ir"
+CAPTURED_STATE = "state.safetensors"
+
+
+def save_captured(spec: Any, directory: Path) -> float:
+    """Capture the job's model as `fusionctl submit` does on the submitting machine (the
+    bench's own process, outside every host's quota and memory limit) and write what its
+    upload carries: the IR's bytes and the initial weights (safetensors). Seconds taken."""
+    from protocol import ir
+
+    t = time.perf_counter()
+    _, captured = capture_job(spec)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / CAPTURED_GRAPH).write_bytes(ir.dumps(captured.graph))
+    (directory / CAPTURED_STATE).write_bytes(captured.state_bytes())
+    return time.perf_counter() - t
+
+
+def load_captured(directory: Path) -> Any:
+    """The lead's side of the upload: the IR (validated by `protocol.ir.loads`) and the
+    weights, as a daemon restores a submission (no torch.export in a daemon)."""
+    from fusiond.graph.capture import CapturedModel, state_from_bytes
+    from protocol import ir
+
+    graph = ir.loads((directory / CAPTURED_GRAPH).read_bytes())
+    state = state_from_bytes((directory / CAPTURED_STATE).read_bytes())
+    return CapturedModel(graph, state)
 
 
 def snapshot_name(partition: int, step: int) -> str:
@@ -287,10 +255,10 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
     desc = args.cluster_data
     hosts: list[str] = list(desc["hosts"])
     spec = parse_job(job_toml(wl, args.mode))
-    _, captured = capture_job(spec)
+    captured = load_captured(Path(args.captured))
     profiles = read_profiles(Path(args.profile_dir), hosts)
     cluster = build_cluster(desc, hosts, profiles)
-    plan = make_plan(args.mode, spec, captured, cluster)
+    plan = make_plan(spec, captured, cluster)
     node_of = {machine_id(hosts, h): desc["node_ids"][h] for h in hosts}
     layout = layout_for(plan, spec, captured, node_of)
     # every step: bench/wan.py keeps those at its fixed wall-clock points and the last one
@@ -313,8 +281,17 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
     }
     events: list[tuple[float, int, float | None, int]] = []
     tokens = 0
-    t0 = time.perf_counter()
-    extra["startup_s"] = t0 - T_PROCESS  # capture, profiles, plan: before the budget
+    t_assign = time.perf_counter()
+    extra["plan_s"] = t_assign - T_PROCESS  # capture, profiles, plan
+    running = asyncio.Event()
+    t0 = t_assign  # the start of training: every stage Ready (weights shipped), JobStart out
+
+    def on_running() -> None:
+        nonlocal t0
+        t0 = time.perf_counter()
+        extra["ship_s"] = t0 - t_assign  # Assign (partition IR, weights) to every Ready
+        extra["startup_s"] = t0 - T_PROCESS  # reported apart from the budget
+        running.set()
 
     def on_step(m: StepMetrics) -> None:
         nonlocal tokens
@@ -336,25 +313,32 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
 
     coord = JobCoordinator(send=send, spec=spec, captured=captured, layout=layout,
                            addresses=addresses, term=1, tokens_per_sample=wl.seq_len,
-                           on_step=on_step, ready_timeout_s=300.0)
+                           on_step=on_step, on_running=on_running, ready_timeout_s=300.0)
     coordinators.append(coord)
     task = asyncio.create_task(coord.run())
     stopper = asyncio.create_task(stop.wait())
+    started = asyncio.create_task(running.wait())
     error: str | None = None
     try:
-        done, _ = await asyncio.wait({task, stopper}, timeout=args.budget,
-                                     return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
+        # start-up (the weights shipped to every stage) is outside the budget, as DDP's
+        # broadcast and hivemind's DHT are: the budget is training time
+        await asyncio.wait({task, stopper, started}, return_when=asyncio.FIRST_COMPLETED)
+        done: set[asyncio.Task[Any]] = set()
+        if running.is_set() and not task.done() and not stopper.done():
+            done, _ = await asyncio.wait({task, stopper}, timeout=args.budget,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
             out = task.result()
             error = None if out.ok else str(out.failure)
         else:
-            await coord.cancel("wall-clock budget over")
+            await coord.cancel("wall-clock budget over" if not done else "stopped")
             async with asyncio.timeout(60):
                 await task
     finally:
-        stopper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await stopper
+        for t in (stopper, started):
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
     args.trace = Trace(args.mode, events, extra, error)
 
 
@@ -388,12 +372,13 @@ def main() -> None:
                     help="this host's TLS credentials (ca.crt, node.crt, node key)")
     ap.add_argument("--listen", type=_addr, required=True)
     ap.add_argument("--peer", action="append", default=[], help="NODE_ID=ADDR:PORT")
-    ap.add_argument("--mode", choices=["uniform", "pipeline", "opfence", "adatopk", "swarm",
-                                       "replicas"],
+    ap.add_argument("--mode", choices=["opfence", "adatopk", "swarm", "replicas"],
                     default="adatopk")
     ap.add_argument("--budget", type=float, default=60.0)
     ap.add_argument("--cluster", help="JSON: hosts, bandwidth_bits_per_s, rtt_s, cpu")
     ap.add_argument("--workload", help="JSON of bench.wan_common.Workload")
+    ap.add_argument("--captured", help="directory of the captured job (`save_captured`: the "
+                                       "IR and the initial weights, as an upload carries them)")
     ap.add_argument("--out", help="where the lead writes its trace")
     ap.add_argument("--snapshot-dir", type=Path,
                     help="where this host writes its stages' checkpoints (held-out evaluator)")

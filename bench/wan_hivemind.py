@@ -145,7 +145,8 @@ def main() -> None:
             if opt.local_epoch != epoch:
                 epoch = opt.local_epoch
                 events.append((time.perf_counter() - t0, epoch - 1,
-                               sum(pending) / len(pending), epoch * wl.tokens_per_step))
+                               sum(pending) / len(pending),
+                               epoch * args.epoch_batches * wl.tokens_per_step))
                 pending.clear()
     finally:
         if args.rank == 0:

@@ -158,6 +158,7 @@ class JobCoordinator:
         tokens_per_sample: int = 0,
         on_step: Callable[[StepMetrics], Any] | None = None,
         on_checkpoint: Callable[[int, dict[str, torch.Tensor]], Any] | None = None,
+        on_running: Callable[[], Any] | None = None,
         corpus: Corpus | None = None,
         recv_timeout_s: float | None = None,
     ) -> None:
@@ -178,6 +179,9 @@ class JobCoordinator:
         self.tokens_per_sample = tokens_per_sample
         self.on_step = on_step
         self.on_checkpoint = on_checkpoint
+        self.on_running = on_running
+        """Called once every stage is Ready (weights shipped) and JobStart is out: the start of
+        training, apart from start-up."""
         self._checkpoints: dict[int, dict[int, bytes]] = {}
         self.stage_nodes = layout.slot_nodes  # slot -> node (slot = stage without replicas)
         self._node_stage = {n: s for s, n in self.stage_nodes.items()}
@@ -462,6 +466,8 @@ class JobCoordinator:
                     await self.send(node, JobStart(job_id=self.job_id,
                                                    plan_version=self.plan_version,
                                                    first_step=self.first_step), ())
+                if self.on_running is not None:
+                    self.on_running()
                 await self._done.wait()
         except asyncio.CancelledError:
             await self._cancel_all("the scheduler stopped")

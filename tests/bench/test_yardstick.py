@@ -224,39 +224,24 @@ def test_unknown_outcome_is_refused() -> None:
         RunResult("single", "did not reach the target")
 
 
-def test_the_block_pipeline_cuts_only_at_block_boundaries() -> None:
-    from bench.wan_common import Workload
-    from bench.wan_fusion import block_plan, block_starts
-    from fusiond.plan import batch_symbol, cost_graph_from_ir
-    from fusiond.plan.topology import cluster_from_topology
-    from fusiond.train.programs import capture_job
-    from fusiond.train.spec import parse_job
+def test_the_torch_pipeline_runs_on_the_stage_count_and_hosts_its_model_favours() -> None:
+    """(1)'s hosts: equal blocks per stage, the order with the least predicted 1F1B step:
+    fast hosts on a fast link, a stage count that stops where a hop costs more than the
+    compute it spreads."""
+    from bench.wan import pipeline_hosts
+    from bench.wan_ddp import pipeline_bounds
+    from deploy.testbed.topology import load_topology
 
-    spec = parse_job(Workload(size="tiny", n_layer=4, n_embd=32, n_head=2, seq_len=16,
-                              batch=8, micro_batches=2).job_toml(adatopk=False))
-    _, captured = capture_job(spec)
-    sym = batch_symbol(captured.graph)
-    cost = cost_graph_from_ir(captured.graph, {sym: 4} if sym else {})
-    starts = block_starts(cost.ops)
-    assert len(starts) == 4 and starts == sorted(starts) and starts[0] > 0
-    # the op at each block start uses that block's parameters, and none before it does
-    for b, i in enumerate(starts):
-        assert any(f"h.{b}." in p for p in cost.ops[i].params)
-        assert not any(f"h.{b}." in p for op in cost.ops[:i] for p in op.params)
-    kind = {"flops": {"matmul": 1e9, "conv": 1e9, "other": 2e8}, "mem_bw": 5e9,
-            "op_overhead_s": 1e-5, "memory_gib": 4}
-    cluster, _ = cluster_from_topology({
-        "name": "t", "kinds": {"cpu": kind, "slow": kind | {"flops": {
-            "matmul": 2e8, "conv": 2e8, "other": 5e7}}},
-        "groups": [{"name": "g", "kind_counts": {"cpu": 2, "slow": 1}, "mbit": 1000}],
-        "inter_mbit": [[0]]})
-    plan = block_plan(spec, captured, cluster)
-    cuts = sorted({st.start for st in plan.stages} - {0})
-    assert len(plan.stages) >= 2 and set(cuts) <= set(starts), (cuts, starts)
-    n = len(plan.stages)
-    per_stage = [sum(1 for s in starts if st.start <= s < st.stop) for st in plan.stages]
-    assert max(per_stage) - min(per_stage) <= 1, per_stage  # equal blocks per stage
-    assert n <= 3 and plan.evaluation.iteration_s > 0
+    assert pipeline_bounds(6, 4) == [(0, 2), (2, 3), (3, 4), (4, 6)]
+    assert pipeline_bounds(6, 1) == [(0, 6)]
+    with pytest.raises(SystemExit):
+        pipeline_bounds(2, 3)
+    topo = load_topology("mixed-slow")  # f1, f2, s1 (0.5), s2 (0.25) on a LAN; r1 remote
+    # compute-heavy: spread over the LAN's fast hosts, never over the 20 Mbit/s uplink
+    hosts = pipeline_hosts(topo, 6, 0.05, 16, 4, 64 * 256 * 4.0)
+    assert "r1" not in hosts and len(hosts) >= 2 and {"f1", "f2"} <= set(hosts), hosts
+    # activations too big for any link to pay: two stages at most, on the fastest pair
+    assert pipeline_hosts(topo, 6, 1e-4, 16, 4, 1e9) in (["f1", "f2"], ["f2", "f1"])
 
 
 def test_swarm_is_fusions_pipeline_with_int8_cuts_where_the_planner_puts_them() -> None:
@@ -283,7 +268,7 @@ def test_swarm_is_fusions_pipeline_with_int8_cuts_where_the_planner_puts_them() 
         "name": "t", "kinds": {"cpu": kind},
         "groups": [{"name": "g", "kind_counts": {"cpu": 3}, "mbit": 1000}],
         "inter_mbit": [[0]]})
-    plan = make_plan("swarm", spec, captured, cluster)
+    plan = make_plan(spec, captured, cluster)
     assert plan.method == "op-fence+int8" and not plan.densities
     node_of = {m: f"node-{m}" for m in cluster.ids()}
     layout = layout_for(plan, spec, captured, node_of)
@@ -338,7 +323,8 @@ def test_fsdp_shards_are_reassembled_into_the_dense_model(tmp_path: Path) -> Non
                 part, str(snap / f"fsdp-rank{r:03d}-step{step:07d}.safetensors"))
     trace = Trace("fsdp", [(0.5, 0, 5.0, 1), (1.2, 1, 4.0, 2), (1.4, 2, 3.9, 3)],
                   {"world": world})
-    curve = make_evaluator(wl, data, 1.0)("fsdp", snap, trace)
+    evaluator = make_evaluator(wl, data, 1.0, tmp_path / "captured")
+    curve = evaluator("fsdp", snap, trace)
     # the initial weights at t = 0, then the step at t = 1 s and the last
     assert [(p.t_s, p.step) for p in curve] == [(0.0, -1), (1.2, 1), (1.4, 2)]
     from bench.wan_eval import heldout_loss
@@ -350,8 +336,79 @@ def test_fsdp_shards_are_reassembled_into_the_dense_model(tmp_path: Path) -> Non
     # a run that finished no step in its budget has the initial point alone; a run that left
     # no trace has none
     empty = tmp_path / "empty"
-    assert make_evaluator(wl, data, 1.0)("opfence", empty, Trace("opfence", [], {})) == \
-        curve[:1]
-    assert make_evaluator(wl, data, 1.0)("opfence", empty,
+    assert evaluator("opfence", empty, Trace("opfence", [], {})) == curve[:1]
+    assert make_evaluator(wl, data, 1.0, tmp_path / "captured")("opfence", empty,
                                          Trace("opfence", [], {}, "no trace")) == []
     assert not list(snap.glob("fsdp-rank*"))  # the shards are gone once assembled
+
+
+def test_the_lead_reads_the_capture_the_submitting_side_wrote(tmp_path: Path) -> None:
+    """bench/wan.py captures once, as `fusionctl submit` does, outside every host's limit; a
+    fusion lead restores the same IR and weights from the files (no torch.export in it)."""
+    from bench.wan_common import Workload
+    from bench.wan_fusion import load_captured, save_captured
+    from fusiond.train.programs import capture_job
+    from fusiond.train.spec import parse_job
+    from protocol import ir
+
+    wl = Workload(size="tiny", n_layer=2, n_embd=32, n_head=2, seq_len=16)
+    spec = parse_job(wl.job_toml(adatopk=False))
+    assert save_captured(spec, tmp_path / "cap") > 0
+    got = load_captured(tmp_path / "cap")
+    _, want = capture_job(spec)
+    assert ir.dumps(got.graph) == ir.dumps(want.graph)
+    assert got.state.keys() == want.state.keys()
+    assert all(torch.equal(got.state[k], want.state[k]) for k in want.state)
+
+
+def test_the_torch_pipeline_baseline_trains_the_single_process_model(tmp_path: Path) -> None:
+    """(1) is torch.distributed.pipelining itself (2 ranks over gloo on loopback, equal blocks,
+    1F1B, the tied embedding's gradient all-reduced between the first and last stage): its
+    merged stages after the agreed last step are the weights of eager training on the same
+    global batches (a missing tied all-reduce or a wrong gradient scale breaks this)."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import safetensors.torch
+
+    from bench.wan_common import Workload
+    from fusiond.train.data import make_source
+    from fusiond.train.local import ReferenceTrainer
+    from fusiond.train.model import build_model, loss_fn
+    from fusiond.train.spec import parse_job
+
+    wl = Workload(size="tiny", n_layer=3, n_embd=32, n_head=2, seq_len=16, batch=8,
+                  micro_batches=4)
+    (tmp_path / "wl.json").write_text(json.dumps(wl.to_dict()))
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    repo = Path(__file__).resolve().parents[2]
+    procs = [subprocess.Popen(
+        [sys.executable, str(repo / "bench" / "wan_ddp.py"), "--pipeline", f"--rank={r}",
+         "--world=2", f"--master=127.0.0.1:{port}", "--budget=0",
+         f"--workload={tmp_path / 'wl.json'}", f"--out={tmp_path / 'trace.json'}",
+         f"--snapshot-dir={tmp_path / 'snap'}", f"--stop-dir={tmp_path}"],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0, out.decode()[-2000:]
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert [e[1] for e in trace["events"]] == [0, 1]  # budget 0: rank 0 stops after step 1
+    merged: dict[str, torch.Tensor] = {}
+    for r in (0, 1):
+        merged |= safetensors.torch.load_file(
+            str(tmp_path / "snap" / f"pipe-rank{r:03d}-step0000001.safetensors"))
+    spec = parse_job(wl.job_toml(adatopk=False))
+    model = build_model(spec.model, seed=spec.seed)
+    ReferenceTrainer(model, loss_fn(spec.loss), spec.optimizer,
+                     data=make_source(spec.data, spec.seed), batch_size=wl.batch,
+                     micro_batches=wl.micro_batches, total_steps=2).train(0, 2)
+    want = model.state_dict()
+    assert set(merged) == set(want)
+    for k, v in want.items():
+        torch.testing.assert_close(merged[k], v, rtol=1e-5, atol=1e-6, msg=k)

@@ -60,11 +60,14 @@ async def test_job_runs_to_a_model_equal_to_single_process(captured_tiny, tmp_pa
     spec = replace(spec, steps=6, checkpoint_interval=2)
     seen: list[StepMetrics] = []
     ckpts: dict[int, dict[str, torch.Tensor]] = {}
+    running: list[int] = []  # steps seen when on_running fired: every stage Ready, none run
     async with cluster() as nodes:
         c = coordinator(nodes, spec, cap, on_step=seen.append, tokens_per_sample=32,
-                        on_checkpoint=lambda s, st: ckpts.__setitem__(s, st))
+                        on_checkpoint=lambda s, st: ckpts.__setitem__(s, st),
+                        on_running=lambda: running.append(len(seen)))
         out = await asyncio.wait_for(c.run(), 120)
         assert out.ok, out.failure
+        assert running == [0]
         assert all(not n.worker.jobs() for n in nodes.values())
     model = build_model(spec.model, seed=spec.seed)
     rt = ReferenceTrainer(model, loss_fn(spec.loss), spec.optimizer,

@@ -265,10 +265,19 @@ def at_fixed_points(curve: Sequence[HeldoutPoint], interval_s: float, budget_s: 
 
 
 def time_to_heldout_target(curve: Sequence[HeldoutPoint], target: float) -> float | None:
-    """Seconds until a snapshot's held-out loss is at or below `target` (None: never)."""
+    """Seconds until the held-out loss reaches `target` (None: never): the first snapshot at
+    or below it, interpolated linearly in time from the snapshot before it (above the
+    target), so the figure is not rounded up to the snapshot interval."""
+    prev: HeldoutPoint | None = None
     for p in sorted(curve, key=lambda q: q.t_s):
-        if math.isfinite(p.loss) and p.loss <= target:
-            return p.t_s
+        if not math.isfinite(p.loss):
+            prev = None
+            continue
+        if p.loss <= target:
+            if prev is None or prev.loss <= p.loss:
+                return p.t_s
+            return prev.t_s + (prev.loss - target) / (prev.loss - p.loss) * (p.t_s - prev.t_s)
+        prev = p
     return None
 
 

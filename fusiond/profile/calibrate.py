@@ -130,37 +130,49 @@ def _measure(machine_id: str, dev: Any, repeats: int, scale: float,
     def best(fn: Callable[[], object]) -> float:
         return _best_time(fn, repeats, sync, clock)
 
-    # matmul: forward + backward of a transformer-shaped linear layer, so the transposed
-    # products of backward are in the rate (6 FLOPs per multiply-add triple)
-    m = max(64, int(1024 * scale))
-    k = max(64, int(768 * scale))
-    nout = 3 * k
-    a = torch.randn(m, k, device=dev, requires_grad=True)
-    w = torch.randn(nout, k, device=dev, requires_grad=True)
-    go = torch.randn(m, nout, device=dev)
+    # Each benchmark's tensors live in its own function, so they are freed before the next:
+    # the calibration's memory stays small (a daemon under a tight limit runs it).
 
-    def linear_fb() -> None:
-        torch.nn.functional.linear(a, w).backward(go)  # type: ignore[no-untyped-call]
+    def matmul() -> float:
+        # forward + backward of a transformer-shaped linear layer, so the transposed products
+        # of backward are in the rate (6 FLOPs per multiply-add triple)
+        m = max(64, int(1024 * scale))
+        k = max(64, int(768 * scale))
+        nout = 3 * k
+        a = torch.randn(m, k, device=dev, requires_grad=True)
+        w = torch.randn(nout, k, device=dev, requires_grad=True)
+        go = torch.randn(m, nout, device=dev)
 
-    t_mm = best(linear_fb)
-    mm_rate = 6.0 * m * k * nout / t_mm
+        def linear_fb() -> None:
+            torch.nn.functional.linear(a, w).backward(go)  # type: ignore[no-untyped-call]
 
-    with torch.no_grad():
+        return 6.0 * m * k * nout / best(linear_fb)
+
+    def conv() -> float:
         c = max(8, int(64 * scale))
         x = torch.randn(4, c, 28, 28, device=dev)
         wc = torch.randn(c, c, 3, 3, device=dev)
-        t_conv = best(lambda: torch.nn.functional.conv2d(x, wc, padding=1))
-        conv_rate = 2.0 * (4 * c * 28 * 28) * c * 9 / t_conv
+        return 2.0 * (4 * c * 28 * 28) * c * 9 / best(
+            lambda: torch.nn.functional.conv2d(x, wc, padding=1))
 
-        n = max(1 << 16, int((1 << 23) * scale))
+    def elementwise() -> tuple[float, float]:
+        # twice the last-level cache of most CPUs (48 MiB in all), written into one buffer
+        # (no allocation per repeat): the rate is memory's, and the peak stays at 3 vectors
+        n = max(1 << 16, int((1 << 22) * scale))
         u = torch.randn(n, device=dev)
         v = torch.randn(n, device=dev)
-        t_add = best(lambda: u + v)
-        mem_bw = 12.0 * n / t_add
-        t_gelu = best(lambda: torch.nn.functional.gelu(u))
+        out = torch.empty(n, device=dev)
+        t_add = best(lambda: torch.add(u, v, out=out))
+        bw = 12.0 * n / t_add
+        t_gelu = best(lambda: torch.ops.aten.gelu.out(u, out=out))
         # GELU is partly memory bound: what is left after the traffic is the FLOP rate
-        compute = max(t_gelu - 8.0 * n / mem_bw, t_gelu * 0.25)
-        other_rate = 16.0 * n / compute
+        compute = max(t_gelu - 8.0 * n / bw, t_gelu * 0.25)
+        return bw, 16.0 * n / compute
+
+    mm_rate = matmul()
+    with torch.no_grad():
+        conv_rate = conv()
+        mem_bw, other_rate = elementwise()
 
     chain = 100
     leaf = torch.ones(4, device=dev, requires_grad=True)

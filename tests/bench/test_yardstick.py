@@ -135,6 +135,9 @@ def test_curve_at_fixed_points_and_time_to_target() -> None:
     assert at_fixed_points(curve, 1.0, 4.0) == [(1.0, None), (2.0, 4.0), (3.0, 3.0),
                                                  (4.0, 2.5)]
     assert time_to_heldout_target(curve, 3.0) == 2.4
+    # between snapshots: interpolated from the one before (4.0 at 1.2 s) to the first below
+    assert time_to_heldout_target(curve, 3.5) == pytest.approx(1.8)
+    assert time_to_heldout_target(curve[1:], 3.5) == 2.4  # none before: the snapshot's time
     assert time_to_heldout_target(curve, 1.0) is None
     assert time_to_heldout_target([HeldoutPoint(1.0, 1, math.nan)], 3.0) is None
 

@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = cmd("leave", "leave the cluster for good (this node stops counting toward quorum)",
              read=True)
     sp.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    sp = cmd("dashboard", "a link to this daemon's browser dashboard, with a session for you",
+             read=True)
+    sp.add_argument("--open", action="store_true",
+                    help="also open it in the default browser")
     sp = cmd("remove", "remove a member that is gone for good (restores quorum)", read=True)
     sp.add_argument("node", metavar="NODE")
     from fusionctl import jobs as job_cmds
@@ -286,9 +290,24 @@ def _remove(c: Client, ns: argparse.Namespace, out: Out) -> int:
     return EXIT_OK
 
 
+def _dashboard(c: Client, ns: argparse.Namespace, out: Out) -> int:
+    data = c.post("/v1/dashboard")
+    out.result(data, lambda: print(
+        f"dashboard for {data.get('viewer')} (valid {fmt_age(data.get('expires_in_s'))}):\n"
+        f"  {data['url']}\n\nthe link holds a session: whoever has it sees what you see "
+        "until it expires"))
+    if ns.open:
+        import webbrowser
+
+        if not webbrowser.open(data["url"]):
+            Out.info("no browser to open here: copy the link into one on this machine")
+    return EXIT_OK
+
+
 _COMMANDS: dict[str, Callable[[Client, argparse.Namespace, Out], int]] = {
     "status": _status, "links": _links, "paths": _paths, "version": _version, "init": _init,
     "token": _token, "join": _join, "leave": _leave, "remove": _remove,
+    "dashboard": _dashboard,
 }
 
 

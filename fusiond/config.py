@@ -62,6 +62,18 @@ class MetricsSection:
 
 
 @dataclass
+class DashboardSection:
+    """The browser dashboard (docs/dashboard.md): the cluster, its links and its jobs, live."""
+
+    listen: str = "127.0.0.1:7421"
+    """Loopback host:port for the dashboard; empty disables it. A browser gets in only with a
+    session from `fusionctl dashboard` (which asks over the API socket, so the session sees
+    what its user may see)."""
+    session_ttl_s: float = 43200.0
+    """How long a dashboard session from `fusionctl dashboard` lasts."""
+
+
+@dataclass
 class JobsSection:
     """The stages this daemon hosts (fusiond.jobs)."""
 
@@ -103,6 +115,7 @@ class DaemonConfig:
     cluster: ClusterSection = field(default_factory=ClusterSection)
     api: ApiSection = field(default_factory=ApiSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    dashboard: DashboardSection = field(default_factory=DashboardSection)
     jobs: JobsSection = field(default_factory=JobsSection)
 
     @property
@@ -119,6 +132,7 @@ SECTIONS: dict[str, type[Any]] = {
     "cluster": ClusterSection,
     "api": ApiSection,
     "metrics": MetricsSection,
+    "dashboard": DashboardSection,
     "jobs": JobsSection,
 }
 
@@ -302,7 +316,7 @@ def _validate(cfg: DaemonConfig, origin: Mapping[str, str]) -> None:
         raise bad("loop", cfg.loop, f"must be one of {', '.join(LOOPS)}")
     if not cfg.state_dir:
         raise bad("state_dir", cfg.state_dir, "must not be empty")
-    for path in ("net.listen", "net.advertise", "api.tcp", "metrics.listen"):
+    for path in ("net.listen", "net.advertise", "api.tcp", "metrics.listen", "dashboard.listen"):
         v = get(cfg, path)
         if path != "net.listen" and not v:
             continue
@@ -310,7 +324,7 @@ def _validate(cfg: DaemonConfig, origin: Mapping[str, str]) -> None:
             host, port = parse_hostport(v)
         except ValueError as e:
             raise bad(path, v, str(e)) from None
-        if path in ("api.tcp", "metrics.listen") and not is_loopback(host):
+        if path in ("api.tcp", "metrics.listen", "dashboard.listen") and not is_loopback(host):
             raise bad(path, v, "must be a loopback address (127.0.0.1, ::1 or localhost)")
         if path == "net.advertise" and (port == 0 or host in ("0.0.0.0", "::")):
             raise bad(path, v, "must be a concrete host and port that peers can dial")

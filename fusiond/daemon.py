@@ -74,6 +74,8 @@ MEMBERS_FILE = "members.json"
 BOOTSTRAP_FILE = "bootstrap.json"
 """Addresses learned from `fusionctl join`, kept so a restart finds the cluster again."""
 PLAINTEXT_CLUSTER_ID = "insecure-dev"
+STALE_PROBES = 3
+"""A link figure older than this many probe intervals is shown stale (the dashboard)."""
 MAX_TOKEN_TTL_S = 366 * 24 * 3600.0
 """A join token lives at most a year (`fusionctl token --ttl`); a longer one is refused."""
 
@@ -163,6 +165,8 @@ class Daemon:
         self.profiler: profiling.Profiler | None = None
         self.api: ApiServer | None = None
         self.metrics: MetricsServer | None = None
+        self.dashboard: Any = None
+        """The browser dashboard (`fusiond.api.dashboard.DashboardServer`), when configured."""
         self.net: Any = None
         self.cluster: Any = None
         self._denied_here: frozenset[str] | None = None
@@ -271,9 +275,20 @@ class Daemon:
             host, port = parse_hostport(cfg.metrics.listen)
             self.metrics = MetricsServer(self.registry, host, port)
             await self._start_service("metrics", self.metrics)
+        if cfg.dashboard.listen:
+            from fusiond.api.dashboard import DashboardServer
+
+            host, port = parse_hostport(cfg.dashboard.listen)
+            self.dashboard = DashboardServer(
+                self, host, port, session_ttl_s=cfg.dashboard.session_ttl_s,
+                stale_after_s=STALE_PROBES * cfg.cluster.probe_interval_s)
+            await self._start_service("dashboard", self.dashboard)
         static = await asyncio.to_thread(profiling.compute_profile, cfg.cache_dir,
                                          benchmark=cfg.profile_benchmark)
         self.profiler = profiling.Profiler(static)
+        # The name travels in the gossiped profile's labels (a field every member's schema
+        # already has, so older members verify the signed body unchanged): peers show it.
+        self.profiler.update(labels={**static.labels, "name": self._name()})
         if cfg.job_memory_gib > 0:  # gossiped: the memory the planner gives this node
             self.profiler.update(job_memory_bytes=int(cfg.job_memory_gib * 2**30))
         log.info("profile: %s %s, %.1f GFLOP/s", static.device_kind, static.device_name,
@@ -654,7 +669,7 @@ class Daemon:
     def _node_block(self) -> dict[str, Any]:
         return {
             "node_id": self.node_id,
-            "name": self.cfg.name or socket.gethostname(),
+            "name": self._name(),
             "cluster_id": self.cluster_id,
             "address": _fmt_addr(self.address) if self.address else None,
             "security": self.security,
@@ -664,6 +679,11 @@ class Daemon:
             "profile": self.profiler() if self.profiler else None,
             "denied": sorted(self._load_denied()),
         }
+
+    def _name(self) -> str:
+        """This node's human name: `name` from the config, else the host name (bounded as a
+        profile text field is)."""
+        return (self.cfg.name or socket.gethostname())[:64]
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"node": self._node_block(), "cluster": None, "hint": None}
@@ -704,6 +724,7 @@ class Daemon:
             "metrics": (f"http://{_fmt_addr(self.metrics.address)}/metrics"
                         if self.metrics and self.metrics.address else None),
             "peer_listen": _fmt_addr(tuple(self.net.address)) if self.net is not None else None,
+            "dashboard": self.dashboard.url if self.dashboard is not None else None,
         }
 
     def version(self) -> dict[str, Any]:
@@ -914,6 +935,13 @@ class Daemon:
             raise ApiError(404, "no_output", f"job {job_id} has no stored output {name!r} "
                            f"(`fusionctl fetch {job_id}` lists what it has)")
         return got
+
+    def dashboard_session(self, caller: Caller) -> dict[str, Any]:
+        """A dashboard session for `caller` (it sees what the caller may see: docs/dashboard.md)."""
+        if self.dashboard is None:
+            raise ApiError(409, "disabled", "this daemon serves no dashboard: set "
+                           "dashboard.listen (e.g. 127.0.0.1:7421) and restart it")
+        return dict(self.dashboard.session_url(caller))
 
     async def test_block(self, node_ids: list[str]) -> dict[str, Any]:
         if not self.cfg.net.test_drop_switch or self.net is None:

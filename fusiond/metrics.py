@@ -111,7 +111,8 @@ class DaemonCollector(Collector):
 
 
 class MetricsServer:
-    """Serves ``/metrics`` of one registry on a loopback host:port (a service)."""
+    """Serves ``/metrics`` of one registry (and ``/healthz``: 200 "ok" while the daemon runs)
+    on a loopback host:port (a service)."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
         self.registry = registry
@@ -123,9 +124,13 @@ class MetricsServer:
         body = generate_latest(self.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
     async def start(self) -> None:
         app = web.Application()
         app.router.add_get("/metrics", self._handle)
+        app.router.add_get("/healthz", self._healthz)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, self._host, self._port)

@@ -25,6 +25,8 @@ POST     /v1/jobs/{id}/cancel  stop every partition of the job
 GET      /v1/jobs/{id}/outputs the job's stored outputs (name, size, sha256), what is not
 POST     /v1/jobs/{id}/fetch   store again what could not be stored, then the same
 GET      /v1/jobs/{id}/outputs/{name}  one output file, streamed (``X-Fusion-SHA256``)
+POST     /v1/dashboard     a dashboard session for the caller: the URL that opens it
+GET      /healthz              200 "ok" while the daemon serves (no JSON; no token on TCP)
 =======  ====================  ======================================================
 
 Who may ask what: on the Unix socket the kernel tells the API the caller's uid and gid
@@ -187,6 +189,7 @@ class Backend(Protocol):
     async def job_outputs(self, job_id: str, caller: Caller, fetch: bool
                           ) -> dict[str, Any]: ...
     def job_output_file(self, job_id: str, name: str, caller: Caller) -> tuple[Path, str]: ...
+    def dashboard_session(self, caller: Caller) -> dict[str, Any]: ...
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -274,6 +277,8 @@ class ApiServer:
         r.add_get("/v1/jobs/{job_id}/outputs", self._job_outputs)
         r.add_post("/v1/jobs/{job_id}/fetch", self._job_fetch)
         r.add_get("/v1/jobs/{job_id}/outputs/{name}", self._job_output_file)
+        r.add_post("/v1/dashboard", self._dashboard)
+        r.add_get("/healthz", self._healthz)
         if self.test_endpoints:
             r.add_post("/v1/test/block", self._post(self._block))
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -352,6 +357,8 @@ class ApiServer:
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         sock = request.transport.get_extra_info("socket") if request.transport else None
         is_unix = sock is not None and sock.family == socket.AF_UNIX
+        if request.path == "/healthz" and request.method == "GET":
+            return await handler(request)  # liveness says nothing about anyone: no token
         if not is_unix:
             expect = f"Bearer {self._token}" if self._token else None
             got = request.headers.get("Authorization", "")
@@ -491,6 +498,12 @@ class ApiServer:
     async def _job_fetch(self, request: web.Request) -> web.StreamResponse:
         return _json(await self.backend.job_outputs(request.match_info["job_id"],
                                                     self._caller(request), True))
+
+    async def _dashboard(self, request: web.Request) -> web.StreamResponse:
+        return _json(self.backend.dashboard_session(self._caller(request)))
+
+    async def _healthz(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(text="ok\n")
 
     async def _job_output_file(self, request: web.Request) -> web.StreamResponse:
         path, sha = self.backend.job_output_file(request.match_info["job_id"],

@@ -690,6 +690,7 @@ class Scheduling:
         def on_checkpoint(step: int, state: dict[str, torch.Tensor]) -> None:
             r = rec_box[0]
             r.checkpoint = (step, state)
+            r.checkpoint_step, r.checkpoint_at = step, time.time()
             self._spawn(self._checkpoint_out(r, step, state), f"checkpoint {r.job_id}")
 
         if self._closing:  # planning outlived the start of close, which would not await it

@@ -24,7 +24,7 @@ def daemon() -> Iterator[LocalNode]:
     """One real fusiond (TLS mode, not yet in a cluster) for the whole module."""
     root = Path(tempfile.mkdtemp(prefix="fzc"))
     node = LocalNode(0, root, {
-        "profile_benchmark": False, "metrics": {"listen": ""},
+        "profile_benchmark": False, "metrics": {"listen": ""}, "dashboard": {"listen": ""},
         "net": {"listen": "127.0.0.1:0"}, "api": {"tcp": "127.0.0.1:0"},
         "cluster": {"mdns": False, "probes": False, "election_grace_s": 0.2,
                     "election_timeout_s": 0.6, "leader_lease_s": 0.4,

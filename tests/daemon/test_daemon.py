@@ -22,6 +22,7 @@ from fusiond.daemon import Daemon
 FAST = {
     "FUSION_PROFILE_BENCHMARK": "0",
     "FUSION_METRICS_LISTEN": "",
+    "FUSION_DASHBOARD_LISTEN": "",
     "FUSION_NET_LISTEN": "127.0.0.1:0",
     "FUSION_CLUSTER_MDNS": "0",
     "FUSION_CLUSTER_PROBES": "0",

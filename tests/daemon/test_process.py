@@ -27,6 +27,7 @@ def root() -> Iterator[Path]:
 
 def _node(root: Path, **settings: object) -> LocalNode:
     return LocalNode(0, root, {"profile_benchmark": False, "metrics": {"listen": ""},
+                               "dashboard": {"listen": ""},
                                **settings})
 
 

@@ -12,6 +12,8 @@ Exit codes (also in ``--help`` and docs/cli.md):
 6   ``submit``: the job was cancelled
 7   ``submit``/``fetch``: the outputs could not be written here (the message names the file
     and the cause, and the ``fusionctl fetch ID`` that writes them once it is fixed)
+8   ``status``: the daemon answers but this node is in no working cluster: unconfigured,
+    left, or without quorum (the output says which and what to run)
 ==  ===========================================================================
 """
 
@@ -40,6 +42,8 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 EXIT_TIMEOUT = 4
+EXIT_NOT_SERVING = 8
+"""`status`: the daemon answers, but this node is in no working cluster."""
 
 EXIT_CODES_HELP = """exit codes:
   0  success
@@ -52,6 +56,8 @@ EXIT_CODES_HELP = """exit codes:
   6  submit: the job was cancelled
   7  submit/fetch: the outputs could not be written here (the message names the file and
      the cause; `fusionctl fetch ID [--output DIR]` writes them once it is fixed)
+  8  status: the daemon answers but this node is in no working cluster (unconfigured,
+     left, or no quorum)
 
 environment: FUSION_API_SOCKET (default /run/fusion/fusiond.sock), FUSION_API_TCP with
 FUSION_API_TOKEN or FUSION_API_TOKEN_FILE."""
@@ -201,7 +207,16 @@ def run(argv: Sequence[str]) -> int:
 def _status(c: Client, ns: argparse.Namespace, out: Out) -> int:
     data = c.get("/v1/status")
     out.result(data, lambda: render_status(data))
-    return EXIT_OK
+    return EXIT_OK if serving(data) else EXIT_NOT_SERVING
+
+
+def serving(status: dict[str, Any]) -> bool:
+    """Whether `status` is a node in a working cluster: running, and with a quorum (what a
+    script asks with `fusionctl status >/dev/null`)."""
+    node = status.get("node") or {}
+    view = status.get("cluster")
+    return (node.get("phase") == "running" and isinstance(view, dict)
+            and bool(view.get("has_quorum")))
 
 
 def _links(c: Client, ns: argparse.Namespace, out: Out) -> int:
@@ -354,4 +369,5 @@ if __name__ == "__main__":  # pragma: no cover
     sys.exit(run(sys.argv[1:]))
 
 
-__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_TIMEOUT", "EXIT_UNREACHABLE", "EXIT_USAGE", "run"]
+__all__ = ["EXIT_FAILED", "EXIT_NOT_SERVING", "EXIT_OK", "EXIT_TIMEOUT", "EXIT_UNREACHABLE",
+           "EXIT_USAGE", "run"]

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fusionctl.cli import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, run
+from fusionctl.cli import EXIT_FAILED, EXIT_NOT_SERVING, EXIT_UNREACHABLE, EXIT_USAGE, run, serving
 from fusionctl.local import LocalNode, wait_until
 from fusionctl.render import render_job, render_links, render_status
 
@@ -37,8 +37,8 @@ def daemon() -> Iterator[LocalNode]:
     shutil.rmtree(root, ignore_errors=True)
 
 
-def _json(capsys: Capture, argv: list[str]) -> dict[str, object]:
-    assert run(argv) == 0
+def _json(capsys: Capture, argv: list[str], code: int = 0) -> dict[str, object]:
+    assert run(argv) == code
     out = capsys.readouterr().out
     data = json.loads(out)  # stdout holds only JSON
     assert isinstance(data, dict)
@@ -66,9 +66,11 @@ def test_help_documents_exit_codes_and_usage_errors(capsys: Capture) -> None:
 
 def test_read_commands_before_a_cluster_exists(daemon: LocalNode, capsys: Capture) -> None:
     sock = ["--socket", daemon.socket]
-    st = _json(capsys, [*sock, "status", "--json"])
+    # unconfigured: the answer says so and what to run, and the exit code lets a script
+    # tell (it used to be 0)
+    st = _json(capsys, [*sock, "status", "--json"], EXIT_NOT_SERVING)
     assert st["cluster"] is None
-    assert run([*sock, "status"]) == 0
+    assert run([*sock, "status"]) == EXIT_NOT_SERVING == 8
     out = capsys.readouterr().out
     assert "scheduler  (none)" in out and "peers      (none)" in out and "fusionctl init" in out
     paths = _json(capsys, [*sock, "paths", "--json"])
@@ -82,7 +84,8 @@ def test_read_commands_before_a_cluster_exists(daemon: LocalNode, capsys: Captur
 def test_loopback_tcp_api_needs_the_token(daemon: LocalNode, capsys: Capture) -> None:
     paths = _json(capsys, ["--socket", daemon.socket, "paths", "--json"])
     api, token_file = str(paths["api_tcp"]), str(paths["api_token_file"])
-    st = _json(capsys, ["--api", api, "--token-file", token_file, "status", "--json"])
+    st = _json(capsys, ["--api", api, "--token-file", token_file, "status", "--json"],
+               EXIT_NOT_SERVING)
     assert st["node"]["name"] == "node0"  # type: ignore[index]
     assert run(["--api", api, "status"]) == EXIT_FAILED
     assert "token" in capsys.readouterr().err
@@ -127,7 +130,7 @@ def test_init_token_join_leave(daemon: LocalNode, capsys: Capture) -> None:
     assert "not a member" in capsys.readouterr().err
     left = _json(capsys, [*sock, "leave", "--yes", "--json"])
     assert left["left"] is True
-    st = _json(capsys, [*sock, "status", "--json"])
+    st = _json(capsys, [*sock, "status", "--json"], EXIT_NOT_SERVING)
     assert st["cluster"] is None and "join" in str(st["hint"])
 
 
@@ -140,7 +143,10 @@ def test_status_says_no_quorum_in_plain_words(capsys: Capture) -> None:
         {**member, "node_id": me, "state": "alive"},
         {**member, "node_id": a, "state": "dead"},
         {**member, "node_id": b, "state": "dead"}]}
-    render_status({"node": {"node_id": me, "phase": "running"}, "cluster": view})
+    status = {"node": {"node_id": me, "phase": "running"}, "cluster": view}
+    assert not serving(status)  # `fusionctl status` exits EXIT_NOT_SERVING
+    assert serving({**status, "cluster": {**view, "has_quorum": True}})
+    render_status(status)
     out = capsys.readouterr().out
     assert "scheduler  (none)  term 7" in out
     assert "NO QUORUM: this node reaches 1 of 3 members and needs 2" in out
@@ -304,3 +310,35 @@ def test_job_commands_without_a_cluster(daemon: LocalNode, tmp_path: Path,
     assert run([*sock, "submit", str(tmp_path / "missing.toml")]) == EXIT_FAILED
     err = capsys.readouterr().err
     assert "job refused" in err and "missing.toml: no such file" in err
+
+
+def test_status_names_peers_marks_stale_figures_and_needs_two_views_for_high_latency(
+        capsys: Capture) -> None:
+    """Peers by their gossiped names; a dead peer's RTT and bandwidth are what the link did
+    (stale), not what it does; one measurer's slow RTT sample is no "high latency" (it used
+    to be: a single 10x sample on a busy loop was reported)."""
+    def m(node: str, name: str, state: str = "alive") -> dict[str, object]:
+        return {"node_id": node, "state": state, "address": ["10.0.0.1", 7420],
+                "source": "mdns", "rtt_s": 0.002, "bandwidth_bits_per_s": 1e9,
+                "role": "worker", "profile": {"labels": {"name": name}}}
+
+    fast = {"bandwidth_bits_per_s": 1e9, "rtt_s": 0.002}
+    slow = {"bandwidth_bits_per_s": 1e9, "rtt_s": 0.2}
+    ids = ("na", "nb", "nc", "nd")
+    links = {a: {b: dict(fast) for b in ids if b != a} for a in ids}
+    links["na"]["nb"] = slow  # one measurer's spike
+    view = {"leader": "na", "term": 1, "has_quorum": True, "links": links,
+            "members": [m("na", "alpha"), m("nb", "bravo"), m("nc", "charlie"),
+                        m("nd", "delta", "dead")]}
+    render_status({"node": {"node_id": "na", "phase": "running"}, "cluster": view})
+    out = capsys.readouterr().out
+    [bravo] = [ln for ln in out.splitlines() if ln.startswith("nb ")]
+    assert bravo.split()[1] == "bravo"
+    [delta] = [ln for ln in out.splitlines() if ln.startswith("nd ")]
+    assert "delta" in delta and delta.count("(stale)") == 2
+    [charlie] = [ln for ln in out.splitlines() if ln.startswith("nc ")]
+    assert "stale" not in charlie
+    assert "high latency" not in out
+    links["nb"]["na"] = dict(slow)  # both ends agree: that link is slow
+    render_status({"node": {"node_id": "na", "phase": "running"}, "cluster": view})
+    assert "high latency na <-> nb: 200.00 ms and 200.00 ms" in capsys.readouterr().out

@@ -142,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     from fusionctl import jobs as job_cmds
 
     job_cmds.add_parsers(cmd)
+    sp = cmd("completion", "print a shell completion script (bash, zsh or fish)")
+    sp.add_argument("shell", choices=("bash", "zsh", "fish"))
     sp = cmd("local", "a development cluster of N daemons on this machine (loopback)")
     lsub = sp.add_subparsers(dest="local_cmd", metavar="up|down|status")
     up = lsub.add_parser("up", help="start N daemons, wait until they agree on a scheduler")
@@ -188,6 +190,11 @@ def run(argv: Sequence[str]) -> int:
     try:
         if ns.cmd == "local":
             return _local(ns, out)
+        if ns.cmd == "completion":
+            from fusionctl.completion import script
+
+            sys.stdout.write(script(ns.shell, parser))
+            return EXIT_OK
         return _COMMANDS[ns.cmd](_client(ns), ns, out)
     except Unreachable as e:
         print(f"fusionctl: {e}.\n  The daemon is not running or listens elsewhere: "

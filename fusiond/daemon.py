@@ -619,7 +619,7 @@ class Daemon:
         self.add_message_handler(jobs.dispatch)
         if self.cluster is not None:
             self.cluster.on_change(jobs.on_view)
-        self.registry.register(JobCollector(jobs.coordinators))
+        self.registry.register(JobCollector(jobs.coordinators, jobs.scheduling.stats))
 
     def add_message_handler(self, handler: Callable[[str, Any], Awaitable[bool]]) -> None:
         """Offer peer messages the cluster does not take to `handler(peer, msg) -> handled`

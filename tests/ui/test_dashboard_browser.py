@@ -38,9 +38,9 @@ making any (docs/dashboard.md, Testing)."""
 JOB = """
 [job]
 name = "dash"
-steps = 240
+steps = 160
 seed = 0
-checkpoint_interval = 80
+checkpoint_interval = 50
 output = "{out}"
 [model]
 zoo = "gpt2"
@@ -174,7 +174,7 @@ def test_dashboard_in_chromium(cluster: Cluster, artifacts: Path, tmp_path: Path
             assert card.locator("table.edges td", has_text="exact").count() >= 1
             page.screenshot(path=str(artifacts / "2-training.png"), full_page=True)
             page.wait_for_selector(f"#job-{job_id}[data-state=done]", timeout=90_000)
-            assert _points(page, job_id) == 240
+            assert _points(page, job_id) == 160
             assert "after step" in card.inner_text()  # the checkpoint and its age
 
             # A member dies: its row turns red.
@@ -193,3 +193,30 @@ def test_dashboard_in_chromium(cluster: Cluster, artifacts: Path, tmp_path: Path
         finally:
             ctx.close()
     print(f"screenshots in {artifacts}")
+
+
+def test_the_schedulers_metrics_count_the_job_and_keep_it_after_it_ended(
+        cluster: Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """On the same daemons (no browser needed): the scheduler's /metrics counts the ended
+    job's outcome and its steps' durations, and still shows the job once it ended (the job's
+    gauges used to vanish with its coordinator, before an alert could fire)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    node0 = cluster.nodes[0]
+    job_file = tmp_path / "job.toml"
+    job_file.write_text(JOB.format(out=tmp_path / "out").replace("steps = 160", "steps = 6"))
+    rc, out, err = ctl(node0, "submit", str(job_file), "--json", capsys=capsys)
+    assert rc == 0, err
+    leader = (node0.status() or {})["cluster"]["leader"]
+    lead = next(n for n in cluster.nodes if n.alive() and cluster.node_id(n) == leader)
+    url = lead.api("GET", "/v1/paths")["metrics"]
+    with urllib.request.urlopen(url, timeout=10) as r:
+        got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(r.read().decode())
+               for s in fam.samples}
+    assert got[("fusion_job_outcomes_total", (("outcome", "done"),))] >= 1
+    assert got[("fusion_job_step_duration_seconds_count", ())] >= 6
+    assert got[("fusion_job_state", (("job", out["job_id"]), ("state", "done")))] == 1.0
+    assert any(k[0] == "fusion_build_info" for k in got)

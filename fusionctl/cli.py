@@ -14,6 +14,7 @@ Exit codes (also in ``--help`` and docs/cli.md):
     and the cause, and the ``fusionctl fetch ID`` that writes them once it is fixed)
 8   ``status``: the daemon answers but this node is in no working cluster: unconfigured,
     left, or without quorum (the output says which and what to run)
+130 interrupted (Ctrl-C); a job `submit` was following runs on
 ==  ===========================================================================
 """
 
@@ -31,6 +32,8 @@ from fusionctl.client import (
     ApiFailure,
     Client,
     ClientError,
+    NoAnswer,
+    NotPermitted,
     Unreachable,
     endpoint_from,
     env_default,
@@ -42,6 +45,8 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 EXIT_TIMEOUT = 4
+EXIT_INTERRUPTED = 130
+"""Ctrl-C (128 + SIGINT), as shells and the other tools report it."""
 EXIT_NOT_SERVING = 8
 """`status`: the daemon answers, but this node is in no working cluster."""
 
@@ -58,10 +63,12 @@ EXIT_CODES_HELP = """exit codes:
      the cause; `fusionctl fetch ID [--output DIR]` writes them once it is fixed)
   8  status: the daemon answers but this node is in no working cluster (unconfigured,
      left, or no quorum)
+  130  interrupted (Ctrl-C); after `submit` the job runs on
 
 environment: FUSION_API_SOCKET (default /run/fusion/fusiond.sock), FUSION_API_TCP with
 FUSION_API_TOKEN or FUSION_API_TOKEN_FILE."""
 
+LOG_HINT = "`journalctl -u fusiond` under systemd, `fusionctl paths` for where it runs"
 START_HINT = ("start it with `sudo systemctl start fusiond` (or `fusiond --config PATH`), "
               "or for a development cluster on this machine `fusionctl local up -n 3`; "
               "point fusionctl at another daemon with --socket PATH or --api HOST:PORT")
@@ -196,10 +203,24 @@ def run(argv: Sequence[str]) -> int:
             sys.stdout.write(script(ns.shell, parser))
             return EXIT_OK
         return _COMMANDS[ns.cmd](_client(ns), ns, out)
+    except NoAnswer as e:
+        print(f"fusionctl: {e}.\n  Something listens there but did not answer: the daemon "
+              "is busy or stuck, not stopped. Wait and try again, or allow longer with "
+              f"--timeout S; its log says what it is doing ({LOG_HINT}).", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except NotPermitted as e:
+        print(f"fusionctl: {e}.\n  The daemon may well be running, but this user may not "
+              "open its socket (mode 0660, group fusion under the shipped unit): join the "
+              "group (`sudo usermod -aG fusion $USER`, then log in again), use sudo, or point "
+              "fusionctl at a daemon of your own with --socket PATH.", file=sys.stderr)
+        return EXIT_UNREACHABLE
     except Unreachable as e:
         print(f"fusionctl: {e}.\n  The daemon is not running or listens elsewhere: "
               f"{START_HINT}.", file=sys.stderr)
         return EXIT_UNREACHABLE
+    except KeyboardInterrupt:
+        print(f"\nfusionctl {ns.cmd}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except ApiFailure as e:
         print(f"fusionctl {ns.cmd}: {e.message}", file=sys.stderr)
         return EXIT_FAILED
@@ -293,12 +314,38 @@ def _join(c: Client, ns: argparse.Namespace, out: Out) -> int:
     return EXIT_OK
 
 
+def leave_losses(jobs: dict[str, Any]) -> list[str]:
+    """What leaving would cost, from `GET /v1/jobs`: the stages this node runs, the running
+    jobs it took the submission of."""
+    lost = [f"stage {s.get('stage')} of job {s.get('job_id')} runs here: it stops, and the job "
+            "restarts without this machine from its last checkpoint (the steps since are "
+            "redone), or fails when it has no restart left"
+            for s in jobs.get("stages") or [] if s.get("running")]
+    lost += [f"job {j.get('job_id')} was submitted here and still runs: its updates and "
+             "outputs come back to this daemon, which stops taking them (the scheduler keeps "
+             "the weights it could not deliver: `fusionctl fetch` after joining again)"
+             for j in jobs.get("jobs") or [] if j.get("state") == "running"]
+    return lost
+
+
 def _leave(c: Client, ns: argparse.Namespace, out: Out) -> int:
+    try:
+        lost = leave_losses(c.get("/v1/jobs"))
+    except ApiFailure:
+        lost = []
+    for line in lost:
+        print(f"WARNING: {line}", file=sys.stderr)
     if not ns.yes and sys.stdin.isatty():
-        ans = input("leave the cluster for good? this node stops counting toward quorum [y/N] ")
+        ans = input("leave the cluster for good? this node stops counting toward quorum"
+                    f"{' and the work above is lost' if lost else ''} [y/N] ")
         if ans.strip().lower() not in ("y", "yes"):
             print("not leaving", file=sys.stderr)
             return EXIT_FAILED
+    elif lost and not ns.yes:
+        print("fusionctl leave: not leaving while this node has work (above); wait for it, "
+              "`fusionctl cancel ID` it, or run `fusionctl leave --yes` to leave anyway",
+              file=sys.stderr)
+        return EXIT_FAILED
     data = c.post("/v1/leave")
     out.result(data, lambda: print(f"left cluster {data.get('cluster_id')}\n\nnext (to join a "
                                    f"cluster again):\n  fusionctl join TOKEN"))

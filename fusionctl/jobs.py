@@ -26,6 +26,7 @@ EXIT_FAILED = 1
 EXIT_JOB_FAILED = 5
 EXIT_JOB_CANCELLED = 6
 EXIT_OUTPUTS = 7
+EXIT_INTERRUPTED = 130
 POLL_S = 0.5
 
 
@@ -234,9 +235,9 @@ def submit(c: Client, ns: argparse.Namespace, out: Any) -> int:
         final = follow(c, job_id, quiet=ns.json, on_poll=checkpoints)
     except KeyboardInterrupt:
         print(f"\nstopped following; the job runs on. `fusionctl job {job_id}`, "
-              f"`fusionctl cancel {job_id}`, and once it ended `fusionctl fetch {job_id}`",
-              file=sys.stderr)
-        return EXIT_FAILED
+              f"`fusionctl logs -f {job_id}`, `fusionctl cancel {job_id}`, and once it ended "
+              f"`fusionctl fetch {job_id}`", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if failure is None:
         try:
             listing = c.get(f"/v1/jobs/{job_id}/outputs")
@@ -305,6 +306,10 @@ def _outcome_text(d: dict[str, Any]) -> str:
                 if o.get("first_loss") is not None and o.get("final_loss") is not None else "")
         return f"job {d['job_id']} done in {o.get('wall_s', 0.0):.1f}s: {loss}" + (
             f"\nwritten:\n{outs}" if outs else "")
+    if d["state"] == "cancelled":
+        return (f"job {d['job_id']} cancelled at step {d.get('step') or 0} of "
+                f"{d.get('steps') or '?'} (`fusionctl cancel`)" + (
+                    f"\nwritten:\n{outs}" if outs else ""))
     return f"job {d['job_id']} {d['state']}: {o.get('failure') or '(no report)'}" + (
         f"\nwritten:\n{outs}" if outs else "")
 
@@ -322,10 +327,25 @@ def follow(c: Client, job_id: str, *, quiet: bool = False,
     """Poll the job until it ends, showing progress on stderr (and handing each status to
     `on_poll`); returns its last status."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     console = Console(stderr=True, highlight=False)
     live = console.is_terminal and not quiet
+    try:
+        return _follow(c, job_id, quiet=quiet, on_poll=on_poll, console=console, live=live)
+    finally:
+        bar = _BARS.pop(job_id, None)
+        if bar is not None:  # Ctrl-C mid-poll too: the bar gives the terminal its cursor back
+            bar.stop()
+
+
+_BARS: dict[str, Any] = {}
+"""The progress bar of each job `follow` is drawing (so it is stopped however it ends)."""
+
+
+def _follow(c: Client, job_id: str, *, quiet: bool, on_poll: Any, console: Any,
+            live: bool) -> dict[str, Any]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
     bar: Progress | None = None
     task: Any = None
     last_print = 0.0
@@ -351,6 +371,7 @@ def follow(c: Client, job_id: str, *, quiet: bool = False,
                                TextColumn("{task.fields[rate]}"),
                                TextColumn("ETA {task.fields[eta]}"), console=console)
                 bar.start()
+                _BARS[job_id] = bar
                 task = bar.add_task(d["name"], total=d["steps"], loss=loss,
                                     rate=fields["rate"], eta=eta)
             bar.update(task, completed=d["step"], loss=loss, rate=fields["rate"], eta=eta)
@@ -361,8 +382,6 @@ def follow(c: Client, job_id: str, *, quiet: bool = False,
         if on_poll is not None:
             on_poll(d)
         if d["state"] != "running":
-            if bar is not None:
-                bar.stop()
             return d
         time.sleep(POLL_S)
 

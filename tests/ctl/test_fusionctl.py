@@ -342,3 +342,73 @@ def test_status_names_peers_marks_stale_figures_and_needs_two_views_for_high_lat
     links["nb"]["na"] = dict(slow)  # both ends agree: that link is slow
     render_status({"node": {"node_id": "na", "phase": "running"}, "cluster": view})
     assert "high latency na <-> nb: 200.00 ms and 200.00 ms" in capsys.readouterr().out
+
+
+def test_a_daemon_that_does_not_answer_in_time_is_not_called_stopped(
+        tmp_path: Path, capsys: Capture) -> None:
+    """Something accepts on the socket and says nothing (a busy or wedged daemon): the advice
+    is to wait or allow longer, not "the daemon is not running" (what it used to say)."""
+    import socket
+    import threading
+
+    path = tmp_path / "busy.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(4)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        srv.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(srv.accept()[0])
+            except TimeoutError:
+                continue
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    try:
+        assert run(["--socket", str(path), "--timeout", "0.3", "status"]) == EXIT_UNREACHABLE
+    finally:
+        stop.set()
+        t.join(5)
+        for s in [srv, *held]:
+            s.close()
+    err = capsys.readouterr().err
+    assert "did not answer within 0.3 s" in err and "busy or stuck, not stopped" in err
+    assert "--timeout" in err and "not running" not in err
+
+
+def test_a_socket_this_user_may_not_open_is_not_called_stopped(tmp_path: Path) -> None:
+    """A real unprivileged user against a root-only socket: EACCES says to join the group,
+    not that the daemon is not running (what it used to say)."""
+    import socket
+
+    from tests.users import plain_user
+
+    d = Path(tempfile.mkdtemp(prefix="fzperm"))
+    d.chmod(0o755)
+    path = d / "fusiond.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        srv.bind(str(path))
+        srv.listen(1)
+        path.chmod(0o600)
+        with plain_user() as user:
+            r = user.fusionctl(str(path), "status", timeout=60)
+    finally:
+        srv.close()
+        shutil.rmtree(d, ignore_errors=True)
+    assert r.returncode == EXIT_UNREACHABLE, r.stderr
+    assert "permission denied" in r.stderr and "usermod -aG fusion" in r.stderr
+    assert "not running" not in r.stderr
+
+
+def test_a_cancelled_job_says_at_which_step() -> None:
+    from fusionctl.jobs import _outcome_text
+
+    text = _outcome_text({"job_id": "j-1", "state": "cancelled", "step": 37, "steps": 100,
+                          "outcome": {}})
+    assert text == "job j-1 cancelled at step 37 of 100 (`fusionctl cancel`)"
+    assert "(no report)" not in text  # what it used to print

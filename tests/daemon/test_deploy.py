@@ -138,9 +138,11 @@ def test_the_wheel_installs_what_the_unit_points_at(tmp_path: Path) -> None:
     for f in ("app.js", "style.css", "index.html"):
         assert f"fusiond/api/static/{f}" in names
     prefix = tmp_path / "opt-fusion"
+    # --ignore-installed: without it pip uninstalls this environment's own (editable) fusiond
+    # before installing under the prefix
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
-                    "--prefix", str(prefix), str(wheel)], check=True, capture_output=True,
-                   timeout=300)
+                    "--ignore-installed", "--prefix", str(prefix), str(wheel)], check=True,
+                   capture_output=True, timeout=300)
     exec_start = next(ln for ln in lines if ln.startswith("ExecStart=")).split("=", 1)[1]
     docs = [ln.split("=", 1)[1] for ln in lines if ln.startswith("Documentation=")]
     venv = "/opt/fusion/"

@@ -219,10 +219,9 @@ def test_cancel_mid_job_then_the_next_job_succeeds(cluster3: Cluster, tmp_path: 
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     lead, node0 = leader_and_other(cluster3)  # submitted to a non-scheduler: cancel travels
     long_job = _write(tmp_path, GPT2.replace("steps = 20", "steps = 100000"), "long.toml")
-    rc, res, err = ctl(node0, "submit", str(long_job), "--stages", "3", "--detach", "--json",
-                       capsys=capsys)
-    assert rc == 0, err
-    job_id = res["job_id"]
+    # followed in a terminal, Ctrl-C stops following (exit 130, the terminal's cursor given
+    # back by the progress bar) and the job runs on; it used to exit 1 with the cursor hidden
+    job_id = _submit_in_a_terminal_then_ctrl_c(node0, long_job, tmp_path)
 
     def running() -> tuple[bool, str]:
         d = node0.api("GET", f"/v1/jobs/{job_id}?history=0")
@@ -236,6 +235,10 @@ def test_cancel_mid_job_then_the_next_job_succeeds(cluster3: Cluster, tmp_path: 
     assert f'fusion_job_steps{{job="{job_id}"}} 100000.0' in text, text[-2000:]
     assert f'fusion_job_step{{job="{job_id}"}}' in text
     assert "fusion_job_edge_wire_bytes_total" in text
+    # `leave` on a node running a stage says what is lost and, without --yes, does not leave
+    rc, _, err = ctl(node0, "leave", capsys=capsys)
+    assert rc == 1 and f"of job {job_id} runs here" in err and "--yes" in err, err
+    assert (node0.status() or {})["node"]["phase"] == "running"
     rc, res, err = ctl(node0, "cancel", job_id, "--json", capsys=capsys)
     assert rc == 0 and res["cancelled"], err
     assert node0.api("GET", f"/v1/jobs/{job_id}?history=0")["state"] == "cancelled"
@@ -248,6 +251,62 @@ def test_cancel_mid_job_then_the_next_job_succeeds(cluster3: Cluster, tmp_path: 
     assert rc == 0 and res["state"] == "done", err
     assert time.monotonic() - t0 < 60
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def _submit_in_a_terminal_then_ctrl_c(node: Any, job: Path, cwd: Path) -> str:
+    """`fusionctl submit JOB --stages 3` on a pseudo-terminal, SIGINT once its progress bar
+    shows; asserts exit 130 and a visible cursor at the end; returns the job id."""
+    import pty
+    import re
+    import select
+    import signal
+    import subprocess
+    import sys
+
+    master, slave = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_")}
+    env.update(TERM="xterm-256color", COLUMNS="120", LINES="40")
+    p = subprocess.Popen([sys.executable, "-m", "fusionctl", "--socket", node.socket, "submit",
+                          str(job), "--stages", "3"], stdin=slave, stdout=slave, stderr=slave,
+                         cwd=cwd, env=env, close_fds=True)
+    os.close(slave)
+    out = b""
+
+    def read(until: float) -> None:
+        nonlocal out
+        while time.monotonic() < until:
+            r, _, _ = select.select([master], [], [], 0.1)
+            if r:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # the child closed the terminal
+                    return
+                if not chunk:
+                    return
+                out += chunk
+            elif p.poll() is not None:
+                return
+
+    try:
+        deadline = time.monotonic() + 90
+        while b"\x1b[?25l" not in out and time.monotonic() < deadline and p.poll() is None:
+            read(time.monotonic() + 0.2)  # until the bar hides the cursor to draw
+        assert b"\x1b[?25l" in out, out.decode(errors="replace")[-2000:]
+        read(time.monotonic() + 1.0)
+        p.send_signal(signal.SIGINT)
+        rc = p.wait(30)
+        read(time.monotonic() + 0.5)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(master)
+    text = out.decode(errors="replace")
+    assert rc == 130, text[-2000:]
+    assert out.rfind(b"\x1b[?25h") > out.rfind(b"\x1b[?25l"), text[-2000:]
+    assert "the job runs on" in text
+    m = re.search(r"job (\S+) started", text)
+    assert m is not None, text[-2000:]
+    return m.group(1)
 
 
 def test_plan_prints_the_planners_table_and_starts_nothing(

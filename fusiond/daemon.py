@@ -748,6 +748,9 @@ class Daemon:
             raise ApiError(409, "exists", f"this node is already in cluster "
                            f"{self.cluster_id or '(stopped)'}; run `fusionctl token` for a join "
                            "token, or `fusionctl status`")
+        listen = parse_hostport(self.cfg.net.listen)
+        self._refuse_unreachable_advertise(
+            await asyncio.to_thread(advertise_address, self.cfg, listen), listen)
         await asyncio.to_thread(pki.init_cluster, self.state_dir)
         with contextlib.suppress(FileNotFoundError):
             (self.state_dir / LEFT_MARKER).unlink()
@@ -765,12 +768,29 @@ class Daemon:
                            "`fusionctl token` on the node where `fusionctl init` ran")
         if self.address is None:
             raise ApiError(409, "not_running", "peer services are not running here")
+        if self.net is not None:
+            self._refuse_unreachable_advertise(self.address, tuple(self.net.address))
         ttl = body_number(body, "ttl_s", pki.DEFAULT_TOKEN_TTL_S, lo=0.0, hi=MAX_TOKEN_TTL_S,
                           lo_open=True, unit="seconds")
         one_time = body_bool(body, "one_time", True)
         tok = pki.make_join_token(ca, [self.address], ttl_s=float(ttl), one_time=one_time)
         return {"token": tok, "expires_in_s": ttl, "one_time": one_time,
                 "next": f"fusionctl join {tok}"}
+
+    def _refuse_unreachable_advertise(self, advertised: tuple[str, int],
+                                      listen: tuple[Any, ...]) -> None:
+        """A join token names the address this node advertises. A loopback one while the
+        node listens beyond loopback (no default route, a host name resolving to 127.0.0.1)
+        works on no other machine: refuse to print it, and say what to set. A node that
+        listens on loopback only (a development cluster) gets its loopback token."""
+        if is_loopback(str(advertised[0])) and not is_loopback(str(listen[0])):
+            raise ApiError(409, "unreachable_address", (
+                f"this node would advertise {_fmt_addr(advertised)}, a loopback address (it "
+                "found no default route, and its host name resolves to loopback), so a join "
+                "token naming it works on no other machine. Set net.advertise to the address "
+                "the other machines reach this one at (e.g. 10.0.0.5:7420: "
+                "/etc/fusion/fusiond.toml [net] advertise, or FUSION_NET_ADVERTISE), restart "
+                "fusiond, and run this again"))
 
     async def join(self, body: Mapping[str, Any]) -> dict[str, Any]:
         token, address = body.get("token"), body.get("address")

@@ -84,3 +84,40 @@ def test_bad_config_exits_78_without_binding(root: Path) -> None:
     assert "cluster.gossip_fanout" in r.stderr and str(node.config_path) in r.stderr
     assert not Path(node.socket).exists()
     assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.timeout(60)
+def test_init_refuses_a_join_token_no_other_machine_can_use(root: Path) -> None:
+    """A daemon in a network namespace with no route (only loopback), listening on all
+    addresses: it would advertise 127.0.0.1, so `fusionctl init` says so and what to set,
+    and creates nothing (it used to print a token naming 127.0.0.1:PORT)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("needs root, unshare and ip (a network namespace of its own)")
+    probe = subprocess.run(
+        ["unshare", "-n", sys.executable, "-c", "import socket; from fusiond.config import "
+         "DaemonConfig, advertise_address; print(advertise_address(DaemonConfig(), "
+         "('0.0.0.0', 7420))[0])"], capture_output=True, text=True, timeout=30)
+    if probe.stdout.strip() not in ("127.0.0.1", "::1"):
+        pytest.skip(f"this machine's host name resolves to {probe.stdout.strip()!r} even "
+                    "without a route: the case needs one resolving to loopback")
+    wrapper = root / "python-in-netns"
+    wrapper.write_text(f"#!/bin/sh\nexec unshare -n sh -c 'ip link set lo up; exec \"$@\"' "
+                       f"- {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    node = _node(root, net={"listen": "0.0.0.0:0"},
+                 cluster={"mdns": False, "probes": False})
+    node.python = str(wrapper)
+    node.start()
+    try:
+        ok, _, _ = wait_until(lambda: (node.status(1.0) is not None, ""), 30)
+        assert ok, node.log_text()
+        from fusionctl.client import ApiFailure
+
+        with pytest.raises(ApiFailure) as e:
+            node.api("POST", "/v1/init", {})
+        assert e.value.status == 409 and e.value.code == "unreachable_address"
+        assert "127.0.0.1" in e.value.message and "net.advertise" in e.value.message
+        assert not (node.state_dir / "ca.key").exists()  # nothing created
+        assert node.status()["node"]["phase"] == "unconfigured"  # type: ignore[index]
+    finally:
+        node.stop()

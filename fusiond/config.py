@@ -36,6 +36,7 @@ from fusiond.opsets import OP_NAME_RE
 DEFAULT_CONFIG_PATH = Path("/etc/fusion/fusiond.toml")
 ENV_PREFIX = "FUSION_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("auto", "text", "journal", "json")
 LOOPS = ("auto", "asyncio", "uvloop")
 
 
@@ -100,6 +101,10 @@ class DaemonConfig:
     """Human name shown in status; empty: the host name."""
     log_level: str = "info"
     """debug, info, warning or error. SIGHUP applies a change without a restart."""
+    log_format: str = "auto"
+    """How stderr lines look: text (time, level, logger, message), journal (a syslog priority
+    prefix and no time: `journalctl -p warning` works), json (one object per line), or auto
+    (journal when stderr is the journal, else text)."""
     loop: str = "auto"
     """Event loop: auto (uvloop where available), asyncio or uvloop."""
     profile_benchmark: bool = True
@@ -310,6 +315,8 @@ def _validate(cfg: DaemonConfig, origin: Mapping[str, str]) -> None:
         raise bad("net.backoff_jitter", cfg.net.backoff_jitter, "must be in [0, 1)")
     if cfg.net.payload_check not in ("auto", "on", "off"):
         raise bad("net.payload_check", cfg.net.payload_check, "must be auto, on or off")
+    if cfg.log_format not in LOG_FORMATS:
+        raise bad("log_format", cfg.log_format, f"must be one of {', '.join(LOG_FORMATS)}")
     if cfg.log_level not in LOG_LEVELS:
         raise bad("log_level", cfg.log_level, f"must be one of {', '.join(LOG_LEVELS)}")
     if cfg.loop not in LOOPS:

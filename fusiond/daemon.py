@@ -124,14 +124,67 @@ def watchdog_interval(env: Mapping[str, str] | None = None) -> float | None:
     return int(usec) / 2e6
 
 
-def configure_logging(level: str) -> None:
-    """Plain one-line records on stderr (journald timestamps them; tests read them)."""
+SYSLOG_PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
+                   logging.CRITICAL: 2}
+"""Python's levels as syslog priorities (journald reads a `<N>` prefix as the line's)."""
+
+
+class JournalFormatter(logging.Formatter):
+    """`<N>logger: message`: journald stamps the time itself, and takes the `<N>` prefix as
+    the priority, so `journalctl -u fusiond -p warning` shows warnings and worse. A traceback
+    continues on lines of the same priority."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        prio = SYSLOG_PRIORITY.get(record.levelno, 6 if record.levelno < logging.WARNING else 3)
+        text = f"{record.name}: {record.getMessage()}"
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return "\n".join(f"<{prio}>{line}" for line in text.splitlines())
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: `ts` (Unix seconds), `level`, `logger`, `msg`, and `exc` (the
+    traceback) when there is one: for log shippers."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {"ts": round(record.created, 6),
+                               "level": record.levelname.lower(), "logger": record.name,
+                               "msg": record.getMessage()}
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False)
+
+
+def journal_stream(env: Mapping[str, str] | None = None, fd: int = 2) -> bool:
+    """Whether `fd` is the journal's stream: systemd sets $JOURNAL_STREAM to its
+    `device:inode` (so a daemon whose stderr was redirected elsewhere is not fooled)."""
+    env = os.environ if env is None else env
+    want = env.get("JOURNAL_STREAM", "")
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    return bool(want) and want == f"{st.st_dev}:{st.st_ino}"
+
+
+def configure_logging(level: str, fmt: str = "auto") -> None:
+    """One line per record on stderr, as `fmt` says: `text` (time, level, logger, message),
+    `journal` (syslog priority prefix, no time: journald adds it), `json` (JSON lines), or
+    `auto`: journal when stderr is the journal, else text."""
+    if fmt == "auto":
+        fmt = "journal" if journal_stream() else "text"
+    formatter: logging.Formatter = (
+        JournalFormatter() if fmt == "journal" else JsonFormatter() if fmt == "json"
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
-    if not any(getattr(h, "_fusiond", False) for h in root.handlers):
-        h = logging.StreamHandler()
-        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        h._fusiond = True  # type: ignore[attr-defined]
-        root.addHandler(h)
+    mine: list[logging.Handler] = [h for h in root.handlers if getattr(h, "_fusiond", False)]
+    if not mine:
+        new = logging.StreamHandler()
+        new._fusiond = True  # type: ignore[attr-defined]
+        root.addHandler(new)
+        mine = [new]
+    for h in mine:
+        h.setFormatter(formatter)
     root.setLevel(level.upper())
 
 
@@ -646,19 +699,21 @@ class Daemon:
             log.error("SIGHUP: config not reloaded, keeping the running one: %s", e)
             return
         old, cfg = self.cfg, new.config
-        if cfg.log_level != old.log_level:
-            configure_logging(cfg.log_level)
-            log.info("SIGHUP: log_level %s -> %s", old.log_level, cfg.log_level)
+        if cfg.log_level != old.log_level or cfg.log_format != old.log_format:
+            configure_logging(cfg.log_level, cfg.log_format)
+            log.info("SIGHUP: log_level %s -> %s, log_format %s -> %s", old.log_level,
+                     cfg.log_level, old.log_format, cfg.log_format)
         added = [b for b in cfg.cluster.bootstrap if b not in old.cluster.bootstrap]
         if added and self.cluster is not None:
             for b in added:
                 self.cluster.add_bootstrap(parse_hostport(b, default_port=DEFAULT_PEER_PORT))
             log.info("SIGHUP: added bootstrap addresses %s", ", ".join(added))
-        old.log_level = cfg.log_level
+        old.log_level, old.log_format = cfg.log_level, cfg.log_format
         old.cluster.bootstrap = cfg.cluster.bootstrap
         from fusiond.config import get, keys
 
-        restart = [k.path for k in keys() if k.path not in ("log_level", "cluster.bootstrap")
+        restart = [k.path for k in keys() if k.path not in ("log_level", "log_format",
+                                                             "cluster.bootstrap")
                    and get(cfg, k.path) != get(old, k.path)]
         if restart:
             log.warning("SIGHUP: changes to %s take effect after a restart", ", ".join(restart))

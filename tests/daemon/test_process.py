@@ -121,3 +121,63 @@ def test_init_refuses_a_join_token_no_other_machine_can_use(root: Path) -> None:
         assert node.status()["node"]["phase"] == "unconfigured"  # type: ignore[index]
     finally:
         node.stop()
+
+
+@pytest.mark.timeout(60)
+def test_logs_speak_journald_under_systemd_and_json_lines_when_asked(root: Path) -> None:
+    """Under systemd (stderr is the journal: $JOURNAL_STREAM names it) each line carries its
+    syslog priority and no timestamp of its own, so `journalctl -p warning` filters and the
+    time is not printed twice; `log_format = "json"` writes one JSON object per line. (Every
+    line used to be `time LEVEL logger: message`.)"""
+    import json
+
+    node = _node(root, net={"listen": "127.0.0.1:0", "insecure_plaintext": True},
+                 cluster={"mdns": False, "probes": False})
+    node.dir.mkdir(parents=True, exist_ok=True)
+    node.log_path.touch()
+    st = node.log_path.stat()
+    node.start({"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"})
+    try:
+        ok, _, _ = wait_until(lambda: ((node.status(1.0) or {}).get("node", {}).get("phase")
+                                       == "running", ""), 30)
+        assert ok, node.log_text()
+    finally:
+        assert node.stop() == 0
+    lines = [ln for ln in node.log_text().splitlines() if ln.startswith("<")]
+    assert any(ln.startswith("<4>fusiond: PLAINTEXT peer links") for ln in lines), lines
+    assert any(ln.startswith("<6>fusiond: ready:") for ln in lines), lines
+    assert not any(ln[3:7].isdigit() for ln in lines)  # no timestamp: journald adds its own
+
+    root2 = root / "json"
+    node = _node(root2, log_format="json", net={"listen": "127.0.0.1:0",
+                                                "insecure_plaintext": True},
+                 cluster={"mdns": False, "probes": False})
+    node.start()
+    try:
+        ok, _, _ = wait_until(lambda: ((node.status(1.0) or {}).get("node", {}).get("phase")
+                                       == "running", ""), 30)
+        assert ok, node.log_text()
+    finally:
+        assert node.stop() == 0
+    records = [json.loads(ln) for ln in node.log_text().splitlines() if ln.startswith("{")]
+    assert records and all({"ts", "level", "logger", "msg"} <= r.keys() for r in records)
+    assert any(r["level"] == "warning" and "PLAINTEXT" in r["msg"] for r in records)
+    assert any(r["msg"].startswith("ready:") for r in records)
+
+
+def test_journal_lines_keep_a_tracebacks_priority() -> None:
+    import logging
+
+    from fusiond.daemon import JournalFormatter, journal_stream
+
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        import sys as _sys
+
+        rec = logging.LogRecord("fusiond.api", logging.ERROR, __file__, 1, "API %s failed",
+                                ("GET /x",), _sys.exc_info())
+    text = JournalFormatter().format(rec)
+    assert text.splitlines()[0] == "<3>fusiond.api: API GET /x failed"
+    assert all(ln.startswith("<3>") for ln in text.splitlines()) and "ValueError: boom" in text
+    assert not journal_stream({"JOURNAL_STREAM": "1:2"})  # not our stderr

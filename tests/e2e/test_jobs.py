@@ -420,3 +420,27 @@ def test_an_earlier_runs_outputs_are_never_silently_overwritten(
     assert set(res["written"]) == set(first["written"])
     steps = [s["step"] for s in json.loads((out / "metrics.json").read_text())["steps"]]
     assert steps == list(range(6))
+
+
+def test_the_notebook_example_trains_a_module_and_gets_it_back(
+        cluster3: Cluster, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """examples/notebook.py (fusionctl.notebook.train): an nn.Module defined there, captured
+    here, trained on the daemons, followed step by step, returned as a module with the
+    weights the daemon stored."""
+    import runpy
+
+    node0 = cluster3.nodes[0]
+    monkeypatch.setenv("FUSION_API_SOCKET", node0.socket)
+    example = Path(__file__).resolve().parents[2] / "examples" / "notebook.py"
+    main = runpy.run_path(str(example))["main"]
+    model, trained, losses = main()
+    out = capsys.readouterr().out
+    assert len(losses) == 30 and losses[-1] < losses[0] - 0.5, losses
+    assert "after 'def' it expects" in out
+    assert type(trained) is type(model) and trained is not model
+    changed = [k for k, v in model.state_dict().items()
+               if not torch.equal(v, trained.state_dict()[k])]
+    assert changed == list(model.state_dict())  # every tensor trained; the original untouched
+    job_id = out.split("job ", 1)[1].split()[0]
+    assert node0.api("GET", f"/v1/jobs/{job_id}?history=0")["state"] == "done"

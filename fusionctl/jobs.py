@@ -387,7 +387,7 @@ def _follow(c: Client, job_id: str, *, quiet: bool, on_poll: Any, console: Any,
 
 
 def list_jobs(c: Client, ns: argparse.Namespace, out: Any) -> int:
-    data = c.get("/v1/jobs")
+    data = c.get("/v1/jobs?cluster=1")
 
     def human() -> None:
         from fusionctl.render import render_jobs

@@ -339,6 +339,21 @@ def render_jobs(data: Mapping[str, Any]) -> None:
     if data.get("hidden"):
         c.print(f"({data['hidden']} jobs of other users not shown: only root and the daemon's "
                 "user see every job)")
+    cluster = data.get("cluster")
+    if isinstance(cluster, Mapping):
+        t = Table(title=f"jobs the scheduler {_short(cluster.get('scheduler'), 40)} runs "
+                        "(submitted on any member)")
+        for col in ("job", "state", "step", "loss", "stages", "submitted on"):
+            t.add_column(col)
+        for j in cluster.get("jobs") or []:
+            loss = j.get("loss")
+            t.add_row(str(j.get("job_id")), str(j.get("state")),
+                      f"{j.get('step') or 0}/{j.get('steps') or '?'}",
+                      "-" if loss is None else f"{loss:.4f}", str(j.get("stages") or "-"),
+                      _short(j.get("submitter"), 40))
+        c.print(t)
+    elif data.get("cluster_note"):
+        c.print(f"(other members' jobs: {data['cluster_note']})")
     stages = data.get("stages", [])
     if stages:
         s = Table(title="stages hosted here")
@@ -362,6 +377,10 @@ def render_job(d: Mapping[str, Any]) -> None:
     eta = "-" if d.get("eta_s") is None else f"{d['eta_s']:.0f}s"
     c.print(f"job {d['job_id']} ({d['name']}): {d['state']}, step {d['step']}/{d['steps']}, "
             f"loss {first} -> {loss}, {rate}, ETA {eta}, output {d['output']}")
+    if d.get("via_scheduler"):
+        c.print(f"submitted on {d.get('submitter')}; as its scheduler {d['via_scheduler']} "
+                "reports it (outputs: `fusionctl fetch` on the submitting member)",
+                markup=False)
     outcome = d.get("outcome") or {}
     if outcome.get("failure"):
         c.print(f"[red]{outcome['failure']}[/red]", markup=True)

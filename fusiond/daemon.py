@@ -74,6 +74,9 @@ MEMBERS_FILE = "members.json"
 BOOTSTRAP_FILE = "bootstrap.json"
 """Addresses learned from `fusionctl join`, kept so a restart finds the cluster again."""
 PLAINTEXT_CLUSTER_ID = "insecure-dev"
+CLUSTER_JOBS_OPERATOR_ONLY = (
+    "other members' jobs are shown to this daemon's operator only (root, its own user, or the "
+    "API token's holder): a job belongs to a user of the machine it was submitted on")
 STALE_PROBES = 3
 """A link figure older than this many probe intervals is shown stale (the dashboard)."""
 MAX_TOKEN_TTL_S = 366 * 24 * 3600.0
@@ -1010,6 +1013,47 @@ class Daemon:
             raise ApiError(404, "no_output", f"job {job_id} has no stored output {name!r} "
                            f"(`fusionctl fetch {job_id}` lists what it has)")
         return got
+
+    async def cluster_jobs(self, caller: Caller) -> dict[str, Any]:
+        """`list_jobs`, and under `cluster` the jobs the scheduler coordinates, whoever took
+        their submission (for the operator: a job belongs to a user of the machine it was
+        submitted on, so only the operator sees other members' jobs)."""
+        data = self.list_jobs(caller)
+        data["cluster"] = None
+        if self.jobs is None:
+            data["cluster_note"] = "this node is not in a cluster"
+        elif not caller.operator:
+            data["cluster_note"] = CLUSTER_JOBS_OPERATOR_ONLY
+        else:
+            try:
+                leader, answer = await self.jobs.ask_scheduler()
+            except FusionError as e:
+                data["cluster_note"] = str(e)
+            else:
+                data["cluster"] = {"scheduler": leader, "jobs": list(answer.jobs)}
+        return data
+
+    async def remote_job(self, job_id: str, history: int, caller: Caller, *,
+                         cancel: bool = False) -> dict[str, Any]:
+        """A job this daemon does not know, as the scheduler that coordinates it shows it
+        (cancelled first with `cancel`): the operator's `fusionctl job/logs/cancel ID` on any
+        member."""
+        jobs = self._job_service()
+        if not caller.operator:
+            raise ApiError(404, "unknown_job", f"no job {job_id!r} was submitted to this daemon "
+                           f"(`fusionctl jobs` lists yours); {CLUSTER_JOBS_OPERATOR_ONLY}")
+        from protocol.messages import MAX_JOBS_ANSWER_HISTORY
+
+        try:
+            leader, answer = await jobs.ask_scheduler(
+                job_id, min(history, MAX_JOBS_ANSWER_HISTORY), cancel=cancel)
+        except FusionError as e:
+            raise ApiError(502, "no_scheduler", f"job {job_id!r} was not submitted here, and "
+                           f"the scheduler could not be asked: {e}") from None
+        if not answer.known:
+            raise ApiError(404, "unknown_job", f"no job {job_id!r} here, nor at the scheduler "
+                           f"{leader} (`fusionctl jobs` lists every member's)")
+        return {**answer.job, "via_scheduler": leader}
 
     def dashboard_session(self, caller: Caller) -> dict[str, Any]:
         """A dashboard session for `caller` (it sees what the caller may see: docs/dashboard.md)."""

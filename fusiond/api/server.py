@@ -190,6 +190,9 @@ class Backend(Protocol):
                           ) -> dict[str, Any]: ...
     def job_output_file(self, job_id: str, name: str, caller: Caller) -> tuple[Path, str]: ...
     def dashboard_session(self, caller: Caller) -> dict[str, Any]: ...
+    async def cluster_jobs(self, caller: Caller) -> dict[str, Any]: ...
+    async def remote_job(self, job_id: str, history: int, caller: Caller, *,
+                         cancel: bool = False) -> dict[str, Any]: ...
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -474,6 +477,8 @@ class ApiServer:
         return request[CALLER]
 
     async def _list_jobs(self, request: web.Request) -> web.StreamResponse:
+        if request.query.get("cluster", "") in ("1", "true", "yes"):
+            return _json(await self.backend.cluster_jobs(self._caller(request)))
         return _json(self.backend.list_jobs(self._caller(request)))
 
     async def _job(self, request: web.Request) -> web.StreamResponse:
@@ -481,15 +486,36 @@ class ApiServer:
         if not raw.isdigit() or int(raw) > MAX_HISTORY:
             raise ApiError(400, "bad_request", f"history must be an integer in [0, "
                            f"{MAX_HISTORY}], got {raw!r}")
-        return _json(self.backend.job(request.match_info["job_id"], int(raw),
-                                      self._caller(request)))
+        job_id, caller = request.match_info["job_id"], self._caller(request)
+        try:
+            return _json(self.backend.job(job_id, int(raw), caller))
+        except ApiError as e:  # submitted elsewhere: the scheduler coordinates it
+            if e.code != "unknown_job":
+                raise
+        return _json(await self.backend.remote_job(job_id, int(raw), caller))
 
     async def _job_logs(self, request: web.Request) -> web.StreamResponse:
-        return _json(self.backend.job_logs(request.match_info["job_id"], self._caller(request)))
+        job_id, caller = request.match_info["job_id"], self._caller(request)
+        try:
+            return _json(self.backend.job_logs(job_id, caller))
+        except ApiError as e:
+            if e.code != "unknown_job":
+                raise
+        got = await self.backend.remote_job(job_id, 0, caller)
+        return _json({"job_id": job_id, "lines": got.get("lines") or [],
+                      "via_scheduler": got.get("via_scheduler")})
 
     async def _job_cancel(self, request: web.Request) -> web.StreamResponse:
-        return _json(await self.backend.cancel_job(request.match_info["job_id"],
-                                                   self._caller(request)))
+        job_id, caller = request.match_info["job_id"], self._caller(request)
+        try:
+            return _json(await self.backend.cancel_job(job_id, caller))
+        except ApiError as e:
+            if e.code != "unknown_job":
+                raise
+        got = await self.backend.remote_job(job_id, 0, caller, cancel=True)
+        return _json({"job_id": job_id, "state": got.get("state"),
+                      "cancelled": got.get("state") == "cancelled",
+                      "via_scheduler": got.get("via_scheduler")})
 
     async def _job_outputs(self, request: web.Request) -> web.StreamResponse:
         return _json(await self.backend.job_outputs(request.match_info["job_id"],

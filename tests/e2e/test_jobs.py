@@ -444,3 +444,47 @@ def test_the_notebook_example_trains_a_module_and_gets_it_back(
     assert changed == list(model.state_dict())  # every tensor trained; the original untouched
     job_id = out.split("job ", 1)[1].split()[0]
     assert node0.api("GET", f"/v1/jobs/{job_id}?history=0")["state"] == "done"
+
+
+def test_jobs_are_seen_and_cancelled_from_any_member(
+        cluster3: Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`fusionctl jobs`, `job`, `logs` and `cancel` on a member that neither took the job's
+    submission nor schedules it: the scheduler answers (a JobsQuery). They used to answer
+    "no job ... was submitted to this daemon" there."""
+    lead, submitter = leader_and_other(cluster3)
+    other = next(n for n in cluster3.nodes if n is not lead and n is not submitter)
+    long_job = _write(tmp_path, GPT2.replace("steps = 20", "steps = 100000"), "long.toml")
+    rc, res, err = ctl(submitter, "submit", str(long_job), "--stages", "2", "--detach",
+                       "--json", capsys=capsys)
+    assert rc == 0, err
+    job_id = res["job_id"]
+    try:
+        def running() -> tuple[bool, str]:
+            d = submitter.api("GET", f"/v1/jobs/{job_id}?history=0")
+            return d["step"] >= 2, f"{d['state']} at step {d['step']}"
+
+        cluster3.wait_for(running, 60.0, "the long job running")
+        rc, listing, err = ctl(other, "jobs", "--json", capsys=capsys)
+        assert rc == 0, err
+        assert listing["cluster"]["scheduler"] == cluster3.node_id(lead)
+        [brief] = [j for j in listing["cluster"]["jobs"] if j["job_id"] == job_id]
+        assert brief["submitter"] == cluster3.node_id(submitter) and brief["state"] == "running"
+        rc, text, _ = ctl(other, "jobs", capsys=capsys)
+        assert job_id in text and "submitted on any member" in text
+        rc, d, err = ctl(other, "job", job_id, "--json", capsys=capsys)
+        assert rc == 0 and d["state"] == "running" and d["step"] >= 2, err
+        assert d["via_scheduler"] == cluster3.node_id(lead) and d["history"]
+        rc, logs, err = ctl(other, "logs", job_id, "--json", capsys=capsys)
+        assert rc == 0 and logs["lines"], err
+        rc, res, err = ctl(other, "cancel", job_id, "--json", capsys=capsys)
+        assert rc == 0 and res["cancelled"], (res, err)
+    finally:
+        submitter.api("POST", f"/v1/jobs/{job_id}/cancel")
+
+    def cancelled() -> tuple[bool, str]:
+        state = submitter.api("GET", f"/v1/jobs/{job_id}?history=0")["state"]
+        return state == "cancelled", state
+
+    cluster3.wait_for(cancelled, 30.0, "the submitter seeing the job cancelled")
+    rc, _, err = ctl(other, "job", "no-such-job", capsys=capsys)
+    assert rc == 1 and "nor at the scheduler" in err

@@ -72,14 +72,12 @@ from fusiond.jobs.submit import (
     restore_job,
 )
 from fusiond.jobs.upload import Upload, decode_upload
-from fusiond.jobs.views import record_brief
 from fusiond.jobs.worker import LeadershipFn, SendFn
 from fusiond.plan import Cluster, Plan
 from fusiond.plan.render import plan_summary, render_plan
 from fusiond.tasks import TaskSet
 from fusiond.train.local import StepMetrics
 from fusiond.train.spec import JobSpec
-from protocol.messages import MAX_JOBS_ANSWER_HISTORY as MAX_JOBS_ANSWER_HISTORY
 from protocol.messages import (
     Address,
     JobCancel,
@@ -88,8 +86,6 @@ from protocol.messages import (
     JobOutputAck,
     JobQuery,
     JobQueryReply,
-    JobsAnswer,
-    JobsQuery,
     JobSubmit,
     JobSubmitReply,
     JobUpdate,
@@ -351,37 +347,6 @@ class Scheduling:
     def on_query(self, peer: str, msg: JobQuery) -> None:
         """A submitter asks about a job (and for what it missed)."""
         self._spawn(self._answer_query(peer, msg), f"query {msg.job_id}")
-
-    def on_jobs_query(self, peer: str, msg: JobsQuery) -> None:
-        """A member asks about the jobs coordinated here (or cancels one): `fusionctl jobs`,
-        `job`, `logs`, `cancel` on a member that did not take the job's submission."""
-        self._spawn(self._answer_jobs(peer, msg), f"jobs query from {peer}")
-
-    async def _answer_jobs(self, peer: str, msg: JobsQuery) -> None:
-        if not msg.job_id:
-            briefs = [{k: v for k, v in record_brief(r, self.node_id).items()
-                       if k != "owner_uid"} | {"submitter": r.submitter or self.node_id}
-                      for r in self.records.values() if r.state != "handed_back"]
-            answer = JobsAnswer(request_id=msg.request_id, jobs=tuple(_wire(briefs)))
-        else:
-            rec = self.records.get(msg.job_id)
-            if rec is None or rec.state == "handed_back":
-                answer = JobsAnswer(request_id=msg.request_id, known=False)
-            else:
-                if msg.cancel and rec.state == "running":
-                    rec.log(f"cancel requested by {peer}")
-                    await self.cancel(rec)
-                n = max(0, min(int(msg.history), MAX_JOBS_ANSWER_HISTORY))
-                view = {k: v for k, v in self._host.job_view(rec.job_id, n).items()
-                        if k != "owner_uid"}
-                view |= {"submitter": rec.submitter or self.node_id, "lines": list(rec.logs)}
-                [job] = _wire([view])
-                answer = JobsAnswer(request_id=msg.request_id, job=job)
-        try:
-            async with asyncio.timeout(REMOTE_SEND_S):
-                await self._send(peer, answer, ())
-        except (LocalError, OSError, TimeoutError) as e:
-            log.info("jobs answer to %s not sent: %s", peer, e)
 
     def on_cancel(self, peer: str, msg: JobCancel) -> bool:
         """The submitter's cancel; False for any other JobCancel (a stage's: the worker's)."""

@@ -73,6 +73,7 @@ from fusiond.train.spec import parse_job
 from fusiond.train.stage import StageConfig
 from protocol import ir
 from protocol.messages import (
+    MAX_JOBS_ANSWER_HISTORY,
     JobCancel,
     JobFetch,
     JobOutput,
@@ -93,6 +94,14 @@ if TYPE_CHECKING:  # the cluster's view type, for annotations only
     from fusiond.cluster import ClusterView
 
 log = logging.getLogger("fusiond.jobs")
+
+def _finite(recs: list[dict[str, Any]]) -> list[Any]:
+    """JSON-safe maps for the wire (str keys, non-finite floats as null)."""
+    from fusiond.jobs.history import finite_records
+
+    return [json.loads(json.dumps(r, default=str, allow_nan=False))
+            for r in finite_records(recs)]
+
 
 ASK_TIMEOUT_S = 10.0
 """How long `ask_scheduler` waits for the scheduler's `JobsAnswer`."""
@@ -393,8 +402,47 @@ class JobService:
         return True
 
     async def _on_jobs_query(self, peer: str, msg: JobsQuery) -> bool:
-        self.scheduling.on_jobs_query(peer, msg)
+        """A member asks this daemon, as the scheduler, about its jobs (or cancels one):
+        `fusionctl jobs`, `job`, `logs`, `cancel` on a member that did not take the job."""
+        self._spawn(self._answer_jobs(peer, msg), f"jobs query from {peer}")
         return True
+
+    def _submitter_of(self, job_id: str) -> str:
+        rec = self._jobs.get(job_id)
+        return rec.submitter if rec is not None and rec.submitter else self.node_id
+
+    async def _answer_jobs(self, peer: str, msg: JobsQuery) -> None:
+        """From everything this daemon knows: the jobs it coordinates for any member, and
+        those submitted here (one it ran itself as the new scheduler after a failover, and
+        retired once it ended, included)."""
+        rec = self._jobs.get(msg.job_id) if msg.job_id else None
+        if not msg.job_id:
+            view = self.jobs()
+            briefs = [{k: v for k, v in j.items() if k != "owner_uid"}
+                      | {"submitter": j.get("submitter") or self.node_id}
+                      for j in [*view["jobs"], *view["coordinating"]]
+                      if j.get("state") != "handed_back"]
+            answer = JobsAnswer(request_id=msg.request_id, jobs=tuple(_finite(briefs)))
+        elif not self.knows(msg.job_id) or (rec is not None and rec.state == "handed_back"):
+            answer = JobsAnswer(request_id=msg.request_id, known=False)
+        else:
+            job_id = msg.job_id
+            if msg.cancel:
+                if rec is not None and rec.state == "running":
+                    rec.log(f"cancel requested by {peer}")
+                with contextlib.suppress(LocalError, KeyError):
+                    await self.cancel(job_id)
+            n = max(0, min(int(msg.history), MAX_JOBS_ANSWER_HISTORY))
+            shown = {k: v for k, v in self.job(job_id, n).items() if k != "owner_uid"}
+            shown |= {"submitter": self._submitter_of(job_id),
+                      "lines": self.logs(job_id)["lines"]}
+            [job] = _finite([shown])
+            answer = JobsAnswer(request_id=msg.request_id, job=job)
+        try:
+            async with asyncio.timeout(ASK_TIMEOUT_S):
+                await self.send(peer, answer, ())
+        except (LocalError, OSError, TimeoutError) as e:
+            log.info("jobs answer to %s not sent: %s", peer, e)
 
     async def _on_jobs_answer(self, peer: str, msg: JobsAnswer) -> bool:
         fut = self._asked.get(msg.request_id)

@@ -69,6 +69,9 @@ class DashboardBackend(Protocol):
     def links(self) -> dict[str, Any]: ...
     def list_jobs(self, caller: Caller) -> dict[str, Any]: ...
     def job(self, job_id: str, history: int, caller: Caller) -> dict[str, Any]: ...
+    async def cluster_jobs(self, caller: Caller) -> dict[str, Any]: ...
+    async def remote_job(self, job_id: str, history: int, caller: Caller, *,
+                         cancel: bool = False) -> dict[str, Any]: ...
 
 
 # -- sessions ------------------------------------------------------------------------------
@@ -266,40 +269,54 @@ class Follower:
     sent: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
-def job_points(backend: DashboardBackend, caller: Caller, brief: Mapping[str, Any],
-               follower: Follower) -> tuple[list[dict[str, Any]], bool]:
-    """The job's loss points the page does not have yet, and whether they replace what it
-    has (`reset`: the first time, or after a restart redid steps it had)."""
+History = Callable[[int], Awaitable[Mapping[str, Any]]]
+"""A job's view with its newest `n` step records (`GET /v1/jobs/ID?history=n`)."""
+
+
+async def job_points(fetch: History, brief: Mapping[str, Any], follower: Follower,
+                     *, most: int = MAX_POINTS) -> tuple[Mapping[str, Any], list[dict[str, Any]],
+                                                         bool]:
+    """The job's view, the loss points the page does not have yet, and whether they replace
+    what it has (`reset`: the first time, or after a restart redid steps it had)."""
     job_id = str(brief.get("job_id"))
     have = follower.sent.get(job_id)
     step = brief.get("step")
     done = int(step) if isinstance(step, int) and not isinstance(step, bool) else 0
 
-    def fetch(n: int) -> list[tuple[int, dict[str, Any]]]:
-        hist = backend.job(job_id, n, caller).get("history") or []
+    def points(view: Mapping[str, Any]) -> list[tuple[int, dict[str, Any]]]:
+        hist = view.get("history") or []
         return [(h["step"], {k: h.get(k) for k in POINT_KEYS if h.get(k) is not None})
                 for h in hist if isinstance(h, Mapping) and isinstance(h.get("step"), int)
                 and not isinstance(h.get("step"), bool)]
 
     if have is None:
-        got, reset = fetch(MAX_POINTS), True
+        view = await fetch(most)
+        got, reset = points(view), True
     else:
-        got = fetch(min(MAX_POINTS, max(16, done - have + 16)))
+        view = await fetch(min(most, max(16, done - have + 16)))
+        got = points(view)
         reset = bool(got) and got[-1][0] < have  # a restart redid steps the page has
         if reset:
-            got = fetch(MAX_POINTS)
+            view = await fetch(most)
+            got = points(view)
         else:
             got = [(st, p) for st, p in got if st > have]
     if got:
         follower.sent[job_id] = got[-1][0]
     elif reset:
         follower.sent[job_id] = -1
-    return [p for _, p in got], reset
+    return view, [p for _, p in got], reset
 
 
-def snapshot(backend: DashboardBackend, caller: Caller, follower: Follower, *,
-             stale_after_s: float, now: float | None = None) -> dict[str, Any]:
-    """Everything the page shows, for `caller` (the session's API caller)."""
+REMOTE_POINTS = 2000
+"""A job the scheduler reports for another member: at most this many points at once (what one
+`JobsAnswer` carries)."""
+
+
+async def snapshot(backend: DashboardBackend, caller: Caller, follower: Follower, *,
+                   stale_after_s: float, now: float | None = None) -> dict[str, Any]:
+    """Everything the page shows, for `caller` (the session's API caller): the jobs this
+    daemon knows and, for the operator, every job the scheduler runs for any member."""
     now = time.time() if now is None else now
     cl = cluster_block(backend.status())
     names = {str(m["node_id"]): m["name"] for m in cl["members"]}
@@ -308,30 +325,49 @@ def snapshot(backend: DashboardBackend, caller: Caller, follower: Follower, *,
                                                 stale_after_s=stale_after_s),
                            "viewer": {"operator": caller.operator,
                                       "who": caller.describe()},
-                           "jobs": [], "hidden_jobs": 0, "stages_here": []}
+                           "jobs": [], "hidden_jobs": 0, "stages_here": [],
+                           "cluster_note": None}
     try:
-        listing = backend.list_jobs(caller)
+        listing = await backend.cluster_jobs(caller)
     except ApiError:
         return out
     out["hidden_jobs"] = int(listing.get("hidden") or 0)
     out["stages_here"] = [dict(s) for s in listing.get("stages") or []]
-    briefs = [*(listing.get("jobs") or []), *(listing.get("coordinating") or [])]
+    out["cluster_note"] = listing.get("cluster_note")
+    local = [*(listing.get("jobs") or []), *(listing.get("coordinating") or [])]
+    remote = list((listing.get("cluster") or {}).get("jobs") or [])
     seen: set[str] = set()
-    uniq = []
-    for b in briefs:
-        if b.get("job_id") not in seen:
+    uniq: list[tuple[bool, Mapping[str, Any]]] = []
+    for is_remote, b in [*((False, b) for b in local), *((True, b) for b in remote)]:
+        if str(b.get("job_id")) not in seen:
             seen.add(str(b.get("job_id")))
-            uniq.append(b)
-    uniq.sort(key=lambda b: (b.get("state") != "running",
-                             -float(b.get("submitted_at") or 0.0)))
-    for b in uniq[:MAX_JOBS]:
+            uniq.append((is_remote, b))
+    uniq.sort(key=lambda x: (x[1].get("state") != "running",
+                             -float(x[1].get("submitted_at") or 0.0)))
+    for is_remote, b in uniq[:MAX_JOBS]:
+        job_id = str(b["job_id"])
+
+        async def local_view(n: int, job_id: str = job_id) -> Mapping[str, Any]:
+            return backend.job(job_id, n, caller)
+
+        async def remote_view(n: int, job_id: str = job_id) -> Mapping[str, Any]:
+            return await backend.remote_job(job_id, n, caller)
+
         try:
-            detail = backend.job(str(b["job_id"]), 16, caller)
-            pts, reset = job_points(backend, caller, b, follower)
+            if is_remote:
+                view, pts, reset = await job_points(remote_view, b, follower,
+                                                    most=REMOTE_POINTS)
+                detail = view
+            else:
+                detail = backend.job(job_id, 16, caller)
+                _, pts, reset = await job_points(local_view, b, follower)
         except ApiError:  # gone between the list and the look (retired, or not ours)
             continue
         out["jobs"].append({**job_block(detail, names, now=now), "points": pts,
-                            "reset": reset})
+                            "reset": reset, "submitter": {
+                                "node_id": detail.get("submitter"),
+                                "name": names.get(str(detail.get("submitter")), "")}
+                            if is_remote else None})
     return out
 
 
@@ -496,13 +532,13 @@ class DashboardServer:
         body = await asyncio.to_thread((STATIC_DIR / name).read_bytes)
         return web.Response(body=body, content_type=ctype, charset="utf-8")
 
-    def _snapshot_for(self, s: Session, follower: Follower) -> str:
-        return _dumps(_finite(snapshot(self.backend, s.caller, follower,
-                                       stale_after_s=self.stale_after_s)))
+    async def _snapshot_for(self, s: Session, follower: Follower) -> str:
+        return _dumps(_finite(await snapshot(self.backend, s.caller, follower,
+                                             stale_after_s=self.stale_after_s)))
 
     async def _snapshot(self, request: web.Request) -> web.StreamResponse:
         s = self._session(request)
-        return web.Response(text=self._snapshot_for(s, Follower()),
+        return web.Response(text=await self._snapshot_for(s, Follower()),
                             content_type="application/json")
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
@@ -521,7 +557,7 @@ class DashboardServer:
             await resp.write(b"retry: 2000\n\n")
             while not self._closing.is_set():
                 if self.sessions.alive(s):
-                    data = self._snapshot_for(s, follower)
+                    data = await self._snapshot_for(s, follower)
                     await resp.write(f"event: snapshot\ndata: {data}\n\n".encode())
                 else:
                     await resp.write(b"event: expired\ndata: {}\n\n")

@@ -54,6 +54,21 @@ class FakeBackend:
               "bandwidth_spread_ratio": 0.1}
         return {"links": {"n1": {"n2": lk}, "n2": {"n1": lk}}}
 
+    async def cluster_jobs(self, caller: Caller) -> dict[str, Any]:
+        data = self.list_jobs(caller)
+        data["cluster"] = {"scheduler": "n1", "jobs": [
+            {"job_id": "r-1", "state": "running", "step": 4, "submitted_at": 0.5,
+             "submitter": "n2"}]} if caller.operator else None
+        return data
+
+    async def remote_job(self, job_id: str, history: int, caller: Caller, *,
+                         cancel: bool = False) -> dict[str, Any]:
+        self.asked.append(("remote " + job_id, caller.uid))
+        hist = [{"step": s, "loss": 4.0 - s / 10} for s in range(4)]
+        return {"job_id": job_id, "state": "running", "steps": 10, "step": 4,
+                "history": hist[-history:] if history else [], "submitter": "n2",
+                "status": {"stages": [], "edges": []}}
+
     def list_jobs(self, caller: Caller) -> dict[str, Any]:
         self.asked.append(("list", caller.uid))
         mine = [j for j in self.steps if caller.operator or self.owner[j] == caller.uid]
@@ -92,9 +107,9 @@ def test_sessions_expire_are_bounded_and_never_match_a_wrong_token() -> None:
     assert s.get(tokens[3]) is None
 
 
-def test_a_session_sees_what_its_caller_sees() -> None:
+async def test_a_session_sees_what_its_caller_sees() -> None:
     b = FakeBackend()
-    snap = snapshot(b, ALICE, Follower(), stale_after_s=30.0, now=200.0)
+    snap = await snapshot(b, ALICE, Follower(), stale_after_s=30.0, now=200.0)
     assert [j["job_id"] for j in snap["jobs"]] == ["a-1"] and snap["hidden_jobs"] == 1
     assert {uid for _, uid in b.asked} == {1001}  # every call made as alice, none as operator
     job = snap["jobs"][0]
@@ -105,21 +120,30 @@ def test_a_session_sees_what_its_caller_sees() -> None:
     assert job["restarts"] == 1 and job["checkpoint_age_s"] == 100.0
     names = [(m["name"], m["state"]) for m in snap["cluster"]["members"]]
     assert names == [("alpha", "alive"), ("beta", "dead")]
-    assert snapshot(b, Caller("tcp"), Follower(), stale_after_s=30.0)["hidden_jobs"] == 0
+    # the operator: every job, those the scheduler runs for other members too
+    op = await snapshot(b, Caller("tcp"), Follower(), stale_after_s=30.0)
+    assert op["hidden_jobs"] == 0
+    assert [j["job_id"] for j in op["jobs"]] == ["a-1", "b-1", "r-1"]
+    [r] = [j for j in op["jobs"] if j["job_id"] == "r-1"]
+    assert r["submitter"]["name"] == "beta" and [p["step"] for p in r["points"]] == [0, 1, 2, 3]
 
 
-def test_points_are_sent_once_and_again_after_a_restart_redid_steps() -> None:
+async def test_points_are_sent_once_and_again_after_a_restart_redid_steps() -> None:
     b = FakeBackend()
     f = Follower()
+
+    async def fetch(n: int) -> dict[str, Any]:
+        return b.job("a-1", n, ALICE)
+
     brief = {"job_id": "a-1", "step": 5}
-    pts, reset = job_points(b, ALICE, brief, f)
+    _, pts, reset = await job_points(fetch, brief, f)
     assert len(pts) == 5 and reset
-    assert job_points(b, ALICE, brief, f) == ([], False)
+    assert (await job_points(fetch, brief, f))[1:] == ([], False)
     b.steps["a-1"] = 7
-    pts, reset = job_points(b, ALICE, {"job_id": "a-1", "step": 7}, f)
+    _, pts, reset = await job_points(fetch, {"job_id": "a-1", "step": 7}, f)
     assert [p["step"] for p in pts] == [5, 6] and not reset
     b.rewound = True  # a restart from a checkpoint: the history goes back to step 1
-    pts, reset = job_points(b, ALICE, {"job_id": "a-1", "step": 2}, f)
+    _, pts, reset = await job_points(fetch, {"job_id": "a-1", "step": 2}, f)
     assert reset and [p["step"] for p in pts] == [0, 1]
 
 

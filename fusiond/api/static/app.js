@@ -287,6 +287,8 @@ function renderJob(job) {
     h("div", {class: "job-head"},
       h("h3", {text: job.name || job.job_id}),
       h("span", {class: "mono muted small", text: job.job_id}),
+      job.submitter ? h("span", {class: "muted small",
+                                 text: `submitted on ${who(job.submitter)}`}) : null,
       h("span", {class: `badge job-${job.state}`, text: job.state}),
       h("span", {class: "small", text: `step ${job.step ?? 0} / ${job.steps ?? "?"}`}),
       h("div", {class: "progress"}, h("div", {style: `width:${pct.toFixed(1)}%`}))),
@@ -308,6 +310,7 @@ function renderJobs(snap) {
   const cards = snap.jobs.map(renderJob);
   const note = [];
   if (snap.hidden_jobs) note.push(`${snap.hidden_jobs} job(s) of other users hidden`);
+  if (snap.cluster_note) note.push(`other members' jobs: ${snap.cluster_note}`);
   note.push(`as ${snap.viewer.who}${snap.viewer.operator ? " (operator)" : ""}`);
   document.getElementById("jobs-note").textContent = note.join(" · ");
   document.getElementById("jobs").replaceChildren(

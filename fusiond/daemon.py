@@ -77,6 +77,8 @@ PLAINTEXT_CLUSTER_ID = "insecure-dev"
 CLUSTER_JOBS_OPERATOR_ONLY = (
     "other members' jobs are shown to this daemon's operator only (root, its own user, or the "
     "API token's holder): a job belongs to a user of the machine it was submitted on")
+STATUS_EVERY_S = 2.0
+"""How often the daemon looks whether its `systemctl status` line changed."""
 STALE_PROBES = 3
 """A link figure older than this many probe intervals is shown stale (the dashboard)."""
 MAX_TOKEN_TTL_S = 366 * 24 * 3600.0
@@ -241,6 +243,8 @@ class Daemon:
         self._stopping = False
         self._failure: BaseException | None = None
         self._handlers: list[Callable[[str, Any], Awaitable[bool]]] = []
+        self._status_sent = ""
+        """The last STATUS= line sent to systemd."""
         self.registry: CollectorRegistry = make_registry()
         """This daemon's Prometheus registry: jobs and training register their collectors
         here (e.g. tensor bytes before compression) and they appear on /metrics."""
@@ -362,9 +366,37 @@ class Daemon:
                       "`fusionctl join TOKEN`")
         log.info("ready: %s", status)
         sd_notify(f"READY=1\nSTATUS={status}")
+        self._status_sent = status
         interval = watchdog_interval()
         if interval is not None and self._tg is not None:
             self._tg.create_task(self._watchdog(interval), name="sd-watchdog")
+        if os.environ.get("NOTIFY_SOCKET") and self._tg is not None:
+            self._tg.create_task(self._keep_status(), name="sd-status")
+
+    def status_line(self) -> str:
+        """One line for `systemctl status` (systemd's STATUS=): the phase and, in a cluster,
+        the scheduler and its term, quorum, members alive, the stages hosted here."""
+        if self.cluster is None:
+            return {"left": "left the cluster; run `fusionctl join TOKEN` to join one",
+                    "unconfigured": "not in a cluster: run `fusionctl init` (new cluster) or "
+                                    "`fusionctl join TOKEN`"}.get(self.phase, self.phase)
+        view = self.cluster.view()
+        alive = sum(1 for m in view.members if m.state == "alive")
+        lead = ("this node" if view.leader == self.node_id else view.leader) or "none"
+        stages = sum(1 for s in (self.jobs.worker.jobs().values() if self.jobs else ())
+                     if s.get("running"))
+        return (f"cluster {self.cluster_id}: scheduler {lead} term {view.term}, quorum "
+                f"{'yes' if view.has_quorum else 'NO'}, {alive} of {len(view.members)} "
+                f"members alive, {stages} stage(s) running here")
+
+    async def _keep_status(self) -> None:
+        """Keep systemd's STATUS= current: the line is sent again whenever it changes."""
+        while not self._stopping:
+            await asyncio.sleep(STATUS_EVERY_S)
+            line = self.status_line()
+            if line != self._status_sent and not self._stopping:
+                self._status_sent = line
+                sd_notify(f"STATUS={line}")
 
     async def _watchdog(self, interval: float) -> None:
         """Ping systemd's watchdog from the event loop: a loop blocked for WatchdogSec (a bug:
@@ -696,6 +728,16 @@ class Daemon:
     # -- reload ----------------------------------------------------------------------------
 
     def _on_sighup(self) -> None:
+        # systemd's reload protocol (what Type=notify-reload, systemd 253 and later, waits
+        # for): RELOADING=1 with the monotonic time, then READY=1 once done
+        usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        sd_notify(f"RELOADING=1\nMONOTONIC_USEC={usec}\nSTATUS=reloading the configuration")
+        try:
+            self._reload()
+        finally:
+            sd_notify(f"READY=1\nSTATUS={self.status_line()}")
+
+    def _reload(self) -> None:
         try:
             new = load_config(path=self._config_path, flags=self._flags)
         except FusionError as e:

@@ -62,7 +62,8 @@ def add_parsers(cmd: Any) -> None:
     sp.add_argument("id", metavar="ID")
     sp = cmd("logs", "a job's log lines (progress, failures, outputs)", read=True)
     sp.add_argument("id", metavar="ID")
-    sp.add_argument("-f", "--follow", action="store_true", help="keep printing until it ends")
+    sp.add_argument("-f", "--follow", action="store_true",
+                    help="keep printing until it ends, with the progress bar on a terminal")
     sp = cmd("fetch", "write a job's outputs (model, metrics, checkpoints) here, as you",
              read=True)
     sp.add_argument("id", metavar="ID")
@@ -419,16 +420,55 @@ def cancel(c: Client, ns: argparse.Namespace, out: Any) -> int:
 
 
 def logs(c: Client, ns: argparse.Namespace, out: Any) -> int:
+    """`fusionctl logs ID [-f]`: the job's log lines; with -f, new ones as they come and, on a
+    terminal, the progress bar `submit` draws (re-attached after `submit --detach` or a Ctrl-C),
+    until the job ends; then the exit code says how (0 done, 5 failed, 6 cancelled)."""
+    from rich.console import Console
+
     seen = 0
-    while True:
-        data = c.get(f"/v1/jobs/{ns.id}/logs")
-        lines = data["lines"]
-        if ns.json:
-            out.result(data, lambda: None)
-            return EXIT_OK
-        for line in lines[seen:]:
-            print(line)
-        seen = len(lines)
-        if not ns.follow or c.get(f"/v1/jobs/{ns.id}?history=0")["state"] != "running":
-            return EXIT_OK
-        time.sleep(1.0)
+    console = Console(stderr=True, highlight=False)
+    bar: Any = None
+    task: Any = None
+    try:
+        while True:
+            data = c.get(f"/v1/jobs/{ns.id}/logs")
+            lines = data["lines"]
+            if ns.json:
+                out.result(data, lambda: None)
+                return EXIT_OK
+            for line in lines[seen:]:
+                if bar is not None:
+                    bar.console.print(line, markup=False, highlight=False)
+                else:
+                    print(line, flush=True)
+            seen = len(lines)
+            if not ns.follow:
+                return EXIT_OK
+            d = c.get(f"/v1/jobs/{ns.id}?history=1")
+            if console.is_terminal and d["state"] == "running":
+                bar, task = _progress(console, bar, task, d)
+            if d["state"] != "running":
+                return {"done": EXIT_OK, "cancelled": EXIT_JOB_CANCELLED}.get(
+                    d["state"], EXIT_JOB_FAILED)
+            time.sleep(1.0)
+    finally:
+        if bar is not None:  # Ctrl-C too: the terminal gets its cursor back
+            bar.stop()
+
+
+def _progress(console: Any, bar: Any, task: Any, d: dict[str, Any]) -> tuple[Any, Any]:
+    """Draw (or move on) the progress bar of job status `d`; (bar, task)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    h = d["history"][-1] if d.get("history") else {}
+    loss = "-" if h.get("loss") is None else f"{h['loss']:.4f}"
+    eta = "-" if d.get("eta_s") is None else f"{d['eta_s']:.0f}s"
+    if bar is None:
+        bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                       MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
+                       TextColumn("{task.fields[rate]}"), TextColumn("ETA {task.fields[eta]}"),
+                       console=console)
+        bar.start()
+        task = bar.add_task(d["name"], total=d["steps"], loss=loss, rate=_rate(h), eta=eta)
+    bar.update(task, completed=d["step"], loss=loss, rate=_rate(h), eta=eta)
+    return bar, task

@@ -253,11 +253,11 @@ def test_cancel_mid_job_then_the_next_job_succeeds(cluster3: Cluster, tmp_path: 
     assert (tmp_path / "out" / "model.safetensors").exists()
 
 
-def _submit_in_a_terminal_then_ctrl_c(node: Any, job: Path, cwd: Path) -> str:
-    """`fusionctl submit JOB --stages 3` on a pseudo-terminal, SIGINT once its progress bar
-    shows; asserts exit 130 and a visible cursor at the end; returns the job id."""
+def _in_a_terminal_then_ctrl_c(node: Any, cwd: Path, *args: str) -> str:
+    """`fusionctl --socket SOCK ARGS...` on a pseudo-terminal, SIGINT a second after its
+    progress bar shows; asserts exit 130 and a visible cursor at the end; returns what it
+    wrote."""
     import pty
-    import re
     import select
     import signal
     import subprocess
@@ -266,9 +266,9 @@ def _submit_in_a_terminal_then_ctrl_c(node: Any, job: Path, cwd: Path) -> str:
     master, slave = pty.openpty()
     env = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_")}
     env.update(TERM="xterm-256color", COLUMNS="120", LINES="40")
-    p = subprocess.Popen([sys.executable, "-m", "fusionctl", "--socket", node.socket, "submit",
-                          str(job), "--stages", "3"], stdin=slave, stdout=slave, stderr=slave,
-                         cwd=cwd, env=env, close_fds=True)
+    p = subprocess.Popen([sys.executable, "-m", "fusionctl", "--socket", node.socket, *args],
+                         stdin=slave, stdout=slave, stderr=slave, cwd=cwd, env=env,
+                         close_fds=True)
     os.close(slave)
     out = b""
 
@@ -303,10 +303,23 @@ def _submit_in_a_terminal_then_ctrl_c(node: Any, job: Path, cwd: Path) -> str:
     text = out.decode(errors="replace")
     assert rc == 130, text[-2000:]
     assert out.rfind(b"\x1b[?25h") > out.rfind(b"\x1b[?25l"), text[-2000:]
+    return text
+
+
+def _submit_in_a_terminal_then_ctrl_c(node: Any, job: Path, cwd: Path) -> str:
+    """`submit JOB --stages 3` followed on a terminal, then Ctrl-C: the job runs on (its id)."""
+    import re
+
+    text = _in_a_terminal_then_ctrl_c(node, cwd, "submit", str(job), "--stages", "3")
     assert "the job runs on" in text
     m = re.search(r"job (\S+) started", text)
     assert m is not None, text[-2000:]
-    return m.group(1)
+    job_id = m.group(1)
+    # `logs -f` re-attaches: the log lines, and the progress bar under them
+    text = _in_a_terminal_then_ctrl_c(node, cwd, "logs", "-f", job_id)
+    assert "submitted" in text or "started" in text, text[-2000:]
+    assert "loss" in text and "ETA" in text
+    return job_id
 
 
 def test_plan_prints_the_planners_table_and_starts_nothing(

@@ -211,6 +211,13 @@ def test_the_schedulers_metrics_count_the_job_and_keep_it_after_it_ended(
     job_file.write_text(JOB.format(out=tmp_path / "out").replace("steps = 100", "steps = 6"))
     rc, out, err = ctl(node0, "submit", str(job_file), "--json", capsys=capsys)
     assert rc == 0, err
+    # `job --json` carries the plan as data (stages with machines and op ranges, links,
+    # the prediction), not only its text table
+    rc, d, err = ctl(node0, "job", out["job_id"], "--json", capsys=capsys)
+    plan = d["plan_summary"]
+    assert rc == 0 and plan["iteration_s"] > 0 and plan["stages"], err
+    assert all({"machine_id", "start_op", "stop_op", "replica_machine_ids"} <= s.keys()
+               for s in plan["stages"])
     leader = (node0.status() or {})["cluster"]["leader"]
     lead = next(n for n in cluster.nodes if n.alive() and cluster.node_id(n) == leader)
     url = lead.api("GET", "/v1/paths")["metrics"]

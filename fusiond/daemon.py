@@ -1084,14 +1084,18 @@ class Daemon:
         if not caller.operator:
             raise ApiError(404, "unknown_job", f"no job {job_id!r} was submitted to this daemon "
                            f"(`fusionctl jobs` lists yours); {CLUSTER_JOBS_OPERATOR_ONLY}")
+        if self.cluster is None:
+            raise ApiError(404, "unknown_job", f"no job {job_id!r} was submitted to this daemon "
+                           "(`fusionctl jobs` lists them), and this node is not in a cluster: "
+                           "there is no scheduler to ask")
         from protocol.messages import MAX_JOBS_ANSWER_HISTORY
 
         try:
             leader, answer = await jobs.ask_scheduler(
                 job_id, min(history, MAX_JOBS_ANSWER_HISTORY), cancel=cancel)
         except FusionError as e:
-            raise ApiError(502, "no_scheduler", f"job {job_id!r} was not submitted here, and "
-                           f"the scheduler could not be asked: {e}") from None
+            raise ApiError(502, "no_scheduler", f"no job {job_id!r} was submitted to this "
+                           f"daemon, and the scheduler could not be asked: {e}") from None
         if not answer.known:
             raise ApiError(404, "unknown_job", f"no job {job_id!r} here, nor at the scheduler "
                            f"{leader} (`fusionctl jobs` lists every member's)")

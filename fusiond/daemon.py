@@ -77,6 +77,8 @@ PLAINTEXT_CLUSTER_ID = "insecure-dev"
 CLUSTER_JOBS_OPERATOR_ONLY = (
     "other members' jobs are shown to this daemon's operator only (root, its own user, or the "
     "API token's holder): a job belongs to a user of the machine it was submitted on")
+LIST_ASK_S = 3.0
+"""How long listing the cluster's jobs waits for the scheduler (then: this daemon's only)."""
 STATUS_EVERY_S = 2.0
 """How often the daemon looks whether its `systemctl status` line changed."""
 STALE_PROBES = 3
@@ -1068,7 +1070,8 @@ class Daemon:
             data["cluster_note"] = CLUSTER_JOBS_OPERATOR_ONLY
         else:
             try:
-                leader, answer = await self.jobs.ask_scheduler()
+                # short: `fusionctl jobs` and the dashboard wait for it
+                leader, answer = await self.jobs.ask_scheduler(timeout_s=LIST_ASK_S)
             except FusionError as e:
                 data["cluster_note"] = str(e)
             else:

@@ -874,6 +874,8 @@ class Scheduling:
         rec.coord.release()
         rec.checkpoint = None
         rec.upload = None
+        if rec.plan is not None:  # its decisions stay on view as data, not the arrays
+            rec.plan_data = dict(plan_summary(rec.plan))
         rec.plan = None
 
     async def _run_attempts(self, rec: JobRecord) -> None:

@@ -79,7 +79,7 @@ def record_view(r: JobRecord, history: int, *, scheduler: str,
             # the planner's decisions as data (None for a `--stages` cut), its predicted
             # iteration inside; restarts so far; the last whole-model checkpoint (the step
             # after which it was taken, and when it arrived: Unix time)
-            "plan_summary": plan_summary(r.plan) if r.plan is not None else None,
+            "plan_summary": plan_summary(r.plan) if r.plan is not None else r.plan_data,
             "restarts": r.restarts,
             "checkpoint_step": r.checkpoint_step, "checkpoint_at": r.checkpoint_at,
             "elapsed_s": elapsed, "eta_s": eta, "outcome": r.outcome,

@@ -106,6 +106,36 @@ def _until(page: Any, js: str, arg: Any = None, timeout_s: float = 30.0) -> Any:
         page.wait_for_timeout(100)
 
 
+def _check_the_job_as_data_and_in_metrics(cluster: Cluster, job_id: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """The ended job (no browser needed, the same daemons): `job --json` carries the plan as
+    data (stages with machines and op ranges, the prediction), not only its text table; the
+    scheduler's /metrics counts its outcome and its steps' durations, and still shows the job
+    once it ended (a job's gauges used to vanish with its coordinator, before an alert could
+    fire)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    node0 = cluster.nodes[0]
+    rc, d, err = ctl(node0, "job", job_id, "--json", capsys=capsys)
+    plan = d["plan_summary"]
+    assert rc == 0 and plan["iteration_s"] > 0 and plan["stages"], err
+    assert all({"machine_id", "start_op", "stop_op", "replica_machine_ids"} <= s.keys()
+               for s in plan["stages"])
+    leader = (node0.status() or {})["cluster"]["leader"]
+    lead = next(n for n in cluster.nodes if n.alive() and cluster.node_id(n) == leader)
+    url = lead.api("GET", "/v1/paths")["metrics"]
+    with urllib.request.urlopen(url, timeout=10) as r:
+        got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(r.read().decode())
+               for s in fam.samples}
+    assert got[("fusion_job_outcomes_total", (("outcome", "done"),))] >= 1
+    assert got[("fusion_job_step_duration_seconds_count", ())] >= 100
+    assert got[("fusion_job_state", (("job", job_id), ("state", "done")))] == 1.0
+    assert any(k[0] == "fusion_build_info" for k in got)
+
+
 def _points(page: Any, job_id: str) -> int:
     n = page.evaluate("(id) => { const l = document.querySelector(`#loss-${CSS.escape(id)} "
                       "polyline.train`); return l ? l.points.numberOfItems : 0; }", job_id)
@@ -178,6 +208,7 @@ def test_dashboard_in_chromium(cluster: Cluster, artifacts: Path, tmp_path: Path
             page.wait_for_selector(f"#job-{job_id}[data-state=done]", timeout=90_000)
             assert _points(page, job_id) == 100
             assert "after step" in card.inner_text()  # the checkpoint and its age
+            _check_the_job_as_data_and_in_metrics(cluster, job_id, capsys)
 
             # A member dies: its row turns red.
             leader = (node0.status() or {}).get("cluster", {}).get("leader")
@@ -195,37 +226,3 @@ def test_dashboard_in_chromium(cluster: Cluster, artifacts: Path, tmp_path: Path
         finally:
             ctx.close()
     print(f"screenshots in {artifacts}")
-
-
-def test_the_schedulers_metrics_count_the_job_and_keep_it_after_it_ended(
-        cluster: Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """On the same daemons (no browser needed): the scheduler's /metrics counts the ended
-    job's outcome and its steps' durations, and still shows the job once it ended (the job's
-    gauges used to vanish with its coordinator, before an alert could fire)."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    node0 = cluster.nodes[0]
-    job_file = tmp_path / "job.toml"
-    job_file.write_text(JOB.format(out=tmp_path / "out").replace("steps = 100", "steps = 6"))
-    rc, out, err = ctl(node0, "submit", str(job_file), "--json", capsys=capsys)
-    assert rc == 0, err
-    # `job --json` carries the plan as data (stages with machines and op ranges, links,
-    # the prediction), not only its text table
-    rc, d, err = ctl(node0, "job", out["job_id"], "--json", capsys=capsys)
-    plan = d["plan_summary"]
-    assert rc == 0 and plan["iteration_s"] > 0 and plan["stages"], err
-    assert all({"machine_id", "start_op", "stop_op", "replica_machine_ids"} <= s.keys()
-               for s in plan["stages"])
-    leader = (node0.status() or {})["cluster"]["leader"]
-    lead = next(n for n in cluster.nodes if n.alive() and cluster.node_id(n) == leader)
-    url = lead.api("GET", "/v1/paths")["metrics"]
-    with urllib.request.urlopen(url, timeout=10) as r:
-        got = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for fam in text_string_to_metric_families(r.read().decode())
-               for s in fam.samples}
-    assert got[("fusion_job_outcomes_total", (("outcome", "done"),))] >= 1
-    assert got[("fusion_job_step_duration_seconds_count", ())] >= 6
-    assert got[("fusion_job_state", (("job", out["job_id"]), ("state", "done")))] == 1.0
-    assert any(k[0] == "fusion_build_info" for k in got)

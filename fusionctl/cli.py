@@ -12,6 +12,9 @@ Exit codes (also in ``--help`` and docs/cli.md):
 6   ``submit``: the job was cancelled
 7   ``submit``/``fetch``: the outputs could not be written here (the message names the file
     and the cause, and the ``fusionctl fetch ID`` that writes them once it is fixed)
+8   ``status``: the daemon answers but this node is in no working cluster: unconfigured,
+    left, or without quorum (the output says which and what to run)
+130 interrupted (Ctrl-C); a job `submit` was following runs on
 ==  ===========================================================================
 """
 
@@ -29,6 +32,8 @@ from fusionctl.client import (
     ApiFailure,
     Client,
     ClientError,
+    NoAnswer,
+    NotPermitted,
     Unreachable,
     endpoint_from,
     env_default,
@@ -40,6 +45,10 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 EXIT_TIMEOUT = 4
+EXIT_INTERRUPTED = 130
+"""Ctrl-C (128 + SIGINT), as shells and the other tools report it."""
+EXIT_NOT_SERVING = 8
+"""`status`: the daemon answers, but this node is in no working cluster."""
 
 EXIT_CODES_HELP = """exit codes:
   0  success
@@ -52,10 +61,14 @@ EXIT_CODES_HELP = """exit codes:
   6  submit: the job was cancelled
   7  submit/fetch: the outputs could not be written here (the message names the file and
      the cause; `fusionctl fetch ID [--output DIR]` writes them once it is fixed)
+  8  status: the daemon answers but this node is in no working cluster (unconfigured,
+     left, or no quorum)
+  130  interrupted (Ctrl-C); after `submit` the job runs on
 
 environment: FUSION_API_SOCKET (default /run/fusion/fusiond.sock), FUSION_API_TCP with
 FUSION_API_TOKEN or FUSION_API_TOKEN_FILE."""
 
+LOG_HINT = "`journalctl -u fusiond` under systemd, `fusionctl paths` for where it runs"
 START_HINT = ("start it with `sudo systemctl start fusiond` (or `fusiond --config PATH`), "
               "or for a development cluster on this machine `fusionctl local up -n 3`; "
               "point fusionctl at another daemon with --socket PATH or --api HOST:PORT")
@@ -127,11 +140,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp = cmd("leave", "leave the cluster for good (this node stops counting toward quorum)",
              read=True)
     sp.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    sp = cmd("dashboard", "a link to this daemon's browser dashboard, with a session for you",
+             read=True)
+    sp.add_argument("--open", action="store_true",
+                    help="also open it in the default browser")
     sp = cmd("remove", "remove a member that is gone for good (restores quorum)", read=True)
     sp.add_argument("node", metavar="NODE")
     from fusionctl import jobs as job_cmds
 
     job_cmds.add_parsers(cmd)
+    sp = cmd("completion", "print a shell completion script (bash, zsh or fish)")
+    sp.add_argument("shell", choices=("bash", "zsh", "fish"))
     sp = cmd("local", "a development cluster of N daemons on this machine (loopback)")
     lsub = sp.add_subparsers(dest="local_cmd", metavar="up|down|status")
     up = lsub.add_parser("up", help="start N daemons, wait until they agree on a scheduler")
@@ -178,11 +197,30 @@ def run(argv: Sequence[str]) -> int:
     try:
         if ns.cmd == "local":
             return _local(ns, out)
+        if ns.cmd == "completion":
+            from fusionctl.completion import script
+
+            sys.stdout.write(script(ns.shell, parser))
+            return EXIT_OK
         return _COMMANDS[ns.cmd](_client(ns), ns, out)
+    except NoAnswer as e:
+        print(f"fusionctl: {e}.\n  Something listens there but did not answer: the daemon "
+              "is busy or stuck, not stopped. Wait and try again, or allow longer with "
+              f"--timeout S; its log says what it is doing ({LOG_HINT}).", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except NotPermitted as e:
+        print(f"fusionctl: {e}.\n  The daemon may well be running, but this user may not "
+              "open its socket (mode 0660, group fusion under the shipped unit): join the "
+              "group (`sudo usermod -aG fusion $USER`, then log in again), use sudo, or point "
+              "fusionctl at a daemon of your own with --socket PATH.", file=sys.stderr)
+        return EXIT_UNREACHABLE
     except Unreachable as e:
         print(f"fusionctl: {e}.\n  The daemon is not running or listens elsewhere: "
               f"{START_HINT}.", file=sys.stderr)
         return EXIT_UNREACHABLE
+    except KeyboardInterrupt:
+        print(f"\nfusionctl {ns.cmd}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except ApiFailure as e:
         print(f"fusionctl {ns.cmd}: {e.message}", file=sys.stderr)
         return EXIT_FAILED
@@ -197,7 +235,16 @@ def run(argv: Sequence[str]) -> int:
 def _status(c: Client, ns: argparse.Namespace, out: Out) -> int:
     data = c.get("/v1/status")
     out.result(data, lambda: render_status(data))
-    return EXIT_OK
+    return EXIT_OK if serving(data) else EXIT_NOT_SERVING
+
+
+def serving(status: dict[str, Any]) -> bool:
+    """Whether `status` is a node in a working cluster: running, and with a quorum (what a
+    script asks with `fusionctl status >/dev/null`)."""
+    node = status.get("node") or {}
+    view = status.get("cluster")
+    return (node.get("phase") == "running" and isinstance(view, dict)
+            and bool(view.get("has_quorum")))
 
 
 def _links(c: Client, ns: argparse.Namespace, out: Out) -> int:
@@ -267,12 +314,38 @@ def _join(c: Client, ns: argparse.Namespace, out: Out) -> int:
     return EXIT_OK
 
 
+def leave_losses(jobs: dict[str, Any]) -> list[str]:
+    """What leaving would cost, from `GET /v1/jobs`: the stages this node runs, the running
+    jobs it took the submission of."""
+    lost = [f"stage {s.get('stage')} of job {s.get('job_id')} runs here: it stops, and the job "
+            "restarts without this machine from its last checkpoint (the steps since are "
+            "redone), or fails when it has no restart left"
+            for s in jobs.get("stages") or [] if s.get("running")]
+    lost += [f"job {j.get('job_id')} was submitted here and still runs: its updates and "
+             "outputs come back to this daemon, which stops taking them (the scheduler keeps "
+             "the weights it could not deliver: `fusionctl fetch` after joining again)"
+             for j in jobs.get("jobs") or [] if j.get("state") == "running"]
+    return lost
+
+
 def _leave(c: Client, ns: argparse.Namespace, out: Out) -> int:
+    try:
+        lost = leave_losses(c.get("/v1/jobs"))
+    except ApiFailure:
+        lost = []
+    for line in lost:
+        print(f"WARNING: {line}", file=sys.stderr)
     if not ns.yes and sys.stdin.isatty():
-        ans = input("leave the cluster for good? this node stops counting toward quorum [y/N] ")
+        ans = input("leave the cluster for good? this node stops counting toward quorum"
+                    f"{' and the work above is lost' if lost else ''} [y/N] ")
         if ans.strip().lower() not in ("y", "yes"):
             print("not leaving", file=sys.stderr)
             return EXIT_FAILED
+    elif lost and not ns.yes:
+        print("fusionctl leave: not leaving while this node has work (above); wait for it, "
+              "`fusionctl cancel ID` it, or run `fusionctl leave --yes` to leave anyway",
+              file=sys.stderr)
+        return EXIT_FAILED
     data = c.post("/v1/leave")
     out.result(data, lambda: print(f"left cluster {data.get('cluster_id')}\n\nnext (to join a "
                                    f"cluster again):\n  fusionctl join TOKEN"))
@@ -286,9 +359,24 @@ def _remove(c: Client, ns: argparse.Namespace, out: Out) -> int:
     return EXIT_OK
 
 
+def _dashboard(c: Client, ns: argparse.Namespace, out: Out) -> int:
+    data = c.post("/v1/dashboard")
+    out.result(data, lambda: print(
+        f"dashboard for {data.get('viewer')} (valid {fmt_age(data.get('expires_in_s'))}):\n"
+        f"  {data['url']}\n\nthe link holds a session: whoever has it sees what you see "
+        "until it expires"))
+    if ns.open:
+        import webbrowser
+
+        if not webbrowser.open(data["url"]):
+            Out.info("no browser to open here: copy the link into one on this machine")
+    return EXIT_OK
+
+
 _COMMANDS: dict[str, Callable[[Client, argparse.Namespace, Out], int]] = {
     "status": _status, "links": _links, "paths": _paths, "version": _version, "init": _init,
     "token": _token, "join": _join, "leave": _leave, "remove": _remove,
+    "dashboard": _dashboard,
 }
 
 
@@ -335,4 +423,5 @@ if __name__ == "__main__":  # pragma: no cover
     sys.exit(run(sys.argv[1:]))
 
 
-__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_TIMEOUT", "EXIT_UNREACHABLE", "EXIT_USAGE", "run"]
+__all__ = ["EXIT_FAILED", "EXIT_NOT_SERVING", "EXIT_OK", "EXIT_TIMEOUT", "EXIT_UNREACHABLE",
+           "EXIT_USAGE", "run"]

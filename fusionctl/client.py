@@ -27,6 +27,15 @@ class Unreachable(ClientError):
     """No daemon answers at the configured address; the message says where we looked."""
 
 
+class NoAnswer(Unreachable):
+    """Something listens at the address but did not answer in time: a busy or stuck daemon,
+    not a stopped one."""
+
+
+class NotPermitted(Unreachable):
+    """The daemon's socket refuses this user (its file permissions): the daemon may well run."""
+
+
 class DownloadError(ClientError):
     """A download did not arrive whole (cut short, or its hash differs)."""
 
@@ -126,16 +135,18 @@ class Client:
                 raise Unreachable(f"no fusiond answers at {self.endpoint.describe()} "
                                   f"({e.strerror or e})") from None
             except PermissionError:
-                raise Unreachable(f"permission denied on {self.endpoint.describe()}: run as a "
-                                  "member of the fusion group, or with sudo") from None
+                raise NotPermitted(f"permission denied on {self.endpoint.describe()}") from None
+            except TimeoutError:
+                raise NoAnswer(f"fusiond at {self.endpoint.describe()} did not accept the "
+                               f"connection within {self.timeout:g} s") from None
             except OSError as e:
                 raise Unreachable(f"cannot reach fusiond at {self.endpoint.describe()}: "
                                   f"{e}") from None
             resp = conn.getresponse()
             raw = resp.read()
         except TimeoutError:
-            raise Unreachable(f"fusiond at {self.endpoint.describe()} did not answer within "
-                              f"{self.timeout:g} s") from None
+            raise NoAnswer(f"fusiond at {self.endpoint.describe()} did not answer within "
+                           f"{self.timeout:g} s") from None
         finally:
             conn.close()
         try:
@@ -169,8 +180,7 @@ class Client:
                 raise Unreachable(f"no fusiond answers at {self.endpoint.describe()} "
                                   f"({e.strerror or e})") from None
             except PermissionError:
-                raise Unreachable(f"permission denied on {self.endpoint.describe()}: run as a "
-                                  "member of the fusion group, or with sudo") from None
+                raise NotPermitted(f"permission denied on {self.endpoint.describe()}") from None
             resp = conn.getresponse()
             if resp.status >= 400:
                 raw = resp.read()
@@ -191,8 +201,8 @@ class Client:
                 if progress is not None:
                     progress(n)
         except TimeoutError:
-            raise Unreachable(f"fusiond at {self.endpoint.describe()} stopped sending within "
-                              f"{self.timeout:g} s") from None
+            raise NoAnswer(f"fusiond at {self.endpoint.describe()} stopped sending within "
+                           f"{self.timeout:g} s") from None
         finally:
             conn.close()
         if length is not None and length.isdigit() and int(length) != n:

@@ -26,6 +26,7 @@ EXIT_FAILED = 1
 EXIT_JOB_FAILED = 5
 EXIT_JOB_CANCELLED = 6
 EXIT_OUTPUTS = 7
+EXIT_INTERRUPTED = 130
 POLL_S = 0.5
 
 
@@ -61,7 +62,8 @@ def add_parsers(cmd: Any) -> None:
     sp.add_argument("id", metavar="ID")
     sp = cmd("logs", "a job's log lines (progress, failures, outputs)", read=True)
     sp.add_argument("id", metavar="ID")
-    sp.add_argument("-f", "--follow", action="store_true", help="keep printing until it ends")
+    sp.add_argument("-f", "--follow", action="store_true",
+                    help="keep printing until it ends, with the progress bar on a terminal")
     sp = cmd("fetch", "write a job's outputs (model, metrics, checkpoints) here, as you",
              read=True)
     sp.add_argument("id", metavar="ID")
@@ -234,9 +236,9 @@ def submit(c: Client, ns: argparse.Namespace, out: Any) -> int:
         final = follow(c, job_id, quiet=ns.json, on_poll=checkpoints)
     except KeyboardInterrupt:
         print(f"\nstopped following; the job runs on. `fusionctl job {job_id}`, "
-              f"`fusionctl cancel {job_id}`, and once it ended `fusionctl fetch {job_id}`",
-              file=sys.stderr)
-        return EXIT_FAILED
+              f"`fusionctl logs -f {job_id}`, `fusionctl cancel {job_id}`, and once it ended "
+              f"`fusionctl fetch {job_id}`", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if failure is None:
         try:
             listing = c.get(f"/v1/jobs/{job_id}/outputs")
@@ -305,6 +307,10 @@ def _outcome_text(d: dict[str, Any]) -> str:
                 if o.get("first_loss") is not None and o.get("final_loss") is not None else "")
         return f"job {d['job_id']} done in {o.get('wall_s', 0.0):.1f}s: {loss}" + (
             f"\nwritten:\n{outs}" if outs else "")
+    if d["state"] == "cancelled":
+        return (f"job {d['job_id']} cancelled at step {d.get('step') or 0} of "
+                f"{d.get('steps') or '?'} (`fusionctl cancel`)" + (
+                    f"\nwritten:\n{outs}" if outs else ""))
     return f"job {d['job_id']} {d['state']}: {o.get('failure') or '(no report)'}" + (
         f"\nwritten:\n{outs}" if outs else "")
 
@@ -322,10 +328,25 @@ def follow(c: Client, job_id: str, *, quiet: bool = False,
     """Poll the job until it ends, showing progress on stderr (and handing each status to
     `on_poll`); returns its last status."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     console = Console(stderr=True, highlight=False)
     live = console.is_terminal and not quiet
+    try:
+        return _follow(c, job_id, quiet=quiet, on_poll=on_poll, console=console, live=live)
+    finally:
+        bar = _BARS.pop(job_id, None)
+        if bar is not None:  # Ctrl-C mid-poll too: the bar gives the terminal its cursor back
+            bar.stop()
+
+
+_BARS: dict[str, Any] = {}
+"""The progress bar of each job `follow` is drawing (so it is stopped however it ends)."""
+
+
+def _follow(c: Client, job_id: str, *, quiet: bool, on_poll: Any, console: Any,
+            live: bool) -> dict[str, Any]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
     bar: Progress | None = None
     task: Any = None
     last_print = 0.0
@@ -351,6 +372,7 @@ def follow(c: Client, job_id: str, *, quiet: bool = False,
                                TextColumn("{task.fields[rate]}"),
                                TextColumn("ETA {task.fields[eta]}"), console=console)
                 bar.start()
+                _BARS[job_id] = bar
                 task = bar.add_task(d["name"], total=d["steps"], loss=loss,
                                     rate=fields["rate"], eta=eta)
             bar.update(task, completed=d["step"], loss=loss, rate=fields["rate"], eta=eta)
@@ -361,14 +383,12 @@ def follow(c: Client, job_id: str, *, quiet: bool = False,
         if on_poll is not None:
             on_poll(d)
         if d["state"] != "running":
-            if bar is not None:
-                bar.stop()
             return d
         time.sleep(POLL_S)
 
 
 def list_jobs(c: Client, ns: argparse.Namespace, out: Any) -> int:
-    data = c.get("/v1/jobs")
+    data = c.get("/v1/jobs?cluster=1")
 
     def human() -> None:
         from fusionctl.render import render_jobs
@@ -400,16 +420,55 @@ def cancel(c: Client, ns: argparse.Namespace, out: Any) -> int:
 
 
 def logs(c: Client, ns: argparse.Namespace, out: Any) -> int:
+    """`fusionctl logs ID [-f]`: the job's log lines; with -f, new ones as they come and, on a
+    terminal, the progress bar `submit` draws (re-attached after `submit --detach` or a Ctrl-C),
+    until the job ends; then the exit code says how (0 done, 5 failed, 6 cancelled)."""
+    from rich.console import Console
+
     seen = 0
-    while True:
-        data = c.get(f"/v1/jobs/{ns.id}/logs")
-        lines = data["lines"]
-        if ns.json:
-            out.result(data, lambda: None)
-            return EXIT_OK
-        for line in lines[seen:]:
-            print(line)
-        seen = len(lines)
-        if not ns.follow or c.get(f"/v1/jobs/{ns.id}?history=0")["state"] != "running":
-            return EXIT_OK
-        time.sleep(1.0)
+    console = Console(stderr=True, highlight=False)
+    bar: Any = None
+    task: Any = None
+    try:
+        while True:
+            data = c.get(f"/v1/jobs/{ns.id}/logs")
+            lines = data["lines"]
+            if ns.json:
+                out.result(data, lambda: None)
+                return EXIT_OK
+            for line in lines[seen:]:
+                if bar is not None:
+                    bar.console.print(line, markup=False, highlight=False)
+                else:
+                    print(line, flush=True)
+            seen = len(lines)
+            if not ns.follow:
+                return EXIT_OK
+            d = c.get(f"/v1/jobs/{ns.id}?history=1")
+            if console.is_terminal and d["state"] == "running":
+                bar, task = _progress(console, bar, task, d)
+            if d["state"] != "running":
+                return {"done": EXIT_OK, "cancelled": EXIT_JOB_CANCELLED}.get(
+                    d["state"], EXIT_JOB_FAILED)
+            time.sleep(1.0)
+    finally:
+        if bar is not None:  # Ctrl-C too: the terminal gets its cursor back
+            bar.stop()
+
+
+def _progress(console: Any, bar: Any, task: Any, d: dict[str, Any]) -> tuple[Any, Any]:
+    """Draw (or move on) the progress bar of job status `d`; (bar, task)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    h = d["history"][-1] if d.get("history") else {}
+    loss = "-" if h.get("loss") is None else f"{h['loss']:.4f}"
+    eta = "-" if d.get("eta_s") is None else f"{d['eta_s']:.0f}s"
+    if bar is None:
+        bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                       MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
+                       TextColumn("{task.fields[rate]}"), TextColumn("ETA {task.fields[eta]}"),
+                       console=console)
+        bar.start()
+        task = bar.add_task(d["name"], total=d["steps"], loss=loss, rate=_rate(h), eta=eta)
+    bar.update(task, completed=d["step"], loss=loss, rate=_rate(h), eta=eta)
+    return bar, task

@@ -35,6 +35,7 @@ DEV_SETTINGS: dict[str, Any] = {
     "net": {"listen": "127.0.0.1:0", "connect_timeout_s": 2.0, "handshake_timeout_s": 2.0,
             "backoff_initial_s": 0.1, "backoff_max_s": 1.0},
     "metrics": {"listen": "127.0.0.1:0"},
+    "dashboard": {"listen": "127.0.0.1:0"},
     "cluster": {"mdns": True, "mdns_interfaces": ["127.0.0.1"], "gossip_interval_s": 0.3,
                 "suspect_after_s": 1.5, "dead_after_s": 3.0, "election_timeout_s": 1.0,
                 "leader_heartbeat_s": 0.2, "leader_lease_s": 0.8, "election_stagger_s": 0.3,

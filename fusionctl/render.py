@@ -159,12 +159,32 @@ def health(view: Mapping[str, Any], me: str) -> list[str]:
                              f"(median {fmt_bw(med)})")
     if len(rtts) >= 3:
         med = statistics.median(rtts)
+
+        def high(r: float) -> bool:
+            return r > med * SLOW_FACTOR and r > 0.005
+
         for (a, b), lk in sorted(pairs.items()):
-            r = lk.rtt_s
-            if r > med * SLOW_FACTOR and r > 0.005:
-                lines.append(f"high latency {_short(a)} -> {_short(b)}: {fmt_rtt(r)} "
-                             f"(median {fmt_rtt(med)})")
+            # A link's RTT is one probe round's figure: a single slow sample (a busy event
+            # loop on either end) reads as a 10x spike one way only. A slow link is slow both
+            # ways, so only a pair whose two measurers agree is called high latency.
+            back = pairs.get((b, a))
+            if a < b and high(lk.rtt_s) and back is not None and high(back.rtt_s):
+                lines.append(f"high latency {_short(a)} <-> {_short(b)}: {fmt_rtt(lk.rtt_s)} "
+                             f"and {fmt_rtt(back.rtt_s)} (median {fmt_rtt(med)})")
     return lines
+
+
+def member_name(m: Mapping[str, Any]) -> str:
+    """A member's gossiped name (its profile's `name` label), or '-'."""
+    prof = m.get("profile")
+    labels = prof.get("labels") if isinstance(prof, Mapping) else None
+    name = labels.get("name") if isinstance(labels, Mapping) else None
+    return str(name) if isinstance(name, str) and name else "-"
+
+
+def _stale(text: str, m: Mapping[str, Any]) -> str:
+    """A figure of a member that is not alive: what the link did, not what it does."""
+    return text if m.get("state") == "alive" or text == "-" else f"{text} (stale)"
 
 
 def quorum_line(view: Mapping[str, Any]) -> str | None:
@@ -239,13 +259,13 @@ def render_status(data: Mapping[str, Any]) -> None:
         c.print("peers      (none)")
     else:
         t = Table(box=None, pad_edge=False, show_edge=False)
-        for col in ("PEER", "ADDRESS", "SOURCE", "RTT", "BANDWIDTH", "ROLE", "STATE"):
+        for col in ("PEER", "NAME", "ADDRESS", "SOURCE", "RTT", "BANDWIDTH", "ROLE", "STATE"):
             t.add_column(col, no_wrap=True)
-        for m in sorted(peers, key=lambda m: str(m.get("node_id"))):
-            t.add_row(str(m.get("node_id")), fmt_addr(m.get("address")),
-                      str(m.get("source") or "-"), fmt_rtt(m.get("rtt_s")),
-                      fmt_bw(m.get("bandwidth_bits_per_s")), str(m.get("role") or "-"),
-                      str(m.get("state") or "-"))
+        for m in sorted(peers, key=lambda m: (member_name(m), str(m.get("node_id")))):
+            t.add_row(str(m.get("node_id")), member_name(m), fmt_addr(m.get("address")),
+                      str(m.get("source") or "-"), _stale(fmt_rtt(m.get("rtt_s")), m),
+                      _stale(fmt_bw(m.get("bandwidth_bits_per_s")), m),
+                      str(m.get("role") or "-"), str(m.get("state") or "-"))
         c.print(t)
     rows = software.get("nodes") or []
     if rows:
@@ -319,6 +339,21 @@ def render_jobs(data: Mapping[str, Any]) -> None:
     if data.get("hidden"):
         c.print(f"({data['hidden']} jobs of other users not shown: only root and the daemon's "
                 "user see every job)")
+    cluster = data.get("cluster")
+    if isinstance(cluster, Mapping):
+        t = Table(title=f"jobs the scheduler {_short(cluster.get('scheduler'), 40)} runs "
+                        "(submitted on any member)")
+        for col in ("job", "state", "step", "loss", "stages", "submitted on"):
+            t.add_column(col)
+        for j in cluster.get("jobs") or []:
+            loss = j.get("loss")
+            t.add_row(str(j.get("job_id")), str(j.get("state")),
+                      f"{j.get('step') or 0}/{j.get('steps') or '?'}",
+                      "-" if loss is None else f"{loss:.4f}", str(j.get("stages") or "-"),
+                      _short(j.get("submitter"), 40))
+        c.print(t)
+    elif data.get("cluster_note"):
+        c.print(f"(other members' jobs: {data['cluster_note']})")
     stages = data.get("stages", [])
     if stages:
         s = Table(title="stages hosted here")
@@ -342,6 +377,10 @@ def render_job(d: Mapping[str, Any]) -> None:
     eta = "-" if d.get("eta_s") is None else f"{d['eta_s']:.0f}s"
     c.print(f"job {d['job_id']} ({d['name']}): {d['state']}, step {d['step']}/{d['steps']}, "
             f"loss {first} -> {loss}, {rate}, ETA {eta}, output {d['output']}")
+    if d.get("via_scheduler"):
+        c.print(f"submitted on {d.get('submitter')}; as its scheduler {d['via_scheduler']} "
+                "reports it (outputs: `fusionctl fetch` on the submitting member)",
+                markup=False)
     outcome = d.get("outcome") or {}
     if outcome.get("failure"):
         c.print(f"[red]{outcome['failure']}[/red]", markup=True)

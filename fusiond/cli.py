@@ -82,7 +82,7 @@ def run(argv: Sequence[str]) -> int:
 
     from fusiond.daemon import Daemon, configure_logging
 
-    configure_logging(loaded.config.log_level)
+    configure_logging(loaded.config.log_level, loaded.config.log_format)
     for w in loaded.warnings:
         log.warning("%s", w)
     log.info("fusiond %s starting on the %s event loop (config: %s)", fusiond.__version__,

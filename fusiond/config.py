@@ -36,6 +36,7 @@ from fusiond.opsets import OP_NAME_RE
 DEFAULT_CONFIG_PATH = Path("/etc/fusion/fusiond.toml")
 ENV_PREFIX = "FUSION_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("auto", "text", "journal", "json")
 LOOPS = ("auto", "asyncio", "uvloop")
 
 
@@ -59,6 +60,18 @@ class MetricsSection:
 
     listen: str = "127.0.0.1:9464"
     """Loopback host:port for /metrics; empty disables metrics."""
+
+
+@dataclass
+class DashboardSection:
+    """The browser dashboard (docs/dashboard.md): the cluster, its links and its jobs, live."""
+
+    listen: str = "127.0.0.1:7421"
+    """Loopback host:port for the dashboard; empty disables it. A browser gets in only with a
+    session from `fusionctl dashboard` (which asks over the API socket, so the session sees
+    what its user may see)."""
+    session_ttl_s: float = 43200.0
+    """How long a dashboard session from `fusionctl dashboard` lasts."""
 
 
 @dataclass
@@ -88,6 +101,10 @@ class DaemonConfig:
     """Human name shown in status; empty: the host name."""
     log_level: str = "info"
     """debug, info, warning or error. SIGHUP applies a change without a restart."""
+    log_format: str = "auto"
+    """How stderr lines look: text (time, level, logger, message), journal (a syslog priority
+    prefix and no time: `journalctl -p warning` works), json (one object per line), or auto
+    (journal when stderr is the journal, else text)."""
     loop: str = "auto"
     """Event loop: auto (uvloop where available), asyncio or uvloop."""
     profile_benchmark: bool = True
@@ -103,6 +120,7 @@ class DaemonConfig:
     cluster: ClusterSection = field(default_factory=ClusterSection)
     api: ApiSection = field(default_factory=ApiSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    dashboard: DashboardSection = field(default_factory=DashboardSection)
     jobs: JobsSection = field(default_factory=JobsSection)
 
     @property
@@ -119,6 +137,7 @@ SECTIONS: dict[str, type[Any]] = {
     "cluster": ClusterSection,
     "api": ApiSection,
     "metrics": MetricsSection,
+    "dashboard": DashboardSection,
     "jobs": JobsSection,
 }
 
@@ -296,13 +315,15 @@ def _validate(cfg: DaemonConfig, origin: Mapping[str, str]) -> None:
         raise bad("net.backoff_jitter", cfg.net.backoff_jitter, "must be in [0, 1)")
     if cfg.net.payload_check not in ("auto", "on", "off"):
         raise bad("net.payload_check", cfg.net.payload_check, "must be auto, on or off")
+    if cfg.log_format not in LOG_FORMATS:
+        raise bad("log_format", cfg.log_format, f"must be one of {', '.join(LOG_FORMATS)}")
     if cfg.log_level not in LOG_LEVELS:
         raise bad("log_level", cfg.log_level, f"must be one of {', '.join(LOG_LEVELS)}")
     if cfg.loop not in LOOPS:
         raise bad("loop", cfg.loop, f"must be one of {', '.join(LOOPS)}")
     if not cfg.state_dir:
         raise bad("state_dir", cfg.state_dir, "must not be empty")
-    for path in ("net.listen", "net.advertise", "api.tcp", "metrics.listen"):
+    for path in ("net.listen", "net.advertise", "api.tcp", "metrics.listen", "dashboard.listen"):
         v = get(cfg, path)
         if path != "net.listen" and not v:
             continue
@@ -310,7 +331,7 @@ def _validate(cfg: DaemonConfig, origin: Mapping[str, str]) -> None:
             host, port = parse_hostport(v)
         except ValueError as e:
             raise bad(path, v, str(e)) from None
-        if path in ("api.tcp", "metrics.listen") and not is_loopback(host):
+        if path in ("api.tcp", "metrics.listen", "dashboard.listen") and not is_loopback(host):
             raise bad(path, v, "must be a loopback address (127.0.0.1, ::1 or localhost)")
         if path == "net.advertise" and (port == 0 or host in ("0.0.0.0", "::")):
             raise bad(path, v, "must be a concrete host and port that peers can dial")

@@ -74,6 +74,15 @@ MEMBERS_FILE = "members.json"
 BOOTSTRAP_FILE = "bootstrap.json"
 """Addresses learned from `fusionctl join`, kept so a restart finds the cluster again."""
 PLAINTEXT_CLUSTER_ID = "insecure-dev"
+CLUSTER_JOBS_OPERATOR_ONLY = (
+    "other members' jobs are shown to this daemon's operator only (root, its own user, or the "
+    "API token's holder): a job belongs to a user of the machine it was submitted on")
+LIST_ASK_S = 3.0
+"""How long listing the cluster's jobs waits for the scheduler (then: this daemon's only)."""
+STATUS_EVERY_S = 2.0
+"""How often the daemon looks whether its `systemctl status` line changed."""
+STALE_PROBES = 3
+"""A link figure older than this many probe intervals is shown stale (the dashboard)."""
 MAX_TOKEN_TTL_S = 366 * 24 * 3600.0
 """A join token lives at most a year (`fusionctl token --ttl`); a longer one is refused."""
 
@@ -122,14 +131,67 @@ def watchdog_interval(env: Mapping[str, str] | None = None) -> float | None:
     return int(usec) / 2e6
 
 
-def configure_logging(level: str) -> None:
-    """Plain one-line records on stderr (journald timestamps them; tests read them)."""
+SYSLOG_PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
+                   logging.CRITICAL: 2}
+"""Python's levels as syslog priorities (journald reads a `<N>` prefix as the line's)."""
+
+
+class JournalFormatter(logging.Formatter):
+    """`<N>logger: message`: journald stamps the time itself, and takes the `<N>` prefix as
+    the priority, so `journalctl -u fusiond -p warning` shows warnings and worse. A traceback
+    continues on lines of the same priority."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        prio = SYSLOG_PRIORITY.get(record.levelno, 6 if record.levelno < logging.WARNING else 3)
+        text = f"{record.name}: {record.getMessage()}"
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return "\n".join(f"<{prio}>{line}" for line in text.splitlines())
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: `ts` (Unix seconds), `level`, `logger`, `msg`, and `exc` (the
+    traceback) when there is one: for log shippers."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {"ts": round(record.created, 6),
+                               "level": record.levelname.lower(), "logger": record.name,
+                               "msg": record.getMessage()}
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False)
+
+
+def journal_stream(env: Mapping[str, str] | None = None, fd: int = 2) -> bool:
+    """Whether `fd` is the journal's stream: systemd sets $JOURNAL_STREAM to its
+    `device:inode` (so a daemon whose stderr was redirected elsewhere is not fooled)."""
+    env = os.environ if env is None else env
+    want = env.get("JOURNAL_STREAM", "")
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    return bool(want) and want == f"{st.st_dev}:{st.st_ino}"
+
+
+def configure_logging(level: str, fmt: str = "auto") -> None:
+    """One line per record on stderr, as `fmt` says: `text` (time, level, logger, message),
+    `journal` (syslog priority prefix, no time: journald adds it), `json` (JSON lines), or
+    `auto`: journal when stderr is the journal, else text."""
+    if fmt == "auto":
+        fmt = "journal" if journal_stream() else "text"
+    formatter: logging.Formatter = (
+        JournalFormatter() if fmt == "journal" else JsonFormatter() if fmt == "json"
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
-    if not any(getattr(h, "_fusiond", False) for h in root.handlers):
-        h = logging.StreamHandler()
-        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        h._fusiond = True  # type: ignore[attr-defined]
-        root.addHandler(h)
+    mine: list[logging.Handler] = [h for h in root.handlers if getattr(h, "_fusiond", False)]
+    if not mine:
+        new = logging.StreamHandler()
+        new._fusiond = True  # type: ignore[attr-defined]
+        root.addHandler(new)
+        mine = [new]
+    for h in mine:
+        h.setFormatter(formatter)
     root.setLevel(level.upper())
 
 
@@ -163,6 +225,8 @@ class Daemon:
         self.profiler: profiling.Profiler | None = None
         self.api: ApiServer | None = None
         self.metrics: MetricsServer | None = None
+        self.dashboard: Any = None
+        """The browser dashboard (`fusiond.api.dashboard.DashboardServer`), when configured."""
         self.net: Any = None
         self.cluster: Any = None
         self._denied_here: frozenset[str] | None = None
@@ -181,6 +245,8 @@ class Daemon:
         self._stopping = False
         self._failure: BaseException | None = None
         self._handlers: list[Callable[[str, Any], Awaitable[bool]]] = []
+        self._status_sent = ""
+        """The last STATUS= line sent to systemd."""
         self.registry: CollectorRegistry = make_registry()
         """This daemon's Prometheus registry: jobs and training register their collectors
         here (e.g. tensor bytes before compression) and they appear on /metrics."""
@@ -271,9 +337,20 @@ class Daemon:
             host, port = parse_hostport(cfg.metrics.listen)
             self.metrics = MetricsServer(self.registry, host, port)
             await self._start_service("metrics", self.metrics)
+        if cfg.dashboard.listen:
+            from fusiond.api.dashboard import DashboardServer
+
+            host, port = parse_hostport(cfg.dashboard.listen)
+            self.dashboard = DashboardServer(
+                self, host, port, session_ttl_s=cfg.dashboard.session_ttl_s,
+                stale_after_s=STALE_PROBES * cfg.cluster.probe_interval_s)
+            await self._start_service("dashboard", self.dashboard)
         static = await asyncio.to_thread(profiling.compute_profile, cfg.cache_dir,
                                          benchmark=cfg.profile_benchmark)
         self.profiler = profiling.Profiler(static)
+        # The name travels in the gossiped profile's labels (a field every member's schema
+        # already has, so older members verify the signed body unchanged): peers show it.
+        self.profiler.update(labels={**static.labels, "name": self._name()})
         if cfg.job_memory_gib > 0:  # gossiped: the memory the planner gives this node
             self.profiler.update(job_memory_bytes=int(cfg.job_memory_gib * 2**30))
         log.info("profile: %s %s, %.1f GFLOP/s", static.device_kind, static.device_name,
@@ -291,9 +368,37 @@ class Daemon:
                       "`fusionctl join TOKEN`")
         log.info("ready: %s", status)
         sd_notify(f"READY=1\nSTATUS={status}")
+        self._status_sent = status
         interval = watchdog_interval()
         if interval is not None and self._tg is not None:
             self._tg.create_task(self._watchdog(interval), name="sd-watchdog")
+        if os.environ.get("NOTIFY_SOCKET") and self._tg is not None:
+            self._tg.create_task(self._keep_status(), name="sd-status")
+
+    def status_line(self) -> str:
+        """One line for `systemctl status` (systemd's STATUS=): the phase and, in a cluster,
+        the scheduler and its term, quorum, members alive, the stages hosted here."""
+        if self.cluster is None:
+            return {"left": "left the cluster; run `fusionctl join TOKEN` to join one",
+                    "unconfigured": "not in a cluster: run `fusionctl init` (new cluster) or "
+                                    "`fusionctl join TOKEN`"}.get(self.phase, self.phase)
+        view = self.cluster.view()
+        alive = sum(1 for m in view.members if m.state == "alive")
+        lead = ("this node" if view.leader == self.node_id else view.leader) or "none"
+        stages = sum(1 for s in (self.jobs.worker.jobs().values() if self.jobs else ())
+                     if s.get("running"))
+        return (f"cluster {self.cluster_id}: scheduler {lead} term {view.term}, quorum "
+                f"{'yes' if view.has_quorum else 'NO'}, {alive} of {len(view.members)} "
+                f"members alive, {stages} stage(s) running here")
+
+    async def _keep_status(self) -> None:
+        """Keep systemd's STATUS= current: the line is sent again whenever it changes."""
+        while not self._stopping:
+            await asyncio.sleep(STATUS_EVERY_S)
+            line = self.status_line()
+            if line != self._status_sent and not self._stopping:
+                self._status_sent = line
+                sd_notify(f"STATUS={line}")
 
     async def _watchdog(self, interval: float) -> None:
         """Ping systemd's watchdog from the event loop: a loop blocked for WatchdogSec (a bug:
@@ -604,7 +709,7 @@ class Daemon:
         self.add_message_handler(jobs.dispatch)
         if self.cluster is not None:
             self.cluster.on_change(jobs.on_view)
-        self.registry.register(JobCollector(jobs.coordinators))
+        self.registry.register(JobCollector(jobs.coordinators, jobs.scheduling.stats))
 
     def add_message_handler(self, handler: Callable[[str, Any], Awaitable[bool]]) -> None:
         """Offer peer messages the cluster does not take to `handler(peer, msg) -> handled`
@@ -625,25 +730,37 @@ class Daemon:
     # -- reload ----------------------------------------------------------------------------
 
     def _on_sighup(self) -> None:
+        # systemd's reload protocol (what Type=notify-reload, systemd 253 and later, waits
+        # for): RELOADING=1 with the monotonic time, then READY=1 once done
+        usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        sd_notify(f"RELOADING=1\nMONOTONIC_USEC={usec}\nSTATUS=reloading the configuration")
+        try:
+            self._reload()
+        finally:
+            sd_notify(f"READY=1\nSTATUS={self.status_line()}")
+
+    def _reload(self) -> None:
         try:
             new = load_config(path=self._config_path, flags=self._flags)
         except FusionError as e:
             log.error("SIGHUP: config not reloaded, keeping the running one: %s", e)
             return
         old, cfg = self.cfg, new.config
-        if cfg.log_level != old.log_level:
-            configure_logging(cfg.log_level)
-            log.info("SIGHUP: log_level %s -> %s", old.log_level, cfg.log_level)
+        if cfg.log_level != old.log_level or cfg.log_format != old.log_format:
+            configure_logging(cfg.log_level, cfg.log_format)
+            log.info("SIGHUP: log_level %s -> %s, log_format %s -> %s", old.log_level,
+                     cfg.log_level, old.log_format, cfg.log_format)
         added = [b for b in cfg.cluster.bootstrap if b not in old.cluster.bootstrap]
         if added and self.cluster is not None:
             for b in added:
                 self.cluster.add_bootstrap(parse_hostport(b, default_port=DEFAULT_PEER_PORT))
             log.info("SIGHUP: added bootstrap addresses %s", ", ".join(added))
-        old.log_level = cfg.log_level
+        old.log_level, old.log_format = cfg.log_level, cfg.log_format
         old.cluster.bootstrap = cfg.cluster.bootstrap
         from fusiond.config import get, keys
 
-        restart = [k.path for k in keys() if k.path not in ("log_level", "cluster.bootstrap")
+        restart = [k.path for k in keys() if k.path not in ("log_level", "log_format",
+                                                             "cluster.bootstrap")
                    and get(cfg, k.path) != get(old, k.path)]
         if restart:
             log.warning("SIGHUP: changes to %s take effect after a restart", ", ".join(restart))
@@ -654,7 +771,7 @@ class Daemon:
     def _node_block(self) -> dict[str, Any]:
         return {
             "node_id": self.node_id,
-            "name": self.cfg.name or socket.gethostname(),
+            "name": self._name(),
             "cluster_id": self.cluster_id,
             "address": _fmt_addr(self.address) if self.address else None,
             "security": self.security,
@@ -664,6 +781,11 @@ class Daemon:
             "profile": self.profiler() if self.profiler else None,
             "denied": sorted(self._load_denied()),
         }
+
+    def _name(self) -> str:
+        """This node's human name: `name` from the config, else the host name (bounded as a
+        profile text field is)."""
+        return (self.cfg.name or socket.gethostname())[:64]
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"node": self._node_block(), "cluster": None, "hint": None}
@@ -704,6 +826,7 @@ class Daemon:
             "metrics": (f"http://{_fmt_addr(self.metrics.address)}/metrics"
                         if self.metrics and self.metrics.address else None),
             "peer_listen": _fmt_addr(tuple(self.net.address)) if self.net is not None else None,
+            "dashboard": self.dashboard.url if self.dashboard is not None else None,
         }
 
     def version(self) -> dict[str, Any]:
@@ -727,6 +850,9 @@ class Daemon:
             raise ApiError(409, "exists", f"this node is already in cluster "
                            f"{self.cluster_id or '(stopped)'}; run `fusionctl token` for a join "
                            "token, or `fusionctl status`")
+        listen = parse_hostport(self.cfg.net.listen)
+        self._refuse_unreachable_advertise(
+            await asyncio.to_thread(advertise_address, self.cfg, listen), listen)
         await asyncio.to_thread(pki.init_cluster, self.state_dir)
         with contextlib.suppress(FileNotFoundError):
             (self.state_dir / LEFT_MARKER).unlink()
@@ -744,12 +870,29 @@ class Daemon:
                            "`fusionctl token` on the node where `fusionctl init` ran")
         if self.address is None:
             raise ApiError(409, "not_running", "peer services are not running here")
+        if self.net is not None:
+            self._refuse_unreachable_advertise(self.address, tuple(self.net.address))
         ttl = body_number(body, "ttl_s", pki.DEFAULT_TOKEN_TTL_S, lo=0.0, hi=MAX_TOKEN_TTL_S,
                           lo_open=True, unit="seconds")
         one_time = body_bool(body, "one_time", True)
         tok = pki.make_join_token(ca, [self.address], ttl_s=float(ttl), one_time=one_time)
         return {"token": tok, "expires_in_s": ttl, "one_time": one_time,
                 "next": f"fusionctl join {tok}"}
+
+    def _refuse_unreachable_advertise(self, advertised: tuple[str, int],
+                                      listen: tuple[Any, ...]) -> None:
+        """A join token names the address this node advertises. A loopback one while the
+        node listens beyond loopback (no default route, a host name resolving to 127.0.0.1)
+        works on no other machine: refuse to print it, and say what to set. A node that
+        listens on loopback only (a development cluster) gets its loopback token."""
+        if is_loopback(str(advertised[0])) and not is_loopback(str(listen[0])):
+            raise ApiError(409, "unreachable_address", (
+                f"this node would advertise {_fmt_addr(advertised)}, a loopback address (it "
+                "found no default route, and its host name resolves to loopback), so a join "
+                "token naming it works on no other machine. Set net.advertise to the address "
+                "the other machines reach this one at (e.g. 10.0.0.5:7420: "
+                "/etc/fusion/fusiond.toml [net] advertise, or FUSION_NET_ADVERTISE), restart "
+                "fusiond, and run this again"))
 
     async def join(self, body: Mapping[str, Any]) -> dict[str, Any]:
         token, address = body.get("token"), body.get("address")
@@ -914,6 +1057,59 @@ class Daemon:
             raise ApiError(404, "no_output", f"job {job_id} has no stored output {name!r} "
                            f"(`fusionctl fetch {job_id}` lists what it has)")
         return got
+
+    async def cluster_jobs(self, caller: Caller) -> dict[str, Any]:
+        """`list_jobs`, and under `cluster` the jobs the scheduler coordinates, whoever took
+        their submission (for the operator: a job belongs to a user of the machine it was
+        submitted on, so only the operator sees other members' jobs)."""
+        data = self.list_jobs(caller)
+        data["cluster"] = None
+        if self.jobs is None:
+            data["cluster_note"] = "this node is not in a cluster"
+        elif not caller.operator:
+            data["cluster_note"] = CLUSTER_JOBS_OPERATOR_ONLY
+        else:
+            try:
+                # short: `fusionctl jobs` and the dashboard wait for it
+                leader, answer = await self.jobs.ask_scheduler(timeout_s=LIST_ASK_S)
+            except FusionError as e:
+                data["cluster_note"] = str(e)
+            else:
+                data["cluster"] = {"scheduler": leader, "jobs": list(answer.jobs)}
+        return data
+
+    async def remote_job(self, job_id: str, history: int, caller: Caller, *,
+                         cancel: bool = False) -> dict[str, Any]:
+        """A job this daemon does not know, as the scheduler that coordinates it shows it
+        (cancelled first with `cancel`): the operator's `fusionctl job/logs/cancel ID` on any
+        member."""
+        jobs = self._job_service()
+        if not caller.operator:
+            raise ApiError(404, "unknown_job", f"no job {job_id!r} was submitted to this daemon "
+                           f"(`fusionctl jobs` lists yours); {CLUSTER_JOBS_OPERATOR_ONLY}")
+        if self.cluster is None:
+            raise ApiError(404, "unknown_job", f"no job {job_id!r} was submitted to this daemon "
+                           "(`fusionctl jobs` lists them), and this node is not in a cluster: "
+                           "there is no scheduler to ask")
+        from protocol.messages import MAX_JOBS_ANSWER_HISTORY
+
+        try:
+            leader, answer = await jobs.ask_scheduler(
+                job_id, min(history, MAX_JOBS_ANSWER_HISTORY), cancel=cancel)
+        except FusionError as e:
+            raise ApiError(502, "no_scheduler", f"no job {job_id!r} was submitted to this "
+                           f"daemon, and the scheduler could not be asked: {e}") from None
+        if not answer.known:
+            raise ApiError(404, "unknown_job", f"no job {job_id!r} here, nor at the scheduler "
+                           f"{leader} (`fusionctl jobs` lists every member's)")
+        return {**answer.job, "via_scheduler": leader}
+
+    def dashboard_session(self, caller: Caller) -> dict[str, Any]:
+        """A dashboard session for `caller` (it sees what the caller may see: docs/dashboard.md)."""
+        if self.dashboard is None:
+            raise ApiError(409, "disabled", "this daemon serves no dashboard: set "
+                           "dashboard.listen (e.g. 127.0.0.1:7421) and restart it")
+        return dict(self.dashboard.session_url(caller))
 
     async def test_block(self, node_ids: list[str]) -> dict[str, Any]:
         if not self.cfg.net.test_drop_switch or self.net is None:

@@ -111,7 +111,8 @@ class DaemonCollector(Collector):
 
 
 class MetricsServer:
-    """Serves ``/metrics`` of one registry on a loopback host:port (a service)."""
+    """Serves ``/metrics`` of one registry (and ``/healthz``: 200 "ok" while the daemon runs)
+    on a loopback host:port (a service)."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
         self.registry = registry
@@ -123,9 +124,13 @@ class MetricsServer:
         body = generate_latest(self.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
     async def start(self) -> None:
         app = web.Application()
         app.router.add_get("/metrics", self._handle)
+        app.router.add_get("/healthz", self._healthz)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, self._host, self._port)
@@ -145,12 +150,42 @@ class MetricsServer:
             await runner.cleanup()
 
 
-def make_registry(*collectors: Collector) -> CollectorRegistry:
-    """A registry of its own (never the process-global one: tests run several daemons)."""
+def make_registry(*collectors: Collector, process: bool = True) -> CollectorRegistry:
+    """A registry of its own (never the process-global one: tests run several daemons), with
+    the client library's process (`process_*`: CPU, memory, open files), platform
+    (`python_info`) and garbage-collector (`python_gc_*`) collectors unless `process` is off,
+    and `fusion_build_info`."""
     reg = CollectorRegistry(auto_describe=False)
+    if process:
+        from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
+
+        ProcessCollector(registry=reg)
+        PlatformCollector(registry=reg)
+        GCCollector(registry=reg)
+    reg.register(BuildInfo())
     for c in collectors:
         reg.register(c)
     return reg
+
+
+class BuildInfo(Collector):
+    """`fusion_build_info{version,protocol,python} 1`: which fusiond runs (join it on the
+    labels to tell members apart in a mixed cluster)."""
+
+    def describe(self) -> Iterator[Any]:
+        return iter(())
+
+    def collect(self) -> Iterator[Any]:
+        import platform
+
+        import fusiond
+        import protocol
+
+        g = GaugeMetricFamily("fusion_build_info", "The fusiond that runs (always 1)",
+                              labels=["version", "protocol", "python"])
+        g.add_metric([fusiond.__version__, str(protocol.PROTOCOL_VERSION),
+                      platform.python_version()], 1.0)
+        yield g
 
 
 def now() -> float:

@@ -2,7 +2,8 @@
 
 Every message class has a fixed `TYPE_ID` (the frame's type field) and a `lane` (CONTROL or
 BULK). Every message whose payload or header can be large is BULK (Assign, Forward, Backward,
-ProbeData, JobResult, StageCheckpoint, JobSubmit, JobUpdate, JobOutput); the rest are CONTROL,
+ProbeData, JobResult, StageCheckpoint, JobSubmit, JobUpdate, JobOutput, JobsAnswer); the rest
+are CONTROL,
 and a CONTROL frame is at most `Limits.max_control_frame_bytes` (`encode_message` refuses a
 larger one), so heartbeats and votes never wait behind a partition's weights. Its fields are
 validated from their annotations (protocol/_schema.py): unknown fields are ignored, missing or
@@ -1076,3 +1077,38 @@ class JobQueryReply(Message):
     job_id: str
     known: bool
     state: str = ""
+
+
+# --- cluster-wide job views (appended by the operations helper; ids 80..81) ------------------
+
+MAX_JOBS_ANSWER_HISTORY: Final = 2000
+"""A `JobsQuery` asks for at most this many step records of a job."""
+
+
+@dataclass(frozen=True)
+class JobsQuery(Message):
+    """Any member -> the scheduler: the jobs it coordinates (`job_id` empty), or one of them
+    with its newest `history` step records and its log lines (`fusionctl jobs`, `job ID`,
+    `logs ID` on a member that did not take the job's submission). Reply: JobsAnswer."""
+
+    TYPE_ID: ClassVar[int] = 80
+    request_id: int
+    job_id: str = ""
+    history: int = 0
+    """Step records wanted (the scheduler sends at most `MAX_JOBS_ANSWER_HISTORY`)."""
+    cancel: bool = False
+    """With `job_id`: cancel it first (`fusionctl cancel ID` from that member's operator)."""
+
+
+@dataclass(frozen=True)
+class JobsAnswer(Message):
+    """Scheduler -> the member that asked (`request_id` echoed): `jobs`, one brief per job it
+    coordinates, or `job`, the one asked for (empty and `known` false when it has none such).
+    BULK: a job's step records can be large."""
+
+    TYPE_ID: ClassVar[int] = 81
+    lane: ClassVar[Lane] = Lane.BULK
+    request_id: int
+    known: bool = True
+    jobs: tuple[dict[str, Any], ...] = ()
+    job: dict[str, Any] = field(default_factory=dict)

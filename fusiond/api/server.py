@@ -25,6 +25,8 @@ POST     /v1/jobs/{id}/cancel  stop every partition of the job
 GET      /v1/jobs/{id}/outputs the job's stored outputs (name, size, sha256), what is not
 POST     /v1/jobs/{id}/fetch   store again what could not be stored, then the same
 GET      /v1/jobs/{id}/outputs/{name}  one output file, streamed (``X-Fusion-SHA256``)
+POST     /v1/dashboard     a dashboard session for the caller: the URL that opens it
+GET      /healthz              200 "ok" while the daemon serves (no JSON; no token on TCP)
 =======  ====================  ======================================================
 
 Who may ask what: on the Unix socket the kernel tells the API the caller's uid and gid
@@ -187,6 +189,10 @@ class Backend(Protocol):
     async def job_outputs(self, job_id: str, caller: Caller, fetch: bool
                           ) -> dict[str, Any]: ...
     def job_output_file(self, job_id: str, name: str, caller: Caller) -> tuple[Path, str]: ...
+    def dashboard_session(self, caller: Caller) -> dict[str, Any]: ...
+    async def cluster_jobs(self, caller: Caller) -> dict[str, Any]: ...
+    async def remote_job(self, job_id: str, history: int, caller: Caller, *,
+                         cancel: bool = False) -> dict[str, Any]: ...
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -274,6 +280,8 @@ class ApiServer:
         r.add_get("/v1/jobs/{job_id}/outputs", self._job_outputs)
         r.add_post("/v1/jobs/{job_id}/fetch", self._job_fetch)
         r.add_get("/v1/jobs/{job_id}/outputs/{name}", self._job_output_file)
+        r.add_post("/v1/dashboard", self._dashboard)
+        r.add_get("/healthz", self._healthz)
         if self.test_endpoints:
             r.add_post("/v1/test/block", self._post(self._block))
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -352,6 +360,8 @@ class ApiServer:
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         sock = request.transport.get_extra_info("socket") if request.transport else None
         is_unix = sock is not None and sock.family == socket.AF_UNIX
+        if request.path == "/healthz" and request.method == "GET":
+            return await handler(request)  # liveness says nothing about anyone: no token
         if not is_unix:
             expect = f"Bearer {self._token}" if self._token else None
             got = request.headers.get("Authorization", "")
@@ -467,6 +477,8 @@ class ApiServer:
         return request[CALLER]
 
     async def _list_jobs(self, request: web.Request) -> web.StreamResponse:
+        if request.query.get("cluster", "") in ("1", "true", "yes"):
+            return _json(await self.backend.cluster_jobs(self._caller(request)))
         return _json(self.backend.list_jobs(self._caller(request)))
 
     async def _job(self, request: web.Request) -> web.StreamResponse:
@@ -474,15 +486,36 @@ class ApiServer:
         if not raw.isdigit() or int(raw) > MAX_HISTORY:
             raise ApiError(400, "bad_request", f"history must be an integer in [0, "
                            f"{MAX_HISTORY}], got {raw!r}")
-        return _json(self.backend.job(request.match_info["job_id"], int(raw),
-                                      self._caller(request)))
+        job_id, caller = request.match_info["job_id"], self._caller(request)
+        try:
+            return _json(self.backend.job(job_id, int(raw), caller))
+        except ApiError as e:  # submitted elsewhere: the scheduler coordinates it
+            if e.code != "unknown_job":
+                raise
+        return _json(await self.backend.remote_job(job_id, int(raw), caller))
 
     async def _job_logs(self, request: web.Request) -> web.StreamResponse:
-        return _json(self.backend.job_logs(request.match_info["job_id"], self._caller(request)))
+        job_id, caller = request.match_info["job_id"], self._caller(request)
+        try:
+            return _json(self.backend.job_logs(job_id, caller))
+        except ApiError as e:
+            if e.code != "unknown_job":
+                raise
+        got = await self.backend.remote_job(job_id, 0, caller)
+        return _json({"job_id": job_id, "lines": got.get("lines") or [],
+                      "via_scheduler": got.get("via_scheduler")})
 
     async def _job_cancel(self, request: web.Request) -> web.StreamResponse:
-        return _json(await self.backend.cancel_job(request.match_info["job_id"],
-                                                   self._caller(request)))
+        job_id, caller = request.match_info["job_id"], self._caller(request)
+        try:
+            return _json(await self.backend.cancel_job(job_id, caller))
+        except ApiError as e:
+            if e.code != "unknown_job":
+                raise
+        got = await self.backend.remote_job(job_id, 0, caller, cancel=True)
+        return _json({"job_id": job_id, "state": got.get("state"),
+                      "cancelled": got.get("state") == "cancelled",
+                      "via_scheduler": got.get("via_scheduler")})
 
     async def _job_outputs(self, request: web.Request) -> web.StreamResponse:
         return _json(await self.backend.job_outputs(request.match_info["job_id"],
@@ -491,6 +524,12 @@ class ApiServer:
     async def _job_fetch(self, request: web.Request) -> web.StreamResponse:
         return _json(await self.backend.job_outputs(request.match_info["job_id"],
                                                     self._caller(request), True))
+
+    async def _dashboard(self, request: web.Request) -> web.StreamResponse:
+        return _json(self.backend.dashboard_session(self._caller(request)))
+
+    async def _healthz(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(text="ok\n")
 
     async def _job_output_file(self, request: web.Request) -> web.StreamResponse:
         path, sha = self.backend.job_output_file(request.match_info["job_id"],

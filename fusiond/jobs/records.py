@@ -124,6 +124,12 @@ class JobRecord:
     restarts: int = 0
     checkpoint: tuple[int, dict[str, torch.Tensor]] | None = None
     """The last whole-model checkpoint: (step, state after that step), to resume from."""
+    plan_data: dict[str, Any] | None = None
+    """`plan_summary` of the last plan, kept once the plan itself is released (job ended)."""
+    checkpoint_step: int | None = None
+    """The step of the last checkpoint (kept after `checkpoint` is released at the end)."""
+    checkpoint_at: float | None = None
+    """When it arrived (Unix time): the dashboard shows its age."""
     excluded: dict[str, tuple[int | None, float, bool]] = field(default_factory=dict)
     """Machines that failed this job -> (their incarnation then, when (monotonic clock),
     whether they refused their partition): later attempts are planned without them until they

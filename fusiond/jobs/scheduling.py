@@ -45,6 +45,7 @@ from fusiond.graph import CapturedModel, contiguous_assignment, state_from_bytes
 from fusiond.jobs.assign import Corpus, JobLayout, layout_job
 from fusiond.jobs.coordinator import JobCoordinator, JobOutcome
 from fusiond.jobs.history import finite_records, metrics_summary
+from fusiond.jobs.metrics import JobStats
 from fusiond.jobs.opsets import (
     MemberOpSets,
     OpSetService,
@@ -258,6 +259,8 @@ class Scheduling:
         self.failure_grace_s = failure_grace_s
         self._host = host
         self.records: dict[str, JobRecord] = {}
+        self.stats = JobStats()
+        """Outcomes, restarts and step times of the jobs coordinated here (/metrics)."""
         """The jobs coordinated here (submitted here, or for another daemon)."""
         self._acks: dict[str, asyncio.Future[JobOutputAck]] = {}
         self._tasks = TaskSet("job task")
@@ -690,6 +693,7 @@ class Scheduling:
         def on_checkpoint(step: int, state: dict[str, torch.Tensor]) -> None:
             r = rec_box[0]
             r.checkpoint = (step, state)
+            r.checkpoint_step, r.checkpoint_at = step, time.time()
             self._spawn(self._checkpoint_out(r, step, state), f"checkpoint {r.job_id}")
 
         if self._closing:  # planning outlived the start of close, which would not await it
@@ -836,6 +840,7 @@ class Scheduling:
             current = {k: v for k, v in new.items() if v < 1.0}
 
     def _on_step(self, rec: JobRecord, m: StepMetrics) -> None:
+        self.stats.step(m.wall_s)
         d = m.as_dict()
         if rec.first_loss is None and m.loss is not None:
             rec.first_loss = m.loss
@@ -855,6 +860,7 @@ class Scheduling:
         finally:  # also when the daemon stops (cancelled): the record says how it ended
             self._host.persist(rec.job_id)
             if rec.state in FINAL:
+                self.stats.ended(rec.job_id, rec.state, rec.coord.status())
                 self._release(rec)
             if not rec.submitter and not self._closing:
                 self._host.ended(rec.job_id)
@@ -868,6 +874,8 @@ class Scheduling:
         rec.coord.release()
         rec.checkpoint = None
         rec.upload = None
+        if rec.plan is not None:  # its decisions stay on view as data, not the arrays
+            rec.plan_data = dict(plan_summary(rec.plan))
         rec.plan = None
 
     async def _run_attempts(self, rec: JobRecord) -> None:
@@ -973,6 +981,7 @@ class Scheduling:
             rec.log(f"cannot restart the job: {e}")
             return False
         rec.restarts += 1
+        self.stats.restarted()
         rec.earlier = [m for m in [*rec.earlier, *outcome.metrics] if m.step < first]
         rec.history.truncate_from(first)  # the new attempt redoes them
         rec.layout, rec.plan, rec.plan_text = layout, plan, text

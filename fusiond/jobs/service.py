@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import shutil
 import tempfile
 import time
@@ -44,6 +45,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fusiond.errors import LocalError
 from fusiond.jobs.coordinator import JobCoordinator
 from fusiond.jobs.history import HISTORY_KEPT, RECORDS_KEPT, JobHistory, StepHistory
 from fusiond.jobs.opsets import OpSetService, refuse_unrunnable
@@ -71,12 +73,15 @@ from fusiond.train.spec import parse_job
 from fusiond.train.stage import StageConfig
 from protocol import ir
 from protocol.messages import (
+    MAX_JOBS_ANSWER_HISTORY,
     JobCancel,
     JobFetch,
     JobOutput,
     JobOutputAck,
     JobQuery,
     JobQueryReply,
+    JobsAnswer,
+    JobsQuery,
     JobSubmit,
     JobSubmitReply,
     JobUpdate,
@@ -90,6 +95,16 @@ if TYPE_CHECKING:  # the cluster's view type, for annotations only
 
 log = logging.getLogger("fusiond.jobs")
 
+def _finite(recs: list[dict[str, Any]]) -> list[Any]:
+    """JSON-safe maps for the wire (str keys, non-finite floats as null)."""
+    from fusiond.jobs.history import finite_records
+
+    return [json.loads(json.dumps(r, default=str, allow_nan=False))
+            for r in finite_records(recs)]
+
+
+ASK_TIMEOUT_S = 10.0
+"""How long `ask_scheduler` waits for the scheduler's `JobsAnswer`."""
 STEPS_FSYNC_S = 1.0
 """The submitting daemon appends a running job's step records to disk as they arrive, and
 fsyncs them at most this far apart (a kill loses none; a power loss at most this much)."""
@@ -149,6 +164,9 @@ class JobService:
                 ended=self._submitted_ended))
         """The submitter role: the jobs submitted here and coordinated elsewhere."""
         self._by_type = self._handlers()
+        self._asked: dict[int, asyncio.Future[JobsAnswer]] = {}
+        """`JobsQuery`s sent to the scheduler, by request id, waiting for their answer."""
+        self._next_ask = secrets.randbits(62)
 
     @property
     def _jobs(self) -> dict[str, JobRecord]:
@@ -332,7 +350,8 @@ class JobService:
                 JobUpdate: self._on_update_msg, JobOutput: self._on_output_msg,
                 JobOutputAck: self._on_output_ack, JobFetch: self._on_fetch_msg,
                 JobQuery: self._on_query_msg, JobQueryReply: self._on_query_reply,
-                JobCancel: self._on_cancel_msg}
+                JobCancel: self._on_cancel_msg, JobsQuery: self._on_jobs_query,
+                JobsAnswer: self._on_jobs_answer}
 
     async def dispatch(self, peer: str, msg: Message) -> bool:
         """Offer a peer message to the submission protocol (by its type), the running
@@ -381,6 +400,80 @@ class JobService:
     async def _on_query_reply(self, peer: str, msg: JobQueryReply) -> bool:
         self.submissions.on_query_reply(peer, msg)
         return True
+
+    async def _on_jobs_query(self, peer: str, msg: JobsQuery) -> bool:
+        """A member asks this daemon, as the scheduler, about its jobs (or cancels one):
+        `fusionctl jobs`, `job`, `logs`, `cancel` on a member that did not take the job."""
+        self._spawn(self._answer_jobs(peer, msg), f"jobs query from {peer}")
+        return True
+
+    def _submitter_of(self, job_id: str) -> str:
+        rec = self._jobs.get(job_id)
+        return rec.submitter if rec is not None and rec.submitter else self.node_id
+
+    async def _answer_jobs(self, peer: str, msg: JobsQuery) -> None:
+        """From everything this daemon knows: the jobs it coordinates for any member, and
+        those submitted here (one it ran itself as the new scheduler after a failover, and
+        retired once it ended, included)."""
+        rec = self._jobs.get(msg.job_id) if msg.job_id else None
+        if not msg.job_id:
+            view = self.jobs()
+            briefs = [{k: v for k, v in j.items() if k != "owner_uid"}
+                      | {"submitter": j.get("submitter") or self.node_id}
+                      for j in [*view["jobs"], *view["coordinating"]]
+                      if j.get("state") != "handed_back"]
+            answer = JobsAnswer(request_id=msg.request_id, jobs=tuple(_finite(briefs)))
+        elif not self.knows(msg.job_id) or (rec is not None and rec.state == "handed_back"):
+            answer = JobsAnswer(request_id=msg.request_id, known=False)
+        else:
+            job_id = msg.job_id
+            if msg.cancel:
+                if rec is not None and rec.state == "running":
+                    rec.log(f"cancel requested by {peer}")
+                with contextlib.suppress(LocalError, KeyError):
+                    await self.cancel(job_id)
+            n = max(0, min(int(msg.history), MAX_JOBS_ANSWER_HISTORY))
+            shown = {k: v for k, v in self.job(job_id, n).items() if k != "owner_uid"}
+            shown |= {"submitter": self._submitter_of(job_id),
+                      "lines": self.logs(job_id)["lines"]}
+            [job] = _finite([shown])
+            answer = JobsAnswer(request_id=msg.request_id, job=job)
+        try:
+            async with asyncio.timeout(ASK_TIMEOUT_S):
+                await self.send(peer, answer, ())
+        except (LocalError, OSError, TimeoutError) as e:
+            log.info("jobs answer to %s not sent: %s", peer, e)
+
+    async def _on_jobs_answer(self, peer: str, msg: JobsAnswer) -> bool:
+        fut = self._asked.get(msg.request_id)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+        return True
+
+    async def ask_scheduler(self, job_id: str = "", history: int = 0, *, cancel: bool = False,
+                            timeout_s: float = ASK_TIMEOUT_S) -> tuple[str, JobsAnswer]:
+        """(the scheduler, its answer) about the jobs it coordinates, or one of them
+        (`JobsQuery`): `fusionctl jobs`, `job`, `logs`, `cancel` from a member that did not
+        take the job's submission. `LocalError` when there is no scheduler or it does not
+        answer in `timeout_s`."""
+        lead = self.leadership()
+        if lead is None or lead.leader is None:
+            raise LocalError("there is no scheduler to ask (no quorum, or an election is on): "
+                             "`fusionctl status` says why")
+        self._next_ask = (self._next_ask + 1) % (1 << 63)
+        rid = self._next_ask
+        fut: asyncio.Future[JobsAnswer] = asyncio.get_running_loop().create_future()
+        self._asked[rid] = fut
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.send(lead.leader, JobsQuery(request_id=rid, job_id=job_id,
+                                                       history=history, cancel=cancel), ())
+                return lead.leader, await fut
+        except TimeoutError:
+            raise LocalError(f"the scheduler {lead.leader} did not answer within "
+                             f"{timeout_s:g} s") from None
+        finally:
+            self._asked.pop(rid, None)
 
     async def _on_cancel_msg(self, peer: str, msg: JobCancel) -> bool:
         """The submitter's cancel; any other JobCancel is a stage's (the worker's)."""

@@ -11,6 +11,7 @@ from typing import Any
 
 from fusiond.jobs.outputs import StoredFile
 from fusiond.jobs.records import JobRecord, RemoteJob, steps_done
+from fusiond.plan.render import plan_summary
 
 __all__ = [
     "JOBS_KEYS",
@@ -75,6 +76,12 @@ def record_view(r: JobRecord, history: int, *, scheduler: str,
         per_step = sum(float(h.get("wall_s") or 0.0) for h in recent) / len(recent)
         eta = per_step * (r.spec.steps - done)
     return {**record_brief(r, scheduler), **{"status": r.coord.status()}, "plan": r.plan_text,
+            # the planner's decisions as data (None for a `--stages` cut), its predicted
+            # iteration inside; restarts so far; the last whole-model checkpoint (the step
+            # after which it was taken, and when it arrived: Unix time)
+            "plan_summary": plan_summary(r.plan) if r.plan is not None else r.plan_data,
+            "restarts": r.restarts,
+            "checkpoint_step": r.checkpoint_step, "checkpoint_at": r.checkpoint_at,
             "elapsed_s": elapsed, "eta_s": eta, "outcome": r.outcome,
             "outputs": dict(outputs), "unstored": dict(r.unstored), "held": r.held is not None,
             "history": r.history.tail(history), "steps_recorded": len(r.history),

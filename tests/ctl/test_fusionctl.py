@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fusionctl.cli import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, run
+from fusionctl.cli import EXIT_FAILED, EXIT_NOT_SERVING, EXIT_UNREACHABLE, EXIT_USAGE, run, serving
 from fusionctl.local import LocalNode, wait_until
 from fusionctl.render import render_job, render_links, render_status
 
@@ -24,7 +24,7 @@ def daemon() -> Iterator[LocalNode]:
     """One real fusiond (TLS mode, not yet in a cluster) for the whole module."""
     root = Path(tempfile.mkdtemp(prefix="fzc"))
     node = LocalNode(0, root, {
-        "profile_benchmark": False, "metrics": {"listen": ""},
+        "profile_benchmark": False, "metrics": {"listen": ""}, "dashboard": {"listen": ""},
         "net": {"listen": "127.0.0.1:0"}, "api": {"tcp": "127.0.0.1:0"},
         "cluster": {"mdns": False, "probes": False, "election_grace_s": 0.2,
                     "election_timeout_s": 0.6, "leader_lease_s": 0.4,
@@ -37,8 +37,8 @@ def daemon() -> Iterator[LocalNode]:
     shutil.rmtree(root, ignore_errors=True)
 
 
-def _json(capsys: Capture, argv: list[str]) -> dict[str, object]:
-    assert run(argv) == 0
+def _json(capsys: Capture, argv: list[str], code: int = 0) -> dict[str, object]:
+    assert run(argv) == code
     out = capsys.readouterr().out
     data = json.loads(out)  # stdout holds only JSON
     assert isinstance(data, dict)
@@ -66,9 +66,11 @@ def test_help_documents_exit_codes_and_usage_errors(capsys: Capture) -> None:
 
 def test_read_commands_before_a_cluster_exists(daemon: LocalNode, capsys: Capture) -> None:
     sock = ["--socket", daemon.socket]
-    st = _json(capsys, [*sock, "status", "--json"])
+    # unconfigured: the answer says so and what to run, and the exit code lets a script
+    # tell (it used to be 0)
+    st = _json(capsys, [*sock, "status", "--json"], EXIT_NOT_SERVING)
     assert st["cluster"] is None
-    assert run([*sock, "status"]) == 0
+    assert run([*sock, "status"]) == EXIT_NOT_SERVING == 8
     out = capsys.readouterr().out
     assert "scheduler  (none)" in out and "peers      (none)" in out and "fusionctl init" in out
     paths = _json(capsys, [*sock, "paths", "--json"])
@@ -82,7 +84,8 @@ def test_read_commands_before_a_cluster_exists(daemon: LocalNode, capsys: Captur
 def test_loopback_tcp_api_needs_the_token(daemon: LocalNode, capsys: Capture) -> None:
     paths = _json(capsys, ["--socket", daemon.socket, "paths", "--json"])
     api, token_file = str(paths["api_tcp"]), str(paths["api_token_file"])
-    st = _json(capsys, ["--api", api, "--token-file", token_file, "status", "--json"])
+    st = _json(capsys, ["--api", api, "--token-file", token_file, "status", "--json"],
+               EXIT_NOT_SERVING)
     assert st["node"]["name"] == "node0"  # type: ignore[index]
     assert run(["--api", api, "status"]) == EXIT_FAILED
     assert "token" in capsys.readouterr().err
@@ -127,7 +130,7 @@ def test_init_token_join_leave(daemon: LocalNode, capsys: Capture) -> None:
     assert "not a member" in capsys.readouterr().err
     left = _json(capsys, [*sock, "leave", "--yes", "--json"])
     assert left["left"] is True
-    st = _json(capsys, [*sock, "status", "--json"])
+    st = _json(capsys, [*sock, "status", "--json"], EXIT_NOT_SERVING)
     assert st["cluster"] is None and "join" in str(st["hint"])
 
 
@@ -140,7 +143,10 @@ def test_status_says_no_quorum_in_plain_words(capsys: Capture) -> None:
         {**member, "node_id": me, "state": "alive"},
         {**member, "node_id": a, "state": "dead"},
         {**member, "node_id": b, "state": "dead"}]}
-    render_status({"node": {"node_id": me, "phase": "running"}, "cluster": view})
+    status = {"node": {"node_id": me, "phase": "running"}, "cluster": view}
+    assert not serving(status)  # `fusionctl status` exits EXIT_NOT_SERVING
+    assert serving({**status, "cluster": {**view, "has_quorum": True}})
+    render_status(status)
     out = capsys.readouterr().out
     assert "scheduler  (none)  term 7" in out
     assert "NO QUORUM: this node reaches 1 of 3 members and needs 2" in out
@@ -304,3 +310,105 @@ def test_job_commands_without_a_cluster(daemon: LocalNode, tmp_path: Path,
     assert run([*sock, "submit", str(tmp_path / "missing.toml")]) == EXIT_FAILED
     err = capsys.readouterr().err
     assert "job refused" in err and "missing.toml: no such file" in err
+
+
+def test_status_names_peers_marks_stale_figures_and_needs_two_views_for_high_latency(
+        capsys: Capture) -> None:
+    """Peers by their gossiped names; a dead peer's RTT and bandwidth are what the link did
+    (stale), not what it does; one measurer's slow RTT sample is no "high latency" (it used
+    to be: a single 10x sample on a busy loop was reported)."""
+    def m(node: str, name: str, state: str = "alive") -> dict[str, object]:
+        return {"node_id": node, "state": state, "address": ["10.0.0.1", 7420],
+                "source": "mdns", "rtt_s": 0.002, "bandwidth_bits_per_s": 1e9,
+                "role": "worker", "profile": {"labels": {"name": name}}}
+
+    fast = {"bandwidth_bits_per_s": 1e9, "rtt_s": 0.002}
+    slow = {"bandwidth_bits_per_s": 1e9, "rtt_s": 0.2}
+    ids = ("na", "nb", "nc", "nd")
+    links = {a: {b: dict(fast) for b in ids if b != a} for a in ids}
+    links["na"]["nb"] = slow  # one measurer's spike
+    view = {"leader": "na", "term": 1, "has_quorum": True, "links": links,
+            "members": [m("na", "alpha"), m("nb", "bravo"), m("nc", "charlie"),
+                        m("nd", "delta", "dead")]}
+    render_status({"node": {"node_id": "na", "phase": "running"}, "cluster": view})
+    out = capsys.readouterr().out
+    [bravo] = [ln for ln in out.splitlines() if ln.startswith("nb ")]
+    assert bravo.split()[1] == "bravo"
+    [delta] = [ln for ln in out.splitlines() if ln.startswith("nd ")]
+    assert "delta" in delta and delta.count("(stale)") == 2
+    [charlie] = [ln for ln in out.splitlines() if ln.startswith("nc ")]
+    assert "stale" not in charlie
+    assert "high latency" not in out
+    links["nb"]["na"] = dict(slow)  # both ends agree: that link is slow
+    render_status({"node": {"node_id": "na", "phase": "running"}, "cluster": view})
+    assert "high latency na <-> nb: 200.00 ms and 200.00 ms" in capsys.readouterr().out
+
+
+def test_a_daemon_that_does_not_answer_in_time_is_not_called_stopped(
+        tmp_path: Path, capsys: Capture) -> None:
+    """Something accepts on the socket and says nothing (a busy or wedged daemon): the advice
+    is to wait or allow longer, not "the daemon is not running" (what it used to say)."""
+    import socket
+    import threading
+
+    path = tmp_path / "busy.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(4)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        srv.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(srv.accept()[0])
+            except TimeoutError:
+                continue
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    try:
+        assert run(["--socket", str(path), "--timeout", "0.3", "status"]) == EXIT_UNREACHABLE
+    finally:
+        stop.set()
+        t.join(5)
+        for s in [srv, *held]:
+            s.close()
+    err = capsys.readouterr().err
+    assert "did not answer within 0.3 s" in err and "busy or stuck, not stopped" in err
+    assert "--timeout" in err and "not running" not in err
+
+
+def test_a_socket_this_user_may_not_open_is_not_called_stopped(tmp_path: Path) -> None:
+    """A real unprivileged user against a root-only socket: EACCES says to join the group,
+    not that the daemon is not running (what it used to say)."""
+    import socket
+
+    from tests.users import plain_user
+
+    d = Path(tempfile.mkdtemp(prefix="fzperm"))
+    d.chmod(0o755)
+    path = d / "fusiond.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        srv.bind(str(path))
+        srv.listen(1)
+        path.chmod(0o600)
+        with plain_user() as user:
+            r = user.fusionctl(str(path), "status", timeout=60)
+    finally:
+        srv.close()
+        shutil.rmtree(d, ignore_errors=True)
+    assert r.returncode == EXIT_UNREACHABLE, r.stderr
+    assert "permission denied" in r.stderr and "usermod -aG fusion" in r.stderr
+    assert "not running" not in r.stderr
+
+
+def test_a_cancelled_job_says_at_which_step() -> None:
+    from fusionctl.jobs import _outcome_text
+
+    text = _outcome_text({"job_id": "j-1", "state": "cancelled", "step": 37, "steps": 100,
+                          "outcome": {}})
+    assert text == "job j-1 cancelled at step 37 of 100 (`fusionctl cancel`)"
+    assert "(no report)" not in text  # what it used to print

@@ -16,6 +16,7 @@ TIMERS: dict[str, Any] = {
     "start_timeout_s": 30.0,
     "stop_timeout_s": 5.0,
     "metrics": {"listen": ""},
+    "dashboard": {"listen": ""},
     "net": {"listen": "127.0.0.1:0", "connect_timeout_s": 1.0, "handshake_timeout_s": 2.0,
             "backoff_initial_s": 0.05, "backoff_max_s": 0.5, "test_drop_switch": True},
     "cluster": {"mdns": False, "mdns_interfaces": ["127.0.0.1"], "gossip_interval_s": 0.2,

@@ -22,6 +22,7 @@ from fusiond.daemon import Daemon
 FAST = {
     "FUSION_PROFILE_BENCHMARK": "0",
     "FUSION_METRICS_LISTEN": "",
+    "FUSION_DASHBOARD_LISTEN": "",
     "FUSION_NET_LISTEN": "127.0.0.1:0",
     "FUSION_CLUSTER_MDNS": "0",
     "FUSION_CLUSTER_PROBES": "0",
@@ -320,3 +321,46 @@ async def test_a_certificate_for_another_key_is_named_at_start(
         assert await asyncio.wait_for(d.run(), 15) == 1
     line = next(r.getMessage() for r in caplog.records if "stopped because" in r.getMessage())
     assert "was issued to node" in line and "fusionctl join" in line
+
+
+async def test_systemctl_status_stays_current_and_a_reload_is_announced(
+        short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """STATUS= follows the cluster (the scheduler, its term, quorum: it used to say only how
+    the daemon started), and SIGHUP is bracketed by RELOADING=1 (with MONOTONIC_USEC) and
+    READY=1, as systemd's reload protocol (Type=notify-reload) asks."""
+    from fusiond import daemon as daemon_mod
+
+    monkeypatch.setattr(daemon_mod, "STATUS_EVERY_S", 0.1)
+    notify = short_dir / "notify"
+    rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    rx.bind(str(notify))
+    rx.setblocking(False)
+    monkeypatch.setenv("NOTIFY_SOCKET", str(notify))
+    d = Daemon(_config(short_dir, FUSION_NET_INSECURE_PLAINTEXT="1",
+                       FUSION_CLUSTER_ID="unit"))
+    task = asyncio.create_task(d.run())
+    loop = asyncio.get_running_loop()
+    seen: list[str] = []
+
+    async def until(pred: Any, within: float = 15.0) -> str:
+        async with asyncio.timeout(within):
+            while True:
+                msg = (await loop.sock_recv(rx, 4096)).decode()
+                seen.append(msg)
+                if pred(msg):
+                    return msg
+
+    try:
+        await until(lambda m: m.startswith("READY=1"))
+        line = await until(lambda m: "scheduler this node" in m)
+        assert line.startswith("STATUS=cluster unit: scheduler this node term ")
+        assert "quorum yes, 1 of 1 members alive, 0 stage(s) running here" in line
+        d._on_sighup()
+        got = await until(lambda m: m.startswith("READY=1"), 5.0)
+        reload_msg = next(m for m in seen if m.startswith("RELOADING=1"))
+        assert "\nMONOTONIC_USEC=" in reload_msg
+        assert seen.index(reload_msg) < seen.index(got) and "scheduler this node" in got
+    finally:
+        d.request_stop()
+        assert await asyncio.wait_for(task, 15) == 0
+        rx.close()

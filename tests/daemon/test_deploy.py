@@ -115,3 +115,38 @@ def test_every_key_is_documented_in_help_and_example() -> None:
         assert doc, f"{k.path} has no docstring in fusiond/config.py"
         assert doc[:40] in helptext, k.path
         assert doc[:40] in " ".join(example.split()), k.path
+
+
+def test_the_wheel_installs_what_the_unit_points_at(tmp_path: Path) -> None:
+    """The distribution's name is not the package index's unrelated `fusion`; installed as
+    docs/daemon.md says (a prefix standing in for the /opt/fusion venv), the unit's ExecStart
+    and every Documentation= path exist, the dashboard's files come along, and the unit reads
+    /etc/default/fusiond if it is there. (The old unit pointed at /usr/local/bin/fusiond and
+    /usr/share/doc/fusion/, which no install created.)"""
+    import tomllib
+    import zipfile
+
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["name"] == "fusiond"
+    text = UNIT.read_text()
+    lines = [ln.strip() for ln in text.splitlines() if ln and not ln.lstrip().startswith("#")]
+    assert "EnvironmentFile=-/etc/default/fusiond" in lines
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(tmp_path / "wheel"), str(ROOT)],
+                   check=True, capture_output=True, timeout=300)
+    [wheel] = (tmp_path / "wheel").glob("fusiond-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for f in ("app.js", "style.css", "index.html"):
+        assert f"fusiond/api/static/{f}" in names
+    prefix = tmp_path / "opt-fusion"
+    # --ignore-installed: without it pip uninstalls this environment's own (editable) fusiond
+    # before installing under the prefix
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+                    "--ignore-installed", "--prefix", str(prefix), str(wheel)], check=True,
+                   capture_output=True, timeout=300)
+    exec_start = next(ln for ln in lines if ln.startswith("ExecStart=")).split("=", 1)[1]
+    docs = [ln.split("=", 1)[1] for ln in lines if ln.startswith("Documentation=")]
+    venv = "/opt/fusion/"
+    for path in [exec_start.split()[0], *(d.removeprefix("file://") for d in docs)]:
+        assert path.startswith(venv), path
+        assert (prefix / path.removeprefix(venv)).is_file(), f"{path}: not installed"
+    assert (prefix / "bin" / "fusionctl").is_file()

@@ -160,6 +160,12 @@ def test_a_job_survives_its_scheduler_killed_mid_job(
         before = submitter.api("GET", f"/v1/jobs/{job_id}?history=0")["steps_recorded"]
         lead.kill()
         _wait_ended(c, submitter, job_id, 150.0)
+        # the third member (which took nothing) sees the job too, from the new scheduler's
+        # records: they survived the failover
+        third = next(n for n in c.nodes if n is not lead and n is not submitter)
+        rc, d3, err = ctl(third, "job", job_id, "--json", capsys=capsys)
+        assert rc == 0 and d3["state"] == "done", err
+        assert d3.get("via_scheduler", c.node_id(third)) != lead_id
         rc, d, err = ctl(submitter, "job", job_id, "--json", capsys=capsys)
         assert rc == 0, err
         lines = submitter.api("GET", f"/v1/jobs/{job_id}/logs")["lines"]

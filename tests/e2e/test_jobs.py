@@ -219,10 +219,9 @@ def test_cancel_mid_job_then_the_next_job_succeeds(cluster3: Cluster, tmp_path: 
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     lead, node0 = leader_and_other(cluster3)  # submitted to a non-scheduler: cancel travels
     long_job = _write(tmp_path, GPT2.replace("steps = 20", "steps = 100000"), "long.toml")
-    rc, res, err = ctl(node0, "submit", str(long_job), "--stages", "3", "--detach", "--json",
-                       capsys=capsys)
-    assert rc == 0, err
-    job_id = res["job_id"]
+    # followed in a terminal, Ctrl-C stops following (exit 130, the terminal's cursor given
+    # back by the progress bar) and the job runs on; it used to exit 1 with the cursor hidden
+    job_id = _submit_in_a_terminal_then_ctrl_c(node0, long_job, tmp_path)
 
     def running() -> tuple[bool, str]:
         d = node0.api("GET", f"/v1/jobs/{job_id}?history=0")
@@ -236,6 +235,10 @@ def test_cancel_mid_job_then_the_next_job_succeeds(cluster3: Cluster, tmp_path: 
     assert f'fusion_job_steps{{job="{job_id}"}} 100000.0' in text, text[-2000:]
     assert f'fusion_job_step{{job="{job_id}"}}' in text
     assert "fusion_job_edge_wire_bytes_total" in text
+    # `leave` on a node running a stage says what is lost and, without --yes, does not leave
+    rc, _, err = ctl(node0, "leave", capsys=capsys)
+    assert rc == 1 and f"of job {job_id} runs here" in err and "--yes" in err, err
+    assert (node0.status() or {})["node"]["phase"] == "running"
     rc, res, err = ctl(node0, "cancel", job_id, "--json", capsys=capsys)
     assert rc == 0 and res["cancelled"], err
     assert node0.api("GET", f"/v1/jobs/{job_id}?history=0")["state"] == "cancelled"
@@ -248,6 +251,75 @@ def test_cancel_mid_job_then_the_next_job_succeeds(cluster3: Cluster, tmp_path: 
     assert rc == 0 and res["state"] == "done", err
     assert time.monotonic() - t0 < 60
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def _in_a_terminal_then_ctrl_c(node: Any, cwd: Path, *args: str) -> str:
+    """`fusionctl --socket SOCK ARGS...` on a pseudo-terminal, SIGINT a second after its
+    progress bar shows; asserts exit 130 and a visible cursor at the end; returns what it
+    wrote."""
+    import pty
+    import select
+    import signal
+    import subprocess
+    import sys
+
+    master, slave = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_")}
+    env.update(TERM="xterm-256color", COLUMNS="120", LINES="40")
+    p = subprocess.Popen([sys.executable, "-m", "fusionctl", "--socket", node.socket, *args],
+                         stdin=slave, stdout=slave, stderr=slave, cwd=cwd, env=env,
+                         close_fds=True)
+    os.close(slave)
+    out = b""
+
+    def read(until: float) -> None:
+        nonlocal out
+        while time.monotonic() < until:
+            r, _, _ = select.select([master], [], [], 0.1)
+            if r:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # the child closed the terminal
+                    return
+                if not chunk:
+                    return
+                out += chunk
+            elif p.poll() is not None:
+                return
+
+    try:
+        deadline = time.monotonic() + 90
+        while b"\x1b[?25l" not in out and time.monotonic() < deadline and p.poll() is None:
+            read(time.monotonic() + 0.2)  # until the bar hides the cursor to draw
+        assert b"\x1b[?25l" in out, out.decode(errors="replace")[-2000:]
+        read(time.monotonic() + 1.0)
+        p.send_signal(signal.SIGINT)
+        rc = p.wait(30)
+        read(time.monotonic() + 0.5)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(master)
+    text = out.decode(errors="replace")
+    assert rc == 130, text[-2000:]
+    assert out.rfind(b"\x1b[?25h") > out.rfind(b"\x1b[?25l"), text[-2000:]
+    return text
+
+
+def _submit_in_a_terminal_then_ctrl_c(node: Any, job: Path, cwd: Path) -> str:
+    """`submit JOB --stages 3` followed on a terminal, then Ctrl-C: the job runs on (its id)."""
+    import re
+
+    text = _in_a_terminal_then_ctrl_c(node, cwd, "submit", str(job), "--stages", "3")
+    assert "the job runs on" in text
+    m = re.search(r"job (\S+) started", text)
+    assert m is not None, text[-2000:]
+    job_id = m.group(1)
+    # `logs -f` re-attaches: the log lines, and the progress bar under them
+    text = _in_a_terminal_then_ctrl_c(node, cwd, "logs", "-f", job_id)
+    assert "submitted" in text or "started" in text, text[-2000:]
+    assert "loss" in text and "ETA" in text
+    return job_id
 
 
 def test_plan_prints_the_planners_table_and_starts_nothing(
@@ -361,3 +433,71 @@ def test_an_earlier_runs_outputs_are_never_silently_overwritten(
     assert set(res["written"]) == set(first["written"])
     steps = [s["step"] for s in json.loads((out / "metrics.json").read_text())["steps"]]
     assert steps == list(range(6))
+
+
+def test_the_notebook_example_trains_a_module_and_gets_it_back(
+        cluster3: Cluster, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """examples/notebook.py (fusionctl.notebook.train): an nn.Module defined there, captured
+    here, trained on the daemons, followed step by step, returned as a module with the
+    weights the daemon stored."""
+    import runpy
+
+    node0 = cluster3.nodes[0]
+    monkeypatch.setenv("FUSION_API_SOCKET", node0.socket)
+    example = Path(__file__).resolve().parents[2] / "examples" / "notebook.py"
+    main = runpy.run_path(str(example))["main"]
+    model, trained, losses = main()
+    out = capsys.readouterr().out
+    assert len(losses) == 30 and losses[-1] < losses[0] - 0.5, losses
+    assert "after 'def' it expects" in out
+    assert type(trained) is type(model) and trained is not model
+    changed = [k for k, v in model.state_dict().items()
+               if not torch.equal(v, trained.state_dict()[k])]
+    assert changed == list(model.state_dict())  # every tensor trained; the original untouched
+    job_id = out.split("job ", 1)[1].split()[0]
+    assert node0.api("GET", f"/v1/jobs/{job_id}?history=0")["state"] == "done"
+
+
+def test_jobs_are_seen_and_cancelled_from_any_member(
+        cluster3: Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`fusionctl jobs`, `job`, `logs` and `cancel` on a member that neither took the job's
+    submission nor schedules it: the scheduler answers (a JobsQuery). They used to answer
+    "no job ... was submitted to this daemon" there."""
+    lead, submitter = leader_and_other(cluster3)
+    other = next(n for n in cluster3.nodes if n is not lead and n is not submitter)
+    long_job = _write(tmp_path, GPT2.replace("steps = 20", "steps = 100000"), "long.toml")
+    rc, res, err = ctl(submitter, "submit", str(long_job), "--stages", "2", "--detach",
+                       "--json", capsys=capsys)
+    assert rc == 0, err
+    job_id = res["job_id"]
+    try:
+        def running() -> tuple[bool, str]:
+            d = submitter.api("GET", f"/v1/jobs/{job_id}?history=0")
+            return d["step"] >= 2, f"{d['state']} at step {d['step']}"
+
+        cluster3.wait_for(running, 60.0, "the long job running")
+        rc, listing, err = ctl(other, "jobs", "--json", capsys=capsys)
+        assert rc == 0, err
+        assert listing["cluster"]["scheduler"] == cluster3.node_id(lead)
+        [brief] = [j for j in listing["cluster"]["jobs"] if j["job_id"] == job_id]
+        assert brief["submitter"] == cluster3.node_id(submitter) and brief["state"] == "running"
+        rc, text, _ = ctl(other, "jobs", capsys=capsys)
+        assert job_id in text and "submitted on any member" in text
+        rc, d, err = ctl(other, "job", job_id, "--json", capsys=capsys)
+        assert rc == 0 and d["state"] == "running" and d["step"] >= 2, err
+        assert d["via_scheduler"] == cluster3.node_id(lead) and d["history"]
+        rc, logs, err = ctl(other, "logs", job_id, "--json", capsys=capsys)
+        assert rc == 0 and logs["lines"], err
+        rc, res, err = ctl(other, "cancel", job_id, "--json", capsys=capsys)
+        assert rc == 0 and res["cancelled"], (res, err)
+    finally:
+        submitter.api("POST", f"/v1/jobs/{job_id}/cancel")
+
+    def cancelled() -> tuple[bool, str]:
+        state = submitter.api("GET", f"/v1/jobs/{job_id}?history=0")["state"]
+        return state == "cancelled", state
+
+    cluster3.wait_for(cancelled, 30.0, "the submitter seeing the job cancelled")
+    rc, _, err = ctl(other, "job", "no-such-job", capsys=capsys)
+    assert rc == 1 and "nor at the scheduler" in err

@@ -175,7 +175,7 @@ def test_every_message_that_carries_bulk_data_is_bulk() -> None:
     bulk = {name for name, cls in ((c.__name__, c) for c in MESSAGE_TYPES.values())
             if cls.lane is Lane.BULK}
     assert bulk == {"Assign", "Forward", "Backward", "ProbeData", "JobResult",
-                    "StageCheckpoint", "JobSubmit", "JobUpdate", "JobOutput"}
+                    "StageCheckpoint", "JobSubmit", "JobUpdate", "JobOutput", "JobsAnswer"}
 
 
 def test_our_largest_control_messages_fit_the_control_bound() -> None:

@@ -70,7 +70,7 @@ EXPECTED_TYPE_IDS = {
     "ProbeData": 20, "ProbeAck": 21, "JoinRequest": 22, "JoinResponse": 23,
 }  # fmt: skip
 BULK = {"Assign", "Forward", "Backward", "ProbeData", "JobResult", "StageCheckpoint",
-        "JobSubmit", "JobUpdate", "JobOutput"}
+        "JobSubmit", "JobUpdate", "JobOutput", "JobsAnswer"}
 KINDS: list[type[Message]] = sorted(MESSAGE_TYPES.values(), key=lambda c: c.TYPE_ID)
 I64_MIN, U64_MAX = -(1 << 63), (1 << 64) - 1
 

@@ -537,9 +537,9 @@ def _convert(
         else:
             opn = sym_op_name(n.target)
             if opn is None:
-                raise UnsupportedOpError(str(getattr(n.target, "__name__", n.target)), path, n.name)
+                raise _unsupported(str(getattr(n.target, "__name__", n.target)), n, path, model)
         if not is_supported(opn):
-            raise UnsupportedOpError(opn, path, n.name)
+            raise _unsupported(opn, n, path, model)
         args = tuple(_arg(a, env, n) for a in n.args)
         kwargs = {k: _arg(v, env, n) for k, v in n.kwargs.items()}
         outs = tuple(_meta_of(n.meta.get("val"), rename, f"node {n.name} ({opn})"))
@@ -599,6 +599,34 @@ def _convert(
     except Exception as e:
         raise CaptureError(f"captured graph is inconsistent: {e}") from e
     return graph, state
+
+
+def _source_line(node: fx.Node) -> str:
+    """` at file.py:LINE in fn: `code`` of the innermost frame of `node`'s stack trace outside
+    torch and fusion (the model's line, or a library's), or ""."""
+    trace = node.meta.get("stack_trace") or ""
+    torch_dir = str(Path(torch.__file__).parent)
+    ours = str(Path(__file__).parent)
+    found = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', trace)
+    for filename, line, fn, code in reversed(found):
+        if filename.startswith((torch_dir, ours)):
+            continue
+        lib = "site-packages" in filename
+        name = filename.split("site-packages", 1)[1].lstrip("/\\") if lib \
+            else Path(filename).name
+        return f" at {name}:{line} in {fn}: `{code.strip()}`"
+    return ""
+
+
+def _unsupported(op: str, node: fx.Node, path: str, model: nn.Module) -> UnsupportedOpError:
+    """The refusal of an op the registry lacks: the op, the module (the model's own forward
+    when it is the top module's), the source line, and what to do."""
+    module = path or f"{type(model).__name__} (the model's own forward)"
+    where = _source_line(node)
+    return UnsupportedOpError(
+        op, module, node.name,
+        f"is not in the fusion op registry{where}: rewrite that line with ops the registry "
+        "runs (docs/ir.md lists them), or capture the model in the mode that avoids it")
 
 
 def _arg(a: Any, env: Mapping[fx.Node, ir.Arg], node: fx.Node) -> ir.Arg:

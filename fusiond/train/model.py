@@ -127,6 +127,12 @@ def resolve_feed(model: nn.Module, fields: Sequence[str], primary: str, *, targe
     if primary in keys:
         keys = [primary, *(k for k in keys if k != primary)]
     name = type(model).__name__
+    if "decoder_input_ids" in named and "decoder_input_ids" not in keys:
+        raise JobSpecError(
+            "loss.kind", f"{name} is an encoder-decoder (its forward takes decoder_input_ids) "
+            f"and loss.kind = {objective!r} gives its decoder no inputs: train it with "
+            "loss.kind = 'seq2seq_lm' and a data.target_column (the data path then makes the "
+            "decoder's inputs from the targets)")
     if objective == "seq2seq_lm" and "decoder_input_ids" not in keys:
         raise JobSpecError(
             "loss.kind", f"'seq2seq_lm' feeds the decoder its shifted targets "

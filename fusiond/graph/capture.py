@@ -156,8 +156,8 @@ def _module_path(node: fx.Node) -> str:
 
 def _frame_text(fr: traceback.FrameSummary, lib: bool) -> str:
     name = fr.filename
-    if lib and "site-packages" in name:
-        name = name.split("site-packages", 1)[1].lstrip("/\\")
+    if lib:
+        name = re.split(r"(?:site|dist)-packages", name, maxsplit=1)[-1].lstrip("/\\")
     else:
         name = Path(name).name
     code = (fr.line or "").strip()
@@ -166,36 +166,19 @@ def _frame_text(fr: traceback.FrameSummary, lib: bool) -> str:
 
 def _user_frame(e: BaseException) -> str:
     """` at file.py:LINE in fn: `code`` for the deepest traceback frame in the user's code, or,
-    when the error came from inside a library (transformers, ...), the deepest frame there
-    (named by its path inside site-packages); torch's and fusion's own frames are skipped."""
+    when the error came from deeper inside a library (transformers, ...), the deepest frame
+    there (named by its path inside site-packages); torch's and fusion's own frames are
+    skipped."""
     torch_dir = str(Path(torch.__file__).parent)
     ours = str(Path(__file__).parent)
     stdlib = str(Path(traceback.__file__).parent)
-    user = lib = None
+    deepest: tuple[traceback.FrameSummary, bool] | None = None
     for fr in traceback.extract_tb(e.__traceback__):
         fn = fr.filename
         if fn.startswith((torch_dir, ours, stdlib)) or fn.startswith("<"):
             continue
-        if "site-packages" in fn or "dist-packages" in fn:
-            lib = fr
-        else:
-            user = fr
-    if user is not None and (lib is None or _deeper(e, user, lib)):
-        return _frame_text(user, False)
-    if lib is not None:
-        return _frame_text(lib, True)
-    return ""
-
-
-def _deeper(e: BaseException, a: traceback.FrameSummary, b: traceback.FrameSummary) -> bool:
-    """Whether frame `a` is deeper in `e`'s traceback than frame `b`."""
-    frames = traceback.extract_tb(e.__traceback__)
-    pos = {id(f): i for i, f in enumerate(frames)}
-    ia = next((i for i, f in enumerate(frames) if f.filename == a.filename
-               and f.lineno == a.lineno), pos.get(id(a), 0))
-    ib = next((i for i, f in enumerate(frames) if f.filename == b.filename
-               and f.lineno == b.lineno), pos.get(id(b), 0))
-    return ia >= ib
+        deepest = (fr, "site-packages" in fn or "dist-packages" in fn)
+    return "" if deepest is None else _frame_text(*deepest)
 
 
 _NOISE = ("For more information", "TORCH_LOGS", "TORCHDYNAMO_", "docs.google.com",

@@ -659,7 +659,7 @@ def load_arrays(spec: DataSpec) -> dict[str, np.ndarray]:
         return {}
     if spec.kind == "text" and spec.layout == "windows":
         arrays: dict[str, np.ndarray] = {"tokens": text_tokens(spec)}
-        if spec.tokenizer != "bytes" or spec.objective != "causal_lm":
+        if spec.tokenizer != "bytes":  # bytes: BYTES_META (and the job's mask_token_id)
             from fusiond.train.readers import tokenizer_meta
 
             arrays.update(tokenizer_meta(spec.tokenizer).arrays())

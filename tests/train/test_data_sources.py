@@ -273,3 +273,20 @@ def test_an_assign_whose_partition_reads_a_field_the_data_lacks_is_refused(d: Pa
     object.__setattr__(sa, "data_arrays", {"tokens": np.zeros(3, np.uint8)})
     with pytest.raises(RemoteError, match="its data: row data needs input_ids"):
         _stage_data(sa)
+
+
+def test_an_assigns_data_config_is_checked_naming_the_field() -> None:
+    from fusiond.train.remote import _data_spec
+    from protocol.messages import DataConfig
+
+    ok = DataConfig(kind="jsonl", tokenizer="bytes", seq_len=16, image_size=32, channels=3,
+                    num_classes=10, objective="masked_lm", layout="rows", heldout=0.1)
+    assert _data_spec(ok, None).objective == "masked_lm"
+    for field, value, match in (("kind", "audio", "kind"), ("objective", "gan", "objective"),
+                                ("layout", "pages", "layout"), ("heldout", 0.9, "heldout"),
+                                ("mask_probability", 0.0, "mask_probability"),
+                                ("augment", ("rotate",), "augment"), ("std", (0.0,), "std"),
+                                ("mask_token_id", -3, "mask_token_id"),
+                                ("seq_len", 0, "seq_len")):
+        with pytest.raises(RemoteError, match=rf"Assign\.config\.data\.{match}: "):
+            _data_spec(replace(ok, **{field: value}), None)

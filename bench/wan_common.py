@@ -74,7 +74,8 @@ class Workload:
                  replicas: bool = False) -> str:
         """The fusion job file: constant learning rate (a wall-clock budget has no 'last step'
         for a schedule to decay to), AdamW, byte tokens of the training split (or of the
-        default corpus); `codec` is the job's `compression.codec` ("int8": SWARM-style int8
+        default corpus; no held-out split of its own: the bench holds out its own); `codec` is
+        the job's `compression.codec` ("int8": SWARM-style int8
         cut edges, then `adatopk` must be False)."""
         config = ", ".join([f'size = "{self.size}"']
                            + [f"{k} = {v}" for k, v in self.model_overrides().items()])
@@ -90,6 +91,7 @@ zoo = "gpt2"
 config = {{ {config} }}
 [data]
 seq_len = {self.seq_len}{path}
+heldout = 0.0
 [optimizer]
 kind = "adamw"
 lr = {self.lr}

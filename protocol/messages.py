@@ -396,6 +396,26 @@ class DataConfig(Struct):
     """The submitter's corpus hash ("": unchecked)."""
     default_corpus: bool = False
     """The stages read the default corpus from their own standard library, not `path`."""
+    objective: str = "causal_lm"
+    """What the data path makes of the samples (the job's loss kind: causal_lm, masked_lm,
+    seq2seq_lm, classification, regression)."""
+    layout: str = "windows"
+    """Text as one token stream cut into windows, or as rows (one example per record)."""
+    heldout: float = 0.0
+    """The fraction of the data never trained on (the held-out split)."""
+    ignore_index: int = -100
+    """The label of positions that count for nothing."""
+    mask_probability: float = 0.15
+    """Masked LM: the chance that a token is masked."""
+    mask_token_id: int | None = None
+    """Masked LM: the job's mask token (None: the shipped tokenizer's)."""
+    decoder_start_token_id: int | None = None
+    """Seq2seq: the decoder's first input (None: the padding id)."""
+    augment: tuple[str, ...] = ()
+    """Image transforms drawn per step (hflip, crop)."""
+    mean: tuple[float, ...] = ()
+    std: tuple[float, ...] = ()
+    """Image normalisation per channel."""
 
 
 @dataclass(frozen=True)

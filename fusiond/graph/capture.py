@@ -8,13 +8,17 @@ torch.fx symbolic tracing is never used: it fails on common models (Hugging Face
 
 from __future__ import annotations
 
+import contextlib
 import io
+import logging
 import operator
 import platform
 import re
+import sys
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,17 +76,25 @@ def state_from_bytes(data: bytes) -> dict[str, torch.Tensor]:
 
 
 class _LossWrapper(nn.Module):
-    """forward(*inputs, targets) -> scalar loss; the user model lives at `.model`."""
+    """forward(*inputs, targets) -> scalar loss; the user model lives at `.model`.
 
-    def __init__(self, model: nn.Module, loss: LossFn | None, n_inputs: int) -> None:
+    With `keywords`, the inputs reach the model by those names (`model(input_ids=...,
+    attention_mask=...)`), else by position."""
+
+    def __init__(self, model: nn.Module, loss: LossFn | None, n_inputs: int,
+                 keywords: Sequence[str] = ()) -> None:
         super().__init__()
         self.model = model
         self.loss = loss
         self.n_inputs = n_inputs
+        self.keywords = tuple(keywords)
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         inputs, rest = args[: self.n_inputs], args[self.n_inputs :]
-        out = self.model(*inputs)
+        if self.keywords:
+            out = self.model(**dict(zip(self.keywords, inputs, strict=True)))
+        else:
+            out = self.model(*inputs)
         if self.loss is None:
             if not isinstance(out, torch.Tensor):
                 raise CaptureError("model must return the loss tensor when no loss is given")
@@ -142,21 +154,122 @@ def _module_path(node: fx.Node) -> str:
     return ""
 
 
+def _frame_text(fr: traceback.FrameSummary, lib: bool) -> str:
+    name = fr.filename
+    if lib:
+        name = re.split(r"(?:site|dist)-packages", name, maxsplit=1)[-1].lstrip("/\\")
+    else:
+        name = Path(name).name
+    code = (fr.line or "").strip()
+    return f" at {name}:{fr.lineno} in {fr.name}: `{code}`"
+
+
 def _user_frame(e: BaseException) -> str:
-    """` at file.py:LINE in fn: `code`` for the deepest traceback frame in the user's code."""
+    """` at file.py:LINE in fn: `code`` for the deepest traceback frame in the user's code, or,
+    when the error came from deeper inside a library (transformers, ...), the deepest frame
+    there (named by its path inside site-packages); torch's and fusion's own frames are
+    skipped."""
     torch_dir = str(Path(torch.__file__).parent)
     ours = str(Path(__file__).parent)
     stdlib = str(Path(traceback.__file__).parent)
-    best = None
+    deepest: tuple[traceback.FrameSummary, bool] | None = None
     for fr in traceback.extract_tb(e.__traceback__):
         fn = fr.filename
-        if fn.startswith((torch_dir, ours, stdlib)) or "site-packages" in fn or fn.startswith("<"):
+        if fn.startswith((torch_dir, ours, stdlib)) or fn.startswith("<"):
             continue
-        best = fr
-    if best is None:
-        return ""
-    code = (best.line or "").strip()
-    return f" at {Path(best.filename).name}:{best.lineno} in {best.name}: `{code}`"
+        deepest = (fr, "site-packages" in fn or "dist-packages" in fn)
+    return "" if deepest is None else _frame_text(*deepest)
+
+
+_NOISE = ("For more information", "TORCH_LOGS", "TORCHDYNAMO_", "docs.google.com",
+          "draft_export", "If you suspect the guard", "For extended logs", "The error above",
+          "consider using data-dependent friendly APIs", "Caused by: (_export")
+
+
+def _hint(model: nn.Module, e: BaseException, text: str) -> str:
+    """What the user can do about a torch.export failure, where we recognise it."""
+    if "specialized it to be a constant" in text or "Constraints violated" in text:
+        rnns = [(n, type(m).__name__) for n, m in model.named_modules()
+                if isinstance(m, nn.RNNBase)]
+        if rnns:
+            names = ", ".join(f"{n!r} ({c})" for n, c in rnns[:4])
+            return (f". The recurrent layer {names} loops over the sequence, so torch.export "
+                    "fixes its length: capture the model with a static sequence length (a fixed "
+                    "data.seq_len and no dynamic 'seq' dim), or replace the layer")
+        return (". The model fixes the size of a dim marked dynamic: capture it with that dim "
+                "static")
+    if "data-dependent" in text or "GuardOnDataDependent" in type(e).__name__:
+        return (". A branch or a size depends on a tensor's values (.item(), int(t), "
+                "bool(t), if t...), which one graph cannot hold: compute it with tensor ops "
+                "(torch.where, masking) or torch.cond")
+    return ""
+
+
+def export_failure(model: nn.Module, e: BaseException, module_path: str = "") -> str:
+    """The message of a torch.export failure: the model, the module that was running and the
+    line (the user's, or a library's when it raised there), torch's own words without its
+    debugging advice, and what to do where we recognise the failure."""
+    text = str(e).split("The following call raised this error", 1)[0]
+    lines = list(dict.fromkeys(ln.rstrip() for ln in text.strip().splitlines()
+                               if ln.strip() and not any(x in ln for x in _NOISE)))
+    head = "\n".join(lines[:6]).rstrip(". ")
+    where = _user_frame(e)
+    inside = f" (in module {module_path!r})" if module_path else ""
+    return (f"torch.export cannot export {type(model).__name__}{inside}{where}: "
+            f"{type(e).__name__}: {head}{_hint(model, e, str(e))}")
+
+
+@contextlib.contextmanager
+def quiet_export() -> Iterator[None]:
+    """Keep torch's own output off the user's terminal while exporting: the partial graph
+    torch.export prints to stderr when it fails, its loggers' warnings, and the warnings it
+    raises about the model. What the model itself printed is written out after a successful
+    export."""
+    buf = io.StringIO()
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    ok = False
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(buf):
+            warnings.simplefilter("ignore")
+            yield
+        ok = True
+    finally:
+        logger.setLevel(level)
+        if ok and buf.getvalue():
+            sys.stderr.write(buf.getvalue())
+
+
+class _ModuleTrail:
+    """Which submodule was running when export failed: forward pre-/post-hooks on every
+    submodule keep the stack of the ones entered and not yet left."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.stack: list[str] = []
+        self.deepest = ""
+        self._handles: list[Any] = []
+        for name, mod in model.named_modules():
+            if not name:
+                continue
+            self._handles.append(mod.register_forward_pre_hook(self._enter(name)))
+            self._handles.append(mod.register_forward_hook(self._leave(name)))
+
+    def _enter(self, name: str) -> Callable[..., None]:
+        def pre(*_: Any) -> None:
+            self.stack.append(name)
+        return pre
+
+    def _leave(self, name: str) -> Callable[..., None]:
+        def post(*_: Any) -> None:
+            if self.stack and self.stack[-1] == name:
+                self.stack.pop()
+        return post
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
 
 
 def _default_decompositions() -> Any:
@@ -170,16 +283,25 @@ def _default_decompositions() -> Any:
 
 def export_program(
     model: nn.Module,
-    example_inputs: Sequence[torch.Tensor],
+    example_inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
     targets: torch.Tensor | None,
     loss: LossFn | None,
     dynamic: Sequence[Mapping[int, str] | None] | None,
     dim_max: Mapping[str, int],
     dim_min: Mapping[str, int],
+    targets_name: str = "targets",
 ) -> tuple[torch.export.ExportedProgram, list[str], list[Mapping[int, str] | None]]:
-    """torch.export the loss wrapper and lower it to core ATen.
+    """torch.export the loss wrapper and lower it to core ATen. A mapping of example inputs
+    reaches the model by keyword, and names the graph's inputs.
 
     Returns the program, the input names and the dynamic spec per input."""
+    keywords: tuple[str, ...] = ()
+    if isinstance(example_inputs, Mapping):
+        keywords = tuple(example_inputs)
+        for k in keywords:
+            if not _DYN_NAME.match(k) or k == targets_name:
+                raise CaptureError(f"input name {k!r} is not an identifier, or is the targets'")
+        example_inputs = [example_inputs[k] for k in keywords]
     # Distinct tensors per input: export would merge two inputs that are the same tensor
     # (e.g. a language model's targets passed as its inputs) into one graph input.
     args = tuple(a.clone() for a in (*example_inputs, *(() if targets is None else (targets,))))
@@ -201,34 +323,38 @@ def export_program(
                 dims[name] = Dim(name, min=dim_min.get(name, 1), max=dim_max.get(name))
             entry[axis] = dims[name]
         specs.append(entry)
-    wrapper = _LossWrapper(model, loss, len(example_inputs))
+    wrapper = _LossWrapper(model, loss, len(example_inputs), keywords)
     wrapper.train(model.training)
-    try:
-        ep = torch.export.export(wrapper, args, dynamic_shapes={"args": tuple(specs)}, strict=False)
-    except CaptureError:
-        raise
-    except Exception as e:  # torch raises many types; all mean "cannot export"
-        msg = str(e).strip().splitlines()
-        head = "\n".join(msg[:8])
-        where = _user_frame(e)
-        raise CaptureError(
-            f"torch.export cannot export {type(model).__name__}{where}: {type(e).__name__}: {head}"
-        ) from e
-    try:
-        ep = ep.run_decompositions(_default_decompositions())
-    except Exception as e:
-        raise CaptureError(f"lowering {type(model).__name__} to core ATen failed: {e}") from e
+    with quiet_export():
+        trail = _ModuleTrail(model)
+        try:
+            ep = torch.export.export(wrapper, args, dynamic_shapes={"args": tuple(specs)},
+                                     strict=False)
+        except CaptureError:
+            raise
+        except Exception as e:  # torch raises many types; all mean "cannot export"
+            path = trail.stack[-1] if trail.stack else ""
+            raise CaptureError(export_failure(model, e, path)) from e
+        finally:
+            trail.close()
+        try:
+            ep = ep.run_decompositions(_default_decompositions())
+        except Exception as e:
+            raise CaptureError(f"lowering {type(model).__name__} to core ATen failed: "
+                               f"{e}") from e
     names = [f"input{i}" for i in range(len(example_inputs))]
-    if len(example_inputs) == 1:
+    if keywords:
+        names = list(keywords)
+    elif len(example_inputs) == 1:
         names = ["input"]
     if targets is not None:
-        names.append("targets")
+        names.append(targets_name)
     return ep, names, list(dynamic)
 
 
 def capture(
     model: nn.Module,
-    example_inputs: Sequence[torch.Tensor],
+    example_inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
     *,
     targets: torch.Tensor | None = None,
     loss: LossFn | None = None,
@@ -236,8 +362,13 @@ def capture(
     dim_max: Mapping[str, int] | None = None,
     dim_min: Mapping[str, int] | None = None,
     input_names: Sequence[str] | None = None,
+    targets_name: str = "targets",
 ) -> CapturedModel:
     """Capture `loss(model(*example_inputs), targets)` as an IR graph plus initial state.
+
+    `example_inputs` may be a mapping of named tensors: the model is then called with them by
+    keyword (`model(input_ids=..., attention_mask=...)`, as Hugging Face models take them) and
+    the graph's inputs carry those names, the targets `targets_name`.
 
     - `dynamic`: one entry per input (inputs, then targets): axis -> dim name; the same name on
       several inputs means the same size. Default: axis 0 of every input is `batch`. The graph's
@@ -252,8 +383,11 @@ def capture(
     """
     t0 = time.perf_counter()
     ep, names, dyn = export_program(
-        model, example_inputs, targets, loss, dynamic, dim_max or {}, dim_min or {}
+        model, example_inputs, targets, loss, dynamic, dim_max or {}, dim_min or {},
+        targets_name,
     )
+    if isinstance(example_inputs, Mapping):
+        example_inputs = list(example_inputs.values())
     if input_names is not None:
         if len(input_names) != len(names):
             raise CaptureError(f"input_names has {len(input_names)} names for {len(names)} inputs")
@@ -386,9 +520,9 @@ def _convert(
         else:
             opn = sym_op_name(n.target)
             if opn is None:
-                raise UnsupportedOpError(str(getattr(n.target, "__name__", n.target)), path, n.name)
+                raise _unsupported(str(getattr(n.target, "__name__", n.target)), n, path, model)
         if not is_supported(opn):
-            raise UnsupportedOpError(opn, path, n.name)
+            raise _unsupported(opn, n, path, model)
         args = tuple(_arg(a, env, n) for a in n.args)
         kwargs = {k: _arg(v, env, n) for k, v in n.kwargs.items()}
         outs = tuple(_meta_of(n.meta.get("val"), rename, f"node {n.name} ({opn})"))
@@ -448,6 +582,34 @@ def _convert(
     except Exception as e:
         raise CaptureError(f"captured graph is inconsistent: {e}") from e
     return graph, state
+
+
+def _source_line(node: fx.Node) -> str:
+    """` at file.py:LINE in fn: `code`` of the innermost frame of `node`'s stack trace outside
+    torch and fusion (the model's line, or a library's), or ""."""
+    trace = node.meta.get("stack_trace") or ""
+    torch_dir = str(Path(torch.__file__).parent)
+    ours = str(Path(__file__).parent)
+    found = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', trace)
+    for filename, line, fn, code in reversed(found):
+        if filename.startswith((torch_dir, ours)):
+            continue
+        lib = "site-packages" in filename
+        name = filename.split("site-packages", 1)[1].lstrip("/\\") if lib \
+            else Path(filename).name
+        return f" at {name}:{line} in {fn}: `{code.strip()}`"
+    return ""
+
+
+def _unsupported(op: str, node: fx.Node, path: str, model: nn.Module) -> UnsupportedOpError:
+    """The refusal of an op the registry lacks: the op, the module (the model's own forward
+    when it is the top module's), the source line, and what to do."""
+    module = path or f"{type(model).__name__} (the model's own forward)"
+    where = _source_line(node)
+    return UnsupportedOpError(
+        op, module, node.name,
+        f"is not in the fusion op registry{where}: rewrite that line with ops the registry "
+        "runs (docs/ir.md lists them), or capture the model in the mode that avoids it")
 
 
 def _arg(a: Any, env: Mapping[fx.Node, ir.Arg], node: fx.Node) -> ir.Arg:

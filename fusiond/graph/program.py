@@ -8,8 +8,10 @@ names, so `module.state_dict()` keys are the model's own state-dict names.
 
 from __future__ import annotations
 
+import hashlib
 import operator
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -51,6 +53,123 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
     return src.to(dtype=dst.dtype, device=dst.device).expand_as(dst).clone()
 
 
+RANDOM_OPS: frozenset[str] = frozenset({
+    "aten.native_dropout.default",
+    "aten.bernoulli.p",
+    "aten.rand.default",
+    "aten.randn.default",
+    "aten.randperm.default",
+    "aten.rrelu_with_noise_functional.default",
+    "aten.scaled_dot_product_attention.default",
+})
+"""Registry ops that draw random numbers (dropout, stochastic depth, RReLU's slopes, SDPA's
+attention dropout). A program runs each from a generator of its own, seeded per call by
+`RandomState`: a run is reproducible from the job's seed, and the same however the graph is
+cut (the key is the node's id, not the stage's)."""
+
+_GLOBAL_RNG = threading.Lock()
+"""Held while an op without a generator argument (SDPA's dropout) runs on the device's default
+generator, seeded and restored around the call."""
+
+
+class RandomState:
+    """The key a program's random ops draw from: (seed, step, micro-batch), set before each
+    forward (`set`). Each random op's generator is seeded by that key and the op's node id, so
+    the masks of a micro-batch depend on nothing else: not on the partition, the machine, the
+    thread, or what ran before."""
+
+    def __init__(self) -> None:
+        self.key = (0, 0, 0)
+
+    def set(self, seed: int, step: int, micro: int) -> None:
+        """Key the next forward's random ops to (`seed`, `step`, `micro`)."""
+        self.key = (int(seed), int(step), int(micro))
+
+    def seed_for(self, node: str) -> int:
+        """The 63-bit seed of node `node` under the current key."""
+        h = hashlib.blake2b(f"{self.key[0]}:{self.key[1]}:{self.key[2]}:{node}".encode(),
+                            digest_size=8)
+        return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+
+    def generator(self, node: str, device: torch.device) -> torch.Generator:
+        """A generator on `device`, seeded for `node`."""
+        g = torch.Generator(device=device)
+        g.manual_seed(self.seed_for(node))
+        return g
+
+
+def _device_of(args: Any, kwargs: Mapping[str, Any]) -> torch.device:
+    dev = kwargs.get("device")
+    if isinstance(dev, torch.device):
+        return dev
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return torch.device("cpu")
+
+
+def _seeded(name: str, node: str, state: RandomState) -> Callable[..., Any]:
+    """The callable a program runs for random op `name` at node `node`: the op on a generator
+    seeded by `state` (ops without a generator argument through an overload that has one, or
+    an equivalent)."""
+    aten = torch.ops.aten
+
+    def gen(args: Any, kwargs: Mapping[str, Any]) -> torch.Generator:
+        return state.generator(node, _device_of(args, kwargs))
+
+    fn: Callable[..., Any]
+    if name == "aten.native_dropout.default":
+        def fn(x: torch.Tensor, p: float, train: bool | None = True) -> Any:
+            if train is False or p == 0.0:
+                return x.clone(), torch.ones_like(x, dtype=torch.bool)
+            if p >= 1.0:
+                return x * 0.0, torch.zeros_like(x, dtype=torch.bool)
+            keep = aten.bernoulli.p(torch.empty_like(x), 1.0 - p,
+                                    generator=gen((x,), {})).to(torch.bool)
+            return x * keep * (1.0 / (1.0 - p)), keep
+    elif name in ("aten.rand.default", "aten.randn.default", "aten.randperm.default"):
+        overload = getattr(aten, name.split(".")[1]).generator
+
+        def fn(*args: Any, **kwargs: Any) -> Any:
+            return overload(*args, generator=gen(args, kwargs), **kwargs)
+    elif name == "aten.scaled_dot_product_attention.default":
+        sdpa = aten.scaled_dot_product_attention.default
+
+        def fn(*args: Any, **kwargs: Any) -> Any:
+            p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+            if not p:
+                return sdpa(*args, **kwargs)
+            dev = _device_of(args, kwargs)
+            with _GLOBAL_RNG:
+                default = (torch.cuda.default_generators[dev.index or 0] if dev.type == "cuda"
+                           else torch.default_generator)
+                saved = default.get_state()
+                default.manual_seed(state.seed_for(node))
+                try:
+                    return sdpa(*args, **kwargs)
+                finally:
+                    default.set_state(saved)
+    elif name == "aten.rrelu_with_noise_functional.default":
+        # RReLU from where/mul: torch 2.13's derivative of rrelu_with_noise_functional reads
+        # its noise *input* (in a captured graph an uninitialised empty_like), not the slopes
+        # it sampled, so autograd through the op itself gives garbage gradients
+        def fn(x: torch.Tensor, noise: torch.Tensor, lower: float = 0.125,
+               upper: float = 1.0 / 3.0, training: bool = False, generator: Any = None) -> Any:
+            del generator  # ours
+            if not training:
+                return torch.where(x > 0, x, x * ((lower + upper) / 2.0)), noise.clone()
+            slopes = torch.empty_like(x).uniform_(lower, upper, generator=gen((x,), {}))
+            slopes = torch.where(x > 0, torch.ones_like(x), slopes)
+            return x * slopes, slopes
+    else:  # bernoulli.p: a generator keyword of its own
+        op = resolve(name)
+
+        def fn(*args: Any, **kwargs: Any) -> Any:
+            return op(*args, **{**kwargs, "generator": gen(args, kwargs)})
+    fn.__name__ = "seeded_" + name.split(".")[1]
+    return fn
+
+
 class GraphProgram(fx.GraphModule):
     """A partition (or whole graph) as an `nn.Module`.
 
@@ -61,6 +180,8 @@ class GraphProgram(fx.GraphModule):
 
     input_names: tuple[str, ...]
     output_names: tuple[str, ...]
+    random: RandomState | None
+    """The key of the program's random ops (None: it has none)."""
 
     def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Forward by name; raises `ExecutionError` naming a missing input."""
@@ -180,9 +301,12 @@ def build_program(
             return getattr(torch, a.name)
         return a
 
+    random = RandomState() if any(n.op in RANDOM_OPS for n in graph.nodes) else None
     for node in graph.nodes:
         fn = resolve(node.op)
-        if fn is torch.ops.aten.view.default:
+        if random is not None and node.op in RANDOM_OPS:
+            fn = _seeded(node.op, node.id, random)
+        elif fn is torch.ops.aten.view.default:
             # A received tensor is contiguous, but the graph was traced with the producer's
             # strides: a view that was valid there can be invalid here (x.T sent, then
             # x.T.T.view(-1)). reshape is view wherever view is valid and copies otherwise.
@@ -209,6 +333,7 @@ def build_program(
     g.lint()
     prog = GraphProgram(root, g, class_name="GraphProgram")
     prog.input_names = tuple(i.name for i in graph.inputs)
+    prog.random = random
     prog.output_names = tuple(o.name for o in graph.outputs)
     return prog
 

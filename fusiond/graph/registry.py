@@ -2,8 +2,9 @@
 
 An IR names ops `aten.<name>.<overload>`; a daemon runs only ops in `supported_ops()`: the core
 ATen opset (what `run_decompositions` lowers to), a few composite ops capture keeps whole
-because they are faster than their decompositions (`KEPT_COMPOSITES`), and Python arithmetic
-on symbolic sizes (`sym.*`). Anything else is refused, so an IR cannot call arbitrary ATen ops
+because they are faster than their decompositions (`KEPT_COMPOSITES`), the non-core ops common
+modules still lower to (`EXTRA_OPS`), and Python arithmetic on symbolic sizes (`sym.*`).
+Anything else is refused, so an IR cannot call arbitrary ATen ops
 (file I/O, allocator control) on another machine.
 
 What a node runs is its registry less the ops its operator disabled (`jobs.disabled_ops`):
@@ -51,9 +52,14 @@ EXTRA_OPS: tuple[str, ...] = (
     "aten.view_as_real.default",  # complex -> (..., 2) real view
     "aten.empty_permuted.default",  # allocation only, as core empty_strided (AlphaDropout,
     # CosineEmbeddingLoss, HingeEmbeddingLoss)
+    "aten._embedding_bag_forward_only.default",  # a frozen EmbeddingBag (no weight gradient)
+    # Random: a program runs them on generators seeded from the job (program.RANDOM_OPS)
+    "aten.bernoulli.p",  # Dropout1d/2d/3d, AlphaDropout, FeatureAlphaDropout, stochastic depth
+    "aten.rrelu_with_noise_functional.default",  # RReLU (samples its slopes in training)
 )
 """Non-core ATen ops that core decompositions still produce: BatchNorm in training mode, and
-ops common torch.nn modules emit (each named after the module that needs it)."""
+ops common torch.nn modules emit (each named after the module that needs it). The random ones
+draw from generators a program seeds per micro-batch (`fusiond.graph.program.RANDOM_OPS`)."""
 
 SYM_OPS: dict[str, Callable[..., Any]] = {
     "sym.add": operator.add,

@@ -107,7 +107,8 @@ async def _main(args: argparse.Namespace) -> int:
         return 1
     print(f"done in {outcome.wall_s:.1f}s: loss {losses[0]:.4f} -> {losses[-1]:.4f}; "
           f"model {paths['model']}, metrics {paths['metrics']}", file=sys.stderr)
-    if spec.data.kind == "text" and spec.data.tokenizer == "bytes" and args.sample > 0:
+    if (spec.data.is_text and spec.data.tokenizer == "bytes" and spec.loss.kind == "causal_lm"
+            and args.sample > 0):  # a sample means next-token prediction
         model = build_model(spec.model)
         assert outcome.state is not None
         model.load_state_dict(outcome.state, strict=True)

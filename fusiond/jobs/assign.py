@@ -18,21 +18,20 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from fusiond.errors import LocalError
 from fusiond.graph import SINK, SOURCE, Partition, partition, state_to_bytes
-from fusiond.train.data import text_tokens
+from fusiond.train.data import DATA_PREFIX, compact_arrays, is_default_corpus, load_arrays
 from fusiond.train.programs import (
     compressible_edges,
     cut_densities,
     shared_params,
     trainable_params,
 )
-from fusiond.train.remote import DATA_TOKENS_KEY, job_config
+from fusiond.train.remote import job_config
 from fusiond.train.schedule import replica_slots
-from fusiond.train.spec import JobSpec, default_text_path
+from fusiond.train.spec import JobSpec
 from protocol import ir
 from protocol.messages import Address, Assign, EdgeRoute
 
@@ -203,11 +202,11 @@ def layout_job(
         if not 0.0 < d <= 1.0:
             raise LayoutError(f"edge {eid!r}: density {d} not in (0, 1]")
     names = [i.name for i in graph.inputs]
-    targets = "targets" if "targets" in names else None
+    targets = next((n for n in ("targets", "labels") if n in names), None)
     data = [n for n in names if n != targets]
-    if len(data) != 1 or not graph.outputs:
-        raise LayoutError(f"a job graph takes one data input (+ targets) and returns the loss; "
-                          f"inputs {names}")
+    if not data or not graph.outputs:
+        raise LayoutError(f"a job graph takes its data inputs (+ targets) and returns the "
+                          f"loss; inputs {names}")
     for p in parts:
         for e in p.inputs:
             if e.src == SOURCE and e.value not in names:
@@ -245,24 +244,31 @@ def layout_job(
 
 @dataclass(frozen=True)
 class Corpus:
-    """A text job's corpus as the submitting machine read it: its content hash (`digest`,
-    `fusiond.train.data.corpus_digest`) and, unless it is the default corpus (`default`: each
-    stage reads its own standard library and checks the hash), the token ids to ship."""
+    """A job's data as the submitting machine read it: its content hash (`digest`,
+    `fusiond.train.data.dataset_digest`) and, unless it is the default corpus (`default`: each
+    stage reads its own standard library and checks the hash), the arrays to ship (`arrays`:
+    a token stream, rows, images; `tokens` alone, the older form, is the token stream)."""
 
     digest: str
     default: bool
     tokens: torch.Tensor | None = None
+    arrays: Mapping[str, torch.Tensor] | None = None
+
+    def shipped(self) -> dict[str, torch.Tensor] | None:
+        """The arrays the data stages get (None: they read their own)."""
+        if self.arrays is not None:
+            return dict(self.arrays)
+        return None if self.tokens is None else {"tokens": self.tokens}
 
 
-def _shipped_tokens(spec: JobSpec) -> torch.Tensor | None:
-    """The corpus as a compact tensor, when the job's text is not the default corpus (the
-    standard library every machine has): the stages that read data get it in their Assign."""
+def _shipped_data(spec: JobSpec) -> dict[str, torch.Tensor] | None:
+    """The job's data read here as tensors to ship, unless it is the default corpus (the
+    standard library every machine has) or synthetic: the stages that read data get them in
+    their Assign (in-process drivers, where here is the submitting machine)."""
     d = spec.data
-    if d.kind != "text" or d.path is None or d.path.resolve() == default_text_path().resolve():
+    if d.kind == "images" or is_default_corpus(d):
         return None
-    tokens = text_tokens(d)
-    dtype = np.uint8 if tokens.size and int(tokens.max()) < 256 else np.int32
-    return torch.from_numpy(tokens.astype(dtype))
+    return {k: torch.from_numpy(v) for k, v in compact_arrays(load_arrays(d)).items()}
 
 
 def assign_messages(
@@ -278,7 +284,8 @@ def assign_messages(
     first_step: int = 0,
 ) -> dict[str, tuple[Assign, bytes]]:
     """Per machine, its Assign and the payload (its partition's weights, safetensors; plus the
-    corpus tokens under `DATA_TOKENS_KEY` for stages that read data of a non-default corpus).
+    data arrays under `DATA_PREFIX + name` for the stages that read data, unless it is the
+    default corpus or synthetic).
 
     `corpus`: what the submitter read (a job submitted to a daemon); None reads a non-default
     corpus here (in-process drivers, where here is the submitting machine). `recv_timeout_s`:
@@ -302,7 +309,7 @@ def assign_messages(
                         slot_stages=layout.slot_stages(), routes=routes_by_slot)
     routes = layout.edges()
     job_nodes = {n: tuple(addresses[n]) for n in nodes.values()}
-    shipped = _shipped_tokens(spec) if corpus is None else corpus.tokens
+    shipped = _shipped_data(spec) if corpus is None else corpus.shipped()
     by_stage = {s.stage: s for s in layout.stages}
     out: dict[str, tuple[Assign, bytes]] = {}
     for (stage, _r), slot in sorted(layout.slots().items()):
@@ -310,7 +317,7 @@ def assign_messages(
         mine = tuple(r for r in routes if s.stage in (r.src_partition, r.dst_partition))
         weights = {k: state[k] for k in s.partition.param_names if k in state}
         if shipped is not None and any(e.src == SOURCE for e in s.partition.inputs):
-            weights[DATA_TOKENS_KEY] = shipped
+            weights.update({DATA_PREFIX + k: v for k, v in shipped.items()})
         msg = Assign(
             request_id=next_request_id(), term=term, job_id=layout.job_id,
             plan_version=plan_version, partition=slot, graph=ir.dumps(s.partition.graph),

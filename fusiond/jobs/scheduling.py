@@ -76,6 +76,7 @@ from fusiond.jobs.worker import LeadershipFn, SendFn
 from fusiond.plan import Cluster, Plan
 from fusiond.plan.render import plan_summary, render_plan
 from fusiond.tasks import TaskSet
+from fusiond.train.data import DataError, check_arrays
 from fusiond.train.local import StepMetrics
 from fusiond.train.spec import JobSpec
 from protocol.messages import (
@@ -125,38 +126,42 @@ def _incarnation(view: ClusterView | None, node_id: str) -> int | None:
 
 
 def _corpus(upload: Upload) -> Corpus | None:
-    """The corpus the submitter read (`corpus_for_upload`, in fusionctl), or None for a job
-    without text (`checked_data` refused a text job without one)."""
+    """The data the submitter read (`corpus_for_upload`, in fusionctl), or None for a job
+    without data to read (synthetic images; `checked_data` refused a job lacking its data)."""
     digest = upload.meta.get("data_digest")
     if not isinstance(digest, str) or not digest:
         return None
-    tokens = None
+    arrays = None
     if upload.data_bytes:
         try:
-            tokens = state_from_bytes(upload.data_bytes).get("tokens")
+            tensors = state_from_bytes(upload.data_bytes)
         except Exception as e:
-            raise JobRefused(f"the upload's corpus section is not a safetensors file: {e}") \
+            raise JobRefused(f"the upload's data section is not a safetensors file: {e}") \
                 from None
-        if tokens is None or tokens.ndim != 1 or tokens.dtype not in (torch.uint8, torch.int32):
-            raise JobRefused("the upload's corpus section must hold one 1-D uint8/int32 "
-                             "tensor `tokens`")
-    default = upload.meta.get("data_default") is True and tokens is None
-    if not default and tokens is None:
+        try:
+            check_arrays({k: v.numpy() for k, v in tensors.items()}, "the upload's data section")
+        except DataError as e:
+            raise JobRefused(str(e)) from None
+        if not tensors:
+            raise JobRefused("the upload's data section holds no arrays")
+        arrays = tensors
+    default = upload.meta.get("data_default") is True and arrays is None
+    if not default and arrays is None:
         raise JobRefused("the upload names a corpus but does not carry it (no data section): "
                          "submit with `fusionctl submit`, which reads the data as you")
-    return Corpus(digest, default, tokens)
+    return Corpus(digest, default, arrays=arrays)
 
 
 def checked_data(upload: Upload, spec: JobSpec) -> Upload:
-    """The upload with its corpus accounted for, or `JobRefused`. The daemon never reads a
+    """The upload with its data accounted for, or `JobRefused`. The daemon never reads a
     job's `data.path` (nor its tokenizer file) on a user's behalf: `fusionctl` reads the data
     as the user and sends it (the upload's data section). Only the default corpus (this
     Python's own standard library, the same public files on every machine) is read by each
-    data stage itself and checked against the submitter's hash."""
+    data stage itself and checked against the submitter's hash; synthetic images need none."""
     meta = upload.meta
-    if spec.data.kind != "text":
+    if spec.data.kind == "images":
         if upload.data_bytes:
-            raise JobRefused("the upload carries a corpus, but the job's data is not text")
+            raise JobRefused("the upload carries data, but the job's images are synthetic")
         return upload
     default = is_default_corpus(spec)
     if "data_digest" not in meta:
@@ -684,7 +689,7 @@ class Scheduling:
         summary["term"] = term  # (a submitter takes a handed-back job's next turn by it)
         if dry_run:
             return summary
-        tps = spec.data.seq_len if spec.data.kind == "text" else 0
+        tps = spec.data.seq_len if spec.data.is_text else 0
         rec_box: list[JobRecord] = []
 
         def on_step(m: StepMetrics) -> None:

@@ -38,21 +38,26 @@ from fusiond.train.data import (
     Batch,
     DataSource,
     TextWindows,
-    corpus_digest,
+    compact_arrays,
+    dataset_digest,
+    load_arrays,
     make_source,
-    text_tokens,
 )
-from fusiond.train.programs import capture_job
-from fusiond.train.spec import JobSpec, default_text_path, load_job, parse_job
+from fusiond.train.data import is_default_corpus as data_is_default_corpus
+from fusiond.train.model import Feed, feed_for
+from fusiond.train.programs import capture_job_feed
+from fusiond.train.spec import JobSpec, load_job, parse_job
 from protocol import ir
 
 __all__ = [
     "CapacityError",
     "DataFitError",
+    "ObjectiveError",
     "PreparedJob",
     "check_capacity",
     "check_data_fits",
     "check_finite",
+    "check_objective",
     "corpus_for_upload",
     "memory_estimate",
     "prepare_job",
@@ -91,17 +96,18 @@ class PreparedJob:
     @property
     def tokens_per_sample(self) -> int:
         """Tokens in one sample (text jobs), else 0."""
-        return self.spec.data.seq_len if self.spec.data.kind == "text" else 0
+        return self.spec.data.seq_len if self.spec.data.is_text else 0
 
 
 def prepare_job(path: str | Path) -> PreparedJob:
     """Validate, build, capture, and run one micro-batch of the job's data through the model
-    (`check_data_fits`); raise a `FusionError` naming what is wrong."""
+    (`check_data_fits`, `check_objective`); raise a `FusionError` naming what is wrong."""
     t0 = time.perf_counter()
     spec = load_job(path)
     source = make_source(spec.data, spec.seed)  # data exists and is long enough (DataError)
-    model, captured = capture_job(spec)
-    check_data_fits(spec, model, source)
+    model, captured, feed = capture_job_feed(spec, source)
+    check_data_fits(spec, model, source, feed)
+    check_objective(spec, model, source, feed)
     p = Path(path).resolve()
     return PreparedJob(spec, captured, ir.dumps(captured.graph), captured.state_bytes(),
                        time.perf_counter() - t0, p.read_text(encoding="utf-8"), str(p.parent),
@@ -109,29 +115,32 @@ def prepare_job(path: str | Path) -> PreparedJob:
 
 
 def _probe_batch(spec: JobSpec, source: DataSource) -> Batch:
-    """One micro-batch of the job's own data, step 0's, whose first sample is, for text, the
-    corpus's window around its largest token id (so the range check sees the worst case)."""
+    """One micro-batch of the job's own data, step 0's, whose first sample is, for a token
+    stream, the corpus's window around its largest token id (so the range check sees the worst
+    case)."""
     batch = source.batch(0, max(1, spec.batch.micro_batch_size))
-    if isinstance(source, TextWindows):
+    if isinstance(source, TextWindows) and spec.data.objective == "causal_lm":
         tokens, t = source.tokens, source.seq_len
         top = int(np.argmax(tokens))
         start = min(max(0, top - t // 2), tokens.size - t - 1)
         win = torch.from_numpy(tokens[start:start + t + 1].copy())
-        inputs, targets = batch.inputs.clone(), batch.targets.clone()
-        inputs[0], targets[0] = win[:-1], win[1:]
-        batch = Batch(inputs, targets)
+        batch = batch.clone()
+        batch.inputs[0], batch.targets[0] = win[:-1], win[1:]
     return batch
 
 
-def check_data_fits(spec: JobSpec, model: torch.nn.Module, source: DataSource) -> None:
+def check_data_fits(spec: JobSpec, model: torch.nn.Module, source: DataSource,
+                    feed: Feed | None = None) -> None:
     """Run one micro-batch of the job's own data (`_probe_batch`) through `model` and its loss
     on this machine's CPU (eval mode, no gradients: nothing in the model changes). A token id
     past an embedding's rows, a sequence longer than the positions it holds, labels past the
     classes the model outputs, or any other error of the forward is a `DataFitError` naming
     both numbers: the job would fail at its first step on every machine."""
-    from fusiond.train.model import loss_fn
+    from fusiond.train.model import loss_fn, output_tensor
 
     batch = _probe_batch(spec, source)
+    if feed is None:
+        feed = feed_for(model, batch, spec)
     inputs, targets = batch.inputs, batch.targets
     seen: list[tuple[str, int, int, bool]] = []  # embedding, rows, largest index, reads data
 
@@ -145,22 +154,29 @@ def check_data_fits(spec: JobSpec, model: torch.nn.Module, source: DataSource) -
 
     handles = [m.register_forward_pre_hook(hook(n, m.num_embeddings))
                for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)]
-    text = spec.data.kind == "text"
+    text = spec.data.is_text
     what = (f"{inputs.shape[0]} samples of data.seq_len={spec.data.seq_len} tokens, token ids "
             f"up to {int(inputs.max())}" if text else f"{inputs.shape[0]} samples")
     was_training = model.training
     model.eval()
+    ignore = spec.loss.ignore_index
     try:
         with torch.no_grad():
-            out = model(inputs)
-            logits = getattr(out, "logits", out)
-            if (spec.loss.kind in ("lm_cross_entropy", "cross_entropy")
-                    and isinstance(logits, torch.Tensor) and logits.ndim >= 1):
-                classes, top = int(logits.shape[-1]), int(targets.max())
+            out = feed.call(model, batch)
+            logits = output_tensor(out)
+            if spec.loss.kind != "regression" and logits.ndim >= 1:
+                real = targets[targets != ignore]
+                classes = int(logits.shape[-1])
+                top = int(real.max()) if real.numel() else -1
                 if top >= classes:
-                    hint = (f"its output has {classes} logits (its vocabulary)" if text else
-                            f"data.num_classes = {spec.data.num_classes} while the model outputs "
-                            f"{classes} classes")
+                    if text and spec.loss.kind != "classification":
+                        hint = f"its output has {classes} logits (its vocabulary)"
+                    elif spec.data.kind == "images":
+                        hint = (f"data.num_classes = {spec.data.num_classes} while the model "
+                                f"outputs {classes} classes")
+                    else:
+                        hint = (f"the data has at least {top + 1} classes while the model "
+                                f"outputs {classes}")
                     raise DataFitError(
                         f"the data's {'token id' if text else 'label'} {top} is past what the "
                         f"model predicts: {hint}; give the model at least {top + 1} outputs or "
@@ -191,6 +207,68 @@ def check_data_fits(spec: JobSpec, model: torch.nn.Module, source: DataSource) -
         model.train(was_training)
         for h in handles:
             h.remove()
+
+
+class ObjectiveError(LocalError):
+    """The model cannot learn the job's objective as given (a bidirectional encoder on
+    next-token prediction sees the token it must predict); the message says why and what to
+    use instead."""
+
+
+def check_objective(spec: JobSpec, model: torch.nn.Module, source: DataSource,
+                    feed: Feed | None = None) -> None:
+    """Refuse a model that would see its own targets: for next-token prediction (`causal_lm`)
+    and the decoder of `seq2seq_lm`, the output at a position must not depend on the inputs
+    after it. Checked on one sample of the job's data (eval mode, no gradients): the last
+    input token is changed, and every earlier position's output must stay the same."""
+    from fusiond.train.model import output_tensor
+
+    kind = spec.loss.kind
+    if kind not in ("causal_lm", "seq2seq_lm"):
+        return
+    batch = source.batch(0, 1)
+    if feed is None:
+        feed = feed_for(model, batch, spec)
+    field = "input_ids" if kind == "causal_lm" else "decoder_input_ids"
+    if field not in batch.fields or (feed.by_keyword and field not in feed.keywords):
+        return
+    if not feed.by_keyword and field != batch.primary:
+        return
+    ids = batch[field]
+    if ids.ndim != 2 or ids.shape[1] < 2:
+        return
+    last = ids.shape[1] - 1
+    if "attention_mask" in batch.fields and field == "input_ids":
+        real = int(batch["attention_mask"][0].sum())
+        last = max(1, real - 1)
+    changed = batch.clone()
+    changed.fields[field][0, last] = (ids[0, last] + 1) % max(2, int(ids.max()) + 2)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            a = output_tensor(feed.call(model, batch))
+            b = output_tensor(feed.call(model, changed))
+    except Exception:
+        return  # check_data_fits reports a model that fails on the data
+    finally:
+        model.train(was_training)
+    if a.ndim < 3 or a.shape[1] <= last:
+        return
+    if not torch.allclose(a[0, :last], b[0, :last], rtol=1e-4, atol=1e-5):
+        moved = int((a[0, :last] - b[0, :last]).abs().amax(dim=-1).argmax())
+        name = type(model).__name__
+        if kind == "causal_lm":
+            raise ObjectiveError(
+                f"loss.kind = 'causal_lm' predicts each next token, but {name} is not causal: "
+                f"its output at position {moved} changes when the token at position {last} "
+                "changes, so it sees the token it must predict (a bidirectional encoder such "
+                "as BERT); train it with loss.kind = 'masked_lm', or use a causal (decoder) "
+                "model")
+        raise ObjectiveError(
+            f"loss.kind = 'seq2seq_lm' predicts each next target token, but {name}'s decoder "
+            f"output at position {moved} changes when decoder input {last} changes: its "
+            "decoder sees the future targets; use a causal decoder")
 
 
 def check_finite(state: Mapping[str, torch.Tensor], where: str) -> None:
@@ -258,24 +336,21 @@ def resume_state(captured: CapturedModel, path: str | Path
 
 def is_default_corpus(spec: JobSpec) -> bool:
     """Whether a text job reads the default corpus (this Python's standard library)."""
-    d = spec.data
-    return d.kind == "text" and d.path is not None and d.tokenizer == "bytes" \
-        and d.path.resolve() == default_text_path().resolve()
+    return data_is_default_corpus(spec.data)
 
 
 def corpus_for_upload(spec: JobSpec) -> tuple[str, bytes]:
-    """(content hash, corpus as safetensors bytes) of a text job's corpus, read here (fusionctl
-    on the submitting machine, with the user's permissions); the bytes are empty for the
-    default corpus (every stage has one of its own and checks its hash). ("", b"") for image
-    jobs."""
-    if spec.data.kind != "text":
+    """(content hash, data as safetensors bytes) of a job's data, read here (fusionctl on the
+    submitting machine, with the user's permissions): a token stream, rows or images
+    (`fusiond.train.data.load_arrays`); the bytes are empty for the default corpus (every
+    stage has one of its own and checks its hash). ("", b"") for synthetic images."""
+    if spec.data.kind == "images":
         return "", b""
-    tokens = text_tokens(spec.data)
-    digest = corpus_digest(tokens)
+    arrays = compact_arrays(load_arrays(spec.data))
+    digest = dataset_digest(arrays)
     if is_default_corpus(spec):
         return digest, b""
-    compact = tokens.astype(np.uint8 if tokens.size and int(tokens.max()) < 256 else np.int32)
-    return digest, state_to_bytes({"tokens": torch.from_numpy(compact)})
+    return digest, state_to_bytes({k: torch.from_numpy(v) for k, v in arrays.items()})
 
 
 def restore_job(toml_text: str, base: str, out_base: str, graph_bytes: bytes,

@@ -1,7 +1,11 @@
 """fusiond.train: training a partitioned model.
 
-- `spec`: the job file (TOML) -> validated `JobSpec`; `data`: deterministic data sources;
-  `model`: model factories and losses; `optim`: optimizers and LR schedules.
+- `spec`: the job file (TOML) -> validated `JobSpec`; `data`: deterministic data sources
+  (batches of named tensors, the objectives' labels, the held-out split); `readers`: data on
+  disk (JSON lines, Parquet, saved `datasets`, image folders, tokenizers), read where the job
+  is submitted; `model`: model factories, how a batch reaches the model (`resolve_feed`) and
+  the objectives' losses; `evaluate`: the held-out loss; `optim`: optimizers and LR
+  schedules.
 - `schedule`: 1F1B / GPipe task orders; `stage`: the `StageExecutor` (one partition's tasks,
   optimizer and links); `codec`: edge tensors through `protocol.tensors` (RAW, TOPK/VALUES).
 - `programs`: capture a job and build stage programs from `fusiond.graph` partitions;

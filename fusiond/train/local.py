@@ -23,7 +23,7 @@ from torch import nn
 from fusiond.errors import LocalError
 from fusiond.tasks import cancel_and_wait
 from fusiond.train.data import DataSource, split_micro_batches
-from fusiond.train.model import LossFn, WithLoss
+from fusiond.train.model import Feed, LossFn, WithLoss
 from fusiond.train.optim import lr_at, make_optimizer, set_lr
 from fusiond.train.schedule import replica_slots, replica_tasks, schedule
 from fusiond.train.spec import OptimizerSpec
@@ -406,13 +406,17 @@ async def run_replicated(
 class ReferenceTrainer:
     """Eager single-process training: the same batches, micro-batch accumulation and optimizer.
 
+    `feed`: how a named batch reaches the model (`fusiond.train.model.resolve_feed`; None: the
+    main input by position).
+
     Each micro-batch's loss is scaled by 1/M before backward, as the pipeline does, so the
     accumulated gradient is the mean over micro-batches.
     """
 
     def __init__(self, model: nn.Module, loss: LossFn, optimizer: OptimizerSpec, *,
-                 data: DataSource, batch_size: int, micro_batches: int, total_steps: int) -> None:
-        self.net = WithLoss(model, loss)
+                 data: DataSource, batch_size: int, micro_batches: int, total_steps: int,
+                 feed: Feed | None = None) -> None:
+        self.net = WithLoss(model, loss, feed)
         self.model = model
         self.opt_spec = optimizer
         self.optimizer = make_optimizer(optimizer, self.net.parameters())
@@ -426,8 +430,8 @@ class ReferenceTrainer:
         batch = self.data.batch(step, self.batch_size)
         losses: list[float] = []
         for mb in split_micro_batches(batch, self.micro_batches):
-            loss = self.net(mb.inputs, mb.targets)
-            (loss / self.micro_batches).backward()
+            loss = self.net.on(mb)
+            torch.autograd.backward(loss / self.micro_batches)
             losses.append(float(loss.detach()))
         set_lr(self.optimizer, lr_at(self.opt_spec, step, self.total_steps))
         self.optimizer.step()

@@ -11,7 +11,7 @@ held by several partitions (tied weights) are listed as shared so their gradient
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 
@@ -24,8 +24,8 @@ from fusiond.graph import (
     build_program,
     capture,
 )
-from fusiond.train.data import Batch, make_source
-from fusiond.train.model import build_model, loss_fn
+from fusiond.train.data import Batch, DataSource, make_source
+from fusiond.train.model import Feed, build_model, feed_for, loss_fn
 from fusiond.train.spec import JobSpec
 from fusiond.train.stage import EdgeSpec, StageError, StageProgram
 from protocol import ir
@@ -33,8 +33,12 @@ from protocol import ir
 __all__ = [
     "build_stage_module",
     "capture_job",
+    "capture_job_feed",
     "compressible_edges",
     "cut_densities",
+    "data_inputs",
+    "graph_data_names",
+    "random_seeder",
     "shared_params",
     "stage_program",
     "stage_programs",
@@ -62,18 +66,69 @@ def build_stage_module(graph: ir.Graph, state: Mapping[str, torch.Tensor]) -> Gr
     return module
 
 
-def capture_job(spec: JobSpec) -> tuple[torch.nn.Module, CapturedModel]:
+def capture_job(spec: JobSpec, source: DataSource | None = None
+                ) -> tuple[torch.nn.Module, CapturedModel]:
     """Build the job's model (seeded by `spec.seed`) and capture it with its loss.
 
     The example batch is a real micro-batch from the job's data (at least 2 samples: torch.export
-    specialises a batch dimension of 1); the batch dimension stays dynamic.
+    specialises a batch dimension of 1); the batch dimension stays dynamic. The batch's fields
+    reach the model by keyword where its forward names them (`resolve_feed`), and the graph's
+    inputs carry the fields' names (`input_ids`, `attention_mask`, ..., `labels`); a model fed
+    by position has the inputs `input` and `targets`.
     """
+    model, captured, _ = capture_job_feed(spec, source)
+    return model, captured
+
+
+def capture_job_feed(spec: JobSpec, source: DataSource | None = None
+                     ) -> tuple[torch.nn.Module, CapturedModel, Feed]:
+    """`capture_job`, and the `Feed` it captured the model with."""
     model = build_model(spec.model, seed=spec.seed)
     model.train()
-    source = make_source(spec.data, spec.seed)
+    if source is None:
+        source = make_source(spec.data, spec.seed)
     batch: Batch = source.batch(0, max(2, spec.batch.micro_batch_size))
-    captured = capture(model, [batch.inputs], targets=batch.targets, loss=loss_fn(spec.loss))
-    return model, captured
+    feed = feed_for(model, batch, spec)
+    captured = capture(model, feed.example(batch), targets=batch.targets,
+                       loss=loss_fn(spec.loss),
+                       targets_name=feed.target if feed.by_keyword else "targets")
+    return model, captured, feed
+
+
+def data_inputs(graph_inputs: Collection[str], edge_values: Collection[str],
+                input_name: str, targets_name: str | None) -> dict[str, str]:
+    """batch key -> graph input, for the graph inputs a partition reads from the data (every
+    input that no edge feeds): the main input is the batch's "inputs", the labels its
+    "targets", any other input the batch field of its own name (`attention_mask`, ...)."""
+    out: dict[str, str] = {}
+    for name in graph_inputs:
+        if name in edge_values:
+            continue
+        key = "inputs" if name == input_name else "targets" if name == targets_name else name
+        out[key] = name
+    return out
+
+
+def graph_data_names(graph: ir.Graph) -> tuple[str, str | None]:
+    """(main input, labels) of a job graph: its first input and its `targets` or `labels`."""
+    names = [i.name for i in graph.inputs]
+    targets = next((n for n in ("targets", "labels") if n in names), None)
+    inputs = [n for n in names if n != targets]
+    if not inputs:
+        raise StageError(f"a job's graph takes at least one data input, got {names}")
+    return inputs[0], targets
+
+
+def random_seeder(module: GraphProgram, seed: int) -> Callable[[int, int], None] | None:
+    """What keys `module`'s random ops to (job seed, step, micro-batch) before each forward
+    (None: it has none), so a job's dropout masks are a function of its seed."""
+    state = module.random
+    if state is None:
+        return None
+
+    def seed_random(step: int, micro: int) -> None:
+        state.set(seed, step, micro)
+    return seed_random
 
 
 def trainable_params(p: Partition, state: Mapping[str, torch.Tensor]) -> list[str]:
@@ -130,6 +185,7 @@ def stage_program(
     shared: Mapping[str, tuple[int, ...]] | None = None,
     per_row: bool = True,
     int8_edges: Collection[str] = (),
+    seed: int = 0,
 ) -> StageProgram:
     """Build one partition into a `StageProgram` (parameters copied from `state`); edges in
     `int8_edges` travel int8 both ways."""
@@ -142,15 +198,11 @@ def stage_program(
     module = build_stage_module(part.graph, state)
     stage = stage_of[part.id]
     in_edges: list[EdgeSpec] = []
-    data_map: dict[str, str] = {}  # graph input name -> "inputs" / "targets"
+    data_map: dict[str, str] = {}  # graph input name -> batch key
     for e in part.inputs:
         if e.src == SOURCE:
-            if e.value == input_name:
-                data_map[e.value] = "inputs"
-            elif e.value == targets_name:
-                data_map[e.value] = "targets"
-            else:
-                raise StageError(f"partition {part.id} reads graph input {e.value!r}: no data")
+            data_map.update({v: k for k, v in data_inputs(
+                [e.value], (), input_name, targets_name).items()})
             continue
         in_edges.append(edge(e.id, stage_of[e.src], stage))
     out_edges: list[EdgeSpec] = []
@@ -186,6 +238,7 @@ def stage_program(
         data_inputs=tuple(sorted(set(data_map.values()))),
         has_loss=loss_name is not None,
         shared=dict(shared or {}),
+        seed_random=random_seeder(module, seed),
     )
 
 
@@ -197,21 +250,18 @@ def stage_programs(
     densities: Mapping[str, float] | None = None,
     per_row: bool = True,
     int8_edges: Collection[str] = (),
+    seed: int = 0,
 ) -> list[StageProgram]:
     """Every partition as a stage program; stage i is `partitions[i]` (edges in `int8_edges`
     travel int8)."""
     stage_of = {p.id: i for i, p in enumerate(partitions)}
     shared = shared_params(partitions, stage_of, state)
-    names = [i.name for i in graph.inputs]
-    targets = "targets" if "targets" in names else None
-    inputs = [n for n in names if n != targets]
-    if len(inputs) != 1:
-        raise StageError(f"a job's graph takes one data input and targets, got {names}")
+    main, targets = graph_data_names(graph)
     return [
         stage_program(
-            p, state, stage_of=stage_of, input_name=inputs[0], targets_name=targets,
+            p, state, stage_of=stage_of, input_name=main, targets_name=targets,
             densities=densities, shared=shared[stage_of[p.id]], per_row=per_row,
-            int8_edges=int8_edges,
+            int8_edges=int8_edges, seed=seed,
         )
         for p in partitions
     ]

@@ -33,10 +33,24 @@ from fusiond.errors import RemoteError
 from fusiond.graph import state_from_bytes
 from fusiond.graph.registry import check_ops
 from fusiond.train.codec import EDGE_ENCODINGS, EdgeEncoding
-from fusiond.train.data import DataSource, TextWindows, corpus_digest, make_source
-from fusiond.train.programs import build_stage_module
+from fusiond.train.data import (
+    DATA_PREFIX,
+    DataError,
+    DataSource,
+    TextWindows,
+    check_arrays,
+    corpus_digest,
+    dataset_digest,
+    make_source,
+    source_from_arrays,
+)
+from fusiond.train.programs import build_stage_module, data_inputs, random_seeder
 from fusiond.train.schedule import replica_tasks, schedule
 from fusiond.train.spec import (
+    AUGMENTS,
+    DATA_KINDS,
+    FIELD_RE,
+    OBJECTIVES,
     BatchSpec,
     DataSpec,
     JobSpec,
@@ -82,8 +96,9 @@ log = logging.getLogger(__name__)
 CONFIG_VERSION = 1
 """Version of the `Assign.config` record (`protocol.messages.AssignConfig`) `job_config`
 writes."""
-DATA_TOKENS_KEY = "__fusion_data__.tokens"
-"""Entry of an Assign's safetensors payload carrying the shipped text corpus (token ids)."""
+DATA_TOKENS_KEY = DATA_PREFIX + "tokens"
+"""Entry of an Assign's safetensors payload carrying a shipped token stream (token ids); the
+other arrays of shipped data are `DATA_PREFIX + name` too (rows, images, tokenizer meta)."""
 PARAM_PREFIX = "param:"
 """Edge name prefix of a Backward carrying a shared (tied) parameter's gradient."""
 MIN_RECV_TIMEOUT_S = 1.0
@@ -142,7 +157,12 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
             kind=d.kind, path=None if d.path is None else str(d.path),
             tokenizer=d.tokenizer, seq_len=d.seq_len, image_size=d.image_size,
             channels=d.channels, num_classes=d.num_classes,
-            digest=corpus_digest, default_corpus=default_corpus),
+            digest=corpus_digest, default_corpus=default_corpus,
+            objective=d.objective, layout=d.layout, heldout=float(d.heldout),
+            ignore_index=d.ignore_index, mask_probability=float(d.mask_probability),
+            mask_token_id=d.mask_token_id, decoder_start_token_id=d.decoder_start_token_id,
+            augment=tuple(d.augment), mean=tuple(float(x) for x in d.mean),
+            std=tuple(float(x) for x in d.std)),
         input_name=input_name,
         targets_name=targets_name,
         loss_name=loss_name,
@@ -180,8 +200,9 @@ class StageAssignment:
     targets_name: str | None
     loss_name: str
     shared: dict[str, tuple[int, ...]]
-    data_tokens: np.ndarray | None = None
-    """The corpus shipped by the submitter (token ids), when it is not the default one."""
+    data_arrays: dict[str, np.ndarray] | None = None
+    """The data shipped by the submitter (a token stream, rows, images), when it is not the
+    default corpus or synthetic."""
     data_digest: str = ""
     """The submitter's corpus hash ("" = unchecked): the stage's tokens must match it."""
     recv_timeout_s: float | None = None
@@ -222,11 +243,15 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         state = state_from_bytes(bytes(payload))
     except Exception as e:
         raise RemoteError(f"Assign payload (safetensors weights): {e}") from e
-    shipped = state.pop(DATA_TOKENS_KEY, None)
-    if shipped is not None and (shipped.ndim != 1 or shipped.dtype not in (torch.uint8,
-                                                                           torch.int32)):
-        raise RemoteError(f"Assign payload: {DATA_TOKENS_KEY} must be 1-D uint8 or int32")
-    data_tokens = None if shipped is None else shipped.numpy().astype(np.int64)
+    data_arrays: dict[str, np.ndarray] | None = None
+    for key in [k for k in state if k.startswith(DATA_PREFIX)]:
+        data_arrays = data_arrays if data_arrays is not None else {}
+        data_arrays[key[len(DATA_PREFIX):]] = state.pop(key).numpy()
+    if data_arrays is not None:
+        try:
+            check_arrays(data_arrays, "Assign payload")
+        except DataError as e:
+            raise RemoteError(str(e)) from e
     slot = msg.partition
     try:
         slot_stages = {int(k): int(v) for k, v in cfg.slot_stages.items()}
@@ -292,11 +317,7 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
             warmup_steps=o.warmup_steps, min_lr=o.min_lr,
         )
         path = str(default_text_path()) if d.default_corpus else d.path  # the stage's own
-        data = DataSpec(
-            kind=d.kind, path=None if path is None else Path(path),  # type: ignore[arg-type]
-            tokenizer=d.tokenizer, seq_len=d.seq_len, image_size=d.image_size,
-            channels=d.channels, num_classes=d.num_classes,
-        )
+        data = _data_spec(d, path)
         size, micro = cfg.batch_size, cfg.micro_batches
         if size < 1 or micro < 1 or size % micro:
             raise RemoteError(f"Assign.config: batch_size {size} / micro_batches {micro}")
@@ -321,11 +342,47 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         checkpoint_interval=cfg.checkpoint_interval,
         batch=batch, optimizer=optimizer, data=data,
         per_row=cfg.per_row, input_name=cfg.input_name, targets_name=cfg.targets_name,
-        loss_name=cfg.loss_name, shared=shared, data_tokens=data_tokens, data_digest=d.digest,
+        loss_name=cfg.loss_name, shared=shared, data_arrays=data_arrays, data_digest=d.digest,
         recv_timeout_s=recv_timeout, slot=slot,
         slot_nodes={int(k): v for k, v in stage_map.items()},
         routes=routes, slot_stages=slot_stages,
     )
+
+
+def _data_spec(d: DataConfig, path: str | None) -> DataSpec:
+    """The `DataSpec` an Assign's data config describes; `RemoteError` naming a bad field."""
+    def bad(field: str, value: Any, want: str) -> RemoteError:
+        return RemoteError(f"Assign.config.data.{field}: {value!r} is not {want}")
+
+    if d.kind not in DATA_KINDS:
+        raise bad("kind", d.kind, f"one of {list(DATA_KINDS)}")
+    if d.objective not in OBJECTIVES:
+        raise bad("objective", d.objective, f"one of {list(OBJECTIVES)}")
+    if d.layout not in ("windows", "rows"):
+        raise bad("layout", d.layout, "'windows' or 'rows'")
+    if not 0.0 <= d.heldout <= 0.5:
+        raise bad("heldout", d.heldout, "a fraction in [0, 0.5]")
+    if not 0.0 < d.mask_probability <= 1.0:
+        raise bad("mask_probability", d.mask_probability, "in (0, 1]")
+    if any(a not in AUGMENTS for a in d.augment):
+        raise bad("augment", d.augment, f"a list of {list(AUGMENTS)}")
+    if len(d.mean) > 64 or len(d.std) > 64 or any(x <= 0 for x in d.std):
+        raise bad("std", d.std, "at most 64 positive numbers")
+    for field in ("mask_token_id", "decoder_start_token_id"):
+        v = getattr(d, field)
+        if v is not None and not 0 <= v < (1 << 31):
+            raise bad(field, v, "a token id")
+    if not 1 <= d.seq_len <= (1 << 20):
+        raise bad("seq_len", d.seq_len, "in [1, 2**20]")
+    return DataSpec(
+        kind=d.kind,
+        path=None if path is None else Path(path), tokenizer=d.tokenizer, seq_len=d.seq_len,
+        image_size=d.image_size, channels=d.channels, num_classes=d.num_classes,
+        objective=d.objective,
+        layout=d.layout,  # type: ignore[arg-type]  # checked above
+        heldout=d.heldout, ignore_index=d.ignore_index, mask_probability=d.mask_probability,
+        mask_token_id=d.mask_token_id, decoder_start_token_id=d.decoder_start_token_id,
+        augment=tuple(d.augment), mean=tuple(d.mean), std=tuple(d.std))
 
 
 def _value(edge_id: str) -> str:
@@ -342,19 +399,16 @@ def program_from_assignment(sa: StageAssignment) -> StageProgram:
     out_edges = tuple(
         replace(e, per_row=sa.per_row) for e in sa.edges if e.src == sa.stage
     )
-    names = {i.name for i in sa.graph.inputs}
-    data_map: dict[str, str] = {}
-    if sa.input_name in names:
-        data_map["inputs"] = sa.input_name
-    if sa.targets_name is not None and sa.targets_name in names:
-        data_map["targets"] = sa.targets_name
+    names = [i.name for i in sa.graph.inputs]
     has_loss = any(o.name == sa.loss_name for o in sa.graph.outputs)
     in_value = {e.edge_id: _value(e.edge_id) for e in in_edges}
     out_value = {e.edge_id: _value(e.edge_id) for e in out_edges}
-    covered = set(in_value.values()) | set(data_map.values())
-    missing = names - covered
-    if missing:
-        raise RemoteError(f"Assign: partition inputs {sorted(missing)} have no edge or data")
+    # every input no edge feeds is data: the main input, the labels, or a named field
+    data_map = data_inputs(names, set(in_value.values()), sa.input_name, sa.targets_name)
+    bad = [k for k in data_map if k not in ("inputs", "targets") and not FIELD_RE.match(k)]
+    if bad:
+        raise RemoteError(f"Assign: partition input {bad[0]!r} is neither an edge nor a data "
+                          "field")
 
     def run(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         feed: dict[str, torch.Tensor] = {}
@@ -375,6 +429,7 @@ def program_from_assignment(sa: StageAssignment) -> StageProgram:
     return StageProgram(
         module=module, run=run, in_edges=in_edges, out_edges=out_edges,
         data_inputs=tuple(sorted(data_map)), has_loss=has_loss, shared=sa.shared,
+        seed_random=random_seeder(module, sa.seed),
     )
 
 
@@ -435,11 +490,43 @@ def _own_corpus_only(sa: StageAssignment) -> None:
     standard library): any other text travels in the Assign (the submitter read it as the
     user). RemoteError otherwise, so a daemon never reads a file on a job's say-so."""
     d = sa.data
-    if d.kind == "text" and (d.path is None or Path(d.path).resolve()
-                             != default_text_path().resolve()):
+    if d.kind != "images" and (d.kind != "text" or d.path is None or Path(d.path).resolve()
+                               != default_text_path().resolve()):
         raise RemoteError(f"job {sa.job_id} stage {sa.stage}: the Assign names the corpus "
                           f"{d.path} but does not carry it; a stage reads only its own "
                           "standard library, any other data comes with the job")
+
+
+def _stage_data(sa: StageAssignment) -> DataSource:
+    """The data source of a stage that reads data: from the data its Assign carries, or its
+    own default corpus or synthetic images; checked against the submitter's hash."""
+    try:
+        if sa.data_arrays is not None:
+            data = source_from_arrays(sa.data, sa.data_arrays, sa.seed)
+            here = dataset_digest(sa.data_arrays)
+        else:
+            _own_corpus_only(sa)
+            data = make_source(sa.data, sa.seed)
+            here = corpus_digest(data.tokens) if isinstance(data, TextWindows) else ""
+    except DataError as e:
+        raise RemoteError(f"job {sa.job_id} stage {sa.stage}: its data: {e}") from e
+    if sa.data_digest and here != sa.data_digest:
+        where = "shipped" if sa.data_arrays is not None else \
+            f"{sa.data.path} (Python {platform.python_version()})"
+        raise RemoteError(
+            f"job {sa.job_id} stage {sa.stage}: the corpus here, {where}, is not the "
+            f"submitter's (hash {here[:12]} vs {sa.data_digest[:12]}): the default "
+            "corpus differs between Python versions; give the job a data.path "
+            "(shipped from the submitter) to train on the same tokens everywhere")
+    return data
+
+
+def _fields_of(data: DataSource, sa: StageAssignment) -> list[str]:
+    """The field names of the stage's batches (one small batch, drawn for the check)."""
+    try:
+        return list(data.batch(sa.first_step, 1).fields)
+    except Exception as e:
+        raise RemoteError(f"job {sa.job_id} stage {sa.stage}: its data fails: {e!r}") from e
 
 
 class StageHost:
@@ -466,22 +553,14 @@ class StageHost:
         self._node_stage = {n: s for s, n in slot_nodes.items() if s != sa.own_slot and (
             s in holders or sa.stage_of_slot(s) in sa.stage_nodes)}
         if self.program.data_inputs and data is None:
-            if sa.data_tokens is not None:
-                data = TextWindows(None, seq_len=sa.data.seq_len, seed=sa.seed,
-                                   tokens=sa.data_tokens)
-            else:
-                _own_corpus_only(sa)
-                data = make_source(sa.data, sa.seed)
-            if sa.data_digest and isinstance(data, TextWindows):
-                here = corpus_digest(data.tokens)
-                if here != sa.data_digest:
-                    where = "shipped" if sa.data_tokens is not None else \
-                        f"{sa.data.path} (Python {platform.python_version()})"
-                    raise RemoteError(
-                        f"job {sa.job_id} stage {sa.stage}: the corpus here, {where}, is not the "
-                        f"submitter's (hash {here[:12]} vs {sa.data_digest[:12]}): the default "
-                        "corpus differs between Python versions; give the job a data.path "
-                        "(shipped from the submitter) to train on the same tokens everywhere")
+            data = _stage_data(sa)
+            fields = _fields_of(data, sa)
+            missing = [k for k in self.program.data_inputs
+                       if k not in ("inputs", "targets") and k not in fields]
+            if missing:
+                raise RemoteError(f"job {sa.job_id} stage {sa.stage}: the partition reads the "
+                                  f"data field {missing[0]!r}, which the job's data does not "
+                                  f"give (it gives {sorted(fields)})")
         route = (sa.routes or {}).get(sa.stage)
         if route is None:
             tasks = schedule(sa.batch.pipeline, sa.stages, sa.batch.micro_batches)[sa.stage]

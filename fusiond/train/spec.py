@@ -23,6 +23,9 @@ from typing import Any, Literal
 from fusiond.errors import LocalError
 
 __all__ = [
+    "DATA_KINDS",
+    "LEGACY_LOSSES",
+    "OBJECTIVES",
     "ZOO",
     "BatchSpec",
     "CompressionSpec",
@@ -51,6 +54,7 @@ class JobSpecError(LocalError):
 ZOO: dict[str, str] = {
     "gpt2": "fusiond.models.gpt2:gpt2",
     "hf-gpt2": "fusiond.models.hf:hf_gpt2",
+    "hf": "fusiond.models.hf:hf_model",
     "resnet18": "fusiond.models.resnet:resnet18",
     "resnet50": "fusiond.models.resnet:resnet50",
     "resnet101": "fusiond.models.resnet:resnet101",
@@ -59,8 +63,25 @@ ZOO: dict[str, str] = {
 
 _FACTORY_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
-DataKind = Literal["text", "images"]
-LossKind = Literal["lm_cross_entropy", "cross_entropy", "mse"]
+DataKind = Literal["text", "jsonl", "parquet", "hf_dataset", "image_folder", "images"]
+DATA_KINDS: tuple[DataKind, ...] = ("text", "jsonl", "parquet", "hf_dataset", "image_folder",
+                                    "images")
+TEXT_KINDS: tuple[DataKind, ...] = ("text", "jsonl", "parquet", "hf_dataset")
+"""Sources of text: files or a directory of them, JSON lines, Parquet, a Hugging Face `datasets`
+dataset saved with `save_to_disk`."""
+IMAGE_KINDS: tuple[DataKind, ...] = ("image_folder", "images")
+LossKind = Literal["causal_lm", "masked_lm", "seq2seq_lm", "classification", "regression"]
+OBJECTIVES: tuple[LossKind, ...] = ("causal_lm", "masked_lm", "seq2seq_lm", "classification",
+                                    "regression")
+LEGACY_LOSSES: dict[str, LossKind] = {"lm_cross_entropy": "causal_lm",
+                                      "cross_entropy": "classification", "mse": "regression"}
+"""The loss names of earlier job files, still accepted: what each means now."""
+LM_OBJECTIVES: tuple[LossKind, ...] = ("causal_lm", "masked_lm", "seq2seq_lm")
+Layout = Literal["windows", "rows"]
+AUGMENTS = ("hflip", "crop")
+"""Random image transforms the data path applies per step (seeded from the job)."""
+FIELD_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+"""A batch field / model keyword name (`input_ids`, `attention_mask`, ...)."""
 OptimizerKind = Literal["adamw", "sgd"]
 ScheduleKind = Literal["constant", "cosine"]
 PipelineKind = Literal["1f1b", "gpipe"]
@@ -84,6 +105,9 @@ class ModelSpec:
     zoo: str | None
     factory: str | None
     config: Mapping[str, Any] = field(default_factory=dict)
+    inputs: tuple[str, ...] | None = None
+    """The batch fields the model takes by keyword (None: every field its forward names,
+    else the main input by position)."""
 
     @property
     def target(self) -> str:
@@ -96,12 +120,19 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class DataSpec:
-    """Where samples come from.
+    """Where samples come from, and what the data path does to them (docs/jobs.md, [data]).
 
-    text: `path` is a file or a directory (every `*.py`/`*.txt`/`*.md` file under it, sorted),
-    default the stdlib; `tokenizer` is "bytes" (vocabulary 256) or a tokenizers JSON file;
-    samples are windows of `seq_len + 1` tokens (input, target shifted by one).
-    images: synthetic, `image_size` square, `channels`, `num_classes`, deterministic per seed.
+    `kind`: "text" (a file, or a directory whose `*.py`/`*.txt`/`*.md`/`*.rst` files are read
+    sorted; default the stdlib), "jsonl" / "parquet" (the string `column` of each record),
+    "hf_dataset" (a `datasets` dataset saved with `save_to_disk`), "image_folder" (one
+    directory per class), "images" (synthetic, deterministic per seed).
+    `tokenizer`: "bytes" (vocabulary 256), a `tokenizers` JSON file, or a transformers
+    tokenizer directory. `layout`: "windows" (the token stream cut into random windows of
+    `seq_len + 1`) or "rows" (one example per record, truncated and padded to `seq_len`, with
+    its attention mask). `objective` and the masking settings come from `[loss]`: the data path
+    makes the labels (next token, masked positions with `ignore_index` elsewhere, the target
+    text with its decoder inputs, the class or value). `heldout`: the fraction of examples (or
+    of the token stream's tail) never trained on, for the held-out loss.
     """
 
     kind: DataKind
@@ -111,13 +142,46 @@ class DataSpec:
     image_size: int
     channels: int
     num_classes: int
+    objective: LossKind = "causal_lm"
+    layout: Layout = "windows"
+    column: str = "text"
+    label_column: str = "label"
+    target_column: str = "target"
+    pair_column: str | None = None
+    target_len: int = 0
+    """Target tokens per seq2seq example (0: `seq_len`)."""
+    split: str | None = None
+    heldout: float = 0.0
+    max_examples: int = 1_000_000
+    augment: tuple[str, ...] = ()
+    mean: tuple[float, ...] = ()
+    std: tuple[float, ...] = ()
+    ignore_index: int = -100
+    mask_probability: float = 0.15
+    mask_token_id: int | None = None
+    decoder_start_token_id: int | None = None
+
+    @property
+    def is_text(self) -> bool:
+        """Whether the samples are token ids (the first model input is `input_ids`)."""
+        return self.kind in TEXT_KINDS
+
+    @property
+    def targets_len(self) -> int:
+        """Target tokens of a seq2seq example."""
+        return self.target_len or self.seq_len
 
 
 @dataclass(frozen=True)
 class LossSpec:
-    """The loss appended to the model's output. `lm_cross_entropy` flattens (B, T, V) logits."""
+    """The objective appended to the model's output. Every LM objective and classification is
+    cross-entropy over the last axis against labels of the same leading shape (positions
+    labelled `ignore_index` count for nothing); regression is mean squared error."""
 
     kind: LossKind
+    ignore_index: int = -100
+    mask_probability: float = 0.15
+    mask_token_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -324,39 +388,154 @@ def _model(t: _Table) -> ModelSpec:
             raise JobSpecError(
                 t.name(f"config.{key}"), f"must be a string, number, bool or list, got {value!r}"
             )
+    inputs: tuple[str, ...] | None = None
+    raw_inputs = t.get("inputs")
+    if raw_inputs is not None:
+        if (not isinstance(raw_inputs, list) or not raw_inputs
+                or not all(isinstance(x, str) and FIELD_RE.match(x) for x in raw_inputs)
+                or len(set(raw_inputs)) != len(raw_inputs)):
+            raise JobSpecError(t.name("inputs"), "must be a non-empty list of distinct batch field "
+                               f"names such as ['input_ids', 'attention_mask'], got {raw_inputs!r}")
+        inputs = tuple(raw_inputs)
     t.finish()
-    return ModelSpec(zoo=zoo, factory=factory, config=dict(config))
+    return ModelSpec(zoo=zoo, factory=factory, config=dict(config), inputs=inputs)
 
 
-def _data(t: _Table, base: Path, check_paths: bool = True) -> DataSpec:
-    kind = t.choice("kind", "text", ("text", "images"))
+def _column(t: _Table, key: str, default: str) -> str:
+    value = t.string(key, default)
+    if len(value) > 256:
+        raise JobSpecError(t.name(key), "must be a column name of at most 256 characters")
+    return value
+
+
+def _floats(t: _Table, key: str, n: int, default: float, lo: float, lo_open: bool = False,
+            ) -> tuple[float, ...]:
+    raw = t.get(key)
+    if raw is None:
+        return (default,) * n
+    if (not isinstance(raw, list) or len(raw) != n or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+            and abs(x) < 1e6 and (x > lo if lo_open else x >= lo) for x in raw)):
+        rel = ">" if lo_open else ">="
+        raise JobSpecError(t.name(key), f"must be a list of {n} numbers (one per channel) "
+                           f"{rel} {lo}, got {raw!r}")
+    return tuple(float(x) for x in raw)
+
+
+def _data(t: _Table, base: Path, loss: LossSpec, check_paths: bool = True) -> DataSpec:
+    kind: DataKind = t.choice("kind", "text", DATA_KINDS)  # type: ignore[assignment]
     raw_path = t.opt_string("path")
     path: Path | None = None
     tokenizer = t.string("tokenizer", "bytes")
-    if kind == "text":
+    objective = loss.kind
+    if kind in IMAGE_KINDS and objective not in ("classification", "regression"):
+        raise JobSpecError("loss.kind", f"{objective!r} needs text data (data.kind = "
+                           f"{kind!r} gives images); use 'classification'")
+    if kind in TEXT_KINDS and kind != "text" and raw_path is None:
+        raise JobSpecError(t.name("path"), f"data.kind = {kind!r} needs a path")
+    if kind == "images":
+        if raw_path is not None:
+            raise JobSpecError(t.name("path"), "images are synthetic; remove data.path")
+    elif kind == "image_folder" and raw_path is None:
+        raise JobSpecError(t.name("path"), "data.kind = 'image_folder' needs the directory "
+                           "holding one subdirectory per class")
+    else:
         path = default_text_path() if raw_path is None else (base / raw_path).expanduser()
         if check_paths and not path.exists():
             raise JobSpecError(t.name("path"), f"no such file or directory: {path}")
-        if tokenizer != "bytes":
-            tok_path = (base / tokenizer).expanduser()
-            if check_paths and not tok_path.is_file():
-                raise JobSpecError(
-                    t.name("tokenizer"), f"must be 'bytes' or a tokenizers JSON file: {tok_path}"
-                )
-            tokenizer = str(tok_path)
-    elif raw_path is not None:
-        raise JobSpecError(t.name("path"), "images are synthetic; remove data.path")
+        if kind == "hf_dataset" and check_paths and not path.is_dir():
+            raise JobSpecError(t.name("path"), f"must be a directory written by a datasets "
+                               f"dataset's save_to_disk: {path}")
+    if kind in TEXT_KINDS and tokenizer != "bytes":
+        tok_path = (base / tokenizer).expanduser()
+        if check_paths and not (tok_path.is_file() or (tok_path / "tokenizer.json").is_file()
+                                or (tok_path / "tokenizer_config.json").is_file()):
+            raise JobSpecError(
+                t.name("tokenizer"), "must be 'bytes', a tokenizers JSON file or a transformers "
+                f"tokenizer directory (with tokenizer.json or tokenizer_config.json): {tok_path}")
+        tokenizer = str(tok_path)
+    text_default_layout = "windows" if objective == "causal_lm" else "rows"
+    layout: Layout = t.choice("layout", text_default_layout,  # type: ignore[assignment]
+                              ("windows", "rows"))
+    if layout == "windows" and objective not in ("causal_lm", "masked_lm"):
+        raise JobSpecError(t.name("layout"), f"'windows' (a token stream without example "
+                           f"boundaries) cannot hold the labels of loss.kind = {objective!r}; "
+                           "use 'rows'")
+    if kind == "text" and objective in ("classification", "regression", "seq2seq_lm"):
+        raise JobSpecError("loss.kind", f"{objective!r} needs a label or target per example: "
+                           "text files have none; use data.kind = 'jsonl', 'parquet' or "
+                           "'hf_dataset' with data.label_column / data.target_column")
+    channels = t.integer("channels", 3, lo=1, hi=64)
+    augment_raw = t.get("augment")
+    if augment_raw is None:
+        augment: tuple[str, ...] = ("hflip",) if kind == "image_folder" else ()
+    elif (isinstance(augment_raw, list) and all(a in AUGMENTS for a in augment_raw)
+          and len(set(augment_raw)) == len(augment_raw)):
+        augment = tuple(augment_raw)
+    else:
+        raise JobSpecError(t.name("augment"), f"must be a list of {list(AUGMENTS)}, got "
+                           f"{augment_raw!r}")
+    if augment and kind not in IMAGE_KINDS:
+        raise JobSpecError(t.name("augment"), "image transforms need image data")
+    seq_len = t.integer("seq_len", 64, lo=1, hi=1 << 20)
+    decoder_start: int | None = None
+    if t.has("decoder_start_token_id"):
+        decoder_start = t.integer("decoder_start_token_id", lo=0, hi=(1 << 31) - 1)
     spec = DataSpec(
-        kind=kind,  # type: ignore[arg-type]
+        kind=kind,
         path=path,
         tokenizer=tokenizer,
-        seq_len=t.integer("seq_len", 64, lo=1, hi=1 << 20),
+        seq_len=seq_len,
         image_size=t.integer("image_size", 32, lo=1, hi=4096),
-        channels=t.integer("channels", 3, lo=1, hi=64),
+        channels=channels,
         num_classes=t.integer("num_classes", 10, lo=2, hi=1 << 20),
+        objective=objective,
+        layout=layout if kind in TEXT_KINDS else "rows",
+        column=_column(t, "column", "text"),
+        label_column=_column(t, "label_column", "label"),
+        target_column=_column(t, "target_column", "target"),
+        pair_column=t.opt_string("pair_column"),
+        target_len=t.integer("target_len", 0, lo=0, hi=1 << 20),
+        split=t.opt_string("split"),
+        heldout=t.number("heldout", 0.05, lo=0.0, hi=0.5),
+        max_examples=t.integer("max_examples", 1_000_000, lo=1, hi=100_000_000),
+        augment=augment,
+        mean=_floats(t, "mean", channels, 0.5, -1e6) if kind == "image_folder" else (),
+        std=_floats(t, "std", channels, 0.5, 0.0, lo_open=True) if kind == "image_folder"
+        else (),
+        ignore_index=loss.ignore_index,
+        mask_probability=loss.mask_probability,
+        mask_token_id=loss.mask_token_id,
+        decoder_start_token_id=decoder_start,
     )
     t.finish()
     return spec
+
+
+def _loss(t: _Table, data_kind: Any) -> LossSpec:
+    image = data_kind in IMAGE_KINDS
+    raw = t.get("kind")
+    if raw is None:
+        kind: LossKind = "classification" if image else "causal_lm"
+    elif isinstance(raw, str) and raw in LEGACY_LOSSES:
+        kind = LEGACY_LOSSES[raw]
+    elif isinstance(raw, str) and raw in OBJECTIVES:
+        kind = raw
+    else:
+        raise JobSpecError(t.name("kind"), f"must be one of {list(OBJECTIVES)} (or the older "
+                           f"{list(LEGACY_LOSSES)}), got {raw!r}")
+    ignore = t.integer("ignore_index", -100, lo=-(1 << 31), hi=(1 << 31) - 1)
+    prob = t.number("mask_probability", 0.15, lo=0.0, lo_open=True, hi=1.0)
+    mask_id: int | None = None
+    if t.has("mask_token_id"):
+        mask_id = t.integer("mask_token_id", lo=0, hi=(1 << 31) - 1)
+    if kind != "masked_lm":
+        for key in ("mask_probability", "mask_token_id"):
+            if t.has(key):
+                raise JobSpecError(t.name(key), f"applies to loss.kind = 'masked_lm' only "
+                                   f"(this job's is {kind!r})")
+    t.finish()
+    return LossSpec(kind=kind, ignore_index=ignore, mask_probability=prob, mask_token_id=mask_id)
 
 
 def _optimizer(t: _Table, steps: int) -> OptimizerSpec:
@@ -475,17 +654,12 @@ def job_from_dict(data: Mapping[str, Any], *, base: Path | None = None,
     restarts = job.integer("max_restarts", 2, hi=100)
     output = (out_base / job.string("output", f"runs/{name}")).expanduser()
     job.finish()
-    loss_t = root.sub("loss")
-    loss = LossSpec(
-        kind=loss_t.choice(  # type: ignore[arg-type]
-            "kind", "lm_cross_entropy", ("lm_cross_entropy", "cross_entropy", "mse")
-        )
-    )
-    loss_t.finish()
+    data_t = root.sub("data")
+    loss = _loss(root.sub("loss"), data_t.data.get("kind", "text"))
     spec = JobSpec(
         name=name,
         model=_model(root.sub("model", required=True)),
-        data=_data(root.sub("data"), base, check_paths),
+        data=_data(data_t, base, loss, check_paths),
         loss=loss,
         optimizer=_optimizer(root.sub("optimizer"), steps),
         batch=_batch(root.sub("batch")),
@@ -497,8 +671,6 @@ def job_from_dict(data: Mapping[str, Any], *, base: Path | None = None,
         max_restarts=restarts,
     )
     root.finish()
-    if spec.data.kind == "images" and spec.loss.kind == "lm_cross_entropy":
-        raise JobSpecError("loss.kind", "lm_cross_entropy needs text data; use cross_entropy")
     return spec
 
 

@@ -209,9 +209,10 @@ RunFn = Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]
 class StageProgram:
     """A runnable partition and its boundary.
 
-    `run(inputs)` takes the incoming edge ids (plus "inputs"/"targets" for the data this stage
-    reads) and returns the outgoing edge ids (plus "loss" on the loss stage). Two outgoing edges
-    may map to the same tensor (fan-out); their gradients are summed by autograd.
+    `run(inputs)` takes the incoming edge ids (plus "inputs"/"targets", or a field's name
+    such as "attention_mask", for the data this stage reads) and returns the outgoing edge
+    ids (plus "loss" on the loss stage). Two outgoing edges may map to the same tensor
+    (fan-out); their gradients are summed by autograd.
     `shared` maps a parameter name of `module` to the other stages holding a copy of it.
     """
 
@@ -222,6 +223,8 @@ class StageProgram:
     data_inputs: tuple[str, ...] = ()
     has_loss: bool = False
     shared: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    seed_random: Callable[[int, int], None] | None = None
+    """Called with (step, micro-batch) before each forward: keys the module's random ops."""
 
 
 @dataclass(frozen=True)
@@ -773,10 +776,10 @@ class StageExecutor:
             leaves[edge_id] = t
         inputs: dict[str, torch.Tensor] = dict(leaves)
         if mb is not None:
-            if "inputs" in self.program.data_inputs:
-                inputs["inputs"] = mb.inputs
-            if "targets" in self.program.data_inputs:
-                inputs["targets"] = mb.targets
+            for key in self.program.data_inputs:  # "inputs", "targets" or a named field
+                inputs[key] = mb[key]
+        if self.program.seed_random is not None:
+            self.program.seed_random(step, micro)
         t1 = time.perf_counter()
         out = dict(self.program.run(inputs))
         t2 = time.perf_counter()

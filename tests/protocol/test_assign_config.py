@@ -106,3 +106,12 @@ def test_an_oversized_stage_map_is_refused_naming_it() -> None:
         Assign.from_wire(_bad(["stage_nodes"], many))
     with pytest.raises(ValueError, match="stage_nodes"):
         dataclasses.replace(CFG, stage_nodes=many)
+
+
+def test_the_data_config_carries_the_objective_and_the_transforms() -> None:
+    data = dataclasses.replace(DATA, kind="jsonl", objective="masked_lm", layout="rows",
+                               heldout=0.1, ignore_index=-1, mask_probability=0.2,
+                               mask_token_id=4, decoder_start_token_id=None,
+                               augment=("hflip", "crop"), mean=(0.5, 0.4), std=(0.2, 0.3))
+    cfg = dataclasses.replace(CFG, data=data)
+    assert _roundtrip(_assign(cfg)).config == cfg

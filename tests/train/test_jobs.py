@@ -293,7 +293,8 @@ def test_custom_text_is_shipped_to_the_data_stages(captured_tiny, tmp_path: Path
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("for i in range(10):\n    print(i * i)\n" * 300)
     spec = replace(spec, data=replace(spec.data, path=corpus))
-    want = TextWindows(corpus, seq_len=spec.data.seq_len, seed=spec.seed).batch(3, 8)
+    want = TextWindows(corpus, seq_len=spec.data.seq_len, seed=spec.seed,
+                       heldout=spec.data.heldout).batch(3, 8)
     cut = contiguous_assignment(cap.graph, 3)
     layout = layout_job("ship", cap.graph, cap.state, {op: NAMES[p] for op, p in cut.items()})
     assigns = assign_messages(layout, spec, cap.state, term=1, plan_version=1,

@@ -243,3 +243,30 @@ def test_tied_copies_that_are_both_nan_gather() -> None:
     assert torch.isnan(out[tied]).all()
     with pytest.raises(LocalError, match="differ between stages"):
         gather_state(cap.graph, [a, {tied: torch.zeros_like(nan)}])
+
+
+def test_a_model_that_does_not_fit_its_objective_is_refused_with_the_reason(
+        tmp_path: Path) -> None:
+    """A bidirectional encoder on next-token prediction sees the token it must predict; an
+    encoder-decoder on an objective that gives its decoder no inputs fails inside
+    transformers: both are refused at submit saying why and what to use."""
+    from fusiond.jobs.submit import ObjectiveError
+    from tests import datafiles
+
+    recs = datafiles.sentences(40)
+    datafiles.write_jsonl(tmp_path / "d.jsonl", recs)
+    datafiles.train_tokenizer(recs, tmp_path / "tok.json")
+    head = ('[job]\nsteps = 2\n[batch]\nsize = 4\nmicro_batches = 2\n[data]\nkind = "jsonl"\n'
+            'path = "d.jsonl"\ntokenizer = "tok.json"\nseq_len = 16\n')
+    bert = tmp_path / "bert.toml"
+    bert.write_text(head + datafiles.hf_model_toml("BertForMaskedLM", "bert"))
+    with pytest.raises(ObjectiveError, match=r"loss\.kind = 'causal_lm' predicts each next "
+                       r"token, but BertForMaskedLM is not causal: .* train it with loss\.kind "
+                       r"= 'masked_lm'"):
+        prepare_job(bert)
+    t5 = tmp_path / "t5.toml"
+    t5.write_text(head + '[loss]\nkind = "masked_lm"\n'
+                  + datafiles.hf_model_toml("T5ForConditionalGeneration", "t5"))
+    with pytest.raises(JobSpecError, match=r"T5ForConditionalGeneration is an encoder-decoder "
+                       r".* loss\.kind = 'seq2seq_lm' and a data\.target_column"):
+        prepare_job(t5)

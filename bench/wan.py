@@ -406,14 +406,16 @@ def pipeline_hosts(topo: Topology, n_blocks: int, sample_cpu_s: float, batch: in
     one core) times the micro-batch, over its host's cores; a hop carries the micro-batch's
     residual stream forward and its gradient back over that link (95 % goodput) plus its
     RTT; a step is the fill (every stage and hop once) plus M - 1 times the slowest of
-    them. Rank i runs stage i on the i-th host returned."""
+    them; at most M stages (torch's `Schedule1F1B` refuses more). Rank i runs stage i on the
+    i-th host returned."""
     from bench.wan_ddp import pipeline_bounds
 
     mb = batch / micro
     hosts = list(topo.hosts)
     rng = random.Random(0)
     best: tuple[float, list[str]] | None = None
-    for k in range(2, min(len(hosts), n_blocks) + 1):
+    # torch's Schedule1F1B needs at least as many micro-batches as stages
+    for k in range(2, min(len(hosts), n_blocks, micro) + 1):
         bounds = pipeline_bounds(n_blocks, k)
         orders = list(itertools.permutations(hosts, k))
         if len(orders) > MAX_PIPELINE_ORDERS:

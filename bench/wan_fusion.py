@@ -45,7 +45,7 @@ import torch
 from bench.wan_common import Trace, Workload
 from fusiond.jobs.assign import layout_job
 from fusiond.jobs.coordinator import JobCoordinator
-from fusiond.jobs.planning import plan_job
+from fusiond.jobs.planning import grad_rank_of, plan_job
 from fusiond.jobs.worker import JobWorker, local_sender
 from fusiond.net.pki import TLSMaterial
 from fusiond.net.transport import NetConfig, PeerNetwork
@@ -129,11 +129,14 @@ def layout_for(plan: Plan, spec: Any, captured: Any, node_of: dict[str, str]) ->
                 for i, st in enumerate(plan.stages) if st.replicas}
     routes = {machines[i]: list(r) for i, r in plan.routes().items()}
     if spec.compression.int8:
-        return layout_job("wan", captured.graph, captured.state, op_nodes, int8=True,
-                          exact=spec.compression.exact_edges, replicas=replicas, routes=routes)
-    densities = plan.edge_densities() if spec.compression.adatopk else {}
-    return layout_job("wan", captured.graph, captured.state, op_nodes, densities=densities,
-                      replicas=replicas, routes=routes)
+        layout = layout_job("wan", captured.graph, captured.state, op_nodes, int8=True,
+                            exact=spec.compression.exact_edges, replicas=replicas,
+                            routes=routes)
+    else:
+        densities = plan.edge_densities() if spec.compression.adatopk else {}
+        layout = layout_job("wan", captured.graph, captured.state, op_nodes,
+                            densities=densities, replicas=replicas, routes=routes)
+    return dataclasses.replace(layout, grad_rank=grad_rank_of(plan, spec))
 
 
 def make_plan(spec: Any, captured: Any, cluster: Cluster) -> Plan:

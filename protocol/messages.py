@@ -458,6 +458,10 @@ class AssignConfig(Struct):
     routes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Stage (decimal str) -> the slot that runs each micro-batch of an iteration, for every
     replicated stage (one entry per micro-batch)."""
+    grad_rank: int | None = None
+    """The summed gradients (replicas, tied parameters) of matrices travel as rank-`grad_rank`
+    factors with error feedback (PowerSGD, two rounds a step), the same on every stage;
+    None: dense."""
 
     def __post_init__(self) -> None:
         for name in ("stage_nodes", "shared", "slot_stages", "routes"):

@@ -84,6 +84,9 @@ class JobLayout:
     routes: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     """Replicated stage -> which of its machines (0: `StagePlan.node_id`, then `replicas`)
     runs each micro-batch of an iteration."""
+    grad_rank: int | None = None
+    """The summed gradients (replicas, tied parameters) travel as rank-`grad_rank` factors
+    with error feedback, on every stage (None: dense)."""
 
     @property
     def stage_nodes(self) -> dict[int, str]:
@@ -306,7 +309,8 @@ def assign_messages(
                         corpus_digest="" if corpus is None else corpus.digest,
                         default_corpus=corpus is not None and corpus.default,
                         recv_timeout_s=recv_timeout_s, first_step=first_step,
-                        slot_stages=layout.slot_stages(), routes=routes_by_slot)
+                        slot_stages=layout.slot_stages(), routes=routes_by_slot,
+                        grad_rank=layout.grad_rank)
     routes = layout.edges()
     job_nodes = {n: tuple(addresses[n]) for n in nodes.values()}
     shipped = _shipped_data(spec) if corpus is None else corpus.shipped()

@@ -37,6 +37,7 @@ from fusiond.plan import (
     readapt,
 )
 from fusiond.profile import machine_from_profile
+from fusiond.train.lowrank import sent_fraction
 from fusiond.train.spec import JobSpec
 from fusiond.units import bytes_per_s_from_bits_per_s
 from protocol import ir
@@ -139,8 +140,9 @@ def link_bytes_per_s(link: Sequence[float]) -> float | None:
     return bytes_per_s_from_bits_per_s(bits_per_s)
 
 
-def job_settings(spec: JobSpec) -> JobSettings:
-    """The planner's view of a job."""
+def job_settings(spec: JobSpec, graph: ir.Graph | None = None) -> JobSettings:
+    """The planner's view of a job; with its `graph`, the floor of a compressed gradient
+    reduction (`grad_floor`), else dense reductions only."""
     return JobSettings(
         micro_batch_size=spec.batch.micro_batch_size,
         num_micro_batches=spec.batch.micro_batches,
@@ -148,7 +150,31 @@ def job_settings(spec: JobSpec) -> JobSettings:
         density_floor=spec.compression.density_floor,
         exact_edges=frozenset(spec.compression.exact_edges),
         int8_edges=spec.compression.int8,
+        grad_density_floor=1.0 if graph is None else grad_floor(spec, graph),
     )
+
+
+def grad_floor(spec: JobSpec, graph: ir.Graph) -> float:
+    """The share of the dense gradient a low-rank reduction at the job's `grad_rank` sends,
+    over the graph's trainable parameters (vectors and small matrices dense): the least a
+    replicated stage's reduction may send (1.0: the job keeps gradients dense)."""
+    rank = spec.compression.grad_rank
+    if rank <= 0:
+        return 1.0
+    shapes = [ir.eval_shape(p.meta.shape, graph.symbols) for p in graph.params
+              if p.kind is ir.ParamKind.PARAMETER and p.requires_grad]
+    return min(1.0, sent_fraction(shapes, rank))
+
+
+def grad_rank_of(plan: Plan, spec: JobSpec) -> int | None:
+    """The job's rank for its summed gradients: the spec's when the plan compresses any
+    replicated stage's reduction (its density, between the floor and 1, is rounded down to
+    the floor's rank: the runtime sends at most what the plan costs), else dense."""
+    if spec.compression.grad_rank <= 0:
+        return None
+    if any(x.density < 1.0 for x in plan.evaluation.syncs):
+        return spec.compression.grad_rank
+    return None
 
 
 def plan_job(spec: JobSpec, captured: CapturedModel, cluster: Cluster) -> Plan:
@@ -159,8 +185,8 @@ def plan_job(spec: JobSpec, captured: CapturedModel, cluster: Cluster) -> Plan:
     opt_factor = 2.0 if o.kind == "adamw" else (1.0 if o.momentum else 0.0)
     cost = cost_graph_from_ir(captured.graph, symbols, exact_edges=spec.compression.exact_edges,
                               optimizer_state_factor=opt_factor, name=spec.name)
-    return plan_opfence(cost, cluster, job_settings(spec), compress=spec.compression.adatopk,
-                        replicate=spec.batch.replicas)
+    return plan_opfence(cost, cluster, job_settings(spec, captured.graph),
+                        compress=spec.compression.adatopk, replicate=spec.batch.replicas)
 
 
 def layout_from_plan(job_id: str, graph: ir.Graph, state: Mapping[str, torch.Tensor],
@@ -174,14 +200,17 @@ def layout_from_plan(job_id: str, graph: ir.Graph, state: Mapping[str, torch.Ten
                 for i, st in enumerate(plan.stages) if st.replicas}
     routes = {machines[i]: list(r) for i, r in plan.routes().items()}
     if spec.compression.int8:
-        return layout_job(job_id, graph, state, op_nodes, int8=True,
-                          exact=spec.compression.exact_edges, replicas=replicas, routes=routes)
-    if spec.compression.density is not None:
-        return layout_job(job_id, graph, state, op_nodes, density=spec.compression.density,
-                          exact=spec.compression.exact_edges, replicas=replicas, routes=routes)
-    densities = plan.edge_densities() if spec.compression.adatopk else {}
-    return layout_job(job_id, graph, state, op_nodes, densities=densities, replicas=replicas,
-                      routes=routes)
+        layout = layout_job(job_id, graph, state, op_nodes, int8=True,
+                            exact=spec.compression.exact_edges, replicas=replicas, routes=routes)
+    elif spec.compression.density is not None:
+        layout = layout_job(job_id, graph, state, op_nodes, density=spec.compression.density,
+                            exact=spec.compression.exact_edges, replicas=replicas,
+                            routes=routes)
+    else:
+        densities = plan.edge_densities() if spec.compression.adatopk else {}
+        layout = layout_job(job_id, graph, state, op_nodes, densities=densities,
+                            replicas=replicas, routes=routes)
+    return replace(layout, grad_rank=grad_rank_of(plan, spec))
 
 
 def readapted_densities(plan: Plan, cluster: Cluster, current: Mapping[str, float],

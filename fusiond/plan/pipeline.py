@@ -554,14 +554,21 @@ def gradient_sync(c: Cluster, ms: Sequence[int]) -> GradientSync:
 def _sync_density(sync: GradientSync, grad_bytes: float, overlap_s: float, floor: float,
                   extra_s_per_byte: float) -> float:
     """The largest share of the gradient bytes (>= `floor`) whose reduction, plus its
-    compression (`extra_s_per_byte` of the dense bytes when compressed), hides behind
-    `overlap_s`; `floor` when none does."""
+    compression (`extra_s_per_byte` of the dense bytes when compressed) and its second
+    round, hides behind `overlap_s`; `floor` when none does; 1.0 (dense) when the dense
+    reduction hides, or when even the floor would take longer than dense."""
     if sync.time_s(grad_bytes)[0] <= overlap_s or floor >= 1.0:
         return 1.0
 
     def cost(d: float) -> float:
-        return sync.time_s(grad_bytes * d)[0] + extra_s_per_byte * grad_bytes
+        # low-rank travels in two rounds (the P factors, then the Q factors): one more
+        # latency of the reduction's scheme than a dense one
+        return (sync.time_s(grad_bytes * d)[0] + sync.time_s(1.0)[0]
+                + extra_s_per_byte * grad_bytes)
 
+    dense_s = sync.time_s(grad_bytes)[0]
+    if cost(floor) >= dense_s:
+        return 1.0  # latency-bound: the second round costs more than the bytes it saves
     if cost(floor) >= overlap_s:
         return floor
     lo, hi = floor, 1.0
@@ -762,8 +769,8 @@ def evaluate(
         d = _sync_density(plan_sync, grad_bytes[i], drain, st.grad_density_floor,
                           compress_s_per_byte)
         t_s, slowest, scheme = plan_sync.time_s(grad_bytes[i] * d)
-        if d < 1.0:
-            t_s += compress_s_per_byte * grad_bytes[i]
+        if d < 1.0:  # the projections, and the second round's latency (as in `cost`)
+            t_s += compress_s_per_byte * grad_bytes[i] + plan_sync.time_s(1.0)[0]
         syncs.append(SyncReport(i, tuple(c.machines[m].id for m in s.machines), grad_bytes[i],
                                 scheme, slowest, t_s, drain, density=d))
     grad_sync = max((x.exposed_s for x in syncs), default=0.0)

@@ -357,13 +357,15 @@ async def run_replicated(
     pipeline: str = "1f1b",
     config: StageConfig | None = None,
     queue_size: int = 4,
-    grad_density: float | None = None,
+    grad_rank: int | None = None,
 ) -> ReplicatedResult:
     """Train `steps` steps of a pipeline whose stage s runs on `len(programs[s])` replicas
     (each program its own copy of the stage, with the same initial weights); `routes[s][m]`
     is the replica of stage s that runs micro-batch m (`fusiond.plan.route_micro_batches`).
     Each replica runs its share; a replicated stage's gradients are summed over its replicas
-    before every optimizer step (top-k at `grad_density` with error feedback, else dense)."""
+    before every optimizer step (rank-`grad_rank` factors with error feedback where a
+    gradient is a matrix worth it, `fusiond.train.lowrank`; else dense). `grad_rank` is the
+    job's, on every stage: every holder of a parameter must agree on how it travels."""
     S = len(programs)
     if len(routes) != S or any(len(r) != micro_batches for r in routes):
         raise LocalError(f"routes must give each of the {S} stages a replica per micro-batch")
@@ -383,7 +385,7 @@ async def run_replicated(
             tasks=replica_tasks(pipeline, s, S, micros), micro_batches=micro_batches,
             optimizer=optimizer, total_steps=steps, data=data if p.data_inputs else None,
             batch_size=batch_size, config=config, slot=slot, routes=route_slots,
-            grad_density=grad_density if len(programs[s]) > 1 else None))
+            grad_rank=grad_rank))
     for ex in execs:
         hub.attach(ex)
     try:

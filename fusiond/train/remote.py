@@ -50,6 +50,7 @@ from fusiond.train.spec import (
     AUGMENTS,
     DATA_KINDS,
     FIELD_RE,
+    MAX_GRAD_RANK,
     OBJECTIVES,
     BatchSpec,
     DataSpec,
@@ -120,7 +121,8 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
                corpus_digest: str = "", default_corpus: bool = False,
                recv_timeout_s: float | None = None, first_step: int = 0,
                slot_stages: Mapping[int, int] | None = None,
-               routes: Mapping[int, Sequence[int]] | None = None) -> AssignConfig:
+               routes: Mapping[int, Sequence[int]] | None = None,
+               grad_rank: int | None = None) -> AssignConfig:
     """The `Assign.config` record for a job (the same for every stage).
 
     `stage_nodes`: stage -> node id for every stage; `shared`: stage -> {tied parameter -> the
@@ -134,7 +136,8 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
     Assign on and keeps a neighbour's first tensors that arrive before its JobStart.
     With replicas, `stage_nodes` and `shared` are keyed by slot (`AssignConfig`), and
     `slot_stages` (replica slot -> stage) and `routes` (replicated stage -> the slot of each
-    micro-batch) say who runs what.
+    micro-batch) say who runs what. `grad_rank`: the summed gradients travel low-rank at
+    this rank (None: dense).
     """
     o = spec.optimizer
     d = spec.data
@@ -172,6 +175,7 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
         recv_timeout_s=None if recv_timeout_s is None else float(recv_timeout_s),
         slot_stages={str(k): int(v) for k, v in (slot_stages or {}).items()},
         routes={str(k): tuple(int(x) for x in v) for k, v in (routes or {}).items()},
+        grad_rank=None if grad_rank is None else int(grad_rank),
     )
 
 
@@ -218,6 +222,8 @@ class StageAssignment:
     """Replicated stage -> the slot running each micro-batch."""
     slot_stages: dict[int, int] | None = None
     """Replica slot -> its stage (slots absent run the stage numbered like them)."""
+    grad_rank: int | None = None
+    """Summed gradients travel as rank-`grad_rank` factors (None: dense)."""
 
     @property
     def own_slot(self) -> int:
@@ -331,6 +337,10 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
     if recv_timeout is not None and not MIN_RECV_TIMEOUT_S <= recv_timeout <= MAX_RECV_TIMEOUT_S:
         raise RemoteError(f"Assign.config.recv_timeout_s: {recv_timeout!r} is not a number of "
                           f"seconds in [{MIN_RECV_TIMEOUT_S:g}, {MAX_RECV_TIMEOUT_S:g}]")
+    grad_rank = cfg.grad_rank
+    if grad_rank is not None and not 1 <= grad_rank <= MAX_GRAD_RANK:
+        raise RemoteError(f"Assign.config.grad_rank: {grad_rank!r} is not a rank in "
+                          f"[1, {MAX_GRAD_RANK}]")
     steps, first_step = cfg.steps, cfg.first_step
     if not 0 <= first_step < max(1, steps):
         raise RemoteError(f"Assign.config.first_step: {first_step!r} is not a step of the job's "
@@ -345,7 +355,7 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         loss_name=cfg.loss_name, shared=shared, data_arrays=data_arrays, data_digest=d.digest,
         recv_timeout_s=recv_timeout, slot=slot,
         slot_nodes={int(k): v for k, v in stage_map.items()},
-        routes=routes, slot_stages=slot_stages,
+        routes=routes, slot_stages=slot_stages, grad_rank=grad_rank,
     )
 
 
@@ -576,7 +586,7 @@ class StageHost:
             tasks=tasks,
             micro_batches=sa.batch.micro_batches, optimizer=sa.optimizer, total_steps=sa.steps,
             data=data, batch_size=sa.batch.size, config=config, first_step=sa.first_step,
-            slot=sa.own_slot, routes=sa.routes,
+            slot=sa.own_slot, routes=sa.routes, grad_rank=sa.grad_rank, grad_seed=sa.seed,
         )
 
     async def start(self) -> None:

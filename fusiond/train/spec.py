@@ -216,6 +216,12 @@ class BatchSpec:
         return self.size // self.micro_batches
 
 
+DEFAULT_GRAD_RANK = 4
+"""The rank of a compressed gradient reduction unless the job says (docs/runtime.md: the
+held-out loss it costs)."""
+MAX_GRAD_RANK = 64
+
+
 @dataclass(frozen=True)
 class CompressionSpec:
     """How cut edges are compressed.
@@ -230,6 +236,9 @@ class CompressionSpec:
     whole tensor.
     `readapt_interval_s`: with `adatopk` (and no forced `density`), every this many seconds the
     scheduler recomputes the densities from the links as measured then; 0 = never.
+    `grad_rank`: the gradients holders sum (replicas of a stage, tied parameters) may travel
+    as rank-`grad_rank` factors with error feedback (PowerSGD) when the planner finds the dense
+    reduction would not hide behind the pipeline's drain; 0 = always dense.
     """
 
     adatopk: bool
@@ -239,6 +248,7 @@ class CompressionSpec:
     per_row: bool = True
     readapt_interval_s: float = 10.0
     codec: CodecKind = "topk"
+    grad_rank: int = DEFAULT_GRAD_RANK
 
     @property
     def int8(self) -> bool:
@@ -627,10 +637,11 @@ def _compression(t: _Table) -> CompressionSpec:
         raise JobSpecError(t.name("exact_edges"), f"must be a list of edge ids, got {exact_raw!r}")
     per_row = t.boolean("per_row", True)
     readapt_s = t.number("readapt_interval_s", 10.0, lo=0.0)
+    grad_rank = t.integer("grad_rank", DEFAULT_GRAD_RANK, lo=0, hi=MAX_GRAD_RANK)
     t.finish()
     return CompressionSpec(
         adatopk=adatopk, density_floor=floor, density=density, exact_edges=exact, per_row=per_row,
-        readapt_interval_s=readapt_s, codec=codec,
+        readapt_interval_s=readapt_s, codec=codec, grad_rank=grad_rank,
     )
 
 

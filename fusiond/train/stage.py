@@ -53,6 +53,7 @@ from fusiond.errors import LocalError, RemoteError
 from fusiond.tasks import cancel_and_wait
 from fusiond.train import codec
 from fusiond.train.data import Batch, DataSource, split_micro_batches
+from fusiond.train.lowrank import LowRankState, compressed
 from fusiond.train.optim import lr_at, make_optimizer, set_lr
 from fusiond.train.schedule import Phase, Task
 from fusiond.train.spec import OptimizerSpec
@@ -453,6 +454,10 @@ class _Outbound:
         self.drained.set()
 
 
+_P_ROUND = "@p"
+_Q_ROUND = "@q"
+"""Suffixes of a low-rank parameter's two factors on the wire (`name@p`, `name@q`)."""
+
 _ABORT_POLL_S = 0.05
 """How often a compute thread blocked on a full outbound queue checks for an abort."""
 
@@ -480,7 +485,8 @@ class StageExecutor:
         first_step: int = 0,
         slot: int | None = None,
         routes: Mapping[int, Sequence[int]] | None = None,
-        grad_density: float | None = None,
+        grad_rank: int | None = None,
+        grad_seed: int = 0,
     ) -> None:
         if program.data_inputs and (data is None or batch_size <= 0):
             raise StageError(f"stage {stage} reads {program.data_inputs} but has no data source")
@@ -492,15 +498,13 @@ class StageExecutor:
         absent from `routes` runs everything in the slot numbered like it). `tasks` name the
         micro-batches of the whole iteration this executor runs; a replicated stage's
         parameters are in `program.shared` with its other replicas' slots."""
-        if grad_density is not None and not 0.0 < grad_density < 1.0:
-            raise StageError(f"stage {stage}: grad_density {grad_density} is not in (0, 1) "
-                             "(None: shared gradients travel dense)")
-        self.grad_density = grad_density
-        """Shared (replicated, tied) gradients travel top-k at this density with error
-        feedback (None: dense)."""
-        self._grad_err: dict[str, torch.Tensor] = {}
-        """Per shared parameter, what top-k left out so far (added to the next step's)."""
-        self._own_shared: dict[str, torch.Tensor] = {}
+        if grad_rank is not None and grad_rank < 1:
+            raise StageError(f"stage {stage}: grad_rank {grad_rank} is not >= 1 (None: shared "
+                             "gradients travel dense)")
+        self.grad_rank = grad_rank
+        """Shared (replicated, tied) gradients of matrices travel as rank-`grad_rank` factors
+        with error feedback (`fusiond.train.lowrank`: two rounds a step); None: dense."""
+        self._lowrank = LowRankState(grad_rank, grad_seed) if grad_rank is not None else None
         self._routes = {k: tuple(v) for k, v in (routes or {}).items()}
         for k, v in self._routes.items():
             if len(v) != micro_batches:
@@ -526,6 +530,14 @@ class StageExecutor:
         for name in program.shared:
             if name not in self._params:
                 raise StageError(f"stage {stage}: shared parameter {name!r} is not in the module")
+        self._lowrank_names = frozenset(
+            name for name in program.shared if grad_rank is not None
+            and self._params[name].is_floating_point()
+            and compressed(tuple(self._params[name].shape), grad_rank))
+        """Shared parameters whose gradient travels low-rank (the rest dense)."""
+        self._shared_wire = frozenset(program.shared) | {
+            name + sfx for name in self._lowrank_names for sfx in (_P_ROUND, _Q_ROUND)}
+        """Every name a PARAM_GRAD packet to this stage may carry."""
         self._in = {e.edge_id: e for e in program.in_edges}
         self._out = {e.edge_id: e for e in program.out_edges}
         self._density: dict[str, float | None] = {e.edge_id: e.density for e in program.out_edges}
@@ -544,7 +556,8 @@ class StageExecutor:
         resumed attempt starts here, so its first tensors are never mistaken for stale)."""
         self._inbox_bytes = 0
         per_step = micro_batches * (len(program.in_edges) + len(program.out_edges)) + sum(
-            len(h) for h in program.shared.values())
+            len(h) * (2 if name in self._lowrank_names else 1)
+            for name, h in program.shared.items())
         self._inbox_max = 2 * per_step + self.config.inbox_slack
         self._ready = asyncio.Event()
         self._closed = False
@@ -625,7 +638,7 @@ class StageExecutor:
         known = {
             PacketKind.FORWARD: self._in,
             PacketKind.BACKWARD: self._out,
-            PacketKind.PARAM_GRAD: self.program.shared,
+            PacketKind.PARAM_GRAD: self._shared_wire,
         }[packet.kind]
         if packet.edge not in known:
             raise RemoteError(f"stage {self.stage}: unexpected {packet.kind} on {packet.edge!r}")
@@ -853,44 +866,76 @@ class StageExecutor:
         cost.codec_s += (t1 - t0) + (time.perf_counter() - t2)
         return packets
 
-    def _shared_grads(self, step: int) -> list[tuple[Packet, codec.Encoded, float | None]]:
-        """This holder's contribution to every shared gradient, dense, or with `grad_density`
-        its top-k with error feedback: what was not sent is added to the next step's
-        gradient; the holder sums its own contribution as its peers decode it."""
+    def _grad_packets(self, step: int, grads: Mapping[str, torch.Tensor]
+                      ) -> list[tuple[Packet, codec.Encoded, float | None]]:
+        """`grads[wire name]` to every other holder of its parameter, dense."""
         packets: list[tuple[Packet, codec.Encoded, float | None]] = []
-        density = self.grad_density
-        for name, holders in self.program.shared.items():
-            p = self._params[name]
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            if density is not None and g.is_floating_point() and g.numel() > 1:
-                err = self._grad_err.get(name)
-                acc = g.detach() if err is None else g.detach() + err
-                enc, _ = codec.encode_topk(acc, density, per_row=False)
-                own, _ = codec.decode_any(b"".join(enc.parts))
-                own = own.view_as(p).to(p.dtype)
-                self._grad_err[name] = acc - own
-                self._own_shared[name] = own
-            else:
-                enc = codec.encode_dense(g)
-            for peer in holders:
-                pkt = Packet(PacketKind.PARAM_GRAD, step, 0, name, self.slot, peer, enc.parts)
-                packets.append((pkt, enc, density))
+        for wire_name, g in grads.items():
+            enc = codec.encode_dense(g)
+            for peer in self.program.shared[_param_of(wire_name)]:
+                pkt = Packet(PacketKind.PARAM_GRAD, step, 0, wire_name, self.slot, peer,
+                             enc.parts)
+                packets.append((pkt, enc, None))
         return packets
 
-    def _apply_shared(self, received: Mapping[tuple[str, int], bytes | memoryview]) -> None:
-        for name, holders in self.program.shared.items():
+    def _own_grad(self, name: str) -> torch.Tensor:
+        p = self._params[name]
+        return p.grad if p.grad is not None else torch.zeros_like(p)
+
+    def _slot_sum(self, wire_name: str, own: torch.Tensor,
+                  received: Mapping[tuple[str, int], bytes | memoryview]) -> torch.Tensor:
+        """This holder's `own` and the other holders' `wire_name`, summed in slot order on
+        every holder, so the copies stay bit-identical."""
+        parts = {self.slot: own}
+        for peer in self.program.shared[_param_of(wire_name)]:
+            parts[peer] = codec.decode_dense(received[(wire_name, peer)]).view_as(own)
+        total = torch.zeros_like(own)
+        for s in sorted(parts):
+            total += parts[s]
+        return total
+
+    def _exchange(self, step: int, own: Mapping[str, torch.Tensor], what: str
+                  ) -> dict[tuple[str, int], bytes | memoryview]:
+        """Send `own[wire name]` to the other holders and wait for theirs."""
+        self._emit(self._guard(what, step, lambda: self._grad_packets(step, own)))
+        deadline = time.monotonic() + self.config.recv_timeout_s
+        keys = [(PacketKind.PARAM_GRAD, step, peer, wire_name) for wire_name in own
+                for peer in self.program.shared[_param_of(wire_name)]]
+        got, _ = self._take_all(keys, deadline, what)
+        return {(k[3], k[2]): payload for k, payload in got.items()}
+
+    def _reduce_shared(self, step: int) -> None:
+        """Sum every shared gradient over its holders: dense ones in one round; low-rank ones
+        (`grad_rank`) as their P factors beside the dense ones, then their Q factors."""
+        lr = self._lowrank
+        first: dict[str, torch.Tensor] = {}
+        for name in self.program.shared:
+            g = self._own_grad(name)
+            if lr is not None and name in self._lowrank_names:
+                first[name + _P_ROUND] = self._guard(
+                    "low-rank P", step, functools.partial(lr.p_factor, name, g))
+            else:
+                first[name] = g
+        got = self._exchange(step, first, "shared grads")
+        second: dict[str, torch.Tensor] = {}
+        for wire_name, own in first.items():
+            name = _param_of(wire_name)
+            total = self._guard("shared grads", step,
+                                functools.partial(self._slot_sum, wire_name, own, got))
+            if lr is not None and name in self._lowrank_names:
+                second[name + _Q_ROUND] = self._guard(
+                    "low-rank Q", step, functools.partial(lr.q_factor, name, total))
+            else:
+                self._params[name].grad = total
+        if lr is None or not second:
+            return
+        got = self._exchange(step, second, "shared grads (low-rank Q)")
+        for wire_name, own in second.items():
+            name = _param_of(wire_name)
+            total = self._guard("shared grads", step,
+                                functools.partial(self._slot_sum, wire_name, own, got))
             p = self._params[name]
-            mine = self._own_shared.pop(name, None)
-            if mine is None:
-                mine = p.grad if p.grad is not None else torch.zeros_like(p)
-            parts = {self.slot: mine}
-            for peer in holders:
-                parts[peer] = codec.decode_dense(received[(name, peer)]).view_as(p)
-            # Sum in stage order on every holder, so the copies stay bit-identical.
-            total = torch.zeros_like(p)
-            for s in sorted(parts):
-                total += parts[s]
-            p.grad = total
+            p.grad = lr.gradient(name, total, p.shape).to(p.dtype)
 
     def _opt_step(self, lr: float) -> None:
         if self.optimizer is None:
@@ -982,13 +1027,7 @@ class StageExecutor:
             free = time.perf_counter()
         if self.program.shared:
             tb = time.perf_counter()
-            self._emit(self._guard("shared grads", step, lambda: self._shared_grads(step)))
-            deadline = time.monotonic() + self.config.recv_timeout_s
-            keys = [(PacketKind.PARAM_GRAD, step, peer, name)
-                    for name, holders in self.program.shared.items() for peer in holders]
-            got, _ = self._take_all(keys, deadline, "shared grads")
-            received = {(k[3], k[2]): payload for k, payload in got.items()}
-            self._guard("shared grads", step, lambda: self._apply_shared(received))
+            self._reduce_shared(step)
             busy += time.perf_counter() - tb
         lr = lr_at(self.opt_spec, step, self.total_steps)
         to = time.perf_counter()
@@ -1034,3 +1073,9 @@ class StageExecutor:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The partition's parameters and buffers (detached, CPU)."""
         return {k: v.detach().cpu() for k, v in self.program.module.state_dict().items()}
+
+
+def _param_of(wire_name: str) -> str:
+    """The shared parameter a PARAM_GRAD packet's name is for (`name`, `name@p`, `name@q`)."""
+    base, _, sfx = wire_name.rpartition("@")
+    return base if base and "@" + sfx in (_P_ROUND, _Q_ROUND) else wire_name

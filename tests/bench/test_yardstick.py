@@ -243,6 +243,9 @@ def test_the_torch_pipeline_runs_on_the_stage_count_and_hosts_its_model_favours(
     # compute-heavy: spread over the LAN's fast hosts, never over the 20 Mbit/s uplink
     hosts = pipeline_hosts(topo, 6, 0.05, 16, 4, 64 * 256 * 4.0)
     assert "r1" not in hosts and len(hosts) >= 2 and {"f1", "f2"} <= set(hosts), hosts
+    # never more stages than micro-batches (torch's 1F1B refuses them): 2 micro-batches
+    assert len(pipeline_hosts(load_topology("two-groups"), 6, 0.05, 16, 2,
+                              64 * 256 * 4.0)) == 2
     # activations too big for any link to pay: two stages at most, on the fastest pair
     assert pipeline_hosts(topo, 6, 1e-4, 16, 4, 1e9) in (["f1", "f2"], ["f2", "f1"])
 

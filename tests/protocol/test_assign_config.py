@@ -65,8 +65,9 @@ def test_the_wire_keys_are_those_of_the_old_hand_checked_map() -> None:
     assert {"version", "steps", "first_step", "seed", "checkpoint_interval", "batch_size",
             "micro_batches", "pipeline", "per_row", "optimizer", "data", "input_name",
             "targets_name", "loss_name", "stage_nodes", "shared", "recv_timeout_s",
-            "slot_stages", "routes"} == set(wire)  # the last two: replicas (unknown keys are
-    # ignored by an older reader; a job without replicas leaves them empty)
+            "slot_stages", "routes", "grad_rank"} == set(wire)  # the last three: replicas
+    # (unknown keys are ignored by an older reader; a job without replicas leaves them empty,
+    # and grad_rank None)
 
 
 def _bad(path: list[str], value: Any) -> dict[str, Any]:

@@ -28,8 +28,13 @@ def _machine(name: str, flops: float) -> MachineProfile:
                           op_overhead_s=1e-6, memory_bytes=8e9)
 
 
+@pytest.mark.parametrize("grad_rank", [None, 2])
 async def test_planned_replicas_of_unequal_speed_train_as_single_process(  # type: ignore[no-untyped-def]
-        captured_tiny) -> None:
+        captured_tiny, grad_rank: int | None) -> None:
+    """Dense: the losses of single-process training; with low-rank gradients (rank 2 forced
+    on the layout, through the Assign to every stage over TLS): the job ends with every
+    replica's weights identical (gathering the model refuses copies that diverged) and its
+    losses near the dense run's."""
     spec, cap = captured_tiny
     spec = replace(spec, steps=6, batch=replace(spec.batch, size=16, micro_batches=8,
                                                 replicas=True))
@@ -42,7 +47,8 @@ async def test_planned_replicas_of_unequal_speed_train_as_single_process(  # typ
     plan = plan_job(spec, cap, cluster)
     assert sum(len(s.machines) for s in plan.stages) == 3, plan.stages
     layout = layout_from_plan("job-r", cap.graph, cap.state, plan, spec)
-    assert layout.replicas and layout.routes
+    assert layout.replicas and layout.routes and layout.grad_rank is None
+    layout = replace(layout, grad_rank=grad_rank)
     shares = {st: sorted(route.count(r) for r in set(route))
               for st, route in layout.routes.items()}
     assert any(len(set(s)) > 1 for s in shares.values()), shares  # unequal speeds, shares
@@ -65,4 +71,4 @@ async def test_planned_replicas_of_unequal_speed_train_as_single_process(  # typ
     want = rt.train(0, spec.steps)
     assert len(losses) == spec.steps
     for got, w in zip(losses, want, strict=True):
-        assert got == pytest.approx(w, rel=1e-5)
+        assert got == pytest.approx(w, rel=1e-5 if grad_rank is None else 2e-2)

@@ -162,3 +162,58 @@ async def test_checkpoints_are_gathered_off_the_event_loop(  # type: ignore[no-u
     assert out.state is not None  # each checkpoint holds what the final model holds
     assert all(names == set(out.state) for _, names in got)
     assert len(on_loop) == 3 and not any(on_loop), on_loop  # two checkpoints, the results
+
+
+def test_a_slow_sync_link_makes_replicas_reduce_their_gradients_low_rank() -> None:
+    """Two replicas on a 20 Mbit/s link: the dense reduction would not hide behind the drain,
+    so the planner sends the job's rank-4 factors (the floor: what rank 4 sends of the
+    model's gradient) and every stage's Assign says so; on a fast link, or with
+    compression.grad_rank = 0, gradients stay dense. A rank out of bounds is refused."""
+    from fusiond.errors import RemoteError
+    from fusiond.jobs.assign import assign_messages
+    from fusiond.jobs.planning import grad_floor, job_settings
+    from fusiond.train.programs import capture_job
+    from fusiond.train.remote import decode_assign
+    from fusiond.train.spec import parse_job
+
+    text = """
+[job]
+name = "lowrank"
+steps = 4
+[model]
+zoo = "gpt2"
+config = { size = "tiny", vocab_size = 256 }
+[data]
+seq_len = 32
+[batch]
+size = 16
+micro_batches = 4
+replicas = true
+"""
+    spec = parse_job(text)
+    _, cap = capture_job(spec)
+    floor = grad_floor(spec, cap.graph)
+    assert 0 < floor < 0.5 and job_settings(spec, cap.graph).grad_density_floor == floor
+    assert job_settings(spec).grad_density_floor == 1.0  # no graph: dense
+
+    def plan_on(mbit: float, s: Any = spec) -> Any:
+        ms = [MachineProfile(id=f"node{i}", flops={"other": 2e9}, mem_bw=5e9,
+                             op_overhead_s=2e-5, memory_bytes=8e9) for i in range(2)]
+        cl = Cluster.build(ms, [[mbit * 1e6 / 8] * 2] * 2, [[0.001] * 2] * 2)
+        return layout_from_plan("j", cap.graph, cap.state, plan_job(s, cap, cl), s)
+
+    slow = plan_on(20)
+    assert slow.replicas and slow.grad_rank == 4
+    assert plan_on(1000).grad_rank is None
+    dense_spec = parse_job(text + "[compression]\ngrad_rank = 0\n")
+    assert plan_on(20, dense_spec).grad_rank is None
+    msgs = assign_messages(slow, spec, cap.state, term=1, plan_version=1,
+                           addresses={"node0": ("127.0.0.1", 1), "node1": ("127.0.0.1", 2)})
+    for msg, payload in msgs.values():
+        assert decode_assign(msg, payload).grad_rank == 4
+    msg, payload = msgs["node1"]
+    assert msg.config is not None
+    for bad in (0, 65):
+        tampered = replace(msg, config=replace(msg.config, grad_rank=bad))
+        with pytest.raises(RemoteError, match="grad_rank"):
+            decode_assign(tampered, payload)

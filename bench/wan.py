@@ -488,7 +488,9 @@ def run_outcome(trace: Trace, exits: dict[str, int | None],
         return OUT_OF_MEMORY, f"kernel killed a process of {', '.join(oom)}{limit}"
     if trace.error:
         return FAILED, trace.error
-    if n_snapshots == 0:
+    if n_snapshots == 0 or (trace.events and n_snapshots < 2):
+        # a run that finished steps but left no snapshot after any of them would read as
+        # the initial weights' loss
         return FAILED, "no snapshot of the weights for the held-out evaluator"
     return OK, ""
 
@@ -780,8 +782,11 @@ def make_evaluator(wl: Workload, data: Data, interval_s: float, captured_dir: Pa
 
     def fusion_snapshots(snapdir: Path, trace: Trace) -> None:
         """Gather the stages' checkpoints of each step into whole-model snapshots (the time
-        of a step: the lead's event of it)."""
-        n_stages = len(trace.extra.get("stages", []))
+        of a step: the lead's event of it). Every slot writes its own (a replica's is its
+        stage's whole state): a step is complete with every slot's, and gathering checks that
+        replicas and tied copies hold the same weights."""
+        n_stages = len(trace.extra.get("stages", [])) + sum(
+            len(v) for v in (trace.extra.get("replicas") or {}).values())
         at = {int(s): float(t) for t, s, _, _ in trace.events}
         by_step: dict[int, dict[int, Path]] = {}
         for p in snapdir.glob("part-*-step-*.safetensors"):

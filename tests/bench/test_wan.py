@@ -69,6 +69,9 @@ def test_a_run_killed_at_its_memory_limit_is_out_of_memory_not_a_miss() -> None:
     out, why = run_outcome(trace, {"a1": 0}, {"a1": same}, 3)
     assert (out, why) == (OK, "")
     assert run_outcome(trace, {"a1": 0}, {"a1": same}, 0)[0] == FAILED  # nothing to evaluate
+    # steps were trained but only the initial weights were evaluated: no snapshot was taken
+    assert run_outcome(trace, {"a1": 0}, {"a1": same}, 1)[0] == FAILED
+    assert run_outcome(Trace("ddp_fp16", [], {}, None), {"a1": 0}, {"a1": same}, 1)[0] == OK
     broken = Trace("ddp_fp16", [], {}, "no trace")
     assert run_outcome(broken, {"a1": 1}, {"a1": same}, 0) == (FAILED, "no trace")
 

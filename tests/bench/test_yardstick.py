@@ -418,3 +418,47 @@ def test_the_torch_pipeline_baseline_trains_the_single_process_model(tmp_path: P
     assert set(merged) == set(want)
     for k, v in want.items():
         torch.testing.assert_close(merged[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_a_replicated_fusion_runs_snapshots_are_every_slots_and_must_agree(
+        tmp_path: Path) -> None:
+    """With replicas every slot writes its stage's checkpoint: the evaluator assembles a step
+    once every slot's is there (not only the stages' first replicas) and refuses copies that
+    disagree (a reduction that let replicas drift)."""
+    import argparse
+
+    from bench.wan import make_evaluator, prepare_data
+    from bench.wan_common import Trace, Workload
+    from bench.wan_fusion import load_captured, save_captured, snapshot_name
+    from fusiond.graph.capture import state_to_bytes
+    from fusiond.train.spec import parse_job
+
+    wl = Workload(size="tiny", n_layer=2, n_embd=32, n_head=2, seq_len=16)
+    args = argparse.Namespace(seed=0, train_mb=0.25, heldout_kb=16.0, seq=16, eval_windows=8)
+    data = prepare_data(args, tmp_path / "corpus")
+    spec = parse_job(wl.job_toml(adatopk=False))
+    save_captured(spec, tmp_path / "cap")
+
+    cap = load_captured(tmp_path / "cap")
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    blob = state_to_bytes(cap.state)
+    for step in (0, 1):
+        for slot in (0, 1):  # one stage, its replica in slot 1
+            (snap / snapshot_name(slot, step)).write_bytes(blob)
+    trace = Trace("replicas", [(0.5, 0, 5.0, 1), (1.5, 1, 4.0, 2)],
+                  {"stages": ["00-a"], "replicas": {"0": ["01-b"]}})
+    curve = make_evaluator(wl, data, 1.0, tmp_path / "cap")("replicas", snap, trace)
+    assert [(p.t_s, p.step) for p in curve] == [(0.0, -1), (1.5, 1)]  # 0.5 s: before 1 s
+    # replicas that disagree: the evaluation fails, naming it
+    other = {k: v + 1 if v.is_floating_point() else v for k, v in cap.state.items()}
+    snap2 = tmp_path / "snap2"
+    snap2.mkdir()
+    (snap2 / snapshot_name(0, 0)).write_bytes(blob)
+    (snap2 / snapshot_name(1, 0)).write_bytes(state_to_bytes(other))
+    from fusiond.errors import LocalError
+
+    with pytest.raises(LocalError, match=r"diverged|differ"):
+        make_evaluator(wl, data, 1.0, tmp_path / "cap")(
+            "replicas", snap2, Trace("replicas", [(0.5, 0, 5.0, 1)],
+                                     {"stages": ["00-a"], "replicas": {"0": ["01-b"]}}))

@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fusiond.cli import run_on_loop
 from fusiond.graph import contiguous_assignment
 from fusiond.harness.inproc import inproc_cluster
 from fusiond.harness.loopback import LoopbackResult, run_loopback
@@ -157,13 +158,13 @@ def distributed(spec: JobSpec, captured: Any, density: float | None, warmup: int
 
 
 async def _processes(spec: JobSpec, captured: Any, density: float | None,
-                     threads: int | None = None) -> list[StepMetrics]:
+                     threads: int | None = None, loop: str = "auto") -> list[StepMetrics]:
     """Stage 0 + scheduler here, stages 1 and 2 in their own processes (3 'daemons')."""
     seen: list[StepMetrics] = []
     async with inproc_cluster(1) as here:
         n0 = here["node0"]
         async with spawn_nodes(["node1", "node2"], extra={"node0": n0.net.address},
-                               threads=threads) as procs:
+                               threads=threads, loop=loop) as procs:
             for p in procs.values():
                 n0.net.add_peer_address(p.name, p.address)
             names = ["node0", "node1", "node2"]
@@ -230,8 +231,10 @@ def handoffs(ms: list[StepMetrics]) -> list[float]:
 
 
 def distributed_processes(spec: JobSpec, captured: Any, density: float | None,
-                          warmup: int, threads: int | None = None) -> dict[str, Any]:
-    ms = asyncio.run(_processes(spec, captured, density, threads))[warmup:]
+                          warmup: int, threads: int | None = None,
+                          loop: str = "auto") -> dict[str, Any]:
+    # every process on the loop a daemon runs (its `loop` setting; auto: uvloop if installed)
+    ms = run_on_loop(_processes(spec, captured, density, threads, loop), loop)[warmup:]
     tokens = spec.batch.size * spec.data.seq_len
     return {"tokens_per_s": tokens / mean(m.wall_s for m in ms), "loss": ms[-1].loss,
             "step_s": median(m.wall_s for m in ms),
@@ -261,6 +264,9 @@ def main() -> None:
                     help="torch threads per stage process (the eager baseline gets its best at "
                          "up to 3x this)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead")
+    ap.add_argument("--loop", default="auto", choices=["auto", "uvloop", "asyncio"],
+                    help="the event loop of every stage process (a daemon's `loop` setting; "
+                         "auto: uvloop where installed, as a daemon runs)")
     ap.add_argument("--no-inprocess", dest="inprocess", action="store_false",
                     help="skip the byte table's runs (three stages in this one process)")
     args = ap.parse_args()
@@ -276,7 +282,8 @@ def main() -> None:
         eager = [single_process(spec, tokens_per_step, args.warmup, t)
                  for t in range(1, min(total_threads, os.cpu_count() or 1, 8) + 1)]
         best = min(eager, key=lambda r: r["step_s"])
-        procs = distributed_processes(spec, captured, None, args.warmup, args.threads)
+        procs = distributed_processes(spec, captured, None, args.warmup, args.threads,
+                                      args.loop)
         models[name] = {"params": best["params"], "eager": eager, "best_eager": best,
                         "processes": procs, "ratio": procs["step_s"] / best["step_s"]}
     # the byte table: three stages in this process over loopback sockets (dense and top-k)

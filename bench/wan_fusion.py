@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from bench.wan_common import Trace, Workload
+from fusiond.cli import run_on_loop
 from fusiond.jobs.assign import layout_job
 from fusiond.jobs.coordinator import JobCoordinator
 from fusiond.jobs.planning import grad_rank_of, plan_job
@@ -387,6 +388,8 @@ def main() -> None:
                     help="where this host writes its stages' checkpoints (held-out evaluator)")
     ap.add_argument("--snapshot-interval", type=float, default=5.0,
                     help="seconds between checkpoints at the planner's predicted step time")
+    ap.add_argument("--loop", default="auto", choices=["auto", "uvloop", "asyncio"],
+                    help="the event loop (a daemon's `loop` setting; auto: uvloop if installed)")
     ap.add_argument("--profile-dir", type=Path, required=True,
                     help="where every host writes its profile (NAME.json) once it serves")
     args = ap.parse_args()
@@ -410,8 +413,10 @@ def main() -> None:
         args.workload_data = json.loads(Path(args.workload).read_text())
         args.cluster_data = json.loads(Path(args.cluster).read_text())
         args.trace = None
-    asyncio.run(serve(TLSMaterial.in_state_dir(args.state_dir), args.listen, peers,
-                      args if args.role == "lead" else None, publish, args.snapshot_dir))
+    # the loop a daemon runs (uvloop where installed, its config's "auto")
+    run_on_loop(serve(TLSMaterial.in_state_dir(args.state_dir), args.listen, peers,
+                      args if args.role == "lead" else None, publish, args.snapshot_dir),
+                args.loop)
     if args.role == "lead" and args.trace is not None:
         Path(args.out).write_text(args.trace.to_json())
 

@@ -11,8 +11,8 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 import fusiond
 from fusiond.config import DEFAULT_CONFIG_PATH, add_flags, describe, load_config
@@ -59,6 +59,18 @@ def loop_factory(name: str) -> tuple[str, Callable[[], asyncio.AbstractEventLoop
             return "asyncio", None
         return "uvloop", uvloop.new_event_loop
     return "asyncio", None
+
+
+T = TypeVar("T")
+
+
+def run_on_loop(coro: Coroutine[Any, Any, T], loop: str = "auto") -> T:
+    """Run `coro` to completion on the event loop the daemon would use (`loop_factory`): the
+    harnesses and benchmarks measure what a daemon runs."""
+    _, factory = loop_factory(loop)
+    kwargs: dict[str, Any] = {"loop_factory": factory} if factory else {}
+    with asyncio.Runner(**kwargs) as runner:
+        return runner.run(coro)
 
 
 def run(argv: Sequence[str]) -> int:

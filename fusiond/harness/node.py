@@ -17,6 +17,7 @@ import sys
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
+from fusiond.cli import run_on_loop
 from fusiond.jobs.worker import JobWorker, local_sender
 from fusiond.net.transport import NetConfig, PeerNetwork
 from fusiond.train.stage import StageConfig
@@ -68,10 +69,12 @@ async def spawn_nodes(names: list[str], *, cluster: str = "inproc",
                       extra: Mapping[str, Address] | None = None,
                       start_timeout_s: float = 60.0,
                       recv_timeout_s: float = 120.0,
-                      threads: int | None = None) -> AsyncIterator[dict[str, NodeProcess]]:
+                      threads: int | None = None,
+                      loop: str = "auto") -> AsyncIterator[dict[str, NodeProcess]]:
     """Start one process per name, tell each every other's address (and `extra`'s); on exit
     close their stdin and wait for them (killed after 10 s). `threads`: torch's compute
-    threads in each (None: the daemon's rule, `fusiond.profile.threads`)."""
+    threads in each (None: the daemon's rule, `fusiond.profile.threads`); `loop`: the event
+    loop each runs (a daemon's `loop` setting: "auto" is uvloop where installed)."""
     procs: dict[str, NodeProcess] = {}
     try:
         for name in names:
@@ -79,6 +82,7 @@ async def spawn_nodes(names: list[str], *, cluster: str = "inproc",
                 sys.executable, "-m", "fusiond.harness.node", name, "--cluster", cluster,
                 "--recv-timeout", str(recv_timeout_s),
                 *(["--threads", str(threads)] if threads is not None else []),
+                "--loop", loop,
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 env=dict(os.environ),
             )
@@ -115,6 +119,8 @@ def main() -> None:
     ap.add_argument("--cluster", default="inproc")
     ap.add_argument("--recv-timeout", type=float, default=120.0,
                     help="seconds a stage waits for an input before failing the job")
+    ap.add_argument("--loop", default="auto", choices=["auto", "uvloop", "asyncio"],
+                    help="the event loop (a daemon's `loop` setting)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch compute threads (default: from the CPU allowance, as fusiond)")
     args = ap.parse_args()
@@ -126,7 +132,7 @@ def main() -> None:
         from fusiond.profile.threads import apply_cpu_allowance
 
         apply_cpu_allowance()
-    asyncio.run(_serve(args.name, args.cluster, args.recv_timeout))
+    run_on_loop(_serve(args.name, args.cluster, args.recv_timeout), args.loop)
 
 
 if __name__ == "__main__":

@@ -241,3 +241,42 @@ def test_the_table_and_the_traces_say_what_each_run_did() -> None:
     assert "out of memory" in table and "404 MiB" in table
     d = recs[0].to_dict(5.0, 10.0)
     assert d["heldout_at"] == [(5.0, 3.4), (10.0, 2.9)] and d["cpu_utilisation"] == {"a1": 0.98}
+
+
+def test_a_runs_evaluation_runs_in_the_background_and_settles_its_outcome(
+        tmp_path: Path) -> None:
+    """The held-out evaluation of a run moves its snapshots out of the testbed, runs in a
+    background thread (removing them after), and the run's outcome is settled from its
+    curve; an evaluation that raises leaves a failed row naming why."""
+    import threading
+
+    from bench.wan import Evaluations, RunRecord
+    from bench.wan_common import FAILED, OK, HeldoutPoint
+
+    threads: list[str] = []
+
+    def fake(system: str, snapdir: Path, trace: Trace) -> list[HeldoutPoint]:
+        threads.append(threading.current_thread().name)
+        assert (snapdir / "snap-00000.safetensors").exists()
+        if system == "broken":
+            raise ValueError("bad snapshot")
+        return [HeldoutPoint(0.0, -1, 5.0), HeldoutPoint(1.0, 0, 4.0)]
+
+    ev = Evaluations(fake, tmp_path / "keep")
+    recs = []
+    for system in ("single", "broken"):
+        snap = tmp_path / f"snap-{system}"
+        snap.mkdir()
+        (snap / "snap-00000.safetensors").write_bytes(b"x")
+        trace = Trace(system, [(1.0, 0, 4.0, 1)], {})
+        rec = RunRecord(system, trace, FAILED, "pending", [], 0, {}, 1.0)
+        rec.pending = (ev.submit(system, snap, trace), {}, {})
+        assert not snap.exists()  # moved out of the testbed at once
+        recs.append(rec)
+    for rec in recs:
+        rec.settle()
+    ev.close()
+    assert all(t.startswith("heldout") for t in threads) and len(threads) == 2
+    assert recs[0].outcome == OK and [p.loss for p in recs[0].curve] == [5.0, 4.0]
+    assert recs[1].outcome == FAILED and "bad snapshot" in recs[1].reason
+    assert not list((tmp_path / "keep").iterdir())  # evaluated snapshots are removed

@@ -122,7 +122,7 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
                recv_timeout_s: float | None = None, first_step: int = 0,
                slot_stages: Mapping[int, int] | None = None,
                routes: Mapping[int, Sequence[int]] | None = None,
-               grad_rank: int | None = None) -> AssignConfig:
+               grad_rank: int | None = None, grad_warmup_steps: int = 0) -> AssignConfig:
     """The `Assign.config` record for a job (the same for every stage).
 
     `stage_nodes`: stage -> node id for every stage; `shared`: stage -> {tied parameter -> the
@@ -137,7 +137,7 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
     With replicas, `stage_nodes` and `shared` are keyed by slot (`AssignConfig`), and
     `slot_stages` (replica slot -> stage) and `routes` (replicated stage -> the slot of each
     micro-batch) say who runs what. `grad_rank`: the summed gradients travel low-rank at
-    this rank (None: dense).
+    this rank (None: dense), after `grad_warmup_steps` dense steps.
     """
     o = spec.optimizer
     d = spec.data
@@ -176,6 +176,7 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
         slot_stages={str(k): int(v) for k, v in (slot_stages or {}).items()},
         routes={str(k): tuple(int(x) for x in v) for k, v in (routes or {}).items()},
         grad_rank=None if grad_rank is None else int(grad_rank),
+        grad_warmup_steps=int(grad_warmup_steps),
     )
 
 
@@ -224,6 +225,8 @@ class StageAssignment:
     """Replica slot -> its stage (slots absent run the stage numbered like them)."""
     grad_rank: int | None = None
     """Summed gradients travel as rank-`grad_rank` factors (None: dense)."""
+    grad_warmup_steps: int = 0
+    """... after this many dense steps."""
 
     @property
     def own_slot(self) -> int:
@@ -342,6 +345,9 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         raise RemoteError(f"Assign.config.grad_rank: {grad_rank!r} is not a rank in "
                           f"[1, {MAX_GRAD_RANK}]")
     steps, first_step = cfg.steps, cfg.first_step
+    if not 0 <= cfg.grad_warmup_steps <= max(0, steps):
+        raise RemoteError(f"Assign.config.grad_warmup_steps: {cfg.grad_warmup_steps!r} is not "
+                          f"a step count in [0, {steps}]")
     if not 0 <= first_step < max(1, steps):
         raise RemoteError(f"Assign.config.first_step: {first_step!r} is not a step of the job's "
                           f"{steps}")
@@ -356,6 +362,7 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         recv_timeout_s=recv_timeout, slot=slot,
         slot_nodes={int(k): v for k, v in stage_map.items()},
         routes=routes, slot_stages=slot_stages, grad_rank=grad_rank,
+        grad_warmup_steps=cfg.grad_warmup_steps,
     )
 
 
@@ -587,6 +594,7 @@ class StageHost:
             micro_batches=sa.batch.micro_batches, optimizer=sa.optimizer, total_steps=sa.steps,
             data=data, batch_size=sa.batch.size, config=config, first_step=sa.first_step,
             slot=sa.own_slot, routes=sa.routes, grad_rank=sa.grad_rank, grad_seed=sa.seed,
+            grad_warmup_steps=sa.grad_warmup_steps,
         )
 
     async def start(self) -> None:

@@ -487,6 +487,7 @@ class StageExecutor:
         routes: Mapping[int, Sequence[int]] | None = None,
         grad_rank: int | None = None,
         grad_seed: int = 0,
+        grad_warmup_steps: int = 0,
     ) -> None:
         if program.data_inputs and (data is None or batch_size <= 0):
             raise StageError(f"stage {stage} reads {program.data_inputs} but has no data source")
@@ -505,6 +506,10 @@ class StageExecutor:
         """Shared (replicated, tied) gradients of matrices travel as rank-`grad_rank` factors
         with error feedback (`fusiond.train.lowrank`: two rounds a step); None: dense."""
         self._lowrank = LowRankState(grad_rank, grad_seed) if grad_rank is not None else None
+        self.grad_warmup_steps = max(0, grad_warmup_steps)
+        """Steps before low-rank starts: the first ones reduce dense (the start of training is
+        the most sensitive to inexact gradients; torch's PowerSGD hook's start_powerSGD_iter).
+        Every holder counts the same steps, so they agree on how each step travels."""
         self._routes = {k: tuple(v) for k, v in (routes or {}).items()}
         for k, v in self._routes.items():
             if len(v) != micro_batches:
@@ -907,7 +912,7 @@ class StageExecutor:
     def _reduce_shared(self, step: int) -> None:
         """Sum every shared gradient over its holders: dense ones in one round; low-rank ones
         (`grad_rank`) as their P factors beside the dense ones, then their Q factors."""
-        lr = self._lowrank
+        lr = self._lowrank if step >= self.grad_warmup_steps else None
         first: dict[str, torch.Tensor] = {}
         for name in self.program.shared:
             g = self._own_grad(name)

@@ -149,9 +149,9 @@ async def test_low_rank_starts_after_the_dense_warm_up_steps(
     for warmup, compressed in ((2, True), (3, False)):
         seen: list[StageExecutor] = []
 
-        def spy(*a: object, **kw: object) -> StageExecutor:
+        def spy(*a: object, _seen: list[StageExecutor] = seen, **kw: object) -> StageExecutor:
             ex = real(*a, **kw)  # type: ignore[arg-type]
-            seen.append(ex)
+            _seen.append(ex)
             return ex
 
         local.StageExecutor = spy  # type: ignore[misc, assignment]

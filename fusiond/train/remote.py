@@ -114,6 +114,10 @@ class PeerSender(Protocol):
         """Queue `msg` for `peer` (awaits while the peer's lane is full)."""
         ...
 
+    def send_now(self, peer: str, msg: Message, payload: Sequence[Any] = ()) -> bool:
+        """Write `msg` at once if its lane is idle; False: `send` it."""
+        ...
+
 
 def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
                shared: Mapping[int, Mapping[str, Sequence[int]]],
@@ -488,6 +492,16 @@ class NetStageLink:
 
     async def send(self, packet: Packet) -> None:
         """Send one packet to the node running `packet.dst` (awaits under backpressure)."""
+        node, msg = self._message(packet)
+        await self.net.send(node, msg, packet.buffers())
+
+    def send_now(self, packet: Packet) -> bool:
+        """Write the packet at once when its lane to the node is idle (no turn of a sender
+        or writer task); False: nothing was done, `send` it."""
+        node, msg = self._message(packet)
+        return self.net.send_now(node, msg, packet.buffers())
+
+    def _message(self, packet: Packet) -> tuple[str, Message]:
         node = self.stage_nodes[packet.dst]
         msg: Message
         if packet.kind == PacketKind.FORWARD:
@@ -499,7 +513,7 @@ class NetStageLink:
         else:
             msg = Backward(job_id=self.job_id, plan_version=self.plan_version,
                            iteration=packet.step, microbatch=0, edge=PARAM_PREFIX + packet.edge)
-        await self.net.send(node, msg, packet.buffers())
+        return node, msg
 
 
 def _own_corpus_only(sa: StageAssignment) -> None:

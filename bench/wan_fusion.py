@@ -47,7 +47,7 @@ from fusiond.cli import run_on_loop
 from fusiond.jobs.assign import layout_job
 from fusiond.jobs.coordinator import JobCoordinator
 from fusiond.jobs.planning import grad_rank_of, plan_job
-from fusiond.jobs.worker import JobWorker, local_sender
+from fusiond.jobs.worker import JobWorker, local_send_now, local_sender
 from fusiond.net.pki import TLSMaterial
 from fusiond.net.transport import NetConfig, PeerNetwork
 from fusiond.plan import (
@@ -231,8 +231,9 @@ async def serve(tls: TLSMaterial, listen: tuple[str, int],
                                        backoff_max_s=1.0))
     await net.start()
     send = keep_checkpoints(local_sender(name, net.send, dispatch), snapshot_dir)
-    worker = JobWorker(node_id=name, send=send,
+    worker = JobWorker(node_id=name, send=send, send_now=local_send_now(name, net.send_now),
                        stage_config=StageConfig(recv_timeout_s=120.0))
+    net.set_receive_now(worker.receive_now)
     await worker.start()
     for n, a in peers.items():
         net.add_peer_address(n, a)

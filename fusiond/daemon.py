@@ -599,6 +599,8 @@ class Daemon:
                 join_authority=join_authority, advertise=advertise,
             )
             self.net = net
+            if self.jobs is not None:  # tensors to the stages as their bytes arrive
+                net.set_receive_now(self.jobs.worker.receive_now)
             await self._start_service("net", net)
             denied = self._load_denied()
             self._denied_here, self._denied_applied = frozenset(denied), frozenset(denied)
@@ -696,15 +698,20 @@ class Daemon:
                 raise LocalError(f"cannot send {type(msg).__name__} to {peer}: not in a cluster")
             await self.net.send(peer, msg, payload)
 
+        def send_now(peer: str, msg: Any, payload: Any = ()) -> bool:
+            return self.net is not None and self.net.send_now(peer, msg, payload)
+
         from fusiond.train.stage import StageConfig
 
-        jobs = JobService(node_id=self.node_id, send_raw=send,
+        jobs = JobService(node_id=self.node_id, send_raw=send, send_now_raw=send_now,
                           view=lambda: self.cluster.view() if self.cluster is not None else None,
                           state_dir=self.state_dir, op_sets=self.op_sets,
                           stage_config=StageConfig(
                               disabled_ops=frozenset(self.cfg.jobs.disabled_ops),
                               recv_timeout_s=self.cfg.jobs.stage_recv_timeout_s))
         self.jobs = jobs
+        if self.net is not None:
+            self.net.set_receive_now(jobs.worker.receive_now)
         await self._start_service("jobs", jobs)
         self.add_message_handler(jobs.dispatch)
         if self.cluster is not None:

@@ -462,6 +462,8 @@ class AssignConfig(Struct):
     """The summed gradients (replicas, tied parameters) of matrices travel as rank-`grad_rank`
     factors with error feedback (PowerSGD, two rounds a step), the same on every stage;
     None: dense."""
+    grad_warmup_steps: int = 0
+    """With `grad_rank`: the job's first steps reduce dense (steps 0 .. this - 1)."""
 
     def __post_init__(self) -> None:
         for name in ("stage_nodes", "shared", "slot_stages", "routes"):

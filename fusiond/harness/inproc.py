@@ -13,7 +13,7 @@ from typing import Any
 from fusiond.graph import CapturedModel, contiguous_assignment
 from fusiond.jobs.assign import layout_job
 from fusiond.jobs.coordinator import JobCoordinator, JobOutcome
-from fusiond.jobs.worker import JobWorker, LeadershipFn, SendFn, local_sender
+from fusiond.jobs.worker import JobWorker, LeadershipFn, SendFn, local_send_now, local_sender
 from fusiond.net.transport import NetConfig, PeerNetwork
 from fusiond.train.local import StepMetrics
 from fusiond.train.spec import JobSpec
@@ -68,9 +68,10 @@ async def inproc_cluster(n: int, *, stage_config: StageConfig | None = None,
             await net.start()
             stack.push_async_callback(net.close)
             send = local_sender(name, net.send, handler_for(name))
-            node = InProcNode(name, net, JobWorker(node_id=name, send=send,
-                                                   stage_config=stage_config,
-                                                   leadership=leadership))
+            node = InProcNode(name, net, JobWorker(
+                node_id=name, send=send, stage_config=stage_config, leadership=leadership,
+                send_now=local_send_now(name, net.send_now)))
+            net.set_receive_now(node.worker.receive_now)
             await node.worker.start()
             stack.push_async_callback(node.worker.close)
             nodes[name] = node

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 from fusiond.cli import run_on_loop
-from fusiond.jobs.worker import JobWorker, local_sender
+from fusiond.jobs.worker import JobWorker, local_send_now, local_sender
 from fusiond.net.transport import NetConfig, PeerNetwork
 from fusiond.train.stage import StageConfig
 from protocol.messages import Address, Message
@@ -38,7 +38,9 @@ async def _serve(name: str, cluster: str, recv_timeout_s: float) -> None:
                                                          handshake_timeout_s=5))
     await net.start()
     worker = JobWorker(node_id=name, send=local_sender(name, net.send, dispatch),
-                       stage_config=StageConfig(recv_timeout_s=recv_timeout_s))
+                       stage_config=StageConfig(recv_timeout_s=recv_timeout_s),
+                       send_now=local_send_now(name, net.send_now))
+    net.set_receive_now(worker.receive_now)
     await worker.start()
     host, port = net.address
     print(f"READY {host} {port}", flush=True)

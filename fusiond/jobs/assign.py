@@ -310,7 +310,9 @@ def assign_messages(
                         default_corpus=corpus is not None and corpus.default,
                         recv_timeout_s=recv_timeout_s, first_step=first_step,
                         slot_stages=layout.slot_stages(), routes=routes_by_slot,
-                        grad_rank=layout.grad_rank)
+                        grad_rank=layout.grad_rank,
+                        grad_warmup_steps=min(spec.compression.grad_warmup_steps,
+                                              spec.steps))
     routes = layout.edges()
     job_nodes = {n: tuple(addresses[n]) for n in nodes.values()}
     shipped = _shipped_data(spec) if corpus is None else corpus.shipped()

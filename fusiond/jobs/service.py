@@ -67,7 +67,15 @@ from fusiond.jobs.views import (
     record_view,
     remote_view,
 )
-from fusiond.jobs.worker import JobWorker, Leadership, LeadershipFn, SendFn, local_sender
+from fusiond.jobs.worker import (
+    JobWorker,
+    Leadership,
+    LeadershipFn,
+    SendFn,
+    SendNowFn,
+    local_send_now,
+    local_sender,
+)
 from fusiond.tasks import TaskSet, raise_if_cancelling
 from fusiond.train.spec import parse_job
 from fusiond.train.stage import StageConfig
@@ -124,7 +132,8 @@ class JobService:
                  stage_config: StageConfig | None = None, ready_timeout_s: float = 120.0,
                  failure_grace_s: float = 2.0, state_dir: Path | None = None,
                  op_sets: OpSetService | None = None,
-                 leadership: LeadershipFn | None = None) -> None:
+                 leadership: LeadershipFn | None = None,
+                 send_now_raw: SendNowFn | None = None) -> None:
         self.node_id = node_id
         self.op_sets = op_sets
         """The members' op sets (None: every member counts as running every op)."""
@@ -143,8 +152,10 @@ class JobService:
         self.view = view
         self.send: SendFn = local_sender(node_id, send_raw, self.dispatch)
         self.leadership: LeadershipFn = leadership or (lambda: Leadership.of(self.view()))
-        self.worker = JobWorker(node_id=node_id, send=self.send, stage_config=stage_config,
-                                leadership=self.leadership)
+        self.worker = JobWorker(
+            node_id=node_id, send=self.send, stage_config=stage_config,
+            leadership=self.leadership,
+            send_now=None if send_now_raw is None else local_send_now(node_id, send_now_raw))
         self._tasks = TaskSet("job task")
         self._closed = False
         self.scheduling = Scheduling(

@@ -78,6 +78,20 @@ SendFn = Callable[[str, Message, Sequence[Any]], Awaitable[None]]
 DispatchFn = Callable[[str, Message], Awaitable[Any]]
 
 
+SendNowFn = Callable[[str, Message, Sequence[Any]], bool]
+"""`PeerNetwork.send_now`: write a message at once if its lane is idle, else False."""
+
+
+def local_send_now(node_id: str, net_send_now: SendNowFn) -> SendNowFn:
+    """`net_send_now`, except for messages to `node_id` itself (False: they go through
+    `local_sender`'s dispatch)."""
+
+    def send_now(peer: str, msg: Message, payload: Sequence[Any] = ()) -> bool:
+        return peer != node_id and net_send_now(peer, msg, payload)
+
+    return send_now
+
+
 def local_sender(node_id: str, net_send: SendFn, dispatch: DispatchFn) -> SendFn:
     """A `SendFn` that delivers messages for `node_id` itself to `dispatch(node_id, msg)`
     (with the payload attached as `msg.payload`) and everything else to `net_send`."""
@@ -133,15 +147,23 @@ class _WorkerNet:
     async def send(self, peer: str, msg: Message, payload: Sequence[Any] = ()) -> None:
         await self._worker.send(peer, msg, payload)
 
+    def send_now(self, peer: str, msg: Message, payload: Sequence[Any] = ()) -> bool:
+        now = self._worker.send_now
+        return now is not None and now(peer, msg, payload)
+
 
 class JobWorker:
     """Hosts this node's stages; a service (start/ready/close)."""
 
     def __init__(self, *, node_id: str, send: SendFn, stage_config: StageConfig | None = None,
                  limits: Limits = DEFAULT_LIMITS, leadership: LeadershipFn | None = None,
-                 authority_wait_s: float = AUTHORITY_WAIT_S) -> None:
+                 authority_wait_s: float = AUTHORITY_WAIT_S,
+                 send_now: SendNowFn | None = None) -> None:
         self.node_id = node_id
         self.send = send
+        self.send_now = send_now
+        """The transport's `send_now` (`local_send_now`): stages write a packet at once when
+        its lane is idle; None: every packet goes through `send`."""
         self.stage_config = stage_config
         self.limits = limits
         self.leadership = leadership
@@ -196,6 +218,21 @@ class JobWorker:
                 JobCancel: self._on_cancel}
 
     async def _on_tensor(self, peer: str, msg: Forward | Backward) -> None:
+        self._tensor(peer, msg)
+
+    def receive_now(self, peer: str, msg: Message) -> bool:
+        """A Forward or Backward as its bytes arrive (`PeerNetwork.set_receive_now`): to its
+        stage's inbox without a turn of the connection's reader task; False for any other
+        message. A packet the stage refuses is logged, as the reader's handler would."""
+        if not isinstance(msg, (Forward, Backward)):
+            return False
+        try:
+            self._tensor(peer, msg)
+        except FusionError as e:
+            log.warning("%s from %s refused: %s", type(msg).__name__, peer, e)
+        return True
+
+    def _tensor(self, peer: str, msg: Forward | Backward) -> None:
         job = self._jobs.get(msg.job_id)
         if job is None:
             log.debug("%s for unknown job %s from %s dropped", type(msg).__name__,

@@ -204,6 +204,10 @@ class PeerStats:
     last_error: str | None
 
 
+_SEND_NOW_HEADER_BYTES = 4096
+"""What `send_now` leaves of a bulk chunk for the frame's header (a Forward's is ~100 bytes)."""
+
+
 @dataclass
 class _Out:
     parts: list[bytes | memoryview]
@@ -219,6 +223,9 @@ class _Peer:
     links: dict[Lane, _Conn | None] = field(default_factory=lambda: {Lane.CONTROL: None,
                                                                      Lane.BULK: None})
     writers: dict[Lane, asyncio.Task[None]] = field(default_factory=dict)
+    writing: dict[Lane, bool] = field(default_factory=lambda: {Lane.CONTROL: False,
+                                                               Lane.BULK: False})
+    """A lane's writer holds a frame it took from the queue and has not written yet."""
     inbound: set[_Conn] = field(default_factory=set)
     backoff: dict[Lane, float] = field(default_factory=lambda: {Lane.CONTROL: 0.0, Lane.BULK: 0.0})
     next_dial: dict[Lane, float] = field(default_factory=lambda: {Lane.CONTROL: 0.0,
@@ -469,6 +476,8 @@ class _Conn(asyncio.BufferedProtocol):
         self.inbox_event = asyncio.Event()
         self.reader_task: asyncio.Task[None] | None = None
         self.handshake_timer: asyncio.TimerHandle | None = None
+        self.handling = False
+        """The reader task is in the handler with one of this connection's messages."""
         self._can_write = asyncio.Event()
         self._can_write.set()
         self._paused_reading = False
@@ -612,6 +621,15 @@ class _Conn(asyncio.BufferedProtocol):
             self.peer.frames_received += 1
             if self.peer.node_id in self.net._blocked:
                 continue
+            take = self.net._receive_now
+            if take is not None and not self.inbox and not self.handling:
+                try:
+                    if take(self.peer.node_id, msg):
+                        continue
+                except Exception:  # a bug in the taker must not break the connection
+                    log.exception("receiving %s from %s failed", type(msg).__name__,
+                                  self.peer.node_id)
+                    continue
             self.inbox.append((msg, size))
             self.inbox_bytes += size
             self.inbox_event.set()
@@ -819,6 +837,7 @@ class PeerNetwork:
         lim = self.config.limits
         self._preauth_limits = lim.for_preauth()
         self._control_limits = lim.for_control()
+        self._receive_now: Callable[[str, Message], bool] | None = None
         _check_config(self.config)
 
     # -- service ---------------------------------------------------------------------------
@@ -983,6 +1002,49 @@ class PeerNetwork:
         self._ensure_writer(p, lane)
         await p.queues[lane].put(_Out(parts, nbytes))
 
+    def send_now(self, peer: str, msg: Message, payload: Sequence[Buffer] = ()) -> bool:
+        """Write `msg` (+ payload) to its lane's connection at once, without a turn of the
+        lane's writer task, when that keeps the lane's order and bounds: the link is up and
+        writable, nothing of the lane is queued or being written before it, and the frame is
+        at most one bulk chunk (what the writer too writes in one go). False: nothing was done,
+        `send` it. The payload is copied into the transport before this returns."""
+        if self._closing:
+            raise LocalError("PeerNetwork is closed")
+        p = self._peers.get(peer)
+        if p is None or peer in self._blocked or peer in self._denied:
+            return False
+        lane = msg.lane
+        conn = p.links[lane]
+        if (conn is None or conn.transport is None or conn.transport.is_closing()
+                or not conn._can_write.is_set() or p.writing[lane]
+                or not p.queues[lane].empty()):
+            return False
+        size = sum(memoryview(x).nbytes for x in payload)
+        if size > self.config.bulk_chunk_bytes - _SEND_NOW_HEADER_BYTES:
+            return False
+        parts = encode_message(
+            msg, payload, version=p.version, payload_check=self._payload_check(p),
+            limits=self.config.limits,
+        )
+        nbytes = sum(memoryview(x).nbytes for x in parts)
+        try:
+            conn.write_small(parts)
+        except (OSError, RuntimeError) as e:
+            p.dropped += 1
+            p.last_error = str(e)
+            log.info("lost %s link to %s while writing: %s", lane.value, p.node_id, e)
+            return True  # sent and lost, as the writer's path would lose it
+        p.bytes_sent += nbytes
+        p.frames_sent += 1
+        return True
+
+    def set_receive_now(self, fn: Callable[[str, Message], bool] | None) -> None:
+        """`fn(peer, msg)` is offered each message as its bytes arrive, before the handler's
+        task: True when it took the message (it must not block or raise), False to leave it
+        to the handler. It is offered a message only when nothing of its connection waits
+        for the handler or is in it, so a connection's order holds."""
+        self._receive_now = fn
+
     def stats(self) -> dict[str, PeerStats]:
         """Per-peer counters and queue depths (a snapshot)."""
         out: dict[str, PeerStats] = {}
@@ -1066,36 +1128,46 @@ class PeerNetwork:
         chunk = self.config.bulk_chunk_bytes if lane is Lane.BULK else 1 << 62
         while True:
             out = await q.get()
+            p.writing[lane] = True
             try:
-                conn = await self._link(p, lane)
-            except (TimeoutError, OSError, FusionError, ssl.SSLError) as e:
-                raise_if_cancelling()
-                dropped = 1 + q.qsize()
-                while not q.empty():
-                    q.get_nowait()
-                p.dropped += dropped
-                p.last_error = str(e)
-                log.info("peer %s unreachable on %s lane (%s); dropped %d queued frame(s)",
-                         p.node_id, lane.value, e, dropped)
-                continue
-            if p.node_id in self._blocked:
-                p.dropped += 1
-                continue
-            try:
-                if out.nbytes <= chunk:
-                    conn.write_small(out.parts)
-                    if not conn._can_write.is_set():
-                        await conn._can_write.wait()
-                else:
-                    await conn.write_frame(out, chunk)
-            except (OSError, RuntimeError) as e:
-                raise_if_cancelling()
-                p.dropped += 1
-                p.last_error = str(e)
-                log.info("lost %s link to %s while writing: %s", lane.value, p.node_id, e)
-                continue
-            p.bytes_sent += out.nbytes
-            p.frames_sent += 1
+                await self._write_out(p, lane, out, chunk)
+            finally:
+                p.writing[lane] = False
+
+    async def _write_out(self, p: _Peer, lane: Lane, out: _Out, chunk: int) -> None:
+        """Write one frame the lane's writer took: dial first if needed (a failed dial drops
+        it and what waits behind it)."""
+        q = p.queues[lane]
+        try:
+            conn = await self._link(p, lane)
+        except (TimeoutError, OSError, FusionError, ssl.SSLError) as e:
+            raise_if_cancelling()
+            dropped = 1 + q.qsize()
+            while not q.empty():
+                q.get_nowait()
+            p.dropped += dropped
+            p.last_error = str(e)
+            log.info("peer %s unreachable on %s lane (%s); dropped %d queued frame(s)",
+                     p.node_id, lane.value, e, dropped)
+            return
+        if p.node_id in self._blocked:
+            p.dropped += 1
+            return
+        try:
+            if out.nbytes <= chunk:
+                conn.write_small(out.parts)
+                if not conn._can_write.is_set():
+                    await conn._can_write.wait()
+            else:
+                await conn.write_frame(out, chunk)
+        except (OSError, RuntimeError) as e:
+            raise_if_cancelling()
+            p.dropped += 1
+            p.last_error = str(e)
+            log.info("lost %s link to %s while writing: %s", lane.value, p.node_id, e)
+            return
+        p.bytes_sent += out.nbytes
+        p.frames_sent += 1
 
     async def _link(self, p: _Peer, lane: Lane) -> _Conn:
         """The live connection for (peer, lane), dialing it (after any backoff) if needed."""
@@ -1475,9 +1547,12 @@ class PeerNetwork:
                 conn.inbox_event.clear()
                 await conn.inbox_event.wait()
             msg = conn.take()
+            conn.handling = True
             try:
                 await self.handler(p.node_id, msg)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("handler failed on %s from %s", type(msg).__name__, p.node_id)
+            finally:
+                conn.handling = False

@@ -358,6 +358,7 @@ async def run_replicated(
     config: StageConfig | None = None,
     queue_size: int = 4,
     grad_rank: int | None = None,
+    grad_warmup_steps: int = 0,
 ) -> ReplicatedResult:
     """Train `steps` steps of a pipeline whose stage s runs on `len(programs[s])` replicas
     (each program its own copy of the stage, with the same initial weights); `routes[s][m]`
@@ -385,7 +386,7 @@ async def run_replicated(
             tasks=replica_tasks(pipeline, s, S, micros), micro_batches=micro_batches,
             optimizer=optimizer, total_steps=steps, data=data if p.data_inputs else None,
             batch_size=batch_size, config=config, slot=slot, routes=route_slots,
-            grad_rank=grad_rank))
+            grad_rank=grad_rank, grad_warmup_steps=grad_warmup_steps))
     for ex in execs:
         hub.attach(ex)
     try:

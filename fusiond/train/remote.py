@@ -114,6 +114,10 @@ class PeerSender(Protocol):
         """Queue `msg` for `peer` (awaits while the peer's lane is full)."""
         ...
 
+    def send_now(self, peer: str, msg: Message, payload: Sequence[Any] = ()) -> bool:
+        """Write `msg` at once if its lane is idle; False: `send` it."""
+        ...
+
 
 def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
                shared: Mapping[int, Mapping[str, Sequence[int]]],
@@ -122,7 +126,7 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
                recv_timeout_s: float | None = None, first_step: int = 0,
                slot_stages: Mapping[int, int] | None = None,
                routes: Mapping[int, Sequence[int]] | None = None,
-               grad_rank: int | None = None) -> AssignConfig:
+               grad_rank: int | None = None, grad_warmup_steps: int = 0) -> AssignConfig:
     """The `Assign.config` record for a job (the same for every stage).
 
     `stage_nodes`: stage -> node id for every stage; `shared`: stage -> {tied parameter -> the
@@ -137,7 +141,7 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
     With replicas, `stage_nodes` and `shared` are keyed by slot (`AssignConfig`), and
     `slot_stages` (replica slot -> stage) and `routes` (replicated stage -> the slot of each
     micro-batch) say who runs what. `grad_rank`: the summed gradients travel low-rank at
-    this rank (None: dense).
+    this rank (None: dense), after `grad_warmup_steps` dense steps.
     """
     o = spec.optimizer
     d = spec.data
@@ -176,6 +180,7 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
         slot_stages={str(k): int(v) for k, v in (slot_stages or {}).items()},
         routes={str(k): tuple(int(x) for x in v) for k, v in (routes or {}).items()},
         grad_rank=None if grad_rank is None else int(grad_rank),
+        grad_warmup_steps=int(grad_warmup_steps),
     )
 
 
@@ -224,6 +229,8 @@ class StageAssignment:
     """Replica slot -> its stage (slots absent run the stage numbered like them)."""
     grad_rank: int | None = None
     """Summed gradients travel as rank-`grad_rank` factors (None: dense)."""
+    grad_warmup_steps: int = 0
+    """... after this many dense steps."""
 
     @property
     def own_slot(self) -> int:
@@ -342,6 +349,9 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         raise RemoteError(f"Assign.config.grad_rank: {grad_rank!r} is not a rank in "
                           f"[1, {MAX_GRAD_RANK}]")
     steps, first_step = cfg.steps, cfg.first_step
+    if not 0 <= cfg.grad_warmup_steps <= max(0, steps):
+        raise RemoteError(f"Assign.config.grad_warmup_steps: {cfg.grad_warmup_steps!r} is not "
+                          f"a step count in [0, {steps}]")
     if not 0 <= first_step < max(1, steps):
         raise RemoteError(f"Assign.config.first_step: {first_step!r} is not a step of the job's "
                           f"{steps}")
@@ -356,6 +366,7 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         recv_timeout_s=recv_timeout, slot=slot,
         slot_nodes={int(k): v for k, v in stage_map.items()},
         routes=routes, slot_stages=slot_stages, grad_rank=grad_rank,
+        grad_warmup_steps=cfg.grad_warmup_steps,
     )
 
 
@@ -481,6 +492,16 @@ class NetStageLink:
 
     async def send(self, packet: Packet) -> None:
         """Send one packet to the node running `packet.dst` (awaits under backpressure)."""
+        node, msg = self._message(packet)
+        await self.net.send(node, msg, packet.buffers())
+
+    def send_now(self, packet: Packet) -> bool:
+        """Write the packet at once when its lane to the node is idle (no turn of a sender
+        or writer task); False: nothing was done, `send` it."""
+        node, msg = self._message(packet)
+        return self.net.send_now(node, msg, packet.buffers())
+
+    def _message(self, packet: Packet) -> tuple[str, Message]:
         node = self.stage_nodes[packet.dst]
         msg: Message
         if packet.kind == PacketKind.FORWARD:
@@ -492,7 +513,7 @@ class NetStageLink:
         else:
             msg = Backward(job_id=self.job_id, plan_version=self.plan_version,
                            iteration=packet.step, microbatch=0, edge=PARAM_PREFIX + packet.edge)
-        await self.net.send(node, msg, packet.buffers())
+        return node, msg
 
 
 def _own_corpus_only(sa: StageAssignment) -> None:
@@ -587,6 +608,7 @@ class StageHost:
             micro_batches=sa.batch.micro_batches, optimizer=sa.optimizer, total_steps=sa.steps,
             data=data, batch_size=sa.batch.size, config=config, first_step=sa.first_step,
             slot=sa.own_slot, routes=sa.routes, grad_rank=sa.grad_rank, grad_seed=sa.seed,
+            grad_warmup_steps=sa.grad_warmup_steps,
         )
 
     async def start(self) -> None:

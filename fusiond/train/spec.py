@@ -220,6 +220,9 @@ DEFAULT_GRAD_RANK = 4
 """The rank of a compressed gradient reduction unless the job says (docs/runtime.md: the
 held-out loss it costs)."""
 MAX_GRAD_RANK = 64
+DEFAULT_GRAD_WARMUP_STEPS = 10
+"""Dense steps before low-rank gradients start (torch's PowerSGD docs: the start of training
+is the most sensitive to inexact gradients)."""
 
 
 @dataclass(frozen=True)
@@ -239,6 +242,7 @@ class CompressionSpec:
     `grad_rank`: the gradients holders sum (replicas of a stage, tied parameters) may travel
     as rank-`grad_rank` factors with error feedback (PowerSGD) when the planner finds the dense
     reduction would not hide behind the pipeline's drain; 0 = always dense.
+    `grad_warmup_steps`: with low-rank gradients, the job's first steps still reduce dense.
     """
 
     adatopk: bool
@@ -249,6 +253,7 @@ class CompressionSpec:
     readapt_interval_s: float = 10.0
     codec: CodecKind = "topk"
     grad_rank: int = DEFAULT_GRAD_RANK
+    grad_warmup_steps: int = DEFAULT_GRAD_WARMUP_STEPS
 
     @property
     def int8(self) -> bool:
@@ -638,10 +643,12 @@ def _compression(t: _Table) -> CompressionSpec:
     per_row = t.boolean("per_row", True)
     readapt_s = t.number("readapt_interval_s", 10.0, lo=0.0)
     grad_rank = t.integer("grad_rank", DEFAULT_GRAD_RANK, lo=0, hi=MAX_GRAD_RANK)
+    grad_warmup = t.integer("grad_warmup_steps", DEFAULT_GRAD_WARMUP_STEPS, lo=0)
     t.finish()
     return CompressionSpec(
         adatopk=adatopk, density_floor=floor, density=density, exact_edges=exact, per_row=per_row,
         readapt_interval_s=readapt_s, codec=codec, grad_rank=grad_rank,
+        grad_warmup_steps=grad_warmup,
     )
 
 

@@ -178,6 +178,11 @@ class StageLink(Protocol):
         ...
 
 
+SendNow = Callable[[Packet], bool]
+"""A link's optional `send_now(packet)`: write the packet at once when its way is idle (True),
+or do nothing (False: `send` it)."""
+
+
 @dataclass(frozen=True)
 class EdgeSpec:
     """A cut edge from stage `src` to stage `dst`; `density` None means not top-k: the edge
@@ -410,6 +415,8 @@ class _Outbound:
         self._aborted = False
         self.pending = 0
         """Packets queued or being sent."""
+        self.sending = False
+        """The sender task holds a popped packet it has not handed to the link yet."""
         self.ready = asyncio.Event()
         """Set (on the event loop) when packets wait for the sender."""
         self.drained = asyncio.Event()
@@ -437,6 +444,11 @@ class _Outbound:
         """The next packet to send (event loop), or None."""
         with self._lock:
             return self._queue.popleft() if self._queue else None
+
+    def unpop(self, pkt: Packet) -> None:
+        """Put a popped packet back first in line (event loop): it was not sent."""
+        with self._lock:
+            self._queue.appendleft(pkt)
 
     def done(self) -> None:
         """A popped packet was handed to the link (or failed to be)."""
@@ -487,6 +499,7 @@ class StageExecutor:
         routes: Mapping[int, Sequence[int]] | None = None,
         grad_rank: int | None = None,
         grad_seed: int = 0,
+        grad_warmup_steps: int = 0,
     ) -> None:
         if program.data_inputs and (data is None or batch_size <= 0):
             raise StageError(f"stage {stage} reads {program.data_inputs} but has no data source")
@@ -505,6 +518,10 @@ class StageExecutor:
         """Shared (replicated, tied) gradients of matrices travel as rank-`grad_rank` factors
         with error feedback (`fusiond.train.lowrank`: two rounds a step); None: dense."""
         self._lowrank = LowRankState(grad_rank, grad_seed) if grad_rank is not None else None
+        self.grad_warmup_steps = max(0, grad_warmup_steps)
+        """Steps before low-rank starts: the first ones reduce dense (the start of training is
+        the most sensitive to inexact gradients; torch's PowerSGD hook's start_powerSGD_iter).
+        Every holder counts the same steps, so they agree on how each step travels."""
         self._routes = {k: tuple(v) for k, v in (routes or {}).items()}
         for k, v in self._routes.items():
             if len(v) != micro_batches:
@@ -516,6 +533,7 @@ class StageExecutor:
                              "its route gives another replica")
         self.program = program
         self.link = link
+        self._send_now: SendNow | None = getattr(link, "send_now", None)
         self.tasks = list(tasks)
         self.micro_batches = micro_batches
         self.opt_spec = optimizer
@@ -729,15 +747,19 @@ class StageExecutor:
             await out.ready.wait()
             out.ready.clear()
             while (pkt := out.pop()) is not None:
+                out.sending = True
                 try:
                     await self.link.send(pkt)
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:
-                    self.fail(StageError(f"stage {self.stage}: sending to stage {peer} failed: "
-                                         f"{e}"))
+                    self._send_failed(peer, e)
                 finally:
+                    out.sending = False
                     out.done()
+
+    def _send_failed(self, peer: int, e: Exception) -> None:
+        self.fail(StageError(f"stage {self.stage}: sending to stage {peer} failed: {e}"))
 
     def _emit(self, packets: Sequence[tuple[Packet, codec.Encoded, float | None]]) -> float:
         """Queue `packets` for their senders (on the compute thread; blocks while a queue is
@@ -767,7 +789,26 @@ class StageExecutor:
         return time.perf_counter() - t0
 
     def _wake_senders(self) -> None:
-        for out in self._outq.values():
+        """On the event loop, once a task queued packets: write each destination's at once
+        where its link's way is idle (`send_now`: no turn of the sender or the transport's
+        writer task, the hand-off's own cost, docs/runtime.md), else wake its sender. A
+        destination whose sender is busy or already woken keeps its order through it."""
+        now = self._send_now
+        for peer, out in self._outq.items():
+            if not out.pending:
+                continue
+            if now is not None and not out.sending and not out.ready.is_set():
+                while (pkt := out.pop()) is not None:
+                    try:
+                        sent = now(pkt)
+                    except Exception as e:
+                        self._send_failed(peer, e)
+                        out.done()
+                        continue
+                    if not sent:
+                        out.unpop(pkt)
+                        break
+                    out.done()
             if out.pending:
                 out.ready.set()
 
@@ -907,7 +948,7 @@ class StageExecutor:
     def _reduce_shared(self, step: int) -> None:
         """Sum every shared gradient over its holders: dense ones in one round; low-rank ones
         (`grad_rank`) as their P factors beside the dense ones, then their Q factors."""
-        lr = self._lowrank
+        lr = self._lowrank if step >= self.grad_warmup_steps else None
         first: dict[str, torch.Tensor] = {}
         for name in self.program.shared:
             g = self._own_grad(name)

@@ -533,3 +533,74 @@ def test_describe_names_an_exception_without_text() -> None:
     assert describe(TimeoutError()) == "timed out"
     assert describe(ConnectionResetError()) == "ConnectionResetError"
     assert describe(OSError(111, "Connection refused")) == "[Errno 111] Connection refused"
+
+
+async def test_send_now_writes_at_once_only_where_the_lane_keeps_its_order(
+        net_factory: NetFactory) -> None:
+    """send_now writes a frame without the lane's writer when nothing of the lane waits before
+    it: never before a link exists, never past queued frames; what it wrote arrives in order
+    with what send() queued."""
+    ib = Inbox()
+    a = await net_factory("a")
+    b = await net_factory("b", handler=ib)
+    a.add_peer_address("b", b.address)
+    small = [memoryview(bytes(64))]
+    probe = ProbeData(probe_id=1, seq=0, count=1)
+    assert not a.send_now("b", probe, small)  # no link yet: send() dials
+    await a.send("b", ProbeData(probe_id=1, seq=0, count=9), small)
+    await ib.wait_for(1)
+    assert a.send_now("b", ProbeData(probe_id=1, seq=1, count=9), small)
+    # a frame bigger than one bulk chunk goes through the writer (which splits it)
+    big = [memoryview(bytes(a.config.bulk_chunk_bytes + 1))]
+    assert not a.send_now("b", ProbeData(probe_id=1, seq=2, count=9), big)
+    # while send()'s frames wait in the queue, send_now must not overtake them
+    queued = [asyncio.create_task(a.send("b", ProbeData(probe_id=1, seq=s, count=9), small))
+              for s in (2, 3, 4)]
+    await asyncio.sleep(0)  # the sends have queued their frames; the writer has not run
+    assert not a.send_now("b", ProbeData(probe_id=1, seq=5, count=9), small)
+    await asyncio.gather(*queued)
+    await a.send("b", ProbeData(probe_id=1, seq=5, count=9), small)
+    items = await ib.wait_for(6)
+    seqs = [m.seq for _, m in items if isinstance(m, ProbeData)]
+    assert seqs == [0, 1, 2, 3, 4, 5], seqs
+    assert a.stats()["b"].frames_sent == 6
+
+
+async def test_receive_now_takes_frames_as_they_arrive_and_keeps_a_connections_order(
+        net_factory: NetFactory) -> None:
+    """A receive_now taker gets the messages it wants without the reader task; the others go
+    to the handler; while the handler is busy with one of the connection's messages, the
+    ones behind it wait their turn there too (never taken ahead of it)."""
+    release = asyncio.Event()
+    seen: list[tuple[str, int]] = []
+
+    async def slow(peer: str, msg: Message) -> None:
+        if isinstance(msg, ProbeData):
+            seen.append(("handler", msg.seq))
+            if msg.probe_id == 2:
+                await release.wait()
+
+    def take(peer: str, msg: Message) -> bool:
+        if isinstance(msg, ProbeData) and msg.probe_id == 1:
+            seen.append(("now", msg.seq))
+            return True
+        return False
+
+    a = await net_factory("a")
+    b = await net_factory("b", handler=slow)
+    b.set_receive_now(take)
+    await a.connect(b.address)
+    small = [memoryview(bytes(16))]
+    await a.send("b", ProbeData(probe_id=1, seq=0, count=9), small)
+    await until(lambda: seen == [("now", 0)])
+    await a.send("b", ProbeData(probe_id=2, seq=1, count=9), small)  # the handler's, held
+    await until(lambda: ("handler", 1) in seen)
+    await a.send("b", ProbeData(probe_id=1, seq=2, count=9), small)  # behind it: waits
+    await asyncio.sleep(0.1)
+    assert seen == [("now", 0), ("handler", 1)]
+    release.set()
+    await until(lambda: len(seen) == 3)
+    assert seen[2] == ("handler", 2)  # the reader had it queued: the handler takes it
+    await a.send("b", ProbeData(probe_id=1, seq=3, count=9), small)
+    await until(lambda: len(seen) == 4)
+    assert seen[3] == ("now", 3)  # idle again: taken as it arrives

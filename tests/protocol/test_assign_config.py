@@ -65,9 +65,9 @@ def test_the_wire_keys_are_those_of_the_old_hand_checked_map() -> None:
     assert {"version", "steps", "first_step", "seed", "checkpoint_interval", "batch_size",
             "micro_batches", "pipeline", "per_row", "optimizer", "data", "input_name",
             "targets_name", "loss_name", "stage_nodes", "shared", "recv_timeout_s",
-            "slot_stages", "routes", "grad_rank"} == set(wire)  # the last three: replicas
-    # (unknown keys are ignored by an older reader; a job without replicas leaves them empty,
-    # and grad_rank None)
+            "slot_stages", "routes", "grad_rank", "grad_warmup_steps"} == set(wire)
+    # the last four came with replicas and their low-rank reduction: an older reader ignores
+    # unknown keys; a job without replicas leaves them empty, grad_rank None
 
 
 def _bad(path: list[str], value: Any) -> dict[str, Any]:

@@ -134,3 +134,36 @@ async def test_low_rank_reduction_keeps_replicas_identical_and_feeds_back_what_i
     assert all(x == x for x in res.losses)  # finite
     assert res.losses[0] == pytest.approx(dense.losses[0], rel=1e-6)  # before any update
     assert abs(res.losses[-1] - dense.losses[-1]) < 0.05 * dense.losses[-1]
+
+
+async def test_low_rank_starts_after_the_dense_warm_up_steps(
+        small_text: TextWindows, adamw: OptimizerSpec) -> None:
+    """With grad_warmup_steps = 2 of 3 steps, the last step's reduction travels as factors;
+    with 3 of 3 every step is dense and no holder ever compressed."""
+    torch.manual_seed(0)
+    g = gpt2("tiny")
+    routes = [[m % 2 for m in range(MICRO)]] * 3
+    import fusiond.train.local as local
+
+    real = local.StageExecutor
+    for warmup, compressed in ((2, True), (3, False)):
+        seen: list[StageExecutor] = []
+
+        def spy(*a: object, _seen: list[StageExecutor] = seen, **kw: object) -> StageExecutor:
+            ex = real(*a, **kw)  # type: ignore[arg-type]
+            _seen.append(ex)
+            return ex
+
+        local.StageExecutor = spy  # type: ignore[misc, assignment]
+        try:
+            await run_replicated(
+                [[p0, p1] for p0, p1 in zip(three_stages(g), three_stages(g), strict=True)],
+                routes, data=small_text, batch_size=BATCH, micro_batches=MICRO,
+                optimizer=adamw, steps=3, grad_rank=2, grad_warmup_steps=warmup)
+        finally:
+            local.StageExecutor = real  # type: ignore[misc]
+        ex = next(e for e in seen if e.stage == 1 and e.slot == 1)
+        last = {st.edge for (_, kind), st in ex._stats.items() if kind is PacketKind.PARAM_GRAD}
+        assert any("@" in e for e in last) is compressed, (warmup, last)
+        assert ex._lowrank is not None
+        assert all((ex._lowrank.error(n) is not None) is compressed for n in ex._lowrank_names)

@@ -466,9 +466,11 @@ class _Outbound:
         self.drained.set()
 
 
-_P_ROUND = "@p"
-_Q_ROUND = "@q"
-"""Suffixes of a low-rank parameter's two factors on the wire (`name@p`, `name@q`)."""
+_ROUND_1 = "#1"
+_ROUND_2 = "#2"
+"""A PARAM_GRAD packet's name: the round of the shared gradients' exchange it carries (the
+dense gradients and low-rank P factors, then the Q factors), every tensor a pair of holders
+shares in one bucket."""
 
 _ABORT_POLL_S = 0.05
 """How often a compute thread blocked on a full outbound queue checks for an abort."""
@@ -553,9 +555,15 @@ class StageExecutor:
             and self._params[name].is_floating_point()
             and compressed(tuple(self._params[name].shape), grad_rank))
         """Shared parameters whose gradient travels low-rank (the rest dense)."""
-        self._shared_wire = frozenset(program.shared) | {
-            name + sfx for name in self._lowrank_names for sfx in (_P_ROUND, _Q_ROUND)}
+        self._shared_wire = frozenset((_ROUND_1, _ROUND_2))
         """Every name a PARAM_GRAD packet to this stage may carry."""
+        by_peer: dict[int, list[str]] = {}
+        for name in sorted(program.shared):
+            for peer in program.shared[name]:
+                by_peer.setdefault(peer, []).append(name)
+        self._shared_by_peer = by_peer
+        """Each other holder -> the shared parameters it holds too, in name order: what one
+        bucket to it carries (the same order on both sides)."""
         self._in = {e.edge_id: e for e in program.in_edges}
         self._out = {e.edge_id: e for e in program.out_edges}
         self._density: dict[str, float | None] = {e.edge_id: e.density for e in program.out_edges}
@@ -573,9 +581,8 @@ class StageExecutor:
         """The step being run; packets for it and later steps are kept until their task (a
         resumed attempt starts here, so its first tensors are never mistaken for stale)."""
         self._inbox_bytes = 0
-        per_step = micro_batches * (len(program.in_edges) + len(program.out_edges)) + sum(
-            len(h) * (2 if name in self._lowrank_names else 1)
-            for name, h in program.shared.items())
+        per_step = micro_batches * (len(program.in_edges) + len(program.out_edges)) + 2 * len(
+            self._shared_by_peer)
         self._inbox_max = 2 * per_step + self.config.inbox_slack
         self._ready = asyncio.Event()
         self._closed = False
@@ -907,43 +914,52 @@ class StageExecutor:
         cost.codec_s += (t1 - t0) + (time.perf_counter() - t2)
         return packets
 
-    def _grad_packets(self, step: int, grads: Mapping[str, torch.Tensor]
-                      ) -> list[tuple[Packet, codec.Encoded, float | None]]:
-        """`grads[wire name]` to every other holder of its parameter, dense."""
-        packets: list[tuple[Packet, codec.Encoded, float | None]] = []
-        for wire_name, g in grads.items():
-            enc = codec.encode_dense(g)
-            for peer in self.program.shared[_param_of(wire_name)]:
-                pkt = Packet(PacketKind.PARAM_GRAD, step, 0, wire_name, self.slot, peer,
-                             enc.parts)
-                packets.append((pkt, enc, None))
-        return packets
-
     def _own_grad(self, name: str) -> torch.Tensor:
         p = self._params[name]
         return p.grad if p.grad is not None else torch.zeros_like(p)
 
-    def _slot_sum(self, wire_name: str, own: torch.Tensor,
-                  received: Mapping[tuple[str, int], bytes | memoryview]) -> torch.Tensor:
-        """This holder's `own` and the other holders' `wire_name`, summed in slot order on
-        every holder, so the copies stay bit-identical."""
-        parts = {self.slot: own}
-        for peer in self.program.shared[_param_of(wire_name)]:
-            parts[peer] = codec.decode_dense(received[(wire_name, peer)]).view_as(own)
-        total = torch.zeros_like(own)
-        for s in sorted(parts):
-            total += parts[s]
-        return total
+    def _exchange(self, step: int, round_name: str, own: Mapping[str, torch.Tensor],
+                  what: str) -> dict[str, torch.Tensor]:
+        """Sum `own[parameter]` over the parameter's holders: one packet per other holder
+        with every tensor of `own` that holder also holds, flat float32 in name order (a
+        bucket: not one frame per tensor), then each sum in slot order on every holder, so
+        the copies stay bit-identical."""
+        names_of = {peer: [n for n in names if n in own]
+                    for peer, names in self._shared_by_peer.items()}
+        names_of = {peer: names for peer, names in names_of.items() if names}
 
-    def _exchange(self, step: int, own: Mapping[str, torch.Tensor], what: str
-                  ) -> dict[tuple[str, int], bytes | memoryview]:
-        """Send `own[wire name]` to the other holders and wait for theirs."""
-        self._emit(self._guard(what, step, lambda: self._grad_packets(step, own)))
+        def bucket(names: Sequence[str]) -> torch.Tensor:
+            return torch.cat([own[n].detach().reshape(-1).to(torch.float32) for n in names])
+
+        packets = []
+        for peer, names in names_of.items():
+            enc = self._guard(what, step, functools.partial(codec.encode_dense, bucket(names)))
+            packets.append((Packet(PacketKind.PARAM_GRAD, step, 0, round_name, self.slot, peer,
+                                   enc.parts), enc, None))
+        self._emit(packets)
         deadline = time.monotonic() + self.config.recv_timeout_s
-        keys = [(PacketKind.PARAM_GRAD, step, peer, wire_name) for wire_name in own
-                for peer in self.program.shared[_param_of(wire_name)]]
+        keys = [(PacketKind.PARAM_GRAD, step, peer, round_name) for peer in names_of]
         got, _ = self._take_all(keys, deadline, what)
-        return {(k[3], k[2]): payload for k, payload in got.items()}
+        parts: dict[str, dict[int, torch.Tensor]] = {n: {self.slot: t} for n, t in own.items()}
+        for peer, names in names_of.items():
+            flat = codec.decode_dense(got[(PacketKind.PARAM_GRAD, step, peer, round_name)])
+            want = sum(own[n].numel() for n in names)
+            if flat.dim() != 1 or flat.numel() != want or flat.dtype != torch.float32:
+                raise StageError(f"stage {self.stage}, step {step}, {what}: stage {peer} sent "
+                                 f"{tuple(flat.shape)} {flat.dtype}, not the {want} float32 "
+                                 "values of the parameters both hold")
+            at = 0
+            for n in names:
+                k = own[n].numel()
+                parts[n][peer] = flat[at:at + k].view_as(own[n]).to(own[n].dtype)
+                at += k
+        totals: dict[str, torch.Tensor] = {}
+        for n, by_slot in parts.items():
+            total = torch.zeros_like(own[n])
+            for s in sorted(by_slot):
+                total += by_slot[s]
+            totals[n] = total
+        return totals
 
     def _reduce_shared(self, step: int) -> None:
         """Sum every shared gradient over its holders: dense ones in one round; low-rank ones
@@ -953,28 +969,22 @@ class StageExecutor:
         for name in self.program.shared:
             g = self._own_grad(name)
             if lr is not None and name in self._lowrank_names:
-                first[name + _P_ROUND] = self._guard(
+                first[name] = self._guard(
                     "low-rank P", step, functools.partial(lr.p_factor, name, g))
             else:
                 first[name] = g
-        got = self._exchange(step, first, "shared grads")
+        totals = self._exchange(step, _ROUND_1, first, "shared grads")
         second: dict[str, torch.Tensor] = {}
-        for wire_name, own in first.items():
-            name = _param_of(wire_name)
-            total = self._guard("shared grads", step,
-                                functools.partial(self._slot_sum, wire_name, own, got))
+        for name, total in totals.items():
             if lr is not None and name in self._lowrank_names:
-                second[name + _Q_ROUND] = self._guard(
+                second[name] = self._guard(
                     "low-rank Q", step, functools.partial(lr.q_factor, name, total))
             else:
                 self._params[name].grad = total
         if lr is None or not second:
             return
-        got = self._exchange(step, second, "shared grads (low-rank Q)")
-        for wire_name, own in second.items():
-            name = _param_of(wire_name)
-            total = self._guard("shared grads", step,
-                                functools.partial(self._slot_sum, wire_name, own, got))
+        for name, total in self._exchange(step, _ROUND_2, second,
+                                          "shared grads (low-rank Q)").items():
             p = self._params[name]
             p.grad = lr.gradient(name, total, p.shape).to(p.dtype)
 
@@ -1115,8 +1125,3 @@ class StageExecutor:
         """The partition's parameters and buffers (detached, CPU)."""
         return {k: v.detach().cpu() for k, v in self.program.module.state_dict().items()}
 
-
-def _param_of(wire_name: str) -> str:
-    """The shared parameter a PARAM_GRAD packet's name is for (`name`, `name@p`, `name@q`)."""
-    base, _, sfx = wire_name.rpartition("@")
-    return base if base and "@" + sfx in (_P_ROUND, _Q_ROUND) else wire_name

@@ -347,6 +347,9 @@ class JobCoordinator:
                 tot = self._totals.setdefault((e.edge, direction), [0, 0])
                 tot[0] += wire
                 tot[1] += dense
+        if self.on_step is not None:  # its owner logs the step (once: the job's record)
+            self.on_step(m)
+            return
         every = max(1, self.spec.steps // 20)
         if (m.step + 1) % every == 0 or m.step + 1 == self.spec.steps:
             d = m.as_dict()
@@ -356,8 +359,6 @@ class JobCoordinator:
                      rate, "tokens" if d["tokens_per_s"] else "samples",
                      " ".join(f"{v:.2f}" for _, v in sorted(m.stage_busy.items())),
                      m.wire_bytes)
-        if self.on_step is not None:
-            self.on_step(m)
 
     def release(self) -> None:
         """Drop what only a running attempt needs: the captured graph and initial weights,

@@ -856,8 +856,9 @@ class Scheduling:
             rate = d.get("tokens_per_s") or d.get("samples_per_s") or 0.0
             rec.log(f"step {m.step + 1}/{rec.spec.steps} loss "
                     f"{'-' if m.loss is None else f'{m.loss:.4f}'} {rate:.0f} "
-                    f"{'tokens' if d.get('tokens_per_s') else 'samples'}/s wire "
-                    f"{m.wire_bytes} B/step")
+                    f"{'tokens' if d.get('tokens_per_s') else 'samples'}/s busy "
+                    + " ".join(f"{v:.2f}" for _, v in sorted(m.stage_busy.items()))
+                    + f" wire {m.wire_bytes} B/step")
 
     async def _run(self, rec: JobRecord) -> None:
         try:

@@ -40,6 +40,11 @@ voter. Beyond that, with an `Endorser` (signed mode):
   campaign). One member's word never deposes a leader: a leader steps down on a proven leader
   of a higher term or on losing its lease, not on an ack naming a higher term;
 - terms stay below `MAX_TERM`: an absurd one is refused and never persisted.
+
+Every change of the leader or the term records why (`leadership_change`): an election won
+with k of n votes, a heartbeat of a new leader, a vote request or a refusal naming a higher
+term, a lease that lapsed (quorum lost), heartbeats that stopped, a conflicting leader, a
+member that left.
 """
 
 from __future__ import annotations
@@ -174,6 +179,17 @@ class ElectionTiming:
     vote twice in a term we may have voted in before a restart."""
 
 
+@dataclass(frozen=True)
+class LeadershipChange:
+    """The leader or the term changed (`Election.leadership_change`), and why."""
+
+    leader: str | None
+    term: int
+    was_leader: str | None
+    was_term: int
+    reason: str
+
+
 def majority(voters: Collection[str]) -> int:
     """Votes needed out of `voters`."""
     return len(voters) // 2 + 1
@@ -232,6 +248,10 @@ class Election:
         own, unproven leaders, terms too far ahead, bad signatures)."""
         self.enabled = True
         """False once this node has left or been removed: it neither campaigns nor votes."""
+        self._why = ""
+        """Why the leader or the term last changed (`leadership_change` reports it)."""
+        self._last_change: tuple[str | None, int] = (None, 0)
+        """(leader, term) as `leadership_change` last reported it."""
 
     def restore(self, term: int, voted_for: str | None) -> bool:
         """Resume from a term and vote made durable before a restart (call before anything
@@ -242,6 +262,7 @@ class Election:
         if term > self.term:
             self.term = term
             self.voted_for = voted_for
+            self._why = f"term {term} restored from disk"
         return True
 
     def set_reported_terms(self, terms: Mapping[str, int]) -> None:
@@ -257,6 +278,23 @@ class Election:
         if self._leader is not None and now - self._leader_seen <= self.timing.election_timeout_s:
             return self._leader
         return None
+
+    def leadership_change(self, now: float) -> LeadershipChange | None:
+        """The change of (leader, term) since the last call, with why; None if neither changed.
+        The shell calls it after each message and tick, and logs what it returns."""
+        leader = self.leader(now)
+        was_leader, was_term = self._last_change
+        if (leader, self.term) == (was_leader, was_term):
+            return None
+        reason = self._why
+        if (leader is None and was_leader is not None and self.role == "follower"
+                and self._leader == was_leader):
+            # Lost to the clock (the tick that notices it has not run yet), and maybe then
+            # a higher term.
+            lapsed = self._lapsed(was_leader, now)
+            reason = lapsed if self.term == was_term else f"{lapsed}; then {reason}"
+        self._last_change = (leader, self.term)
+        return LeadershipChange(leader, self.term, was_leader, was_term, reason)
 
     def accepts_term(self, term: int) -> bool:
         """Whether a message of `term` is current (not stale)."""
@@ -298,13 +336,18 @@ class Election:
         self._request_id += 1
         return self._request_id
 
-    def _lose_leader(self, now: float, backoff: float = 0.0) -> None:
+    def _lapsed(self, leader: str, now: float) -> str:
+        return (f"no heartbeat from {leader} for {now - self._leader_seen:.1f} s "
+                f"(election timeout {self.timing.election_timeout_s:g} s)")
+
+    def _lose_leader(self, now: float, why: str, backoff: float = 0.0) -> None:
+        self._why = why
         self._lost_leader = self._leader
         self._leader = None
         self._no_leader_since = now + backoff
         self._jitter = self._rng.uniform(0.0, self.timing.jitter_s)
 
-    def _step_down(self, now: float, backoff: float = 0.0) -> None:
+    def _step_down(self, now: float, why: str, backoff: float = 0.0) -> None:
         was_leader = self.role == "leader"
         self.role = "follower"
         self._grants = set()
@@ -315,16 +358,17 @@ class Election:
         self._accepted = set()
         if was_leader:
             self._leader = self.node_id
-        self._lose_leader(now, backoff)
+        self._lose_leader(now, why, backoff)
 
-    def _adopt(self, term: int, now: float) -> None:
-        """A higher term exists: follow it (not having voted in it)."""
+    def _adopt(self, term: int, now: float, why: str) -> None:
+        """A higher term exists (`why`: who says so): follow it (not having voted in it)."""
         if term <= self.term or term > MAX_TERM:
             return
         self.term = term
         self.voted_for = None
+        self._why = why
         if self.role != "follower":
-            self._step_down(now)
+            self._step_down(now, why)
 
     def _adopt_hearsay(self, term: int, now: float, voters: Collection[str]) -> None:
         """A refusal of our campaign names a higher term: move to it, but no further than the
@@ -332,7 +376,8 @@ class Election:
         ceiling = self.term_ceiling(voters)
         if term > ceiling:
             self._refuse("term too far ahead")
-        self._adopt(min(term, ceiling), now)
+        self._adopt(min(term, ceiling), now, f"a refusal of this node's campaign named term "
+                    f"{term}")
 
     def _live_leader_other_than(self, candidate: str, now: float) -> bool:
         leader = self.leader(now)
@@ -342,7 +387,7 @@ class Election:
         """This node left or was removed: stop leading, campaigning and voting."""
         self.enabled = False
         if self.role != "follower":
-            self._step_down(now)
+            self._step_down(now, "this node left or was removed")
 
     def _support(self, term: int, leader: str) -> bytes:
         return self._endorser.sign_support(term, leader) if self._endorser is not None else b""
@@ -368,13 +413,16 @@ class Election:
             fresh = 1 + sum(1 for v in voters if v != self.node_id
                             and self._acks.get(v, -math.inf) >= now - t.lease_s)
             if fresh < majority(voters) and now - self._lead_since >= t.lease_s:
-                self._step_down(now, backoff=t.election_timeout_s)
+                self._step_down(now, f"lease lapsed: {fresh} of {len(voters)} voters acked "
+                                f"within {t.lease_s:g} s, {majority(voters)} needed "
+                                "(quorum lost)", backoff=t.election_timeout_s)
                 return out
             if self._outgrown(voters):
                 # Members joined, and voters who cannot check our proof are needed for a
                 # majority (a node that led alone, then was joined): our lease would run out;
                 # re-elect ourselves at once with them instead.
-                self._step_down(now)
+                self._step_down(now, "re-electing itself with the members that joined (its "
+                                f"proof no longer reaches a majority of {len(voters)} voters)")
                 return self._start_prevote(now, voters, reachable)
             if now >= self._next_heartbeat:
                 out.extend(self._heartbeat(now, reachable))
@@ -382,11 +430,13 @@ class Election:
         if self.role in ("precandidate", "candidate"):
             if now - self._campaign_started > t.election_timeout_s:
                 # Failed round (split or not enough answers): back off, then maybe try again.
-                self._step_down(now, backoff=t.election_timeout_s)
+                self._step_down(now, f"campaign for term {self._pending_term} failed: "
+                                f"{len(self._grants)} of {len(voters)} votes",
+                                backoff=t.election_timeout_s)
             return out
         # Follower.
         if self._leader is not None and now - self._leader_seen > t.election_timeout_s:
-            self._lose_leader(now)
+            self._lose_leader(now, self._lapsed(self._leader, now))
         if not self.enabled or self._leader is not None or self.node_id not in voters:
             return out
         if not campaign or now < self._started + t.grace_s or self.term >= MAX_TERM:
@@ -420,6 +470,7 @@ class Election:
         self.role = "candidate"
         self.term = max(self.campaign_floor(voters), self._pending_term - 1) + 1
         self.voted_for = self.node_id
+        self._why = f"campaigning for term {self.term}"
         self._campaign_started = now
         self._pending_rid = self._next_rid()
         self._pending_term = self.term
@@ -434,6 +485,8 @@ class Election:
                        reachable: Collection[str]) -> list[Out]:
         self.role = "leader"
         self._leader = self.node_id
+        self._why = (f"won the election of term {self.term} with {len(self._grants)} of "
+                     f"{len(voters)} votes")
         self._lost_leader = None
         self._lead_since = now
         self._acks = {v: now for v in self._grants}
@@ -514,7 +567,7 @@ class Election:
             return self._vote_refusal(peer, msg.request_id, reason)
         if msg.term > self.term and msg.term > self.term_ceiling(voters):
             return self._vote_refusal(peer, msg.request_id, "term too far ahead")
-        self._adopt(msg.term, now)
+        self._adopt(msg.term, now, f"{msg.candidate} asked for votes in term {msg.term}")
         if self.voted_for not in (None, msg.candidate):
             return self._vote_refusal(peer, msg.request_id, f"voted for {self.voted_for}")
         self.voted_for = msg.candidate
@@ -610,18 +663,22 @@ class Election:
         if (self._endorser is None and msg.term > self.term
                 and msg.term > self.term_ceiling(voters)):
             return ack(False, "term too far ahead")  # plaintext mode: nothing proves it
-        self._adopt(msg.term, now)
+        heard = f"heartbeat from {msg.leader}, leader of term {msg.term}"
+        self._adopt(msg.term, now, heard)
         if self.role == "leader":
             # Same term, two leaders: views of the voter set differed (groups that formed
             # apart). Step down, tell the other (it steps down too), and follow neither: the
             # next election gives the merged cluster a leader with a term of its own.
-            self._step_down(now, backoff=self.timing.election_timeout_s)
+            self._step_down(now, f"{msg.leader} leads term {msg.term} too (two leaders of "
+                            "one term: neither is followed)",
+                            backoff=self.timing.election_timeout_s)
             self._poisoned_term = msg.term
             return ack(False, CONFLICT)
         if msg.term == self._poisoned_term:
             return ack(False, CONFLICT)
         if self.role != "follower":
-            self._step_down(now)
+            self._step_down(now, heard)
+        self._why = heard  # what changes here (if anything) is this heartbeat's doing
         self._leader = msg.leader
         self._leader_seen = now
         self._lost_leader = None
@@ -648,7 +705,9 @@ class Election:
             if msg.reason == CONFLICT and self._endorser is None:
                 # Plaintext mode: the other leader's word. Signed mode: we step down when its
                 # own proven heartbeat reaches us (on_leader), not on a claim we cannot check.
-                self._step_down(now, backoff=self.timing.election_timeout_s)
+                self._step_down(now, f"{peer} says it leads term {msg.term} too (two leaders "
+                                "of one term: neither is followed)",
+                                backoff=self.timing.election_timeout_s)
                 self._poisoned_term = msg.term
             return []
         if self._endorser is not None and peer not in self._supports:
@@ -668,4 +727,4 @@ class Election:
         """`node_id` left or was removed: if it was our leader, it is lost now (no need to wait
         out the election timeout)."""
         if self.role != "leader" and self._leader == node_id:
-            self._lose_leader(now)
+            self._lose_leader(now, f"{node_id} left or was removed")

@@ -660,8 +660,8 @@ class Cluster:
             self._persist_election()  # a vote or a new term is durable before it is sent
             for dst, out in outs:
                 self._send_bg(dst, out)
+            self._log_leadership(now)
             if (el.leader(now), el.term) != before:
-                self._log_leadership(before, now)
                 self._notify()
             self._log_election_refusals(peer, now)
         return True
@@ -743,6 +743,7 @@ class Cluster:
                 el.forget(t.node_id, now)
                 self._prober.forget(t.node_id)
         self._members_changed()
+        self._log_leadership(now)
         if transitions or (el.leader(now), el.term) != before:
             self._notify()
 
@@ -854,6 +855,7 @@ class Cluster:
         assert self._election is not None
         self._election.forget(msg.node_id, now)
         log.info("cluster: %s left", msg.node_id)
+        self._log_leadership(now)
         self._members_changed()
         self._notify()
 
@@ -1025,8 +1027,7 @@ class Cluster:
             self._persist_election()  # a campaign's new term and self-vote, before asking
             for dst, out in outs:
                 self._send_bg(dst, out)
-            if (el.leader(now), el.term) != before:
-                self._log_leadership(before, now)
+            self._log_leadership(now)
             if transitions or (el.leader(now), el.term) != before:
                 self._notify()
             await asyncio.sleep(self.config.tick_s)
@@ -1269,17 +1270,22 @@ class Cluster:
         else:
             log.info("cluster: member %s %s -> %s", t.node_id, t.old, t.new)
 
-    def _log_leadership(self, before: tuple[str | None, int], now: float) -> None:
+    def _log_leadership(self, now: float) -> None:
+        """One line for a change of the scheduler or the term since the last, with the reason
+        the election gives (a heartbeat lost to the clock is noticed here too)."""
         el = self._election
         assert el is not None
-        leader = el.leader(now)
-        if leader is None and before[0] is None:
-            log.debug("cluster: term %d, no scheduler yet", el.term)
-        elif leader is None:
-            log.warning("cluster: no scheduler (term %d, was %s)", el.term, before[0])
+        c = el.leadership_change(now)
+        if c is None:
+            return
+        why = f": {c.reason}" if c.reason else ""
+        if c.leader is None and c.was_leader is None:
+            log.debug("cluster: term %d, no scheduler yet%s", c.term, why)
+        elif c.leader is None:
+            log.warning("cluster: no scheduler (term %d, was %s)%s", c.term, c.was_leader, why)
         else:
-            log.info("cluster: scheduler is %s, term %d%s", leader, el.term,
-                     " (this node)" if leader == self.node_id else "")
+            log.info("cluster: scheduler is %s, term %d%s%s", c.leader, c.term,
+                     " (this node)" if c.leader == self.node_id else "", why)
 
     def _notify(self, force: bool = False) -> None:
         if not self._callbacks:

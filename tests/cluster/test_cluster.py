@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import re
 from collections.abc import AsyncIterator
 
 import pytest
@@ -135,6 +137,36 @@ async def test_leader_death_elects_a_new_leader_with_a_higher_term(swarm: Swarm)
     assert all(v.term > old_term for v in views.values())
     # Detection is one election timeout; the campaign adds stagger + jitter + a few RTTs.
     assert took < 10 * FAST.election_timeout_s, took
+
+
+async def test_leadership_changes_are_logged_with_their_reason(
+    swarm: Swarm, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The winner says with how many votes it won; a survivor of a crashed scheduler says it
+    lost it and why (its heartbeats stopped) before the next one is elected."""
+    ids = IDS[:3]
+    with caplog.at_level(logging.INFO, "fusiond.cluster"):
+        await swarm.add("n1")
+        for nid in ids[1:]:
+            await swarm.add(nid, bootstrap=[swarm.addresses["n1"]])
+        await until(lambda: agreed_leader(swarm.views()) is not None
+                    and all_alive(swarm, ids, ids), 5, "a leader")
+        old = agreed_leader(swarm.views())
+        assert old is not None
+        won = [r.getMessage() for r in caplog.records if "(this node): won the election of "
+               "term" in r.getMessage()]
+        assert won and re.search(r"with [23] of 3 votes$", won[-1]), won
+        await swarm.crash(old)
+        rest = [n for n in ids if n != old]
+        await until(lambda: agreed_leader(swarm.views(rest)) not in (None, old), 5,
+                    "a new leader")
+    lost = [r.getMessage() for r in caplog.records
+            if "no scheduler (term" in r.getMessage() and f"was {old})" in r.getMessage()]
+    assert any(f": no heartbeat from {old} for " in m for m in lost), lost
+    new = agreed_leader(swarm.views(rest))
+    assert any(m.startswith(f"cluster: scheduler is {new}, term ") and (
+        ": won the election" in m or f": heartbeat from {new}, leader of term" in m)
+        for m in (r.getMessage() for r in caplog.records))
 
 
 async def test_partition_minority_has_no_leader_majority_keeps_one_heal_gives_one(

@@ -407,3 +407,86 @@ def test_a_campaign_runs_above_a_term_one_voter_led_alone() -> None:
     out = d.tick(0.6, voters={"a", "b", "d"}, ranked_alive=["d", "b", "a"], reachable=["a", "b"])
     pre = out[0][1]
     assert isinstance(pre, PreVote) and pre.term == 1
+
+
+# -- why leadership changed -----------------------------------------------------------------
+
+
+def _win(a: Election, now: float, voters: frozenset[str] = VOTERS) -> list[tuple[str, Leader]]:
+    """`a` campaigns at `now` and wins with b's votes; the heartbeats it sends."""
+    reach = sorted(voters - {a.node_id})
+    out = a.tick(now, voters=voters, ranked_alive=sorted(voters), reachable=reach)
+    pre = out[0][1]
+    assert isinstance(pre, PreVote)
+    out = a.on_vote("b", Vote(request_id=pre.request_id, term=pre.term, voter="b",
+                              granted=True), now, voters, reach)
+    req = out[0][1]
+    assert isinstance(req, VoteRequest)
+    out = a.on_vote("b", Vote(request_id=req.request_id, term=req.term, voter="b",
+                              granted=True), now, voters, reach)
+    assert role(a) == "leader"
+    return [(p, m) for p, m in out if isinstance(m, Leader)]
+
+
+def test_each_change_of_leader_or_term_says_why() -> None:
+    a = Election("a", timing=T, now=0.0)
+    assert a.leadership_change(0.1) is None
+    beats = _win(a, 0.6)
+    c = a.leadership_change(0.6)
+    assert c is not None and (c.leader, c.term, c.was_leader, c.was_term) == ("a", 1, None, 0)
+    assert c.reason == "won the election of term 1 with 2 of 3 votes"
+    assert a.leadership_change(0.6) is None  # reported once
+    # Nobody acks: the lease runs out and the leader says it lost its quorum.
+    a.tick(1.45, voters=VOTERS, ranked_alive=["a"], reachable=["b", "c"])
+    c = a.leadership_change(1.45)
+    assert c is not None and c.leader is None and c.was_leader == "a"
+    assert c.reason.startswith("lease lapsed: 1 of 3 voters acked within 0.8 s, 2 needed")
+    assert "quorum lost" in c.reason
+
+    # A follower: a heartbeat makes a its leader; the clock alone loses it (before any tick).
+    b = Election("b", timing=T, now=0.0)
+    b.on_leader("a", beats[0][1], 0.6, VOTERS)
+    c = b.leadership_change(0.6)
+    assert c is not None and c.leader == "a" and c.reason == "heartbeat from a, leader of term 1"
+    c = b.leadership_change(1.7)
+    assert c is not None and c.leader is None and c.was_leader == "a"
+    assert c.reason == "no heartbeat from a for 1.1 s (election timeout 1 s)"
+    # A candidate's vote request of a higher term moves the term.
+    b.on_vote_request("c", VoteRequest(request_id=9, term=2, candidate="c"), 1.8, VOTERS)
+    c = b.leadership_change(1.8)
+    assert c is not None and (c.term, c.was_term) == (2, 1)
+    assert c.reason == "c asked for votes in term 2"
+    # Lost to the clock and a term moved in one report: both are said.
+    b.on_leader("c", Leader(request_id=11, term=2, leader="c"), 1.9, VOTERS)
+    assert b.leadership_change(1.9) is not None
+    b.on_vote_request("d", VoteRequest(request_id=12, term=3, candidate="d"), 3.0, VOTERS | {"d"})
+    c = b.leadership_change(3.0)
+    assert c is not None and (c.leader, c.was_leader, c.term) == (None, "c", 3)
+    assert c.reason == ("no heartbeat from c for 1.1 s (election timeout 1 s); then d asked "
+                        "for votes in term 3")
+    # The leader left: lost at once, and said so.
+    b.on_leader("c", Leader(request_id=10, term=3, leader="c"), 3.1, VOTERS)
+    assert b.leadership_change(3.1) is not None
+    b.forget("c", 3.2)
+    c = b.leadership_change(3.2)
+    assert c is not None and c.was_leader == "c" and c.reason == "c left or was removed"
+
+
+def test_a_deposed_leader_says_by_whom() -> None:
+    a = Election("a", timing=T, now=0.0)
+    _win(a, 0.6)
+    a.leadership_change(0.6)
+    # A proven heartbeat of a higher term (plaintext mode: within the ceiling) deposes it.
+    a.on_leader("c", Leader(request_id=5, term=2, leader="c"), 0.7, VOTERS)
+    c = a.leadership_change(0.7)
+    assert c is not None and (c.leader, c.was_leader, c.term) == ("c", "a", 2)
+    assert c.reason == "heartbeat from c, leader of term 2"
+    # Two leaders of one term meet.
+    x = Election("x", timing=T, now=0.0)
+    x.tick(0.6, voters={"x"}, ranked_alive=["x"], reachable=[])
+    c = x.leadership_change(0.6)
+    assert c is not None and c.reason == "won the election of term 1 with 1 of 1 votes"
+    x.on_leader("y", Leader(request_id=1, term=1, leader="y"), 2.0, {"x", "y"})
+    c = x.leadership_change(2.0)
+    assert c is not None and c.leader is None
+    assert c.reason == "y leads term 1 too (two leaders of one term: neither is followed)"

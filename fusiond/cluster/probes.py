@@ -236,6 +236,9 @@ class LinkProber:
         self._rx: OrderedDict[tuple[str, int], _Rx] = OrderedDict()
         self._filler = memoryview(os.urandom(min(config.chunk_bytes, config.max_bytes)))
         self.links: dict[str, LinkEstimate] = {}
+        self.failures: dict[str, int] = {}
+        """Peer -> rounds that failed (no answer in time, or the transport failed), until
+        the peer is forgotten."""
 
     # -- measuring -----------------------------------------------------------------------------
 
@@ -292,8 +295,15 @@ class LinkProber:
         and return its estimate.
 
         Raises ProbeFailed when the peer does not answer (the estimate is kept); errors of the
-        transport (peer unreachable, ...) propagate.
+        transport (peer unreachable, ...) propagate. Either counts in `failures`.
         """
+        try:
+            return await self._round(peer)
+        except Exception:
+            self.failures[peer] = self.failures.get(peer, 0) + 1
+            raise
+
+    async def _round(self, peer: str) -> LinkEstimate:
         cfg = self.config
         rtt = await self.rtt(peer)
         old = self.links.get(peer)
@@ -338,6 +348,7 @@ class LinkProber:
     def forget(self, peer: str) -> None:
         """Drop what we measured to `peer` (it left or was removed)."""
         self.links.pop(peer, None)
+        self.failures.pop(peer, None)
 
     # -- answering -----------------------------------------------------------------------------
 

@@ -410,6 +410,11 @@ class Cluster:
             frozenset())
 
     @property
+    def probe_failures(self) -> dict[str, int]:
+        """Peer -> link probe rounds to it that failed (no answer in time, or unreachable)."""
+        return dict(self._prober.failures)
+
+    @property
     def election_refusals(self) -> dict[str, int]:
         """Reason -> election messages refused (claims not the sender's own, unproven
         leaders, terms too far ahead, bad signatures)."""

@@ -28,6 +28,7 @@ from fusiond.net.pki import (
 )
 from fusiond.net.transport import (
     NetConfig,
+    NetCounts,
     PeerNetwork,
     PeerRefused,
     PeerStats,
@@ -45,6 +46,7 @@ __all__ = [
     "JoinTokenError",
     "Lane",
     "NetConfig",
+    "NetCounts",
     "NodeIdentity",
     "PKIError",
     "PeerNetwork",

@@ -58,7 +58,18 @@ class PKIError(LocalError):
 
 
 class JoinTokenError(RemoteError):
-    """A join token (or a proof made from one) is malformed, expired, used, or forged."""
+    """A join token (or a proof made from one) is malformed, expired, used, or forged;
+    `reason` says which in one word (`JOIN_REFUSAL_REASONS`: a metric's label)."""
+
+    def __init__(self, message: str, reason: str = "malformed") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+JOIN_REFUSAL_REASONS = ("invalid", "expired", "used", "malformed", "error")
+"""Why a member refuses a join request: a token not of this cluster (bad proof), expired, a
+one-time token already used, a malformed request (token presentation or CSR), or this
+member could not check or sign it (`PKIError`)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -555,15 +566,16 @@ class JoinAuthority:
             self.ca.token_key(), _token_mac_input(token_id, expires, one_time), hashlib.sha256
         ).digest()
         if not hmac.compare_digest(join_proof(secret, csr_pem), proof):
-            raise JoinTokenError("join token is not valid for this cluster (bad proof)")
+            raise JoinTokenError("join token is not valid for this cluster (bad proof)",
+                                 "invalid")
         if t > expires:
-            raise JoinTokenError(f"join token expired {int(t - expires)} s ago")
+            raise JoinTokenError(f"join token expired {int(t - expires)} s ago", "expired")
         cert = sign_csr(self.ca, csr_pem)
         if one_time:
             used = {k: v for k, v in self._load_used().items() if v >= t}
             key = token_id.hex()
             if key in used:
-                raise JoinTokenError("join token was already used (it is one-time)")
+                raise JoinTokenError("join token was already used (it is one-time)", "used")
             used[key] = expires
             _write_private(self._used_path, json.dumps(used).encode())
         return cert

@@ -44,7 +44,9 @@ Design (docs/security.md and docs/daemon.md say why):
   capped per peer and lane (`max_inbound_per_peer_lane`): a new one closes the oldest, so a
   reconnecting peer always gets through while its stale sockets go.
 - Logging about refused and closed connections is rate-limited per source (or peer) and kind
-  (`RefusalLog`): a few lines per interval, then one summary line.
+  (`RefusalLog`): a few lines per interval, then one summary line. Refusals by the TLS
+  handshake or the trust check, and refused join requests, are counted too (`counts()`:
+  /metrics reads them).
 """
 
 from __future__ import annotations
@@ -68,7 +70,13 @@ from cryptography.hazmat.primitives import serialization
 from fusiond.defaults import NetSection as _NET
 from fusiond.errors import ConfigError, FusionError, LocalError, RemoteError, SelfAddress, describe
 from fusiond.net import tls as tlsmod
-from fusiond.net.pki import JoinAuthority, JoinTokenError, PKIError, TLSMaterial
+from fusiond.net.pki import (
+    JOIN_REFUSAL_REASONS,
+    JoinAuthority,
+    JoinTokenError,
+    PKIError,
+    TLSMaterial,
+)
 from fusiond.tasks import raise_if_cancelling
 from protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
 from protocol.errors import ProtocolError
@@ -89,8 +97,10 @@ from protocol.messages import (
 log = logging.getLogger("fusiond.net")
 
 __all__ = [
+    "TLS_REFUSAL_CHECKS",
     "Lane",
     "NetConfig",
+    "NetCounts",
     "PeerNetwork",
     "PeerRefused",
     "PeerStats",
@@ -202,6 +212,23 @@ class PeerStats:
     dropped: int
     """Frames dropped: queued when a dial failed, or blocked by `set_blocked`."""
     last_error: str | None
+
+
+TLS_REFUSAL_CHECKS = ("handshake", "identity", "removed", "no_certificate")
+"""What refused a peer's connection (either side of it): the TLS `handshake` (no certificate
+of this cluster, or none where one is required), its `identity` (a node id its certificate
+does not carry), the certificate of a `removed` member, or a message other than a
+JoinRequest sent with `no_certificate`."""
+
+
+@dataclass(frozen=True)
+class NetCounts:
+    """Counters of the whole transport since it started (a snapshot)."""
+
+    tls_refusals: dict[str, int]
+    """`TLS_REFUSAL_CHECKS` -> connections refused by it."""
+    join_refusals: dict[str, int]
+    """`pki.JOIN_REFUSAL_REASONS` -> join requests refused for it."""
 
 
 _SEND_NOW_HEADER_BYTES = 4096
@@ -838,6 +865,8 @@ class PeerNetwork:
         self._preauth_limits = lim.for_preauth()
         self._control_limits = lim.for_control()
         self._receive_now: Callable[[str, Message], bool] | None = None
+        self._tls_refusals = dict.fromkeys(TLS_REFUSAL_CHECKS, 0)
+        self._join_refusals = dict.fromkeys(JOIN_REFUSAL_REASONS, 0)
         _check_config(self.config)
 
     # -- service ---------------------------------------------------------------------------
@@ -1068,6 +1097,10 @@ class PeerNetwork:
             )
         return out
 
+    def counts(self) -> NetCounts:
+        """Refusals since start: by the TLS handshake or the trust check, and of join requests."""
+        return NetCounts(dict(self._tls_refusals), dict(self._join_refusals))
+
     def set_denied(self, node_ids: set[str]) -> None:
         """Refuse these nodes from now on, even with valid certificates (removed members).
 
@@ -1225,6 +1258,8 @@ class PeerNetwork:
                 c.connect_timeout_s,
             )
         except (TimeoutError, OSError) as e:
+            if isinstance(e, ssl.SSLCertVerificationError):  # its certificate is not ours
+                self._tls_refusals["handshake"] += 1
             after = f" after {c.connect_timeout_s:g}s" if isinstance(e, TimeoutError) else ""
             raise PeerUnreachable(f"cannot connect to {host}:{port}: {describe(e)}{after}") from e
         conn = proto
@@ -1256,6 +1291,7 @@ class PeerNetwork:
             raise PeerRefused(f"{host}:{port}: {e}") from e
         assert isinstance(reply, HelloAck) and hs.version is not None
         if conn.tls and conn.cert_node_id != reply.node_id:
+            self._tls_refusals["identity"] += 1
             conn.abort(f"{host}:{port} claims node id {reply.node_id} but its certificate "
                        f"says {conn.cert_node_id}")
             raise PeerRefused(f"{host}:{port} claims a node id its certificate does not carry")
@@ -1263,6 +1299,8 @@ class PeerNetwork:
             conn.transport.abort()
             raise DialedSelf(f"{host}:{port} is this node itself")
         if reply.node_id in self._denied:
+            if conn.tls:
+                self._tls_refusals["removed"] += 1
             conn.abort(f"{host}:{port} is node {reply.node_id}, which was removed")
             raise PeerRefused(f"{host}:{port} is node {reply.node_id}, which was removed")
         conn.version = hs.version
@@ -1310,6 +1348,8 @@ class PeerNetwork:
         except (OSError, TimeoutError) as e:
             slot.release()
             sock.close()
+            if self._server_ctx is not None:
+                self._tls_refusals["handshake"] += 1
             if not self._closing:
                 self._log_refusal(host, "tls", f"refused connection from {_fmt(addr)}: TLS "
                                   "handshake failed (no valid cluster certificate?): "
@@ -1438,6 +1478,7 @@ class PeerNetwork:
                 conn.join_only = True
                 self._answer_join(conn, msg)
             else:
+                self._tls_refusals["no_certificate"] += 1
                 self._refuse(conn, self._auth_refusal(
                     f"{type(msg).__name__} without a client certificate; only a JoinRequest "
                     "may be sent before joining"))
@@ -1454,6 +1495,7 @@ class PeerNetwork:
         peer_id = hs.peer_node_id
         assert peer_id is not None and hs.version is not None
         if conn.tls and peer_id != conn.cert_node_id:
+            self._tls_refusals["identity"] += 1
             self._refuse(conn, self._auth_refusal(
                 f"node id {peer_id} in Hello does not match the certificate's "
                 f"{conn.cert_node_id}"))
@@ -1469,6 +1511,8 @@ class PeerNetwork:
                 conn.transport.close()
             return
         if peer_id in self._denied:
+            if conn.tls:
+                self._tls_refusals["removed"] += 1
             self._refuse(conn, self._auth_refusal(f"node {peer_id} was removed from the cluster"))
             return
         assert reply is not None
@@ -1521,6 +1565,8 @@ class PeerNetwork:
         try:
             cert = auth.authorize_request(token=req.token, csr_pem=req.csr)
         except (JoinTokenError, PKIError) as e:
+            reason = e.reason if isinstance(e, JoinTokenError) else "error"
+            self._join_refusals[reason] = self._join_refusals.get(reason, 0) + 1
             self._log_conn(conn, "refused", f"refused join from {conn.peername} "
                            f"({req.node_id}): {e}")
             conn.write_small(encode_message(JoinResponse(

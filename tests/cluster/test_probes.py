@@ -96,9 +96,13 @@ async def test_probe_of_an_unreachable_peer_fails_and_keeps_the_estimate() -> No
         assert first.bandwidth_bits_per_s is not None
         hub.cut("a", "b")
         a.config = dataclasses.replace(cfg, timeout_s=0.2)
+        assert a.failures == {}
         with pytest.raises(ProbeFailed):
             await a.probe("b")
         assert a.links["b"] == first
+        assert a.failures == {"b": 1}  # /metrics: fusion_cluster_probe_failures_total
+        a.forget("b")
+        assert a.failures == {}
     finally:
         await a_net.close()
         await b_net.close()

@@ -11,7 +11,7 @@ import msgpack
 import pytest
 
 from fusiond.net import JoinAuthority, JoinFailed, join_cluster, make_join_token
-from fusiond.net.pki import init_cluster, parse_join_token
+from fusiond.net.pki import JOIN_REFUSAL_REASONS, init_cluster, parse_join_token
 from protocol.messages import Ping
 from tests.net.conftest import Inbox, NetFactory
 
@@ -33,6 +33,7 @@ async def test_join_then_talk(tmp_path: Path, net_factory: NetFactory) -> None:
     # The token was one-time: a third machine cannot reuse it.
     with pytest.raises(JoinFailed, match="already used"):
         await join_cluster(token, tmp_path / "third", timeout_s=5)
+    assert first.counts().join_refusals == {**dict.fromkeys(JOIN_REFUSAL_REASONS, 0), "used": 1}
 
 
 async def test_invalid_and_expired_tokens_refused(
@@ -50,6 +51,9 @@ async def test_invalid_and_expired_tokens_refused(
     other, _, _ = init_cluster(tmp_path / "other")
     with pytest.raises(JoinFailed, match="bad proof"):
         await join_cluster(make_join_token(other, [first.address]), tmp_path / "y", timeout_s=5)
+    # /metrics: fusion_cluster_join_refusals_total{reason}
+    assert first.counts().join_refusals == {**dict.fromkeys(JOIN_REFUSAL_REASONS, 0),
+                                            "expired": 1, "invalid": 1}
 
 
 async def test_joiner_rejects_a_member_of_another_cluster(

@@ -11,6 +11,7 @@ import pytest
 
 from fusiond.net import PeerRefused, PeerUnreachable
 from fusiond.net import tls as tlsmod
+from fusiond.net.transport import TLS_REFUSAL_CHECKS
 from protocol.messages import Hello, Ping, ProbeData, encode_message
 from tests.net.conftest import Inbox, NetFactory, make_cluster, make_node, until
 
@@ -49,6 +50,7 @@ async def test_peer_without_credentials_refused(
         with pytest.raises(PeerUnreachable):
             await plain.connect(b.address)
         await until(lambda: any("TLS handshake failed" in r.getMessage() for r in caplog.records))
+    await until(lambda: b.counts().tls_refusals["handshake"] == 1)  # /metrics counts it
     # A TLS client with no certificate that tries to speak (not join) is refused too.
     reader, writer = await asyncio.open_connection(
         *b.address, ssl=tlsmod.join_client_context(), server_hostname="x"
@@ -78,8 +80,12 @@ async def test_certificate_from_another_cluster_refused(
     b = await net_factory(idb, ca1.cluster_id, tls=mb)
     # Even claiming the right cluster id, a certificate from a foreign CA cannot connect.
     x = await net_factory(idx, ca1.cluster_id, tls=mx)
+    assert b.counts().tls_refusals == dict.fromkeys(TLS_REFUSAL_CHECKS, 0)
     with pytest.raises((PeerUnreachable, PeerRefused)):
         await x.connect(b.address)
+    # Each side refused the other's certificate in the handshake, and counted it.
+    assert x.counts().tls_refusals["handshake"] == 1
+    await until(lambda: b.counts().tls_refusals["handshake"] == 1)
 
 
 async def test_member_cannot_impersonate_another_node(
@@ -94,6 +100,7 @@ async def test_member_cannot_impersonate_another_node(
     with caplog.at_level(logging.WARNING, "fusiond.net"), pytest.raises(PeerRefused):
         await liar.connect(b.address)
     assert any("does not match the certificate" in r.getMessage() for r in caplog.records)
+    assert b.counts().tls_refusals == {**dict.fromkeys(TLS_REFUSAL_CHECKS, 0), "identity": 1}
     assert not ib.items
 
 
@@ -125,6 +132,7 @@ async def test_denied_member_is_refused_despite_valid_certificate(
         with pytest.raises(PeerRefused, match="removed"):
             await a.connect(b.address)
     assert any("removed from the cluster" in r.getMessage() for r in caplog.records)
+    assert b.counts().tls_refusals["removed"] == 1
     await b.send(ida, Ping(request_id=2, sent_at=0.0))  # dropped, never dialed
     assert b.stats()[ida].dropped == 1
 
@@ -156,6 +164,7 @@ async def test_join_enabled_member_admits_only_join_requests_without_a_cert(
     assert isinstance(refusal, Refuse) and refusal.code == "auth"
     assert "JoinRequest" in refusal.reason
     assert any("only a JoinRequest" in r.getMessage() for r in caplog.records)
+    assert b.counts().tls_refusals["no_certificate"] == 1
     # A certificate from another CA fails the TLS handshake even though certs are optional.
     other = make_cluster(tmp_path / "other")
     idx, mx = make_node(tmp_path / "other", other, "x")

@@ -464,6 +464,9 @@ class AssignConfig(Struct):
     None: dense."""
     grad_warmup_steps: int = 0
     """With `grad_rank`: the job's first steps reduce dense (steps 0 .. this - 1)."""
+    eval_interval: int = 0
+    """Steps between the stages' states sent for a held-out evaluation (0: none beyond the
+    checkpoints); sent as `StageCheckpoint`s."""
 
     def __post_init__(self) -> None:
         for name in ("stage_nodes", "shared", "slot_stages", "routes"):

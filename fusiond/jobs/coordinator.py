@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,10 @@ from fusiond.graph import CapturedModel, state_from_bytes
 from fusiond.jobs.assign import Corpus, JobLayout, assign_messages
 from fusiond.jobs.results import gather_state, save_model, write_metrics
 from fusiond.jobs.worker import SendFn
+from fusiond.train.data import make_source, source_from_arrays
+from fusiond.train.evaluate import graph_heldout_loss
 from fusiond.train.local import StepMetrics, merge_reports
-from fusiond.train.spec import JobSpec
+from fusiond.train.spec import JobSpec, default_text_path
 from fusiond.train.stage import StepReport
 from protocol import ir
 from protocol.messages import (
@@ -183,6 +185,12 @@ class JobCoordinator:
         """Called once every stage is Ready (weights shipped) and JobStart is out: the start of
         training, apart from start-up."""
         self._checkpoints: dict[int, dict[int, bytes]] = {}
+        self._held: list[StepMetrics] = []
+        """Steps merged but not yet handed to `on_step`: from the first whose held-out
+        evaluation is still to come, in step order (the history is append-only)."""
+        self._evaluated: set[int] = set()
+        self._eval_source: Any = None  # the held-out data, built on the first evaluation
+        self._eval_warned = False
         self.stage_nodes = layout.slot_nodes  # slot -> node (slot = stage without replicas)
         self._node_stage = {n: s for s, n in self.stage_nodes.items()}
         self._ready: dict[str, asyncio.Future[None]] = {}
@@ -257,10 +265,15 @@ class JobCoordinator:
             got[msg.partition] = bytes(msg.payload)
             if len(got) == len(self.stage_nodes):
                 del self._checkpoints[msg.step]
-                if self.on_checkpoint is not None and self.captured is not None:
+                if self.captured is not None:
                     # A whole model's bytes: decoded and gathered off the event loop.
                     state = await asyncio.to_thread(_gather, self.captured.graph, got)
-                    self.on_checkpoint(msg.step, state)
+                    every = self.spec.checkpoint_interval
+                    if self.on_checkpoint is not None and every > 0 \
+                            and (msg.step + 1) % every == 0:
+                        self.on_checkpoint(msg.step, state)
+                    if self._evaluates(msg.step):
+                        await self._evaluate(msg.step, state)
             return True
         self._reported.add(msg.partition)
         self._result_arrived.set()
@@ -348,7 +361,8 @@ class JobCoordinator:
                 tot[0] += wire
                 tot[1] += dense
         if self.on_step is not None:  # its owner logs the step (once: the job's record)
-            self.on_step(m)
+            self._held.append(m)
+            self._hand_on()
             return
         every = max(1, self.spec.steps // 20)
         if (m.step + 1) % every == 0 or m.step + 1 == self.spec.steps:
@@ -360,6 +374,72 @@ class JobCoordinator:
                      " ".join(f"{v:.2f}" for _, v in sorted(m.stage_busy.items())),
                      m.wire_bytes)
 
+    # -- the live held-out curve ---------------------------------------------------------
+
+    def _evaluates(self, step: int) -> bool:
+        """Whether the whole model after `step` is scored on the held-out split: the stages
+        send their states then (`StageAssignment.sends_state`: checkpoints, `eval_interval`)
+        and the job's data has a held-out split."""
+        done = step + 1
+        return (self.spec.data.heldout > 0 and done < self.spec.steps and not self._eval_warned
+                and any(every > 0 and done % every == 0
+                        for every in (self.spec.checkpoint_interval, self.spec.eval_interval)))
+
+    def _hand_on(self, final: bool = False) -> None:
+        """Hand the held steps to `on_step` in order, up to the first whose evaluation is still
+        to come (`final`: all of them, evaluated or not: the attempt ended)."""
+        while self._held:
+            m = self._held[0]
+            if not final and self._evaluates(m.step) and m.step not in self._evaluated:
+                return
+            self._held.pop(0)
+            if self.on_step is not None:
+                self.on_step(m)
+
+    def _heldout(self, state: Mapping[str, torch.Tensor]) -> float:
+        """The held-out loss of the whole model `state` (off the event loop). The data is what
+        the stages read: the arrays the submitter shipped, or this machine's own default
+        corpus or synthetic images; never a path the job names."""
+        if self._eval_source is None:
+            d, c = self.spec.data, self.corpus
+            arrays = None if c is None else c.shipped()
+            if arrays is not None:
+                source: Any = source_from_arrays(d, {k: v.numpy() for k, v in arrays.items()},
+                                                 self.spec.seed)
+            elif d.kind == "images" or c is None:  # synthetic, or in process (the submitter)
+                source = make_source(d, self.spec.seed)
+            elif c.default:
+                source = make_source(replace(d, path=default_text_path()), self.spec.seed)
+            else:
+                raise LocalError("the job's data was not shipped to the scheduler")
+            self._eval_source = source
+        graph = self.captured.graph if self.captured is not None else None
+        if graph is None:
+            raise LocalError("the attempt was released")
+        return graph_heldout_loss(graph, state, self.spec, self._eval_source,
+                                  loss_name=self.layout.loss_name)
+
+    async def _evaluate(self, step: int, state: Mapping[str, torch.Tensor]) -> None:
+        """Score the model after `step` on the held-out split, put the figure in that step's
+        record and hand on the steps it held. A failure is logged once and ends the job's
+        evaluations, never the job."""
+        try:
+            loss: float | None = await asyncio.to_thread(self._heldout, state)
+        except Exception as e:
+            log.warning("job %s: no held-out evaluation after step %d (none from now on): %s",
+                        self.job_id, step + 1, e)
+            self._eval_warned = True
+            loss = None
+        for m in reversed(self._metrics):
+            if m.step == step:
+                m.held_out_loss = loss
+                break
+        if loss is not None:
+            log.info("job %s step %d/%d held-out loss %.4f", self.job_id, step + 1,
+                     self.spec.steps, loss)
+        self._evaluated.add(step)
+        self._hand_on()
+
     def release(self) -> None:
         """Drop what only a running attempt needs: the captured graph and initial weights,
         the corpus, the partitions' results and any half-gathered checkpoint. `status` still
@@ -367,6 +447,7 @@ class JobCoordinator:
         its last coordinator for `fusionctl job`; idempotent)."""
         self.captured = None
         self.corpus = None
+        self._eval_source = None
         self._results.clear()
         self._checkpoints.clear()
 
@@ -477,6 +558,7 @@ class JobCoordinator:
             log.exception("job %s: the scheduler's side of the attempt failed", self.job_id)
             self._fail("scheduler", -1, f"{type(e).__name__}: {e}", stage=-1,
                        fault=FAULT_SCHEDULER)
+        self._hand_on(final=True)  # steps still waiting for an evaluation go on without it
         if self._failure is None:
             # Every stage finished: every step's reports must have come (a lost last report
             # would leave the history without the job's last steps).

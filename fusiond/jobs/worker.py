@@ -6,8 +6,9 @@ into the daemon's message dispatch):
 - Assign -> build the partition (off the event loop) and answer Ready, or Error naming what was
   wrong (`code="assign_failed"`);
 - JobStart -> run every step; after each, StageStep to the scheduler (and every
-  `checkpoint_interval` steps a StageCheckpoint with the partition's state); at the end JobResult
-  (ok + the partition's final weights as safetensors payload, or not ok + the failure);
+  `checkpoint_interval` or `eval_interval` steps a StageCheckpoint with the partition's
+  state); at the end JobResult (ok + the partition's final weights as safetensors payload, or
+  not ok + the failure);
 - Forward / Backward -> the stage's executor;
 - JobDensities -> new top-k densities for edges this stage sends (AdaTopK re-adaptation);
 - JobCancel -> stop the stage and free it. Assign travels on BULK and JobCancel on CONTROL, so
@@ -423,8 +424,7 @@ class JobWorker:
             await self.send(job.scheduler, StageStep(
                 job_id=job_id, plan_version=sa.plan_version, partition=sa.own_slot, step=rep.step,
                 figures=rep.to_figures()), ())
-            every = sa.checkpoint_interval
-            if every > 0 and (rep.step + 1) % every == 0 and rep.step + 1 < sa.steps:
+            if sa.sends_state(rep.step):  # a checkpoint, or the scheduler's held-out evaluation
                 # The executor waits for this callback before its next step: a consistent state.
                 blob = await asyncio.to_thread(state_to_bytes, host.state_dict())
                 await self.send(job.scheduler, StageCheckpoint(

@@ -5,10 +5,17 @@ of the job's data source (`heldout_batches`: examples, or the token stream's tai
 for training) and returns the job's objective averaged over what it scores: labelled positions
 for the LM objectives and classification (positions labelled `ignore_index` count for
 nothing), samples for regression. The model's training mode is restored.
+
+`graph_heldout_loss(graph, state, spec, source)` is the same figure for a captured job graph
+(its loss included) with a whole model's weights: what a scheduler, which holds the IR and the
+weights but never the user's code, computes for a job's live held-out curve. It runs the
+training graph, so a model with dropout scores with dropout on (seeded: the same masks for
+the same weights), and a bounded number of held-out windows (`max_examples`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -17,9 +24,15 @@ from torch import nn
 from fusiond.errors import LocalError
 from fusiond.train.data import Batch, make_source
 from fusiond.train.model import Feed, feed_for, loss_fn
+from fusiond.train.programs import build_stage_module, data_inputs, graph_data_names
 from fusiond.train.spec import JobSpec
+from protocol import ir
 
-__all__ = ["heldout_loss"]
+__all__ = ["EVAL_EXAMPLES", "graph_heldout_loss", "heldout_loss"]
+
+EVAL_EXAMPLES = 64
+"""Held-out examples (windows, rows, images) a live evaluation scores: a bounded cost per
+evaluation whatever the split's size (the same examples every time)."""
 
 
 def heldout_loss(model: nn.Module, spec: JobSpec, *, source: Any = None,
@@ -50,6 +63,45 @@ def heldout_loss(model: nn.Module, spec: JobSpec, *, source: Any = None,
                 count += n
     finally:
         model.train(was_training)
+    if count == 0:
+        raise LocalError("the held-out split is empty: set data.heldout > 0 (or give more data)")
+    return total / count
+
+
+def graph_heldout_loss(graph: ir.Graph, state: Mapping[str, torch.Tensor], spec: JobSpec,
+                       source: Any, *, loss_name: str | None = None,
+                       max_examples: int = EVAL_EXAMPLES, batch_size: int = 16) -> float:
+    """The mean held-out loss of the captured job graph `graph` (which computes the job's
+    loss: output `loss_name`, or its only output) with the weights `state`, over the first
+    `max_examples` held-out examples of `source`, weighted as `heldout_loss` weighs them.
+    The weights are copied: buffers a training graph updates in place (BatchNorm's running
+    statistics) leave `state` as it was. `LocalError` without a held-out split."""
+    batches = getattr(source, "heldout_batches", None)
+    if batches is None:
+        raise LocalError(f"the data source {type(source).__name__} has no held-out split")
+    program = build_stage_module(graph, {k: v.detach().clone() for k, v in state.items()})
+    out_name = loss_name if loss_name is not None else program.output_names[0]
+    if out_name not in program.output_names:
+        raise LocalError(f"the job graph has no output {out_name!r} "
+                         f"(outputs {list(program.output_names)})")
+    main, targets = graph_data_names(graph)
+    feed = data_inputs(program.input_names, (), main, targets)  # batch key -> graph input
+    ignore = spec.loss.ignore_index
+    total, count, seen = 0.0, 0, 0
+    with torch.no_grad():
+        for i, b in enumerate(batches(batch_size)):
+            if seen >= max_examples:
+                break
+            assert isinstance(b, Batch)
+            seen += b.size
+            n = b.size if spec.loss.kind == "regression" else int((b.targets != ignore).sum())
+            if n == 0:
+                continue
+            if program.random is not None:  # dropout's masks: a function of the example
+                program.random.set(spec.seed, -1, i)
+            loss = program.run({name: b[key] for key, name in feed.items()})[out_name]
+            total += float(loss) * n
+            count += n
     if count == 0:
         raise LocalError("the held-out split is empty: set data.heldout > 0 (or give more data)")
     return total / count

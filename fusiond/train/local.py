@@ -150,6 +150,9 @@ class StepMetrics:
     """Per stage, the share of the step it waited for inputs (`StepReport.wait_s`)."""
     reports: dict[int, StepReport] = field(default_factory=dict, repr=False)
     """The stages' own reports (their task timelines), for diagnostics; not in `as_dict`."""
+    held_out_loss: float | None = None
+    """The whole model's held-out loss after this step, where the scheduler evaluated it
+    (`job.eval_interval`, checkpoints); in `as_dict` only then."""
 
     @property
     def wire_bytes(self) -> int:
@@ -176,7 +179,7 @@ class StepMetrics:
             "dense_bytes": self.dense_bytes,
             "shared_bytes": self.shared_bytes,
             "edges": [e.as_dict() for e in self.edges],
-        }
+        } | ({} if self.held_out_loss is None else {"held_out_loss": self.held_out_loss})
 
 
 def merge_reports(reports: Sequence[StepReport], *, samples: int, tokens: int,

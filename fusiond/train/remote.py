@@ -181,6 +181,7 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
         routes={str(k): tuple(int(x) for x in v) for k, v in (routes or {}).items()},
         grad_rank=None if grad_rank is None else int(grad_rank),
         grad_warmup_steps=int(grad_warmup_steps),
+        eval_interval=spec.eval_interval,
     )
 
 
@@ -231,6 +232,16 @@ class StageAssignment:
     """Summed gradients travel as rank-`grad_rank` factors (None: dense)."""
     grad_warmup_steps: int = 0
     """... after this many dense steps."""
+    eval_interval: int = 0
+    """Steps between states sent for the scheduler's held-out evaluation (0: none)."""
+
+    def sends_state(self, step: int) -> bool:
+        """Whether the state after `step` goes to the scheduler (a checkpoint, or a held-out
+        evaluation), not after the last step (its state is the result)."""
+        done = step + 1
+        return done < self.steps and any(
+            every > 0 and done % every == 0
+            for every in (self.checkpoint_interval, self.eval_interval))
 
     @property
     def own_slot(self) -> int:
@@ -352,6 +363,9 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
     if not 0 <= cfg.grad_warmup_steps <= max(0, steps):
         raise RemoteError(f"Assign.config.grad_warmup_steps: {cfg.grad_warmup_steps!r} is not "
                           f"a step count in [0, {steps}]")
+    if not 0 <= cfg.eval_interval <= 10**9:
+        raise RemoteError(f"Assign.config.eval_interval: {cfg.eval_interval!r} is not a step "
+                          "count in [0, 10**9]")
     if not 0 <= first_step < max(1, steps):
         raise RemoteError(f"Assign.config.first_step: {first_step!r} is not a step of the job's "
                           f"{steps}")
@@ -366,7 +380,7 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         recv_timeout_s=recv_timeout, slot=slot,
         slot_nodes={int(k): v for k, v in stage_map.items()},
         routes=routes, slot_stages=slot_stages, grad_rank=grad_rank,
-        grad_warmup_steps=cfg.grad_warmup_steps,
+        grad_warmup_steps=cfg.grad_warmup_steps, eval_interval=cfg.eval_interval,
     )
 
 

@@ -279,6 +279,10 @@ class JobSpec:
     max_restarts: int = 2
     """After a stage machine fails, re-plan on the machines still alive and resume from the
     last checkpoint (or step 0 without one) at most this many times; 0 = fail at once."""
+    eval_interval: int = 0
+    """Every this many steps the scheduler gathers the whole model and scores it on the
+    held-out split (the live held-out curve: `held_out_loss` in the step records); 0 = at
+    checkpoints only."""
 
 
 # -- field readers: each names the field it rejects ------------------------------------------
@@ -670,6 +674,7 @@ def job_from_dict(data: Mapping[str, Any], *, base: Path | None = None,
     seed = job.integer("seed", 0, hi=2**63 - 1)
     ckpt = job.integer("checkpoint_interval", 0, hi=10**9)
     restarts = job.integer("max_restarts", 2, hi=100)
+    eval_every = job.integer("eval_interval", 0, hi=10**9)
     output = (out_base / job.string("output", f"runs/{name}")).expanduser()
     job.finish()
     data_t = root.sub("data")
@@ -687,6 +692,7 @@ def job_from_dict(data: Mapping[str, Any], *, base: Path | None = None,
         checkpoint_interval=ckpt,
         output=output,
         max_restarts=restarts,
+        eval_interval=eval_every,
     )
     root.finish()
     return spec

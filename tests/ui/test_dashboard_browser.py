@@ -42,6 +42,7 @@ name = "dash"
 steps = 100
 seed = 0
 checkpoint_interval = 30
+eval_interval = 20
 output = "{out}"
 [model]
 zoo = "gpt2"
@@ -136,9 +137,10 @@ def _check_the_job_as_data_and_in_metrics(cluster: Cluster, job_id: str,
     assert any(k[0] == "fusion_build_info" for k in got)
 
 
-def _points(page: Any, job_id: str) -> int:
-    n = page.evaluate("(id) => { const l = document.querySelector(`#loss-${CSS.escape(id)} "
-                      "polyline.train`); return l ? l.points.numberOfItems : 0; }", job_id)
+def _points(page: Any, job_id: str, line: str = "train") -> int:
+    n = page.evaluate("([id, line]) => { const l = document.querySelector(`#loss-${CSS.escape(id)}"
+                      " polyline.${line}`); return l ? l.points.numberOfItems : 0; }",
+                      [job_id, line])
     return int(n)
 
 
@@ -207,6 +209,9 @@ def test_dashboard_in_chromium(cluster: Cluster, artifacts: Path, tmp_path: Path
             page.screenshot(path=str(artifacts / "2-training.png"), full_page=True)
             page.wait_for_selector(f"#job-{job_id}[data-state=done]", timeout=90_000)
             assert _points(page, job_id) == 100
+            # the held-out curve: the scheduler's evaluations after steps 20, 30 (a
+            # checkpoint), 40, 60, 80 and 90, each a point of the second line
+            assert _points(page, job_id, "held-out") == 6
             assert "after step" in card.inner_text()  # the checkpoint and its age
             _check_the_job_as_data_and_in_metrics(cluster, job_id, capsys)
 

@@ -1,0 +1,102 @@
+"""The live held-out curve (issue 19's dashboard): the scheduler scores the whole model on the
+job's held-out split every `job.eval_interval` steps (and at checkpoints) from the captured
+graph alone, and the figure lands in that step's record (`held_out_loss`), which reaches the
+submitter and the dashboard like any step record, in step order."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from fusiond.jobs import service
+from fusiond.jobs.service import JobService
+from fusiond.train.data import make_source
+from fusiond.train.evaluate import graph_heldout_loss, heldout_loss
+from fusiond.train.programs import capture_job
+from fusiond.train.spec import default_text_path, parse_job
+from tests.train.conftest import CAPTURED_JOB
+from tests.train.test_service import JOB, Net, View, upload, wait
+
+
+def test_the_graph_evaluator_gives_the_eager_evaluators_figure() -> None:
+    """The captured graph with a model's weights scores what the model itself scores (GPT-2
+    tiny, no dropout), on the same held-out windows."""
+    spec = parse_job(CAPTURED_JOB, base=default_text_path())
+    model, captured = capture_job(spec)
+    source = make_source(spec.data, spec.seed)
+    with torch.no_grad():
+        for p in model.parameters():  # weights that are not the initial ones
+            p.add_(0.01 * torch.randn_like(p))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {name: state.get(name, captured.state[name]) for name in captured.state}
+    # every held-out window: the eager evaluator scores them all
+    everything = sum(b.size for b in source.heldout_batches(16))
+    got = graph_heldout_loss(captured.graph, state, spec, source, max_examples=everything)
+    want = heldout_loss(model, spec, source=source)
+    assert got == pytest.approx(want, rel=1e-5)
+    bounded = graph_heldout_loss(captured.graph, state, spec, source, max_examples=16)
+    assert bounded != pytest.approx(got, rel=1e-9)  # the bound is honoured: fewer windows
+    assert 2.0 < bounded < 8.0
+
+
+@pytest.mark.slow
+async def test_the_scheduler_puts_the_heldout_loss_in_the_step_records(tmp_path: Any) -> None:
+    """A job with eval_interval = 3 over 8 steps: steps 3 and 6 carry held-out losses (a
+    checkpoint at 4 too: checkpoint_interval = 4), every other step none, the records arrive
+    in order and each once, and the figures fall as the model trains."""
+    from fusiond.jobs.submit import prepare_job
+
+    p = tmp_path / "job.toml"
+    p.write_text(JOB.format(steps=8, out=tmp_path / "out", data=default_text_path() / "json")
+                 .replace("[model]", "eval_interval = 3\ncheckpoint_interval = 4\n[model]"))
+    job = prepare_job(p)
+    assert job.spec.eval_interval == 3
+    net = Net()
+    view = View(["m0"], leader="m0")
+    svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
+    net.svc = svc
+    await svc.start()
+    try:
+        summary = await svc.submit(service.decode_upload(upload(job, stages=1)), submitter="m1")
+        rec = svc.get(summary["job_id"])
+        assert isinstance(rec, service._Record)
+        await wait(lambda: len(rec.history) == 8, 120, "eight steps")
+        history = [dict(r) for r in rec.history]
+    finally:
+        await svc.close()
+    assert [r["step"] for r in history] == list(range(8))
+    held = {r["step"] + 1: r["held_out_loss"] for r in history if "held_out_loss" in r}
+    assert sorted(held) == [3, 4, 6], held
+    assert all(2.0 < v < 8.0 for v in held.values())
+    assert held[6] < held[3]
+
+
+def test_eval_interval_is_a_job_setting_on_the_wire() -> None:
+    """`job.eval_interval` reaches every stage (AssignConfig.eval_interval): a stage sends its
+    state after the steps of either interval, never after the last one."""
+    from fusiond.train.remote import job_config
+
+    spec = parse_job(CAPTURED_JOB.replace("seed = 3", "seed = 3\neval_interval = 5"),
+                     base=default_text_path())
+    cfg = job_config(spec, stage_nodes={0: "a"}, shared={}, input_name="input",
+                     targets_name="targets", loss_name="loss")
+    assert cfg.eval_interval == 5
+    from fusiond.train.remote import StageAssignment
+
+    sa: Any = replace(_assignment(), steps=20, checkpoint_interval=6, eval_interval=5)
+    assert [s + 1 for s in range(20) if StageAssignment.sends_state(sa, s)] == [5, 6, 10, 12,
+                                                                               15, 18]
+
+
+def _assignment() -> Any:
+    from fusiond.train.remote import StageAssignment
+
+    spec = parse_job(CAPTURED_JOB, base=default_text_path())
+    return StageAssignment(
+        job_id="j", plan_version=1, stage=0, graph=None, state={},  # type: ignore[arg-type]
+        edges=(), stages=1, stage_nodes={0: "a"}, steps=20, seed=0, checkpoint_interval=0,
+        batch=spec.batch, optimizer=spec.optimizer, data=spec.data,
+        per_row=True, input_name="input", targets_name="targets", loss_name="loss", shared={})

@@ -332,7 +332,10 @@ class Daemon:
             node_id=lambda: self.node_id,
             net_stats=lambda: self.net.stats() if self.net is not None else None,
             cluster_view=lambda: self.cluster.view() if self.cluster is not None else None,
-            started_at=self.started_at))
+            started_at=self.started_at,
+            net_counts=lambda: self.net.counts() if self.net is not None else None,
+            probe_failures=lambda: (self.cluster.probe_failures if self.cluster is not None
+                                    else None)))
         if cfg.metrics.listen:
             host, port = parse_hostport(cfg.metrics.listen)
             self.metrics = MetricsServer(self.registry, host, port)
@@ -716,7 +719,9 @@ class Daemon:
         self.add_message_handler(jobs.dispatch)
         if self.cluster is not None:
             self.cluster.on_change(jobs.on_view)
-        self.registry.register(JobCollector(jobs.coordinators, jobs.scheduling.stats))
+        self.registry.register(JobCollector(
+            jobs.coordinators, jobs.scheduling.stats,
+            checkpoints=lambda: {j: r.checkpoint_at for j, r in jobs.scheduling.records.items()}))
 
     def add_message_handler(self, handler: Callable[[str, Any], Awaitable[bool]]) -> None:
         """Offer peer messages the cluster does not take to `handler(peer, msg) -> handled`

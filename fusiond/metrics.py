@@ -21,17 +21,21 @@ from fusiond.units import bytes_per_s_from_bits_per_s
 
 if TYPE_CHECKING:  # the records it reads, for annotations only
     from fusiond.cluster import ClusterView
-    from fusiond.net.transport import PeerStats
+    from fusiond.net.transport import NetCounts, PeerStats
 
 log = logging.getLogger("fusiond.metrics")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+def _none() -> None:
+    return None
+
+
 class DaemonCollector(Collector):
     """Collects from callables returning the live state; each may return None when not up:
-    the transport's per-peer `PeerStats` and the cluster's `ClusterView`, read as the typed
-    records they are."""
+    the transport's per-peer `PeerStats` and its `NetCounts` (refusals), the cluster's
+    `ClusterView` and its failed probe rounds per peer, read as the typed records they are."""
 
     def __init__(
         self,
@@ -40,11 +44,15 @@ class DaemonCollector(Collector):
         net_stats: Callable[[], Mapping[str, PeerStats] | None],
         cluster_view: Callable[[], ClusterView | None],
         started_at: float,
+        net_counts: Callable[[], NetCounts | None] = _none,
+        probe_failures: Callable[[], Mapping[str, int] | None] = _none,
     ) -> None:
         self._node_id = node_id
         self._net_stats = net_stats
         self._cluster_view = cluster_view
         self._started_at = started_at
+        self._net_counts = net_counts
+        self._probe_failures = probe_failures
 
     def describe(self) -> Iterator[Any]:
         return iter(())  # unchecked collector: metric names are known only at scrape time
@@ -55,6 +63,7 @@ class DaemonCollector(Collector):
         up.add_metric([self._node_id()], self._started_at)
         yield up
         yield from self._collect_net()
+        yield from self._collect_refusals()
         yield from self._collect_cluster()
 
     def _collect_net(self) -> Iterator[Any]:
@@ -69,6 +78,9 @@ class DaemonCollector(Collector):
                                   "Frames queued for a peer", labels=["peer", "lane"])
         conn = GaugeMetricFamily("fusion_net_connected_peers",
                                  "1 when a connection to the peer is open", labels=["peer"])
+        redial = CounterMetricFamily("fusion_net_reconnects",
+                                     "Links to a peer dialled again after one was up",
+                                     labels=["peer"])
         for peer, st in stats.items():
             # "wire": every byte the sockets carried (frames and headers included)
             sent.add_metric([peer, "wire"], float(st.bytes_sent))
@@ -76,7 +88,24 @@ class DaemonCollector(Collector):
             depth.add_metric([peer, "control"], float(st.control_queue_depth))
             depth.add_metric([peer, "bulk"], float(st.bulk_queue_depth))
             conn.add_metric([peer], 1.0 if st.connected else 0.0)
-        yield from (sent, recv, depth, conn)
+            redial.add_metric([peer], float(st.reconnects))
+        yield from (sent, recv, depth, conn, redial)
+
+    def _collect_refusals(self) -> Iterator[Any]:
+        counts = self._net_counts()
+        if counts is None:
+            return
+        tls = CounterMetricFamily("fusion_net_tls_refusals",
+                                  "Peer connections refused by the TLS handshake or the trust "
+                                  "check, by check", labels=["check"])
+        for check, n in sorted(counts.tls_refusals.items()):
+            tls.add_metric([check], float(n))
+        join = CounterMetricFamily("fusion_cluster_join_refusals",
+                                   "Join requests this member refused, by reason",
+                                   labels=["reason"])
+        for reason, n in sorted(counts.join_refusals.items()):
+            join.add_metric([reason], float(n))
+        yield from (tls, join)
 
     def _collect_cluster(self) -> Iterator[Any]:
         view = self._cluster_view()
@@ -108,6 +137,14 @@ class DaemonCollector(Collector):
                                    "1 when this node sees a majority of members")
         quorum.add_metric([], 1.0 if view.has_quorum else 0.0)
         yield from (rtt, bw, members, term, leader, quorum)
+        failures = self._probe_failures()
+        if failures is not None:
+            probes = CounterMetricFamily("fusion_cluster_probe_failures",
+                                         "Link probe rounds to a peer that failed",
+                                         labels=["peer"])
+            for peer, n in sorted(failures.items()):
+                probes.add_metric([peer], float(n))
+            yield probes
 
 
 class MetricsServer:

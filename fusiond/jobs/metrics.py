@@ -11,6 +11,9 @@ Register `JobCollector(lambda: coordinators)` with the daemon's registry
   compression), `fusion_job_edge_density{edge}` (1 = exact);
 - `fusion_job_state{job,state}` (1): every running job, and an ended one for `KEEP_ENDED_S`
   with its last figures, so an alert on a failed job has something to fire on;
+- `fusion_job_checkpoint_age_seconds{job}`: since the running job's last whole-model
+  checkpoint arrived (`JobRecord.checkpoint_at`, what the dashboard shows the age of; absent
+  before the first);
 
 and from `JobStats`, what the jobs coordinated here did since the daemon started:
 `fusion_job_outcomes_total{outcome}` (done, failed, cancelled), `fusion_job_restarts_total`,
@@ -82,13 +85,18 @@ class _HasStatus(Protocol):
 
 
 class JobCollector(Collector):
-    """Collects `status()` of every live coordinator, the recently ended jobs' last figures
-    and the counters of `stats`."""
+    """Collects `status()` of every live coordinator, the recently ended jobs' last figures,
+    the counters of `stats`, and the checkpoints' ages from `checkpoints` (job id -> Unix
+    time its last checkpoint arrived) by the wall clock `clock`."""
 
     def __init__(self, coordinators: Callable[[], Iterable[_HasStatus]],
-                 stats: JobStats | None = None) -> None:
+                 stats: JobStats | None = None, *,
+                 checkpoints: Callable[[], Mapping[str, float | None]] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self._coordinators = coordinators
         self._stats = stats
+        self._checkpoints = checkpoints
+        self._clock = clock
 
     def describe(self) -> Iterator[Any]:
         return iter(())  # unchecked: label values are known only at scrape time
@@ -148,7 +156,20 @@ class JobCollector(Collector):
                 for direction, v in e["dense_bytes"].items():
                     dense.add_metric([job, e["edge"], direction], float(v))
         yield from (state, step, steps, loss, tps, sps, busy, wait, wire, dense, density)
+        yield from self._checkpoint_ages(live)
         yield from self._counters()
+
+    def _checkpoint_ages(self, live: set[str]) -> Iterator[Any]:
+        if self._checkpoints is None:
+            return
+        age = GaugeMetricFamily("fusion_job_checkpoint_age_seconds",
+                                "Since the running job's last whole-model checkpoint arrived",
+                                labels=["job"])
+        now = self._clock()
+        for job, at in sorted(self._checkpoints().items()):
+            if job in live and at is not None:
+                age.add_metric([job], max(0.0, now - at))
+        yield age
 
     def _counters(self) -> Iterator[Any]:
         s = self._stats

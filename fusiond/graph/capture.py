@@ -12,9 +12,12 @@ import contextlib
 import io
 import logging
 import operator
+import os
 import platform
 import re
 import sys
+import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -28,6 +31,7 @@ import torch
 from torch import fx, nn
 from torch.export import Dim
 from torch.export.graph_signature import InputKind, OutputKind
+from torch.nn.parameter import is_lazy
 
 from fusiond.graph.errors import CaptureError, UnsupportedOpError
 from fusiond.graph.registry import is_supported, op_name, sym_op_name
@@ -164,11 +168,10 @@ def _frame_text(fr: traceback.FrameSummary, lib: bool) -> str:
     return f" at {name}:{fr.lineno} in {fr.name}: `{code}`"
 
 
-def _user_frame(e: BaseException) -> str:
-    """` at file.py:LINE in fn: `code`` for the deepest traceback frame in the user's code, or,
-    when the error came from deeper inside a library (transformers, ...), the deepest frame
-    there (named by its path inside site-packages); torch's and fusion's own frames are
-    skipped."""
+def _deepest_frame(e: BaseException) -> tuple[traceback.FrameSummary, bool] | None:
+    """The deepest traceback frame of `e` in the user's code, or, when the error came from
+    deeper inside a library (transformers, ...), the deepest frame there, with True for a
+    library's; torch's and fusion's own frames are skipped."""
     torch_dir = str(Path(torch.__file__).parent)
     ours = str(Path(__file__).parent)
     stdlib = str(Path(traceback.__file__).parent)
@@ -178,16 +181,17 @@ def _user_frame(e: BaseException) -> str:
         if fn.startswith((torch_dir, ours, stdlib)) or fn.startswith("<"):
             continue
         deepest = (fr, "site-packages" in fn or "dist-packages" in fn)
-    return "" if deepest is None else _frame_text(*deepest)
+    return deepest
 
 
 _NOISE = ("For more information", "TORCH_LOGS", "TORCHDYNAMO_", "docs.google.com",
           "draft_export", "If you suspect the guard", "For extended logs", "The error above",
-          "consider using data-dependent friendly APIs", "Caused by: (_export")
+          "consider using data-dependent friendly APIs", "Caused by: (_export", "tlparse")
 
 
-def _hint(model: nn.Module, e: BaseException, text: str) -> str:
-    """What the user can do about a torch.export failure, where we recognise it."""
+def _hint(model: nn.Module, e: BaseException, text: str, lib: bool | None) -> str:
+    """What the user can do about a torch.export failure: specific where we recognise it,
+    else by where it raised (`lib`: in a library's code; None: no frame outside torch)."""
     if "specialized it to be a constant" in text or "Constraints violated" in text:
         rnns = [(n, type(m).__name__) for n, m in model.named_modules()
                 if isinstance(m, nn.RNNBase)]
@@ -202,43 +206,117 @@ def _hint(model: nn.Module, e: BaseException, text: str) -> str:
         return (". A branch or a size depends on a tensor's values (.item(), int(t), "
                 "bool(t), if t...), which one graph cannot hold: compute it with tensor ops "
                 "(torch.where, masking) or torch.cond")
-    return ""
+    if lib:
+        return (". That line is library code: call the library so it takes another path (its "
+                "inputs or config), or replace the module that runs it; docs/ir.md "
+                "(\"What capture takes\") says what torch.export can trace")
+    if lib is False:
+        return (". Rewrite that line so torch.export can trace it; docs/ir.md (\"What capture "
+                "takes\") says what it can")
+    return (". torch.export failed inside torch, at no line of the model: docs/ir.md (\"What "
+            "capture takes\") says what it can trace; simplify the model's forward until it "
+            "exports")
+
+
+def _torch_words(text: str) -> str:
+    """torch's message without its debugging advice: its first distinct lines."""
+    lines = list(dict.fromkeys(ln.rstrip() for ln in text.strip().splitlines()
+                               if ln.strip() and not any(x in ln for x in _NOISE)))
+    return "\n".join(lines[:6]).rstrip(". ")
 
 
 def export_failure(model: nn.Module, e: BaseException, module_path: str = "") -> str:
     """The message of a torch.export failure: the model, the module that was running and the
     line (the user's, or a library's when it raised there), torch's own words without its
-    debugging advice, and what to do where we recognise the failure."""
-    text = str(e).split("The following call raised this error", 1)[0]
-    lines = list(dict.fromkeys(ln.rstrip() for ln in text.strip().splitlines()
-                               if ln.strip() and not any(x in ln for x in _NOISE)))
-    head = "\n".join(lines[:6]).rstrip(". ")
-    where = _user_frame(e)
+    debugging advice, and what to do."""
+    head = _torch_words(str(e).split("The following call raised this error", 1)[0])
+    deepest = _deepest_frame(e)
+    where = "" if deepest is None else _frame_text(*deepest)
+    lib = None if deepest is None else deepest[1]
     inside = f" (in module {module_path!r})" if module_path else ""
     return (f"torch.export cannot export {type(model).__name__}{inside}{where}: "
-            f"{type(e).__name__}: {head}{_hint(model, e, str(e))}")
+            f"{type(e).__name__}: {head}{_hint(model, e, str(e), lib)}")
+
+
+def lowering_failure(model: nn.Module, e: BaseException,
+                     exported: torch.export.ExportedProgram) -> str:
+    """The message of a `run_decompositions` failure: the model, the module and line of the
+    exported node torch was lowering (named in torch's message, looked up in `exported`),
+    torch's own words, and what to do."""
+    text, _, executing = str(e).partition("\n\nWhile executing ")
+    found = re.match(r"%(\w+)", executing)
+    node = None
+    if found:
+        node = next((n for n in exported.graph_module.graph.nodes
+                     if n.name == found.group(1)), None)
+    inside = where = op = ""
+    if node is not None:
+        path = _module_path(node)
+        inside = f" (in module {path!r})" if path else ""
+        where = _source_line(node)
+        if isinstance(node.target, torch._ops.OpOverload):
+            op = f" {op_name(node.target)}"
+    line = "that line" if where else "the model"
+    return (f"lowering {type(model).__name__} to core ATen failed{inside}{where}: "
+            f"{type(e).__name__}: {_torch_words(text)}. torch.export traced {line}, but "
+            f"torch's lowering of its op{op} failed: rewrite {line} with other ops, or "
+            "capture with another torch version")
+
+
+_STDERR_LOCK = threading.RLock()
+"""Held while fd 2 points at an export's temporary file (see `quiet_export`)."""
+
+
+def _flush_stderr() -> None:
+    for stream in (sys.stderr, sys.__stderr__):
+        if stream is not None:
+            with contextlib.suppress(ValueError, OSError):  # closed
+                stream.flush()
 
 
 @contextlib.contextmanager
 def quiet_export() -> Iterator[None]:
     """Keep torch's own output off the user's terminal while exporting: the partial graph
-    torch.export prints to stderr when it fails, its loggers' warnings, and the warnings it
-    raises about the model. What the model itself printed is written out after a successful
-    export."""
+    torch.export prints to stderr when it fails, what its C++ writes to file descriptor 2, its
+    loggers' warnings, and the warnings it raises about the model. What was written to stderr
+    (the model's own output) is written out after a successful export, dropped after a failed
+    one.
+
+    Not thread-safe beyond a lock: fd 2 belongs to the process, so while an export runs every
+    thread's writes to it (log lines, native warnings) go to the temporary file too, shown
+    after a successful export and dropped after a failed one. `_STDERR_LOCK` keeps two
+    threads' exports from swapping fd 2 out of order (they run one at a time here); it is
+    re-entrant, so a nested `quiet_export` in one thread redirects again. Capture runs where
+    a job is submitted, not in a daemon's threads."""
     buf = io.StringIO()
     logger = logging.getLogger("torch")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    ok = False
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stderr(buf):
-            warnings.simplefilter("ignore")
-            yield
-        ok = True
-    finally:
-        logger.setLevel(level)
-        if ok and buf.getvalue():
-            sys.stderr.write(buf.getvalue())
+    with _STDERR_LOCK, tempfile.TemporaryFile() as native:
+        _flush_stderr()  # what was written before the export stays before it
+        try:
+            saved_fd: int | None = os.dup(2)
+        except OSError:  # no fd 2 (a detached process): Python-level only
+            saved_fd = None
+        if saved_fd is not None:
+            os.dup2(native.fileno(), 2)
+        level = logger.level
+        logger.setLevel(logging.CRITICAL)
+        ok = False
+        try:
+            with warnings.catch_warnings(), contextlib.redirect_stderr(buf):
+                warnings.simplefilter("ignore")
+                yield
+            ok = True
+        finally:
+            if saved_fd is not None:
+                _flush_stderr()  # Python's buffered writes to fd 2 go to the file, not after
+                os.dup2(saved_fd, 2)
+                os.close(saved_fd)
+            logger.setLevel(level)
+            if ok:
+                native.seek(0)
+                written = native.read().decode(errors="replace") + buf.getvalue()
+                if written:
+                    sys.stderr.write(written)
 
 
 class _ModuleTrail:
@@ -296,6 +374,16 @@ def export_program(
 
     Returns the program, the input names and the dynamic spec per input."""
     keywords: tuple[str, ...] = ()
+    lazy = [(n, type(m).__name__) for n, m in model.named_modules()
+            if any(is_lazy(t) for t in (*m.parameters(False), *m.buffers(False)))]
+    if lazy:
+        which = ", ".join(f"{n!r} ({c})" if n else f"{c} (the model itself)"
+                          for n, c in lazy[:4])
+        raise CaptureError(
+            f"cannot capture {type(model).__name__}: lazy module{'s' if len(lazy) > 1 else ''} "
+            f"{which} create{'' if len(lazy) > 1 else 's'} {'their' if len(lazy) > 1 else 'its'} "
+            "parameters on the first forward, from the input's shape: run the model once on a "
+            "batch, then capture it")
     if isinstance(example_inputs, Mapping):
         keywords = tuple(example_inputs)
         for k in keywords:
@@ -338,10 +426,10 @@ def export_program(
         finally:
             trail.close()
         try:
-            ep = ep.run_decompositions(_default_decompositions())
-        except Exception as e:
-            raise CaptureError(f"lowering {type(model).__name__} to core ATen failed: "
-                               f"{e}") from e
+            lowered = ep.run_decompositions(_default_decompositions())
+        except Exception as e:  # torch's decomposition of an op the export holds
+            raise CaptureError(lowering_failure(model, e, ep)) from e
+        ep = lowered
     names = [f"input{i}" for i in range(len(example_inputs))]
     if keywords:
         names = list(keywords)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fusionctl.client import ApiFailure, Client, Unreachable
+from fusionctl.render import _console, render_plan
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -188,7 +189,7 @@ def plan(c: Client, ns: argparse.Namespace, out: Any) -> int:
     except ApiFailure as e:
         print(f"fusionctl plan: job refused by the cluster: {e.message}", file=sys.stderr)
         return EXIT_FAILED
-    out.result(data, lambda: print(data["plan"]))
+    out.result(data, lambda: render_plan(data))
     return EXIT_OK
 
 
@@ -212,7 +213,7 @@ def submit(c: Client, ns: argparse.Namespace, out: Any) -> int:
             f"write its outputs (to {spec.output}) once it ended:\n  fusionctl fetch {job_id}"))
         return EXIT_OK
     if not ns.json:
-        _info(data["plan"])
+        render_plan(data, _console(stderr=True))
         _info(f"job {job_id} started: {data['steps']} steps on {len(data['stages'])} "
               f"machines (Ctrl-C stops following; `fusionctl cancel {job_id}` stops the job)")
     writer = OutputWriter(_download_client(c), job_id, spec.output)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -16,11 +18,12 @@ SLOW_FACTOR = 10.0
 """A link is slow when its bandwidth is this many times below the median link (or RTT above)."""
 
 
-def _console() -> Console:
-    # Piped output (scripts, tests) is never truncated; a terminal gets its own width.
-    c = Console(highlight=False)
-    if not c.is_terminal:
-        c = Console(highlight=False, width=240)
+def _console(stderr: bool = False) -> Console:
+    """A terminal gets its own width; piped output (scripts, tests) is never truncated unless
+    COLUMNS says how wide it may be."""
+    c = Console(highlight=False, stderr=stderr)
+    if not c.is_terminal and "COLUMNS" not in os.environ:
+        c = Console(highlight=False, stderr=stderr, width=240)
     return c
 
 
@@ -391,7 +394,7 @@ def render_job(d: Mapping[str, Any]) -> None:
                             for n, v in stored.items()), markup=False)
     for name, why in (d.get("unstored") or {}).items():
         c.print(f"not stored: {name}: {why}", markup=False)
-    c.print(d.get("plan", ""))
+    render_plan(d, c)
     s = Table(title="stages")
     for col in ("stage", "machine", "busy", "waiting"):
         s.add_column(col)
@@ -412,3 +415,132 @@ def render_job(d: Mapping[str, Any]) -> None:
                   _si_bytes(w.get("forward")), _si_bytes(w.get("backward")),
                   _si_bytes(dn.get("forward")), _si_bytes(dn.get("backward")))
     c.print(e)
+
+
+def _ms(s: Any) -> str:
+    return "-" if s is None else f"{float(s) * 1e3:.2f}"
+
+
+def _mbit(bytes_per_s: Any) -> str:
+    if not bytes_per_s:
+        return "-"
+    mbit = float(bytes_per_s) * 8 / 1e6
+    return f"{mbit:,.0f}" if mbit >= 100 else f"{mbit:.3g}"
+
+
+def _fitted(title: str, columns: list[tuple[str, int | None]], rows: list[list[str]]) -> Table:
+    """A table whose figures never shrink: each column is (header, max width of a name
+    column that may be cut with an ellipsis, or None for a figure kept whole)."""
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+              padding=(0, 1), collapse_padding=True, show_edge=False)
+    for i, (name, cut_at) in enumerate(columns):
+        if cut_at is None:
+            widest = max([len(name), *(len(r[i]) for r in rows)])
+            t.add_column(name, justify="right", no_wrap=True, min_width=widest)
+        else:
+            t.add_column(name, overflow="ellipsis", no_wrap=True, max_width=cut_at)
+    for r in rows:
+        t.add_row(*r)
+    return t
+
+
+def render_plan(data: Mapping[str, Any], console: Console | None = None) -> None:
+    """The planner's plan (`plan_summary`, as `fusionctl plan` / `submit` / `job` get it):
+    stages with their replicas, the busiest links with their densities, the gradient
+    reductions, the prediction and why machines stay idle, in tables that fit the console.
+    A job cut by hand (`--stages`) has no plan: its stage list, as the daemon wrote it."""
+    c = console or _console()
+    p = data.get("plan_summary")
+    if not isinstance(p, Mapping) or not p.get("stages"):
+        c.print(str(data.get("plan") or ""), markup=False, highlight=False)
+        return
+    stages = list(p.get("stages") or [])
+    used = sum(1 + len(s.get("replica_machine_ids") or []) for s in stages)
+    head = (f"plan {p.get('method', '?')}"
+            + (f" for {p['graph_name']!r}" if p.get("graph_name") else "")
+            + f": {len(stages)} stages on {used} of {len(p.get('machines') or [])} machines")
+    if p.get("micro_batch_size"):
+        head += (f"; micro-batch {p['micro_batch_size']} x {p.get('num_micro_batches')} "
+                 f"({p.get('schedule')})")
+    c.print(head, markup=False)
+    replicated = any(s.get("replica_machine_ids") for s in stages)
+    rows: list[list[str]] = []
+    for s in stages:
+        micro = list(s.get("micro_batches") or [])
+        for i, machine in enumerate([s.get("machine_id"), *(s.get("replica_machine_ids") or [])]):
+            row = [str(s.get("stage")) if i == 0 else "+", str(machine)]
+            row += ([str(int(s.get("stop_op", 0)) - int(s.get("start_op", 0))),
+                     f"{s.get('first_op', '')} -> {s.get('last_op', '')}", _ms(s.get("compute_s")),
+                     f"{_si_bytes(s.get('memory_bytes'))} / {_si_bytes(s.get('memory_cap_bytes'))}"]
+                    if i == 0 else ["", "(replica)", "", ""])
+            if replicated:
+                row.append(str(micro[i]) if i < len(micro) else "-")
+            rows.append(row)
+    c.print(_fitted("stages (+: a replica, on its share of the micro-batches)" if replicated
+                    else "stages",
+                    [("stage", None), ("machine", 16), ("ops", None),
+                     ("first op -> last op", 30), ("ms", None), ("memory / of", None)]
+                    + ([("micro-b.", None)] if replicated else []), rows))
+    links = sorted(p.get("links") or [], key=lambda lk: -float(lk.get("dense_time_s")
+                                                              or lk.get("time_s") or 0))
+    shown = [lk for lk in links if float(lk.get("time_s") or 0) >= 1e-5
+             or float(lk.get("fwd_bytes") or 0) + float(lk.get("bwd_bytes") or 0) >= 1e4][:12]
+    if shown:
+        rows = []
+        for lk in shown:
+            wire_mb = (float(lk.get("fwd_bytes") or 0) + float(lk.get("bwd_bytes") or 0)) / 1e6
+            rows.append([f"{lk.get('src_stage')}:{lk.get('src_machine_id')} -> "
+                         f"{lk.get('dst_stage')}:{lk.get('dst_machine_id')}",
+                         _mbit(lk.get("bandwidth_fwd_bytes_per_s")), f"{wire_mb:.3g}",
+                         f"{float(lk.get('density') or 1.0):.3f}", _ms(lk.get("time_s")),
+                         _ms(lk.get("dense_time_s", lk.get("time_s")))])
+        c.print(_fitted("links (per micro-batch; the busiest first)",
+                        [("link", 28), ("Mbit/s", None), ("wire MB", None), ("density", None),
+                         ("ms", None), ("dense ms", None)], rows))
+        if len(links) > len(shown):
+            c.print(f"({len(links) - len(shown)} more links carry less)", markup=False)
+    syncs = list(p.get("syncs") or [])
+    if syncs:
+        rows = []
+        for x in syncs:
+            time_s, exposed_s = float(x.get("time_s") or 0), float(x.get("exposed_s") or 0)
+            sent_mb = float(x.get("grad_bytes") or 0) * float(x.get("density") or 1) / 1e6
+            rows.append([str(x.get("stage")), str(len(x.get("machine_ids") or [])),
+                         f"{sent_mb:.3g}", f"{float(x.get('density') or 1.0):.3f}",
+                         _mbit(x.get("slowest_bytes_per_s")), _ms(time_s),
+                         _ms(time_s - exposed_s), str(x.get("scheme", ""))])
+        c.print(_fitted("gradient reductions (per iteration)",
+                        [("stage", None), ("replicas", None), ("MB", None), ("density", None),
+                         ("slowest Mbit/s", None), ("ms", None), ("hidden ms", None),
+                         ("scheme", 12)], rows))
+    if p.get("bottleneck"):
+        c.print(f"bottleneck: {p['bottleneck']} ({_ms(p.get('bottleneck_s'))} ms per "
+                f"micro-batch; compute bottleneck {_ms(p.get('compute_bottleneck_s'))} ms)",
+                markup=False)
+    if p.get("iteration_s") is not None:
+        parts = [f"fill {float(p.get('fill_s') or 0):.4g} s",
+                 f"optimizer {float(p.get('optimizer_s') or 0):.3g} s",
+                 f"tied-weight sync {float(p.get('sync_s') or 0):.3g} s"]
+        if syncs:
+            parts.append(f"gradient reduction {float(p.get('grad_sync_s') or 0):.3g} s "
+                         "(not hidden)")
+        c.print(f"iteration: {float(p['iteration_s']):.4g} s (" + ", ".join(parts) + ")",
+                markup=False)
+        gain = p.get("adatopk_gain")
+        c.print(f"throughput: {float(p.get('samples_per_s') or 0):.4g} samples/s"
+                + (f"; AdaTopK gain {float(gain):.2f}x over the same cut dense"
+                   if gain else ""), markup=False)
+    for key, what in (("over_memory", "OVER MEMORY on"), ("unrunnable", "CANNOT RUN")):
+        if p.get(key):
+            c.print(f"{what}: " + "; ".join(str(x) for x in p[key]), markup=False)
+    idle = p.get("idle") or {}
+    if idle:
+        by_reason: dict[str, list[str]] = {}
+        for m, why in sorted(idle.items()):
+            by_reason.setdefault(str(why), []).append(str(m))
+        c.print("idle machines:", markup=False)
+        for why, ms in by_reason.items():
+            names = ", ".join(ms) if len(ms) <= 6 else f"{', '.join(ms[:5])}, ... ({len(ms)})"
+            c.print(f"  {names}: {why}", markup=False)
+    for n in p.get("notes") or []:
+        c.print(f"note: {n}", markup=False)

@@ -21,6 +21,8 @@ class PlanStageSummary(TypedDict):
     last_op: str
     compute_s: float
     memory_bytes: float
+    memory_cap_bytes: float
+    """The memory the stage's machine offers (its predicted peak is `memory_bytes`)."""
     replica_machine_ids: list[str]
     """The stage's other machines (data parallelism), each running its share of the
     micro-batches; empty for a stage on one machine."""
@@ -56,6 +58,8 @@ class PlanLinkSummary(TypedDict):
     bwd_bytes: float
     density: float
     time_s: float
+    dense_time_s: float
+    """The link's time per micro-batch in the same cut without compression."""
 
 
 class PlanSummary(TypedDict):
@@ -73,18 +77,39 @@ class PlanSummary(TypedDict):
     iteration_s: float
     samples_per_s: float
     bottleneck: str
+    graph_name: str
+    micro_batch_size: int
+    num_micro_batches: int
+    schedule: str
+    bottleneck_s: float
+    """The bottleneck's time per micro-batch."""
+    compute_bottleneck_s: float
+    fill_s: float
+    optimizer_s: float
+    sync_s: float
+    """The tied-weight exchange per iteration."""
+    grad_sync_s: float
+    """What the replicas' gradient reductions add to the iteration (not hidden)."""
+    adatopk_gain: float | None
+    """AdaTopK's predicted speed-up over the same cut dense (None: no edge compressed)."""
+    over_memory: list[str]
+    unrunnable: list[str]
+    notes: list[str]
 
 
 def plan_summary(plan: Plan) -> PlanSummary:
     """Stages (machine ids, op ranges), links (bytes/s, bytes, density) and the prediction."""
     ev = plan.evaluation
     ids = plan.arrays.cluster.ids()
+    st = plan.arrays.settings
+    dense_links = {(lk.src_stage, lk.dst_stage): lk for lk in plan.dense.links}
     return PlanSummary(
         method=plan.method,
         machines=ids,
         stages=[PlanStageSummary(stage=r.index, machine_id=r.machine_id, start_op=r.start,
                                  stop_op=r.stop, first_op=r.first_op, last_op=r.last_op,
                                  compute_s=r.compute_s, memory_bytes=r.memory_bytes,
+                                 memory_cap_bytes=r.memory_cap,
                                  replica_machine_ids=[x.machine_id for x in ev.replicas
                                                       if x.index == r.index and x.replica],
                                  micro_batches=[x.micro_batches for x in ev.replicas
@@ -100,12 +125,28 @@ def plan_summary(plan: Plan) -> PlanSummary:
                                bandwidth_fwd_bytes_per_s=lk.bandwidth_fwd_bytes_per_s,
                                bandwidth_bwd_bytes_per_s=lk.bandwidth_bwd_bytes_per_s,
                                rtt_s=lk.rtt_s, fwd_bytes=lk.fwd_bytes, bwd_bytes=lk.bwd_bytes,
-                               density=lk.density, time_s=lk.time_s)
+                               density=lk.density, time_s=lk.time_s,
+                               dense_time_s=dense_links.get((lk.src_stage, lk.dst_stage),
+                                                            lk).time_s)
                for lk in ev.links],
         idle=dict(plan.idle),
         iteration_s=ev.iteration_s,
         samples_per_s=ev.samples_per_s,
         bottleneck=ev.bottleneck,
+        graph_name=plan.arrays.graph.name,
+        micro_batch_size=st.micro_batch_size,
+        num_micro_batches=st.num_micro_batches,
+        schedule=str(st.schedule),
+        bottleneck_s=ev.bottleneck_s,
+        compute_bottleneck_s=ev.compute_bottleneck_s,
+        fill_s=ev.fill_s,
+        optimizer_s=ev.optimizer_s,
+        sync_s=ev.sync_s,
+        grad_sync_s=ev.grad_sync_s,
+        adatopk_gain=plan.gain if plan.densities else None,
+        over_memory=list(ev.over_memory),
+        unrunnable=list(ev.unrunnable),
+        notes=list(plan.notes),
     )
 
 

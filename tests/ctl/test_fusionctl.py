@@ -412,3 +412,64 @@ def test_a_cancelled_job_says_at_which_step() -> None:
                           "outcome": {}})
     assert text == "job j-1 cancelled at step 37 of 100 (`fusionctl cancel`)"
     assert "(no report)" not in text  # what it used to print
+
+
+def test_tables_are_readable_at_80_columns(capsys: Capture,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """`status`, `jobs`, `job` and `plan` print rich tables that fit an 80-column terminal
+    (COLUMNS=80): the plan comes from its structured summary, not the daemon's 117-column text,
+    and keeps its stages, replicas, links, reductions, prediction and idle machines."""
+    import numpy as np
+
+    from fusionctl.render import render_jobs, render_plan
+    from fusiond.plan import plan_opfence, plan_summary
+    from fusiond.plan.render import render_plan as plan_text
+    from tests.plan.synth import random_instance
+
+    monkeypatch.setenv("COLUMNS", "80")
+    # a random instance (seed 2: 4 machines, 8 ops) whose plan has replicas and links
+    inst = random_instance(np.random.default_rng(2), max_machines=4, max_ops=8)
+    plan = plan_opfence(inst.graph, inst.cluster, inst.settings, replicate=True)
+    assert plan.evaluation.syncs and plan.evaluation.links
+    assert max(len(ln) for ln in plan_text(plan).splitlines()) > 80  # what it used to print
+    summary = plan_summary(plan)
+    data = {"plan": plan_text(plan), "plan_summary": summary}
+    render_plan(data)
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert max(len(ln) for ln in lines) <= 80, [ln for ln in lines if len(ln) > 80]
+    assert "stages" in out and "links" in out and "gradient reductions" in out
+    assert "bottleneck:" in out and "iteration:" in out and "throughput:" in out
+    assert f"on {sum(1 + len(s['replica_machine_ids']) for s in summary['stages'])} of" in out
+    assert sum(ln.strip().startswith("│     +") or ln.strip().startswith("+")
+               or "│ + " in ln or "(replica)" in ln for ln in lines) >= 1
+    for s in summary["stages"]:
+        assert s["machine_id"][:10] in out
+    # a job cut by hand has no plan summary: the daemon's stage list, as it wrote it
+    render_plan({"plan": "stage  machine\n    0  n0", "plan_summary": None})
+    assert "stage  machine" in capsys.readouterr().out
+
+    status = {"stages": [{"stage": 0, "node": "n0" * 10, "busy": 0.42, "wait": 0.31}],
+              "edges": [{"edge": "transformer.h.2.add_5->1", "src": 0, "dst": 1,
+                         "density": 0.1, "wire_bytes": {"forward": 2048, "backward": 2048},
+                         "dense_bytes": {"forward": 20480, "backward": 20480}}]}
+    render_job({"job_id": "j" * 12, "name": "gpt2", "state": "running", "step": 3,
+                "steps": 10, "loss": 4.2, "first_loss": 5.5, "eta_s": 12.0,
+                "output": "runs/gpt2", "history": [{"tokens_per_s": 1234.0}],
+                "status": status, **data})
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(ln) for ln in lines) <= 80 and any("gradient reductions" in ln
+                                                      for ln in lines)
+    render_jobs({"jobs": [{"job_id": "j" * 12, "name": "a-long-job-name", "state": "running",
+                           "step": 30, "steps": 1000, "loss": 3.1, "submitted_at": 1.7e9,
+                           "submitter": "n" * 30, "owner": "someone", "output": "/x" * 30}],
+                 "stages": []})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines and max(len(ln) for ln in lines) <= 80
+    member = {"address": ["10.0.0.1", 7420], "source": "bootstrap", "rtt_s": 0.01,
+              "bandwidth_bits_per_s": 1e9, "role": "worker", "state": "alive"}
+    view = {"leader": "n" * 20, "term": 7, "has_quorum": True, "links": {},
+            "members": [{**member, "node_id": f"{'n' * 20}{i}"} for i in range(3)]}
+    render_status({"node": {"node_id": "n" * 20 + "0", "phase": "running"}, "cluster": view})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines and max(len(ln) for ln in lines) <= 80

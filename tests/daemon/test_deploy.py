@@ -18,6 +18,7 @@ from fusiond.config import get, keys, load_config
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "deploy" / "systemd" / "fusiond.service"
 EXAMPLE = ROOT / "deploy" / "fusiond.toml"
+DROP_IN = ROOT / "deploy" / "systemd" / "fusiond.service.d" / "notify-reload.conf"
 
 
 def _verify(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
@@ -40,6 +41,34 @@ def test_unit_verifies_without_warnings(tmp_path: Path) -> None:
     # the check can fail: a misspelled key is only a warning, and we catch warnings
     bad = _verify(tmp_path, UNIT.read_text().replace("Restart=on-failure", "Restrat=on-failure"))
     assert "Restrat" in bad.stderr
+
+
+def _systemd_version() -> int:
+    r = subprocess.run(["systemd-analyze", "--version"], capture_output=True, text=True,
+                       timeout=30)
+    m = re.search(r"systemd (\d+)", r.stdout)
+    return int(m.group(1)) if m else 0
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                    reason="systemd-analyze is not installed")
+def test_the_notify_reload_drop_in_verifies(tmp_path: Path) -> None:
+    """deploy/systemd/fusiond.service.d/notify-reload.conf turns the unit into
+    Type=notify-reload (systemd 253+) and drops its ExecReload; the unit with the drop-in's
+    lines applied verifies clean on systemd 253+, and on an older systemd the only complaint
+    is the type it does not know yet (every other key is still valid)."""
+    conf = DROP_IN.read_text()
+    lines = [ln.strip() for ln in conf.splitlines() if ln.strip() and not ln.startswith("#")]
+    assert lines == ["[Service]", "Type=notify-reload", "ExecReload="], lines
+    merged = re.sub(r"^Type=notify$", "Type=notify-reload", UNIT.read_text(), flags=re.M)
+    merged = re.sub(r"^ExecReload=.*\n", "", merged, flags=re.M)
+    assert "Type=notify-reload" in merged and "ExecReload" not in merged.split("[Service]")[1]
+    r = _verify(tmp_path, merged)
+    if _systemd_version() >= 253:
+        assert r.returncode == 0 and r.stderr.strip() == "", r.stderr
+    else:
+        complaints = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert len(complaints) == 1 and "notify-reload" in complaints[0], r.stderr
 
 
 def test_unit_contract() -> None:

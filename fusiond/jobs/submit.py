@@ -44,7 +44,7 @@ from fusiond.train.data import (
     make_source,
 )
 from fusiond.train.data import is_default_corpus as data_is_default_corpus
-from fusiond.train.model import Feed, feed_for
+from fusiond.train.model import Feed, build_model, feed_for
 from fusiond.train.programs import capture_job_feed
 from fusiond.train.spec import JobSpec, load_job, parse_job
 from protocol import ir
@@ -105,9 +105,14 @@ def prepare_job(path: str | Path) -> PreparedJob:
     t0 = time.perf_counter()
     spec = load_job(path)
     source = make_source(spec.data, spec.seed)  # data exists and is long enough (DataError)
-    model, captured, feed = capture_job_feed(spec, source)
+    # the eager checks first: a model that does not fit its data or objective is refused
+    # saying so, not with what torch.export makes of the loss failing inside it
+    model = build_model(spec.model, seed=spec.seed)
+    model.train()
+    feed = feed_for(model, source.batch(0, max(2, spec.batch.micro_batch_size)), spec)
     check_data_fits(spec, model, source, feed)
     check_objective(spec, model, source, feed)
+    model, captured, feed = capture_job_feed(spec, source, model=model)
     p = Path(path).resolve()
     return PreparedJob(spec, captured, ir.dumps(captured.graph), captured.state_bytes(),
                        time.perf_counter() - t0, p.read_text(encoding="utf-8"), str(p.parent),
@@ -164,6 +169,7 @@ def check_data_fits(spec: JobSpec, model: torch.nn.Module, source: DataSource,
         with torch.no_grad():
             out = feed.call(model, batch)
             logits = output_tensor(out)
+            _check_output_shape(spec, model, logits, targets)
             if spec.loss.kind != "regression" and logits.ndim >= 1:
                 real = targets[targets != ignore]
                 classes = int(logits.shape[-1])
@@ -182,7 +188,7 @@ def check_data_fits(spec: JobSpec, model: torch.nn.Module, source: DataSource,
                         f"model predicts: {hint}; give the model at least {top + 1} outputs or "
                         "change the data")
             loss_fn(spec.loss)(out, targets)
-    except DataFitError:
+    except (DataFitError, ObjectiveError):
         raise
     except Exception as e:
         for name, rows, top, data in seen:
@@ -209,6 +215,42 @@ def check_data_fits(spec: JobSpec, model: torch.nn.Module, source: DataSource,
             h.remove()
 
 
+def _check_output_shape(spec: JobSpec, model: torch.nn.Module, out: torch.Tensor,
+                        targets: torch.Tensor) -> None:
+    """The model's output has the shape the objective scores: a prediction per token for the
+    LM objectives, one per sample for classification, the labels' own shape for regression
+    (mean squared error broadcasts silently otherwise). `ObjectiveError` saying which head
+    the objective needs."""
+    kind, name = spec.loss.kind, type(model).__name__
+    shape, labels = tuple(out.shape), tuple(targets.shape)
+    if kind in ("causal_lm", "masked_lm", "seq2seq_lm"):
+        if out.ndim != targets.ndim + 1 or shape[:-1] != labels:
+            raise ObjectiveError(
+                f"loss.kind = {kind!r} predicts a token at every position (labels {labels}), "
+                f"but {name} outputs {shape}: not one vocabulary of logits per position (a "
+                "classification or regression head?); use a model with a language-model head, "
+                "or loss.kind = 'classification' / 'regression' with per-sample labels")
+    elif kind == "classification":
+        if out.ndim != 2 or targets.ndim != 1 or shape[0] != labels[0]:
+            per_token = out.ndim == 3
+            raise ObjectiveError(
+                f"loss.kind = 'classification' scores one prediction per sample (labels "
+                f"{labels}), but {name} outputs {shape}"
+                + (": logits for every token (a language-model head); use loss.kind = "
+                   "'causal_lm' or 'masked_lm', or a model with a classification head (e.g. "
+                   "a ...ForSequenceClassification class)" if per_token else
+                   "; it needs (batch, classes)"))
+    elif kind == "regression":
+        same = shape == labels or (out.ndim == 2 and shape[1] == 1 and labels == shape[:1])
+        if not same:
+            raise ObjectiveError(
+                f"loss.kind = 'regression' compares {name}'s output {shape} with the labels "
+                f"{labels} element by element, and they differ in shape (mean squared error "
+                "would broadcast them silently); give the model one output per target value "
+                "(e.g. config num_labels = "
+                + (f"{labels[1]}" if len(labels) == 2 else "1") + ")")
+
+
 class ObjectiveError(LocalError):
     """The model cannot learn the job's objective as given (a bidirectional encoder on
     next-token prediction sees the token it must predict); the message says why and what to
@@ -220,16 +262,18 @@ def check_objective(spec: JobSpec, model: torch.nn.Module, source: DataSource,
     """Refuse a model that would see its own targets: for next-token prediction (`causal_lm`)
     and the decoder of `seq2seq_lm`, the output at a position must not depend on the inputs
     after it. Checked on one sample of the job's data (eval mode, no gradients): the last
-    input token is changed, and every earlier position's output must stay the same."""
+    input token is changed, and every earlier position's output must stay the same. And the
+    converse for `masked_lm`, which predicts a masked token from both sides: a causal model,
+    whose earlier outputs never move, cannot see the right-hand context it is scored on."""
     from fusiond.train.model import output_tensor
 
     kind = spec.loss.kind
-    if kind not in ("causal_lm", "seq2seq_lm"):
+    if kind not in ("causal_lm", "seq2seq_lm", "masked_lm"):
         return
     batch = source.batch(0, 1)
     if feed is None:
         feed = feed_for(model, batch, spec)
-    field = "input_ids" if kind == "causal_lm" else "decoder_input_ids"
+    field = "decoder_input_ids" if kind == "seq2seq_lm" else "input_ids"
     if field not in batch.fields or (feed.by_keyword and field not in feed.keywords):
         return
     if not feed.by_keyword and field != batch.primary:
@@ -255,7 +299,17 @@ def check_objective(spec: JobSpec, model: torch.nn.Module, source: DataSource,
         model.train(was_training)
     if a.ndim < 3 or a.shape[1] <= last:
         return
-    if not torch.allclose(a[0, :last], b[0, :last], rtol=1e-4, atol=1e-5):
+    causal = torch.allclose(a[0, :last], b[0, :last], rtol=1e-4, atol=1e-5)
+    if kind == "masked_lm":
+        if causal:
+            raise ObjectiveError(
+                f"loss.kind = 'masked_lm' predicts each masked token from the tokens on both "
+                f"sides, but {type(model).__name__} is causal: no output before position "
+                f"{last} changes when the token at position {last} changes, so it never sees "
+                "the right-hand context; train it with loss.kind = 'causal_lm', or use a "
+                "bidirectional encoder (e.g. BERT)")
+        return
+    if not causal:
         moved = int((a[0, :last] - b[0, :last]).abs().amax(dim=-1).argmax())
         name = type(model).__name__
         if kind == "causal_lm":

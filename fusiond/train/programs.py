@@ -80,10 +80,13 @@ def capture_job(spec: JobSpec, source: DataSource | None = None
     return model, captured
 
 
-def capture_job_feed(spec: JobSpec, source: DataSource | None = None
+def capture_job_feed(spec: JobSpec, source: DataSource | None = None,
+                     model: torch.nn.Module | None = None
                      ) -> tuple[torch.nn.Module, CapturedModel, Feed]:
-    """`capture_job`, and the `Feed` it captured the model with."""
-    model = build_model(spec.model, seed=spec.seed)
+    """`capture_job`, and the `Feed` it captured the model with (`model`: the job's model,
+    already built by `build_model`; built here when None)."""
+    if model is None:
+        model = build_model(spec.model, seed=spec.seed)
     model.train()
     if source is None:
         source = make_source(spec.data, spec.seed)

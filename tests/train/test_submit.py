@@ -270,3 +270,28 @@ def test_a_model_that_does_not_fit_its_objective_is_refused_with_the_reason(
     with pytest.raises(JobSpecError, match=r"T5ForConditionalGeneration is an encoder-decoder "
                        r".* loss\.kind = 'seq2seq_lm' and a data\.target_column"):
         prepare_job(t5)
+    # a causal decoder on masked LM never sees the right-hand context it is scored on
+    llama = tmp_path / "llama.toml"
+    llama.write_text(head + '[loss]\nkind = "masked_lm"\nmask_token_id = 3\n'
+                     + datafiles.hf_model_toml("LlamaForCausalLM", "llama"))
+    with pytest.raises(ObjectiveError, match=r"loss\.kind = 'masked_lm' predicts each masked "
+                       r"token from the tokens on both sides, but LlamaForCausalLM is causal.* "
+                       r"train it with loss\.kind = 'causal_lm'"):
+        prepare_job(llama)
+    # per-token logits on a per-sample objective, and a head of the wrong width on regression:
+    # refused by shape, not with torch's error from inside the loss
+    lm_head = tmp_path / "lm-classify.toml"
+    lm_head.write_text(head + '[loss]\nkind = "classification"\n'
+                       + datafiles.hf_model_toml("BertForMaskedLM", "bert"))
+    with pytest.raises(ObjectiveError, match=r"loss\.kind = 'classification' scores one "
+                       r"prediction per sample .* logits for every token \(a language-model "
+                       r"head\); use loss\.kind = 'causal_lm' or 'masked_lm'"):
+        prepare_job(lm_head)
+    wide = tmp_path / "regress.toml"
+    wide.write_text(head + '[loss]\nkind = "regression"\n'
+                    + datafiles.hf_model_toml("BertForSequenceClassification", "bert",
+                                              num_labels=4))
+    with pytest.raises(ObjectiveError, match=r"loss\.kind = 'regression' compares "
+                       r"BertForSequenceClassification's output \(2, 4\) with the labels "
+                       r"\(2,\) .* num_labels = 1"):
+        prepare_job(wide)

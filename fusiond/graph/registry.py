@@ -43,9 +43,10 @@ EXTRA_OPS: tuple[str, ...] = (
     "aten._trilinear.default",  # nn.Bilinear
     "aten.adaptive_max_pool2d.default",  # nn.AdaptiveMaxPool1d/2d
     "aten.adaptive_max_pool3d.default",  # nn.AdaptiveMaxPool3d
-    # Deterministic given its `random_samples` argument, which FractionalMaxPool2d draws with
-    # core aten.rand (already runnable): the op itself holds no RNG.
+    # Deterministic given their `random_samples` argument, which FractionalMaxPool2d/3d draw
+    # with core aten.rand (seeded per micro-batch, program.RANDOM_OPS): the ops hold no RNG.
     "aten.fractional_max_pool2d.default",
+    "aten.fractional_max_pool3d.default",  # its shape function fixes the batch: static only
     "aten.linalg_vector_norm.default",  # Tensor.norm, F.normalize, CosineSimilarity, ...
     "aten.var_mean.correction",  # torch.var_mean
     "aten.polar.default",  # torch.polar (complex)

@@ -1,7 +1,7 @@
 """Inputs by name (issue 20): Hugging Face models take their batch by keyword (input_ids,
-attention_mask, decoder_input_ids, pixel_values), with no adapter, from data on disk; cut in 3
-they train exactly as eager (losses to 1e-5, weights to 1e-5), and the gathered weights load
-strictly into the original HF class."""
+attention_mask, decoder_input_ids, pixel_values), with no adapter, from data on disk (text
+rows, a saved dataset, an image folder); cut in 3 they train exactly as eager (losses to 1e-5,
+weights to 1e-5), and the gathered weights load strictly into the original HF class."""
 
 from __future__ import annotations
 
@@ -78,6 +78,14 @@ seq_len = 24
 [loss]
 kind = "classification"
 """,
+    # images by name: pixel_values from a class-per-directory folder, with seeded augments
+    "vit-folder": M("ViTForImageClassification", "vit", num_labels=3) + """
+[data]
+kind = "image_folder"
+path = "img"
+image_size = 16
+augment = ["hflip", "crop"]
+""",
 }
 
 INPUTS = {
@@ -85,6 +93,7 @@ INPUTS = {
     "llama-rows": ["input_ids", "attention_mask", "labels"],
     "t5": ["input_ids", "attention_mask", "decoder_input_ids", "labels"],
     "bert-pairs": ["input_ids", "attention_mask", "token_type_ids", "labels"],
+    "vit-folder": ["pixel_values", "labels"],
 }
 
 
@@ -97,6 +106,7 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     datafiles.save_dataset(d / "ds", recs)
     datafiles.train_tokenizer(recs, d / "tok.json")
     datafiles.transformers_tokenizer(d / "tok.json", d / "toktf")
+    datafiles.image_folder(d / "img", classes=3, per_class=6)
     return d
 
 

@@ -27,6 +27,7 @@ from fusiond.graph import CapturedModel, state_from_bytes
 from fusiond.jobs.assign import Corpus, JobLayout, assign_messages
 from fusiond.jobs.results import gather_state, save_model, write_metrics
 from fusiond.jobs.worker import SendFn
+from fusiond.tasks import cancel_and_wait
 from fusiond.train.data import make_source, source_from_arrays
 from fusiond.train.evaluate import graph_heldout_loss
 from fusiond.train.local import StepMetrics, merge_reports
@@ -141,6 +142,10 @@ def _gather(graph: ir.Graph, parts: Mapping[int, bytes]) -> dict[str, torch.Tens
     return gather_state(graph, [state_from_bytes(parts[p]) for p in sorted(parts)])
 
 
+EVAL_END_WAIT_S = 30.0
+"""How long the end of an attempt waits for its held-out evaluations still running."""
+
+
 class JobCoordinator:
     """Runs one job from the scheduler's node."""
 
@@ -191,6 +196,9 @@ class JobCoordinator:
         self._evaluated: set[int] = set()
         self._eval_source: Any = None  # the held-out data, built on the first evaluation
         self._eval_warned = False
+        self._eval_tasks: set[asyncio.Task[None]] = set()
+        """Held-out evaluations running: apart from the message handler, so a big model's
+        evaluation never holds up the messages behind it."""
         self.stage_nodes = layout.slot_nodes  # slot -> node (slot = stage without replicas)
         self._node_stage = {n: s for s, n in self.stage_nodes.items()}
         self._ready: dict[str, asyncio.Future[None]] = {}
@@ -273,7 +281,10 @@ class JobCoordinator:
                             and (msg.step + 1) % every == 0:
                         self.on_checkpoint(msg.step, state)
                     if self._evaluates(msg.step):
-                        await self._evaluate(msg.step, state)
+                        task = asyncio.create_task(self._evaluate(msg.step, state),
+                                                   name=f"job {self.job_id} held-out {msg.step}")
+                        self._eval_tasks.add(task)
+                        task.add_done_callback(self._eval_tasks.discard)
             return True
         self._reported.add(msg.partition)
         self._result_arrived.set()
@@ -395,6 +406,13 @@ class JobCoordinator:
             self._held.pop(0)
             if self.on_step is not None:
                 self.on_step(m)
+
+    async def _end_evaluations(self) -> None:
+        """Let the evaluations still running finish (at most `EVAL_END_WAIT_S`: the last
+        points of the curve), then cancel and await the rest."""
+        if self._eval_tasks:
+            await asyncio.wait(set(self._eval_tasks), timeout=EVAL_END_WAIT_S)
+        await cancel_and_wait(self._eval_tasks)
 
     def _heldout(self, state: Mapping[str, torch.Tensor]) -> float:
         """The held-out loss of the whole model `state` (off the event loop). The data is what
@@ -552,12 +570,14 @@ class JobCoordinator:
                     self.on_running()
                 await self._done.wait()
         except asyncio.CancelledError:
+            await cancel_and_wait(self._eval_tasks)
             await self._cancel_all("the scheduler stopped")
             raise
         except Exception as e:
             log.exception("job %s: the scheduler's side of the attempt failed", self.job_id)
             self._fail("scheduler", -1, f"{type(e).__name__}: {e}", stage=-1,
                        fault=FAULT_SCHEDULER)
+        await self._end_evaluations()
         self._hand_on(final=True)  # steps still waiting for an evaluation go on without it
         if self._failure is None:
             # Every stage finished: every step's reports must have come (a lost last report

@@ -100,3 +100,42 @@ def _assignment() -> Any:
         edges=(), stages=1, stage_nodes={0: "a"}, steps=20, seed=0, checkpoint_interval=0,
         batch=spec.batch, optimizer=spec.optimizer, data=spec.data,
         per_row=True, input_name="input", targets_name="targets", loss_name="loss", shared={})
+
+
+@pytest.mark.slow
+async def test_a_failing_evaluation_is_logged_once_and_the_job_goes_on(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """An evaluation that raises ends the job's evaluations, never the job: every step still
+    arrives, in order, without a held-out figure, and the log says why once."""
+    import logging
+
+    from fusiond.jobs import coordinator
+    from fusiond.jobs.submit import prepare_job
+
+    def broken(*_: Any, **__: Any) -> float:
+        raise RuntimeError("no evaluation today")
+
+    monkeypatch.setattr(coordinator, "graph_heldout_loss", broken)
+    p = tmp_path / "job.toml"
+    p.write_text(JOB.format(steps=5, out=tmp_path / "out", data=default_text_path() / "json")
+                 .replace("[model]", "eval_interval = 1\n[model]"))
+    job = prepare_job(p)
+    net = Net()
+    view = View(["m0"], leader="m0")
+    svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
+    net.svc = svc
+    await svc.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="fusiond"):
+            summary = await svc.submit(service.decode_upload(upload(job, stages=1)),
+                                       submitter="m1")
+            rec = svc.get(summary["job_id"])
+            assert isinstance(rec, service._Record)
+            await wait(lambda: len(rec.history) == 5, 120, "every step")
+    finally:
+        await svc.close()
+    history = [dict(r) for r in rec.history]
+    assert [r["step"] for r in history] == list(range(5))
+    assert not any("held_out_loss" in r for r in history)
+    warned = [r.getMessage() for r in caplog.records if "held-out evaluation" in r.getMessage()]
+    assert len(warned) == 1 and "no evaluation today" in warned[0], warned

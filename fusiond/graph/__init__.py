@@ -20,7 +20,7 @@ from fusiond.graph.partition import (
     interleaved_assignment,
     partition,
 )
-from fusiond.graph.program import GraphProgram, build_program
+from fusiond.graph.program import GraphProgram, build_program, mutated_buffers
 
 __all__ = [
     "SINK",
@@ -40,6 +40,7 @@ __all__ = [
     "capture",
     "contiguous_assignment",
     "interleaved_assignment",
+    "mutated_buffers",
     "partition",
     "state_from_bytes",
     "state_to_bytes",

@@ -338,6 +338,24 @@ def build_program(
     return prog
 
 
+def mutated_buffers(module: nn.Module) -> list[torch.Tensor]:
+    """The buffers a forward of `module` updates in place (BatchNorm's running statistics):
+    a `GraphProgram`'s, read from its graph; any other module's buffers, all of them (what a
+    caller must save to run a forward twice with the effect of once)."""
+    graph = getattr(module, "graph", None)
+    if not isinstance(module, GraphProgram) or graph is None:
+        return list(module.buffers())
+    out: list[torch.Tensor] = []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is _update_buffer:
+            target = node.args[0]
+            if isinstance(target, fx.Node) and target.op == "get_attr":
+                buf = module.get_buffer(str(target.target))
+                if all(buf is not b for b in out):
+                    out.append(buf)
+    return out
+
+
 def _ident(name: str) -> str:
     out = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
     return out if out and not out[0].isdigit() else "v_" + out

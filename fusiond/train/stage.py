@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from fusiond.errors import LocalError, RemoteError
+from fusiond.graph import mutated_buffers
 from fusiond.tasks import cancel_and_wait
 from fusiond.train import codec
 from fusiond.train.data import Batch, DataSource, split_micro_batches
@@ -250,6 +251,13 @@ class StageConfig:
     inbox_slack: int = 64
     """Packets allowed to wait beyond two steps' worth of this stage's inputs (the most a
     correct neighbour can send ahead); beyond it the attempt fails."""
+    recompute: bool = False
+    """Activation checkpointing of the whole stage: a forward keeps only its inputs (no
+    autograd graph, none of its activations); the backward runs the forward again with
+    autograd first, keyed to the same random draws and from the buffers as they were, so
+    losses, gradients and updates are those of the plain run. Costs one more forward per
+    micro-batch; holds one micro-batch's activations at a time instead of every in-flight
+    one's."""
 
 
 @dataclass
@@ -385,6 +393,10 @@ class _Ctx:
     recv_idx: dict[str, np.ndarray]
     sent_idx: dict[str, np.ndarray]
     grad_edges: set[str]  # outgoing edges whose receiver answers with a gradient
+    inputs: dict[str, torch.Tensor] | None = None
+    """With recompute: the forward's inputs, to run it again in the backward."""
+    buffers_before: list[torch.Tensor] | None = None
+    """With recompute: the updated buffers as the forward found them."""
 
 
 _Key = tuple[PacketKind, int, int, str]
@@ -564,6 +576,8 @@ class StageExecutor:
         self._shared_by_peer = by_peer
         """Each other holder -> the shared parameters it holds too, in name order: what one
         bucket to it carries (the same order on both sides)."""
+        self._mutated = mutated_buffers(program.module) if self.config.recompute else []
+        """With recompute: the buffers a forward updates (restored around the second one)."""
         self._in = {e.edge_id: e for e in program.in_edges}
         self._out = {e.edge_id: e for e in program.out_edges}
         self._density: dict[str, float | None] = {e.edge_id: e.density for e in program.out_edges}
@@ -841,8 +855,14 @@ class StageExecutor:
                 inputs[key] = mb[key]
         if self.program.seed_random is not None:
             self.program.seed_random(step, micro)
+        recompute = self.config.recompute
+        before = [b.clone() for b in self._mutated] if recompute else None
         t1 = time.perf_counter()
-        out = dict(self.program.run(inputs))
+        if recompute:
+            with torch.no_grad():  # no graph: the backward builds it again
+                out = dict(self.program.run(inputs))
+        else:
+            out = dict(self.program.run(inputs))
         t2 = time.perf_counter()
         loss = out.pop("loss", None) if self.program.has_loss else None
         if self.program.has_loss and loss is None:
@@ -870,13 +890,39 @@ class StageExecutor:
             packets.append((pkt, enc, density))
         cost.kernel_s += t2 - t1
         cost.codec_s += (t1 - t0) + (time.perf_counter() - t2)
-        ctx = _Ctx(leaves, out, loss, recv_idx, sent_idx, grad_edges)
+        if recompute:  # keep only what runs the forward again: its inputs
+            ctx = _Ctx(leaves, {}, loss, recv_idx, sent_idx, grad_edges, inputs, before)
+        else:
+            ctx = _Ctx(leaves, out, loss, recv_idx, sent_idx, grad_edges)
         return ctx, packets
+
+    def _recompute(self, step: int, micro: int, ctx: _Ctx) -> None:
+        """The forward of a recomputed task again, with autograd, as it ran the first time
+        (same random keys, the buffers as it found them; their updated values kept)."""
+        assert ctx.inputs is not None
+        after = [b.clone() for b in self._mutated]
+        # through .data, as the program's own buffer updates: the recomputed forward may save
+        # a buffer for its backward, and a version bump would fail that backward
+        for b, was in zip(self._mutated, ctx.buffers_before or (), strict=True):
+            b.data.copy_(was)
+        if self.program.seed_random is not None:
+            self.program.seed_random(step, micro)
+        out = dict(self.program.run(ctx.inputs))
+        for b, now in zip(self._mutated, after, strict=True):
+            b.data.copy_(now)
+        ctx.loss = out.pop("loss", None) if self.program.has_loss else None
+        ctx.outputs = out
+        ctx.inputs = ctx.buffers_before = None
 
     def _backward(self, step: int, micro: int, ctx: _Ctx,
                   payloads: Mapping[str, bytes | memoryview], cost: _Cost
                   ) -> list[tuple[Packet, codec.Encoded, float | None]]:
         t0 = time.perf_counter()
+        if ctx.inputs is not None:
+            t_re = time.perf_counter()
+            self._recompute(step, micro, ctx)
+            cost.kernel_s += time.perf_counter() - t_re
+            t0 = time.perf_counter()
         roots: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         for edge_id, payload in payloads.items():

@@ -471,13 +471,16 @@ def render_plan(data: Mapping[str, Any], console: Console | None = None) -> None
             row = [str(s.get("stage")) if i == 0 else "+", str(machine)]
             row += ([str(int(s.get("stop_op", 0)) - int(s.get("start_op", 0))),
                      f"{s.get('first_op', '')} -> {s.get('last_op', '')}", _ms(s.get("compute_s")),
-                     f"{_si_bytes(s.get('memory_bytes'))} / {_si_bytes(s.get('memory_cap_bytes'))}"]
+                     f"{_si_bytes(s.get('memory_bytes'))} / {_si_bytes(s.get('memory_cap_bytes'))}"
+                     + (" R" if s.get("recompute") else "")]
                     if i == 0 else ["", "(replica)", "", ""])
             if replicated:
                 row.append(str(micro[i]) if i < len(micro) else "-")
             rows.append(row)
-    c.print(_fitted("stages (+: a replica, on its share of the micro-batches)" if replicated
-                    else "stages",
+    title = "stages (+: a replica, on its share of the micro-batches)" if replicated else "stages"
+    if any(s.get("recompute") for s in stages):
+        title += " (R: recomputes its activations in the backward, they would not fit kept)"
+    c.print(_fitted(title,
                     [("stage", None), ("machine", 16), ("ops", None),
                      ("first op -> last op", 30), ("ms", None), ("memory / of", None)]
                     + ([("micro-b.", None)] if replicated else []), rows))

@@ -467,6 +467,9 @@ class AssignConfig(Struct):
     eval_interval: int = 0
     """Steps between the stages' states sent for a held-out evaluation (0: none beyond the
     checkpoints); sent as `StageCheckpoint`s."""
+    recompute_slots: tuple[int, ...] = ()
+    """The slots that recompute their activations in the backward (activation checkpointing
+    of the stage: the planner's choice where its activations would not fit)."""
 
     def __post_init__(self) -> None:
         for name in ("stage_nodes", "shared", "slot_stages", "routes"):

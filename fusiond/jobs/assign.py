@@ -87,6 +87,9 @@ class JobLayout:
     grad_rank: int | None = None
     """The summed gradients (replicas, tied parameters) travel as rank-`grad_rank` factors
     with error feedback, on every stage (None: dense)."""
+    recompute: frozenset[str] = frozenset()
+    """The machines whose stage recomputes its activations in the backward (the plan's
+    choice where they would not fit)."""
 
     @property
     def stage_nodes(self) -> dict[int, str]:
@@ -312,7 +315,9 @@ def assign_messages(
                         slot_stages=layout.slot_stages(), routes=routes_by_slot,
                         grad_rank=layout.grad_rank,
                         grad_warmup_steps=min(spec.compression.grad_warmup_steps,
-                                              spec.steps))
+                                              spec.steps),
+                        recompute_slots=[slot for slot, n in nodes.items()
+                                         if n in layout.recompute])
     routes = layout.edges()
     job_nodes = {n: tuple(addresses[n]) for n in nodes.values()}
     shipped = _shipped_data(spec) if corpus is None else corpus.shipped()

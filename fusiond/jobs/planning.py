@@ -151,6 +151,7 @@ def job_settings(spec: JobSpec, graph: ir.Graph | None = None) -> JobSettings:
         exact_edges=frozenset(spec.compression.exact_edges),
         int8_edges=spec.compression.int8,
         grad_density_floor=1.0 if graph is None else grad_floor(spec, graph),
+        recompute=spec.batch.recompute,
     )
 
 
@@ -210,7 +211,9 @@ def layout_from_plan(job_id: str, graph: ir.Graph, state: Mapping[str, torch.Ten
         densities = plan.edge_densities() if spec.compression.adatopk else {}
         layout = layout_job(job_id, graph, state, op_nodes, densities=densities,
                             replicas=replicas, routes=routes)
-    return replace(layout, grad_rank=grad_rank_of(plan, spec))
+    ev = plan.evaluation
+    recompute = frozenset(r.machine_id for r in (ev.replicas or ev.stages) if r.recompute)
+    return replace(layout, grad_rank=grad_rank_of(plan, spec), recompute=recompute)
 
 
 def readapted_densities(plan: Plan, cluster: Cluster, current: Mapping[str, float],

@@ -131,6 +131,9 @@ class _Search:
         self.static = arrays.static_prefix[q]
         self.saved = arrays.saved_prefix[q]
         self.caps = arrays.caps - arrays.workspace
+        # with recompute: a stage keeps its inputs per micro-batch in flight (at most this
+        # many bytes at any candidate start) and one micro-batch's activations
+        self.in_max = float(arrays.in_bytes[q].max()) if st.recompute and len(q) else 0.0
         self.bw_bytes_per_s = arrays.cluster.bandwidth_bytes_per_s
         self.rtt_s = arrays.cluster.rtt_s
 
@@ -168,9 +171,14 @@ class _Search:
             P = self.prefix[m]
             infl = M if st.schedule == "gpipe" else min(M, K - k)
             mem = self.static + infl * self.saved
+            lo_mem = np.searchsorted(mem, mem[j] - self.caps[m], "left")
+            if st.recompute:  # longer stages that fit only recomputing (evaluate decides)
+                rc = self.static + self.saved
+                lo_mem = np.minimum(lo_mem, np.searchsorted(
+                    rc, rc[j] - (self.caps[m] - infl * self.in_max), "left"))
             lo = np.maximum.reduce([
                 np.searchsorted(P, P[j] - bound, "left"),
-                np.searchsorted(mem, mem[j] - self.caps[m], "left"),
+                lo_mem,
                 self.min_start[m, j],
             ]).astype(np.int64)
             val, arg = _range_argmin(best - P, lo, j - 1)
@@ -455,8 +463,7 @@ class _SubsetSearch:
         arg: dict[tuple[int, int], tuple[I64, I64]] = {}
         for size in range(1, K + 1):
             infl = M if st.schedule == "gpipe" else min(M, size)
-            mem = a.static_prefix + infl * a.saved_prefix
-            need = mem[None, :] - mem[:, None] + self.outmax
+            need = a.stage_need(infl, self.outmax)
             for mask in (m for m in range(1 << K) if bin(m).count("1") == size):
                 rest = mask
                 for first in (x for x in range(K) if mask >> x & 1):
@@ -562,8 +569,7 @@ def _memory_feasible_cut(arrays: GraphArrays) -> list[StageSpec] | None:
     runs = arrays.bad_prefix[:, None, :] == arrays.bad_prefix[:, :, None]  # [m, p, e]
     for size in range(1, K + 1):
         infl = M if st.schedule == "gpipe" else min(M, size)
-        mem = arrays.static_prefix + infl * arrays.saved_prefix
-        need = mem[None, :] - mem[:, None] + outmax  # [p, e]: a stage running ops [p, e)
+        need = arrays.stage_need(infl, outmax)  # [p, e]: a stage running ops [p, e)
         for mask in (m for m in range(1 << K) if bin(m).count("1") == size):
             for first in (x for x in range(K) if mask >> x & 1):
                 rest = mask & ~(1 << first)
@@ -586,14 +592,14 @@ def _memory_feasible_cut(arrays: GraphArrays) -> list[StageSpec] | None:
     while True:
         size = bin(mask).count("1")
         infl = M if st.schedule == "gpipe" else min(M, size)
-        mem = arrays.static_prefix + infl * arrays.saved_prefix
+        need = arrays.stage_need(infl, outmax)
         rest = mask & ~(1 << first)
         if rest == 0:
             stages.append(StageSpec(first, p, n))
             return stages
         nxt = None
         for e in range(n - 1, p, -1):
-            if mem[e] - mem[p] + outmax[p, e] > caps[first] or not runs[first, p, e]:
+            if need[p, e] > caps[first] or not runs[first, p, e]:
                 continue
             for f2 in (x for x in range(K) if rest >> x & 1):
                 r = reach.get((rest, f2))

@@ -311,6 +311,12 @@ class JobSettings:
     (low-rank, PowerSGD-style, with error feedback: rank r of an m x n gradient sends
     r (m + n) / (m n) of it); 1.0: gradients are reduced dense. The planner sends as much as
     the reduction can hide behind the drain, down to this floor."""
+    recompute: bool = False
+    """A stage whose kept activations would not fit its machine may recompute them instead
+    (activation checkpointing of the whole stage, `fusiond.train.stage.StageConfig`): it
+    keeps only its inputs per micro-batch in flight and one micro-batch's activations, and
+    pays one more forward per micro-batch. The evaluator chooses it per stage, only where the
+    plain stage does not fit."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.num_micro_batches < 1:

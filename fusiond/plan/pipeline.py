@@ -22,7 +22,10 @@ graph's topological order on one machine. Model (see docs/planner.md):
   forward to the later holder (`_tied_sync`). Measured against task timelines: docs/planner.md.
 - Memory of a stage: unique parameters + their gradients + optimizer state + saved activations
   of the micro-batches in flight (1F1B: min(M, S - s) on stage s; GPipe: M) + the largest
-  output of one op as workspace, against `memory_fraction` of the machine's memory.
+  output of one op as workspace, against `memory_fraction` of the machine's memory. With
+  `JobSettings.recompute`, a stage that does not fit so may recompute: it keeps its inputs
+  per micro-batch in flight and one micro-batch's saved activations (the backward's second
+  forward), and its compute gains one forward per micro-batch (`StageReport.recompute`).
 """
 
 from __future__ import annotations
@@ -86,6 +89,9 @@ class StageReport:
     as the stage's busy time."""
     replica: int = 0
     """Which of the stage's machines this is (0: `StageSpec.machine`)."""
+    recompute: bool = False
+    """It recomputes its activations in the backward (its kept activations would not fit;
+    `JobSettings.recompute`): `compute_s` includes the second forward."""
     micro_batches: int = 0
     """Micro-batches of an iteration this machine runs (all M without replicas)."""
 
@@ -216,6 +222,10 @@ class GraphArrays:
         )
         self.last_use = np.array([max(t.dsts) if t.dsts else t.src for t in graph.tensors],
                                  dtype=np.int64)
+        #: [position p]: the dense bytes of one micro-batch crossing p forward, what a stage
+        #: starting there keeps per micro-batch in flight when it recomputes (an upper bound
+        #: on its inputs: every tensor alive across p)
+        self.in_bytes = self.cut_bytes(1.0)[0] if settings.recompute else np.zeros(self.n + 1)
         #: [machine, op] True where the machine runs the op (`MachineProfile.ops`)
         self.runs = np.array([[m.runs(o.op) for o in graph.ops] for m in cluster.machines],
                              dtype=bool).reshape(len(cluster), self.n)
@@ -231,6 +241,19 @@ class GraphArrays:
              np.maximum.accumulate(idx, axis=1).astype(np.int64)], axis=1)
         #: whether any machine lacks an op of the graph (the searches skip the checks if not)
         self.restricted = bool((~self.runs).any())
+
+    def stage_need(self, infl: int, outmax: F64) -> F64:
+        """[p, e]: the memory a stage running ops [p, e) needs with `infl` micro-batches in
+        flight (`outmax[p, e]`: its workspace), as `evaluate` counts it without replicas: the
+        smaller of keeping every in-flight activation and, with `settings.recompute`,
+        recomputing them."""
+        mem = self.static_prefix + infl * self.saved_prefix
+        need: F64 = mem[None, :] - mem[:, None] + outmax
+        if self.settings.recompute:
+            rc = self.static_prefix + self.saved_prefix
+            need = np.minimum(need, rc[None, :] - rc[:, None] + infl * self.in_bytes[:, None]
+                              + outmax)
+        return need
 
     def stage_runs(self, machine: int, start: int, stop: int) -> bool:
         """Whether `machine` runs every op in [start, stop)."""
@@ -639,6 +662,14 @@ def evaluate(
             bucket = min(params, DDP_BUCKET_BYTES) if s.replicas else 0.0
             mem = 2 * params + opt + inflight * saved + work + bucket
             cap = float(arrays.caps[mi])
+            recompute = False
+            if mem > cap and st.recompute:
+                kept = inflight * float(arrays.in_bytes[s.start]) + saved
+                if 2 * params + opt + kept + work + bucket < mem:
+                    recompute = True
+                    mem = 2 * params + opt + kept + work + bucket
+                    computes[i][r] += float(arrays.prefix_f[mi, s.stop]
+                                            - arrays.prefix_f[mi, s.start])
             if mem > cap:
                 over.append(m.id)
             if not arrays.stage_runs(mi, s.start, s.stop):
@@ -648,6 +679,7 @@ def evaluate(
             row.append(StageReport(
                 i, mi, m.id, s.start, s.stop, g.ops[s.start].name, g.ops[s.stop - 1].name,
                 computes[i][r], mem, cap, inflight, replica=r, micro_batches=mb,
+                recompute=recompute,
             ))
         reps.append(row)
 

@@ -126,7 +126,8 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
                recv_timeout_s: float | None = None, first_step: int = 0,
                slot_stages: Mapping[int, int] | None = None,
                routes: Mapping[int, Sequence[int]] | None = None,
-               grad_rank: int | None = None, grad_warmup_steps: int = 0) -> AssignConfig:
+               grad_rank: int | None = None, grad_warmup_steps: int = 0,
+               recompute_slots: Sequence[int] = ()) -> AssignConfig:
     """The `Assign.config` record for a job (the same for every stage).
 
     `stage_nodes`: stage -> node id for every stage; `shared`: stage -> {tied parameter -> the
@@ -141,7 +142,8 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
     With replicas, `stage_nodes` and `shared` are keyed by slot (`AssignConfig`), and
     `slot_stages` (replica slot -> stage) and `routes` (replicated stage -> the slot of each
     micro-batch) say who runs what. `grad_rank`: the summed gradients travel low-rank at
-    this rank (None: dense), after `grad_warmup_steps` dense steps.
+    this rank (None: dense), after `grad_warmup_steps` dense steps. `recompute_slots`: the
+    slots that recompute their activations (`StageConfig.recompute`).
     """
     o = spec.optimizer
     d = spec.data
@@ -182,6 +184,7 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
         grad_rank=None if grad_rank is None else int(grad_rank),
         grad_warmup_steps=int(grad_warmup_steps),
         eval_interval=spec.eval_interval,
+        recompute_slots=tuple(sorted(int(s) for s in recompute_slots)),
     )
 
 
@@ -234,6 +237,8 @@ class StageAssignment:
     """... after this many dense steps."""
     eval_interval: int = 0
     """Steps between states sent for the scheduler's held-out evaluation (0: none)."""
+    recompute: bool = False
+    """This slot recomputes its activations in the backward (`StageConfig.recompute`)."""
 
     def sends_state(self, step: int) -> bool:
         """Whether the state after `step` goes to the scheduler (a checkpoint, or a held-out
@@ -363,6 +368,10 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
     if not 0 <= cfg.grad_warmup_steps <= max(0, steps):
         raise RemoteError(f"Assign.config.grad_warmup_steps: {cfg.grad_warmup_steps!r} is not "
                           f"a step count in [0, {steps}]")
+    unknown = sorted(set(cfg.recompute_slots) - {int(k) for k in stage_map})
+    if unknown:
+        raise RemoteError(f"Assign.config.recompute_slots: {unknown[:4]} are not slots of the "
+                          f"job ({len(stage_map)} slots)")
     if not 0 <= cfg.eval_interval <= 10**9:
         raise RemoteError(f"Assign.config.eval_interval: {cfg.eval_interval!r} is not a step "
                           "count in [0, 10**9]")
@@ -381,6 +390,7 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         slot_nodes={int(k): v for k, v in stage_map.items()},
         routes=routes, slot_stages=slot_stages, grad_rank=grad_rank,
         grad_warmup_steps=cfg.grad_warmup_steps, eval_interval=cfg.eval_interval,
+        recompute=(slot if slot >= 0 else stage) in cfg.recompute_slots,
     )
 
 
@@ -587,6 +597,8 @@ class StageHost:
         self.assignment = decode_assign(assign, payload, limits=limits)
         sa = self.assignment
         config = config or StageConfig()
+        if sa.recompute:  # the planner's choice for this slot, beside the daemon's knobs
+            config = replace(config, recompute=True)
         # every op of the partition must run here (UnsupportedOpError names the one that does
         # not), before anything is built
         check_ops(sa.graph, config.disabled_ops)

@@ -203,12 +203,15 @@ class OptimizerSpec:
 class BatchSpec:
     """`size` samples per step, split into `micro_batches` equal micro-batches. `replicas`:
     the planner may run a stage on several machines, each on its share of the micro-batches
-    (data parallelism; gradients reduced dense every step)."""
+    (data parallelism; gradients reduced dense every step). `recompute`: the planner may
+    have a stage whose kept activations would not fit its machine recompute them in the
+    backward instead (activation checkpointing; one more forward per micro-batch)."""
 
     size: int
     micro_batches: int
     pipeline: PipelineKind
     replicas: bool = False
+    recompute: bool = True
 
     @property
     def micro_batch_size(self) -> int:
@@ -609,9 +612,10 @@ def _batch(t: _Table) -> BatchSpec:
             )
     pipeline = t.choice("pipeline", "1f1b", ("1f1b", "gpipe"))
     replicas = t.boolean("replicas", False)
+    recompute = t.boolean("recompute", True)
     t.finish()
     return BatchSpec(size=size, micro_batches=count, pipeline=pipeline,  # type: ignore[arg-type]
-                     replicas=replicas)
+                     replicas=replicas, recompute=recompute)
 
 
 def _compression(t: _Table) -> CompressionSpec:

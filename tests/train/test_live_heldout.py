@@ -43,10 +43,14 @@ def test_the_graph_evaluator_gives_the_eager_evaluators_figure() -> None:
 
 
 @pytest.mark.slow
-async def test_the_scheduler_puts_the_heldout_loss_in_the_step_records(tmp_path: Any) -> None:
+async def test_the_scheduler_puts_the_heldout_loss_in_the_step_records(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
     """A job with eval_interval = 3 over 8 steps: steps 3 and 6 carry held-out losses (a
     checkpoint at 4 too: checkpoint_interval = 4), every other step none, the records arrive
-    in order and each once, and the figures fall as the model trains."""
+    in order and each once, and the figures fall as the model trains. The scheduler's log
+    holds each logged step once (issue 19: its coordinator used to log it again)."""
+    import logging
+
     from fusiond.jobs.submit import prepare_job
 
     p = tmp_path / "job.toml"
@@ -60,13 +64,19 @@ async def test_the_scheduler_puts_the_heldout_loss_in_the_step_records(tmp_path:
     net.svc = svc
     await svc.start()
     try:
-        summary = await svc.submit(service.decode_upload(upload(job, stages=1)), submitter="m1")
-        rec = svc.get(summary["job_id"])
-        assert isinstance(rec, service._Record)
-        await wait(lambda: len(rec.history) == 8, 120, "eight steps")
+        with caplog.at_level(logging.INFO, logger="fusiond"):
+            summary = await svc.submit(service.decode_upload(upload(job, stages=1)),
+                                       submitter="m1")
+            rec = svc.get(summary["job_id"])
+            assert isinstance(rec, service._Record)
+            await wait(lambda: len(rec.history) == 8, 120, "eight steps")
         history = [dict(r) for r in rec.history]
     finally:
         await svc.close()
+    for n in range(1, 9):
+        lines = [r.getMessage() for r in caplog.records if f"step {n}/8 loss" in r.getMessage()]
+        assert len(lines) == 1, lines
+    assert "busy" in lines[0]
     assert [r["step"] for r in history] == list(range(8))
     held = {r["step"] + 1: r["held_out_loss"] for r in history if "held_out_loss" in r}
     assert sorted(held) == [3, 4, 6], held

@@ -217,3 +217,55 @@ replicas = true
         tampered = replace(msg, config=replace(msg.config, grad_rank=bad))
         with pytest.raises(RemoteError, match="grad_rank"):
             decode_assign(tampered, payload)
+
+
+async def test_a_job_that_fits_only_recomputing_is_planned_so_and_trains_exactly(
+        captured_tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """On machines too small to keep a pipeline's in-flight activations, the planner has the
+    stages that need it recompute them (batch.recompute, the default) where it would refuse
+    the job otherwise (batch.recompute = false); the layout's Assigns tell those stages, they
+    recompute (a second forward per micro-batch) and the job trains as eager does."""
+    from fusiond.train import stage as stage_mod
+
+    spec, cap = captured_tiny
+    spec = replace(spec, steps=4)
+    off = replace(spec, batch=replace(spec.batch, recompute=False))
+    plan = None
+    for memory in (8e5, 7e5, 6e5, 5e5, 4.5e5, 4e5):  # the first size only recomputing fits
+        cluster = Cluster.build(_machines(memory), [[1.25e9] * 3] * 3)
+        try:
+            plan_job(off, cap, cluster)
+            continue
+        except PlanError:
+            pass
+        try:
+            plan = plan_job(spec, cap, cluster)
+        except PlanError:
+            continue
+        break
+    assert plan is not None, "no machine size where only recomputing fits"
+    ev = plan.evaluation
+    assert ev.memory_ok and any(r.recompute for r in ev.stages)
+    assert all(r.memory_bytes <= r.memory_cap for r in ev.stages)
+    layout = layout_from_plan("recompute", cap.graph, cap.state, plan, spec)
+    assert layout.recompute == {r.machine_id for r in ev.stages if r.recompute}
+    calls: list[int] = []
+    real = stage_mod.StageExecutor._recompute
+
+    def counted(self: Any, step: int, micro: int, ctx: Any) -> None:
+        calls.append(self.stage)
+        real(self, step, micro, ctx)
+
+    monkeypatch.setattr(stage_mod.StageExecutor, "_recompute", counted)
+    losses: list[float] = []
+    out, _ = await _run(spec, cap, layout, on_step=lambda m: losses.append(m.loss))
+    assert out.ok, out.failure
+    recomputing = {r.index for r in ev.stages if r.recompute}
+    assert set(calls) == recomputing
+    assert len(calls) == len(recomputing) * spec.steps * spec.batch.micro_batches
+    rt = ReferenceTrainer(build_model(spec.model, seed=spec.seed), loss_fn(spec.loss),
+                          spec.optimizer, data=make_source(spec.data, spec.seed),
+                          batch_size=spec.batch.size, micro_batches=spec.batch.micro_batches,
+                          total_steps=spec.steps)
+    for got, exp in zip(losses, rt.train(0, spec.steps), strict=True):
+        assert got == pytest.approx(exp, rel=1e-4)

@@ -722,33 +722,3 @@ async def test_a_submission_still_planning_when_the_daemon_stops_is_refused_not_
     assert svc.scheduling.records == {} and not svc.worker.jobs()
     assert [t for t in asyncio.all_tasks() if t.get_name().startswith("job ")] == []
 
-
-async def test_each_step_is_logged_once(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
-    """The scheduler's log holds each logged step once (the job's record writes it; its
-    coordinator used to log the same step again)."""
-    import logging
-
-    from fusiond.jobs.submit import prepare_job
-    from fusiond.train.spec import default_text_path
-
-    p = tmp_path / "job.toml"
-    p.write_text(JOB.format(steps=4, out=tmp_path / "out", data=default_text_path() / "json"))
-    job = prepare_job(p)
-    net = Net()
-    view = View(["m0"], leader="m0")
-    svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
-    net.svc = svc
-    await svc.start()
-    try:
-        with caplog.at_level(logging.INFO, logger="fusiond"):
-            summary = await svc.submit(service.decode_upload(upload(job, stages=1)),
-                                       submitter="m1")
-            rec = svc.get(summary["job_id"])
-            assert isinstance(rec, service._Record)
-            await wait(lambda: len(rec.history) == 4, 60, "four steps")
-    finally:
-        await svc.close()
-    for n in range(1, 5):
-        lines = [r.getMessage() for r in caplog.records if f"step {n}/4 " in r.getMessage()]
-        assert len(lines) == 1, lines
-    assert "busy" in lines[0]

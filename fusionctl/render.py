@@ -492,8 +492,8 @@ def render_plan(data: Mapping[str, Any], console: Console | None = None) -> None
         rows = []
         for lk in shown:
             wire_mb = (float(lk.get("fwd_bytes") or 0) + float(lk.get("bwd_bytes") or 0)) / 1e6
-            rows.append([f"{lk.get('src_stage')}:{lk.get('src_machine_id')} -> "
-                         f"{lk.get('dst_stage')}:{lk.get('dst_machine_id')}",
+            rows.append([f"{lk.get('src_stage')}:{_short(lk.get('src_machine_id'), 10)} -> "
+                         f"{lk.get('dst_stage')}:{_short(lk.get('dst_machine_id'), 10)}",
                          _mbit(lk.get("bandwidth_fwd_bytes_per_s")), f"{wire_mb:.3g}",
                          f"{float(lk.get('density') or 1.0):.3f}", _ms(lk.get("time_s")),
                          _ms(lk.get("dense_time_s", lk.get("time_s")))])

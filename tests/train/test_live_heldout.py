@@ -21,6 +21,32 @@ from tests.train.conftest import CAPTURED_JOB
 from tests.train.test_service import JOB, Net, View, upload, wait
 
 
+async def _history(tmp_path: Any, steps: int, job_lines: str) -> list[dict[str, Any]]:
+    """Every step record of a one-stage job (`job_lines` added to its [job] table) that m0
+    schedules for m1, in memory, once all `steps` are in."""
+    from fusiond.jobs.submit import prepare_job
+
+    p = tmp_path / "job.toml"
+    p.write_text(JOB.format(steps=steps, out=tmp_path / "out",
+                            data=default_text_path() / "json")
+                 .replace("[model]", job_lines + "\n[model]"))
+    job = prepare_job(p)
+    net = Net()
+    view = View(["m0"], leader="m0")
+    svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
+    net.svc = svc
+    await svc.start()
+    try:
+        summary = await svc.submit(service.decode_upload(upload(job, stages=1)),
+                                   submitter="m1")
+        rec = svc.get(summary["job_id"])
+        assert isinstance(rec, service._Record)
+        await wait(lambda: len(rec.history) == steps, 120, f"{steps} steps")
+        return [dict(r) for r in rec.history]
+    finally:
+        await svc.close()
+
+
 def test_the_graph_evaluator_gives_the_eager_evaluators_figure() -> None:
     """The captured graph with a model's weights scores what the model itself scores (GPT-2
     tiny, no dropout), on the same held-out windows."""
@@ -51,28 +77,8 @@ async def test_the_scheduler_puts_the_heldout_loss_in_the_step_records(
     holds each logged step once (issue 19: its coordinator used to log it again)."""
     import logging
 
-    from fusiond.jobs.submit import prepare_job
-
-    p = tmp_path / "job.toml"
-    p.write_text(JOB.format(steps=8, out=tmp_path / "out", data=default_text_path() / "json")
-                 .replace("[model]", "eval_interval = 3\ncheckpoint_interval = 4\n[model]"))
-    job = prepare_job(p)
-    assert job.spec.eval_interval == 3
-    net = Net()
-    view = View(["m0"], leader="m0")
-    svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
-    net.svc = svc
-    await svc.start()
-    try:
-        with caplog.at_level(logging.INFO, logger="fusiond"):
-            summary = await svc.submit(service.decode_upload(upload(job, stages=1)),
-                                       submitter="m1")
-            rec = svc.get(summary["job_id"])
-            assert isinstance(rec, service._Record)
-            await wait(lambda: len(rec.history) == 8, 120, "eight steps")
-        history = [dict(r) for r in rec.history]
-    finally:
-        await svc.close()
+    with caplog.at_level(logging.INFO, logger="fusiond"):
+        history = await _history(tmp_path, 8, "eval_interval = 3\ncheckpoint_interval = 4")
     for n in range(1, 9):
         lines = [r.getMessage() for r in caplog.records if f"step {n}/8 loss" in r.getMessage()]
         assert len(lines) == 1, lines
@@ -120,31 +126,13 @@ async def test_a_failing_evaluation_is_logged_once_and_the_job_goes_on(
     import logging
 
     from fusiond.jobs import coordinator
-    from fusiond.jobs.submit import prepare_job
 
     def broken(*_: Any, **__: Any) -> float:
         raise RuntimeError("no evaluation today")
 
     monkeypatch.setattr(coordinator, "graph_heldout_loss", broken)
-    p = tmp_path / "job.toml"
-    p.write_text(JOB.format(steps=5, out=tmp_path / "out", data=default_text_path() / "json")
-                 .replace("[model]", "eval_interval = 1\n[model]"))
-    job = prepare_job(p)
-    net = Net()
-    view = View(["m0"], leader="m0")
-    svc = JobService(node_id="m0", send_raw=net.send, view=lambda: view)
-    net.svc = svc
-    await svc.start()
-    try:
-        with caplog.at_level(logging.WARNING, logger="fusiond"):
-            summary = await svc.submit(service.decode_upload(upload(job, stages=1)),
-                                       submitter="m1")
-            rec = svc.get(summary["job_id"])
-            assert isinstance(rec, service._Record)
-            await wait(lambda: len(rec.history) == 5, 120, "every step")
-    finally:
-        await svc.close()
-    history = [dict(r) for r in rec.history]
+    with caplog.at_level(logging.WARNING, logger="fusiond"):
+        history = await _history(tmp_path, 5, "eval_interval = 1")
     assert [r["step"] for r in history] == list(range(5))
     assert not any("held_out_loss" in r for r in history)
     warned = [r.getMessage() for r in caplog.records if "held-out evaluation" in r.getMessage()]

@@ -25,6 +25,16 @@ def _machines(memory: float) -> list[MachineProfile]:
                            memory_bytes=memory) for i in range(3)]
 
 
+def _assert_eager_losses(spec: Any, losses: list[float]) -> None:
+    """The job's per-step losses are eager single-process training's (rel 1e-4)."""
+    rt = ReferenceTrainer(build_model(spec.model, seed=spec.seed), loss_fn(spec.loss),
+                          spec.optimizer, data=make_source(spec.data, spec.seed),
+                          batch_size=spec.batch.size, micro_batches=spec.batch.micro_batches,
+                          total_steps=spec.steps)
+    for got, exp in zip(losses, rt.train(0, spec.steps), strict=True):
+        assert got == pytest.approx(exp, rel=1e-4)
+
+
 async def _run(spec: Any, cap: Any, layout: Any, **kw: Any) -> tuple[Any, dict[str, Any]]:
     """Run `layout` on 3 in-process nodes, node0 scheduling: (its outcome, its last status)."""
     async with inproc_cluster(3) as nodes:
@@ -47,12 +57,7 @@ async def test_planned_job_matches_eager(captured_tiny) -> None:  # type: ignore
     losses: list[float] = []
     out, _ = await _run(spec, cap, layout, on_step=lambda m: losses.append(m.loss))
     assert out.ok, out.failure
-    rt = ReferenceTrainer(build_model(spec.model, seed=spec.seed), loss_fn(spec.loss),
-                          spec.optimizer, data=make_source(spec.data, spec.seed),
-                          batch_size=spec.batch.size, micro_batches=spec.batch.micro_batches,
-                          total_steps=spec.steps)
-    for got, exp in zip(losses, rt.train(0, spec.steps), strict=True):
-        assert got == pytest.approx(exp, rel=1e-4)
+    _assert_eager_losses(spec, losses)
 
 
 def test_job_larger_than_the_cluster_is_refused(captured_tiny) -> None:  # type: ignore[no-untyped-def]
@@ -263,9 +268,4 @@ async def test_a_job_that_fits_only_recomputing_is_planned_so_and_trains_exactly
     recomputing = {r.index for r in ev.stages if r.recompute}
     assert set(calls) == recomputing
     assert len(calls) == len(recomputing) * spec.steps * spec.batch.micro_batches
-    rt = ReferenceTrainer(build_model(spec.model, seed=spec.seed), loss_fn(spec.loss),
-                          spec.optimizer, data=make_source(spec.data, spec.seed),
-                          batch_size=spec.batch.size, micro_batches=spec.batch.micro_batches,
-                          total_steps=spec.steps)
-    for got, exp in zip(losses, rt.train(0, spec.steps), strict=True):
-        assert got == pytest.approx(exp, rel=1e-4)
+    _assert_eager_losses(spec, losses)

@@ -237,6 +237,7 @@ def job_block(job: Mapping[str, Any], names: Mapping[str, str], *,
                 s["predicted_compute_s"] = p.get("compute_s")
                 s["memory_bytes"] = p.get("memory_bytes")
                 s["micro_batches"] = p.get("micro_batches")
+                s["recompute"] = bool(p.get("recompute"))
     ckpt_at = job.get("checkpoint_at")
     return {
         "job_id": job.get("job_id"), "name": job.get("name"), "state": job.get("state"),

@@ -91,7 +91,8 @@ class FakeBackend:
                 "plan_summary": {"method": "op-fence", "iteration_s": 0.05, "stages": [
                     {"stage": 0, "machine_id": "n1", "start_op": 0, "stop_op": 9,
                      "first_op": "a", "last_op": "b", "compute_s": 0.01, "memory_bytes": 1,
-                     "replica_machine_ids": ["n2"], "micro_batches": [2, 2]}]},
+                     "replica_machine_ids": ["n2"], "micro_batches": [2, 2],
+                     "recompute": True}]},
                 "restarts": 1, "checkpoint_step": 3, "checkpoint_at": 100.0}
 
 
@@ -116,6 +117,7 @@ async def test_a_session_sees_what_its_caller_sees() -> None:
     assert [p["step"] for p in job["points"]] == [0, 1, 2, 3, 4] and job["reset"]
     assert job["stages"][0]["machine"]["name"] == "alpha"
     assert job["stages"][0]["replicas"][0]["name"] == "beta"
+    assert job["stages"][0]["recompute"] is True  # the planner's memory decision, shown
     assert job["predicted_iteration_s"] == 0.05 and job["measured_iteration_s"] == 0.1
     assert job["restarts"] == 1 and job["checkpoint_age_s"] == 100.0
     names = [(m["name"], m["state"]) for m in snap["cluster"]["members"]]

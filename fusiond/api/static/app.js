@@ -227,7 +227,11 @@ function stagesTable(job) {
     h("td", {class: "mono small ops", text: st.first_op ?
              `${st.ops} ops: ${st.first_op} … ${st.last_op}` : "–"}),
     h("td", {class: "num", text: st.predicted_compute_s !== undefined ?
-             fmtS(st.predicted_compute_s) : "–"}),
+             fmtS(st.predicted_compute_s) : "–"},
+      st.recompute ? h("span", {class: "badge recompute", text: "recompute",
+                                title: "keeps only its inputs and runs its forward again in " +
+                                       "the backward: its activations would not fit kept"})
+                   : null),
     h("td", {}, h("div", {class: "share", title:
         `busy ${fmtNum((st.busy || 0) * 100, 3)} %, waiting ${fmtNum((st.wait || 0) * 100, 3)} %`},
       h("div", {class: "busy", style: `width:${((st.busy || 0) * 100).toFixed(1)}%`}),

@@ -74,12 +74,15 @@ def graph_heldout_loss(graph: ir.Graph, state: Mapping[str, torch.Tensor], spec:
     """The mean held-out loss of the captured job graph `graph` (which computes the job's
     loss: output `loss_name`, or its only output) with the weights `state`, over the first
     `max_examples` held-out examples of `source`, weighted as `heldout_loss` weighs them.
-    The weights are copied: buffers a training graph updates in place (BatchNorm's running
-    statistics) leave `state` as it was. `LocalError` without a held-out split."""
+    `state` is left as it was: the buffers a training graph updates in place (BatchNorm's
+    running statistics) are copied, the rest only read (no second copy of a big model).
+    `LocalError` without a held-out split."""
     batches = getattr(source, "heldout_batches", None)
     if batches is None:
         raise LocalError(f"the data source {type(source).__name__} has no held-out split")
-    program = build_stage_module(graph, {k: v.detach().clone() for k, v in state.items()})
+    updated = set(graph.buffer_updates)  # the only tensors a forward writes: copied
+    program = build_stage_module(graph, {k: v.detach().clone() if k in updated else v.detach()
+                                         for k, v in state.items()})
     out_name = loss_name if loss_name is not None else program.output_names[0]
     if out_name not in program.output_names:
         raise LocalError(f"the job graph has no output {out_name!r} "

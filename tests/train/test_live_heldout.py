@@ -60,7 +60,9 @@ def test_the_graph_evaluator_gives_the_eager_evaluators_figure() -> None:
     state = {name: state.get(name, captured.state[name]) for name in captured.state}
     # every held-out window: the eager evaluator scores them all
     everything = sum(b.size for b in source.heldout_batches(16))
+    before = {k: v.clone() for k, v in state.items()}
     got = graph_heldout_loss(captured.graph, state, spec, source, max_examples=everything)
+    assert all(torch.equal(v, before[k]) for k, v in state.items())  # read, not written
     want = heldout_loss(model, spec, source=source)
     assert got == pytest.approx(want, rel=1e-5)
     bounded = graph_heldout_loss(captured.graph, state, spec, source, max_examples=16)

@@ -144,6 +144,10 @@ def _gather(graph: ir.Graph, parts: Mapping[int, bytes]) -> dict[str, torch.Tens
 
 EVAL_END_WAIT_S = 30.0
 """How long the end of an attempt waits for its held-out evaluations still running."""
+MAX_HELD_STEPS = 32
+"""Steps that may wait for a held-out figure: past them the oldest goes on without it (a
+state that never came, an evaluation slower than the pipeline), so the live curve never
+stalls."""
 
 
 class JobCoordinator:
@@ -401,7 +405,8 @@ class JobCoordinator:
         to come (`final`: all of them, evaluated or not: the attempt ended)."""
         while self._held:
             m = self._held[0]
-            if not final and self._evaluates(m.step) and m.step not in self._evaluated:
+            if not final and self._evaluates(m.step) and m.step not in self._evaluated \
+                    and len(self._held) <= MAX_HELD_STEPS:
                 return
             self._held.pop(0)
             if self.on_step is not None:

@@ -21,9 +21,11 @@ from tests.train.conftest import CAPTURED_JOB
 from tests.train.test_service import JOB, Net, View, upload, wait
 
 
-async def _history(tmp_path: Any, steps: int, job_lines: str) -> list[dict[str, Any]]:
+async def _history(tmp_path: Any, steps: int, job_lines: str,
+                   seen: list[int] | None = None) -> list[dict[str, Any]]:
     """Every step record of a one-stage job (`job_lines` added to its [job] table) that m0
-    schedules for m1, in memory, once all `steps` are in."""
+    schedules for m1, in memory, once all `steps` are in (`seen`: how many there were at
+    each poll on the way)."""
     from fusiond.jobs.submit import prepare_job
 
     p = tmp_path / "job.toml"
@@ -41,7 +43,12 @@ async def _history(tmp_path: Any, steps: int, job_lines: str) -> list[dict[str, 
                                    submitter="m1")
         rec = svc.get(summary["job_id"])
         assert isinstance(rec, service._Record)
-        await wait(lambda: len(rec.history) == steps, 120, f"{steps} steps")
+        def done() -> bool:
+            if seen is not None:
+                seen.append(len(rec.history))
+            return len(rec.history) == steps
+
+        await wait(done, 120, f"{steps} steps")
         return [dict(r) for r in rec.history]
     finally:
         await svc.close()
@@ -139,3 +146,25 @@ async def test_a_failing_evaluation_is_logged_once_and_the_job_goes_on(
     assert not any("held_out_loss" in r for r in history)
     warned = [r.getMessage() for r in caplog.records if "held-out evaluation" in r.getMessage()]
     assert len(warned) == 1 and "no evaluation today" in warned[0], warned
+
+
+@pytest.mark.slow
+async def test_steps_wait_for_a_figure_only_so_long(tmp_path: Any,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """An evaluation that never ends (a state that never came) holds the step records back
+    at most MAX_HELD_STEPS: the live curve keeps moving while the job trains, instead of
+    arriving all at once at its end."""
+    import asyncio
+
+    from fusiond.jobs import coordinator
+
+    async def never(self: Any, step: int, state: Any) -> None:
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(coordinator.JobCoordinator, "_evaluate", never)
+    monkeypatch.setattr(coordinator, "MAX_HELD_STEPS", 4)
+    monkeypatch.setattr(coordinator, "EVAL_END_WAIT_S", 0.1)
+    seen: list[int] = []
+    history = await _history(tmp_path, 40, "eval_interval = 1", seen)
+    assert [r["step"] for r in history] == list(range(40))
+    assert any(0 < n < 40 for n in seen), seen  # records arrived while it trained

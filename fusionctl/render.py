@@ -380,6 +380,13 @@ def render_job(d: Mapping[str, Any]) -> None:
     eta = "-" if d.get("eta_s") is None else f"{d['eta_s']:.0f}s"
     c.print(f"job {d['job_id']} ({d['name']}): {d['state']}, step {d['step']}/{d['steps']}, "
             f"loss {first} -> {loss}, {rate}, ETA {eta}, output {d['output']}")
+    held = next(((r["held_out_loss"], r.get("step")) for r in reversed(d.get("history") or [])
+                 if r.get("held_out_loss") is not None),
+                (st.get("held_out_loss"), st.get("held_out_step")))
+    if held[0] is not None:
+        after = "" if held[1] is None else f" after step {int(held[1]) + 1}"
+        c.print(f"held-out loss {float(held[0]):.4f}{after} (the job's held-out split)",
+                markup=False)
     if d.get("via_scheduler"):
         c.print(f"submitted on {d.get('submitter')}; as its scheduler {d['via_scheduler']} "
                 "reports it (outputs: `fusionctl fetch` on the submitting member)",

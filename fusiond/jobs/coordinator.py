@@ -127,10 +127,12 @@ class JobOutcome:
     def summary(self) -> dict[str, Any]:
         """JSON-ready summary (for metrics.json and the API)."""
         losses = [m.loss for m in self.metrics if m.loss is not None]
+        held = [m.held_out_loss for m in self.metrics if m.held_out_loss is not None]
         return {
             "job_id": self.job_id, "ok": self.ok, "steps": len(self.metrics),
             "first_loss": losses[0] if losses else None,
-            "final_loss": losses[-1] if losses else None, "wall_s": self.wall_s,
+            "final_loss": losses[-1] if losses else None,
+            "last_held_out_loss": held[-1] if held else None, "wall_s": self.wall_s,
             "failure": None if self.failure is None else str(self.failure),
             "stages": {str(s): n for s, n in sorted(self.stage_nodes.items())},
         }
@@ -483,12 +485,15 @@ class JobCoordinator:
         if last is not None:
             densities.update({e.edge: 1.0 if e.density is None else e.density
                               for e in last.edges})
+        held = next((m for m in reversed(self._metrics) if m.held_out_loss is not None), None)
         return {
             "job_id": self.job_id,
             "state": self._state,
             "steps": self.spec.steps,
             "step": None if last is None else last.step,
             "loss": None if last is None else last.loss,
+            "held_out_loss": None if held is None else held.held_out_loss,
+            "held_out_step": None if held is None else held.step,
             "tokens_per_s": d.get("tokens_per_s"),
             "samples_per_s": d.get("samples_per_s"),
             "stages": [

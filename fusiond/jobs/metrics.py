@@ -4,6 +4,7 @@ Register `JobCollector(lambda: coordinators)` with the daemon's registry
 (`fusiond.metrics.make_registry`); names follow `fusion_<subsystem>_<name>_<unit>`:
 
 - `fusion_job_step` / `fusion_job_steps` (current step, total), `fusion_job_loss`,
+  `fusion_job_heldout_loss` (the last held-out evaluation),
   `fusion_job_throughput_tokens_per_second` (or `..._samples_per_second`),
 - `fusion_job_stage_busy_ratio{stage,node}` and `fusion_job_stage_wait_ratio{stage,node}`
   (the share of the last step it computed, and the share it sat waiting for its inputs),
@@ -105,6 +106,9 @@ class JobCollector(Collector):
         step = GaugeMetricFamily("fusion_job_step", "Last finished step", labels=["job"])
         steps = GaugeMetricFamily("fusion_job_steps", "Steps the job runs", labels=["job"])
         loss = GaugeMetricFamily("fusion_job_loss", "Loss of the last step", labels=["job"])
+        held = GaugeMetricFamily("fusion_job_heldout_loss",
+                                 "Held-out loss of the last evaluated step (job.eval_interval, "
+                                 "checkpoints)", labels=["job"])
         tps = GaugeMetricFamily("fusion_job_throughput_tokens_per_second",
                                 "Tokens per second of the last step", labels=["job"])
         sps = GaugeMetricFamily("fusion_job_throughput_samples_per_second",
@@ -139,6 +143,8 @@ class JobCollector(Collector):
                 step.add_metric([job], float(st["step"]))
             if st["loss"] is not None:
                 loss.add_metric([job], float(st["loss"]))
+            if st.get("held_out_loss") is not None:
+                held.add_metric([job], float(st["held_out_loss"]))
             if st["tokens_per_s"] is not None:
                 tps.add_metric([job], float(st["tokens_per_s"]))
             if st["samples_per_s"] is not None:
@@ -155,7 +161,7 @@ class JobCollector(Collector):
                     wire.add_metric([job, e["edge"], direction], float(v))
                 for direction, v in e["dense_bytes"].items():
                     dense.add_metric([job, e["edge"], direction], float(v))
-        yield from (state, step, steps, loss, tps, sps, busy, wait, wire, dense, density)
+        yield from (state, step, steps, loss, held, tps, sps, busy, wait, wire, dense, density)
         yield from self._checkpoint_ages(live)
         yield from self._counters()
 

@@ -221,8 +221,10 @@ def test_job_view_shows_each_stage_busy_and_waiting(capsys: Capture) -> None:
                          "wire_bytes": {"forward": 5200}, "dense_bytes": {"forward": 20480}}]}
     render_job({"job_id": "j1", "name": "gpt2", "state": "running", "step": 3, "steps": 10,
                 "loss": 4.2, "first_loss": 5.5, "eta_s": 12.0, "output": "runs/gpt2",
-                "plan": "2 stages", "history": [{"tokens_per_s": 1234.0}], "status": status})
+                "plan": "2 stages", "history": [{"step": 2, "held_out_loss": 4.4},
+                                                 {"tokens_per_s": 1234.0}], "status": status})
     out = capsys.readouterr().out
+    assert "held-out loss 4.4000 after step 3" in out
     assert "waiting" in out and "42%" in out and "31%" in out
     assert "1,234 tokens/s" in out and "top-k 0.1" in out
     assert "int8" in out and "exact" not in out  # an int8 edge is not exact

@@ -54,6 +54,7 @@ class Coord:
 
     def status(self) -> dict[str, Any]:
         return {"job_id": self.job, "state": "running", "steps": 10, "step": 3, "loss": 2.5,
+                "held_out_loss": 2.75, "held_out_step": 2,
                 "tokens_per_s": 100.0, "samples_per_s": None, "edges": [],
                 "stages": [{"stage": 0, "node": "n1", "busy": 0.5, "wait": 0.1}]}
 
@@ -93,6 +94,7 @@ def test_job_outcomes_restarts_step_times_and_ended_jobs_that_stay_a_while() -> 
     assert got[("fusion_job_state", (("job", "a"), ("state", "running")))] == 1.0
     assert got[("fusion_job_state", (("job", "b"), ("state", "failed")))] == 1.0
     assert got[("fusion_job_loss", (("job", "b"),))] == 2.5
+    assert got[("fusion_job_heldout_loss", (("job", "b"),))] == 2.75
     now[0] += KEEP_ENDED_S + 1
     got = _samples(generate_latest(reg).decode())
     assert ("fusion_job_state", (("job", "b"), ("state", "failed"))) not in got

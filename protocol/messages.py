@@ -467,6 +467,8 @@ class AssignConfig(Struct):
     eval_interval: int = 0
     """Steps between the stages' states sent for a held-out evaluation (0: none beyond the
     checkpoints); sent as `StageCheckpoint`s."""
+    precision: str = "fp32"
+    """The stages' compute dtype: "fp32", or "bf16" (autocast forward, float32 weights)."""
     recompute_slots: tuple[int, ...] = ()
     """The slots that recompute their activations in the backward (activation checkpointing
     of the stage: the planner's choice where its activations would not fit)."""

@@ -47,6 +47,7 @@ __all__ = [
     "SectionKind",
     "TensorDescriptor",
     "decode",
+    "decode_described",
     "decode_with_indices",
     "encode",
     "encode_values",
@@ -972,7 +973,7 @@ def decode(
     array, in the same order, as given to `encode_values`). Bad bytes raise `RemoteProtocolError`
     (`LimitExceeded` for limits); misuse raises `LocalProtocolError`.
     """
-    dense, _ = _decode(buf, limits, indices)
+    dense, _, _ = _decode(buf, limits, indices)
     return dense
 
 
@@ -983,12 +984,22 @@ def decode_with_indices(
 
     The receiver of a top-k forward needs them to send the backward with `encode_values`.
     """
-    return _decode(buf, limits, None)
+    dense, idx, _ = _decode(buf, limits, None)
+    return dense, idx
+
+
+def decode_described(
+    buf: Buffer, *, limits: Limits = DEFAULT_LIMITS, indices: NDArray | None = None
+) -> tuple[NDArray, npt.NDArray[np.int64] | None, TensorDescriptor]:
+    """Like `decode_with_indices` (and `decode` with `indices`), also returning the tensor's
+    descriptor (its encoding: a BF16 one says the sender's tensor was bfloat16, which numpy
+    has no dtype for)."""
+    return _decode(buf, limits, indices)
 
 
 def _decode(
     buf: Buffer, limits: Limits, indices: NDArray | None
-) -> tuple[NDArray, npt.NDArray[np.int64] | None]:
+) -> tuple[NDArray, npt.NDArray[np.int64] | None, TensorDescriptor]:
     view = _as_byte_view(buf)
     desc = _parse(view, limits)
     enc = desc.encoding
@@ -1005,21 +1016,23 @@ def _decode(
         data = secs[0]
         if dtype == "bool" and data.size and int(data.view(np.uint8).max()) > 1:
             raise RemoteProtocolError("bool tensor holds bytes other than 0 and 1")
-        return data.reshape(shape), None
+        return data.reshape(shape), None, desc
     if enc in (Encoding.FP16, Encoding.BF16):
-        return _uncast_values(secs[0], desc.sections[0].elem_dtype, dtype).reshape(shape), None
+        values = _uncast_values(secs[0], desc.sections[0].elem_dtype, dtype)
+        return values.reshape(shape), None, desc
     if enc is Encoding.INT8:
-        return _dequantize_int8(secs[0], secs[1], desc.block_size, dtype).reshape(shape), None
+        return (_dequantize_int8(secs[0], secs[1], desc.block_size, dtype).reshape(shape), None,
+                desc)
     values = _uncast_values(secs[0], desc.sections[0].elem_dtype, dtype)
     out = np.zeros(n, dtype=dtype)
     if enc is Encoding.VALUES:
         assert indices is not None
         idx = _check_indices(indices, n, desc.k)
         out[idx] = values
-        return out.reshape(shape), None
+        return out.reshape(shape), None, desc
     idx = _decode_indices(secs[1], desc)
     out[idx] = values
-    return out.reshape(shape), idx
+    return out.reshape(shape), idx, desc
 
 
 def _decode_indices(stream: NDArray, desc: TensorDescriptor) -> npt.NDArray[np.int64]:

@@ -6,6 +6,10 @@ indices the forward kept, which is the exact gradient of `y = mask * x`. An int8
 INT8 both ways (`encode_int8`: per-block absmax, `protocol.tensors.DEFAULT_BLOCK_SIZE` elements
 per float32 scale) and decodes dense: straight-through, the gradient with respect to the
 dequantized activation is taken as the activation's gradient.
+
+A bfloat16 tensor (a stage computing in bf16, `StageConfig.precision`) travels as BF16, its
+16 bits exactly (numpy has no bfloat16: the encoder takes its float32 value, which rounds back
+to itself), and decodes back to bfloat16: the wire dtype follows the compute dtype.
 """
 
 from __future__ import annotations
@@ -68,7 +72,10 @@ class Encoded:
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().contiguous().cpu().numpy()
+    t = t.detach()
+    if t.dtype == torch.bfloat16:  # numpy has none: its float32 value, exactly
+        t = t.float()
+    return t.contiguous().cpu().numpy()
 
 
 def _encoded(enc: wire.EncodedTensor, dense_nbytes: int) -> Encoded:
@@ -86,6 +93,8 @@ def encode_dense(t: torch.Tensor) -> Encoded:
     it (docs/tensor-codec.md), and sampling it to find that out was a fifth of a small
     activation's encode (issue 15); integer data (token ids, masks) may still shrink."""
     arr = _np(t)
+    if t.dtype == torch.bfloat16:  # its own 16 bits (dense_nbytes: its bf16 size)
+        return _encoded(wire.encode(arr, wire.Encoding.BF16), arr.nbytes // 2)
     enc = wire.encode(arr, wire.Encoding.RAW,
                       compress="none" if t.dtype.is_floating_point else "auto")
     return _encoded(enc, arr.nbytes)
@@ -136,9 +145,16 @@ def _tensor(arr: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(arr, copy=True))
 
 
+def _typed(dense: np.ndarray, desc: wire.TensorDescriptor) -> torch.Tensor:
+    """The decoded tensor in its sender's dtype: a BF16-encoded one was bfloat16."""
+    t = _tensor(dense)
+    return t.to(torch.bfloat16) if desc.encoding is wire.Encoding.BF16 else t
+
+
 def decode_dense(payload: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
     """Decode any dense-decodable encoding into a fresh tensor."""
-    return _tensor(wire.decode(payload, limits=limits))
+    dense, _, desc = wire.decode_described(payload, limits=limits)
+    return _typed(dense, desc)
 
 
 def decode_topk(
@@ -163,9 +179,9 @@ def decode_any(
     The receiver follows the payload, so a sender may change an edge's density between any two
     micro-batches without telling the receiver first.
     """
-    dense, indices = wire.decode_with_indices(payload, limits=limits)
+    dense, indices, desc = wire.decode_described(payload, limits=limits)
     idx = None if indices is None else np.asarray(indices, dtype=np.int64)
-    return _tensor(dense), idx
+    return _typed(dense, desc), idx
 
 
 def decode_values(

@@ -59,6 +59,7 @@ from fusiond.train.spec import (
     default_text_path,
 )
 from fusiond.train.stage import (
+    PRECISIONS,
     EdgeSpec,
     Packet,
     PacketKind,
@@ -185,6 +186,7 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
         grad_warmup_steps=int(grad_warmup_steps),
         eval_interval=spec.eval_interval,
         recompute_slots=tuple(sorted(int(s) for s in recompute_slots)),
+        precision=spec.precision,
     )
 
 
@@ -239,6 +241,8 @@ class StageAssignment:
     """Steps between states sent for the scheduler's held-out evaluation (0: none)."""
     recompute: bool = False
     """This slot recomputes its activations in the backward (`StageConfig.recompute`)."""
+    precision: str = "fp32"
+    """The compute dtype (`StageConfig.precision`)."""
 
     def sends_state(self, step: int) -> bool:
         """Whether the state after `step` goes to the scheduler (a checkpoint, or a held-out
@@ -368,6 +372,9 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
     if not 0 <= cfg.grad_warmup_steps <= max(0, steps):
         raise RemoteError(f"Assign.config.grad_warmup_steps: {cfg.grad_warmup_steps!r} is not "
                           f"a step count in [0, {steps}]")
+    if cfg.precision not in PRECISIONS:
+        raise RemoteError(f"Assign.config.precision: {cfg.precision[:16]!r} is not one of "
+                          f"{sorted(PRECISIONS)}")
     unknown = sorted(set(cfg.recompute_slots) - {int(k) for k in stage_map})
     if unknown:
         raise RemoteError(f"Assign.config.recompute_slots: {unknown[:4]} are not slots of the "
@@ -391,6 +398,7 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         routes=routes, slot_stages=slot_stages, grad_rank=grad_rank,
         grad_warmup_steps=cfg.grad_warmup_steps, eval_interval=cfg.eval_interval,
         recompute=(slot if slot >= 0 else stage) in cfg.recompute_slots,
+        precision=cfg.precision,
     )
 
 
@@ -599,6 +607,7 @@ class StageHost:
         config = config or StageConfig()
         if sa.recompute:  # the planner's choice for this slot, beside the daemon's knobs
             config = replace(config, recompute=True)
+        config = replace(config, precision=sa.precision)
         # every op of the partition must run here (UnsupportedOpError names the one that does
         # not), before anything is built
         check_ops(sa.graph, config.disabled_ops)

@@ -32,6 +32,7 @@ with an INT8 gradient (straight-through: the gradient at the dequantized activat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import functools
 import inspect
@@ -86,6 +87,11 @@ FAULT_JOB = "job"
 index, a dtype error). It would fail on any machine: no machine is to blame, no restart helps."""
 FAULT_MACHINE = "machine"
 """A failure of a machine or a link: a timeout, a lost or misbehaving peer, out of memory."""
+
+
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
+"""A stage's compute precisions -> the autocast dtype (None: float32 throughout). fp16 needs
+a loss scaler every stage agrees on (a skipped step everywhere when one overflows): not built."""
 
 
 class StageError(LocalError):
@@ -251,6 +257,10 @@ class StageConfig:
     inbox_slack: int = 64
     """Packets allowed to wait beyond two steps' worth of this stage's inputs (the most a
     correct neighbour can send ahead); beyond it the attempt fails."""
+    precision: str = "fp32"
+    """The compute dtype of the stage's forward: "fp32", or "bf16" (mixed precision: the
+    forward under `torch.autocast` to bfloat16, the weights, their gradients and the
+    optimizer in float32; bf16 activations travel as bf16)."""
     recompute: bool = False
     """Activation checkpointing of the whole stage: a forward keeps only its inputs (no
     autograd graph, none of its activations); the backward runs the forward again with
@@ -577,6 +587,9 @@ class StageExecutor:
         """Each other holder -> the shared parameters it holds too, in name order: what one
         bucket to it carries (the same order on both sides)."""
         self._mutated = mutated_buffers(program.module) if self.config.recompute else []
+        if self.config.precision not in PRECISIONS:
+            raise StageError(f"stage {stage}: precision {self.config.precision!r} is not one of "
+                             f"{sorted(PRECISIONS)}")
         """With recompute: the buffers a forward updates (restored around the second one)."""
         self._in = {e.edge_id: e for e in program.in_edges}
         self._out = {e.edge_id: e for e in program.out_edges}
@@ -859,10 +872,11 @@ class StageExecutor:
         before = [b.clone() for b in self._mutated] if recompute else None
         t1 = time.perf_counter()
         if recompute:
-            with torch.no_grad():  # no graph: the backward builds it again
+            with torch.no_grad(), self._autocast():  # no graph: the backward builds it again
                 out = dict(self.program.run(inputs))
         else:
-            out = dict(self.program.run(inputs))
+            with self._autocast():
+                out = dict(self.program.run(inputs))
         t2 = time.perf_counter()
         loss = out.pop("loss", None) if self.program.has_loss else None
         if self.program.has_loss and loss is None:
@@ -896,6 +910,14 @@ class StageExecutor:
             ctx = _Ctx(leaves, out, loss, recv_idx, sent_idx, grad_edges)
         return ctx, packets
 
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The forward's mixed precision (`StageConfig.precision`), on the weights' device."""
+        dtype = PRECISIONS[self.config.precision]
+        if dtype is None:
+            return contextlib.nullcontext()
+        device = next((p.device.type for p in self._params.values()), "cpu")
+        return torch.autocast(device_type=device, dtype=dtype)
+
     def _recompute(self, step: int, micro: int, ctx: _Ctx) -> None:
         """The forward of a recomputed task again, with autograd, as it ran the first time
         (same random keys, the buffers as it found them; their updated values kept)."""
@@ -907,7 +929,8 @@ class StageExecutor:
             b.data.copy_(was)
         if self.program.seed_random is not None:
             self.program.seed_random(step, micro)
-        out = dict(self.program.run(ctx.inputs))
+        with self._autocast():
+            out = dict(self.program.run(ctx.inputs))
         for b, now in zip(self._mutated, after, strict=True):
             b.data.copy_(now)
         ctx.loss = out.pop("loss", None) if self.program.has_loss else None

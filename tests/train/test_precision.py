@@ -1,0 +1,119 @@
+"""Mixed precision (issue 18's job setting, on the CPU here): a stage computing in bf16 runs
+its forward under autocast with float32 weights and optimizer, its bf16 activations and their
+gradients travel as bf16 (2 bytes an element, exactly), and a pipeline cut in 3 trains as the
+same model in one stage does in bf16: the exactness invariant per precision."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from fusiond.graph import contiguous_assignment, partition
+from fusiond.train import codec
+from fusiond.train.local import PipelineResult, run_pipeline
+from fusiond.train.programs import stage_programs
+from fusiond.train.stage import StageConfig, StageError, StageProgram
+
+
+def test_a_bf16_tensor_travels_as_its_own_16_bits() -> None:
+    t = torch.randn(4, 33).to(torch.bfloat16)
+    enc = codec.encode_dense(t)
+    assert enc.nbytes < t.numel() * 2 + 200  # 2 bytes an element and a header
+    back = codec.decode_dense(enc.payload)
+    assert back.dtype == torch.bfloat16 and torch.equal(back, t)
+    got, idx = codec.decode_any(enc.payload)
+    assert idx is None and got.dtype == torch.bfloat16 and torch.equal(got, t)
+    f = torch.randn(3, 5)
+    assert codec.decode_dense(codec.encode_dense(f).payload).dtype == torch.float32
+
+
+def _programs(cap: Any, stages: int) -> Sequence[StageProgram]:
+    parts = partition(cap.graph, contiguous_assignment(cap.graph, stages))
+    return stage_programs(cap.graph, parts, {k: v.clone() for k, v in cap.state.items()})
+
+
+async def _train(cap: Any, stages: int, data: Any, precision: str, steps: int = 3
+                 ) -> PipelineResult:
+    from tests.train.test_recompute import ADAMW
+
+    return await run_pipeline(_programs(cap, stages), data=data, batch_size=8, micro_batches=4,
+                              optimizer=ADAMW, steps=steps,
+                              config=StageConfig(precision=precision))
+
+
+async def test_bf16_cut_in_three_trains_as_one_stage_in_bf16(captured_tiny: Any,
+                                                             small_text: Any) -> None:
+    _, cap = captured_tiny
+    whole = await _train(cap, 1, small_text, "bf16")
+    cut = await _train(cap, 3, small_text, "bf16")
+    for got, want in zip(cut.losses, whole.losses, strict=True):
+        assert got == pytest.approx(want, rel=1e-6)
+    fp32 = await _train(cap, 1, small_text, "fp32")
+    assert fp32.losses[0] != whole.losses[0]  # it did compute in bf16
+    assert fp32.losses[0] == pytest.approx(whole.losses[0], rel=2e-2)
+    for state in cut.states.values():  # the master weights stay float32
+        assert all(v.dtype != torch.bfloat16 for v in state.values())
+    # a bf16 activation travels in half the bytes float32 sends on the same cut edge; one
+    # autocast keeps in float32 (GPT-2's residual stream: float32 + bf16) stays float32
+    fp32_cut = await _train(cap, 3, small_text, "fp32")
+
+    def wire(r: PipelineResult) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for m in r.metrics:
+            for e in m.edges:
+                out[e.edge] = out.get(e.edge, 0) + e.forward_wire + e.backward_wire
+        return out
+
+    half, full = wire(cut), wire(fp32_cut)
+    ratios = {e: half[e] / full[e] for e in full if full[e] > 10_000}
+    assert any(0.45 < r < 0.55 for r in ratios.values()), ratios
+    assert all(r < 1.01 for r in ratios.values()), ratios
+
+
+async def test_an_unknown_precision_is_refused(captured_tiny: Any, small_text: Any) -> None:
+    _, cap = captured_tiny
+    with pytest.raises(StageError, match="precision 'fp16' is not one of"):
+        await _train(cap, 1, small_text, "fp16", steps=1)
+
+
+@pytest.mark.slow
+async def test_a_bf16_job_reaches_its_stages_through_the_assign(captured_tiny: Any,
+                                                               small_text: Any) -> None:
+    """`job.precision = "bf16"` travels in every stage's Assign (AssignConfig.precision): a
+    planned job on in-process daemons computes what one bf16 stage does."""
+    from dataclasses import replace
+
+    from fusiond.jobs.planning import layout_from_plan, plan_job
+    from fusiond.plan import Cluster
+    from fusiond.train.data import make_source
+    from tests.train.test_planning import _machines, _run
+
+    spec, cap = captured_tiny
+    spec = replace(spec, steps=3, precision="bf16")
+    plan = plan_job(spec, cap, Cluster.build(_machines(8e9), [[1.25e9] * 3] * 3))
+    layout = layout_from_plan("bf16", cap.graph, cap.state, plan, spec)
+    assert len(layout.stages) >= 2
+    losses: list[float] = []
+    out, _ = await _run(spec, cap, layout, on_step=lambda m: losses.append(m.loss))
+    assert out.ok, out.failure
+    from fusiond.train.local import run_pipeline as run_local
+
+    ref = await run_local(_programs(cap, 1), data=make_source(spec.data, spec.seed),
+                          batch_size=spec.batch.size, micro_batches=spec.batch.micro_batches,
+                          optimizer=spec.optimizer, steps=spec.steps,
+                          config=StageConfig(precision="bf16"))
+    for got, want in zip(losses, ref.losses, strict=True):
+        assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_fp16_is_refused_saying_why() -> None:
+    from fusiond.train.spec import JobSpecError, parse_job
+
+    head = '[job]\nsteps = 2\n[model]\nzoo = "gpt2"\n'
+    assert parse_job(head.replace("steps = 2", 'steps = 2\nprecision = "bf16"')).precision \
+        == "bf16"
+    with pytest.raises(JobSpecError, match="needs a loss scaler every stage agrees on"):
+        parse_job(head.replace("steps = 2", 'steps = 2\nprecision = "fp16"'))

@@ -8,6 +8,8 @@ byte layout is specified in docs/tensor-codec.md. Encodings:
   `decode` returns a view into the buffer it was given).
 - ``fp16`` / ``bf16``: float arrays cast to 16 bits (bf16 rounds to nearest even).
 - ``int8``: per-block absmax quantization; one float32 scale per block.
+- ``int4``: the same with values in [-7, 7], two per byte (0.52 bytes per element at block 256).
+  int8 and int4 round to nearest, or stochastically (``stochastic=True``: unbiased).
 - ``topk``: the k largest magnitudes (globally or per row of the last axis): values in
   fp16/bf16/fp32, flat indices delta-encoded as varints or as a bitmap, whichever is smaller.
 - ``values``: values at flat indices the receiver already knows (the backward of a top-k edge).
@@ -24,7 +26,8 @@ import enum
 import functools
 import math
 import struct
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -68,7 +71,8 @@ LZ4_MIN_SECTION: Final = 512
 LZ4_SAMPLE_CHUNK: Final = 16 << 10
 LZ4_SAMPLE_CHUNKS: Final = 4
 DEFAULT_BLOCK_SIZE: Final = 256
-"""int8 quantization block: 256 elements share one float32 scale (1.6 % overhead)."""
+"""int8 / int4 quantization block: 256 elements share one float32 scale (1.6 % of int8's
+bytes, 3.1 % of int4's)."""
 MAX_BLOCK_SIZE: Final = 1 << 24
 _CHUNK: Final = 1 << 16
 """Elements per chunk of the multi-pass encoders: their temporaries stay in the CPU cache."""
@@ -98,6 +102,7 @@ class Encoding(enum.StrEnum):
     INT8 = "int8"
     TOPK = "topk"
     VALUES = "values"
+    INT4 = "int4"
 
 
 class SectionKind(enum.IntEnum):
@@ -117,6 +122,7 @@ _ENCODING_IDS: Final[dict[Encoding, int]] = {
     Encoding.INT8: 4,
     Encoding.TOPK: 5,
     Encoding.VALUES: 6,
+    Encoding.INT4: 7,
 }
 _ENCODINGS_BY_ID: Final = {v: k for k, v in _ENCODING_IDS.items()}
 
@@ -183,7 +189,7 @@ class TensorDescriptor:
     k: int = 0
     """TOPK / VALUES: number of values carried."""
     block_size: int = 0
-    """INT8: elements per quantization block."""
+    """INT8 / INT4: elements per quantization block."""
     per_row: bool = False
     """TOPK: the k largest were chosen per row of the last axis (informational)."""
     checksum: bool = False
@@ -583,6 +589,8 @@ def encode(
     compress: str = "auto",
     checksum: bool = False,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    stochastic: bool = False,
+    seed: int = 0,
 ) -> EncodedTensor:
     """Encode `arr` (any supported dtype; float for the lossy encodings).
 
@@ -590,6 +598,10 @@ def encode(
     full, keep lz4 if it saves >= 3 %), "none". TOPK takes exactly one of `k` (per row with
     `per_row`) or `density` (k = ceil(density * n)); `value_dtype` is "fp16", "bf16" or "fp32".
     `checksum` adds an xxh3_64 of the sections (frames already carry one; off by default).
+    INT8 / INT4: `block_size` elements share a scale; `stochastic` rounds x/scale up with
+    probability its fractional part (else down), drawing from PCG64(`seed`): the dequantized
+    value is then x in expectation, and the same seed gives the same bytes. The default rounds
+    to nearest (half the per-element error; biased). The wire format is the same either way.
     Raises `LocalProtocolError` on unsupported input.
     """
     try:
@@ -600,6 +612,15 @@ def encode(
         ) from None
     if compress not in ("auto", "lz4", "none"):
         raise LocalProtocolError(f"compress must be 'auto', 'lz4' or 'none', not {compress!r}")
+    rng: np.random.Generator | None = None
+    if stochastic:
+        if enc not in (Encoding.INT8, Encoding.INT4):
+            raise LocalProtocolError(
+                f"stochastic rounding applies to int8 and int4 only, not {enc}"
+            )
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise LocalProtocolError(f"seed must be a non-negative int, not {seed!r}")
+        rng = np.random.Generator(np.random.PCG64(seed))
     arr = np.asarray(arr)
     name = _dtype_name(arr)
     shape = tuple(int(d) for d in arr.shape)
@@ -620,18 +641,20 @@ def encode(
         return _build(
             name, shape, enc, [_section(SectionKind.DATA, elem, cast, compress)], checksum=checksum
         )
-    if enc is Encoding.INT8:
+    if enc in (Encoding.INT8, Encoding.INT4):
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise LocalProtocolError(f"block_size {block_size} is outside [1, {MAX_BLOCK_SIZE}]")
-        scales, q = _quantize_int8(flat, block_size)
+        if enc is Encoding.INT8:
+            scales, q = _quantize_int8(flat, block_size, rng)
+            data_section = _section(SectionKind.DATA, "int8", q, compress)
+        else:
+            scales, packed = _quantize_int4(flat, block_size, rng)
+            data_section = _section(SectionKind.DATA, "uint8", packed, compress)
         return _build(
             name,
             shape,
             enc,
-            [
-                _section(SectionKind.SCALES, "float32", scales, compress),
-                _section(SectionKind.DATA, "int8", q, compress),
-            ],
+            [_section(SectionKind.SCALES, "float32", scales, compress), data_section],
             block_size=block_size,
             checksum=checksum,
         )
@@ -699,47 +722,130 @@ def _check_indices(indices: NDArray, n: int, k: int | None) -> NDArray:
     return idx.astype(np.int64, copy=False)
 
 
-def _quantize_int8(arr: NDArray, block: int) -> tuple[NDArray, NDArray]:
-    """Per-block absmax int8 of flat `arr`: scale = absmax/127, q = rint(x/scale).
+_LITTLE_ENDIAN: Final = sys.byteorder == "little"
+_INT8_MAX: Final = np.float32(127.0)
+_INT4_MAX: Final = np.float32(7.0)
+
+
+def _block_chunks(n: int, block: int) -> Iterator[tuple[int, int, int, int]]:
+    """(first block, end block, first element, end element) of each chunk of whole blocks that
+    the quantizers process at a time (about `_CHUNK` elements), then of the short last block."""
+    full = n // block
+    rows = max(1, _CHUNK // block)
+    for r0 in range(0, full, rows):
+        r1 = min(full, r0 + rows)
+        yield r0, r1, r0 * block, r1 * block
+    if n % block:
+        yield full, full + 1, full * block, n
+
+
+def _quantize_int8(
+    arr: NDArray, block: int, rng: np.random.Generator | None = None
+) -> tuple[NDArray, NDArray]:
+    """Per-block absmax int8 of flat `arr`: scale = absmax/127, q = rint(x/scale) (or rounded
+    stochastically with `rng`).
 
     Returns (scales float32 per block, q int8 per element). Processes whole blocks in
     cache-sized chunks.
     """
     n = arr.size
-    full = n // block
     scales = np.empty(-(-n // block), dtype=np.float32)
     q = np.empty(n, dtype=np.int8)
-    rows = max(1, _CHUNK // block)
-    for r0 in range(0, full, rows):
-        r1 = min(full, r0 + rows)
+    for b0, b1, e0, e1 in _block_chunks(n, block):
+        rows = b1 - b0
         _quantize_rows(
-            arr[r0 * block : r1 * block].reshape(r1 - r0, block),
-            scales[r0:r1],
-            q[r0 * block : r1 * block].reshape(r1 - r0, block),
+            arr[e0:e1].reshape(rows, -1), scales[b0:b1], q[e0:e1].reshape(rows, -1), _INT8_MAX, rng
         )
-    if n % block:
-        _quantize_rows(arr[full * block :].reshape(1, -1), scales[full:], q[full * block :][None])
     return scales, q
 
 
-def _quantize_rows(xb: NDArray, scales: NDArray, q: NDArray) -> None:
-    """Quantize the blocks that are the rows of `xb` into `scales` and `q` (in place)."""
+def _quantize_int4(
+    arr: NDArray, block: int, rng: np.random.Generator | None = None
+) -> tuple[NDArray, NDArray]:
+    """Per-block absmax int4 of flat `arr`: scale = absmax/7, q = rint(x/scale) in [-7, 7] (or
+    rounded stochastically with `rng`), packed two per byte: element 2i in the low nibble, 2i+1
+    in the high nibble, each as a 4-bit two's complement; an odd count leaves the last high
+    nibble 0.
+
+    Returns (scales float32 per block, packed uint8). Each chunk is quantized into a small int8
+    buffer (after the odd element the previous chunk left unpaired, if any) and packed from
+    there while it is in cache.
+    """
+    n = arr.size
+    scales = np.empty(-(-n // block), dtype=np.float32)
+    packed = np.empty((n + 1) // 2, dtype=np.uint8)
+    q = np.empty(min(n, max(_CHUNK, block)) + 1, dtype=np.int8)
+    carry = 0  # 1 when q[0] holds an element not packed yet
+    at = 0
+    for b0, b1, e0, e1 in _block_chunks(n, block):
+        rows = b1 - b0
+        m = carry + e1 - e0
+        _quantize_rows(
+            arr[e0:e1].reshape(rows, -1),
+            scales[b0:b1],
+            q[carry:m].reshape(rows, -1),
+            _INT4_MAX,
+            rng,
+        )
+        pairs = m // 2
+        _pack_nibbles(q[: 2 * pairs], packed[at : at + pairs])
+        at += pairs
+        carry = m % 2
+        if carry:
+            q[0] = q[m - 1]
+    if carry:
+        packed[at] = q[:1].view(np.uint8)[0] & np.uint8(0x0F)
+    return scales, packed
+
+
+def _pack_nibbles(q: NDArray, out: NDArray) -> None:
+    """Pairs of int8 values in [-8, 7] into bytes: the first in the low nibble (two's
+    complement, so the byte's low 4 bits), the second in the high one."""
+    if _LITTLE_ENDIAN:
+        # Each pair as one uint16 (first value in the low byte): 3x faster than strided views.
+        pair = q.view(np.uint16)
+        t = pair >> np.uint16(4)
+        t &= np.uint16(0xF0)
+        t |= pair & np.uint16(0x0F)
+        out[...] = t
+        return
+    u = q.view(np.uint8)
+    np.bitwise_and(u[0::2], np.uint8(0x0F), out=out)
+    out |= np.left_shift(u[1::2], np.uint8(4))  # uint8: the sign bits above the nibble drop out
+
+
+def _quantize_rows(
+    xb: NDArray, scales: NDArray, q: NDArray, qmax: np.float32, rng: np.random.Generator | None
+) -> None:
+    """Quantize the blocks that are the rows of `xb` into `scales` and `q` (in place), to
+    integers in [-qmax, qmax]: to nearest, or stochastically when `rng` is given."""
     with np.errstate(over="ignore"):  # float64 beyond float32 range -> inf, refused below
         x = xb.astype(np.float32, copy=False)
     absmax = np.abs(x).max(axis=1)
     if not np.isfinite(absmax).all():
         raise LocalProtocolError(
-            "int8 quantization needs finite values within float32 range (found inf or nan)"
+            f"int{8 if qmax == _INT8_MAX else 4} quantization needs finite values within float32 "
+            "range (found inf or nan)"
         )
-    scale = absmax / np.float32(127.0)
-    # Rounding may leave 127 * scale just above absmax (inf near float32 max): step down.
+    scale = absmax / qmax
+    # Rounding may leave qmax * scale just above absmax (inf near float32 max): step down.
+    # Then x/scale may exceed qmax by float32 rounding (a few 1e-7 relative); the clip below
+    # takes that back, which biases stochastic rounding by as little.
     with np.errstate(over="ignore"):
-        high = scale * np.float32(127.0) > absmax
+        high = scale * qmax > absmax
     scale[high] = np.nextafter(scale[high], np.float32(0.0))
     # Divide (not multiply by 1/scale): 1/scale overflows for subnormal scales.
     qf = x / np.where(scale > 0, scale, np.float32(1.0))[:, None]
-    np.rint(qf, out=qf)
-    np.clip(qf, -127, 127, out=qf)
+    if rng is None:
+        np.rint(qf, out=qf)
+    else:
+        # Up with probability frac(qf), else down: floor(qf + u) in distribution, but exact
+        # (qf - floor(qf) is exact for qf >= 0; the sum qf + u would round to qf's ulp).
+        low = np.floor(qf)
+        qf -= low
+        np.less(rng.random(qf.shape, dtype=np.float32), qf, out=qf)
+        qf += low
+    np.clip(qf, -qmax, qmax, out=qf)
     scales[...] = scale
     q[...] = qf
 
@@ -793,7 +899,7 @@ def _parse(view: memoryview, limits: Limits) -> TensorDescriptor:
     if flags & ~_KNOWN_FLAGS:
         raise RemoteProtocolError(f"unknown tensor flags 0x{flags:02x}")
     limits.check("tensor rank", rank, limits.max_tensor_rank)
-    expected_nsec = 2 if enc in (Encoding.INT8, Encoding.TOPK) else 1
+    expected_nsec = 2 if enc in (Encoding.INT8, Encoding.INT4, Encoding.TOPK) else 1
     if nsec != expected_nsec:
         raise RemoteProtocolError(f"{enc} tensor has {nsec} sections, expected {expected_nsec}")
     checksum = bool(flags & _FLAG_CHECKSUM)
@@ -833,9 +939,9 @@ def _parse(view: memoryview, limits: Limits) -> TensorDescriptor:
             raise RemoteProtocolError("per-row top-k on a rank-0 tensor")
     elif k != 0:
         raise RemoteProtocolError(f"{enc} tensor declares k={k}, must be 0")
-    if enc is Encoding.INT8:
+    if enc in (Encoding.INT8, Encoding.INT4):
         if not 1 <= block <= MAX_BLOCK_SIZE:
-            raise RemoteProtocolError(f"int8 block size {block} outside [1, {MAX_BLOCK_SIZE}]")
+            raise RemoteProtocolError(f"{enc} block size {block} outside [1, {MAX_BLOCK_SIZE}]")
     elif block != 0:
         raise RemoteProtocolError(f"{enc} tensor declares block size {block}, must be 0")
     if enc is not Encoding.TOPK and per_row:
@@ -913,6 +1019,9 @@ def _check_layout(
     elif enc is Encoding.INT8:
         want(0, (SectionKind.SCALES,), ("float32",), -(-n // block) * 4)
         want(1, (SectionKind.DATA,), ("int8",), n)
+    elif enc is Encoding.INT4:
+        want(0, (SectionKind.SCALES,), ("float32",), -(-n // block) * 4)
+        want(1, (SectionKind.DATA,), ("uint8",), (n + 1) // 2)
     elif enc is Encoding.VALUES:
         v = sections[0].elem_dtype
         want(0, (SectionKind.VALUES,), values_elems, k * _ITEMSIZE.get(v, 0))
@@ -1023,6 +1132,9 @@ def _decode(
     if enc is Encoding.INT8:
         return (_dequantize_int8(secs[0], secs[1], desc.block_size, dtype).reshape(shape), None,
                 desc)
+    if enc is Encoding.INT4:
+        dense = _dequantize_int4(secs[0], secs[1], n, desc.block_size, dtype)
+        return dense.reshape(shape), None, desc
     values = _uncast_values(secs[0], desc.sections[0].elem_dtype, dtype)
     out = np.zeros(n, dtype=dtype)
     if enc is Encoding.VALUES:
@@ -1071,4 +1183,47 @@ def _dequantize_int8(scales: NDArray, q: NDArray, block: int, dtype: str) -> NDA
         np.multiply(qb, scales[:full, None], out=out[: full * block].reshape(full, block))
     if n % block:
         np.multiply(q[full * block :], scales[full], out=out[full * block :])
+    return out.astype(dtype, copy=False)
+
+
+def _int4_pairs() -> NDArray:
+    """Byte -> its two int4 values (low nibble, high nibble) as int8, one uint16 per byte."""
+    nibble = np.arange(16, dtype=np.int8)
+    value = np.where(nibble < 8, nibble, nibble - 16).astype(np.int8)
+    byte = np.arange(256)
+    pairs = np.stack([value[byte & 0x0F], value[byte >> 4]], axis=1)  # (256, 2) int8
+    return np.ascontiguousarray(pairs).view(np.uint16).reshape(256)
+
+
+_INT4_PAIRS: Final = _int4_pairs()
+
+
+def _dequantize_int4(scales: NDArray, data: NDArray, n: int, block: int, dtype: str) -> NDArray:
+    """Element i = q[i] * scales[i // block], q unpacked from `data` one cache-sized chunk at a
+    time (one table lookup per byte yields both of its values).
+
+    Refuses a scale that is not finite or negative, the unused nibble 0x8 (-8), and a non-zero
+    padding nibble: an encoder never writes them."""
+    ok = (scales >= 0) & (scales <= np.finfo(np.float32).max)
+    if not ok.all():
+        at = int(np.argmin(ok))
+        raise RemoteProtocolError(
+            f"int4 tensor scale of block {at} is {float(scales[at])}, must be finite and >= 0"
+        )
+    if n % 2 and int(data[-1]) >> 4:
+        raise RemoteProtocolError(
+            f"int4 tensor padding nibble (high nibble of the last byte) is {int(data[-1]) >> 4}, "
+            "must be 0"
+        )
+    out = np.empty(n, dtype=np.float32)
+    for b0, b1, e0, e1 in _block_chunks(n, block):
+        odd = e0 % 2
+        q = np.take(_INT4_PAIRS, data[e0 // 2 : (e1 + 1) // 2]).view(np.int8)[odd : odd + e1 - e0]
+        if int(q.min()) < -7:
+            at = e0 + int(np.argmax(q < -7))
+            raise RemoteProtocolError(
+                f"int4 tensor element {at} is nibble 0x8 (-8), outside [-7, 7]"
+            )
+        rows = b1 - b0
+        np.multiply(q.reshape(rows, -1), scales[b0:b1, None], out=out[e0:e1].reshape(rows, -1))
     return out.astype(dtype, copy=False)

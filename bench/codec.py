@@ -173,6 +173,8 @@ ENCODINGS: list[tuple[str, dict[str, Any]]] = [
     ("fp16", {"encoding": "fp16"}),
     ("bf16", {"encoding": "bf16"}),
     ("int8 (block 256)", {"encoding": "int8"}),
+    ("int4 (block 256)", {"encoding": "int4"}),
+    ("int4 stochastic", {"encoding": "int4", "stochastic": True}),
     ("topk 1% fp16", {"encoding": "topk", "density": 0.01}),
     ("topk 1% bf16", {"encoding": "topk", "density": 0.01, "value_dtype": "bf16"}),
     ("topk 10% fp16", {"encoding": "topk", "density": 0.10}),

@@ -428,6 +428,16 @@ def _ms(s: Any) -> str:
     return "-" if s is None else f"{float(s) * 1e3:.2f}"
 
 
+def _codec(link: Mapping[str, Any]) -> str:
+    """A link's codec ("exact", "top-k 0.1", "int8", ...); a plan from an older scheduler
+    carries only its top-k density."""
+    codec = link.get("codec")
+    if isinstance(codec, str) and codec:
+        return codec
+    d = float(link.get("density") or 1.0)
+    return "exact" if d >= 1.0 else f"top-k {d:.3g}"
+
+
 def _mbit(bytes_per_s: Any) -> str:
     if not bytes_per_s:
         return "-"
@@ -502,10 +512,10 @@ def render_plan(data: Mapping[str, Any], console: Console | None = None) -> None
             rows.append([f"{lk.get('src_stage')}:{_short(lk.get('src_machine_id'), 10)} -> "
                          f"{lk.get('dst_stage')}:{_short(lk.get('dst_machine_id'), 10)}",
                          _mbit(lk.get("bandwidth_fwd_bytes_per_s")), f"{wire_mb:.3g}",
-                         f"{float(lk.get('density') or 1.0):.3f}", _ms(lk.get("time_s")),
+                         _codec(lk), _ms(lk.get("time_s")),
                          _ms(lk.get("dense_time_s", lk.get("time_s")))])
         c.print(_fitted("links (per micro-batch; the busiest first)",
-                        [("link", 28), ("Mbit/s", None), ("wire MB", None), ("density", None),
+                        [("link", 28), ("Mbit/s", None), ("wire MB", None), ("codec", None),
                          ("ms", None), ("dense ms", None)], rows))
         if len(links) > len(shown):
             c.print(f"({len(links) - len(shown)} more links carry less)", markup=False)

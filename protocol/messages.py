@@ -940,13 +940,16 @@ class JobResult(Message):
 
 @dataclass(frozen=True)
 class JobDensities(Message):
-    """Scheduler -> a stage: new top-k densities for edges it sends (AdaTopK re-adaptation from
-    measured link throughput), edge id -> density (1.0 = exact), from its next forward on."""
+    """Scheduler -> a stage: new codecs for edges it sends (re-adaptation from measured link
+    throughput), from its next forward on: edge id -> top-k density (1.0 = not top-k), and
+    edge id -> encoding ("raw", "bf16", "int8", "int4") for the edges whose encoding changes
+    (the per-link codec choice; an edge in `encodings` with a density < 1 is refused)."""
 
     TYPE_ID: ClassVar[int] = 44
     job_id: str
     plan_version: int
     densities: dict[str, float] = field(default_factory=dict)
+    encodings: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

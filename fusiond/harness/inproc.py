@@ -104,7 +104,7 @@ async def run_job(
     if density is None:
         density = spec.compression.density
     layout = layout_job(job_id, captured.graph, captured.state, op_nodes, density=density,
-                        exact=spec.compression.exact_edges, int8=spec.compression.int8)
+                        exact=spec.compression.exact_edges, encoding=spec.compression.edge_encoding)
     sched = nodes[names[0]]
     coord = JobCoordinator(
         send=sched.send_fn(), spec=spec, captured=captured, layout=layout,

@@ -59,7 +59,7 @@ async def run_loopback(
         cut = contiguous_assignment(captured.graph, stages)
         op_nodes = {op: names[p] for op, p in cut.items()}
     layout = layout_job("loopback", captured.graph, captured.state, op_nodes, density=density,
-                        exact=spec.compression.exact_edges, int8=spec.compression.int8)
+                        exact=spec.compression.exact_edges, encoding=spec.compression.edge_encoding)
     if steps is not None:
         spec = replace(spec, steps=steps)
     hosts: dict[str, StageHost] = {}

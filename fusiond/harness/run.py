@@ -91,7 +91,7 @@ async def _main(args: argparse.Namespace) -> int:
                 layout = layout_job(spec.name, job.captured.graph, job.captured.state,
                                     {op: names[i] for op, i in cut.items()}, density=density,
                                     exact=spec.compression.exact_edges,
-                                    int8=spec.compression.int8)
+                                    encoding=spec.compression.edge_encoding)
                 coord = JobCoordinator(
                     send=n0.send_fn(), spec=spec, captured=job.captured, layout=layout,
                     addresses={"node0": n0.net.address}

@@ -22,6 +22,7 @@ import torch
 
 from fusiond.errors import LocalError
 from fusiond.graph import SINK, SOURCE, Partition, partition, state_to_bytes
+from fusiond.train.codec import EDGE_ENCODINGS, EdgeEncoding
 from fusiond.train.data import DATA_PREFIX, compact_arrays, is_default_corpus, load_arrays
 from fusiond.train.programs import (
     compressible_edges,
@@ -76,8 +77,9 @@ class JobLayout:
     input_name: str
     targets_name: str | None
     loss_name: str
-    int8_edges: frozenset[str] = frozenset()
-    """Edge ids that travel int8 block-quantized both ways (never also in `densities`)."""
+    encodings: Mapping[str, EdgeEncoding] = field(default_factory=dict)
+    """Edge id -> how it travels quantized both ways ("bf16", "int8", "int4"; never also in
+    `densities`); edges absent travel exact or top-k."""
     replicas: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
     """stage -> its other machines (data parallelism: the same partition on each, every one
     on its share of the micro-batches); a stage absent runs on its own machine only."""
@@ -90,6 +92,11 @@ class JobLayout:
     recompute: frozenset[str] = frozenset()
     """The machines whose stage recomputes its activations in the backward (the plan's
     choice where they would not fit)."""
+
+    @property
+    def int8_edges(self) -> frozenset[str]:
+        """Edge ids that travel int8."""
+        return frozenset(e for e, enc in self.encodings.items() if enc == "int8")
 
     @property
     def stage_nodes(self) -> dict[int, str]:
@@ -149,7 +156,7 @@ class JobLayout:
                 out.append(EdgeRoute(
                     edge=e.id, src_partition=e.src, dst_partition=e.dst, src_node=nodes[e.src],
                     dst_node=nodes[e.dst], density=self.densities.get(e.id, 1.0),
-                    encoding="int8" if e.id in self.int8_edges else "raw",
+                    encoding=self.encodings.get(e.id, "raw"),
                 ))
         return out
 
@@ -164,6 +171,8 @@ def layout_job(
     density: float | None = None,
     exact: tuple[str, ...] = (),
     int8: bool = False,
+    encoding: EdgeEncoding = "raw",
+    encodings: Mapping[str, EdgeEncoding] | None = None,
     replicas: Mapping[str, Sequence[str]] | None = None,
     routes: Mapping[str, Sequence[int]] | None = None,
 ) -> JobLayout:
@@ -174,11 +183,16 @@ def layout_job(
     runs each micro-batch of an iteration.
 
     `densities` (edge id `<value>-><dst stage>` -> density) comes from the planner's AdaTopK;
-    `density` instead forces one density on every float cut edge except `exact` ones; `int8`
-    sends every float cut edge except `exact` ones int8 block-quantized (no top-k with it).
+    `density` instead forces one density on every float cut edge except `exact` ones;
+    `encoding` (`int8`: "int8") sends every float cut edge except `exact` ones so encoded (no
+    top-k with it); `encodings` (edge id -> encoding) comes from the planner's per-link
+    codec choice, beside its `densities` (an edge in both is refused).
     """
-    if int8 and (density is not None or densities):
-        raise LayoutError("int8 cut edges are never top-k: give no densities with int8")
+    if int8:
+        encoding = "int8"
+    if encoding != "raw" and (density is not None or densities or encodings):
+        raise LayoutError(f"{encoding} cut edges are never top-k: give no densities or "
+                          f"per-edge encodings with encoding={encoding!r}")
     tensor_nodes = [n.id for n in graph.nodes if any(m.is_tensor for m in n.outputs)]
     missing = [n for n in tensor_nodes if n not in op_nodes]
     if missing:
@@ -217,7 +231,19 @@ def layout_job(
         for e in p.inputs:
             if e.src == SOURCE and e.value not in names:
                 raise LayoutError(f"partition {p.id} reads unknown graph input {e.value!r}")
-    int8_edges = frozenset(compressible_edges(parts, exact)) if int8 else frozenset()
+    if encoding != "raw":
+        encs: dict[str, EdgeEncoding] = dict.fromkeys(compressible_edges(parts, exact), encoding)
+    else:
+        encs = dict(encodings or {})
+        unknown = set(encs) - known
+        if unknown:
+            raise LayoutError(f"encodings for edges that cross no cut: {sorted(unknown)[:3]}")
+        both = set(encs) & set(densities)
+        if both:
+            raise LayoutError(f"edge {sorted(both)[0]!r} is both top-k and quantized")
+        bad = {e: v for e, v in encs.items() if v not in EDGE_ENCODINGS}
+        if bad:
+            raise LayoutError(f"edge encodings {bad} are not among {list(EDGE_ENCODINGS)}")
     stage_of_node = {s.node_id: s.stage for s in stages}
     reps: dict[int, tuple[str, ...]] = {}
     rts: dict[int, tuple[int, ...]] = {}
@@ -245,7 +271,7 @@ def layout_job(
     if len({len(r) for r in rts.values()}) > 1:
         raise LayoutError("the routes of the replicated stages name different micro-batch counts")
     return JobLayout(job_id, graph, stages, dict(densities), shared, data[0], targets,
-                     graph.outputs[0].name, int8_edges, reps, rts)
+                     graph.outputs[0].name, encs, reps, rts)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from fusiond.jobs.assign import Corpus, JobLayout, assign_messages
 from fusiond.jobs.results import gather_state, save_model, write_metrics
 from fusiond.jobs.worker import SendFn
 from fusiond.tasks import cancel_and_wait
+from fusiond.train.codec import EdgeCodec
 from fusiond.train.data import make_source, source_from_arrays
 from fusiond.train.evaluate import graph_heldout_loss
 from fusiond.train.local import StepMetrics, merge_reports
@@ -331,6 +332,23 @@ class JobCoordinator:
             await self.send(node, JobDensities(job_id=self.job_id,
                                                plan_version=self.plan_version,
                                                densities=dens), ())
+
+    async def set_codecs(self, codecs: Mapping[str, EdgeCodec]) -> None:
+        """Re-adapt each edge's codec while the job runs (the per-link codec choice after
+        links were re-measured): edge id -> its encoding or top-k density. Each edge's
+        sending stage switches at its next forward; receivers answer as each forward came."""
+        by_node: dict[str, tuple[dict[str, float], dict[str, str]]] = {}
+        src_of = {e.edge: e.src_node for e in self.layout.edges()}
+        for edge, c in codecs.items():
+            if edge not in src_of:
+                raise LocalError(f"edge {edge!r} is not a cut edge of job {self.job_id}")
+            dens, encs = by_node.setdefault(src_of[edge], ({}, {}))
+            dens[edge] = 1.0 if c.density is None else float(c.density)
+            encs[edge] = c.encoding
+        for node, (dens, encs) in by_node.items():
+            await self.send(node, JobDensities(job_id=self.job_id,
+                                               plan_version=self.plan_version,
+                                               densities=dens, encodings=encs), ())
 
     async def cancel(self, reason: str = "cancelled by the user") -> None:
         """Stop the job: every stage gets JobCancel; `run()` returns a failed outcome."""

@@ -37,6 +37,7 @@ from fusiond.plan import (
     readapt,
 )
 from fusiond.profile import machine_from_profile
+from fusiond.train.codec import EdgeCodec
 from fusiond.train.lowrank import sent_fraction
 from fusiond.train.spec import JobSpec
 from fusiond.units import bytes_per_s_from_bits_per_s
@@ -52,9 +53,11 @@ __all__ = [
     "JobRefused",
     "cluster_for_planner",
     "job_settings",
+    "layout_codecs",
     "layout_from_plan",
     "link_bytes_per_s",
     "plan_job",
+    "readapted_codecs",
     "readapted_densities",
 ]
 
@@ -149,7 +152,9 @@ def job_settings(spec: JobSpec, graph: ir.Graph | None = None) -> JobSettings:
         schedule=spec.batch.pipeline,
         density_floor=spec.compression.density_floor,
         exact_edges=frozenset(spec.compression.exact_edges),
-        int8_edges=spec.compression.int8,
+        edge_encoding=spec.compression.edge_encoding,
+        codec_choice=spec.compression.choice,
+        accuracy_budget=spec.compression.accuracy_budget,
         grad_density_floor=1.0 if graph is None else grad_floor(spec, graph),
         recompute=spec.batch.recompute,
     )
@@ -179,7 +184,8 @@ def grad_rank_of(plan: Plan, spec: JobSpec) -> int | None:
 
 
 def plan_job(spec: JobSpec, captured: CapturedModel, cluster: Cluster) -> Plan:
-    """Plan the job on `cluster` (OP-Fence; AdaTopK densities when `compression.adatopk`)."""
+    """Plan the job on `cluster` (OP-Fence; each slow link's codec with `codec = "auto"`,
+    AdaTopK densities with `compression.adatopk`)."""
     sym = batch_symbol(captured.graph)
     symbols = {sym: spec.batch.micro_batch_size} if sym else {}
     o = spec.optimizer
@@ -187,33 +193,68 @@ def plan_job(spec: JobSpec, captured: CapturedModel, cluster: Cluster) -> Plan:
     cost = cost_graph_from_ir(captured.graph, symbols, exact_edges=spec.compression.exact_edges,
                               optimizer_state_factor=opt_factor, name=spec.name)
     return plan_opfence(cost, cluster, job_settings(spec, captured.graph),
-                        compress=spec.compression.adatopk, replicate=spec.batch.replicas)
+                        compress=spec.compression.compress, replicate=spec.batch.replicas)
 
 
 def layout_from_plan(job_id: str, graph: ir.Graph, state: Mapping[str, torch.Tensor],
                      plan: Plan, spec: JobSpec) -> JobLayout:
-    """The job's stages on the plan's machines, with the plan's (or the forced) densities, or
-    int8 cut edges."""
+    """The job's stages on the plan's machines, with the plan's codecs (or the forced
+    density, or the job's one encoding on every cut edge)."""
     machines = plan.machine_of_stage()
     op_nodes = {op: machines[s] for op, s in plan.stage_assignment().items()}
     ids = plan.arrays.cluster.ids()
     replicas = {machines[i]: [ids[m] for m in st.replicas]
                 for i, st in enumerate(plan.stages) if st.replicas}
     routes = {machines[i]: list(r) for i, r in plan.routes().items()}
-    if spec.compression.int8:
-        layout = layout_job(job_id, graph, state, op_nodes, int8=True,
+    if spec.compression.edge_encoding != "raw":
+        layout = layout_job(job_id, graph, state, op_nodes,
+                            encoding=spec.compression.edge_encoding,
                             exact=spec.compression.exact_edges, replicas=replicas, routes=routes)
     elif spec.compression.density is not None:
         layout = layout_job(job_id, graph, state, op_nodes, density=spec.compression.density,
                             exact=spec.compression.exact_edges, replicas=replicas,
                             routes=routes)
     else:
-        densities = plan.edge_densities() if spec.compression.adatopk else {}
-        layout = layout_job(job_id, graph, state, op_nodes, densities=densities,
+        compress = spec.compression.compress
+        layout = layout_job(job_id, graph, state, op_nodes,
+                            densities=plan.edge_densities() if compress else {},
+                            encodings=plan.edge_encodings() if compress else {},
                             replicas=replicas, routes=routes)
     ev = plan.evaluation
     recompute = frozenset(r.machine_id for r in (ev.replicas or ev.stages) if r.recompute)
     return replace(layout, grad_rank=grad_rank_of(plan, spec), recompute=recompute)
+
+
+def layout_codecs(layout: JobLayout) -> dict[str, EdgeCodec]:
+    """Every cut edge of `layout` and how it travels now (top-k density, or encoding)."""
+    return {e.edge: EdgeCodec(layout.encodings.get(e.edge, "raw"),
+                              layout.densities.get(e.edge) if layout.densities.get(
+                                  e.edge, 1.0) < 1.0 else None)
+            for e in layout.edges()}
+
+
+def readapted_codecs(plan: Plan, cluster: Cluster, current: Mapping[str, EdgeCodec], *,
+                     tolerance: float = 0.1) -> dict[str, EdgeCodec] | None:
+    """The per-link codec choice's re-adaptation: each cut edge's codec under `cluster`'s
+    measured links (`fusiond.plan.readapt` with the plan's `codec_choice`), for every edge
+    of `current` (the codecs in force). None when nothing should be sent: the machines are
+    not the plan's (that needs a re-plan), or no edge changed codec and no top-k density moved
+    by more than `tolerance` (relative), so measurement noise does not switch stages every
+    period."""
+    if cluster.ids() != plan.arrays.cluster.ids():
+        return None
+    r = readapt(plan, cluster)
+    dens = {f"{name}->{dst}": d for (name, dst), d in r.densities.items()}
+    encs = {f"{name}->{dst}": e for (name, dst), e in r.encodings.items()}
+    new = {e: EdgeCodec(encs.get(e, "raw"), dens.get(e)) for e in current}
+    for e, c in new.items():
+        old = current[e]
+        if c.encoding != old.encoding or (c.density is None) != (old.density is None):
+            return new
+        if c.density is not None and old.density is not None and (
+                abs(c.density - old.density) > tolerance * old.density):
+            return new
+    return None
 
 
 def readapted_densities(plan: Plan, cluster: Cluster, current: Mapping[str, float],

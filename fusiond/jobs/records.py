@@ -24,6 +24,7 @@ from fusiond.jobs.coordinator import JobCoordinator
 from fusiond.jobs.history import Cursor, StepHistory
 from fusiond.jobs.upload import Upload
 from fusiond.plan import Plan
+from fusiond.train.codec import EdgeCodec
 from fusiond.train.local import StepMetrics
 from fusiond.train.spec import JobSpec
 from protocol.messages import JobQueryReply
@@ -138,6 +139,9 @@ class JobRecord:
     earlier: list[StepMetrics] = field(default_factory=list)
     """Metrics of the steps earlier attempts made and the current one resumed from."""
     owner_uid: int | None = None
+    codecs: dict[str, EdgeCodec] | None = None
+    """The cut edges' codecs as the per-link choice last re-adapted them (None: the
+    layout's own)."""
     """The user who submitted it here (None: the daemon's operator only; always None for a
     job coordinated for another submitting daemon)."""
     update_cursor: Cursor = field(default_factory=Cursor)

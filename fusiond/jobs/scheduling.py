@@ -57,8 +57,10 @@ from fusiond.jobs.outputs import METRICS, MODEL, OutputStore, checkpoint_name, r
 from fusiond.jobs.planning import (
     JobRefused,
     cluster_for_planner,
+    layout_codecs,
     layout_from_plan,
     plan_job,
+    readapted_codecs,
     readapted_densities,
 )
 from fusiond.jobs.records import FINAL, JobRecord, RemoteJob, steps_done
@@ -210,8 +212,9 @@ def _stages_table(layout: JobLayout, densities: Mapping[str, float]) -> str:
                          f"{route.count(r)} of {len(route)} micro-batches")
     if densities:
         lines.append("top-k edges: " + ", ".join(f"{e} {d:g}" for e, d in densities.items()))
-    if layout.int8_edges:
-        lines.append("int8 edges: " + ", ".join(sorted(layout.int8_edges)))
+    if layout.encodings:
+        lines.append("quantized edges: " + ", ".join(f"{e} {v}" for e, v in
+                                                     sorted(layout.encodings.items())))
     return "\n".join(lines)
 
 
@@ -734,7 +737,7 @@ class Scheduling:
         else:
             self._host.tracked(job_id)
         c = spec.compression
-        if plan is not None and c.adatopk and c.density is None and c.readapt_interval_s > 0:
+        if plan is not None and c.compress and c.readapt_interval_s > 0:
             self._spawn(self._readapt(rec, c.readapt_interval_s), f"readapt {job_id}")
         return summary
 
@@ -784,7 +787,7 @@ class Scheduling:
                 functools.partial(layout_job, replicas=extra, routes=routes),
                 job_id, captured.graph, state, op_nodes,
                 density=spec.compression.density, exact=spec.compression.exact_edges,
-                int8=spec.compression.int8)
+                encoding=spec.compression.edge_encoding)
             parts = {s.stage: s.partition.node_ids for s in layout.stages}
             slot_stage = {**{s.stage: s.stage for s in layout.stages}, **layout.slot_stages()}
             why = refuse_stages(captured.graph, {slot: (node, parts[slot_stage[slot]])
@@ -823,6 +826,7 @@ class Scheduling:
             plan = rec.plan
             if rec.layout is not layout:
                 layout = rec.layout
+                rec.codecs = None
                 current = dict(layout.densities)
                 edges = [e.edge for e in layout.edges()]
             view = self._view()
@@ -830,6 +834,9 @@ class Scheduling:
                 continue  # a daemon without the lease decides nothing (it hands the job back)
             try:
                 cluster, _, _ = cluster_for_planner(view)
+                if rec.spec.compression.choice:
+                    await self._readapt_codecs(rec, plan, cluster)
+                    continue
                 new = await asyncio.to_thread(readapted_densities, plan, cluster, current, edges)
                 if new is None:
                     continue
@@ -843,6 +850,19 @@ class Scheduling:
                 f"{k} {current.get(k, 1.0):.3g}->{v:.3g}" for k, v in sorted(new.items())
                 if v != current.get(k, 1.0)))
             current = {k: v for k, v in new.items() if v < 1.0}
+
+    async def _readapt_codecs(self, rec: JobRecord, plan: Plan, cluster: Cluster) -> None:
+        """One turn of the per-link codec choice's re-adaptation: the codecs in force are the
+        coordinator's (its layout's, as last changed), the new ones go to the senders."""
+        current = rec.codecs if rec.codecs is not None else layout_codecs(rec.layout)
+        new = await asyncio.to_thread(readapted_codecs, plan, cluster, current)
+        if new is None:
+            return
+        await rec.coord.set_codecs(new)
+        rec.log("codecs re-adapted to the measured links: " + ", ".join(
+            f"{k} {current[k].label}->{v.label}" for k, v in sorted(new.items())
+            if v != current[k]))
+        rec.codecs = new
 
     def _on_step(self, rec: JobRecord, m: StepMetrics) -> None:
         self.stats.step(m.wall_s)

@@ -41,8 +41,9 @@ from typing import TYPE_CHECKING, Any
 from fusiond.errors import FusionError
 from fusiond.graph import state_to_bytes
 from fusiond.tasks import cancel_and_wait
+from fusiond.train.codec import EDGE_ENCODINGS
 from fusiond.train.remote import StageHost
-from fusiond.train.stage import StageConfig, StepReport, fault_of
+from fusiond.train.stage import StageConfig, StageError, StepReport, fault_of
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import (
     Assign,
@@ -254,8 +255,16 @@ class JobWorker:
         job = self._jobs.get(msg.job_id)
         if job is not None and self._from_assigner(peer, msg, msg.job_id):
             try:
+                ex = job.host.executor
+                for edge, enc in msg.encodings.items():
+                    if enc not in EDGE_ENCODINGS:
+                        raise StageError(f"edge {edge!r}: encoding {enc!r} is not one of "
+                                         f"{list(EDGE_ENCODINGS)}")
+                    ex.set_codec(edge, next(e for e in EDGE_ENCODINGS if e == enc),
+                                 msg.densities.get(edge))
                 for edge, d in msg.densities.items():
-                    job.host.executor.set_density(edge, d)
+                    if edge not in msg.encodings:
+                        ex.set_density(edge, d)
             except FusionError as e:
                 log.warning("JobDensities for job %s from %s refused: %s", msg.job_id, peer, e)
 

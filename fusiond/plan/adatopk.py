@@ -11,11 +11,11 @@ same cut and says whether a re-cut would be better by more than a threshold.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from fusiond.plan.model import Cluster, TensorEdge, wire_bytes
+from fusiond.plan.model import Cluster, EdgeEncoding, TensorEdge, wire_bytes
 from fusiond.plan.pipeline import (
     Evaluation,
     GraphArrays,
@@ -50,9 +50,9 @@ def adapt_densities(
     arrays: GraphArrays, stages: tuple[StageSpec, ...] | list[StageSpec]
 ) -> dict[tuple[str, int], float]:
     """Densities (tensor name, destination stage) -> d < 1 for the links that need them; none
-    when the job's cut edges travel int8 (`JobSettings.int8_edges`: never also top-k)."""
+    when the job's cut edges are quantized (`JobSettings.edge_encoding`: never also top-k)."""
     st = arrays.settings
-    if st.int8_edges:
+    if st.edge_encoding != "raw":
         return {}
     floor = st.density_floor
     dense = evaluate(arrays, stages)
@@ -104,6 +104,8 @@ class Readaptation:
     recut_iteration_s: float | None
     recut_recommended: bool
     reason: str
+    encodings: dict[tuple[str, int], EdgeEncoding] = field(default_factory=dict)
+    """With the per-link codec choice (`JobSettings.codec_choice`): the quantized edges."""
 
 
 def readapt(
@@ -127,10 +129,17 @@ def readapt(
     arrays = GraphArrays.__new__(GraphArrays)
     arrays.__dict__.update(old.__dict__)
     arrays.cluster = cluster
-    dens = adapt_densities(arrays, plan.stages)
-    ev = evaluate(arrays, plan.stages, dens)
+    encs: dict[tuple[str, int], EdgeEncoding] = {}
+    if arrays.settings.codec_choice:
+        from fusiond.plan.codecs import choose_codecs
+
+        ch = choose_codecs(arrays, plan.stages)
+        dens, encs = ch.densities, ch.encodings
+    else:
+        dens = adapt_densities(arrays, plan.stages)
+    ev = evaluate(arrays, plan.stages, dens, encs)
     if replan is None:
-        return Readaptation(dens, ev, None, False, "re-cut not evaluated")
+        return Readaptation(dens, ev, None, False, "re-cut not evaluated", encs)
     fresh = replan(arrays)
     better = fresh.iteration_s < ev.iteration_s * (1 - threshold)
     gain = ev.iteration_s / fresh.iteration_s if fresh.iteration_s > 0 else float(np.inf)
@@ -138,4 +147,4 @@ def readapt(
         f"a re-cut predicts {fresh.iteration_s:.3g} s vs {ev.iteration_s:.3g} s "
         f"({gain:.2f}x); threshold {1 / (1 - threshold):.2f}x"
     )
-    return Readaptation(dens, ev, fresh.iteration_s, better, reason)
+    return Readaptation(dens, ev, fresh.iteration_s, better, reason, encs)

@@ -22,16 +22,18 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
 from fusiond.plan.adatopk import adapt_densities
+from fusiond.plan.codecs import choose_codecs
 from fusiond.plan.model import (
     F64,
     Cluster,
     CostGraph,
+    EdgeEncoding,
     JobSettings,
     MachineProfile,
     PlanError,
@@ -120,7 +122,7 @@ class _Search:
         self.a = arrays
         self.q = q
         st = arrays.settings
-        cf, cb = arrays.cut_bytes(st.density_floor if compress else 1.0)
+        cf, cb = arrays.cut_bytes(*arrays.search_compression(compress))
         self.cf = cf[q]
         self.cb = cb[q]
         self.prefix = arrays.prefix[:, q]
@@ -206,7 +208,7 @@ def _candidate_cuts(arrays: GraphArrays, max_cuts: int, compress: bool) -> I64:
     n = arrays.n
     if n + 1 <= max_cuts:
         return np.arange(n + 1, dtype=np.int64)
-    cf, cb = arrays.cut_bytes(arrays.settings.density_floor if compress else 1.0)
+    cf, cb = arrays.cut_bytes(*arrays.search_compression(compress))
     cost = cf + cb
     ref = arrays.prefix.mean(axis=0)
     edges = np.searchsorted(ref, np.linspace(0, ref[-1], max_cuts + 1)[1:-1])
@@ -237,9 +239,14 @@ class _Candidate:
     stages: list[StageSpec]
     evaluation: Evaluation
     densities: dict[tuple[str, int], float]
+    encodings: dict[tuple[str, int], EdgeEncoding] = field(default_factory=dict)
 
 
 def _score(arrays: GraphArrays, stages: list[StageSpec], compress: bool) -> _Candidate:
+    if compress and arrays.settings.codec_choice:
+        ch = choose_codecs(arrays, stages)
+        return _Candidate(stages, evaluate(arrays, stages, ch.densities, ch.encodings),
+                          ch.densities, ch.encodings)
     if compress:
         dens = adapt_densities(arrays, stages)
         return _Candidate(stages, evaluate(arrays, stages, dens), dens)
@@ -433,13 +440,13 @@ class _SubsetSearch:
         n = arrays.n
         # [p, e]: bytes a stage running ops [p, e) sends on (its own outputs read at >= e),
         # so tensors passing over a stage are not charged to it (they travel directly)
-        d = st.density_floor if compress else 1.0
+        d, enc = arrays.search_compression(compress)
         self.of = np.zeros((n + 1, n + 1))
         self.ob = np.zeros((n + 1, n + 1))
         for t, last in zip(arrays.graph.tensors, arrays.last_use, strict=True):
             if last <= t.src:
                 continue
-            f, g = wire_bytes(t, st.micro_batch_size, d, st)
+            f, g = wire_bytes(t, st.micro_batch_size, d, st, enc)
             self.of[: t.src + 1, t.src + 1 : last + 1] += f
             self.ob[: t.src + 1, t.src + 1 : last + 1] += g
         outmax = np.zeros((n + 1, n + 1))
@@ -668,9 +675,9 @@ def _refine(arrays: GraphArrays, best: _Candidate, compress: bool,
 
 
 def _no_topk_on_int8(settings: JobSettings, compress: bool) -> None:
-    if compress and settings.int8_edges:
-        raise PlanError("AdaTopK (compress=True) does not apply to int8 cut edges "
-                        "(JobSettings.int8_edges): plan without compress")
+    if compress and settings.edge_encoding != "raw":
+        raise PlanError(f"AdaTopK (compress=True) does not apply to {settings.edge_encoding} "
+                        "cut edges (JobSettings.edge_encoding): plan without compress")
 
 
 def plan_opfence(
@@ -712,7 +719,7 @@ def plan_opfence(
     for mode in modes:
         q = _candidate_cuts(arrays, max_cuts, mode)
         search = _Search(arrays, q, mode)
-        cf, cb = arrays.cut_bytes(settings.density_floor if mode else 1.0)
+        cf, cb = arrays.cut_bytes(*arrays.search_compression(mode))
         per_mode = orders if len(modes) == 1 else max(2, (orders + 1) // 2)
         for order in _group_orders(arrays, fast_first, cf, cb,
                                    max(orders, 24) if small else per_mode):
@@ -751,13 +758,16 @@ def plan_opfence(
             f"(parameters+gradients+optimizer state alone need "
             f"{arrays.static_prefix[-1] / 2**30:.2f} GiB){ops_note}"
         )
-    dense = evaluate(arrays, best.stages) if best.densities else best.evaluation
+    dense = (evaluate(arrays, best.stages) if best.densities or best.encodings
+             else best.evaluation)
     return Plan(
-        method="op-fence+adatopk" if compress else
-        "op-fence+int8" if settings.int8_edges else "op-fence",
+        method="op-fence+codecs" if compress and settings.codec_choice else
+        "op-fence+adatopk" if compress else
+        f"op-fence+{settings.edge_encoding}" if settings.edge_encoding != "raw" else "op-fence",
         arrays=arrays,
         stages=tuple(best.stages),
         densities=best.densities,
+        encodings=best.encodings,
         evaluation=best.evaluation,
         dense=dense,
         groups=tuple(tuple(cluster.machines[m].id for m in g) for g in groups),
@@ -862,6 +872,7 @@ def plan_from_stages(
         arrays=arrays,
         stages=tuple(stages),
         densities=cand.densities,
+        encodings=cand.encodings,
         evaluation=cand.evaluation,
         dense=evaluate(arrays, stages),
         groups=(tuple(cluster.ids()),),

@@ -43,6 +43,7 @@ from fusiond.plan.model import (
     F64,
     Cluster,
     CostGraph,
+    EdgeEncoding,
     JobSettings,
     PlanError,
     dense_wire_bytes,
@@ -127,6 +128,9 @@ class LinkReport:
     micro_batches: int = 0
     """Micro-batches of an iteration routed over this machine pair (all M without
     replicas); the bytes and `time_s` above are per micro-batch."""
+    codec: str = "exact"
+    """How its compressible tensors travel: "exact", "top-k <density>" or an encoding
+    ("bf16", "int8", "int4"; several joined by "+")."""
 
 
 @dataclass(frozen=True)
@@ -265,8 +269,27 @@ class GraphArrays:
         bad = [ops[i].op for i in range(start, stop) if not self.runs[machine, i]]
         return list(dict.fromkeys(bad))
 
-    def cut_bytes(self, density_of_compressible: float) -> tuple[F64, F64]:
-        """Bytes crossing each position p (between ops p-1 and p): forward and backward.
+    def search_compression(self, compress: bool) -> tuple[float, EdgeEncoding | None]:
+        """How OP-Fence's cut search costs a compressed cut: (density, encoding) of the most
+        compressing choice the job allows (the density floor for AdaTopK; with the per-link
+        codec choice, the admitted codec that sends fewest bytes); (1.0, None) when not
+        compressing."""
+        if not compress:
+            return 1.0, None
+        st = self.settings
+        if st.codec_choice:
+            from fusiond.plan.accuracy import ladder
+
+            last = ladder(st.accuracy_budget, st.density_floor)[-1]
+            if last.density is not None:
+                return last.density, None
+            return 1.0, last.encoding
+        return st.density_floor, None
+
+    def cut_bytes(self, density_of_compressible: float,
+                  encoding: EdgeEncoding | None = None) -> tuple[F64, F64]:
+        """Bytes crossing each position p (between ops p-1 and p): forward and backward, the
+        compressible tensors at `density_of_compressible` or `encoding`.
 
         A tensor crosses every position in (src, last consumer]; this is what the DP charges to
         the link into the stage that starts at p (the evaluator then routes exactly).
@@ -277,7 +300,7 @@ class GraphArrays:
             if last <= t.src:
                 continue
             f, g = wire_bytes(t, self.settings.micro_batch_size, density_of_compressible,
-                              self.settings)
+                              self.settings, encoding)
             fwd[t.src + 1] += f
             fwd[last + 1] -= f
             bwd[t.src + 1] += g
@@ -608,11 +631,13 @@ def evaluate(
     arrays: GraphArrays,
     stages: Sequence[StageSpec],
     densities: Mapping[tuple[str, int], float] | None = None,
+    encodings: Mapping[tuple[str, int], EdgeEncoding] | None = None,
 ) -> Evaluation:
     """Predict iteration time, per-stage/per-link times and memory of `stages`.
 
     `stages` must cover ops [0, n) contiguously, in order, no machine in two places.
-    `densities[(tensor, dst_stage)]` < 1 sends that tensor top-k compressed to that stage.
+    `densities[(tensor, dst_stage)]` < 1 sends that tensor top-k compressed to that stage;
+    `encodings[(tensor, dst_stage)]` sends it so encoded (else `settings.edge_encoding`).
     A stage with replicas splits the micro-batches (`micro_batch_shares`, by compute time),
     routes them (`route_micro_batches`) and reduces its gradients (`gradient_sync`).
     """
@@ -627,6 +652,7 @@ def evaluate(
     if len(set(every)) != len(every):
         raise PlanError("a machine may run only one stage")
     dens = densities or {}
+    encs = encodings or {}
     S = len(stages)
     M = st.num_micro_batches
     b = st.micro_batch_size
@@ -686,11 +712,12 @@ def evaluate(
     # route every tensor directly to each later stage that reads it
     traffic: dict[tuple[int, int], list[float]] = {}
     names_on: dict[tuple[int, int], list[str]] = {}
+    codecs_on: dict[tuple[int, int], set[str]] = {}
     for t in g.tensors:
         ps = int(stage_of[t.src])
         for ds in sorted({int(stage_of[d]) for d in t.dsts} - {ps}):
             d = dens.get((t.name, ds), 1.0)
-            f, bk = wire_bytes(t, b, d, st)
+            f, bk = wire_bytes(t, b, d, st, encs.get((t.name, ds)))
             df, db = dense_wire_bytes(t, b)
             acc = traffic.setdefault((ps, ds), [0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0])
             acc[0] += f
@@ -702,8 +729,16 @@ def evaluate(
             acc[5] += 1.0
             acc[6] += 1.0 if t.grad else 0.0
             names_on.setdefault((ps, ds), []).append(t.name)
+            if t.compressible and t.name not in st.exact_edges and d >= 1.0:
+                enc = encs.get((t.name, ds), st.edge_encoding)
+                if enc != "raw":
+                    codecs_on.setdefault((ps, ds), set()).add(enc)
     links: list[LinkReport] = []
     for (ps, ds), (f, bk, df, db, dmin, nf, nb) in sorted(traffic.items()):
+        labels = sorted(codecs_on.get((ps, ds), ()))
+        if dmin < 1.0:
+            labels.insert(0, f"top-k {dmin:.3g}")
+        codec = "+".join(labels) or "exact"
         if routes is None:
             pair_counts = {(0, 0): M}
         else:
@@ -718,7 +753,7 @@ def evaluate(
             links.append(LinkReport(
                 ps, ds, a, z, f, bk, df, db, fwd_bytes_per_s, bwd_bytes_per_s,
                 float(c.rtt_s[a, z]), t_link, tuple(names_on[(ps, ds)]), dmin, nf, nb,
-                micro_batches=count,
+                micro_batches=count, codec=codec,
             ))
 
     # a stage's host also pays for every byte it sends and receives (encoding, TLS, socket
@@ -845,6 +880,9 @@ class Plan:
     groups: tuple[tuple[str, ...], ...]
     idle: Mapping[str, str]
     notes: tuple[str, ...] = ()
+    encodings: Mapping[tuple[str, int], EdgeEncoding] = dataclasses.field(default_factory=dict)
+    """(tensor name, destination stage) -> the encoding the per-link codec choice gave that
+    cut edge (`fusiond.plan.codecs`; absent: dense, or top-k at `densities`)."""
 
     @property
     def assignment(self) -> dict[str, str]:
@@ -891,6 +929,10 @@ class Plan:
         """Compressed cut edges by `fusiond.graph.partition.Edge.id` (`"<value>-><dst stage>"`)
         -> density; edges not listed travel dense."""
         return {f"{name}->{dst}": d for (name, dst), d in self.densities.items()}
+
+    def edge_encodings(self) -> dict[str, EdgeEncoding]:
+        """Cut edges the codec choice quantized, by `Edge.id` -> encoding."""
+        return {f"{name}->{dst}": e for (name, dst), e in self.encodings.items()}
 
     def value_densities(self) -> dict[str, float]:
         """Per value (`Edge.value`), the lowest density over its destinations (for

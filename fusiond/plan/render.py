@@ -62,6 +62,8 @@ class PlanLinkSummary(TypedDict):
     time_s: float
     dense_time_s: float
     """The link's time per micro-batch in the same cut without compression."""
+    codec: str
+    """How it travels: "exact", "top-k <d>", "bf16", "int8", "int4" (`LinkReport.codec`)."""
 
 
 class PlanSummary(TypedDict):
@@ -127,7 +129,7 @@ def plan_summary(plan: Plan) -> PlanSummary:
                                bandwidth_fwd_bytes_per_s=lk.bandwidth_fwd_bytes_per_s,
                                bandwidth_bwd_bytes_per_s=lk.bandwidth_bwd_bytes_per_s,
                                rtt_s=lk.rtt_s, fwd_bytes=lk.fwd_bytes, bwd_bytes=lk.bwd_bytes,
-                               density=lk.density, time_s=lk.time_s,
+                               density=lk.density, time_s=lk.time_s, codec=lk.codec,
                                dense_time_s=dense_links.get((lk.src_stage, lk.dst_stage),
                                                             lk).time_s)
                for lk in ev.links],
@@ -193,7 +195,7 @@ def render_plan(plan: Plan, *, max_links: int = 24) -> str:
     if replicated:
         lines.append("(+: a replica of the stage above: the same ops on its share of the "
                      "micro-batches)")
-    lines += ["", f"{'link':<30}{'Mbit/s':>10}{'dense MB':>10}{'wire MB':>10}{'density':>9}"
+    lines += ["", f"{'link':<30}{'Mbit/s':>10}{'dense MB':>10}{'wire MB':>10}{'codec':>11}"
                   f"{'ms':>10}{'dense ms':>10}"]
     dense_links = {(lk.src_stage, lk.dst_stage): lk for lk in plan.dense.links}
     # the busiest links first; size arithmetic fans out tiny scalars to every stage, so
@@ -213,7 +215,7 @@ def render_plan(plan: Plan, *, max_links: int = 24) -> str:
             f"{name[:29]:<30}"
             f"{bits_per_s_from_bytes_per_s(lk.bandwidth_fwd_bytes_per_s) / 1e6:>10.4g}"
             f"{(lk.dense_fwd_bytes + lk.dense_bwd_bytes) / 1e6:>10.3g}"
-            f"{(lk.fwd_bytes + lk.bwd_bytes) / 1e6:>10.3g}{lk.density:>9.3f}"
+            f"{(lk.fwd_bytes + lk.bwd_bytes) / 1e6:>10.3g}{lk.codec[:10]:>11}"
             f"{_ms(lk.time_s):>10}{_ms(d.time_s):>10}"
         )
     if hidden:

@@ -16,24 +16,29 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 import numpy as np
 import torch
 
+from fusiond.plan.model import EDGE_ENCODINGS, EdgeEncoding
 from protocol import tensors as wire
 from protocol.errors import RemoteProtocolError
 from protocol.limits import DEFAULT_LIMITS, Limits
 
 __all__ = [
     "EDGE_ENCODINGS",
+    "EdgeCodec",
     "EdgeEncoding",
     "Encoded",
     "decode_any",
     "decode_dense",
+    "decode_edge",
     "decode_topk",
     "decode_values",
+    "encode_bf16",
     "encode_dense",
+    "encode_edge",
+    "encode_int4",
     "encode_int8",
     "encode_topk",
     "encode_values",
@@ -41,10 +46,34 @@ __all__ = [
 ]
 
 
-EdgeEncoding = Literal["raw", "int8"]
-"""How a cut edge travels when it is not top-k: "raw" (exact) or "int8" (block-quantized, both
-directions)."""
-EDGE_ENCODINGS: tuple[EdgeEncoding, ...] = get_args(EdgeEncoding)
+# How a cut edge travels when it is not top-k (one definition, the planner's: it costs them):
+# "raw" (exact), "bf16", "int8" or "int4", both directions, decoded dense. The lossy ones are
+# straight-through: the receiver computes on the decoded tensor, and the gradient with respect
+# to it is taken as the activation's gradient (the exact gradient of the compressed forward,
+# the quantizer passed as identity).
+
+
+@dataclass(frozen=True)
+class EdgeCodec:
+    """How one cut edge travels: top-k at `density` (then `encoding` is "raw"), or `encoding`
+    (exact when "raw" and no density)."""
+
+    encoding: EdgeEncoding = "raw"
+    density: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.encoding not in EDGE_ENCODINGS:
+            raise ValueError(f"encoding {self.encoding!r} is not one of {list(EDGE_ENCODINGS)}")
+        if self.density is not None:
+            if not 0.0 < self.density < 1.0:
+                raise ValueError(f"top-k density {self.density} not in (0, 1)")
+            if self.encoding != "raw":
+                raise ValueError(f"a {self.encoding} edge is never also top-k")
+
+    @property
+    def label(self) -> str:
+        """"top-k 0.25", "int8", ... ("raw": exact)."""
+        return f"top-k {self.density:g}" if self.density is not None else self.encoding
 
 
 @dataclass(frozen=True)
@@ -100,13 +129,51 @@ def encode_dense(t: torch.Tensor) -> Encoded:
     return _encoded(enc, arr.nbytes)
 
 
-def encode_int8(t: torch.Tensor) -> Encoded:
+def encode_int8(t: torch.Tensor, *, stochastic: bool = False, seed: int = 0) -> Encoded:
     """INT8 encoding: per-block absmax quantization, one float32 scale per
     `protocol.tensors.DEFAULT_BLOCK_SIZE` elements; every element within absmax(block) / 254
-    of its value. Decodes dense (`decode_dense` / `decode_any`)."""
+    of its value (stochastic rounding, `seed`: within absmax(block) / 127, unbiased). Decodes
+    dense (`decode_dense` / `decode_any`)."""
     arr = _np(t)
-    enc = wire.encode(arr, wire.Encoding.INT8, block_size=wire.DEFAULT_BLOCK_SIZE)
+    if stochastic:
+        enc = wire.encode(arr, wire.Encoding.INT8, block_size=wire.DEFAULT_BLOCK_SIZE,
+                          stochastic=True, seed=seed)
+    else:
+        enc = wire.encode(arr, wire.Encoding.INT8, block_size=wire.DEFAULT_BLOCK_SIZE)
     return _encoded(enc, arr.nbytes)
+
+
+def encode_int4(t: torch.Tensor, *, stochastic: bool = False, seed: int = 0) -> Encoded:
+    """INT4 encoding: per-block absmax quantization to [-7, 7], one float32 scale per
+    `protocol.tensors.DEFAULT_BLOCK_SIZE` elements; nearest rounding puts every element within
+    absmax(block) / 14 of its value, stochastic rounding (`seed`) within absmax(block) / 7 and
+    unbiased. Decodes dense."""
+    arr = _np(t)
+    enc = wire.encode(arr, wire.Encoding.INT4, block_size=wire.DEFAULT_BLOCK_SIZE,
+                      stochastic=stochastic, seed=seed)
+    return _encoded(enc, arr.nbytes)
+
+
+def encode_bf16(t: torch.Tensor) -> Encoded:
+    """BF16 encoding of a float tensor: its value rounded to bfloat16 (relative error at most
+    2^-9). Decodes to bfloat16; the receiving stage computes in its own precision."""
+    arr = _np(t)
+    return _encoded(wire.encode(arr, wire.Encoding.BF16, compress="none"), arr.nbytes)
+
+
+def encode_edge(t: torch.Tensor, encoding: EdgeEncoding, *, stochastic: bool = False,
+                seed: int = 0) -> Encoded:
+    """A dense-decodable cut-edge tensor as `encoding` says (integer tensors always RAW).
+    `stochastic` (int8, int4): unbiased stochastic rounding drawn from `seed`, for gradients."""
+    if encoding == "raw" or not t.dtype.is_floating_point:
+        return encode_dense(t)
+    if encoding == "bf16":
+        return encode_bf16(t)
+    if encoding == "int8":
+        return encode_int8(t, stochastic=stochastic, seed=seed)
+    if encoding == "int4":
+        return encode_int4(t, stochastic=stochastic, seed=seed)
+    raise ValueError(f"unknown edge encoding {encoding!r}; one of {list(EDGE_ENCODINGS)}")
 
 
 def encode_topk(
@@ -182,6 +249,23 @@ def decode_any(
     dense, indices, desc = wire.decode_described(payload, limits=limits)
     idx = None if indices is None else np.asarray(indices, dtype=np.int64)
     return _typed(dense, desc), idx
+
+
+_EDGE_OF_WIRE: dict[wire.Encoding, EdgeEncoding] = {
+    wire.Encoding.RAW: "raw", wire.Encoding.FP16: "raw", wire.Encoding.BF16: "bf16",
+    wire.Encoding.INT8: "int8", wire.Encoding.INT4: "int4",
+}
+
+
+def decode_edge(
+    payload: bytes | memoryview, limits: Limits = DEFAULT_LIMITS
+) -> tuple[torch.Tensor, np.ndarray | None, EdgeEncoding]:
+    """`decode_any`, and how the receiver answers: TOPK (indices given) with VALUES, a dense
+    encoding with the same encoding (`encode_edge`), so only the sender of an edge needs to
+    know its codec and may change it between any two micro-batches."""
+    dense, indices, desc = wire.decode_described(payload, limits=limits)
+    idx = None if indices is None else np.asarray(indices, dtype=np.int64)
+    return _typed(dense, desc), idx, _EDGE_OF_WIRE.get(desc.encoding, "raw")
 
 
 def decode_values(

@@ -24,6 +24,7 @@ from fusiond.graph import (
     build_program,
     capture,
 )
+from fusiond.train.codec import EdgeEncoding
 from fusiond.train.data import Batch, DataSource, make_source
 from fusiond.train.model import Feed, build_model, feed_for, loss_fn
 from fusiond.train.spec import JobSpec
@@ -189,14 +190,17 @@ def stage_program(
     per_row: bool = True,
     int8_edges: Collection[str] = (),
     seed: int = 0,
+    encodings: Mapping[str, EdgeEncoding] | None = None,
 ) -> StageProgram:
-    """Build one partition into a `StageProgram` (parameters copied from `state`); edges in
-    `int8_edges` travel int8 both ways."""
+    """Build one partition into a `StageProgram` (parameters copied from `state`); an edge in
+    `encodings` travels so encoded both ways (`int8_edges`: int8), the others exact or top-k
+    at their `densities`."""
     densities = densities or {}
+    encodings = encodings or {}
 
     def edge(eid: str, src: int, dst: int) -> EdgeSpec:
-        return EdgeSpec(eid, src, dst, densities.get(eid), per_row,
-                        "int8" if eid in int8_edges else "raw")
+        enc: EdgeEncoding = encodings.get(eid, "int8" if eid in int8_edges else "raw")
+        return EdgeSpec(eid, src, dst, densities.get(eid), per_row, enc)
 
     module = build_stage_module(part.graph, state)
     stage = stage_of[part.id]
@@ -254,9 +258,10 @@ def stage_programs(
     per_row: bool = True,
     int8_edges: Collection[str] = (),
     seed: int = 0,
+    encodings: Mapping[str, EdgeEncoding] | None = None,
 ) -> list[StageProgram]:
-    """Every partition as a stage program; stage i is `partitions[i]` (edges in `int8_edges`
-    travel int8)."""
+    """Every partition as a stage program; stage i is `partitions[i]` (edges in `encodings`
+    travel so encoded, those in `int8_edges` int8)."""
     stage_of = {p.id: i for i, p in enumerate(partitions)}
     shared = shared_params(partitions, stage_of, state)
     main, targets = graph_data_names(graph)
@@ -264,7 +269,7 @@ def stage_programs(
         stage_program(
             p, state, stage_of=stage_of, input_name=main, targets_name=targets,
             densities=densities, shared=shared[stage_of[p.id]], per_row=per_row,
-            int8_edges=int8_edges, seed=seed,
+            int8_edges=int8_edges, seed=seed, encodings=encodings,
         )
         for p in partitions
     ]

@@ -2,9 +2,9 @@
 
 The scheduler side (`fusiond.jobs.assign`) sends every machine an `Assign`: its partition's
 sub-graph (`protocol.ir` bytes), its boundary edges (`EdgeRoute`: edge id, src/dst partition and
-node, density, encoding: "raw" or "int8"), the address of every node in the job, and `config`,
-the job settings below (a msgpack map); the partition's initial weights travel in the frame
-payload as safetensors bytes.
+node, density, encoding: "raw", "bf16", "int8" or "int4"), the address of every node in the
+job, and `config`, the job settings below (a msgpack map); the partition's initial weights
+travel in the frame payload as safetensors bytes.
 Partition ids ARE pipeline stage numbers (0 reads the data; edges go from lower to higher).
 
 `StageHost(assign, payload, net)` validates all of that (a `RemoteError` names the bad field),
@@ -32,7 +32,7 @@ import torch
 from fusiond.errors import RemoteError
 from fusiond.graph import state_from_bytes
 from fusiond.graph.registry import check_ops
-from fusiond.train.codec import EDGE_ENCODINGS, EdgeEncoding
+from fusiond.train.codec import EDGE_ENCODINGS
 from fusiond.train.data import (
     DATA_PREFIX,
     DataError,
@@ -304,10 +304,10 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
             raise RemoteError(f"Assign.edges: {r.edge!r} encoding {r.encoding!r} is not one of "
                               f"{list(EDGE_ENCODINGS)}")
         density = None if r.density >= 1.0 else r.density
-        if r.encoding == "int8" and density is not None:
-            raise RemoteError(f"Assign.edges: {r.edge!r} is int8 and top-k (density "
-                              f"{r.density}): an int8 edge is never top-k")
-        encoding: EdgeEncoding = "int8" if r.encoding == "int8" else "raw"
+        if r.encoding != "raw" and density is not None:
+            raise RemoteError(f"Assign.edges: {r.edge!r} is {r.encoding} and top-k (density "
+                              f"{r.density}): a quantized edge is never top-k")
+        encoding = next(e for e in EDGE_ENCODINGS if e == r.encoding)
         edges.append(EdgeSpec(r.edge, r.src_partition, r.dst_partition, density,
                               encoding=encoding))
         for s, node in ((r.src_partition, r.src_node), (r.dst_partition, r.dst_node)):

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fusiond.errors import LocalError
+from fusiond.plan.accuracy import DEFAULT_ACCURACY_BUDGET
+from fusiond.plan.model import DEFAULT_DENSITY_FLOOR, EdgeEncoding
 
 __all__ = [
     "DATA_KINDS",
@@ -85,8 +87,9 @@ FIELD_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 OptimizerKind = Literal["adamw", "sgd"]
 ScheduleKind = Literal["constant", "cosine"]
 PipelineKind = Literal["1f1b", "gpipe"]
-CodecKind = Literal["topk", "int8"]
-CODECS: tuple[CodecKind, ...] = ("topk", "int8")
+CodecKind = Literal["auto", "topk", "bf16", "int8", "int4"]
+CODECS: tuple[CodecKind, ...] = ("auto", "topk", "bf16", "int8", "int4")
+MAX_ACCURACY_BUDGET = 0.5
 
 
 def default_text_path() -> Path:
@@ -232,9 +235,14 @@ is the most sensitive to inexact gradients)."""
 class CompressionSpec:
     """How cut edges are compressed.
 
-    `codec`: "topk" (the default: AdaTopK or a forced `density`, as below; neither = exact) or
-    "int8" (every float cut edge except `exact_edges` carries its activation and its gradient
-    int8 block-quantized, 0.254 of fp32 bytes, decoded dense; no top-k: `adatopk` is False).
+    `codec`: "auto" (the default unless `adatopk` or `density` is given: the planner picks each
+    slow link's codec, exact, bf16, int8, int4 or top-k, among those whose measured held-out
+    loss cost is within `accuracy_budget`; `fusiond.plan.codecs`), "topk" (AdaTopK or a
+    forced `density`, as below; neither = exact), or "bf16" / "int8" / "int4" (every float cut
+    edge except `exact_edges` carries its activation and its gradient so encoded, decoded
+    dense; int8 is the SWARM-style job; no top-k: `adatopk` is False).
+    `accuracy_budget`: with "auto", the most held-out loss (a fraction, default 0.01) a codec
+    may cost to be chosen.
     `adatopk`: let the planner pick per-edge densities from link speeds (>= `density_floor`).
     `density`: if set, force this density on every cut edge (except `exact_edges`) instead.
     `exact_edges`: edge ids or producing node ids never compressed.
@@ -257,11 +265,28 @@ class CompressionSpec:
     codec: CodecKind = "topk"
     grad_rank: int = DEFAULT_GRAD_RANK
     grad_warmup_steps: int = DEFAULT_GRAD_WARMUP_STEPS
+    accuracy_budget: float = DEFAULT_ACCURACY_BUDGET
 
     @property
     def int8(self) -> bool:
         """Whether cut edges travel int8 block-quantized."""
         return self.codec == "int8"
+
+    @property
+    def edge_encoding(self) -> EdgeEncoding:
+        """The one encoding of every float cut edge ("raw" unless `codec` is bf16/int8/int4)."""
+        c = self.codec
+        return c if c in ("bf16", "int8", "int4") else "raw"
+
+    @property
+    def choice(self) -> bool:
+        """Whether the planner picks each link's codec (`codec = "auto"`)."""
+        return self.codec == "auto"
+
+    @property
+    def compress(self) -> bool:
+        """Whether the planner compresses slow links (AdaTopK, or the per-link choice)."""
+        return self.choice or (self.adatopk and self.density is None)
 
 
 @dataclass(frozen=True)
@@ -624,7 +649,7 @@ def _batch(t: _Table) -> BatchSpec:
 def _compression(t: _Table) -> CompressionSpec:
     raw_codec = t.get("codec")
     if raw_codec is None:
-        codec: CodecKind = "topk"
+        codec: CodecKind = "topk" if t.has("adatopk") or t.has("density") else "auto"
     elif isinstance(raw_codec, str) and raw_codec in CODECS:
         codec = raw_codec
     else:
@@ -636,7 +661,7 @@ def _compression(t: _Table) -> CompressionSpec:
                 raise JobSpecError(t.name(key), f"top-k does not apply with compression.codec = "
                                                 f"{codec!r}; remove {key} or set codec = 'topk'")
     adatopk = t.boolean("adatopk", codec == "topk")
-    floor = t.number("density_floor", 0.01, lo=0.0, lo_open=True, hi=1.0)
+    floor = t.number("density_floor", DEFAULT_DENSITY_FLOOR, lo=0.0, lo_open=True, hi=1.0)
     density: float | None = None
     if t.has("density"):
         density = t.number("density", None, lo=0.0, lo_open=True, hi=1.0)
@@ -655,11 +680,16 @@ def _compression(t: _Table) -> CompressionSpec:
     readapt_s = t.number("readapt_interval_s", 10.0, lo=0.0)
     grad_rank = t.integer("grad_rank", DEFAULT_GRAD_RANK, lo=0, hi=MAX_GRAD_RANK)
     grad_warmup = t.integer("grad_warmup_steps", DEFAULT_GRAD_WARMUP_STEPS, lo=0)
+    budget = t.number("accuracy_budget", DEFAULT_ACCURACY_BUDGET, lo=0.0,
+                      hi=MAX_ACCURACY_BUDGET)
+    if t.has("accuracy_budget") and codec != "auto":
+        raise JobSpecError(t.name("accuracy_budget"), f"applies to compression.codec = 'auto' "
+                                                      f"only, not {codec!r}; remove it")
     t.finish()
     return CompressionSpec(
         adatopk=adatopk, density_floor=floor, density=density, exact_edges=exact, per_row=per_row,
         readapt_interval_s=readapt_s, codec=codec, grad_rank=grad_rank,
-        grad_warmup_steps=grad_warmup,
+        grad_warmup_steps=grad_warmup, accuracy_budget=budget,
     )
 
 

@@ -25,8 +25,10 @@ stays bit-identical), and the optimizer steps.
 
 Top-k edges: forward sends TOPK and the sender keeps the kept indices per (edge, micro-batch); the
 receiver learns them from the payload and answers with a VALUES gradient at those indices only.
-Int8 edges (`EdgeSpec.encoding`): forward sends INT8, the receiver decodes it dense and answers
-with an INT8 gradient (straight-through: the gradient at the dequantized activation).
+Quantized edges (`EdgeSpec.encoding`: "bf16", "int8", "int4"): forward sends the activation so
+encoded (nearest rounding), the receiver decodes it dense and answers with the gradient at the
+decoded activation encoded the same way (straight-through), int8 and int4 with stochastic
+rounding so the gradient that arrives is unbiased (`codec.encode_edge`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import logging
 import re
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -193,8 +196,8 @@ or do nothing (False: `send` it)."""
 @dataclass(frozen=True)
 class EdgeSpec:
     """A cut edge from stage `src` to stage `dst`; `density` None means not top-k: the edge
-    travels as `encoding` says, "raw" (exact) or "int8" (activation and gradient int8
-    block-quantized, decoded dense; straight-through). An int8 edge is never top-k.
+    travels as `encoding` says, "raw" (exact) or "bf16", "int8", "int4" (activation and
+    gradient so encoded, decoded dense; straight-through). A quantized edge is never top-k.
 
     `per_row`: top-k per row of the last axis rather than over the whole tensor.
     """
@@ -210,9 +213,15 @@ class EdgeSpec:
         if self.encoding not in codec.EDGE_ENCODINGS:
             raise StageError(f"edge {self.edge_id!r}: encoding {self.encoding!r} is not one of "
                              f"{list(codec.EDGE_ENCODINGS)}")
-        if self.encoding == "int8" and self.density is not None:
-            raise StageError(f"edge {self.edge_id!r}: an int8 edge cannot also be top-k "
+        if self.encoding != "raw" and self.density is not None:
+            raise StageError(f"edge {self.edge_id!r}: a {self.encoding} edge cannot also be top-k "
                              f"(density {self.density})")
+
+
+def _grad_seed(step: int, micro: int, edge_id: str) -> int:
+    """The stochastic rounding seed of a gradient: fixed per (step, micro-batch, edge), so a
+    run repeats bit for bit and no two gradients share their draws."""
+    return zlib.crc32(f"{step}:{micro}:{edge_id}".encode())
 
 
 RunFn = Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]
@@ -407,6 +416,8 @@ class _Ctx:
     """With recompute: the forward's inputs, to run it again in the backward."""
     buffers_before: list[torch.Tensor] | None = None
     """With recompute: the updated buffers as the forward found them."""
+    recv_enc: dict[str, codec.EdgeEncoding] = field(default_factory=dict)
+    """Incoming dense edges that arrived quantized: the gradient goes back the same way."""
 
 
 _Key = tuple[PacketKind, int, int, str]
@@ -594,6 +605,8 @@ class StageExecutor:
         self._in = {e.edge_id: e for e in program.in_edges}
         self._out = {e.edge_id: e for e in program.out_edges}
         self._density: dict[str, float | None] = {e.edge_id: e.density for e in program.out_edges}
+        self._encoding: dict[str, codec.EdgeEncoding] = {e.edge_id: e.encoding
+                                                         for e in program.out_edges}
         self._pool: ThreadPoolExecutor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outq: dict[int, _Outbound] = {}
@@ -728,12 +741,35 @@ class StageExecutor:
         """
         if edge_id not in self._out:
             raise StageError(f"stage {self.stage} sends no edge {edge_id!r}")
-        if self._out[edge_id].encoding == "int8" and density is not None and density < 1.0:
-            raise StageError(f"edge {edge_id!r} travels int8: top-k (density {density}) does "
+        enc = self._encoding[edge_id]
+        if enc != "raw" and density is not None and density < 1.0:
+            raise StageError(f"edge {edge_id!r} travels {enc}: top-k (density {density}) does "
                              "not apply to it")
         if density is not None and not 0.0 < density <= 1.0:
             raise StageError(f"edge {edge_id!r}: density {density} not in (0, 1]")
         self._density[edge_id] = None if density is not None and density >= 1.0 else density
+
+    def set_codec(self, edge_id: str, encoding: codec.EdgeEncoding,
+                  density: float | None = None) -> None:
+        """Change how an outgoing edge travels from the next forward on: top-k at `density`
+        (then `encoding` must be "raw"), or `encoding`. The per-link codec choice's
+        re-adaptation calls this; receivers answer as each forward arrived."""
+        if edge_id not in self._out:
+            raise StageError(f"stage {self.stage} sends no edge {edge_id!r}")
+        if encoding not in codec.EDGE_ENCODINGS:
+            raise StageError(f"edge {edge_id!r}: encoding {encoding!r} is not one of "
+                             f"{list(codec.EDGE_ENCODINGS)}")
+        if encoding != "raw" and density is not None and density < 1.0:
+            raise StageError(f"edge {edge_id!r}: a {encoding} edge cannot also be top-k "
+                             f"(density {density})")
+        self._encoding[edge_id] = "raw"
+        self.set_density(edge_id, density)
+        self._encoding[edge_id] = encoding
+
+    @property
+    def encodings(self) -> dict[str, codec.EdgeEncoding]:
+        """Outgoing edge id -> its current encoding when not top-k."""
+        return dict(self._encoding)
 
     @property
     def densities(self) -> dict[str, float | None]:
@@ -854,11 +890,16 @@ class StageExecutor:
         t0 = time.perf_counter()
         leaves: dict[str, torch.Tensor] = {}
         recv_idx: dict[str, np.ndarray] = {}
+        recv_enc: dict[str, codec.EdgeEncoding] = {}
         for edge_id, payload in payloads.items():
             # Follow the payload, not our config: the sender owns the edge's density.
-            t, idx = codec.decode_any(payload)
+            t, idx, came = codec.decode_edge(payload)
             if idx is not None:
                 recv_idx[edge_id] = idx
+            elif came != "raw":
+                recv_enc[edge_id] = came
+            if t.dtype == torch.bfloat16 and self.config.precision != "bf16":
+                t = t.float()  # a bf16 edge rounded the value; the stage computes in fp32
             if _is_float(t):
                 t.requires_grad_(True)
             leaves[edge_id] = t
@@ -894,7 +935,7 @@ class StageExecutor:
             if not _is_float(t):
                 enc = codec.encode_dense(t)
             elif density is None:
-                enc = codec.encode_int8(t) if e.encoding == "int8" else codec.encode_dense(t)
+                enc = codec.encode_edge(t, self._encoding[edge_id])
             else:
                 enc, sent_idx[edge_id] = codec.encode_topk(t, density, e.per_row)
             if _is_float(t):
@@ -905,9 +946,10 @@ class StageExecutor:
         cost.kernel_s += t2 - t1
         cost.codec_s += (t1 - t0) + (time.perf_counter() - t2)
         if recompute:  # keep only what runs the forward again: its inputs
-            ctx = _Ctx(leaves, {}, loss, recv_idx, sent_idx, grad_edges, inputs, before)
+            ctx = _Ctx(leaves, {}, loss, recv_idx, sent_idx, grad_edges, inputs, before,
+                       recv_enc)
         else:
-            ctx = _Ctx(leaves, out, loss, recv_idx, sent_idx, grad_edges)
+            ctx = _Ctx(leaves, out, loss, recv_idx, sent_idx, grad_edges, recv_enc=recv_enc)
         return ctx, packets
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -972,10 +1014,9 @@ class StageExecutor:
             g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             if edge_id in ctx.recv_idx:
                 enc = codec.encode_values(g, ctx.recv_idx[edge_id])
-            elif e.encoding == "int8":
-                enc = codec.encode_int8(g)
-            else:
-                enc = codec.encode_dense(g)
+            else:  # as the forward came; a quantized gradient rounds stochastically: unbiased
+                enc = codec.encode_edge(g, ctx.recv_enc.get(edge_id, "raw"), stochastic=True,
+                                        seed=_grad_seed(step, micro, edge_id))
             pkt = Packet(PacketKind.BACKWARD, step, micro, edge_id, self.slot,
                          self._slot_of(e.src, micro), enc.parts)
             packets.append((pkt, enc, e.density))

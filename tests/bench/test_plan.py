@@ -101,7 +101,10 @@ def test_two_machines_on_a_slow_link_the_single_machine_wins() -> None:
     assert v.strongest is by["single"]
     # OP-Fence searches a superset: it must not plan worse than the single machine
     assert by["opfence"].samples_per_s >= single * (1 - 1e-9)
-    assert v.passed and v.ratio == pytest.approx(1.0)
+    # (AdaTopK at the density floor may split it a little faster: top-k 0.05 of the
+    # activation is ~0.15 bytes per element in the byte model)
+    assert v.passed and 1.0 - 1e-9 <= v.ratio < 1.05
+    assert by["opfence"].samples_per_s == pytest.approx(single, rel=1e-12)  # dense: one machine
     assert alone == pytest.approx([single, single], rel=1e-12)
 
 
@@ -246,8 +249,8 @@ def test_verdict_tolerates_equal_plans_and_names_the_strongest_baseline() -> Non
     outcomes, _ = compare(wl, cl, PIPELINES)
     v = verdict(outcomes)
     assert v.strongest is not None and v.strongest.system == "single"
-    assert v.passed  # OP-Fence finds the same single-machine plan: 1.0x passes
-    assert not verdict(outcomes, min_ratio=1.01).passed
+    assert v.passed  # OP-Fence finds the single-machine plan or better: >= 1.0x passes
+    assert not verdict(outcomes, min_ratio=1.5).passed
 
 
 def _tiny_topology(tmp_path: Path) -> Path:

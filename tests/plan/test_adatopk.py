@@ -19,6 +19,7 @@ from fusiond.plan import (
     plan_opfence,
     readapt,
 )
+from fusiond.plan.model import topk_index_bytes
 from fusiond.plan.pipeline import GraphArrays
 
 
@@ -51,8 +52,9 @@ def test_density_brings_link_to_compute_bottleneck() -> None:
     ev = evaluate(arrays, stages, dens)
     assert ev.bottleneck.startswith("compute")
     assert ev.links[0].time_s == pytest.approx(ev.compute_bottleneck_s, rel=1e-3)
-    # wire cost: 3.5 bytes per kept element forward
-    assert ev.links[0].fwd_bytes == pytest.approx(1e5 + d * 1e6 * 3.5, rel=1e-6)
+    # wire cost: an fp16 value per kept element forward, and the kept positions
+    assert ev.links[0].fwd_bytes == pytest.approx(1e5 + d * 1e6 * 2 + topk_index_bytes(1e6, d),
+                                                  rel=1e-6)
 
 
 def test_floor_and_exact_edges() -> None:

@@ -39,12 +39,12 @@ def _instance(bw_bytes_per_s: float, *, int8: bool, exact: frozenset[str] = froz
     ms = [MachineProfile(f"m{i}", {"other": 1e12}, 1e12, 0.0, 1e12) for i in range(2)]
     cl = Cluster.build(ms, np.array([[np.inf, bw_bytes_per_s], [bw_bytes_per_s, np.inf]]))
     st = JobSettings(micro_batch_size=1, num_micro_batches=8, exact_edges=exact,
-                     int8_edges=int8)
+                     edge_encoding="int8" if int8 else "raw")
     return CostGraph(ops, ts), cl, st
 
 
 def test_an_int8_edge_costs_a_byte_per_element_and_a_scale_per_256_both_ways() -> None:
-    st = JobSettings(int8_edges=True)
+    st = JobSettings(edge_encoding="int8")
     for batch in (1, 3):
         n = batch * ACT.numel
         f, b = wire_bytes(ACT, batch, 1.0, st)
@@ -57,7 +57,7 @@ def test_an_int8_edge_costs_a_byte_per_element_and_a_scale_per_256_both_ways() -
     # exact and non-float tensors stay dense
     ids = TensorEdge("ids", 0, (1,), 1e5, 1.25e4, grad=False, compressible=False)
     assert wire_bytes(ids, 2, 1.0, st) == (2e5, 0.0)
-    marked = JobSettings(int8_edges=True, exact_edges=frozenset({"b"}))
+    marked = JobSettings(edge_encoding="int8", exact_edges=frozenset({"b"}))
     assert wire_bytes(ACT, 1, 1.0, marked) == (4e6, 4e6)
     # without int8: today's dense and top-k costs
     assert wire_bytes(ACT, 1, 1.0, JobSettings()) == (4e6, 4e6)

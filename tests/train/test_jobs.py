@@ -186,6 +186,42 @@ async def test_densities_readapt_during_the_job(captured_tiny) -> None:  # type:
     assert seen[-1].wire_bytes < 0.25 * seen[0].wire_bytes
 
 
+async def test_codecs_readapt_during_the_job(captured_tiny) -> None:  # type: ignore[no-untyped-def]
+    """The per-link choice's re-adaptation: the scheduler switches every cut edge to int4, then
+    one to top-k; the senders switch, the receivers answer each forward as it came."""
+    from fusiond.train.codec import EdgeCodec
+
+    spec, cap = captured_tiny
+    spec = replace(spec, steps=8)
+    seen: list[StepMetrics] = []
+    async with cluster() as nodes:
+        c: JobCoordinator
+
+        def on_step(m: StepMetrics) -> None:
+            seen.append(m)
+            edges = sorted(e.edge for e in seen[0].edges if e.backward_dense)  # float ones
+            if m.step == 1:
+                asyncio.get_running_loop().create_task(
+                    c.set_codecs(dict.fromkeys(edges, EdgeCodec("int4"))))
+            if m.step == 4:
+                asyncio.get_running_loop().create_task(
+                    c.set_codecs({edges[0]: EdgeCodec("raw", 0.25)}))
+
+        c = coordinator(nodes, spec, cap, on_step=on_step)
+        out = await asyncio.wait_for(c.run(), 120)
+        assert out.ok, out.failure
+        with pytest.raises(Exception, match="not a cut edge"):
+            await c.set_codecs({"nope->1": EdgeCodec("int8")})
+    first = {e.edge: e for e in seen[0].edges if e.backward_dense}
+    last = {e.edge: e for e in seen[-1].edges if e.backward_dense}
+    assert len(first) >= 2 and all(e.forward_wire >= e.forward_dense for e in first.values())
+    top, *rest = sorted(last)
+    assert last[top].density == 0.25
+    for e in rest:  # int4: half a byte per element and a scale per 256, both ways
+        assert 0.12 < last[e].forward_wire / last[e].forward_dense < 0.15
+        assert 0.12 < last[e].backward_wire / last[e].backward_dense < 0.15
+
+
 async def test_a_lost_step_report_ends_the_attempt_instead_of_leaving_a_hole(  # type: ignore[no-untyped-def]
         captured_tiny) -> None:
     """The chaos check's finding: a failed dial drops the frames queued on it, so a stage's

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fusiond.jobs.planning import readapted_densities
+from fusiond.jobs.planning import readapted_codecs, readapted_densities
 from fusiond.plan import (
     Cluster,
     CostGraph,
@@ -18,12 +18,13 @@ from fusiond.plan import (
     TensorEdge,
     plan_from_stages,
 )
+from fusiond.train.codec import EdgeCodec
 from protocol.messages import NodeProfile
 
 EDGES = ["b->1", "ids->1"]  # the cut's edges as the layout names them
 
 
-def _plan(bw: float) -> tuple[Plan, Cluster]:
+def _plan(bw: float, choice: bool = False) -> tuple[Plan, Cluster]:
     """Two machines, one cut carrying a float activation `b` (4 MB) and int ids (exact);
     60 ms of compute per micro-batch per stage."""
     ops = tuple(OpCost(f"op{i}", fwd_flops=1e10, bwd_flops=2e10) for i in range(4))
@@ -32,7 +33,8 @@ def _plan(bw: float) -> tuple[Plan, Cluster]:
           TensorEdge("c", 2, (3,), 4e6, 1e6))
     ms = [MachineProfile(f"m{i}", {"other": 1e12}, 1e12, 0.0, 1e12) for i in range(2)]
     cl = Cluster.build(ms, np.array([[np.inf, bw], [bw, np.inf]]))
-    st = JobSettings(micro_batch_size=1, num_micro_batches=8, density_floor=0.05)
+    st = JobSettings(micro_batch_size=1, num_micro_batches=8, density_floor=0.05,
+                     codec_choice=choice)
     return plan_from_stages(CostGraph(ops, ts), cl, st, [StageSpec(0, 0, 2), StageSpec(1, 2, 4)],
                             compress=True), cl
 
@@ -109,8 +111,9 @@ async def test_service_sends_densities_when_the_measured_link_slows() -> None:
     coord = _Coord()
     lines: list[str] = []
     layout = SimpleNamespace(densities={}, edges=lambda: [SimpleNamespace(edge=e) for e in EDGES])
+    spec = SimpleNamespace(compression=SimpleNamespace(choice=False))
     rec = SimpleNamespace(state="running", coord=coord, layout=layout, plan=plan,
-                          log=lines.append)
+                          log=lines.append, spec=spec)
     task = asyncio.create_task(svc.scheduling._readapt(rec, 0.01))  # type: ignore[arg-type]
     try:
         await asyncio.sleep(0.1)
@@ -134,6 +137,83 @@ async def test_service_sends_densities_when_the_measured_link_slows() -> None:
                 break
             await asyncio.sleep(0.01)
         assert len(coord.sent) == 2  # the lease again: the fast link re-adapted
+    finally:
+        rec.state = "done"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+def test_the_codec_choice_readapts_over_codecs() -> None:
+    plan, cl = _plan(1e9, choice=True)
+    assert plan.edge_encodings() == {} and plan.edge_densities() == {}
+    exact = {e: EdgeCodec() for e in EDGES}
+    assert readapted_codecs(plan, cl, exact) is None  # nothing changed: nothing sent
+    # 4 MB at 50 MB/s = 80 ms > 60 ms of compute: bf16 brings it to 40 ms
+    bf16 = readapted_codecs(plan, _bw(cl, 5e7), exact)
+    assert bf16 == {"b->1": EdgeCodec("bf16"), "ids->1": EdgeCodec()}
+    assert readapted_codecs(plan, _bw(cl, 5.05e7), bf16) is None  # noise: the same codec
+    int8 = readapted_codecs(plan, _bw(cl, 2.5e7), bf16)
+    assert int8 is not None and int8["b->1"] == EdgeCodec("int8")
+    assert readapted_codecs(plan, _bw(cl, 1e9), int8) == exact
+    ms = [MachineProfile(f"x{i}", {"other": 1e12}, 1e12, 0.0, 1e12) for i in range(2)]
+    other = Cluster.build(ms, np.array([[np.inf, 1e6], [1e6, np.inf]]))
+    assert readapted_codecs(plan, other, exact) is None  # new machines: a re-plan
+
+
+def test_edge_codecs_are_validated() -> None:
+    assert EdgeCodec("raw", 0.25).label == "top-k 0.25" and EdgeCodec("int4").label == "int4"
+    with pytest.raises(ValueError, match="never also top-k"):
+        EdgeCodec("int8", 0.5)
+    with pytest.raises(ValueError, match="not in"):
+        EdgeCodec("raw", 1.5)
+    with pytest.raises(ValueError, match="is not one of"):
+        EdgeCodec("fp8")  # type: ignore[arg-type]
+
+
+async def test_service_sends_codecs_when_the_measured_link_slows() -> None:
+    """With `codec = "auto"` the loop re-adapts the codecs (`JobCoordinator.set_codecs`)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from fusiond.jobs.service import JobService
+
+    plan, _ = _plan(1e9, choice=True)
+    links: dict[tuple[str, str], tuple[float, float]] = {("m0", "m1"): (8e9, 0.0)}
+    members = [SimpleNamespace(node_id=f"m{i}", state="alive", address=("127.0.0.1", 1),
+                               profile=NodeProfile(gflops=1000.0, memory_bytes=10**12))
+               for i in range(2)]
+    view = SimpleNamespace(members=members, links=links, leader="m0", term=1, has_quorum=True)
+
+    async def send_raw(peer: str, msg: object, payload: object = ()) -> None:
+        raise AssertionError("nothing goes on the wire here")
+
+    sent: list[dict[str, EdgeCodec]] = []
+
+    class Coord(_Coord):
+        async def set_codecs(self, codecs: dict[str, EdgeCodec]) -> None:
+            sent.append(dict(codecs))
+
+    svc = JobService(node_id="m0", send_raw=send_raw, view=lambda: view)
+    lines: list[str] = []
+    layout = SimpleNamespace(densities={}, encodings={},
+                             edges=lambda: [SimpleNamespace(edge=e) for e in EDGES])
+    spec = SimpleNamespace(compression=SimpleNamespace(choice=True))
+    rec = SimpleNamespace(state="running", coord=Coord(), layout=layout, plan=plan,
+                          log=lines.append, spec=spec, codecs=None)
+    task = asyncio.create_task(svc.scheduling._readapt(rec, 0.01))  # type: ignore[arg-type]
+    try:
+        await asyncio.sleep(0.1)
+        assert sent == []
+        links[("m0", "m1")] = (2e8, 0.0)  # 200 Mbit/s = 2.5e7 bytes/s: int8
+        for _ in range(200):
+            if sent:
+                break
+            await asyncio.sleep(0.01)
+        assert sent and sent[0]["b->1"] == EdgeCodec("int8")
+        assert "b->1 raw->int8" in lines[-1]
+        await asyncio.sleep(0.1)
+        assert len(sent) == 1  # the same measurement: not sent again
     finally:
         rec.state = "done"
         task.cancel()

@@ -48,8 +48,32 @@ def test_defaults() -> None:
     assert spec.output == Path("/tmp/runs/job")
     assert spec.compression.density is None and spec.compression.exact_edges == ()
     assert spec.compression.readapt_interval_s == 10.0
-    assert spec.compression.codec == "topk" and not spec.compression.int8
-    assert spec.compression.adatopk
+    # the per-link codec choice, at a 1 % accuracy budget, is the default
+    c = spec.compression
+    assert c.codec == "auto" and c.choice and c.compress and not c.int8
+    assert not c.adatopk and c.edge_encoding == "raw"
+    assert c.accuracy_budget == 0.01
+    # one density floor, the planner's
+    from fusiond.plan.model import DEFAULT_DENSITY_FLOOR, JobSettings
+
+    assert c.density_floor == DEFAULT_DENSITY_FLOOR == JobSettings().density_floor
+
+
+def test_the_codec_choice_and_its_budget() -> None:
+    c = parse_job(MINIMAL + "[compression]\naccuracy_budget = 0.02\n").compression
+    assert c.choice and c.accuracy_budget == 0.02
+    for codec in ("bf16", "int8", "int4"):
+        q = parse_job(MINIMAL + f'[compression]\ncodec = "{codec}"\n').compression
+        assert q.edge_encoding == codec and not q.compress and not q.choice
+    # adatopk or a density said: top-k, as before
+    t = parse_job(MINIMAL + "[compression]\nadatopk = true\n").compression
+    assert t.codec == "topk" and t.adatopk and t.compress
+    with pytest.raises(JobSpecError, match=r"compression\.accuracy_budget.*'auto' only"):
+        parse_job(MINIMAL + '[compression]\ncodec = "int8"\naccuracy_budget = 0.02\n')
+    with pytest.raises(JobSpecError, match=r"compression\.accuracy_budget"):
+        parse_job(MINIMAL + "[compression]\naccuracy_budget = 0.9\n")
+    with pytest.raises(JobSpecError, match=r"compression\.codec"):
+        parse_job(MINIMAL + '[compression]\ncodec = "fp8"\n')
 
 
 def test_batch_replicas_lets_the_planner_replicate_stages() -> None:
@@ -75,9 +99,10 @@ def test_int8_codec_replaces_topk_on_every_cut_edge() -> None:
 
 def test_a_bad_codec_names_the_allowed_values() -> None:
     with pytest.raises(JobSpecError) as ei:
-        parse_job(MINIMAL + '[compression]\ncodec = "int4"\n')
+        parse_job(MINIMAL + '[compression]\ncodec = "int2"\n')
     assert ei.value.field == "compression.codec"
-    assert "'topk'" in str(ei.value) and "'int8'" in str(ei.value) and "'int4'" in str(ei.value)
+    for name in ("auto", "topk", "bf16", "int8", "int4"):
+        assert f"'{name}'" in str(ei.value)
     with pytest.raises(JobSpecError, match=r"compression\.density: top-k does not apply with "
                                            r"compression\.codec = 'int8'"):
         parse_job(MINIMAL + '[compression]\ncodec = "int8"\ndensity = 0.5\n')

@@ -297,9 +297,10 @@ def bytes_by_link(trace: Trace, topo: Topology) -> dict[float, float]:
 
 
 def traffic_note(traces: dict[str, Trace], topo: Topology) -> str | None:
-    """One line comparing (2) and (3)'s bytes per step on each kind of link, or None."""
+    """One line comparing (2), (3), (6) and (8)'s bytes per step on each kind of link, or
+    None."""
     parts = []
-    for s in ("opfence", "adatopk"):
+    for s in ("opfence", "adatopk", "swarm", "codecs"):
         t = traces.get(s)
         got = bytes_by_link(t, topo) if t is not None else {}
         if got:
@@ -783,7 +784,7 @@ class Evaluations:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=False)
-FUSION_RUNS = ("swarm", "opfence", "adatopk", "replicas")
+FUSION_RUNS = ("swarm", "opfence", "adatopk", "replicas", "codecs")
 """Systems run by fusion's own pipeline (`bench/wan_fusion.py`): (6) with int8 cut edges
 where the planner puts them, (2), (3) and (7) as its planner decides."""
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 SYSTEMS = ("single", "pipeline", "ddp_fp16", "ddp_powersgd", "fsdp", "hivemind", "swarm",
-           "opfence", "adatopk", "replicas")
+           "opfence", "adatopk", "replicas", "codecs")
 """Every system of issue 14: the baselines (0), (1), (4) twice, FSDP, (5), (6), then fusion
 (and issue 21's OP-Fence with replicas)."""
 
@@ -34,6 +34,7 @@ LABELS = {
     "opfence": "(2) fusion OP-Fence, dense",
     "adatopk": "(3) fusion OP-Fence + AdaTopK",
     "replicas": "(7) fusion OP-Fence with replicas",
+    "codecs": "(8) fusion OP-Fence + per-link codecs",
 }
 
 
@@ -426,7 +427,7 @@ class TopologyVerdict:
         return text
 
 
-FUSION_SYSTEMS = frozenset({"opfence", "adatopk", "replicas"})
+FUSION_SYSTEMS = frozenset({"opfence", "adatopk", "replicas", "codecs"})
 """Fusion as its planner decides, (2) and (3); every other system is a baseline."""
 
 

@@ -134,9 +134,11 @@ def layout_for(plan: Plan, spec: Any, captured: Any, node_of: dict[str, str]) ->
                             exact=spec.compression.exact_edges, replicas=replicas,
                             routes=routes)
     else:
-        densities = plan.edge_densities() if spec.compression.adatopk else {}
+        compress = spec.compression.compress
         layout = layout_job("wan", captured.graph, captured.state, op_nodes,
-                            densities=densities, replicas=replicas, routes=routes)
+                            densities=plan.edge_densities() if compress else {},
+                            encodings=plan.edge_encodings() if compress else {},
+                            replicas=replicas, routes=routes)
     return dataclasses.replace(layout, grad_rank=grad_rank_of(plan, spec))
 
 
@@ -148,9 +150,10 @@ def make_plan(spec: Any, captured: Any, cluster: Cluster) -> Plan:
 
 
 def job_toml(wl: Workload, mode: str) -> str:
-    """The job file of a run mode: AdaTopK only for `adatopk`, int8 cut edges for `swarm`."""
-    return wl.job_toml(adatopk=mode == "adatopk", codec="int8" if mode == "swarm" else "topk",
-                       replicas=mode == "replicas")
+    """The job file of a run mode: AdaTopK only for `adatopk`, int8 cut edges for `swarm`, the
+    per-link codec choice (the default job) for `codecs`."""
+    codec = {"swarm": "int8", "codecs": "auto"}.get(mode, "topk")
+    return wl.job_toml(adatopk=mode == "adatopk", codec=codec, replicas=mode == "replicas")
 
 
 CAPTURED_GRAPH = "graph.ir"
@@ -279,6 +282,7 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
                      for i, st in enumerate(plan.stages) if st.replicas},
         "densities": plan.edge_densities(),
         "int8_edges": sorted(layout.int8_edges),
+        "encodings": dict(sorted(layout.encodings.items())),
         "idle": dict(plan.idle),
         "profiles": {h: p.to_wire() for h, p in profiles.items()},
         "prediction": prediction_detail(plan, wl.micro_batches),
@@ -377,7 +381,7 @@ def main() -> None:
                     help="this host's TLS credentials (ca.crt, node.crt, node key)")
     ap.add_argument("--listen", type=_addr, required=True)
     ap.add_argument("--peer", action="append", default=[], help="NODE_ID=ADDR:PORT")
-    ap.add_argument("--mode", choices=["opfence", "adatopk", "swarm", "replicas"],
+    ap.add_argument("--mode", choices=["opfence", "adatopk", "swarm", "replicas", "codecs"],
                     default="adatopk")
     ap.add_argument("--budget", type=float, default=60.0)
     ap.add_argument("--cluster", help="JSON: hosts, bandwidth_bits_per_s, rtt_s, cpu")

@@ -13,6 +13,10 @@ byte layout is specified in docs/tensor-codec.md. Encodings:
 - ``topk``: the k largest magnitudes (globally or per row of the last axis): values in
   fp16/bf16/fp32, flat indices delta-encoded as varints or as a bitmap, whichever is smaller.
 - ``values``: values at flat indices the receiver already knows (the backward of a top-k edge).
+- ``lowrank``: a float tensor of rank >= 2 as a matrix X (m x n, n the last dimension) sent as
+  rank-r factors P (m x r, values in fp16/bf16/fp32) and Q (n x r float32, orthonormal columns,
+  found by a seeded randomized range finder), X ~ P Q^T. The receiver gets Q back
+  (`decode_lowrank`) to answer the backward as G Q; the sender keeps Q (`EncodedTensor.basis`).
 
 lz4 is applied to a section only when a sample of it shrinks by at least `LZ4_MIN_SAVING`;
 incompressible data (random floats) pays for compressing the sample only. `decode` validates
@@ -51,6 +55,7 @@ __all__ = [
     "TensorDescriptor",
     "decode",
     "decode_described",
+    "decode_lowrank",
     "decode_with_indices",
     "encode",
     "encode_values",
@@ -103,6 +108,7 @@ class Encoding(enum.StrEnum):
     TOPK = "topk"
     VALUES = "values"
     INT4 = "int4"
+    LOWRANK = "lowrank"
 
 
 class SectionKind(enum.IntEnum):
@@ -123,6 +129,7 @@ _ENCODING_IDS: Final[dict[Encoding, int]] = {
     Encoding.TOPK: 5,
     Encoding.VALUES: 6,
     Encoding.INT4: 7,
+    Encoding.LOWRANK: 8,
 }
 _ENCODINGS_BY_ID: Final = {v: k for k, v in _ENCODING_IDS.items()}
 
@@ -187,7 +194,7 @@ class TensorDescriptor:
     shape: tuple[int, ...]
     encoding: Encoding
     k: int = 0
-    """TOPK / VALUES: number of values carried."""
+    """TOPK / VALUES: number of values carried. LOWRANK: the rank r of the factors."""
     block_size: int = 0
     """INT8 / INT4: elements per quantization block."""
     per_row: bool = False
@@ -204,7 +211,8 @@ class TensorDescriptor:
 
     @property
     def value_dtype(self) -> str | None:
-        """TOPK / VALUES / FP16 / BF16: element type of the values section."""
+        """TOPK / VALUES / FP16 / BF16: element type of the values section; LOWRANK: that of
+        the factor P."""
         for s in self.sections:
             if s.kind in (SectionKind.VALUES, SectionKind.DATA):
                 return s.elem_dtype
@@ -229,6 +237,11 @@ class EncodedTensor:
     indices: NDArray | None = None
     """TOPK: the kept flat indices (sorted int64) so the sender can keep them for backward."""
     _parts: list[memoryview] = field(default_factory=list, repr=False)
+    basis: NDArray | None = field(default=None, repr=False)
+    """LOWRANK: Q, the n x r float32 factor exactly as sent (orthonormal columns). The sender
+    keeps it: the receiver's answer G Q to a gradient G of the decoded tensor becomes
+    (G Q) Q^T, the gradient with respect to the sender's tensor. Without lz4 the DATA section
+    references its memory: do not modify it until the bytes are written."""
 
     def buffers(self) -> list[memoryview]:
         """The whole self-describing encoding as a gather list (send with `writelines`).
@@ -383,6 +396,7 @@ def _build(
     per_row: bool = False,
     checksum: bool = False,
     indices: NDArray | None = None,
+    basis: NDArray | None = None,
 ) -> EncodedTensor:
     """Assemble descriptor bytes and buffers; sections are (kind, elem, bytes, raw_len, lz4)."""
     if len(shape) > 255:
@@ -444,7 +458,7 @@ def _build(
         header_len=header_len,
     )
     parts = [memoryview(head)] + [view for _, _, view, _, _ in sections]
-    return EncodedTensor(desc, indices, parts)
+    return EncodedTensor(desc, indices, parts, basis)
 
 
 def _section(
@@ -602,7 +616,10 @@ def encode(
     probability its fractional part (else down), drawing from PCG64(`seed`): the dequantized
     value is then x in expectation, and the same seed gives the same bytes. The default rounds
     to nearest (half the per-element error; biased). The wire format is the same either way.
-    Raises `LocalProtocolError` on unsupported input.
+    LOWRANK (rank >= 2 float arrays, as an m x n matrix with n = the last dimension): `k` is the
+    rank r, 1 <= r <= min(m, n); the factor P is sent in `value_dtype`, Q in float32, and the
+    range finder's Gaussian start is drawn from PCG64(`seed`) (same seed, same bytes); the
+    result's `basis` is Q. Raises `LocalProtocolError` on unsupported input.
     """
     try:
         enc = Encoding(encoding)
@@ -676,7 +693,98 @@ def encode(
             checksum=checksum,
             indices=idx,
         )
+    if enc is Encoding.LOWRANK:
+        return _encode_lowrank(arr, name, k, density, value_dtype, seed, compress, checksum)
     raise LocalProtocolError("use encode_values() for the values encoding: it needs the indices")
+
+
+LOWRANK_POWER_ITERATIONS: Final = 2
+"""Power iterations of the low-rank range finder (each multiplies by X^T X, then
+orthonormalizes)."""
+
+
+def _encode_lowrank(
+    arr: NDArray,
+    name: str,
+    k: int | None,
+    density: float | None,
+    value_dtype: str,
+    seed: int,
+    compress: str,
+    checksum: bool,
+) -> EncodedTensor:
+    shape = tuple(int(d) for d in arr.shape)
+    if len(shape) < 2:
+        raise LocalProtocolError(
+            f"lowrank needs an array of rank >= 2 (a matrix, or a batch of rows with the "
+            f"features last), got rank {len(shape)}"
+        )
+    if density is not None:
+        raise LocalProtocolError("lowrank takes k (the rank of the factors), not density")
+    if k is None or isinstance(k, bool) or not isinstance(k, int | np.integer):
+        raise LocalProtocolError(f"lowrank needs k, the rank of the factors, as an int, not {k!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise LocalProtocolError(f"seed must be a non-negative int, not {seed!r}")
+    cols = shape[-1]
+    rows = math.prod(shape[:-1])
+    limit = min(rows, cols)
+    r = int(k)
+    if not 1 <= r <= limit:
+        raise LocalProtocolError(
+            f"lowrank rank k={r} is outside [1, min(m, n)] = [1, {limit}] for the "
+            f"{rows} x {cols} matrix of shape {shape}"
+        )
+    vname = _value_dtype_name(value_dtype)
+    x = np.asarray(arr, dtype=np.float64).reshape(rows, cols)
+    if not np.isfinite(x).all():
+        raise LocalProtocolError("lowrank needs finite values (found inf or nan)")
+    q, p = _lowrank_factors(x, r, seed)
+    p_wire = _cast_values(p, vname)
+    back = _uncast_values(p_wire, vname, "float64") if vname == "bfloat16" else p_wire
+    if not np.isfinite(back).all():
+        hint = "send it as value_dtype 'fp32' or 'bf16'" if vname == "float16" else "scale X down"
+        raise LocalProtocolError(
+            f"lowrank factor P = X Q (largest |P| = {float(np.abs(p).max()):.3g}) is beyond the "
+            f"range of {value_dtype}; {hint}"
+        )
+    return _build(
+        name,
+        shape,
+        Encoding.LOWRANK,
+        [
+            _section(SectionKind.VALUES, vname, p_wire, compress),
+            _section(SectionKind.DATA, "float32", q, compress),
+        ],
+        k=r,
+        checksum=checksum,
+        basis=q,
+    )
+
+
+def _lowrank_factors(
+    x: npt.NDArray[np.float64], r: int, seed: int
+) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float64]]:
+    """(Q, P) of the m x n matrix `x` (float64, finite): Q an n x r float32 basis with
+    orthonormal columns from a randomized range finder on X^T X, P = X Q (float64, with Q as
+    rounded to float32, so P Q^T is exactly X projected on the Q that is sent).
+
+    Q0 is an n x r standard Gaussian from PCG64(seed); each of `LOWRANK_POWER_ITERATIONS`
+    steps sets Q = orthonormal factor of `np.linalg.qr(X^T (X Q))`. X is scaled by a power of
+    two (exact) to an absmax in [0.5, 1) so that X^T X cannot overflow.
+    """
+    cols = x.shape[1]
+    absmax = float(np.abs(x).max())
+    exp = int(np.frexp(absmax)[1]) if absmax > 0.0 else 0
+    xs = np.ldexp(x, -exp) if exp else x
+    rng = np.random.Generator(np.random.PCG64(seed))
+    q64 = rng.standard_normal((cols, r))
+    for _ in range(LOWRANK_POWER_ITERATIONS):
+        y = xs.T @ (xs @ q64)
+        q64 = np.linalg.qr(y, mode="reduced")[0]
+    q = np.ascontiguousarray(q64, dtype=np.float32)
+    with np.errstate(over="ignore"):
+        p = np.ldexp(xs @ q.astype(np.float64), exp)
+    return q, p
 
 
 def encode_values(
@@ -899,7 +1007,9 @@ def _parse(view: memoryview, limits: Limits) -> TensorDescriptor:
     if flags & ~_KNOWN_FLAGS:
         raise RemoteProtocolError(f"unknown tensor flags 0x{flags:02x}")
     limits.check("tensor rank", rank, limits.max_tensor_rank)
-    expected_nsec = 2 if enc in (Encoding.INT8, Encoding.INT4, Encoding.TOPK) else 1
+    expected_nsec = (
+        2 if enc in (Encoding.INT8, Encoding.INT4, Encoding.TOPK, Encoding.LOWRANK) else 1
+    )
     if nsec != expected_nsec:
         raise RemoteProtocolError(f"{enc} tensor has {nsec} sections, expected {expected_nsec}")
     checksum = bool(flags & _FLAG_CHECKSUM)
@@ -937,6 +1047,21 @@ def _parse(view: memoryview, limits: Limits) -> TensorDescriptor:
             )
         if per_row and rank == 0:
             raise RemoteProtocolError("per-row top-k on a rank-0 tensor")
+    elif enc is Encoding.LOWRANK:
+        if rank < 2:
+            raise RemoteProtocolError(f"lowrank tensor has rank {rank}, needs >= 2")
+        rows, cols = math.prod(shape[:-1]), shape[-1]
+        if not 1 <= k <= min(rows, cols):
+            raise RemoteProtocolError(
+                f"lowrank tensor declares rank k={k}, outside [1, {min(rows, cols)}] for its "
+                f"{rows} x {cols} matrix"
+            )
+        # decode_lowrank returns Q (float32, cols x k) next to the dense result.
+        limits.check(
+            "decoded tensor and factor bytes",
+            n * _ITEMSIZE[dtype] + 4 * cols * k,
+            limits.max_decompressed_bytes,
+        )
     elif k != 0:
         raise RemoteProtocolError(f"{enc} tensor declares k={k}, must be 0")
     if enc in (Encoding.INT8, Encoding.INT4):
@@ -970,7 +1095,7 @@ def _parse(view: memoryview, limits: Limits) -> TensorDescriptor:
                 f"tensor section {i}: stored {stored_len} != raw {raw_len} without compression"
             )
         sections.append(SectionInfo(kind, elem, stored_len, raw_len, lz4))
-    _check_layout(enc, dtype, n, k, block, sections)
+    _check_layout(enc, dtype, tuple(shape), k, block, sections)
     if checksum:
         off += _CHECKSUM.size
     if any(view[off:header_len]):
@@ -994,9 +1119,15 @@ def _parse(view: memoryview, limits: Limits) -> TensorDescriptor:
 
 
 def _check_layout(
-    enc: Encoding, dtype: str, n: int, k: int, block: int, sections: list[SectionInfo]
+    enc: Encoding,
+    dtype: str,
+    shape: tuple[int, ...],
+    k: int,
+    block: int,
+    sections: list[SectionInfo],
 ) -> None:
     """Each encoding has fixed section kinds, element types and exact decompressed sizes."""
+    n = math.prod(shape)
 
     def want(i: int, kinds: tuple[SectionKind, ...], elems: tuple[str, ...], raw: int) -> None:
         s = sections[i]
@@ -1025,6 +1156,12 @@ def _check_layout(
     elif enc is Encoding.VALUES:
         v = sections[0].elem_dtype
         want(0, (SectionKind.VALUES,), values_elems, k * _ITEMSIZE.get(v, 0))
+    elif enc is Encoding.LOWRANK:
+        cols = shape[-1]
+        rows = n // cols  # cols >= k >= 1: checked in _parse
+        v = sections[0].elem_dtype
+        want(0, (SectionKind.VALUES,), values_elems, rows * k * _ITEMSIZE.get(v, 0))
+        want(1, (SectionKind.DATA,), ("float32",), cols * k * 4)
     else:  # TOPK
         v = sections[0].elem_dtype
         want(0, (SectionKind.VALUES,), values_elems, k * _ITEMSIZE.get(v, 0))
@@ -1102,8 +1239,52 @@ def decode_described(
 ) -> tuple[NDArray, npt.NDArray[np.int64] | None, TensorDescriptor]:
     """Like `decode_with_indices` (and `decode` with `indices`), also returning the tensor's
     descriptor (its encoding: a BF16 one says the sender's tensor was bfloat16, which numpy
-    has no dtype for)."""
+    has no dtype for; a LOWRANK one gives the rank as `k`, and `decode_lowrank` also returns
+    its factor Q)."""
     return _decode(buf, limits, indices)
+
+
+def decode_lowrank(
+    buf: Buffer, *, limits: Limits = DEFAULT_LIMITS
+) -> tuple[NDArray, npt.NDArray[np.float32]]:
+    """Decode a LOWRANK tensor: (dense, Q), dense = P Q^T in the tensor's dtype and shape, Q the
+    n x r float32 factor (a fresh array; n the last dimension, r the descriptor's `k`).
+
+    The receiver answers a gradient G of the dense tensor (viewed as m x n) with G Q (m x r);
+    the sender, which kept Q, recovers (G Q) Q^T. A tensor of another encoding raises
+    `RemoteProtocolError` (the peer did not send what was expected); use `decode_described`
+    when either may arrive.
+    """
+    view = _as_byte_view(buf)
+    desc = _parse(view, limits)
+    if desc.encoding is not Encoding.LOWRANK:
+        raise RemoteProtocolError(f"expected a lowrank tensor, got {desc.encoding}")
+    return _lowrank_dense(_section_arrays(view, desc), desc)
+
+
+def _lowrank_dense(
+    secs: list[NDArray], desc: TensorDescriptor
+) -> tuple[NDArray, npt.NDArray[np.float32]]:
+    """dense = P Q^T (in float32, float64 for a float64 tensor) and a fresh float32 Q; refuses
+    non-finite factors. Any finite factors are valid: Q's orthonormality is the encoder's
+    property, not checked here (P Q^T and the backward G Q are well defined either way)."""
+    r = desc.k
+    cols = desc.shape[-1]
+    rows = desc.numel // cols
+    work = np.float64 if desc.dtype == "float64" else np.float32
+    p = _uncast_values(secs[0], desc.sections[0].elem_dtype, "float32").astype(work)
+    q = np.array(secs[1], dtype=np.float32)  # a copy: aligned and owned by the caller
+    for name, f in (("P", p), ("Q", q)):
+        finite = np.isfinite(f)
+        if not finite.all():
+            at = int(np.argmin(finite))
+            raise RemoteProtocolError(
+                f"lowrank factor {name} element {at} is {float(f[at])}, must be finite"
+            )
+    q = q.reshape(cols, r)
+    with np.errstate(over="ignore", invalid="ignore"):  # a product beyond dtype's range: inf
+        dense = np.matmul(p.reshape(rows, r), q.astype(work, copy=False).T)
+        return dense.astype(desc.dtype, copy=False).reshape(desc.shape), q
 
 
 def _decode(
@@ -1135,6 +1316,8 @@ def _decode(
     if enc is Encoding.INT4:
         dense = _dequantize_int4(secs[0], secs[1], n, desc.block_size, dtype)
         return dense.reshape(shape), None, desc
+    if enc is Encoding.LOWRANK:
+        return _lowrank_dense(secs, desc)[0], None, desc
     values = _uncast_values(secs[0], desc.sections[0].elem_dtype, dtype)
     out = np.zeros(n, dtype=dtype)
     if enc is Encoding.VALUES:

@@ -72,6 +72,7 @@ CODECS: tuple[Codec, ...] = (
     Codec("bf16", "bf16"),
     Codec("int8", "int8"),
     Codec("int4", "int4"),
+    Codec("low-rank (r = features / 8)", "lowrank"),
     Codec("top-k 0.5", density=0.5),
     Codec("top-k 0.25", density=0.25),
     Codec("top-k 0.1", density=0.1),
@@ -107,10 +108,17 @@ def codec_table(repeats: int, quick: bool) -> tuple[list[str], bool]:
         dst = np.empty_like(arr)
         copy_s = _best(functools.partial(np.copyto, dst, arr), repeats)
         for c in CODECS:
+            if c.encoding == "lowrank" and x.dim() < 2:
+                continue  # nothing to factor: a low-rank edge sends such a tensor raw
+
             def roundtrip(c: Codec = c, x: torch.Tensor = x) -> codec.Encoded:
                 if c.density is not None:
                     enc, _ = codec.encode_topk(x, c.density, per_row=True)
                     codec.decode_any(enc.payload)
+                    return enc
+                if c.encoding == "lowrank":
+                    enc, _ = codec.encode_lowrank(x)
+                    codec.decode_edge(enc.payload)
                     return enc
                 enc = codec.encode_edge(x, c.encoding)  # type: ignore[arg-type]
                 codec.decode_dense(enc.payload)
@@ -119,7 +127,8 @@ def codec_table(repeats: int, quick: bool) -> tuple[list[str], bool]:
             enc = roundtrip()
             took = _best(roundtrip, repeats)
             per_el = enc.nbytes / x.numel()
-            edge = TensorEdge("x", 0, (1,), float(arr.nbytes), float(x.numel()), True, True)
+            edge = TensorEdge("x", 0, (1,), float(arr.nbytes), float(x.numel()), True, True,
+                              float(x.shape[-1]) if x.dim() >= 2 else 0.0)
             settings = JobSettings(edge_encoding=c.encoding)  # type: ignore[arg-type]
             model_f, _ = wire_bytes(edge, 1, c.density or 1.0, settings)
             model_el = model_f / x.numel()

@@ -356,8 +356,9 @@ class EdgeRoute(Struct):
     density: float = 1.0
     """Top-k density of the forward tensor; 1.0 = dense (no top-k)."""
     encoding: str = "raw"
-    """Tensor encoding (protocol.tensors.Encoding value) for the dense case: "raw" (exact) or
-    "int8" (forward and backward int8 block-quantized; never with density < 1)."""
+    """How the edge travels when not top-k: "raw" (exact), "bf16", "int8", "int4" (forward and
+    backward so encoded) or "lowrank" (rank-r factors forward, the gradient on their basis
+    back); never with density < 1."""
 
 
 MAX_ASSIGN_STAGES: Final = 4096

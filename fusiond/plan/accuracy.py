@@ -17,9 +17,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fusiond.plan.model import EdgeEncoding, PlanError, encoded_wire_bytes, topk_index_bytes
+from fusiond.plan.model import (
+    LOWRANK_DIVISOR,
+    EdgeEncoding,
+    PlanError,
+    encoded_wire_bytes,
+    topk_index_bytes,
+)
 
-__all__ = ["DEFAULT_ACCURACY_BUDGET", "MEASURED_GAP", "Choice", "admissible", "ladder"]
+__all__ = ["DEFAULT_ACCURACY_BUDGET", "MEASURED_GAP", "Choice", "admissible", "ladder",
+           "most_compressing"]
 
 DEFAULT_ACCURACY_BUDGET = 0.01
 """At most 1 % more held-out loss at equal steps than uncompressed (issue 22)."""
@@ -29,6 +36,7 @@ MEASURED_GAP: dict[tuple[EdgeEncoding, float | None], float] = {
     ("bf16", None): 0.0000,
     ("int8", None): 0.0000,
     ("int4", None): 0.0124,
+    ("lowrank", None): 0.0498,
     ("raw", 0.5): 0.0130,
     ("raw", 0.25): 0.0516,
     ("raw", 0.1): 0.0969,
@@ -52,6 +60,10 @@ class Choice:
 
 
 def _bytes_per_element(encoding: EdgeEncoding, density: float | None) -> float:
+    """Forward bytes per fp32 element, to order the ladder (low-rank: its P factor at rank
+    features / 8 in bfloat16; its Q adds last_dim x r x 4 bytes per micro-batch)."""
+    if encoding == "lowrank":
+        return 2.0 / LOWRANK_DIVISOR
     if density is not None:
         return 2.0 * density + topk_index_bytes(1 << 20, density) / (1 << 20)
     return encoded_wire_bytes(1 << 20, encoding) / (1 << 20)
@@ -66,20 +78,23 @@ def admissible(encoding: str, density: float | None, budget: float) -> bool:
 
 
 def ladder(budget: float, density_floor: float = 0.0) -> list[Choice]:
-    """The codecs the choice may pick under `budget`, least accuracy cost first, each sending
-    fewer bytes than the one before (a codec that costs more accuracy and saves no bytes is
-    never worth it); the first is always "raw" (exact). Top-k below `density_floor` is left
-    out."""
+    """The codecs the choice may pick under `budget`, least accuracy cost first (the first is
+    always "raw", exact); top-k below `density_floor` is left out. A codec that costs more
+    accuracy and sends no fewer bytes on a link than one before it is never picked: the
+    choice takes the least lossy codec that suffices, or the one with the least link time
+    (the bytes depend on the tensor: a low-rank factor's basis is per tensor)."""
     if not 0 <= budget < 1:
         raise PlanError(f"accuracy budget must be in [0, 1), got {budget}")
-    cands = sorted(
+    out = sorted(
         (Choice(enc, d, gap, _bytes_per_element(enc, d))
          for (enc, d), gap in MEASURED_GAP.items()
          if gap <= budget and (d is None or d >= density_floor)),
         key=lambda c: (max(c.gap, 0.0), -c.bytes_per_element))
-    out: list[Choice] = []
-    for c in cands:
-        if not out or c.bytes_per_element < out[-1].bytes_per_element:
-            out.append(c)
     assert out and out[0].encoding == "raw" and out[0].density is None
     return out
+
+
+def most_compressing(budget: float, density_floor: float = 0.0) -> Choice:
+    """The admitted codec that sends the fewest bytes per element (how OP-Fence's search
+    costs a compressed cut)."""
+    return min(ladder(budget, density_floor), key=lambda c: c.bytes_per_element)

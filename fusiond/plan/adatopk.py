@@ -10,6 +10,7 @@ same cut and says whether a re-cut would be better by more than a threshold.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -63,7 +64,7 @@ def adapt_densities(
 
     def exact(t: TensorEdge) -> TensorEdge:
         if t.name in st.exact_edges and t.compressible:
-            return TensorEdge(t.name, t.src, t.dsts, t.nbytes, t.numel, t.grad, False)
+            return dataclasses.replace(t, compressible=False)
         return t
 
     per_link = {
@@ -133,7 +134,7 @@ def readapt(
     if arrays.settings.codec_choice:
         from fusiond.plan.codecs import choose_codecs
 
-        ch = choose_codecs(arrays, plan.stages)
+        ch = choose_codecs(arrays, plan.stages, refine=True)
         dens, encs = ch.densities, ch.encodings
     else:
         dens = adapt_densities(arrays, plan.stages)

@@ -267,7 +267,8 @@ def cost_graph_from_ir(
     for (src, j), dsts in sorted(consumers.items()):
         m = graph.nodes[src].outputs[j]
         key = f"{graph.nodes[src].id}:{j}"
-        numel = float(_prod(meta_shape(m))) if m.is_tensor else 1.0
+        shape = meta_shape(m) if m.is_tensor else ()
+        numel = float(_prod(shape)) if m.is_tensor else 1.0
         nb = numel * ir.DTYPE_BYTES[m.dtype]
         tensors.append(TensorEdge(
             name=key,
@@ -277,6 +278,7 @@ def cost_graph_from_ir(
             numel=numel / batch,
             grad=needs_grad.get(key, False),
             compressible=m.is_float and m.is_tensor and key not in exact,
+            last_dim=float(shape[-1]) if len(shape) >= 2 else 0.0,
         ))
     return CostGraph(tuple(ops), tuple(tensors), name=name or graph.meta.get("model", "graph"),
                      param_sizes=sizes)

@@ -242,9 +242,10 @@ class _Candidate:
     encodings: dict[tuple[str, int], EdgeEncoding] = field(default_factory=dict)
 
 
-def _score(arrays: GraphArrays, stages: list[StageSpec], compress: bool) -> _Candidate:
+def _score(arrays: GraphArrays, stages: list[StageSpec], compress: bool, *,
+           refine: bool = False) -> _Candidate:
     if compress and arrays.settings.codec_choice:
-        ch = choose_codecs(arrays, stages)
+        ch = choose_codecs(arrays, stages, refine=refine)
         return _Candidate(stages, evaluate(arrays, stages, ch.densities, ch.encodings),
                           ch.densities, ch.encodings)
     if compress:
@@ -758,6 +759,8 @@ def plan_opfence(
             f"(parameters+gradients+optimizer state alone need "
             f"{arrays.static_prefix[-1] / 2**30:.2f} GiB){ops_note}"
         )
+    if compress and settings.codec_choice:  # the kept plan's links, fill included
+        best = _score(arrays, best.stages, compress, refine=True)
     dense = (evaluate(arrays, best.stages) if best.densities or best.encodings
              else best.evaluation)
     return Plan(
@@ -866,7 +869,7 @@ def plan_from_stages(
     """Evaluate a given cut (e.g. from a re-plan or a user) as a Plan."""
     _no_topk_on_int8(settings, compress)
     arrays = GraphArrays(graph, cluster, settings)
-    cand = _score(arrays, list(stages), compress)
+    cand = _score(arrays, list(stages), compress, refine=True)
     return Plan(
         method="given",
         arrays=arrays,

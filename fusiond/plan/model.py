@@ -73,6 +73,9 @@ class TensorEdge:
     numel: float
     grad: bool = True
     compressible: bool = True
+    last_dim: float = 0.0
+    """Size of the last axis (the features of a token or pixel: what a low-rank codec
+    factorizes over); 0: unknown or a tensor of rank < 2."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -286,9 +289,18 @@ DEFAULT_DENSITY_FLOOR = 0.05
 """The least top-k density a cut edge may get: the one floor, read by the job file's default
 (`compression.density_floor`) and the planner's (issue 22: they were 0.01 and 0.05)."""
 
-EdgeEncoding = Literal["raw", "bf16", "int8", "int4"]
+EdgeEncoding = Literal["raw", "bf16", "int8", "int4", "lowrank"]
 """How a cut edge travels when it is not top-k, both directions, decoded dense: exact, or
-bfloat16, or int8 / int4 block-quantized (`fusiond.train.codec.encode_edge`)."""
+bfloat16, or int8 / int4 block-quantized, or as rank-r factors P Q^T over its last axis
+(`fusiond.train.codec.encode_edge`)."""
+
+LOWRANK_DIVISOR = 8
+"""A low-rank edge keeps rank max(1, features // 8) of its last axis (features)."""
+
+
+def lowrank_rank(features: int) -> int:
+    """The rank a low-rank edge keeps of a tensor whose last axis has `features` elements."""
+    return max(1, features // LOWRANK_DIVISOR)
 EDGE_ENCODINGS: tuple[EdgeEncoding, ...] = get_args(EdgeEncoding)
 
 
@@ -424,11 +436,20 @@ def int8_wire_bytes(numel: float) -> float:
     return numel + INT8_SCALE_BYTES * math.ceil(numel / INT8_BLOCK_ELEMENTS)
 
 
-def encoded_wire_bytes(numel: float, encoding: EdgeEncoding, itemsize: float = 4.0) -> float:
+def encoded_wire_bytes(numel: float, encoding: EdgeEncoding, itemsize: float = 4.0,
+                       last_dim: float = 0.0) -> float:
     """Bytes of `numel` elements of `itemsize` bytes under `encoding`: as they are ("raw"),
     2 each (bf16), int8 (`int8_wire_bytes`), or half a byte each plus a float32 scale per
-    block of `INT8_BLOCK_ELEMENTS` (int4); never more than raw."""
+    block of `INT8_BLOCK_ELEMENTS` (int4), or for "lowrank" over a last axis of `last_dim`
+    features (m = numel / last_dim rows, rank r = `lowrank_rank`): P, m x r bfloat16, and Q,
+    last_dim x r float32 (the forward; `lowrank_backward_bytes` for the backward); never more
+    than raw (a tensor without a last axis to factor travels raw)."""
     raw = numel * itemsize
+    if encoding == "lowrank":
+        if last_dim < 2:
+            return raw
+        r = lowrank_rank(int(last_dim))
+        return min(raw, numel / last_dim * r * 2.0 + last_dim * r * 4.0)
     if encoding == "bf16":
         q = 2.0 * numel
     elif encoding == "int8":
@@ -455,7 +476,9 @@ def wire_bytes(t: TensorEdge, batch: int, density: float, settings: JobSettings,
     enc = settings.edge_encoding if encoding is None else encoding
     if enc != "raw" and t.compressible and t.name not in settings.exact_edges:
         n = batch * t.numel
-        q = encoded_wire_bytes(n, enc, dense_f / n if n else 4.0)
+        q = encoded_wire_bytes(n, enc, dense_f / n if n else 4.0, t.last_dim)
+        if enc == "lowrank" and q < dense_f:  # back: G Q, m x r bfloat16 (the sender has Q)
+            return q, (n / t.last_dim * lowrank_rank(int(t.last_dim)) * 2.0 if t.grad else 0.0)
         return q, q if t.grad else 0.0
     if density >= 1.0 or not t.compressible:
         return dense_f, dense_b

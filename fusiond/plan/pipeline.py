@@ -278,9 +278,9 @@ class GraphArrays:
             return 1.0, None
         st = self.settings
         if st.codec_choice:
-            from fusiond.plan.accuracy import ladder
+            from fusiond.plan.accuracy import most_compressing
 
-            last = ladder(st.accuracy_budget, st.density_floor)[-1]
+            last = most_compressing(st.accuracy_budget, st.density_floor)
             if last.density is not None:
                 return last.density, None
             return 1.0, last.encoding

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from fusiond.plan.model import EDGE_ENCODINGS, EdgeEncoding
+from fusiond.plan.model import EDGE_ENCODINGS, EdgeEncoding, lowrank_rank
 from protocol import tensors as wire
 from protocol.errors import RemoteProtocolError
 from protocol.limits import DEFAULT_LIMITS, Limits
@@ -29,6 +30,7 @@ __all__ = [
     "EDGE_ENCODINGS",
     "EdgeCodec",
     "EdgeEncoding",
+    "EdgeIn",
     "Encoded",
     "decode_any",
     "decode_dense",
@@ -40,9 +42,13 @@ __all__ = [
     "encode_edge",
     "encode_int4",
     "encode_int8",
+    "encode_lowrank",
     "encode_topk",
     "encode_values",
+    "lowrank_applies",
+    "project",
     "topk_count",
+    "unproject",
 ]
 
 
@@ -161,12 +167,46 @@ def encode_bf16(t: torch.Tensor) -> Encoded:
     return _encoded(wire.encode(arr, wire.Encoding.BF16, compress="none"), arr.nbytes)
 
 
+def lowrank_applies(t: torch.Tensor) -> bool:
+    """Whether a low-rank edge factorizes `t` (a float tensor with a last axis of 2 or more
+    and rows to factor); anything else travels raw."""
+    return t.dtype.is_floating_point and t.dim() >= 2 and t.shape[-1] >= 2 and t.numel() > 0
+
+
+def encode_lowrank(t: torch.Tensor, seed: int = 0) -> tuple[Encoded, np.ndarray]:
+    """LOWRANK encoding of `t` viewed as rows x its last axis: P (bfloat16) and Q (float32,
+    orthonormal columns) with t ≈ P Q^T at rank `fusiond.plan.model.lowrank_rank`; returns Q,
+    which the sender keeps to turn the answer G Q back into G Q Q^T."""
+    arr = _np(t)
+    n = arr.shape[-1]
+    r = min(lowrank_rank(n), arr.size // n, n)
+    enc = wire.encode(arr, wire.Encoding.LOWRANK, k=r, value_dtype="bf16", seed=seed)
+    _, q = wire.decode_lowrank(b"".join(enc.buffers()))
+    return _encoded(enc, arr.nbytes), np.asarray(q, dtype=np.float32)
+
+
+def project(g: torch.Tensor, q: np.ndarray) -> torch.Tensor:
+    """G Q: a low-rank edge's gradient G (rows x features) on the forward's basis Q, what the
+    receiver sends back (rows x r)."""
+    return g.reshape(-1, g.shape[-1]).float() @ torch.from_numpy(q)
+
+
+def unproject(gq: torch.Tensor, q: np.ndarray, shape: torch.Size) -> torch.Tensor:
+    """G Q Q^T in `shape`: the exact gradient of the low-rank forward X Q Q^T with Q held
+    fixed, from the receiver's G Q."""
+    return (gq.float() @ torch.from_numpy(q).T).reshape(shape)
+
+
 def encode_edge(t: torch.Tensor, encoding: EdgeEncoding, *, stochastic: bool = False,
                 seed: int = 0) -> Encoded:
     """A dense-decodable cut-edge tensor as `encoding` says (integer tensors always RAW).
-    `stochastic` (int8, int4): unbiased stochastic rounding drawn from `seed`, for gradients."""
+    `stochastic` (int8, int4): unbiased stochastic rounding drawn from `seed`, for gradients.
+    "lowrank" is not dense-decodable on its own (the receiver answers on the basis):
+    `encode_lowrank`."""
     if encoding == "raw" or not t.dtype.is_floating_point:
         return encode_dense(t)
+    if encoding == "lowrank":
+        raise ValueError("a low-rank edge is encoded with encode_lowrank (it returns its basis)")
     if encoding == "bf16":
         return encode_bf16(t)
     if encoding == "int8":
@@ -253,19 +293,32 @@ def decode_any(
 
 _EDGE_OF_WIRE: dict[wire.Encoding, EdgeEncoding] = {
     wire.Encoding.RAW: "raw", wire.Encoding.FP16: "raw", wire.Encoding.BF16: "bf16",
-    wire.Encoding.INT8: "int8", wire.Encoding.INT4: "int4",
+    wire.Encoding.INT8: "int8", wire.Encoding.INT4: "int4", wire.Encoding.LOWRANK: "lowrank",
 }
 
 
-def decode_edge(
-    payload: bytes | memoryview, limits: Limits = DEFAULT_LIMITS
-) -> tuple[torch.Tensor, np.ndarray | None, EdgeEncoding]:
-    """`decode_any`, and how the receiver answers: TOPK (indices given) with VALUES, a dense
-    encoding with the same encoding (`encode_edge`), so only the sender of an edge needs to
-    know its codec and may change it between any two micro-batches."""
+class EdgeIn(NamedTuple):
+    """A decoded cut-edge tensor and how to answer it: `indices` (TOPK: answer with VALUES
+    there), `basis` (LOWRANK: answer with G Q on it), `encoding` (answer a dense one so)."""
+
+    tensor: torch.Tensor
+    indices: np.ndarray | None
+    basis: np.ndarray | None
+    encoding: EdgeEncoding
+
+
+def decode_edge(payload: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> EdgeIn:
+    """`decode_any`, and how the receiver answers: TOPK with VALUES at its indices, LOWRANK
+    with the gradient on its basis, a dense encoding with the same encoding (`encode_edge`),
+    so only the sender of an edge needs to know its codec and may change it between any two
+    micro-batches."""
+    desc = wire.read_descriptor(payload, limits=limits)
+    if desc.encoding is wire.Encoding.LOWRANK:
+        dense, q = wire.decode_lowrank(payload, limits=limits)
+        return EdgeIn(_tensor(dense), None, np.asarray(q, dtype=np.float32), "lowrank")
     dense, indices, desc = wire.decode_described(payload, limits=limits)
     idx = None if indices is None else np.asarray(indices, dtype=np.int64)
-    return _typed(dense, desc), idx, _EDGE_OF_WIRE.get(desc.encoding, "raw")
+    return EdgeIn(_typed(dense, desc), idx, None, _EDGE_OF_WIRE.get(desc.encoding, "raw"))
 
 
 def decode_values(

@@ -87,8 +87,8 @@ FIELD_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 OptimizerKind = Literal["adamw", "sgd"]
 ScheduleKind = Literal["constant", "cosine"]
 PipelineKind = Literal["1f1b", "gpipe"]
-CodecKind = Literal["auto", "topk", "bf16", "int8", "int4"]
-CODECS: tuple[CodecKind, ...] = ("auto", "topk", "bf16", "int8", "int4")
+CodecKind = Literal["auto", "topk", "bf16", "int8", "int4", "lowrank"]
+CODECS: tuple[CodecKind, ...] = ("auto", "topk", "bf16", "int8", "int4", "lowrank")
 MAX_ACCURACY_BUDGET = 0.5
 
 
@@ -238,9 +238,9 @@ class CompressionSpec:
     `codec`: "auto" (the default unless `adatopk` or `density` is given: the planner picks each
     slow link's codec, exact, bf16, int8, int4 or top-k, among those whose measured held-out
     loss cost is within `accuracy_budget`; `fusiond.plan.codecs`), "topk" (AdaTopK or a
-    forced `density`, as below; neither = exact), or "bf16" / "int8" / "int4" (every float cut
-    edge except `exact_edges` carries its activation and its gradient so encoded, decoded
-    dense; int8 is the SWARM-style job; no top-k: `adatopk` is False).
+    forced `density`, as below; neither = exact), or "bf16" / "int8" / "int4" / "lowrank"
+    (every float cut edge except `exact_edges` carries its activation and its gradient so
+    encoded, decoded dense; int8 is the SWARM-style job; no top-k: `adatopk` is False).
     `accuracy_budget`: with "auto", the most held-out loss (a fraction, default 0.01) a codec
     may cost to be chosen.
     `adatopk`: let the planner pick per-edge densities from link speeds (>= `density_floor`).
@@ -274,9 +274,10 @@ class CompressionSpec:
 
     @property
     def edge_encoding(self) -> EdgeEncoding:
-        """The one encoding of every float cut edge ("raw" unless `codec` is bf16/int8/int4)."""
+        """The one encoding of every float cut edge ("raw" unless `codec` is bf16, int8, int4
+        or lowrank)."""
         c = self.codec
-        return c if c in ("bf16", "int8", "int4") else "raw"
+        return c if c in ("bf16", "int8", "int4", "lowrank") else "raw"
 
     @property
     def choice(self) -> bool:

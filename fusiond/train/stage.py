@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import functools
 import inspect
@@ -418,6 +419,10 @@ class _Ctx:
     """With recompute: the updated buffers as the forward found them."""
     recv_enc: dict[str, codec.EdgeEncoding] = field(default_factory=dict)
     """Incoming dense edges that arrived quantized: the gradient goes back the same way."""
+    recv_basis: dict[str, np.ndarray] = field(default_factory=dict)
+    """Incoming low-rank edges: their basis Q (the gradient goes back as G Q)."""
+    sent_basis: dict[str, np.ndarray] = field(default_factory=dict)
+    """Outgoing low-rank edges: the basis Q sent (the answer G Q comes back as G Q Q^T)."""
 
 
 _Key = tuple[PacketKind, int, int, str]
@@ -891,11 +896,14 @@ class StageExecutor:
         leaves: dict[str, torch.Tensor] = {}
         recv_idx: dict[str, np.ndarray] = {}
         recv_enc: dict[str, codec.EdgeEncoding] = {}
+        recv_basis: dict[str, np.ndarray] = {}
         for edge_id, payload in payloads.items():
-            # Follow the payload, not our config: the sender owns the edge's density.
-            t, idx, came = codec.decode_edge(payload)
+            # Follow the payload, not our config: the sender owns the edge's codec.
+            t, idx, basis, came = codec.decode_edge(payload)
             if idx is not None:
                 recv_idx[edge_id] = idx
+            elif basis is not None:
+                recv_basis[edge_id] = basis
             elif came != "raw":
                 recv_enc[edge_id] = came
             if t.dtype == torch.bfloat16 and self.config.precision != "bf16":
@@ -925,6 +933,7 @@ class StageExecutor:
                              fault=FAULT_JOB)
         packets: list[tuple[Packet, codec.Encoded, float | None]] = []
         sent_idx: dict[str, np.ndarray] = {}
+        sent_basis: dict[str, np.ndarray] = {}
         grad_edges: set[str] = set()
         for edge_id, e in self._out.items():
             if edge_id not in out:
@@ -934,6 +943,12 @@ class StageExecutor:
             density = self._density[edge_id]
             if not _is_float(t):
                 enc = codec.encode_dense(t)
+            elif density is None and self._encoding[edge_id] == "lowrank":
+                if codec.lowrank_applies(t):
+                    enc, sent_basis[edge_id] = codec.encode_lowrank(
+                        t, seed=_grad_seed(step, micro, edge_id))
+                else:
+                    enc = codec.encode_dense(t)
             elif density is None:
                 enc = codec.encode_edge(t, self._encoding[edge_id])
             else:
@@ -947,9 +962,10 @@ class StageExecutor:
         cost.codec_s += (t1 - t0) + (time.perf_counter() - t2)
         if recompute:  # keep only what runs the forward again: its inputs
             ctx = _Ctx(leaves, {}, loss, recv_idx, sent_idx, grad_edges, inputs, before,
-                       recv_enc)
+                       recv_enc, recv_basis, sent_basis)
         else:
-            ctx = _Ctx(leaves, out, loss, recv_idx, sent_idx, grad_edges, recv_enc=recv_enc)
+            ctx = _Ctx(leaves, out, loss, recv_idx, sent_idx, grad_edges, recv_enc=recv_enc,
+                       recv_basis=recv_basis, sent_basis=sent_basis)
         return ctx, packets
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -994,6 +1010,9 @@ class StageExecutor:
             out = ctx.outputs[edge_id]
             if edge_id in ctx.sent_idx:
                 g = codec.decode_values(payload, ctx.sent_idx[edge_id])
+            elif edge_id in ctx.sent_basis:
+                g = codec.unproject(codec.decode_dense(payload), ctx.sent_basis[edge_id],
+                                    out.shape)
             else:
                 g = codec.decode_dense(payload)
             if out.requires_grad:
@@ -1014,6 +1033,10 @@ class StageExecutor:
             g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             if edge_id in ctx.recv_idx:
                 enc = codec.encode_values(g, ctx.recv_idx[edge_id])
+            elif edge_id in ctx.recv_basis:  # G Q, in the precision P came in
+                enc = dataclasses.replace(
+                    codec.encode_bf16(codec.project(g, ctx.recv_basis[edge_id])),
+                    dense_nbytes=g.numel() * g.element_size())
             else:  # as the forward came; a quantized gradient rounds stochastically: unbiased
                 enc = codec.encode_edge(g, ctx.recv_enc.get(edge_id, "raw"), stochastic=True,
                                         seed=_grad_seed(step, micro, edge_id))

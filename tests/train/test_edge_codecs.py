@@ -49,7 +49,7 @@ def _roundtrip(t: torch.Tensor, encoding: codec.EdgeEncoding, **kw: int | bool) 
     return out.float()
 
 
-@pytest.mark.parametrize("encoding", ["raw", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("encoding", ["raw", "bf16", "int8", "int4", "lowrank"])
 async def test_the_backward_is_the_exact_gradient_of_the_compressed_forward(
         encoding: codec.EdgeEncoding) -> None:
     torch.manual_seed(0)
@@ -64,11 +64,21 @@ async def test_the_backward_is_the_exact_gradient_of_the_compressed_forward(
     # is back-propagated from the sender's output
     b = _Regression().batch(0, 8)
     y = r0(b.inputs)
-    y_dec = _roundtrip(y.detach(), encoding).requires_grad_(True)
+    seed = _grad_seed(0, 0, "y")
+    if encoding == "lowrank":  # P Q^T, rank 16 / 8 = 2; the answer G Q, bf16, times Q^T
+        enc, q = codec.encode_lowrank(y.detach(), seed=seed)
+        assert q.shape == (16, 2)
+        y_dec = codec.decode_edge(enc.payload).tensor.float().requires_grad_(True)
+    else:
+        y_dec = _roundtrip(y.detach(), encoding).requires_grad_(True)
     loss = ((r1(y_dec) - b.targets) ** 2).mean()
     loss.backward()
     assert y_dec.grad is not None
-    g_sent = _roundtrip(y_dec.grad, encoding, stochastic=True, seed=_grad_seed(0, 0, "y"))
+    if encoding == "lowrank":
+        gq = codec.project(y_dec.grad, q).to(torch.bfloat16).float()
+        g_sent = codec.unproject(gq, q, y.shape)
+    else:
+        g_sent = _roundtrip(y_dec.grad, encoding, stochastic=True, seed=seed)
     y.backward(g_sent)
     assert res.losses == [pytest.approx(loss.item(), rel=1e-6)]
     for got, ref in ((w0, r0), (w1, r1)):
@@ -81,11 +91,16 @@ async def test_the_backward_is_the_exact_gradient_of_the_compressed_forward(
         assert exact.item() != loss.item()
 
 
-@pytest.mark.parametrize(("encoding", "share"), [("bf16", (0.49, 0.52)),
-                                                 ("int4", (0.125, 0.145))])
+@pytest.mark.parametrize(("encoding", "share", "back"), [
+    ("bf16", (0.49, 0.52), (0.49, 0.52)),
+    ("int4", (0.125, 0.145), (0.125, 0.145)),
+    # rank 32 / 8 = 4 of the 2 x 32 tokens x 32 features: P in bf16 (1/16 of the bytes) and
+    # Q (32 x 4 float32, another 1/16 here); back G Q in bf16 (1/16), plus the headers
+    ("lowrank", (0.13, 0.14), (0.07, 0.08)),
+])
 async def test_quantized_edges_send_their_bytes_and_train(
-        encoding: codec.EdgeEncoding, share: tuple[float, float], small_text: TextWindows,
-        adamw: OptimizerSpec) -> None:
+        encoding: codec.EdgeEncoding, share: tuple[float, float], back: tuple[float, float],
+        small_text: TextWindows, adamw: OptimizerSpec) -> None:
     torch.manual_seed(0)
     res = await run_pipeline(three_stages(gpt2("tiny"), encoding=encoding), data=small_text,
                              batch_size=8, micro_batches=4, optimizer=adamw, steps=8)
@@ -93,6 +108,7 @@ async def test_quantized_edges_send_their_bytes_and_train(
         assert e.density is None
         lo, hi = share
         assert lo * e.forward_dense < e.forward_wire < hi * e.forward_dense
+        lo, hi = back
         assert lo * e.backward_dense < e.backward_wire < hi * e.backward_dense
     assert res.losses[-1] < res.losses[0] - 0.2
 

@@ -62,7 +62,7 @@ def test_defaults() -> None:
 def test_the_codec_choice_and_its_budget() -> None:
     c = parse_job(MINIMAL + "[compression]\naccuracy_budget = 0.02\n").compression
     assert c.choice and c.accuracy_budget == 0.02
-    for codec in ("bf16", "int8", "int4"):
+    for codec in ("bf16", "int8", "int4", "lowrank"):
         q = parse_job(MINIMAL + f'[compression]\ncodec = "{codec}"\n').compression
         assert q.edge_encoding == codec and not q.compress and not q.choice
     # adatopk or a density said: top-k, as before
@@ -101,7 +101,7 @@ def test_a_bad_codec_names_the_allowed_values() -> None:
     with pytest.raises(JobSpecError) as ei:
         parse_job(MINIMAL + '[compression]\ncodec = "int2"\n')
     assert ei.value.field == "compression.codec"
-    for name in ("auto", "topk", "bf16", "int8", "int4"):
+    for name in ("auto", "topk", "bf16", "int8", "int4", "lowrank"):
         assert f"'{name}'" in str(ei.value)
     with pytest.raises(JobSpecError, match=r"compression\.density: top-k does not apply with "
                                            r"compression\.codec = 'int8'"):

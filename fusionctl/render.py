@@ -489,7 +489,7 @@ def render_plan(data: Mapping[str, Any], console: Console | None = None) -> None
             row += ([str(int(s.get("stop_op", 0)) - int(s.get("start_op", 0))),
                      f"{s.get('first_op', '')} -> {s.get('last_op', '')}", _ms(s.get("compute_s")),
                      f"{_si_bytes(s.get('memory_bytes'))} / {_si_bytes(s.get('memory_cap_bytes'))}"
-                     + (" R" if s.get("recompute") else "")]
+                     + (" R" if s.get("recompute") else "") + (" D" if s.get("offload") else "")]
                     if i == 0 else ["", "(replica)", "", ""])
             if replicated:
                 row.append(str(micro[i]) if i < len(micro) else "-")
@@ -497,6 +497,8 @@ def render_plan(data: Mapping[str, Any], console: Console | None = None) -> None
     title = "stages (+: a replica, on its share of the micro-batches)" if replicated else "stages"
     if any(s.get("recompute") for s in stages):
         title += " (R: recomputes its activations in the backward, they would not fit kept)"
+    if any(s.get("offload") for s in stages):
+        title += " (D: its optimizer state on disk, it would not fit in memory)"
     c.print(_fitted(title,
                     [("stage", None), ("machine", 16), ("ops", None),
                      ("first op -> last op", 30), ("ms", None), ("memory / of", None)]

@@ -473,6 +473,9 @@ class AssignConfig(Struct):
     recompute_slots: tuple[int, ...] = ()
     """The slots that recompute their activations in the backward (activation checkpointing
     of the stage: the planner's choice where its activations would not fit)."""
+    offload_slots: tuple[int, ...] = ()
+    """The slots that keep their optimizer state on their machine's disk (the planner's
+    choice where it would not fit in memory)."""
 
     def __post_init__(self) -> None:
         for name in ("stage_nodes", "shared", "slot_stages", "routes"):

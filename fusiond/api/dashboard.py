@@ -238,6 +238,7 @@ def job_block(job: Mapping[str, Any], names: Mapping[str, str], *,
                 s["memory_bytes"] = p.get("memory_bytes")
                 s["micro_batches"] = p.get("micro_batches")
                 s["recompute"] = bool(p.get("recompute"))
+                s["offload"] = bool(p.get("offload"))
     ckpt_at = job.get("checkpoint_at")
     return {
         "job_id": job.get("job_id"), "name": job.get("name"), "state": job.get("state"),

@@ -92,6 +92,9 @@ class JobLayout:
     recompute: frozenset[str] = frozenset()
     """The machines whose stage recomputes its activations in the backward (the plan's
     choice where they would not fit)."""
+    offload: frozenset[str] = frozenset()
+    """The machines whose stage keeps its optimizer state on disk (the plan's choice where
+    it would not fit in memory)."""
 
     @property
     def int8_edges(self) -> frozenset[str]:
@@ -343,7 +346,9 @@ def assign_messages(
                         grad_warmup_steps=min(spec.compression.grad_warmup_steps,
                                               spec.steps),
                         recompute_slots=[slot for slot, n in nodes.items()
-                                         if n in layout.recompute])
+                                         if n in layout.recompute],
+                        offload_slots=[slot for slot, n in nodes.items()
+                                       if n in layout.offload])
     routes = layout.edges()
     job_nodes = {n: tuple(addresses[n]) for n in nodes.values()}
     shipped = _shipped_data(spec) if corpus is None else corpus.shipped()

@@ -157,6 +157,7 @@ def job_settings(spec: JobSpec, graph: ir.Graph | None = None) -> JobSettings:
         accuracy_budget=spec.compression.accuracy_budget,
         grad_density_floor=1.0 if graph is None else grad_floor(spec, graph),
         recompute=spec.batch.recompute,
+        offload=spec.batch.offload,
     )
 
 
@@ -222,7 +223,9 @@ def layout_from_plan(job_id: str, graph: ir.Graph, state: Mapping[str, torch.Ten
                             replicas=replicas, routes=routes)
     ev = plan.evaluation
     recompute = frozenset(r.machine_id for r in (ev.replicas or ev.stages) if r.recompute)
-    return replace(layout, grad_rank=grad_rank_of(plan, spec), recompute=recompute)
+    offload = frozenset(r.machine_id for r in (ev.replicas or ev.stages) if r.offload)
+    return replace(layout, grad_rank=grad_rank_of(plan, spec), recompute=recompute,
+                   offload=offload)
 
 
 def layout_codecs(layout: JobLayout) -> dict[str, EdgeCodec]:

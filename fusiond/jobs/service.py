@@ -155,7 +155,8 @@ class JobService:
         self.worker = JobWorker(
             node_id=node_id, send=self.send, stage_config=stage_config,
             leadership=self.leadership,
-            send_now=None if send_now_raw is None else local_send_now(node_id, send_now_raw))
+            send_now=None if send_now_raw is None else local_send_now(node_id, send_now_raw),
+            offload_root=None if state_dir is None else state_dir / "offload")
         self._tasks = TaskSet("job task")
         self._closed = False
         self.scheduling = Scheduling(

@@ -36,6 +36,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusiond.errors import FusionError
@@ -160,8 +161,11 @@ class JobWorker:
     def __init__(self, *, node_id: str, send: SendFn, stage_config: StageConfig | None = None,
                  limits: Limits = DEFAULT_LIMITS, leadership: LeadershipFn | None = None,
                  authority_wait_s: float = AUTHORITY_WAIT_S,
-                 send_now: SendNowFn | None = None) -> None:
+                 send_now: SendNowFn | None = None, offload_root: Path | None = None) -> None:
         self.node_id = node_id
+        self.offload_root = offload_root
+        """Where a stage the planner told to keep its optimizer state on disk keeps it
+        (`<state_dir>/offload` in a daemon; None: a directory under the system's temp)."""
         self.send = send
         self.send_now = send_now
         """The transport's `send_now` (`local_send_now`): stages write a packet at once when
@@ -388,7 +392,7 @@ class JobWorker:
             # Decoding the IR and building the partition can take seconds: off the loop.
             host = await asyncio.to_thread(
                 StageHost, msg, bytes(msg.payload), self._net_for_stage(),
-                config=self.stage_config, limits=self.limits,
+                config=self.stage_config, limits=self.limits, offload_root=self.offload_root,
             )
             await host.start()
         except asyncio.CancelledError:

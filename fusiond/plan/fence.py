@@ -130,7 +130,7 @@ class _Search:
         # (past every op before q[j] the machine cannot run)
         self.min_start = np.stack([np.searchsorted(q, arrays.min_start[m, q], "left")
                                    for m in range(len(arrays.cluster))]).astype(np.int64)
-        self.static = arrays.static_prefix[q]
+        self.static = arrays.fit_static_prefix[q]
         self.saved = arrays.saved_prefix[q]
         self.caps = arrays.caps - arrays.workspace
         # with recompute: a stage keeps its inputs per micro-batch in flight (at most this
@@ -299,7 +299,7 @@ def _group_orders(
     bw_bytes_per_s = arrays.cluster.bandwidth_bytes_per_s
     speed = [sum(1.0 / max(arrays.prefix[m, -1], 1e-300) for m in g) for g in groups]
     cap = [float(arrays.caps[g].sum()) for g in groups]
-    need = float(arrays.static_prefix[-1])
+    need = float(arrays.fit_static_prefix[-1])
     ref = arrays.prefix.mean(axis=0)
     ref = ref / max(ref[-1], 1e-300)
     G = len(groups)

@@ -144,6 +144,14 @@ class MachineProfile:
     msg_s: float = 0.0
     wake_s: float = 0.0
     ops: frozenset[str] | None = None
+    disk_bytes_per_s: float = 0.0
+    """Its local disk's rate for the optimizer state a stage keeps there (read and written
+    once per step; `JobSettings.offload`); 0: not measured, `DEFAULT_DISK_BYTES_PER_S`."""
+
+    @property
+    def disk_rate_bytes_per_s(self) -> float:
+        """The disk rate the planner uses."""
+        return self.disk_bytes_per_s or DEFAULT_DISK_BYTES_PER_S
 
     def runs(self, op: str) -> bool:
         """Whether this machine runs the op `op` (an unnamed op runs everywhere)."""
@@ -154,7 +162,7 @@ class MachineProfile:
             raise PlanError(f"machine {self.id!r}: flops must be positive and finite")
         if self.mem_bw <= 0 or self.op_overhead_s < 0 or self.memory_bytes <= 0:
             raise PlanError(f"machine {self.id!r}: mem_bw/memory must be > 0, overhead >= 0")
-        for name in ("wire_s_per_byte", "msg_s", "wake_s"):
+        for name in ("wire_s_per_byte", "msg_s", "wake_s", "disk_bytes_per_s"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 raise PlanError(f"machine {self.id!r}: {name} must be >= 0 and finite")
@@ -285,6 +293,10 @@ class Cluster:
                              self.rtt_s if rtt_s is None else rtt_s)
 
 
+DEFAULT_DISK_BYTES_PER_S = 2e8
+"""An unmeasured disk counts as 200 MB/s for optimizer state kept on it (a SATA SSD writes
+400-500 MB/s, a spinning disk 100-200; the profile does not measure it yet)."""
+
 DEFAULT_DENSITY_FLOOR = 0.05
 """The least top-k density a cut edge may get: the one floor, read by the job file's default
 (`compression.density_floor`) and the planner's (issue 22: they were 0.01 and 0.05)."""
@@ -337,6 +349,11 @@ class JobSettings:
     (low-rank, PowerSGD-style, with error feedback: rank r of an m x n gradient sends
     r (m + n) / (m n) of it); 1.0: gradients are reduced dense. The planner sends as much as
     the reduction can hide behind the drain, down to this floor."""
+    offload: bool = False
+    """A stage whose state would not fit its machine may keep its optimizer state on the
+    machine's disk (`fusiond.train.offload`): it then needs no memory for it and pays reading
+    and writing it once per step at the disk's rate. The evaluator chooses it per stage, only
+    where the stage does not fit otherwise, or where it costs less time than recomputing."""
     recompute: bool = False
     """A stage whose kept activations would not fit its machine may recompute them instead
     (activation checkpointing of the whole stage, `fusiond.train.stage.StageConfig`): it

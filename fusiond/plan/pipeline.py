@@ -93,6 +93,9 @@ class StageReport:
     recompute: bool = False
     """It recomputes its activations in the backward (its kept activations would not fit;
     `JobSettings.recompute`): `compute_s` includes the second forward."""
+    offload: bool = False
+    """It keeps its optimizer state on disk (`JobSettings.offload`): the iteration's
+    optimizer time includes reading and writing it."""
     micro_batches: int = 0
     """Micro-batches of an iteration this machine runs (all M without replicas)."""
 
@@ -219,6 +222,10 @@ class GraphArrays:
         #: static bytes per op in the planner's prefix sums (tied weights counted per user:
         #: conservative; the evaluator de-duplicates exactly)
         self.static_prefix = np.concatenate([[0.0], np.cumsum(2 * self.param + self.opt)])
+        #: what the searches' memory checks count: without the optimizer state when it may
+        #: go to disk (`JobSettings.offload`; the evaluator decides per stage)
+        self.fit_static_prefix = (np.concatenate([[0.0], np.cumsum(2 * self.param)])
+                                  if settings.offload else self.static_prefix)
         self.saved_prefix = np.concatenate([[0.0], np.cumsum(self.saved)])
         self.workspace = float(self.out.max()) if self.n else 0.0
         self.caps = np.array(
@@ -251,10 +258,10 @@ class GraphArrays:
         flight (`outmax[p, e]`: its workspace), as `evaluate` counts it without replicas: the
         smaller of keeping every in-flight activation and, with `settings.recompute`,
         recomputing them."""
-        mem = self.static_prefix + infl * self.saved_prefix
+        mem = self.fit_static_prefix + infl * self.saved_prefix
         need: F64 = mem[None, :] - mem[:, None] + outmax
         if self.settings.recompute:
-            rc = self.static_prefix + self.saved_prefix
+            rc = self.fit_static_prefix + self.saved_prefix
             need = np.minimum(need, rc[None, :] - rc[:, None] + infl * self.in_bytes[:, None]
                               + outmax)
         return need
@@ -686,26 +693,40 @@ def evaluate(
             mb = shares[i][r]
             inflight = mb if st.schedule == "gpipe" else min(mb, S - i)
             bucket = min(params, DDP_BUCKET_BYTES) if s.replicas else 0.0
-            mem = 2 * params + opt + inflight * saved + work + bucket
             cap = float(arrays.caps[mi])
-            recompute = False
-            if mem > cap and st.recompute:
-                kept = inflight * float(arrays.in_bytes[s.start]) + saved
-                if 2 * params + opt + kept + work + bucket < mem:
-                    recompute = True
-                    mem = 2 * params + opt + kept + work + bucket
-                    computes[i][r] += float(arrays.prefix_f[mi, s.stop]
-                                            - arrays.prefix_f[mi, s.start])
+            kept = inflight * float(arrays.in_bytes[s.start]) + saved
+            fwd_s = float(arrays.prefix_f[mi, s.stop] - arrays.prefix_f[mi, s.start])
+            disk_s = 2 * opt / m.disk_rate_bytes_per_s
+            # plain, then the cheapest of recompute (a forward per micro-batch), offload (the
+            # state through the disk once per step), both, that fits
+            options = [(0.0, False, False)]
+            if st.recompute and kept < inflight * saved:
+                options.append((mb * fwd_s, True, False))
+            if st.offload and opt > 0:
+                options.append((disk_s, False, True))
+                if st.recompute and kept < inflight * saved:
+                    options.append((mb * fwd_s + disk_s, True, True))
+
+            need = {(rc, off): (2 * params + (0.0 if off else opt)
+                                + (kept if rc else inflight * saved) + work + bucket)
+                    for _, rc, off in options}
+            fits = [o for o in options if need[(o[1], o[2])] <= cap]
+            _, recompute, offload = (min(fits) if fits
+                                     else min(options, key=lambda o: need[(o[1], o[2])]))
+            mem = need[(recompute, offload)]
+            if recompute:
+                computes[i][r] += fwd_s
             if mem > cap:
                 over.append(m.id)
             if not arrays.stage_runs(mi, s.start, s.stop):
                 lacks = arrays.missing_ops(mi, s.start, s.stop)
                 unrunnable.append(f"{m.id}: {', '.join(lacks)}")
-            opt_s = max(opt_s, params * st.optimizer_passes / m.mem_bw)
+            opt_s = max(opt_s, params * st.optimizer_passes / m.mem_bw
+                        + (disk_s if offload else 0.0))
             row.append(StageReport(
                 i, mi, m.id, s.start, s.stop, g.ops[s.start].name, g.ops[s.stop - 1].name,
                 computes[i][r], mem, cap, inflight, replica=r, micro_batches=mb,
-                recompute=recompute,
+                recompute=recompute, offload=offload,
             ))
         reps.append(row)
 

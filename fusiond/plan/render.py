@@ -25,6 +25,8 @@ class PlanStageSummary(TypedDict):
     """The memory the stage's machine offers (its predicted peak is `memory_bytes`)."""
     recompute: bool
     """It recomputes its activations in the backward (they would not fit kept)."""
+    offload: bool
+    """It keeps its optimizer state on disk (it would not fit in memory)."""
     replica_machine_ids: list[str]
     """The stage's other machines (data parallelism), each running its share of the
     micro-batches; empty for a stage on one machine."""
@@ -114,6 +116,7 @@ def plan_summary(plan: Plan) -> PlanSummary:
                                  stop_op=r.stop, first_op=r.first_op, last_op=r.last_op,
                                  compute_s=r.compute_s, memory_bytes=r.memory_bytes,
                                  memory_cap_bytes=r.memory_cap, recompute=r.recompute,
+                                 offload=r.offload,
                                  replica_machine_ids=[x.machine_id for x in ev.replicas
                                                       if x.index == r.index and x.replica],
                                  micro_batches=[x.micro_batches for x in ev.replicas
@@ -187,11 +190,14 @@ def render_plan(plan: Plan, *, max_links: int = 24) -> str:
             f"{head}  {r.machine_id:<14}{r.stop - r.start:>6}  {r.first_op[:27]:<28}"
             f"{r.last_op[:27]:<28}{_ms(r.compute_s):>11}{_si(r.memory_bytes, 'B'):>12}"
             f"{_si(r.memory_cap, 'B'):>11}" + (f"{r.micro_batches:>10}" if replicated else "")
-            + ("  recompute" if r.recompute else "")
+            + ("  recompute" if r.recompute else "") + ("  offload" if r.offload else "")
         )
     if any(r.recompute for r in (ev.replicas or ev.stages)):
         lines.append("(recompute: the stage keeps only its inputs and runs its forward again in "
                      "the backward; its kept activations would not fit)")
+    if any(r.offload for r in (ev.replicas or ev.stages)):
+        lines.append("(offload: the stage keeps its optimizer state on disk, read and written "
+                     "once per step; it would not fit in memory)")
     if replicated:
         lines.append("(+: a replica of the stage above: the same ops on its share of the "
                      "micro-batches)")

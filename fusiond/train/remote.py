@@ -19,8 +19,13 @@ builds the partition, and runs it; the daemon routes each Forward/Backward of th
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import os
 import platform
+import shutil
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -128,7 +133,8 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
                slot_stages: Mapping[int, int] | None = None,
                routes: Mapping[int, Sequence[int]] | None = None,
                grad_rank: int | None = None, grad_warmup_steps: int = 0,
-               recompute_slots: Sequence[int] = ()) -> AssignConfig:
+               recompute_slots: Sequence[int] = (),
+               offload_slots: Sequence[int] = ()) -> AssignConfig:
     """The `Assign.config` record for a job (the same for every stage).
 
     `stage_nodes`: stage -> node id for every stage; `shared`: stage -> {tied parameter -> the
@@ -144,7 +150,8 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
     `slot_stages` (replica slot -> stage) and `routes` (replicated stage -> the slot of each
     micro-batch) say who runs what. `grad_rank`: the summed gradients travel low-rank at
     this rank (None: dense), after `grad_warmup_steps` dense steps. `recompute_slots`: the
-    slots that recompute their activations (`StageConfig.recompute`).
+    slots that recompute their activations (`StageConfig.recompute`); `offload_slots`: the
+    slots that keep their optimizer state on disk (`StageConfig.offload_dir`).
     """
     o = spec.optimizer
     d = spec.data
@@ -186,6 +193,7 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
         grad_warmup_steps=int(grad_warmup_steps),
         eval_interval=spec.eval_interval,
         recompute_slots=tuple(sorted(int(s) for s in recompute_slots)),
+        offload_slots=tuple(sorted(int(s) for s in offload_slots)),
         precision=spec.precision,
     )
 
@@ -241,6 +249,8 @@ class StageAssignment:
     """Steps between states sent for the scheduler's held-out evaluation (0: none)."""
     recompute: bool = False
     """This slot recomputes its activations in the backward (`StageConfig.recompute`)."""
+    offload: bool = False
+    """This slot keeps its optimizer state on disk (`StageConfig.offload_dir`)."""
     precision: str = "fp32"
     """The compute dtype (`StageConfig.precision`)."""
 
@@ -375,10 +385,11 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
     if cfg.precision not in PRECISIONS:
         raise RemoteError(f"Assign.config.precision: {cfg.precision[:16]!r} is not one of "
                           f"{sorted(PRECISIONS)}")
-    unknown = sorted(set(cfg.recompute_slots) - {int(k) for k in stage_map})
-    if unknown:
-        raise RemoteError(f"Assign.config.recompute_slots: {unknown[:4]} are not slots of the "
-                          f"job ({len(stage_map)} slots)")
+    for field_name in ("recompute_slots", "offload_slots"):
+        unknown = sorted(set(getattr(cfg, field_name)) - {int(k) for k in stage_map})
+        if unknown:
+            raise RemoteError(f"Assign.config.{field_name}: {unknown[:4]} are not slots of "
+                              f"the job ({len(stage_map)} slots)")
     if not 0 <= cfg.eval_interval <= 10**9:
         raise RemoteError(f"Assign.config.eval_interval: {cfg.eval_interval!r} is not a step "
                           "count in [0, 10**9]")
@@ -398,6 +409,7 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         routes=routes, slot_stages=slot_stages, grad_rank=grad_rank,
         grad_warmup_steps=cfg.grad_warmup_steps, eval_interval=cfg.eval_interval,
         recompute=(slot if slot >= 0 else stage) in cfg.recompute_slots,
+        offload=(slot if slot >= 0 else stage) in cfg.offload_slots,
         precision=cfg.precision,
     )
 
@@ -548,6 +560,21 @@ class NetStageLink:
         return node, msg
 
 
+def _remove_offload_dir(where: Path) -> None:
+    """`<root>/<job>/v<version>` and, once empty, `<root>/<job>` (never the root)."""
+    shutil.rmtree(where, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        where.parent.rmdir()
+
+
+def _safe_name(job_id: str) -> str:
+    """A job id as one path component (it comes from the network): letters, digits, '.', '_'
+    and '-' kept, anything else '_', at most 64 characters, never '.' or '..'."""
+    name = "".join(c if c.isascii() and (c.isalnum() or c in "._-") else "_"
+                   for c in job_id[:64])
+    return name if name.strip(".") else "_" + name
+
+
 def _own_corpus_only(sa: StageAssignment) -> None:
     """A stage reads no path an Assign names except this machine's default corpus (its own
     standard library): any other text travels in the Assign (the submitter read it as the
@@ -601,12 +628,16 @@ class StageHost:
 
     def __init__(self, assign: Assign, payload: bytes | memoryview, net: PeerSender, *,
                  config: StageConfig | None = None, limits: Limits = DEFAULT_LIMITS,
-                 data: DataSource | None = None) -> None:
+                 data: DataSource | None = None, offload_root: Path | None = None) -> None:
         self.assignment = decode_assign(assign, payload, limits=limits)
         sa = self.assignment
         config = config or StageConfig()
         if sa.recompute:  # the planner's choice for this slot, beside the daemon's knobs
             config = replace(config, recompute=True)
+        if sa.offload:  # under the daemon's state directory (`offload_root`), per attempt
+            root = offload_root or Path(tempfile.gettempdir()) / f"fusion-offload-{os.getuid()}"
+            config = replace(config, offload_dir=root / _safe_name(sa.job_id)
+                             / f"v{sa.plan_version}")
         config = replace(config, precision=sa.precision)
         # every op of the partition must run here (UnsupportedOpError names the one that does
         # not), before anything is built
@@ -655,8 +686,12 @@ class StageHost:
         await self.executor.ready()
 
     async def close(self) -> None:
-        """Stop and free the stage; idempotent."""
+        """Stop and free the stage; idempotent. Its optimizer state's directory (with
+        offload) is removed, and the job's above it once empty."""
         await self.executor.close()
+        where = self.executor.config.offload_dir
+        if where is not None:
+            await asyncio.to_thread(_remove_offload_dir, where)
 
     def on_message(self, peer: str, msg: Message) -> None:
         """Route a Forward/Backward of this job to the executor; `RemoteError` if it is not."""

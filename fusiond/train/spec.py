@@ -215,6 +215,9 @@ class BatchSpec:
     pipeline: PipelineKind
     replicas: bool = False
     recompute: bool = True
+    offload: bool = True
+    """The planner may have a stage whose optimizer state would not fit its machine's memory
+    keep it on the machine's disk (read and written once per step)."""
 
     @property
     def micro_batch_size(self) -> int:
@@ -642,9 +645,10 @@ def _batch(t: _Table) -> BatchSpec:
     pipeline = t.choice("pipeline", "1f1b", ("1f1b", "gpipe"))
     replicas = t.boolean("replicas", False)
     recompute = t.boolean("recompute", True)
+    offload = t.boolean("offload", True)
     t.finish()
     return BatchSpec(size=size, micro_batches=count, pipeline=pipeline,  # type: ignore[arg-type]
-                     replicas=replicas, recompute=recompute)
+                     replicas=replicas, recompute=recompute, offload=offload)
 
 
 def _compression(t: _Table) -> CompressionSpec:

@@ -48,6 +48,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -60,6 +61,7 @@ from fusiond.tasks import cancel_and_wait
 from fusiond.train import codec
 from fusiond.train.data import Batch, DataSource, split_micro_batches
 from fusiond.train.lowrank import LowRankState, compressed
+from fusiond.train.offload import DiskOptimizerState
 from fusiond.train.optim import lr_at, make_optimizer, set_lr
 from fusiond.train.schedule import Phase, Task
 from fusiond.train.spec import OptimizerSpec
@@ -278,6 +280,11 @@ class StageConfig:
     losses, gradients and updates are those of the plain run. Costs one more forward per
     micro-batch; holds one micro-batch's activations at a time instead of every in-flight
     one's."""
+    offload_dir: Path | None = None
+    """Keep the optimizer's state (AdamW's moments, SGD's momentum) in memory-mapped files
+    under this directory instead of memory (`fusiond.train.offload`): the same updates, bit
+    for bit; the state is read and written once per step and costs no memory between steps.
+    None: in memory."""
 
 
 @dataclass
@@ -584,6 +591,10 @@ class StageExecutor:
         params = list(program.module.parameters())
         # A partition may hold no parameters (e.g. only elementwise ops): nothing to step.
         self.optimizer = make_optimizer(optimizer, params) if params else None
+        self._offload: DiskOptimizerState | None = None
+        if self.optimizer is not None and self.config.offload_dir is not None:
+            self._offload = DiskOptimizerState(self.optimizer,
+                                               self.config.offload_dir / f"slot-{self.slot}")
         self._params = dict(program.module.named_parameters())
         for name in program.shared:
             if name not in self._params:
@@ -677,6 +688,8 @@ class StageExecutor:
         with self._cond:
             self._inbox.clear()
             self._inbox_bytes = 0
+        if self._offload is not None:
+            self._offload.close()
 
     async def flush(self) -> None:
         """Wait until every queued outbound packet has been handed to the link; the stage's
@@ -1127,6 +1140,8 @@ class StageExecutor:
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self._offload is not None:
+            self._offload.release()
 
     # -- the iteration --------------------------------------------------------------------
 

@@ -269,3 +269,50 @@ async def test_a_job_that_fits_only_recomputing_is_planned_so_and_trains_exactly
     assert set(calls) == recomputing
     assert len(calls) == len(recomputing) * spec.steps * spec.batch.micro_batches
     _assert_eager_losses(spec, losses)
+
+
+async def test_a_job_that_fits_only_offloading_is_planned_so_and_trains_exactly(
+        captured_tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """On machines that hold a stage's weights, gradients and activations but not its AdamW
+    state, the planner has the stages that need it keep that state on disk (batch.offload,
+    the default) where it would refuse the job otherwise (batch.offload = false); the Assigns
+    tell those stages, they map their state from files (and release it every step), and the
+    job trains as eager does."""
+    from fusiond.train import offload as offload_mod
+
+    spec, cap = captured_tiny
+    spec = replace(spec, steps=4)
+    off = replace(spec, batch=replace(spec.batch, offload=False))
+    plan = None
+    for memory in (6e5, 5e5, 4.5e5, 4e5, 3.5e5, 3e5, 2.5e5):  # the first only offloading fits
+        cluster = Cluster.build(_machines(memory), [[1.25e9] * 3] * 3)
+        try:
+            plan_job(off, cap, cluster)
+            continue
+        except PlanError:
+            pass
+        try:
+            plan = plan_job(spec, cap, cluster)
+        except PlanError:
+            continue
+        break
+    assert plan is not None, "no machine size where only offloading fits"
+    ev = plan.evaluation
+    assert ev.memory_ok and any(r.offload for r in ev.stages)
+    layout = layout_from_plan("offload", cap.graph, cap.state, plan, spec)
+    assert layout.offload == {r.machine_id for r in ev.stages if r.offload}
+    dirs: list[Any] = []
+    real = offload_mod.DiskOptimizerState.__init__
+
+    def seen(self: Any, opt: Any, directory: Any) -> None:
+        dirs.append(directory)
+        real(self, opt, directory)
+
+    monkeypatch.setattr(offload_mod.DiskOptimizerState, "__init__", seen)
+    losses: list[float] = []
+    out, _ = await _run(spec, cap, layout, on_step=lambda m: losses.append(m.loss))
+    assert out.ok, out.failure
+    assert len(dirs) == len(layout.offload)
+    assert all("offload" in str(d) and "v" in d.parent.name + d.name for d in dirs)
+    assert all(not d.parent.exists() for d in dirs)  # removed when the stage closed
+    _assert_eager_losses(spec, losses)

@@ -231,7 +231,11 @@ function stagesTable(job) {
       st.recompute ? h("span", {class: "badge recompute", text: "recompute",
                                 title: "keeps only its inputs and runs its forward again in " +
                                        "the backward: its activations would not fit kept"})
-                   : null),
+                   : null,
+      st.offload ? h("span", {class: "badge recompute", text: "offload",
+                              title: "keeps its optimizer state on disk, read and written " +
+                                     "once per step: it would not fit in memory"})
+                 : null),
     h("td", {}, h("div", {class: "share", title:
         `busy ${fmtNum((st.busy || 0) * 100, 3)} %, waiting ${fmtNum((st.wait || 0) * 100, 3)} %`},
       h("div", {class: "busy", style: `width:${((st.busy || 0) * 100).toFixed(1)}%`}),

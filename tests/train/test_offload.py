@@ -1,0 +1,100 @@
+"""Optimizer state on disk (issue 17's disk tier): the same updates as in memory, bit for bit;
+no memory held by the state between steps; the files gone at the end; a full disk refused at
+the start with a clear error, not a crash mid-step."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusiond.models.gpt2 import gpt2
+from fusiond.train.data import TextWindows
+from fusiond.train.local import run_pipeline
+from fusiond.train.offload import DiskOptimizerState, OffloadError, state_bytes
+from fusiond.train.optim import make_optimizer
+from fusiond.train.spec import OptimizerSpec
+from fusiond.train.stage import StageConfig, StageExecutor
+from tests.fullfs import small_fs
+
+from .gpt_stages import merged_state, three_stages
+
+
+def _rss_of_mappings(directory: Path) -> int:
+    """kB resident in this process's mappings of files under `directory` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+            inside = len(head) >= 6 and head[-1].startswith(str(directory))
+        elif inside and line.startswith("Rss:"):
+            total += int(head[1])
+    return total
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+async def test_the_updates_are_the_in_memory_ones_bit_for_bit(
+        kind: str, small_text: TextWindows, adamw: OptimizerSpec, tmp_path: Path) -> None:
+    opt = adamw if kind == "adamw" else replace(adamw, kind="sgd", momentum=0.9,
+                                                weight_decay=0.01)
+    states = []
+    losses = []
+    seen_files: list[int] = []
+    execs: list[StageExecutor] = []
+    for offload in (None, tmp_path / "opt"):
+        torch.manual_seed(0)
+        progs = three_stages(gpt2("tiny"))
+        execs.clear()
+
+        def on_step(m: object, offload: Path | None = offload) -> None:
+            if offload is not None:
+                seen_files.append(len(list(offload.rglob("*.f32"))))
+                # between steps the state holds no pages of this process
+                assert _rss_of_mappings(offload) == 0
+
+        res = await run_pipeline(progs, data=small_text, batch_size=8, micro_batches=4,
+                                 optimizer=opt, steps=6, config=StageConfig(offload_dir=offload),
+                                 on_step=on_step, on_executors=execs.extend)
+        states.append(merged_state(progs))
+        losses.append(res.losses)
+    assert losses[0] == losses[1]
+    for k, v in states[0].items():
+        assert torch.equal(v, states[1][k]), k
+    per = 2 if kind == "adamw" else 1  # moments, or a momentum buffer, per parameter tensor
+    n_tensors = sum(len(list(p.module.parameters())) for p in three_stages(gpt2("tiny")))
+    assert seen_files and all(n == per * n_tensors for n in seen_files[1:])
+    assert not list((tmp_path / "opt").rglob("*.f32"))  # closed: removed
+
+
+def test_state_bytes_and_refusals(tmp_path: Path, adamw: OptimizerSpec) -> None:
+    lin = torch.nn.Linear(64, 32)
+    opt = make_optimizer(adamw, lin.parameters())
+    assert state_bytes(opt) == 2 * (64 * 32 + 32) * 4
+    st = DiskOptimizerState(opt, tmp_path / "s")
+    assert st.nbytes == state_bytes(opt)
+    (lin.weight.sum() + lin.bias.sum()).backward()
+    opt.step()
+    assert _rss_of_mappings(tmp_path / "s") > 0  # the step paged the state in ...
+    st.release()
+    assert _rss_of_mappings(tmp_path / "s") == 0  # ... and the release dropped it
+    assert float(opt.state[lin.weight]["exp_avg"].abs().sum()) > 0  # read back from the file
+    st.close()
+    st.close()  # idempotent
+    assert not list((tmp_path / "s").iterdir())
+    half = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    with pytest.raises(OffloadError, match="float32"):
+        DiskOptimizerState(make_optimizer(adamw, half.parameters()), tmp_path / "h")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OffloadError, match="cannot keep the optimizer state in"):
+        DiskOptimizerState(make_optimizer(adamw, lin.parameters()), blocker / "under")
+
+
+def test_a_full_disk_is_refused_up_front(adamw: OptimizerSpec) -> None:
+    big = torch.nn.Linear(1024, 1024)  # 8 MiB of AdamW state
+    with small_fs(2 << 20) as fs:
+        with pytest.raises(OffloadError, match="free disk space there"):
+            DiskOptimizerState(make_optimizer(adamw, big.parameters()), fs / "opt")
+        assert not list((fs / "opt").glob("*.f32"))  # what was made is removed

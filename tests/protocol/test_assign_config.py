@@ -66,7 +66,7 @@ def test_the_wire_keys_are_those_of_the_old_hand_checked_map() -> None:
             "micro_batches", "pipeline", "per_row", "optimizer", "data", "input_name",
             "targets_name", "loss_name", "stage_nodes", "shared", "recv_timeout_s",
             "slot_stages", "routes", "grad_rank", "grad_warmup_steps", "eval_interval", "precision",
-            "recompute_slots"} == set(wire)
+            "recompute_slots", "offload_slots"} == set(wire)
     # the last four came with replicas and their low-rank reduction: an older reader ignores
     # unknown keys; a job without replicas leaves them empty, grad_rank None
 

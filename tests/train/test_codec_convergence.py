@@ -11,7 +11,7 @@ import pytest
 from bench.compress import PLANNED_MODELS, planned_run
 from fusiond.plan.accuracy import DEFAULT_ACCURACY_BUDGET
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.compute_only]
 
 STEPS = 200
 SEEDS = (0, 1, 2)

@@ -197,6 +197,8 @@ class JobCoordinator:
         """Called once every stage is Ready (weights shipped) and JobStart is out: the start of
         training, apart from start-up."""
         self._checkpoints: dict[int, dict[int, bytes]] = {}
+        self._encodings: dict[str, str] = {}
+        """Edge -> the encoding the last re-adaptation (`set_codecs`) sent its stage."""
         self._held: list[StepMetrics] = []
         """Steps merged but not yet handed to `on_step`: from the first whose held-out
         evaluation is still to come, in step order (the history is append-only)."""
@@ -349,6 +351,7 @@ class JobCoordinator:
             await self.send(node, JobDensities(job_id=self.job_id,
                                                plan_version=self.plan_version,
                                                densities=dens, encodings=encs), ())
+            self._encodings.update(encs)
 
     async def cancel(self, reason: str = "cancelled by the user") -> None:
         """Stop the job: every stage gets JobCancel; `run()` returns a failed outcome."""
@@ -522,7 +525,8 @@ class JobCoordinator:
             ],
             "edges": [
                 {"edge": e.edge, "src": e.src_partition, "dst": e.dst_partition,
-                 "density": densities.get(e.edge), "encoding": e.encoding,
+                 "density": densities.get(e.edge),
+                 "encoding": self._encodings.get(e.edge, e.encoding),
                  "wire_bytes": {k[1]: v[0] for k, v in self._totals.items() if k[0] == e.edge},
                  "dense_bytes": {k[1]: v[1] for k, v in self._totals.items() if k[0] == e.edge}}
                 for e in self.layout.edges()

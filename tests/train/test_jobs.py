@@ -212,11 +212,14 @@ async def test_codecs_readapt_during_the_job(captured_tiny) -> None:  # type: ig
         assert out.ok, out.failure
         with pytest.raises(Exception, match="not a cut edge"):
             await c.set_codecs({"nope->1": EdgeCodec("int8")})
+        shown = {e["edge"]: e for e in c.status()["edges"]}  # fusionctl job ID's edges
     first = {e.edge: e for e in seen[0].edges if e.backward_dense}
     last = {e.edge: e for e in seen[-1].edges if e.backward_dense}
     assert len(first) >= 2 and all(e.forward_wire >= e.forward_dense for e in first.values())
     top, *rest = sorted(last)
     assert last[top].density == 0.25
+    assert shown[top]["density"] == 0.25 and shown[top]["encoding"] == "raw"
+    assert all(shown[e]["encoding"] == "int4" and shown[e]["density"] == 1.0 for e in rest)
     for e in rest:  # int4: half a byte per element and a scale per 256, both ways
         assert 0.12 < last[e].forward_wire / last[e].forward_dense < 0.15
         assert 0.12 < last[e].backward_wire / last[e].backward_dense < 0.15

@@ -247,6 +247,9 @@ class NodeProfile(Struct):
     """CPU seconds the transport spends per message."""
     plan_wake_s: float = 0.0
     """Average wake-up latency a CPU quota adds to a hand-off, seconds."""
+    plan_disk_bytes_per_s: float = 0.0
+    """The local disk's rate for state a stage keeps there (written, synced, read back), bytes
+    per second (0: not measured)."""
     torch_version: str = ""
     python_version: str = ""
     fusiond_version: str = ""

@@ -146,7 +146,8 @@ class MachineProfile:
     ops: frozenset[str] | None = None
     disk_bytes_per_s: float = 0.0
     """Its local disk's rate for the optimizer state a stage keeps there (read and written
-    once per step; `JobSettings.offload`); 0: not measured, `DEFAULT_DISK_BYTES_PER_S`."""
+    once per step; `JobSettings.offload`), as its daemon measured it
+    (`fusiond.profile.disk_bytes_per_s`); 0: not measured, `DEFAULT_DISK_BYTES_PER_S`."""
 
     @property
     def disk_rate_bytes_per_s(self) -> float:
@@ -185,6 +186,7 @@ class MachineProfile:
             "wire_s_per_byte": self.wire_s_per_byte,
             "msg_s": self.msg_s,
             "wake_s": self.wake_s,
+            "disk_bytes_per_s": self.disk_bytes_per_s,
         } | ({} if self.ops is None else {"ops": sorted(self.ops)})
 
     @classmethod
@@ -202,6 +204,7 @@ class MachineProfile:
                 wire_s_per_byte=float(d.get("wire_s_per_byte", 0.0)),
                 msg_s=float(d.get("msg_s", 0.0)),
                 wake_s=float(d.get("wake_s", 0.0)),
+                disk_bytes_per_s=float(d.get("disk_bytes_per_s", 0.0)),
                 ops=None if d.get("ops") is None else frozenset(str(x) for x in d["ops"]),
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -295,7 +298,7 @@ class Cluster:
 
 DEFAULT_DISK_BYTES_PER_S = 2e8
 """An unmeasured disk counts as 200 MB/s for optimizer state kept on it (a SATA SSD writes
-400-500 MB/s, a spinning disk 100-200; the profile does not measure it yet)."""
+400-500 MB/s, a spinning disk 100-200); daemons measure their own (`plan_disk_bytes_per_s`)."""
 
 DEFAULT_DENSITY_FLOOR = 0.05
 """The least top-k density a cut edge may get: the one floor, read by the job file's default

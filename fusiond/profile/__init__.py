@@ -24,10 +24,12 @@ node would do alone on its allowed cores, not what other tenants leave it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -402,7 +404,46 @@ def planner_fields(m: MachineProfile) -> dict[str, float]:
     out["plan_wire_s_per_byte"] = float(m.wire_s_per_byte)
     out["plan_msg_s"] = float(m.msg_s)
     out["plan_wake_s"] = float(m.wake_s)
+    out["plan_disk_bytes_per_s"] = float(m.disk_bytes_per_s)
     return out
+
+
+DISK_PROBE_BYTES = 32 << 20
+"""What `disk_bytes_per_s` writes and reads back: enough to pass the drive's own cache."""
+
+
+def disk_bytes_per_s(directory: Path, size: int = DISK_PROBE_BYTES) -> float:
+    """The rate at which this machine's disk under `directory` writes `size` bytes (synced)
+    and reads them back past the page cache: what a stage keeping its optimizer state there
+    pays per byte once per step (`fusiond.train.offload`). 0.0 when it cannot be measured
+    (no room, a read-only directory): the planner then assumes its default."""
+    path = directory / f".disk-probe-{os.getpid()}"
+    block = os.urandom(1 << 20)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            t0 = time.perf_counter()
+            for _ in range(max(1, size >> 20)):
+                os.write(fd, block)
+            os.fsync(fd)
+            t1 = time.perf_counter()
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.lseek(fd, 0, os.SEEK_SET)
+            t2 = time.perf_counter()
+            while os.read(fd, 1 << 20):
+                pass
+            t3 = time.perf_counter()
+        finally:
+            os.close(fd)
+    except OSError as e:
+        log.warning("cannot measure the disk under %s: %s", directory, e)
+        return 0.0
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+    moved = 2.0 * max(1, size >> 20) * (1 << 20)
+    return moved / max((t1 - t0) + (t3 - t2), 1e-9)
 
 
 def machine_from_profile(node_id: str, profile: NodeProfile,
@@ -420,7 +461,10 @@ def machine_from_profile(node_id: str, profile: NodeProfile,
                           kind=profile.device_kind,
                           wire_s_per_byte=max(0.0, profile.plan_wire_s_per_byte),
                           msg_s=max(0.0, profile.plan_msg_s),
-                          wake_s=min(max(0.0, profile.plan_wake_s), MAX_WAKE_S))
+                          wake_s=min(max(0.0, profile.plan_wake_s), MAX_WAKE_S),
+                          disk_bytes_per_s=(float(profile.plan_disk_bytes_per_s)
+                                            if math.isfinite(profile.plan_disk_bytes_per_s)
+                                            and profile.plan_disk_bytes_per_s > 0 else 0.0))
 
 
 def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> NodeProfile:
@@ -491,6 +535,13 @@ def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> 
                 durable.write_bytes(cache, json.dumps(data).encode(), mode=0o644)
             except OSError as e:
                 log.warning("cannot cache the profile benchmark in %s: %s", cache, e)
+    if cache is not None and data is not None and "disk_bytes_per_s" not in data:
+        data["disk_bytes_per_s"] = disk_bytes_per_s(cache.parent)
+        try:
+            durable.write_bytes(cache, json.dumps(data).encode(), mode=0o644)
+        except OSError as e:
+            log.warning("cannot cache the disk rate in %s: %s", cache, e)
+    disk = float((data or {}).get("disk_bytes_per_s") or 0.0)
     gflops, machine, gflops_wall, machine_wall = raw
     prof["threads"] = threads
     if kind == "cpu":
@@ -500,7 +551,9 @@ def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> 
             gflops = min(gflops, gflops_wall)
         machine = at_allowance(machine, threads, allowance.cores, machine_wall)
     # a quota delays every wake-up of this host's threads, whatever the device
-    machine = dataclasses.replace(machine, wake_s=allowance.wake_s(threads))
+    machine = dataclasses.replace(machine, wake_s=allowance.wake_s(threads),
+                                  disk_bytes_per_s=disk if math.isfinite(disk) and disk > 0
+                                  else 0.0)
     prof["gflops"] = round(gflops, 2)
     prof.update(planner_fields(machine))
     return NodeProfile(**prof)

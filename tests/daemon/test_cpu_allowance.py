@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from fusiond import profile
 from fusiond.plan import MachineProfile
+from fusiond.plan.model import DEFAULT_DISK_BYTES_PER_S
 from fusiond.profile import (
     CpuAllowance,
     cgroup_dirs,
@@ -193,6 +194,22 @@ def test_planner_fields_round_trip_through_the_gossiped_profile() -> None:
     # a gossiped profile cannot claim a wake-up beyond the longest CFS period
     huge = machine_from_profile("n", dataclasses.replace(prof, plan_wake_s=1e9), 1.0)
     assert huge is not None and huge.wake_s == profile.MAX_WAKE_S
+    # the disk rate travels; an unmeasured or bogus one counts as the planner's default
+    disk = machine_from_profile("n", dataclasses.replace(prof, plan_disk_bytes_per_s=3e8), 1.0)
+    assert disk is not None and disk.disk_rate_bytes_per_s == 3e8
+    for bad in (0.0, -1.0, float("nan")):
+        d = machine_from_profile("n", dataclasses.replace(prof, plan_disk_bytes_per_s=bad), 1.0)
+        assert d is not None and d.disk_bytes_per_s == 0.0
+        assert d.disk_rate_bytes_per_s == DEFAULT_DISK_BYTES_PER_S
+
+
+def test_the_disk_rate_is_measured_past_the_page_cache(tmp_path: Path) -> None:
+    rate = profile.disk_bytes_per_s(tmp_path, size=4 << 20)
+    assert 1e6 < rate < 1e12  # written, synced, read back: some real rate
+    assert not list(tmp_path.iterdir())  # the probe file is gone
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert profile.disk_bytes_per_s(blocker / "under", size=1 << 20) == 0.0  # not a dir
 
 
 @pytest.mark.slow  # imports torch and calibrates

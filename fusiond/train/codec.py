@@ -181,8 +181,8 @@ def encode_lowrank(t: torch.Tensor, seed: int = 0) -> tuple[Encoded, np.ndarray]
     n = arr.shape[-1]
     r = min(lowrank_rank(n), arr.size // n, n)
     enc = wire.encode(arr, wire.Encoding.LOWRANK, k=r, value_dtype="bf16", seed=seed)
-    _, q = wire.decode_lowrank(b"".join(enc.buffers()))
-    return _encoded(enc, arr.nbytes), np.asarray(q, dtype=np.float32)
+    assert enc.basis is not None, "protocol.tensors LOWRANK must expose its basis"
+    return _encoded(enc, arr.nbytes), np.asarray(enc.basis, dtype=np.float32)
 
 
 def project(g: torch.Tensor, q: np.ndarray) -> torch.Tensor:

@@ -168,3 +168,11 @@ async def test_steps_wait_for_a_figure_only_so_long(tmp_path: Any,
     history = await _history(tmp_path, 40, "eval_interval = 1", seen)
     assert [r["step"] for r in history] == list(range(40))
     assert any(0 < n < 40 for n in seen), seen  # records arrived while it trained
+    # ... and at most MAX_HELD_WAIT_S, however many steps that is
+    monkeypatch.setattr(coordinator, "MAX_HELD_STEPS", 10**6)
+    monkeypatch.setattr(coordinator, "MAX_HELD_WAIT_S", 0.0)
+    seen.clear()
+    (tmp_path / "again").mkdir()
+    history = await _history(tmp_path / "again", 40, "eval_interval = 1", seen)
+    assert [r["step"] for r in history] == list(range(40))
+    assert any(0 < n < 40 for n in seen), seen

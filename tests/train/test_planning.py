@@ -35,6 +35,24 @@ def _assert_eager_losses(spec: Any, losses: list[float]) -> None:
         assert got == pytest.approx(exp, rel=1e-4)
 
 
+def _plan_that_fits_only_with(spec: Any, without: Any, cap: Any,
+                              memories: tuple[float, ...]) -> Any:
+    """The plan of `spec` on three machines of the first size in `memories` where `without`
+    (the same job lacking a memory option) cannot be planned and `spec` can; None if none."""
+    for memory in memories:
+        cluster = Cluster.build(_machines(memory), [[1.25e9] * 3] * 3)
+        try:
+            plan_job(without, cap, cluster)
+            continue
+        except PlanError:
+            pass
+        try:
+            return plan_job(spec, cap, cluster)
+        except PlanError:
+            continue
+    return None
+
+
 async def _run(spec: Any, cap: Any, layout: Any, **kw: Any) -> tuple[Any, dict[str, Any]]:
     """Run `layout` on 3 in-process nodes, node0 scheduling: (its outcome, its last status)."""
     async with inproc_cluster(3) as nodes:
@@ -235,19 +253,8 @@ async def test_a_job_that_fits_only_recomputing_is_planned_so_and_trains_exactly
     spec, cap = captured_tiny
     spec = replace(spec, steps=4)
     off = replace(spec, batch=replace(spec.batch, recompute=False))
-    plan = None
-    for memory in (8e5, 7e5, 6e5, 5e5, 4.5e5, 4e5):  # the first size only recomputing fits
-        cluster = Cluster.build(_machines(memory), [[1.25e9] * 3] * 3)
-        try:
-            plan_job(off, cap, cluster)
-            continue
-        except PlanError:
-            pass
-        try:
-            plan = plan_job(spec, cap, cluster)
-        except PlanError:
-            continue
-        break
+    # the first size only recomputing fits
+    plan = _plan_that_fits_only_with(spec, off, cap, (8e5, 7e5, 6e5, 5e5, 4.5e5, 4e5))
     assert plan is not None, "no machine size where only recomputing fits"
     ev = plan.evaluation
     assert ev.memory_ok and any(r.recompute for r in ev.stages)
@@ -283,19 +290,8 @@ async def test_a_job_that_fits_only_offloading_is_planned_so_and_trains_exactly(
     spec, cap = captured_tiny
     spec = replace(spec, steps=4)
     off = replace(spec, batch=replace(spec.batch, offload=False))
-    plan = None
-    for memory in (6e5, 5e5, 4.5e5, 4e5, 3.5e5, 3e5, 2.5e5):  # the first only offloading fits
-        cluster = Cluster.build(_machines(memory), [[1.25e9] * 3] * 3)
-        try:
-            plan_job(off, cap, cluster)
-            continue
-        except PlanError:
-            pass
-        try:
-            plan = plan_job(spec, cap, cluster)
-        except PlanError:
-            continue
-        break
+    # the first size only offloading fits
+    plan = _plan_that_fits_only_with(spec, off, cap, (6e5, 5e5, 4.5e5, 4e5, 3.5e5, 3e5, 2.5e5))
     assert plan is not None, "no machine size where only offloading fits"
     ev = plan.evaluation
     assert ev.memory_ok and any(r.offload for r in ev.stages)

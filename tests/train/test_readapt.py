@@ -3,6 +3,8 @@ plan and the links as measured now, and the service loop that sends them."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -77,6 +79,27 @@ def test_tolerance_is_relative(tolerance: float) -> None:
     assert (got is None) == (tolerance > 0.2)
 
 
+def _service_on_two_members(bits_per_s: float) -> tuple[
+        Any, Any, dict[tuple[str, str], tuple[float, float]]]:
+    """A scheduler's JobService (m0, leading) whose cluster view has two alive members and
+    the link m0 -> m1 measured at `bits_per_s` (the view's unit); nothing goes on the wire.
+    Returns (the service, the view, its links to change)."""
+    from types import SimpleNamespace
+
+    from fusiond.jobs.service import JobService
+
+    links: dict[tuple[str, str], tuple[float, float]] = {("m0", "m1"): (bits_per_s, 0.0)}
+    members = [SimpleNamespace(node_id=f"m{i}", state="alive", address=("127.0.0.1", 1),
+                               profile=NodeProfile(gflops=1000.0, memory_bytes=10**12))
+               for i in range(2)]
+    view = SimpleNamespace(members=members, links=links, leader="m0", term=1, has_quorum=True)
+
+    async def send_raw(peer: str, msg: object, payload: object = ()) -> None:
+        raise AssertionError("nothing goes on the wire here")
+
+    return JobService(node_id="m0", send_raw=send_raw, view=lambda: view), view, links
+
+
 class _Coord:
     def __init__(self) -> None:
         self.sent: list[dict[str, float]] = []
@@ -94,20 +117,10 @@ async def test_service_sends_densities_when_the_measured_link_slows() -> None:
     import asyncio
     from types import SimpleNamespace
 
-    from fusiond.jobs.service import JobService
 
     plan, _ = _plan(1e9)
     # the view's links are gossiped in bits per second: 8e9 bit/s is the plan's 1e9 bytes/s
-    links: dict[tuple[str, str], tuple[float, float]] = {("m0", "m1"): (8e9, 0.0)}
-    members = [SimpleNamespace(node_id=f"m{i}", state="alive", address=("127.0.0.1", 1),
-                               profile=NodeProfile(gflops=1000.0, memory_bytes=10**12))
-               for i in range(2)]
-    view = SimpleNamespace(members=members, links=links, leader="m0", term=1, has_quorum=True)
-
-    async def send_raw(peer: str, msg: object, payload: object = ()) -> None:
-        raise AssertionError("nothing goes on the wire here")
-
-    svc = JobService(node_id="m0", send_raw=send_raw, view=lambda: view)
+    svc, view, links = _service_on_two_members(8e9)
     coord = _Coord()
     lines: list[str] = []
     layout = SimpleNamespace(densities={}, edges=lambda: [SimpleNamespace(edge=e) for e in EDGES])
@@ -177,25 +190,15 @@ async def test_service_sends_codecs_when_the_measured_link_slows() -> None:
     import asyncio
     from types import SimpleNamespace
 
-    from fusiond.jobs.service import JobService
 
     plan, _ = _plan(1e12, choice=True)
-    links: dict[tuple[str, str], tuple[float, float]] = {("m0", "m1"): (8e12, 0.0)}
-    members = [SimpleNamespace(node_id=f"m{i}", state="alive", address=("127.0.0.1", 1),
-                               profile=NodeProfile(gflops=1000.0, memory_bytes=10**12))
-               for i in range(2)]
-    view = SimpleNamespace(members=members, links=links, leader="m0", term=1, has_quorum=True)
-
-    async def send_raw(peer: str, msg: object, payload: object = ()) -> None:
-        raise AssertionError("nothing goes on the wire here")
-
+    svc, _, links = _service_on_two_members(8e12)
     sent: list[dict[str, EdgeCodec]] = []
 
     class Coord(_Coord):
         async def set_codecs(self, codecs: dict[str, EdgeCodec]) -> None:
             sent.append(dict(codecs))
 
-    svc = JobService(node_id="m0", send_raw=send_raw, view=lambda: view)
     lines: list[str] = []
     layout = SimpleNamespace(densities={}, encodings={},
                              edges=lambda: [SimpleNamespace(edge=e) for e in EDGES])

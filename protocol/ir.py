@@ -729,6 +729,34 @@ def _dec_graph(body: Any, limits: Limits) -> Graph:
     )
 
 
+def block_key(module_path: str) -> str:
+    """The block a node of `module_path` belongs to: the path up to its first numbered
+    component (``transformer.h.3.attn.c_attn`` -> ``transformer.h.3``), else its first two
+    components (``transformer.wte``): a model's repeated blocks are blocks, the rest grouped
+    by top-level module. The unit of the memory planner's per-block decisions."""
+    parts = [p for p in module_path.split(".") if p]
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return ".".join(parts[:2])
+
+
+def block_starts(graph: Graph) -> list[int]:
+    """Positions in `graph.nodes` where a block begins (0 first): where the `block_key` of a
+    tensor-producing node differs from the previous such node's. Size arithmetic and nodes of
+    no module (an add of two embeddings) never start a block; they stay with the one before."""
+    starts: list[int] = [0] if graph.nodes else []
+    prev: str | None = None
+    for i, n in enumerate(graph.nodes):
+        if not n.module_path or not any(m.is_tensor for m in n.outputs):
+            continue
+        key = block_key(n.module_path)
+        if prev is not None and key != prev:
+            starts.append(i)
+        prev = key
+    return starts
+
+
 def validate(graph: Graph) -> None:
     """Check the graph's internal consistency; raise `RemoteProtocolError` naming the problem.
 
@@ -872,6 +900,8 @@ __all__ = [
     "Ref",
     "RefKind",
     "TensorMeta",
+    "block_key",
+    "block_starts",
     "compile_sym",
     "dumps",
     "eval_dim",

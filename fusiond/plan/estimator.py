@@ -281,4 +281,4 @@ def cost_graph_from_ir(
             last_dim=float(shape[-1]) if len(shape) >= 2 else 0.0,
         ))
     return CostGraph(tuple(ops), tuple(tensors), name=name or graph.meta.get("model", "graph"),
-                     param_sizes=sizes)
+                     param_sizes=sizes, block_starts=tuple(ir.block_starts(graph)))

@@ -87,6 +87,9 @@ class CostGraph:
     name: str = "graph"
     #: parameter name -> bytes (for de-duplicating tied weights); optional
     param_sizes: Mapping[str, float] = field(default_factory=dict)
+    #: positions where a block begins (`protocol.ir.block_starts`): the units of the memory
+    #: planner's per-block decisions (`fusiond.plan.memory`); empty: one block per op
+    block_starts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         names = [o.name for o in self.ops]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,11 @@ import torch
 
 from fusiond.errors import LocalError
 
-__all__ = ["DiskOptimizerState", "OffloadError", "state_bytes"]
+__all__ = ["DiskOptimizerState", "DiskParameters", "OffloadError", "state_bytes",
+           "step_in_chunks"]
+
+PAGE_BYTES = mmap.PAGESIZE
+"""Each tensor of a mapped file starts on a page, so releasing one never drops a neighbour's."""
 
 
 class OffloadError(LocalError):
@@ -64,6 +69,8 @@ class DiskOptimizerState:
         self.opt = opt
         self.directory = directory
         self._maps: list[_Mapped] = []
+        self._of: dict[int, list[_Mapped]] = {}
+        """id(parameter) -> the maps of its state."""
         self._closed = False
         try:
             directory.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -100,6 +107,14 @@ class DiskOptimizerState:
             raise OffloadError(f"optimizer state offload keeps float32 CPU state; parameter "
                                f"{name} is {p.dtype} on {p.device}")
         state = opt.state[p]
+        first = len(self._maps)
+        try:
+            self._init_state(opt, group, p, name, state)
+        finally:
+            self._of[id(p)] = self._maps[first:]
+
+    def _init_state(self, opt: torch.optim.Optimizer, group: dict[str, object],
+                    p: torch.Tensor, name: str, state: dict[str, object]) -> None:
         if isinstance(opt, torch.optim.AdamW | torch.optim.Adam):
             if group.get("amsgrad"):
                 raise OffloadError("optimizer state offload does not support amsgrad")
@@ -119,9 +134,12 @@ class DiskOptimizerState:
         else:
             raise OffloadError(f"no disk offload for {type(opt).__name__}")
 
-    def release(self) -> None:
-        """Write the state back and drop its pages (after `opt.step()`)."""
-        for m in self._maps:
+    def release(self, params: Sequence[torch.Tensor] | None = None) -> None:
+        """Write the state back and drop its pages (after `opt.step()`): of `params`' state
+        only, or of all of it."""
+        maps = (self._maps if params is None
+                else [m for p in params for m in self._of.get(id(p), ())])
+        for m in maps:
             m.mm.flush()
             with contextlib.suppress(OSError, AttributeError, ValueError):
                 m.mm.madvise(mmap.MADV_DONTNEED)
@@ -140,6 +158,7 @@ class DiskOptimizerState:
             return
         self._closed = True
         self.opt.state.clear()
+        self._of.clear()
         for m in self._maps:
             del m.tensor
             with contextlib.suppress(BufferError, ValueError):
@@ -148,3 +167,201 @@ class DiskOptimizerState:
                 os.close(m.fd)
             m.path.unlink(missing_ok=True)
         self._maps.clear()
+
+
+def step_in_chunks(opt: torch.optim.Optimizer, chunks: Sequence[Sequence[torch.Tensor]],
+                   after: Callable[[list[torch.Tensor]], None]) -> None:
+    """`opt.step()` over one chunk of its parameters at a time, calling `after(chunk)` behind
+    each (to release that chunk's pages), so an update of state on disk never holds more than
+    a chunk of it. The same update as one `step()`: AdamW and SGD (foreach off) update every
+    parameter on its own. A parameter in several chunks steps once, in its first; one in
+    none steps with the last."""
+    if len(opt.param_groups) != 1:
+        raise OffloadError("a chunked update needs an optimizer with one parameter group")
+    group = opt.param_groups[0]
+    every: list[torch.Tensor] = group["params"]
+    left = {id(p): p for p in every}
+    try:
+        for i, chunk in enumerate(chunks):
+            todo = [p for p in chunk if left.pop(id(p), None) is not None]
+            if i == len(chunks) - 1:
+                todo += list(left.values())
+                left.clear()
+            if todo:
+                group["params"] = todo
+                opt.step()
+            after(todo)
+    finally:
+        group["params"] = every
+
+
+@dataclass
+class _Span:
+    offset: int
+    nbytes: int
+
+
+class DiskParameters:
+    """Parameters and their gradients in two memory-mapped files: the disk tier for the
+    weights of a CPU-only machine short of memory (issue 17).
+
+    Each parameter's values move into ``params.f32`` and its gradient is preallocated (zeros)
+    in ``grads.f32``, both `MAP_SHARED`: the program, autograd (which accumulates into an
+    existing ``.grad`` in place) and the optimizer read and write them where they are, so
+    every value is the plain run's, bit for bit. What is resident is what was touched since
+    the last release; `use(i)` (before segment i's forward) and `backward_done(i)` (once
+    segment i's backward is through) keep only the segments next to the running one mapped
+    and ask the kernel to read the next one ahead (`MADV_WILLNEED`): a released page is
+    unmapped, and reading it again comes from the page cache, or from disk when the kernel
+    had to reclaim it (a dirty page is written back first, never lost). `step` runs the
+    optimizer one segment at a time and releases each behind it, so the update never holds
+    more than a segment's weights, gradients and state.
+
+    `groups[i]` names the parameters segment i reads (a tied parameter in several).
+    """
+
+    def __init__(self, params: Mapping[str, torch.Tensor], groups: Sequence[Sequence[str]],
+                 directory: Path) -> None:
+        self.directory = directory
+        self._params = dict(params)
+        self._closed = False
+        self._fds: list[int] = []
+        self._maps: list[mmap.mmap] = []
+        self._paths: list[Path] = []
+        self._span: dict[str, _Span] = {}
+        offset = 0
+        for name, p in self._params.items():
+            if p.dtype != torch.float32 or p.device.type != "cpu":
+                raise OffloadError(f"parameter offload keeps float32 CPU weights; {name} is "
+                                   f"{p.dtype} on {p.device}")
+            nbytes = p.numel() * 4
+            self._span[name] = _Span(offset, nbytes)
+            offset += -(-max(nbytes, 1) // PAGE_BYTES) * PAGE_BYTES
+        self.nbytes = offset
+        """Bytes of each of the two files."""
+        known = set(self._params)
+        self.groups = [[n for n in dict.fromkeys(g) if n in known] for g in groups] or [
+            list(self._params)]
+        grouped = {n for g in self.groups for n in g}
+        rest = [n for n in self._params if n not in grouped]
+        if rest:  # a parameter no segment reads still lives somewhere: with the last
+            self.groups[-1] = [*self.groups[-1], *rest]
+        self._resident: set[int] = set()
+        try:
+            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            pmap = self._open("params.f32")
+            gmap = self._open("grads.f32")
+        except OSError as e:
+            self.close()
+            raise OffloadError(f"cannot keep the parameters in {directory}: {e}; free disk "
+                               "space there or give the stage more memory") from e
+        self._views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, p in self._params.items():
+            sp = self._span[name]
+            pv = self._view(pmap, sp, p)
+            gv = self._view(gmap, sp, p)
+            with torch.no_grad():
+                pv.copy_(p.detach())
+            p.data = pv
+            p.grad = gv
+            self._views[name] = (pv, gv)
+        self.release_all()
+
+    def _open(self, name: str) -> mmap.mmap:
+        path = self.directory / name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self._fds.append(fd)
+        self._paths.append(path)
+        size = max(self.nbytes, PAGE_BYTES)
+        os.posix_fallocate(fd, 0, size)  # no space: fail now, not mid-step with SIGBUS
+        mm = mmap.mmap(fd, size)
+        self._maps.append(mm)
+        return mm
+
+    @staticmethod
+    def _view(mm: mmap.mmap, sp: _Span, p: torch.Tensor) -> torch.Tensor:
+        arr = np.frombuffer(mm, dtype=np.float32, count=p.numel(), offset=sp.offset)
+        return torch.from_numpy(arr).view(tuple(p.shape))
+
+    def _advise(self, group: int, advice: int) -> None:
+        for name in self.groups[group]:
+            sp = self._span[name]
+            length = -(-max(sp.nbytes, 1) // PAGE_BYTES) * PAGE_BYTES
+            for mm in self._maps:
+                with contextlib.suppress(OSError, ValueError):
+                    mm.madvise(advice, sp.offset, length)
+
+    def _keep(self, groups: set[int], ahead: int | None) -> None:
+        for g in sorted(self._resident - groups):
+            self._advise(g, mmap.MADV_DONTNEED)
+        self._resident = {g for g in groups if 0 <= g < len(self.groups)}
+        if ahead is not None and 0 <= ahead < len(self.groups) and ahead not in groups:
+            self._advise(ahead, mmap.MADV_WILLNEED)
+            self._resident.add(ahead)
+
+    def use(self, group: int) -> None:
+        """Segment `group`'s forward is next: keep it and the one before, read the next
+        one ahead, release the rest."""
+        self._keep({group - 1, group}, group + 1)
+
+    def backward_done(self, group: int) -> None:
+        """Segment `group`'s backward is through: the one before is next."""
+        self._keep({group - 1}, group - 2)
+
+    def release_all(self) -> None:
+        """Unmap every page (they stay in the file, and in the page cache while it has room)."""
+        for mm in self._maps:
+            with contextlib.suppress(OSError, ValueError):
+                mm.madvise(mmap.MADV_DONTNEED)
+        self._resident.clear()
+
+    def step(self, opt: torch.optim.Optimizer, state: DiskOptimizerState | None) -> None:
+        """`opt.step()` one segment at a time, each segment's gradients zeroed and its pages
+        (weights, gradients, and `state`'s optimizer state) released behind it; then every
+        parameter's `.grad` is its mapped, zeroed gradient again."""
+        name_of = {id(p): n for n, p in self._params.items()}
+        chunks = [[self._params[n] for n in names] for names in self.groups]
+        at = [0]
+
+        def after(chunk: list[torch.Tensor]) -> None:
+            for p in chunk:
+                gv = self._views[name_of[id(p)]][1]
+                if p.grad is not gv:  # a shared gradient the exchange replaced
+                    p.grad = gv
+                gv.zero_()
+            if state is not None:
+                state.release(chunk)
+            self._advise(at[0], mmap.MADV_DONTNEED)
+            at[0] += 1
+
+        step_in_chunks(opt, chunks, after)
+        self._resident.clear()
+
+    def flush(self) -> None:
+        """Write dirty pages back and drop the files' page cache (between steps)."""
+        for mm, fd in zip(self._maps, self._fds, strict=True):
+            mm.flush()
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        """Remove the files and drop the gradients; idempotent. The parameters keep their
+        mapped values (a final `state_dict` reads them) until they are dropped, which ends the
+        mapping and frees the disk space; they are not copied back into memory, which may not
+        hold them."""
+        if self._closed:
+            return
+        self._closed = True
+        for name in getattr(self, "_views", {}):
+            self._params[name].grad = None
+        self._views = {}
+        for mm in self._maps:
+            with contextlib.suppress(BufferError, ValueError):
+                mm.close()
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        for path in self._paths:
+            path.unlink(missing_ok=True)
+        self._maps.clear()
+        self._fds.clear()

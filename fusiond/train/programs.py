@@ -27,6 +27,7 @@ from fusiond.graph import (
 from fusiond.train.codec import EdgeEncoding
 from fusiond.train.data import Batch, DataSource, make_source
 from fusiond.train.model import Feed, build_model, feed_for, loss_fn
+from fusiond.train.segments import SegmentPlan, SegmentRunner
 from fusiond.train.spec import JobSpec
 from fusiond.train.stage import EdgeSpec, StageError, StageProgram
 from protocol import ir
@@ -47,7 +48,8 @@ __all__ = [
 ]
 
 
-def build_stage_module(graph: ir.Graph, state: Mapping[str, torch.Tensor]) -> GraphProgram:
+def build_stage_module(graph: ir.Graph, state: Mapping[str, torch.Tensor], *,
+                       copy: bool = True) -> GraphProgram:
     """Build a partition's sub-graph into a module that does not depend on input strides.
 
     A received tensor is always contiguous, but the graph was traced with the producer's
@@ -56,7 +58,7 @@ def build_stage_module(graph: ir.Graph, state: Mapping[str, torch.Tensor]) -> Gr
     copies where it is not, so every `aten.view` becomes `aten.reshape` (same values, same
     gradients).
     """
-    module = build_program(graph, state)
+    module = build_program(graph, state, copy=copy)
     changed = False
     for node in module.graph.nodes:
         if node.op == "call_function" and node.target is torch.ops.aten.view.default:
@@ -191,10 +193,14 @@ def stage_program(
     int8_edges: Collection[str] = (),
     seed: int = 0,
     encodings: Mapping[str, EdgeEncoding] | None = None,
+    segments: SegmentPlan | None = None,
+    copy: bool = True,
 ) -> StageProgram:
     """Build one partition into a `StageProgram` (parameters copied from `state`); an edge in
     `encodings` travels so encoded both ways (`int8_edges`: int8), the others exact or top-k
-    at their `densities`."""
+    at their `densities`. With `segments`, the program runs segment by segment, the ones the
+    plan says checkpointed (`fusiond.train.segments`). `copy=False` takes `state`'s tensors
+    as the parameters (a caller that loaded them for this stage only)."""
     densities = densities or {}
     encodings = encodings or {}
 
@@ -202,7 +208,9 @@ def stage_program(
         enc: EdgeEncoding = encodings.get(eid, "int8" if eid in int8_edges else "raw")
         return EdgeSpec(eid, src, dst, densities.get(eid), per_row, enc)
 
-    module = build_stage_module(part.graph, state)
+    module = build_stage_module(part.graph, state, copy=copy)
+    runner = SegmentRunner(part.graph, module, segments) if segments is not None else None
+    forward = runner.run if runner is not None else module.run
     stage = stage_of[part.id]
     in_edges: list[EdgeSpec] = []
     data_map: dict[str, str] = {}  # graph input name -> batch key
@@ -231,7 +239,7 @@ def stage_program(
                 feed[in_value[key]] = t
             elif key in data_key:
                 feed[data_key[key]] = t
-        outs = module.run(feed)
+        outs = forward(feed)
         result = {eid: outs[out_value[eid]] for eid in (e.edge_id for e in out_edges)}
         if loss_name is not None:
             result["loss"] = outs[loss_name]
@@ -246,6 +254,7 @@ def stage_program(
         has_loss=loss_name is not None,
         shared=dict(shared or {}),
         seed_random=random_seeder(module, seed),
+        segments=runner,
     )
 
 

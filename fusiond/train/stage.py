@@ -61,9 +61,10 @@ from fusiond.tasks import cancel_and_wait
 from fusiond.train import codec
 from fusiond.train.data import Batch, DataSource, split_micro_batches
 from fusiond.train.lowrank import LowRankState, compressed
-from fusiond.train.offload import DiskOptimizerState
+from fusiond.train.offload import DiskOptimizerState, DiskParameters, step_in_chunks
 from fusiond.train.optim import lr_at, make_optimizer, set_lr
 from fusiond.train.schedule import Phase, Task
+from fusiond.train.segments import SegmentRunner
 from fusiond.train.spec import OptimizerSpec
 from protocol.messages import MAX_STEP_TASKS, MAX_TASK_NAME_BYTES, EdgeFigures, StepFigures
 
@@ -98,6 +99,10 @@ FAULT_MACHINE = "machine"
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 """A stage's compute precisions -> the autocast dtype (None: float32 throughout). fp16 needs
 a loss scaler every stage agrees on (a skipped step everywhere when one overflows): not built."""
+
+
+STEP_CHUNK_TENSORS = 4
+"""Parameters a stage without segments steps together when its optimizer state is on disk."""
 
 
 class StageError(LocalError):
@@ -250,6 +255,9 @@ class StageProgram:
     shared: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     seed_random: Callable[[int, int], None] | None = None
     """Called with (step, micro-batch) before each forward: keys the module's random ops."""
+    segments: SegmentRunner | None = None
+    """Where `run` goes segment by segment (per-block checkpointing): its hooks let the
+    parameter offload follow the forward and the backward."""
 
 
 @dataclass(frozen=True)
@@ -285,6 +293,11 @@ class StageConfig:
     under this directory instead of memory (`fusiond.train.offload`): the same updates, bit
     for bit; the state is read and written once per step and costs no memory between steps.
     None: in memory."""
+    offload_params: bool = False
+    """Keep the parameters and their gradients in memory-mapped files under `offload_dir`
+    too (`fusiond.train.offload.DiskParameters`; with the optimizer state there): with a
+    segmented program (`StageProgram.segments`) only the segments next to the running one are
+    resident, and the optimizer steps one segment at a time. Bit-exact."""
 
 
 @dataclass
@@ -596,6 +609,29 @@ class StageExecutor:
             self._offload = DiskOptimizerState(self.optimizer,
                                                self.config.offload_dir / f"slot-{self.slot}")
         self._params = dict(program.module.named_parameters())
+        runner = program.segments
+        names = list(self._params)
+        self._step_chunks = ([[self._params[n] for n in g] for g in runner.param_names()]
+                             if runner is not None else
+                             [[self._params[n] for n in names[i:i + STEP_CHUNK_TENSORS]]
+                              for i in range(0, len(names), STEP_CHUNK_TENSORS)])
+        """With the optimizer state on disk: the parameters it steps together (a segment's,
+        or a few tensors), so one chunk of its state is in memory at a time."""
+        self._disk_params: DiskParameters | None = None
+        if self.config.offload_params and self._params:
+            if self.config.offload_dir is None:
+                raise StageError(f"stage {stage}: parameter offload needs an offload directory")
+            groups = runner.param_names() if runner is not None else [list(self._params)]
+            try:
+                self._disk_params = DiskParameters(
+                    self._params, groups, self.config.offload_dir / f"slot-{self.slot}-params")
+            except BaseException:
+                if self._offload is not None:
+                    self._offload.close()
+                raise
+            if runner is not None:
+                runner.on_forward = self._disk_params.use
+                runner.on_backward = self._disk_params.backward_done
         for name in program.shared:
             if name not in self._params:
                 raise StageError(f"stage {stage}: shared parameter {name!r} is not in the module")
@@ -690,6 +726,8 @@ class StageExecutor:
             self._inbox_bytes = 0
         if self._offload is not None:
             self._offload.close()
+        if self._disk_params is not None:
+            self._disk_params.close()
 
     async def flush(self) -> None:
         """Wait until every queued outbound packet has been handed to the link; the stage's
@@ -1138,6 +1176,14 @@ class StageExecutor:
         if self.optimizer is None:
             return
         set_lr(self.optimizer, lr)
+        if self._disk_params is not None:
+            self._disk_params.step(self.optimizer, self._offload)
+            self._disk_params.flush()
+            return
+        if self._offload is not None:  # a chunk of the state in memory at a time
+            step_in_chunks(self.optimizer, self._step_chunks, self._offload.release)
+            self.optimizer.zero_grad(set_to_none=True)
+            return
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self._offload is not None:

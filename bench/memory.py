@@ -117,13 +117,17 @@ def _reset_peak() -> None:
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    from fusiond.train.data import make_source
-    from fusiond.train.local import ReferenceTrainer
+    from fusiond.train.data import make_source, split_micro_batches
+    from fusiond.train.local import WithLoss
     from fusiond.train.model import build_model, loss_fn
-    from fusiond.train.offload import DiskOptimizerState
+    from fusiond.train.offload import DiskOptimizerState, trim_heap
+    from fusiond.train.optim import lr_at, make_optimizer, set_lr
 
     spec = _spec(args.width, args.layers, args.batch, args.micro, args.steps)
     data = make_source(spec.data, spec.seed)
+    # what the first optimizer imports (torch._dynamo, about 60 MB) is the process's
+    # footprint, as in a daemon that has trained before, not training state
+    make_optimizer(spec.optimizer, [torch.nn.Parameter(torch.zeros(1))])
     tokens = spec.batch.size * spec.data.seq_len
     out: dict[str, Any] = {"policy": args.worker, "layers": args.layers}
     times: list[float] = []
@@ -142,19 +146,31 @@ def worker(args: argparse.Namespace) -> None:
             for block in blocks:
                 fwd = block.forward
                 block.forward = (lambda f: lambda x: checkpoint(f, x, use_reentrant=False))(fwd)
-        rt = ReferenceTrainer(model, loss_fn(spec.loss), spec.optimizer, data=data,
-                              batch_size=spec.batch.size, micro_batches=spec.batch.micro_batches,
-                              total_steps=spec.steps)
-        disk = (DiskOptimizerState(rt.optimizer, Path(args.scratch) / "opt")
+        net = WithLoss(model, loss_fn(spec.loss), None)
+        opt = make_optimizer(spec.optimizer, net.parameters())
+        disk = (DiskOptimizerState(opt, Path(args.scratch) / "opt")
                 if args.worker == "ckpt+offload" else None)
         gc.collect()
         _reset_peak()
+        micro = spec.batch.micro_batches
         for s in range(spec.steps):
+            # ReferenceTrainer's step, with the C heap trimmed as the stage runtime does
             t0 = time.perf_counter()
-            losses.append(rt.step(s))
+            step_losses = []
+            for mb in split_micro_batches(data.batch(s, spec.batch.size), micro):
+                loss = net.on(mb)
+                torch.autograd.backward(loss / micro)
+                step_losses.append(float(loss.detach()))
+                del loss
+                trim_heap()
+            set_lr(opt, lr_at(spec.optimizer, s, spec.steps))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
             if disk is not None:
                 disk.release()
+            trim_heap()
             times.append(time.perf_counter() - t0)
+            losses.append(sum(step_losses) / micro)
         _, peak = _rss_kib()
         if disk is not None:
             disk.close()
@@ -177,6 +193,7 @@ def run_fusion(args: argparse.Namespace, spec: Any, data: Any, out: dict[str, An
     from fusiond.plan import Cluster, GraphArrays, MachineProfile, batch_symbol, cost_graph_from_ir
     from fusiond.plan.memory import plan_stage_memory, stage_blocks
     from fusiond.train.local import run_pipeline
+    from fusiond.train.offload import trim_heap
     from fusiond.train.programs import graph_data_names, stage_program
     from fusiond.train.segments import SegmentPlan
     from fusiond.train.stage import StageConfig
@@ -188,7 +205,12 @@ def run_fusion(args: argparse.Namespace, spec: Any, data: Any, out: dict[str, An
     cost = cost_graph_from_ir(graph, {sym: spec.batch.micro_batch_size} if sym else {})
     arrays = GraphArrays(cost, Cluster.build([machine], [[1e9]]), job_settings(spec))
     blocks, _ = stage_blocks(arrays, 0, 0, len(cost))
-    budget = args.limit_mib * 2**20 - args.footprint_kib * 1024
+    parts = partition(graph, contiguous_assignment(graph, 1))
+    main, targets = graph_data_names(graph)
+    gc.collect()
+    marks: dict[str, int] = {"base": _rss_kib()[0]}
+    # what a daemon offers a job: the limit less its own footprint, measured
+    budget = args.limit_mib * 2**20 - marks["base"] * 1024
     choice = plan_stage_memory(blocks, budget_bytes=budget, micro_batches=spec.batch.micro_batches,
                                inflight=1, disk_bytes_per_s=machine.disk_rate_bytes_per_s,
                                workspace_bytes=float(arrays.out.max()))
@@ -197,10 +219,6 @@ def run_fusion(args: argparse.Namespace, spec: Any, data: Any, out: dict[str, An
                    "offload_params": choice.offload_params, "fits": choice.fits,
                    "predicted_peak_bytes": choice.peak_bytes, "added_s": choice.added_s,
                    "budget_bytes": budget}
-    parts = partition(graph, contiguous_assignment(graph, 1))
-    main, targets = graph_data_names(graph)
-    gc.collect()
-    marks: dict[str, int] = {"base": _rss_kib()[0]}
     # the weights as the submitting machine captured them, read from a file on demand
     state = torch.load(args.state, mmap=True, weights_only=True)
     prog = stage_program(parts[0], state, stage_of={parts[0].id: 0}, input_name=main,
@@ -216,6 +234,7 @@ def run_fusion(args: argparse.Namespace, spec: Any, data: Any, out: dict[str, An
 
     def on_executors(_: Any) -> None:
         gc.collect()
+        trim_heap()
         if os.environ.get("BENCH_MEMORY_DEBUG"):
             print("at start", _status(), file=sys.stderr)
         _reset_peak()
@@ -332,8 +351,7 @@ class Bench:
         argv += ["--scratch", str(work)]
         if policy == "fusion":
             g, s = self._capture(layers)
-            argv += ["--graph", str(g), "--state", str(s), "--machine", self.machine,
-                     "--footprint-kib", str(self.footprint_kib)]
+            argv += ["--graph", str(g), "--state", str(s), "--machine", self.machine]
         t0 = time.perf_counter()
         with memory_cgroup(a.limit_mib << 20) as (path, kind):
             procs = path / "cgroup.procs"
@@ -386,7 +404,10 @@ def footprint_kib(args: argparse.Namespace) -> int:
             "import torch, fusiond.train.local, fusiond.train.programs, fusiond.plan\n"
             "from fusiond.train.data import make_source\n"
             "from bench.memory import _spec, _rss_kib\n"
-            "make_source(_spec(64, 1, 8, 2, 3).data, 0)\n"
+            "from fusiond.train.optim import make_optimizer\n"
+            "spec = _spec(64, 1, 8, 2, 3)\n"
+            "make_source(spec.data, 0)\n"
+            "make_optimizer(spec.optimizer, [torch.nn.Parameter(torch.zeros(1))])\n"
             "print(_rss_kib()[0])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
@@ -417,7 +438,6 @@ def main() -> None:
     ap.add_argument("--graph", help=argparse.SUPPRESS)
     ap.add_argument("--state", help=argparse.SUPPRESS)
     ap.add_argument("--machine", help=argparse.SUPPRESS)
-    ap.add_argument("--footprint-kib", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args)

@@ -61,7 +61,12 @@ from fusiond.tasks import cancel_and_wait
 from fusiond.train import codec
 from fusiond.train.data import Batch, DataSource, split_micro_batches
 from fusiond.train.lowrank import LowRankState, compressed
-from fusiond.train.offload import DiskOptimizerState, DiskParameters, step_in_chunks
+from fusiond.train.offload import (
+    DiskOptimizerState,
+    DiskParameters,
+    step_in_chunks,
+    trim_heap,
+)
 from fusiond.train.optim import lr_at, make_optimizer, set_lr
 from fusiond.train.schedule import Phase, Task
 from fusiond.train.segments import SegmentRunner
@@ -298,6 +303,11 @@ class StageConfig:
     too (`fusiond.train.offload.DiskParameters`; with the optimizer state there): with a
     segmented program (`StageProgram.segments`) only the segments next to the running one are
     resident, and the optimizer steps one segment at a time. Bit-exact."""
+    trim_heap: bool = False
+    """Give the C heap's free pages back after every backward task and update
+    (`fusiond.train.offload.trim_heap`), so the stage's peak is the training state the
+    memory planner counts, not that plus the allocator's fragmentation. On whenever a memory
+    decision is (recompute, segments, offload)."""
 
 
 @dataclass
@@ -617,6 +627,9 @@ class StageExecutor:
                               for i in range(0, len(names), STEP_CHUNK_TENSORS)])
         """With the optimizer state on disk: the parameters it steps together (a segment's,
         or a few tensors), so one chunk of its state is in memory at a time."""
+        self._trim = (self.config.trim_heap or self.config.recompute or runner is not None
+                      or self.config.offload_dir is not None)
+        """Trim the C heap after each backward and update (`StageConfig.trim_heap`)."""
         self._disk_params: DiskParameters | None = None
         if self.config.offload_params and self._params:
             if self.config.offload_dir is None:
@@ -1261,6 +1274,9 @@ class StageExecutor:
                 start, cpu0 = time.perf_counter(), time.thread_time()
                 packets = self._guard(
                     what, step, functools.partial(self._backward, step, m, ctx, payloads, cost))
+                del ctx
+                if self._trim:
+                    trim_heap()
             end, cpu = time.perf_counter(), time.thread_time() - cpu0
             busy += end - start
             waited += max(0.0, ready - free)
@@ -1277,6 +1293,8 @@ class StageExecutor:
         lr = lr_at(self.opt_spec, step, self.total_steps)
         to = time.perf_counter()
         self._guard("optimizer step", step, lambda: self._opt_step(lr))
+        if self._trim:
+            trim_heap()
         busy += time.perf_counter() - to
         wall = time.perf_counter() - t0
         # this executor's share of the iteration's mean loss (all of it without replicas:

@@ -22,8 +22,8 @@ Policies (the same model, limit and batches):
   measured one.
 
 Table 1: the largest depth each of plain and fusion trains under the limit (plain by doubling
-then bisection; fusion checked at `--factor` times plain's parameters and, with `--search`,
-beyond). Target: fusion trains at least 4x plain's parameters.
+then bisection; fusion checked at the first depth with `--factor` times plain's parameters
+and, with `--search`, beyond). Target: fusion trains at least 4x plain's parameters.
 Table 2: at one depth that plain cannot train (`--over` times plain's largest), every policy's
 step time; target: fusion at least 1.3x the throughput of the best static policy that ran.
 Both also print fusion's measured peak against the plan's prediction (target within 10 %).
@@ -92,6 +92,16 @@ micro_batches = {micro}
 """)
 
 
+def params_at(width: int, layers: int) -> int:
+    """The model's parameter count at `layers`, built on the meta device (no memory)."""
+    import torch
+
+    from fusiond.train.model import build_model
+    with torch.device("meta"):
+        model = build_model(_spec(width, layers, 8, 2, 3).model, seed=0)
+    return sum(p.numel() for p in model.parameters())
+
+
 def _rss_kib() -> tuple[int, int]:
     """(resident now, peak since the last reset), KiB."""
     now = peak = 0
@@ -118,8 +128,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     from fusiond.train.data import make_source, split_micro_batches
-    from fusiond.train.local import WithLoss
-    from fusiond.train.model import build_model, loss_fn
+    from fusiond.train.model import WithLoss, build_model, loss_fn
     from fusiond.train.offload import DiskOptimizerState, trim_heap
     from fusiond.train.optim import lr_at, make_optimizer, set_lr
 
@@ -249,6 +258,17 @@ def run_fusion(args: argparse.Namespace, spec: Any, data: Any, out: dict[str, An
             print("after step", _status(), file=sys.stderr)
         marks["peak"] = max(marks.get("peak", 0), _rss_kib()[1])
 
+    if os.environ.get("BENCH_MEMORY_DEBUG"):  # memory after each task and update
+        from fusiond.train import stage as stage_mod
+        for name in ("_forward", "_backward", "_opt_step"):
+            real = getattr(stage_mod.StageExecutor, name)
+
+            def wrap(self: Any, *a: Any, real: Any = real, name: str = name, **k: Any) -> Any:
+                _reset_peak()
+                r = real(self, *a, **k)
+                print(name, _status(), file=sys.stderr)
+                return r
+            setattr(stage_mod.StageExecutor, name, wrap)
     asyncio.run(run_pipeline([prog], data=data, batch_size=spec.batch.size,
                              micro_batches=spec.batch.micro_batches, optimizer=spec.optimizer,
                              steps=spec.steps, config=config, on_step=on_step,
@@ -311,11 +331,16 @@ def memory_cgroup(limit_bytes: int) -> Iterator[tuple[Path, str]]:
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, scratch: Path) -> None:
+    """Runs policies at depths under the limit, each once (cached); `machine` (a
+    `MachineProfile` as JSON) is what fusion plans for (None: this machine's measured
+    profile)."""
+
+    def __init__(self, args: argparse.Namespace, scratch: Path, machine: str | None = None
+                 ) -> None:
         self.args = args
         self.scratch = scratch
         self.cache: dict[tuple[str, int], Run] = {}
-        self.machine = self._machine()
+        self.machine = machine or self._machine()
         self.footprint_kib = 0
 
     def _machine(self) -> str:
@@ -423,7 +448,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--factor", type=float, default=TARGET_PARAMS_RATIO,
-                    help="check fusion at this many times plain's largest depth")
+                    help="check fusion at this many times plain's largest parameter count")
     ap.add_argument("--over", type=float, default=1.5,
                     help="table 2's depth, in multiples of plain's largest")
     ap.add_argument("--search", action="store_true", help="search fusion's largest depth too")
@@ -460,7 +485,10 @@ def report(args: argparse.Namespace, bench: Bench) -> None:
               "--limit-mib", file=sys.stderr)
         sys.exit(1)
     plain = bench.run("plain", plain_l)
-    at = max(plain_l + 1, round(plain_l * args.factor))
+    # the first depth with `factor` times plain's parameters (the embedding does not grow)
+    at = plain_l + 1
+    while params_at(args.width, at) < args.factor * plain.params:
+        at += 1
     fus = bench.run("fusion", at)
     fusion_l = at if fus.ok else 0
     if args.search and fus.ok:

@@ -17,7 +17,8 @@ runtime it prices: `SegmentRunner`, `DiskOptimizerState`, `DiskParameters`):
   blocks' weights and gradients mapped at a time; priced as read from disk twice per
   micro-batch (forward and backward) and the gradients read and written once per micro-batch,
   nothing assumed cached: an upper bound, as the page cache keeps what fits.
-- plus the largest op output as workspace.
+- plus the largest op output as workspace; the activations count `ACTIVATION_OVERHEAD` times
+  the cost graph's bytes (the allocator's share, measured).
 
 `plan_stage_memory` tries the four placements; in each, which blocks to checkpoint is a
 min-cost cover (the cheapest set of blocks whose checkpointing frees enough memory), solved by
@@ -37,7 +38,14 @@ import numpy as np
 if TYPE_CHECKING:
     from fusiond.plan.pipeline import GraphArrays
 
-__all__ = ["MEMORY_QUANTUM", "BlockCost", "MemoryChoice", "plan_stage_memory", "stage_blocks"]
+__all__ = ["ACTIVATION_OVERHEAD", "MEMORY_QUANTUM", "BlockCost", "MemoryChoice",
+           "plan_stage_memory", "stage_blocks"]
+
+ACTIVATION_OVERHEAD = 1.2
+"""Resident bytes per byte of activations the cost graph counts: the allocator's own
+(fragmentation between a forward's temporaries, chunk headers) and what a backward holds
+besides the saved tensors. Measured by bench/memory.py's worker on GPT-2 (width 256, 34-92
+layers, 256 tokens per micro-batch, the C heap trimmed after each backward): 1.13-1.31."""
 
 MEMORY_QUANTUM = 2048
 """Steps the memory to free is counted in, per solve (the budget's rounding)."""
@@ -179,7 +187,8 @@ def plan_stage_memory(blocks: Sequence[BlockCost], *, budget_bytes: float, micro
         else:
             static = 2 * params + opt
             disk_s = 0.0
-        room = budget_bytes - static - workspace_bytes
+        # the activations' model counts ACTIVATION_OVERHEAD times what the cost graph does
+        room = (budget_bytes - static - workspace_bytes) / ACTIVATION_OVERHEAD
         plain_act = inflight * sum(b.saved_bytes for b in blocks)
         got = (_choose(blocks, room, inflight) if allow_recompute
                else (0.0, tuple(False for _ in blocks), plain_act) if plain_act <= room
@@ -192,12 +201,13 @@ def plan_stage_memory(blocks: Sequence[BlockCost], *, budget_bytes: float, micro
                          default=0.0))
             fwd = sum(b.fwd_s for b, f in zip(blocks, rc, strict=True) if f)
             candidates.append(MemoryChoice(rc, off_opt, off_params,
-                                           static + workspace_bytes + act,
+                                           static + workspace_bytes
+                                           + ACTIVATION_OVERHEAD * act,
                                            micro_batches * fwd + disk_s, False))
             continue
         fwd, flags, act = got
         candidates.append(MemoryChoice(flags, off_opt, off_params,
-                                       static + workspace_bytes + act,
+                                       static + workspace_bytes + ACTIVATION_OVERHEAD * act,
                                        micro_batches * fwd + disk_s, True))
     fitting = [c for c in candidates if c.fits]
     if fitting:

@@ -489,7 +489,11 @@ def render_plan(data: Mapping[str, Any], console: Console | None = None) -> None
             row += ([str(int(s.get("stop_op", 0)) - int(s.get("start_op", 0))),
                      f"{s.get('first_op', '')} -> {s.get('last_op', '')}", _ms(s.get("compute_s")),
                      f"{_si_bytes(s.get('memory_bytes'))} / {_si_bytes(s.get('memory_cap_bytes'))}"
-                     + (" R" if s.get("recompute") else "") + (" D" if s.get("offload") else "")]
+                     + (" R" if s.get("recompute") else "")
+                     + (f" C{len(s.get('checkpoint_blocks') or [])}/{s.get('blocks')}"
+                        if s.get("checkpoint_blocks") else "")
+                     + (" D" if s.get("offload") else "")
+                     + (" W" if s.get("offload_params") else "")]
                     if i == 0 else ["", "(replica)", "", ""])
             if replicated:
                 row.append(str(micro[i]) if i < len(micro) else "-")
@@ -497,8 +501,12 @@ def render_plan(data: Mapping[str, Any], console: Console | None = None) -> None
     title = "stages (+: a replica, on its share of the micro-batches)" if replicated else "stages"
     if any(s.get("recompute") for s in stages):
         title += " (R: recomputes its activations in the backward, they would not fit kept)"
+    if any(s.get("checkpoint_blocks") for s in stages):
+        title += " (Ck/n: recomputes k of its n blocks in the backward)"
     if any(s.get("offload") for s in stages):
         title += " (D: its optimizer state on disk, it would not fit in memory)"
+    if any(s.get("offload_params") for s in stages):
+        title += " (W: its weights on disk too)"
     c.print(_fitted(title,
                     [("stage", None), ("machine", 16), ("ops", None),
                      ("first op -> last op", 30), ("ms", None), ("memory / of", None)]

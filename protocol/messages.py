@@ -479,9 +479,14 @@ class AssignConfig(Struct):
     offload_slots: tuple[int, ...] = ()
     """The slots that keep their optimizer state on their machine's disk (the planner's
     choice where it would not fit in memory)."""
+    checkpoint_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Slot (decimal str) -> the blocks of its partition (`protocol.ir.block_starts`, by
+    index) it checkpoints: the per-block memory planner's choice."""
+    offload_param_slots: tuple[int, ...] = ()
+    """The slots that keep their weights and gradients on disk too (with `offload_slots`)."""
 
     def __post_init__(self) -> None:
-        for name in ("stage_nodes", "shared", "slot_stages", "routes"):
+        for name in ("stage_nodes", "shared", "slot_stages", "routes", "checkpoint_blocks"):
             n = len(getattr(self, name))
             if n > MAX_ASSIGN_STAGES:
                 raise ValueError(f"{name} has {n} entries, limit is {MAX_ASSIGN_STAGES}")

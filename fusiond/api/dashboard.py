@@ -239,6 +239,9 @@ def job_block(job: Mapping[str, Any], names: Mapping[str, str], *,
                 s["micro_batches"] = p.get("micro_batches")
                 s["recompute"] = bool(p.get("recompute"))
                 s["offload"] = bool(p.get("offload"))
+                s["offload_params"] = bool(p.get("offload_params"))
+                blocks = p.get("checkpoint_blocks") or []
+                s["checkpoint"] = f"{len(blocks)}/{p.get('blocks')}" if blocks else None
     ckpt_at = job.get("checkpoint_at")
     return {
         "job_id": job.get("job_id"), "name": job.get("name"), "state": job.get("state"),

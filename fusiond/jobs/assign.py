@@ -95,6 +95,10 @@ class JobLayout:
     offload: frozenset[str] = frozenset()
     """The machines whose stage keeps its optimizer state on disk (the plan's choice where
     it would not fit in memory)."""
+    checkpoint_blocks: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    """Machine -> the blocks of its stage it checkpoints (the per-block memory plan)."""
+    offload_params: frozenset[str] = frozenset()
+    """The machines whose stage keeps its weights and gradients on disk too."""
 
     @property
     def int8_edges(self) -> frozenset[str]:
@@ -348,7 +352,12 @@ def assign_messages(
                         recompute_slots=[slot for slot, n in nodes.items()
                                          if n in layout.recompute],
                         offload_slots=[slot for slot, n in nodes.items()
-                                       if n in layout.offload])
+                                       if n in layout.offload],
+                        checkpoint_blocks={slot: layout.checkpoint_blocks[n]
+                                           for slot, n in nodes.items()
+                                           if layout.checkpoint_blocks.get(n)},
+                        offload_param_slots=[slot for slot, n in nodes.items()
+                                             if n in layout.offload_params])
     routes = layout.edges()
     job_nodes = {n: tuple(addresses[n]) for n in nodes.values()}
     shipped = _shipped_data(spec) if corpus is None else corpus.shipped()

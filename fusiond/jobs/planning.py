@@ -224,8 +224,11 @@ def layout_from_plan(job_id: str, graph: ir.Graph, state: Mapping[str, torch.Ten
     ev = plan.evaluation
     recompute = frozenset(r.machine_id for r in (ev.replicas or ev.stages) if r.recompute)
     offload = frozenset(r.machine_id for r in (ev.replicas or ev.stages) if r.offload)
+    blocks = {r.machine_id: r.checkpoint_blocks for r in (ev.replicas or ev.stages)
+              if r.checkpoint_blocks}
+    weights = frozenset(r.machine_id for r in (ev.replicas or ev.stages) if r.offload_params)
     return replace(layout, grad_rank=grad_rank_of(plan, spec), recompute=recompute,
-                   offload=offload)
+                   offload=offload, checkpoint_blocks=blocks, offload_params=weights)
 
 
 def layout_codecs(layout: JobLayout) -> dict[str, EdgeCodec]:

@@ -178,6 +178,17 @@ class _Search:
                 rc = self.static + self.saved
                 lo_mem = np.minimum(lo_mem, np.searchsorted(
                     rc, rc[j] - (self.caps[m] - infl * self.in_max), "left"))
+            if st.recompute or st.offload:  # ... or checkpointing blocks, weights on disk
+                kept = self.a.block_act_prefix(infl)[self.q]
+                const = float(self.a.block_act_const(infl)[self.q].max()) if len(self.q) else 0.0
+                if st.recompute:
+                    blk = self.static + kept
+                    lo_mem = np.minimum(lo_mem, np.searchsorted(
+                        blk, blk[j] - (self.caps[m] - const), "left"))
+                if st.offload:
+                    lo_mem = np.minimum(lo_mem, np.searchsorted(
+                        kept, kept[j] - (self.caps[m] - const - self.a.offload_window),
+                        "left"))
             lo = np.maximum.reduce([
                 np.searchsorted(P, P[j] - bound, "left"),
                 lo_mem,
@@ -300,6 +311,8 @@ def _group_orders(
     speed = [sum(1.0 / max(arrays.prefix[m, -1], 1e-300) for m in g) for g in groups]
     cap = [float(arrays.caps[g].sum()) for g in groups]
     need = float(arrays.fit_static_prefix[-1])
+    if st.offload:  # weights on disk: a group holds a few blocks of them at a time
+        need = min(need, arrays.offload_window)
     ref = arrays.prefix.mean(axis=0)
     ref = ref / max(ref[-1], 1e-300)
     G = len(groups)
@@ -754,10 +767,15 @@ def plan_opfence(
     if best is None:
         ops_note = ("; each stage also needs a machine that runs every op of it, and some "
                     "machines lack ops of this graph" if arrays.restricted else "")
+        disk_note = (f"; with the weights and optimizer state on disk a stage still holds "
+                     f"{arrays.offload_window / 2**20:.1f} MiB of them (three blocks) plus "
+                     "its activations" if settings.offload else
+                     "; allowing the optimizer state and weights on disk (batch.offload) "
+                     "would need less")
         raise PlanError(
             f"no cut of {graph.name!r} fits the machines' memory "
             f"(parameters+gradients+optimizer state alone need "
-            f"{arrays.static_prefix[-1] / 2**30:.2f} GiB){ops_note}"
+            f"{arrays.static_prefix[-1] / 2**30:.2f} GiB){disk_note}{ops_note}"
         )
     if compress and settings.codec_choice:  # the kept plan's links, fill included
         best = _score(arrays, best.stages, compress, refine=True)

@@ -41,11 +41,13 @@ if TYPE_CHECKING:
 __all__ = ["ACTIVATION_OVERHEAD", "MEMORY_QUANTUM", "BlockCost", "MemoryChoice",
            "plan_stage_memory", "stage_blocks"]
 
-ACTIVATION_OVERHEAD = 1.2
+ACTIVATION_OVERHEAD = 1.3
 """Resident bytes per byte of activations the cost graph counts: the allocator's own
 (fragmentation between a forward's temporaries, chunk headers) and what a backward holds
-besides the saved tensors. Measured by bench/memory.py's worker on GPT-2 (width 256, 34-92
-layers, 256 tokens per micro-batch, the C heap trimmed after each backward): 1.13-1.31."""
+besides the saved tensors. Measured by bench/memory.py's worker on GPT-2 (width 256, 30-97
+layers, 256 tokens per micro-batch, the C heap trimmed after each backward): 1.13-1.31 (the
+saved tensors themselves match the cost graph to 7 %); the planner takes the high end, so
+that a plan errs on the side of fitting."""
 
 MEMORY_QUANTUM = 2048
 """Steps the memory to free is counted in, per solve (the budget's rounding)."""
@@ -76,13 +78,26 @@ class MemoryChoice:
     offload_params: bool
     peak_bytes: float
     """Predicted peak of the stage's training state (not the process's own footprint)."""
-    added_s: float
-    """Time per iteration the decisions add: second forwards and disk traffic."""
+    per_micro_s: float
+    """Time the decisions add to each micro-batch: second forwards, the weights' disk reads."""
+    per_step_s: float
+    """Time they add once an iteration: the optimizer state's (and weights') trip to disk."""
+    micro_batches: int
     fits: bool
+
+    @property
+    def added_s(self) -> float:
+        """Time per iteration the decisions add."""
+        return self.micro_batches * self.per_micro_s + self.per_step_s
 
     @property
     def recomputed(self) -> int:
         return sum(self.recompute)
+
+    @property
+    def checkpoint_blocks(self) -> tuple[int, ...]:
+        """The indices of the checkpointed blocks."""
+        return tuple(i for i, f in enumerate(self.recompute) if f)
 
 
 def _cover(saving: Sequence[float], cost: Sequence[float], need: float
@@ -163,7 +178,7 @@ def plan_stage_memory(blocks: Sequence[BlockCost], *, budget_bytes: float, micro
     """The cheapest decisions that fit `budget_bytes` (see the module's docstring); where
     none fits, the one that needs least memory, with `fits` False."""
     if not blocks:
-        return MemoryChoice((), False, False, workspace_bytes, 0.0,
+        return MemoryChoice((), False, False, workspace_bytes, 0.0, 0.0, micro_batches,
                             workspace_bytes <= budget_bytes)
     params = sum(b.param_bytes for b in blocks)
     opt = sum(b.opt_bytes for b in blocks)
@@ -180,13 +195,14 @@ def plan_stage_memory(blocks: Sequence[BlockCost], *, budget_bytes: float, micro
     for off_opt, off_params in placements:
         if off_params:
             static = max(window, largest_step)
-            disk_s = (micro_batches * 4 * params + 2 * (params + opt)) / disk_bytes_per_s
+            micro_disk_s = 4 * params / disk_bytes_per_s
+            disk_s = 2 * (params + opt) / disk_bytes_per_s
         elif off_opt:
             static = 2 * params + largest_opt
-            disk_s = 2 * opt / disk_bytes_per_s
+            micro_disk_s, disk_s = 0.0, 2 * opt / disk_bytes_per_s
         else:
             static = 2 * params + opt
-            disk_s = 0.0
+            micro_disk_s, disk_s = 0.0, 0.0
         # the activations' model counts ACTIVATION_OVERHEAD times what the cost graph does
         room = (budget_bytes - static - workspace_bytes) / ACTIVATION_OVERHEAD
         plain_act = inflight * sum(b.saved_bytes for b in blocks)
@@ -203,12 +219,12 @@ def plan_stage_memory(blocks: Sequence[BlockCost], *, budget_bytes: float, micro
             candidates.append(MemoryChoice(rc, off_opt, off_params,
                                            static + workspace_bytes
                                            + ACTIVATION_OVERHEAD * act,
-                                           micro_batches * fwd + disk_s, False))
+                                           fwd + micro_disk_s, disk_s, micro_batches, False))
             continue
         fwd, flags, act = got
         candidates.append(MemoryChoice(flags, off_opt, off_params,
                                        static + workspace_bytes + ACTIVATION_OVERHEAD * act,
-                                       micro_batches * fwd + disk_s, True))
+                                       fwd + micro_disk_s, disk_s, micro_batches, True))
     fitting = [c for c in candidates if c.fits]
     if fitting:
         return min(fitting, key=lambda c: (c.added_s, c.peak_bytes))

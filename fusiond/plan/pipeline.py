@@ -39,6 +39,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fusiond.plan.memory import (
+    ACTIVATION_OVERHEAD,
+    MemoryChoice,
+    plan_stage_memory,
+    stage_blocks,
+)
 from fusiond.plan.model import (
     F64,
     Cluster,
@@ -98,6 +104,13 @@ class StageReport:
     optimizer time includes reading and writing it."""
     micro_batches: int = 0
     """Micro-batches of an iteration this machine runs (all M without replicas)."""
+    checkpoint_blocks: tuple[int, ...] = ()
+    """The blocks of the stage (`stage_blocks`, in order) it checkpoints: the per-block
+    memory planner's choice (`fusiond.plan.memory`), instead of `recompute`; `compute_s`
+    includes their second forwards."""
+    offload_params: bool = False
+    """It keeps its weights and gradients on disk too (with `offload`): `compute_s` includes
+    reading them."""
 
     @property
     def busy_s(self) -> float:
@@ -237,6 +250,30 @@ class GraphArrays:
         #: starting there keeps per micro-batch in flight when it recomputes (an upper bound
         #: on its inputs: every tensor alive across p)
         self.in_bytes = self.cut_bytes(1.0)[0] if settings.recompute else np.zeros(self.n + 1)
+        # blocks (`CostGraph.block_starts`; without them each op is one): the units of the
+        # memory planner's per-block decisions (`fusiond.plan.memory`)
+        starts = np.zeros(self.n + 1, dtype=bool)
+        starts[list(graph.block_starts) or list(range(self.n))] = True
+        starts[0] = True
+        #: [p]: whether a block begins at op p
+        self.is_block_start = starts
+        block_id = np.cumsum(starts[: self.n]) - 1
+        nb = int(block_id[-1]) + 1 if self.n else 0
+        block_param = np.bincount(block_id, weights=self.param, minlength=nb)
+        block_opt = np.bincount(block_id, weights=self.opt, minlength=nb)
+        block_saved = np.bincount(block_id, weights=self.saved, minlength=nb)
+        #: [p]: inputs per micro-batch the blocks starting before p keep when checkpointed
+        #: (block starts only; a stage's first block keeps `in_bytes` at its own start)
+        self.block_in_prefix = np.concatenate(
+            [[0.0], np.cumsum(np.where(starts[: self.n], self.in_bytes[: self.n], 0.0))])
+        #: the largest block's activations: what a checkpointed block holds again in the
+        #: backward
+        self.max_block_saved = float(block_saved.max()) if nb else 0.0
+        #: what weights on disk keep in memory at most: three blocks' weights and gradients,
+        #: or one block's weights, gradients and optimizer state while it steps
+        windows = [2.0 * float(block_param[max(0, i - 1): i + 2].sum()) for i in range(nb)]
+        self.offload_window = max([0.0, *windows,
+                                   *(2.0 * block_param + block_opt).tolist()])
         #: [machine, op] True where the machine runs the op (`MachineProfile.ops`)
         self.runs = np.array([[m.runs(o.op) for o in graph.ops] for m in cluster.machines],
                              dtype=bool).reshape(len(cluster), self.n)
@@ -264,7 +301,32 @@ class GraphArrays:
             rc = self.fit_static_prefix + self.saved_prefix
             need = np.minimum(need, rc[None, :] - rc[:, None] + infl * self.in_bytes[:, None]
                               + outmax)
+        # per-block checkpointing (`fusiond.plan.memory`): every block keeps its inputs, one
+        # holds its activations again; with the optimizer state on disk, the weights too
+        kept = self.block_act_prefix(infl)
+        act = kept[None, :] - kept[:, None] + self.block_act_const(infl)[:, None]
+        if self.settings.recompute:
+            need = np.minimum(need, self.fit_static_prefix[None, :]
+                              - self.fit_static_prefix[:, None] + act + outmax)
+        if self.settings.offload:
+            need = np.minimum(need, self.offload_window + act + outmax)
         return need
+
+    def block_act_prefix(self, infl: int) -> F64:
+        """[p]: the monotone part of the activations a stage keeps with every block
+        checkpointed (`infl` micro-batches of every block's inputs), with the planner's
+        allocator factor; `block_act_const` adds the rest. Without recompute: all of them."""
+        if not self.settings.recompute:
+            return ACTIVATION_OVERHEAD * infl * self.saved_prefix
+        return ACTIVATION_OVERHEAD * infl * self.block_in_prefix
+
+    def block_act_const(self, infl: int) -> F64:
+        """[p]: what a stage starting at p keeps besides `block_act_prefix`'s difference: its
+        first block's inputs (where p starts no block) and one block's activations."""
+        if not self.settings.recompute:
+            return np.zeros(self.n + 1)
+        first = np.where(self.is_block_start, 0.0, self.in_bytes)
+        return ACTIVATION_OVERHEAD * (infl * first + self.max_block_saved)
 
     def stage_runs(self, machine: int, start: int, stop: int) -> bool:
         """Whether `machine` runs every op in [start, stop)."""
@@ -711,22 +773,39 @@ def evaluate(
                                 + (kept if rc else inflight * saved) + work + bucket)
                     for _, rc, off in options}
             fits = [o for o in options if need[(o[1], o[2])] <= cap]
-            _, recompute, offload = (min(fits) if fits
-                                     else min(options, key=lambda o: need[(o[1], o[2])]))
+            cost, recompute, offload = (min(fits) if fits
+                                        else min(options, key=lambda o: need[(o[1], o[2])]))
             mem = need[(recompute, offload)]
-            if recompute:
-                computes[i][r] += fwd_s
+            blockwise: MemoryChoice | None = None
+            if (st.recompute or st.offload) and (cost > 0 or mem > cap):
+                # per block (AutoHete): which blocks to checkpoint, and the weights on disk
+                # as a last resort, where that fits or costs less than the stage-wide choice
+                blocks, _ = stage_blocks(arrays, mi, s.start, s.stop)
+                got = plan_stage_memory(
+                    blocks, budget_bytes=cap - bucket, micro_batches=mb, inflight=inflight,
+                    disk_bytes_per_s=m.disk_rate_bytes_per_s, workspace_bytes=work,
+                    allow_recompute=st.recompute, allow_offload=st.offload,
+                    allow_param_offload=st.offload)
+                if got.fits and (mem > cap or got.added_s < cost):
+                    blockwise = got
+            micro_s, step_s = (fwd_s if recompute else 0.0), (disk_s if offload else 0.0)
+            if blockwise is not None:
+                recompute, offload = False, blockwise.offload_optimizer
+                mem = blockwise.peak_bytes + bucket
+                micro_s, step_s = blockwise.per_micro_s, blockwise.per_step_s
+            computes[i][r] += micro_s
             if mem > cap:
                 over.append(m.id)
             if not arrays.stage_runs(mi, s.start, s.stop):
                 lacks = arrays.missing_ops(mi, s.start, s.stop)
                 unrunnable.append(f"{m.id}: {', '.join(lacks)}")
-            opt_s = max(opt_s, params * st.optimizer_passes / m.mem_bw
-                        + (disk_s if offload else 0.0))
+            opt_s = max(opt_s, params * st.optimizer_passes / m.mem_bw + step_s)
             row.append(StageReport(
                 i, mi, m.id, s.start, s.stop, g.ops[s.start].name, g.ops[s.stop - 1].name,
                 computes[i][r], mem, cap, inflight, replica=r, micro_batches=mb,
                 recompute=recompute, offload=offload,
+                checkpoint_blocks=blockwise.checkpoint_blocks if blockwise else (),
+                offload_params=blockwise.offload_params if blockwise else False,
             ))
         reps.append(row)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TypedDict
 
-from fusiond.plan.pipeline import LinkReport, Plan
+from fusiond.plan.pipeline import LinkReport, Plan, StageReport
 from fusiond.units import bits_per_s_from_bytes_per_s
 
 
@@ -27,6 +27,12 @@ class PlanStageSummary(TypedDict):
     """It recomputes its activations in the backward (they would not fit kept)."""
     offload: bool
     """It keeps its optimizer state on disk (it would not fit in memory)."""
+    checkpoint_blocks: list[int]
+    """The blocks it checkpoints (the per-block memory plan; indices into its blocks)."""
+    blocks: int
+    """How many blocks the stage has (`fusiond.plan.memory.stage_blocks`)."""
+    offload_params: bool
+    """It keeps its weights and gradients on disk too."""
     replica_machine_ids: list[str]
     """The stage's other machines (data parallelism), each running its share of the
     micro-batches; empty for a stage on one machine."""
@@ -103,6 +109,21 @@ class PlanSummary(TypedDict):
     notes: list[str]
 
 
+def _blocks_in(plan: Plan, start: int, stop: int) -> int:
+    """Blocks of ops [start, stop) (`stage_blocks`' count)."""
+    starts = plan.arrays.graph.block_starts or range(len(plan.arrays.graph))
+    return 1 + sum(1 for p in starts if start < p < stop)
+
+
+def _memory_note(plan: Plan, r: StageReport) -> str:
+    """A stage's memory decisions, as `fusionctl plan` prints them."""
+    out = "  recompute" if r.recompute else ""
+    if r.checkpoint_blocks:
+        out += f"  checkpoint {len(r.checkpoint_blocks)}/{_blocks_in(plan, r.start, r.stop)}"
+    out += "  offload" if r.offload else ""
+    return out + ("  weights-on-disk" if r.offload_params else "")
+
+
 def plan_summary(plan: Plan) -> PlanSummary:
     """Stages (machine ids, op ranges), links (bytes/s, bytes, density) and the prediction."""
     ev = plan.evaluation
@@ -117,6 +138,9 @@ def plan_summary(plan: Plan) -> PlanSummary:
                                  compute_s=r.compute_s, memory_bytes=r.memory_bytes,
                                  memory_cap_bytes=r.memory_cap, recompute=r.recompute,
                                  offload=r.offload,
+                                 checkpoint_blocks=list(r.checkpoint_blocks),
+                                 blocks=_blocks_in(plan, r.start, r.stop),
+                                 offload_params=r.offload_params,
                                  replica_machine_ids=[x.machine_id for x in ev.replicas
                                                       if x.index == r.index and x.replica],
                                  micro_batches=[x.micro_batches for x in ev.replicas
@@ -190,14 +214,22 @@ def render_plan(plan: Plan, *, max_links: int = 24) -> str:
             f"{head}  {r.machine_id:<14}{r.stop - r.start:>6}  {r.first_op[:27]:<28}"
             f"{r.last_op[:27]:<28}{_ms(r.compute_s):>11}{_si(r.memory_bytes, 'B'):>12}"
             f"{_si(r.memory_cap, 'B'):>11}" + (f"{r.micro_batches:>10}" if replicated else "")
-            + ("  recompute" if r.recompute else "") + ("  offload" if r.offload else "")
+            + _memory_note(plan, r)
         )
     if any(r.recompute for r in (ev.replicas or ev.stages)):
         lines.append("(recompute: the stage keeps only its inputs and runs its forward again in "
                      "the backward; its kept activations would not fit)")
+    if any(r.checkpoint_blocks for r in (ev.replicas or ev.stages)):
+        lines.append("(checkpoint k/n: the stage keeps only the inputs of k of its n blocks and "
+                     "runs their forward again in the backward, the cheapest that fits)")
     if any(r.offload for r in (ev.replicas or ev.stages)):
         lines.append("(offload: the stage keeps its optimizer state on disk, read and written "
                      "once per step; it would not fit in memory)")
+    if any(r.offload_params for r in (ev.replicas or ev.stages)):
+        lines.append("(weights-on-disk: its weights and gradients too, three blocks in memory at "
+                     "a time; the last resort, read from disk every micro-batch)")
+    lines.append("(memory: the predicted peak of the stage's training state, of what its "
+                 "machine offers)")
     if replicated:
         lines.append("(+: a replica of the stage above: the same ops on its share of the "
                      "micro-batches)")

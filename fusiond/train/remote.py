@@ -51,6 +51,7 @@ from fusiond.train.data import (
 )
 from fusiond.train.programs import build_stage_module, data_inputs, random_seeder
 from fusiond.train.schedule import replica_tasks, schedule
+from fusiond.train.segments import SegmentPlan, SegmentRunner
 from fusiond.train.spec import (
     AUGMENTS,
     DATA_KINDS,
@@ -134,7 +135,9 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
                routes: Mapping[int, Sequence[int]] | None = None,
                grad_rank: int | None = None, grad_warmup_steps: int = 0,
                recompute_slots: Sequence[int] = (),
-               offload_slots: Sequence[int] = ()) -> AssignConfig:
+               offload_slots: Sequence[int] = (),
+               checkpoint_blocks: Mapping[int, Sequence[int]] | None = None,
+               offload_param_slots: Sequence[int] = ()) -> AssignConfig:
     """The `Assign.config` record for a job (the same for every stage).
 
     `stage_nodes`: stage -> node id for every stage; `shared`: stage -> {tied parameter -> the
@@ -151,7 +154,9 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
     micro-batch) say who runs what. `grad_rank`: the summed gradients travel low-rank at
     this rank (None: dense), after `grad_warmup_steps` dense steps. `recompute_slots`: the
     slots that recompute their activations (`StageConfig.recompute`); `offload_slots`: the
-    slots that keep their optimizer state on disk (`StageConfig.offload_dir`).
+    slots that keep their optimizer state on disk (`StageConfig.offload_dir`);
+    `checkpoint_blocks`: slot -> the blocks of its partition it checkpoints;
+    `offload_param_slots`: the slots whose weights and gradients live on disk too.
     """
     o = spec.optimizer
     d = spec.data
@@ -194,6 +199,9 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
         eval_interval=spec.eval_interval,
         recompute_slots=tuple(sorted(int(s) for s in recompute_slots)),
         offload_slots=tuple(sorted(int(s) for s in offload_slots)),
+        checkpoint_blocks={str(k): tuple(sorted(int(b) for b in v))
+                           for k, v in (checkpoint_blocks or {}).items() if v},
+        offload_param_slots=tuple(sorted(int(s) for s in offload_param_slots)),
         precision=spec.precision,
     )
 
@@ -251,6 +259,10 @@ class StageAssignment:
     """This slot recomputes its activations in the backward (`StageConfig.recompute`)."""
     offload: bool = False
     """This slot keeps its optimizer state on disk (`StageConfig.offload_dir`)."""
+    checkpoint_blocks: tuple[int, ...] = ()
+    """The blocks of its partition (`protocol.ir.block_starts`) this slot checkpoints."""
+    offload_params: bool = False
+    """This slot keeps its weights and gradients on disk too (`StageConfig.offload_params`)."""
     precision: str = "fp32"
     """The compute dtype (`StageConfig.precision`)."""
 
@@ -385,7 +397,16 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
     if cfg.precision not in PRECISIONS:
         raise RemoteError(f"Assign.config.precision: {cfg.precision[:16]!r} is not one of "
                           f"{sorted(PRECISIONS)}")
-    for field_name in ("recompute_slots", "offload_slots"):
+    own = slot if slot >= 0 else stage
+    blocks = len(ir.block_starts(graph))
+    for key, chosen in cfg.checkpoint_blocks.items():
+        if not key.isdigit() or int(key) not in {int(k) for k in stage_map}:
+            raise RemoteError(f"Assign.config.checkpoint_blocks: {key[:16]!r} is not a slot of "
+                              f"the job ({len(stage_map)} slots)")
+        if int(key) == own and any(not 0 <= b < blocks for b in chosen):
+            raise RemoteError(f"Assign.config.checkpoint_blocks[{key}]: {list(chosen)[:4]} "
+                              f"are not blocks of this partition (it has {blocks})")
+    for field_name in ("recompute_slots", "offload_slots", "offload_param_slots"):
         unknown = sorted(set(getattr(cfg, field_name)) - {int(k) for k in stage_map})
         if unknown:
             raise RemoteError(f"Assign.config.{field_name}: {unknown[:4]} are not slots of "
@@ -409,7 +430,9 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         routes=routes, slot_stages=slot_stages, grad_rank=grad_rank,
         grad_warmup_steps=cfg.grad_warmup_steps, eval_interval=cfg.eval_interval,
         recompute=(slot if slot >= 0 else stage) in cfg.recompute_slots,
-        offload=(slot if slot >= 0 else stage) in cfg.offload_slots,
+        offload=own in cfg.offload_slots or own in cfg.offload_param_slots,
+        checkpoint_blocks=tuple(cfg.checkpoint_blocks.get(str(own), ())),
+        offload_params=own in cfg.offload_param_slots,
         precision=cfg.precision,
     )
 
@@ -458,6 +481,13 @@ def _value(edge_id: str) -> str:
 def program_from_assignment(sa: StageAssignment) -> StageProgram:
     """Build the partition module and describe its boundary for the executor."""
     module = build_stage_module(sa.graph, sa.state)
+    runner: SegmentRunner | None = None
+    if sa.checkpoint_blocks or sa.offload_params:  # the memory plan goes block by block
+        starts = ir.block_starts(sa.graph)
+        chosen = set(sa.checkpoint_blocks)
+        runner = SegmentRunner(sa.graph, module, SegmentPlan(
+            tuple(starts), tuple(i in chosen for i in range(len(starts)))))
+    forward = runner.run if runner is not None else module.run
     in_edges = tuple(
         replace(e, per_row=sa.per_row) for e in sa.edges if e.dst == sa.stage
     )
@@ -480,7 +510,7 @@ def program_from_assignment(sa: StageAssignment) -> StageProgram:
         for key, t in inputs.items():
             feed[in_value.get(key) or data_map[key]] = t
         try:
-            outs = module.run(feed)
+            outs = forward(feed)
         except Exception as e:  # name the op and module that raised (the executor reports it)
             where = raising_op(e, sa.graph)
             if where is not None:
@@ -494,7 +524,7 @@ def program_from_assignment(sa: StageAssignment) -> StageProgram:
     return StageProgram(
         module=module, run=run, in_edges=in_edges, out_edges=out_edges,
         data_inputs=tuple(sorted(data_map)), has_loss=has_loss, shared=sa.shared,
-        seed_random=random_seeder(module, sa.seed),
+        seed_random=random_seeder(module, sa.seed), segments=runner,
     )
 
 
@@ -638,7 +668,7 @@ class StageHost:
             root = offload_root or Path(tempfile.gettempdir()) / f"fusion-offload-{os.getuid()}"
             config = replace(config, offload_dir=root / _safe_name(sa.job_id)
                              / f"v{sa.plan_version}")
-        config = replace(config, precision=sa.precision)
+        config = replace(config, precision=sa.precision, offload_params=sa.offload_params)
         # every op of the partition must run here (UnsupportedOpError names the one that does
         # not), before anything is built
         check_ops(sa.graph, config.disabled_ops)

@@ -94,7 +94,8 @@ def test_the_cheaper_of_recompute_and_offload_wins(graph: CostGraph) -> None:
     cap = (base.memory_bytes - 0.5 * min(opt, rc_saves)) / SETTINGS.memory_fraction
     fast_disk, slow_disk = first(cap, 1e13), first(cap, 1e3)
     assert fast_disk.offload and not fast_disk.recompute
-    assert slow_disk.recompute and not slow_disk.offload
+    # a slow disk: recomputing (the whole stage, or the blocks that free enough) instead
+    assert (slow_disk.recompute or slow_disk.checkpoint_blocks) and not slow_disk.offload
     # an unmeasured disk counts at the default rate
     assert _machine("x", 1.0).disk_rate_bytes_per_s == DEFAULT_DISK_BYTES_PER_S
 

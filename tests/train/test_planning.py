@@ -312,3 +312,57 @@ async def test_a_job_that_fits_only_offloading_is_planned_so_and_trains_exactly(
     assert all("offload" in str(d) and "v" in d.parent.name + d.name for d in dirs)
     assert all(not d.parent.exists() for d in dirs)  # removed when the stage closed
     _assert_eager_losses(spec, losses)
+
+
+async def test_a_job_that_fits_only_with_its_weights_on_disk_trains_exactly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On machines that cannot hold a stage's weights and gradients, the per-block memory
+    planner (`fusiond.plan.memory`) puts them on disk too, three blocks mapped at a time, and
+    checkpoints the blocks whose activations would not fit: the plan says so, `fusionctl
+    plan` shows it, the Assigns carry it to the stages, which run segment by segment with
+    their weights in files, and the job trains as eager does."""
+    from fusiond.plan import plan_summary, render_plan
+    from fusiond.train import offload as offload_mod
+    from fusiond.train.programs import capture_job
+    from fusiond.train.spec import default_text_path, parse_job
+
+    from .conftest import CAPTURED_JOB
+
+    # six blocks of width 64: enough blocks that three of them are less than the stage
+    spec = parse_job(CAPTURED_JOB.replace('size = "tiny"', 'size = "tiny", n_layer = 6, '
+                                          'n_embd = 64'), base=default_text_path())
+    spec = replace(spec, steps=3)
+    _, cap = capture_job(spec)
+    plan = None
+    for memory in (3e6, 2.5e6, 2e6, 1.8e6, 1.6e6):
+        cluster = Cluster.build(_machines(memory), [[1.25e9] * 3] * 3)
+        try:
+            got = plan_job(spec, cap, cluster)
+        except PlanError:
+            break
+        if any(r.offload_params for r in got.evaluation.stages):
+            plan = got
+            break
+    assert plan is not None, "no machine size where the weights go to disk"
+    ev = plan.evaluation
+    assert ev.memory_ok and all(r.memory_bytes <= r.memory_cap for r in ev.stages)
+    weights = {r.machine_id for r in ev.stages if r.offload_params}
+    assert all(r.offload for r in ev.stages if r.offload_params)  # the state goes first
+    assert "weights-on-disk" in render_plan(plan)
+    assert any(s["offload_params"] for s in plan_summary(plan)["stages"])
+    layout = layout_from_plan("weights", cap.graph, cap.state, plan, spec)
+    assert layout.offload_params == weights
+    made: list[Any] = []
+    real = offload_mod.DiskParameters.__init__
+
+    def seen(self: Any, params: Any, groups: Any, directory: Any) -> None:
+        made.append((len(groups), directory))
+        real(self, params, groups, directory)
+
+    monkeypatch.setattr(offload_mod.DiskParameters, "__init__", seen)
+    losses: list[float] = []
+    out, _ = await _run(spec, cap, layout, on_step=lambda m: losses.append(m.loss))
+    assert out.ok, out.failure
+    assert len(made) == len(weights) and all(n > 1 for n, _ in made)  # by segment
+    assert all(not d.exists() for _, d in made)
+    _assert_eager_losses(spec, losses)

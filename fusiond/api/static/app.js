@@ -232,10 +232,18 @@ function stagesTable(job) {
                                 title: "keeps only its inputs and runs its forward again in " +
                                        "the backward: its activations would not fit kept"})
                    : null,
+      st.checkpoint ? h("span", {class: "badge recompute", text: `checkpoint ${st.checkpoint}`,
+                                 title: "recomputes these of its blocks in the backward, " +
+                                        "keeping only their inputs: the cheapest that fits"})
+                    : null,
       st.offload ? h("span", {class: "badge recompute", text: "offload",
                               title: "keeps its optimizer state on disk, read and written " +
                                      "once per step: it would not fit in memory"})
-                 : null),
+                 : null,
+      st.offload_params ? h("span", {class: "badge recompute", text: "weights on disk",
+                                     title: "keeps its weights and gradients on disk too, " +
+                                            "a few blocks in memory at a time"})
+                        : null),
     h("td", {}, h("div", {class: "share", title:
         `busy ${fmtNum((st.busy || 0) * 100, 3)} %, waiting ${fmtNum((st.wait || 0) * 100, 3)} %`},
       h("div", {class: "busy", style: `width:${((st.busy || 0) * 100).toFixed(1)}%`}),

@@ -40,6 +40,7 @@ import contextlib
 import gc
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -469,6 +470,8 @@ def main() -> None:
         return
     if args.quick:
         args.steps = 2
+    # a TERM ends the run as an exception does: the cgroups and scratch files are removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if detect_memory_cgroup().root is None:
         print("no writable memory cgroup (needs root): nothing measured", file=sys.stderr)
         sys.exit(2)

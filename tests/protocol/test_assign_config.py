@@ -59,6 +59,16 @@ def test_the_config_round_trips(steps: int, lr: float, timeout: float | None,
     assert _roundtrip(_assign(cfg)).config == cfg
 
 
+def test_the_memory_plan_round_trips_and_is_typed() -> None:
+    cfg = dataclasses.replace(CFG, checkpoint_blocks={"0": (1, 3), "1": (0,)},
+                              offload_param_slots=(1,))
+    assert _roundtrip(_assign(cfg)).config == cfg
+    bad = _assign(cfg).to_wire()
+    bad["config"]["checkpoint_blocks"] = {"0": ["one"]}
+    with pytest.raises(RemoteProtocolError, match=r"checkpoint_blocks\['0'\]\[0\]: expected int"):
+        Assign.from_wire(bad)
+
+
 def test_the_wire_keys_are_those_of_the_old_hand_checked_map() -> None:
     wire = CFG.to_wire()
     assert wire["optimizer"]["betas"] == [0.9, 0.999] and wire["data"]["path"] == "/tmp/corpus"
@@ -66,7 +76,8 @@ def test_the_wire_keys_are_those_of_the_old_hand_checked_map() -> None:
             "micro_batches", "pipeline", "per_row", "optimizer", "data", "input_name",
             "targets_name", "loss_name", "stage_nodes", "shared", "recv_timeout_s",
             "slot_stages", "routes", "grad_rank", "grad_warmup_steps", "eval_interval", "precision",
-            "recompute_slots", "offload_slots"} == set(wire)
+            "recompute_slots", "offload_slots", "checkpoint_blocks",
+            "offload_param_slots"} == set(wire)
     # the last four came with replicas and their low-rank reduction: an older reader ignores
     # unknown keys; a job without replicas leaves them empty, grad_rank None
 

@@ -352,6 +352,22 @@ async def test_a_job_that_fits_only_with_its_weights_on_disk_trains_exactly(
     assert any(s["offload_params"] for s in plan_summary(plan)["stages"])
     layout = layout_from_plan("weights", cap.graph, cap.state, plan, spec)
     assert layout.offload_params == weights
+    from fusiond.errors import RemoteError
+    from fusiond.jobs.assign import assign_messages
+    from fusiond.train.remote import decode_assign
+
+    msgs = assign_messages(layout, spec, cap.state, term=1, plan_version=1,
+                           addresses={f"node{i}": ("127.0.0.1", i + 1) for i in range(3)})
+    for node, (msg, payload) in msgs.items():
+        sa = decode_assign(msg, payload)
+        assert sa.offload_params == (node in weights) and sa.offload >= sa.offload_params
+        assert sa.checkpoint_blocks == layout.checkpoint_blocks.get(node, ())
+        assert msg.config is not None
+        for bad, what in (({str(sa.stage): (999,)}, "not blocks of this partition"),
+                          ({"77": (0,)}, "not a slot")):
+            tampered = replace(msg, config=replace(msg.config, checkpoint_blocks=bad))
+            with pytest.raises(RemoteError, match=what):
+                decode_assign(tampered, payload)
     made: list[Any] = []
     real = offload_mod.DiskParameters.__init__
 

@@ -24,6 +24,8 @@ from protocol import ir
 
 from .test_recompute import ADAMW, ConvNet
 
+pytestmark = [pytest.mark.compute_only]  # in one process: no daemon, no socket
+
 
 def _programs(cap: Any, stages: int, flags: Any = None) -> list[StageProgram]:
     """`cap` cut in `stages`, each stage segmented at its blocks with `flags(i, n)` saying
@@ -156,3 +158,28 @@ def test_chunked_update_and_heap_trim() -> None:
     for a, b in zip(nets[0].parameters(), nets[1].parameters(), strict=True):
         assert torch.equal(a, b)
     assert trim_heap() in (True, False)
+
+
+async def test_a_transformers_llama_is_exact_segmented_and_on_disk(
+        small_text: TextWindows, tmp_path: Path) -> None:
+    """The same on a model from HF transformers (a tiny Llama: rotary embeddings, grouped
+    attention, RMSNorm): its decoder layers are its blocks."""
+    from bench.compress import TINY_LLAMA
+    from fusiond.train.programs import capture_job
+    from fusiond.train.spec import default_text_path, parse_job
+
+    spec = parse_job(
+        '[job]\nname = "llama"\nsteps = 3\n[model]\nzoo = "hf"\n[model.config]\n'
+        'architecture = "LlamaForCausalLM"\n'
+        + "".join(f"{k} = {v}\n" for k, v in TINY_LLAMA.items())
+        + "[data]\nseq_len = 32\n[batch]\nsize = 8\nmicro_batches = 2\n",
+        base=default_text_path())
+    _, cap = capture_job(spec)
+    keys = {ir.block_key(cap.graph.nodes[i].module_path) for i in ir.block_starts(cap.graph)}
+    assert {"model.layers.0", "model.layers.1"} <= keys
+    for stages in (1, 2):
+        plain = await _train(_programs(cap, stages), small_text)
+        _same(plain, await _train(_programs(cap, stages, lambda i, n: i % 2 == 0), small_text))
+        on_disk = StageConfig(offload_dir=tmp_path / f"off{stages}", offload_params=True)
+        _same(plain, await _train(_programs(cap, stages, lambda i, n: True), small_text,
+                                  on_disk))

@@ -17,7 +17,7 @@ from bench.memory import Bench, params_at
 from deploy.testbed import detect_memory_cgroup
 from fusiond.plan import MachineProfile
 
-LIMIT_MIB = 448
+LIMIT_MIB = 512
 WIDTH = 512
 NOMINAL = MachineProfile(id="nominal", flops={"matmul": 5e10, "other": 2e10}, mem_bw=2e10,
                          op_overhead_s=5e-6, memory_bytes=float(LIMIT_MIB << 20),
@@ -38,6 +38,9 @@ def test_a_model_twice_the_limit_trains_under_it(tmp_path: Path) -> None:
                               timeout_s=600, verbose=False)
     run = Bench(args, tmp_path, machine=json.dumps(NOMINAL.to_dict())).run("fusion", layers)
     assert run.outcome == "ok", run
+    # what the worker held before training (Python, torch, the data) leaves the rest of the
+    # limit to the plan; it varies by some 20 MiB between machines, hence the margin
+    assert run.result["plan"]["budget_bytes"] >= 150 << 20, run.result["plan"]
     assert 16 * run.params >= 2 * limit_bytes
     plan = run.result["plan"]
     assert plan["fits"] and plan["offload_params"] and plan["offload_optimizer"], plan

@@ -12,6 +12,8 @@ from fusiond.train.spec import OptimizerSpec, default_text_path
 
 from .gpt_stages import three_stages
 
+pytestmark = pytest.mark.compute_only  # in one process: no daemon, no socket, no clock
+
 STEPS = 200
 
 

@@ -29,6 +29,8 @@ from fusiond.train.readers import open_tokenizer
 from fusiond.train.spec import JobSpec, JobSpecError, parse_job
 from tests import datafiles
 
+pytestmark = pytest.mark.compute_only  # in one process: no daemon, no socket, no clock
+
 HEAD = '[job]\nsteps = 2\n[batch]\nsize = 4\nmicro_batches = 2\n[model]\nzoo = "gpt2"\n'
 
 

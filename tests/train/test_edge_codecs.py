@@ -19,6 +19,8 @@ from fusiond.train.stage import EdgeSpec, StageError, StageExecutor, StageProgra
 
 from .gpt_stages import three_stages
 
+pytestmark = pytest.mark.compute_only  # in one process: no daemon, no socket, no clock
+
 SGD = OptimizerSpec(kind="sgd", lr=1.0, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
                     momentum=0.0, schedule="constant", warmup_steps=0, min_lr=0.0)
 

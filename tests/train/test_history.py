@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from fusiond.jobs.history import HISTORY_KEPT, MAX_RECORD_BYTES, JobHistory, StepHistory
 
+pytestmark = pytest.mark.compute_only  # in one process: no daemon, no socket, no clock
+
 
 def _rec(job_id: str, state: str = "done", t: float = 1.0, **extra: object) -> dict[str, object]:
     return {"job_id": job_id, "state": state, "submitted_at": t, "output": "/out/x",

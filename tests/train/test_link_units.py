@@ -24,6 +24,8 @@ from fusiond.plan import (
 from fusiond.units import bits_per_s_from_bytes_per_s, bytes_per_s_from_bits_per_s
 from protocol.messages import NodeProfile
 
+pytestmark = pytest.mark.compute_only  # in one process: no daemon, no socket, no clock
+
 
 def _view(links: dict[tuple[str, str], Link]) -> SimpleNamespace:
     members = [SimpleNamespace(node_id=f"m{i}", state="alive", address=("127.0.0.1", 7420 + i),

@@ -19,7 +19,7 @@ from fusiond.train.programs import capture_job_feed, stage_programs
 from fusiond.train.spec import JobSpec, parse_job
 from tests import datafiles
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.compute_only]
 
 HEAD = """
 [job]

@@ -17,6 +17,8 @@ from fusiond.train.local import PipelineResult, run_pipeline
 from fusiond.train.programs import stage_programs
 from fusiond.train.stage import StageConfig, StageError, StageProgram
 
+pytestmark = pytest.mark.compute_only  # in one process: no daemon, no socket, no clock
+
 
 def test_a_bf16_tensor_travels_as_its_own_16_bits() -> None:
     t = torch.randn(4, 33).to(torch.bfloat16)

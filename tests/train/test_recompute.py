@@ -21,6 +21,8 @@ from fusiond.train.programs import cut_densities, stage_programs
 from fusiond.train.spec import OptimizerSpec
 from fusiond.train.stage import StageConfig, StageProgram
 
+pytestmark = pytest.mark.compute_only  # in one process: no daemon, no socket, no clock
+
 ADAMW = OptimizerSpec(kind="adamw", lr=3e-3, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-8,
                       momentum=0.0, schedule="constant", warmup_steps=0, min_lr=0.0)
 

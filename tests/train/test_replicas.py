@@ -15,6 +15,8 @@ from fusiond.train.stage import PacketKind, StageError, StageExecutor
 
 from .gpt_stages import merged_state, three_stages
 
+pytestmark = pytest.mark.compute_only  # in one process: no daemon, no socket, no clock
+
 STEPS = 20
 BATCH = 16
 MICRO = 8

@@ -15,6 +15,8 @@ from fusiond.train.schedule import (
     simulate,
 )
 
+pytestmark = pytest.mark.compute_only  # in one process: no daemon, no socket, no clock
+
 SIZES = [(1, 1), (1, 4), (2, 1), (3, 4), (4, 8), (8, 3), (5, 5)]
 
 

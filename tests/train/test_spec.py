@@ -17,6 +17,8 @@ from fusiond.train.spec import (
     parse_job,
 )
 
+pytestmark = pytest.mark.compute_only  # in one process: no daemon, no socket, no clock
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
 

@@ -23,6 +23,8 @@ from fusiond.train.data import DataError
 from fusiond.train.sample import sample_bytes
 from fusiond.train.spec import JobSpecError
 
+pytestmark = pytest.mark.compute_only  # in one process: no daemon, no socket, no clock
+
 
 class _DataDependent(nn.Module):
     def __init__(self) -> None:

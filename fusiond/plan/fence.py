@@ -187,7 +187,7 @@ class _Search:
                         blk, blk[j] - (self.caps[m] - const), "left"))
                 if st.offload:
                     lo_mem = np.minimum(lo_mem, np.searchsorted(
-                        kept, kept[j] - (self.caps[m] - const - self.a.offload_window),
+                        kept, kept[j] - (self.caps[m] - const - self.a.offload_window_bytes),
                         "left"))
             lo = np.maximum.reduce([
                 np.searchsorted(P, P[j] - bound, "left"),
@@ -312,7 +312,7 @@ def _group_orders(
     cap = [float(arrays.caps[g].sum()) for g in groups]
     need = float(arrays.fit_static_prefix[-1])
     if st.offload:  # weights on disk: a group holds a few blocks of them at a time
-        need = min(need, arrays.offload_window)
+        need = min(need, arrays.offload_window_bytes)
     ref = arrays.prefix.mean(axis=0)
     ref = ref / max(ref[-1], 1e-300)
     G = len(groups)
@@ -768,7 +768,7 @@ def plan_opfence(
         ops_note = ("; each stage also needs a machine that runs every op of it, and some "
                     "machines lack ops of this graph" if arrays.restricted else "")
         disk_note = (f"; with the weights and optimizer state on disk a stage still holds "
-                     f"{arrays.offload_window / 2**20:.1f} MiB of them (three blocks) plus "
+                     f"{arrays.offload_window_bytes / 2**20:.1f} MiB of them (three blocks) plus "
                      "its activations" if settings.offload else
                      "; allowing the optimizer state and weights on disk (batch.offload) "
                      "would need less")

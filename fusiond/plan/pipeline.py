@@ -264,15 +264,15 @@ class GraphArrays:
         block_saved = np.bincount(block_id, weights=self.saved, minlength=nb)
         #: [p]: inputs per micro-batch the blocks starting before p keep when checkpointed
         #: (block starts only; a stage's first block keeps `in_bytes` at its own start)
-        self.block_in_prefix = np.concatenate(
+        self.block_in_bytes_prefix = np.concatenate(
             [[0.0], np.cumsum(np.where(starts[: self.n], self.in_bytes[: self.n], 0.0))])
         #: the largest block's activations: what a checkpointed block holds again in the
         #: backward
-        self.max_block_saved = float(block_saved.max()) if nb else 0.0
+        self.max_block_saved_bytes = float(block_saved.max()) if nb else 0.0
         #: what weights on disk keep in memory at most: three blocks' weights and gradients,
         #: or one block's weights, gradients and optimizer state while it steps
         windows = [2.0 * float(block_param[max(0, i - 1): i + 2].sum()) for i in range(nb)]
-        self.offload_window = max([0.0, *windows,
+        self.offload_window_bytes = max([0.0, *windows,
                                    *(2.0 * block_param + block_opt).tolist()])
         #: [machine, op] True where the machine runs the op (`MachineProfile.ops`)
         self.runs = np.array([[m.runs(o.op) for o in graph.ops] for m in cluster.machines],
@@ -309,7 +309,7 @@ class GraphArrays:
             need = np.minimum(need, self.fit_static_prefix[None, :]
                               - self.fit_static_prefix[:, None] + act + outmax)
         if self.settings.offload:
-            need = np.minimum(need, self.offload_window + act + outmax)
+            need = np.minimum(need, self.offload_window_bytes + act + outmax)
         return need
 
     def block_act_prefix(self, infl: int) -> F64:
@@ -318,7 +318,7 @@ class GraphArrays:
         allocator factor; `block_act_const` adds the rest. Without recompute: all of them."""
         if not self.settings.recompute:
             return ACTIVATION_OVERHEAD * infl * self.saved_prefix
-        return ACTIVATION_OVERHEAD * infl * self.block_in_prefix
+        return ACTIVATION_OVERHEAD * infl * self.block_in_bytes_prefix
 
     def block_act_const(self, infl: int) -> F64:
         """[p]: what a stage starting at p keeps besides `block_act_prefix`'s difference: its
@@ -326,7 +326,7 @@ class GraphArrays:
         if not self.settings.recompute:
             return np.zeros(self.n + 1)
         first = np.where(self.is_block_start, 0.0, self.in_bytes)
-        return ACTIVATION_OVERHEAD * (infl * first + self.max_block_saved)
+        return ACTIVATION_OVERHEAD * (infl * first + self.max_block_saved_bytes)
 
     def stage_runs(self, machine: int, start: int, stop: int) -> bool:
         """Whether `machine` runs every op in [start, stop)."""

@@ -312,13 +312,12 @@ def decode_edge(payload: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) ->
     with the gradient on its basis, a dense encoding with the same encoding (`encode_edge`),
     so only the sender of an edge needs to know its codec and may change it between any two
     micro-batches."""
-    desc = wire.read_descriptor(payload, limits=limits)
-    if desc.encoding is wire.Encoding.LOWRANK:
-        dense, q = wire.decode_lowrank(payload, limits=limits)
-        return EdgeIn(_tensor(dense), None, np.asarray(q, dtype=np.float32), "lowrank")
-    dense, indices, desc = wire.decode_described(payload, limits=limits)
-    idx = None if indices is None else np.asarray(indices, dtype=np.int64)
-    return EdgeIn(_typed(dense, desc), idx, None, _EDGE_OF_WIRE.get(desc.encoding, "raw"))
+    got = wire.decode_full(payload, limits=limits)  # one parse of the descriptor
+    if got.basis is not None:
+        return EdgeIn(_tensor(got.dense), None, got.basis, "lowrank")
+    idx = None if got.indices is None else np.asarray(got.indices, dtype=np.int64)
+    return EdgeIn(_typed(got.dense, got.descriptor), idx, None,
+                  _EDGE_OF_WIRE.get(got.descriptor.encoding, "raw"))
 
 
 def decode_values(

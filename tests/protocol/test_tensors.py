@@ -689,3 +689,38 @@ def test_fuzz_tensor_decoder(wire: bytes, data: st.DataObject) -> None:
         tracemalloc.stop()
     # Whatever the bytes declare, decoding allocates within the limits (plus small change).
     assert peak <= 2 * SMALL.max_decompressed_bytes + (64 << 10)
+
+
+@pytest.mark.parametrize("encoding,kw", [
+    ("raw", {}), ("bf16", {}), ("fp16", {}), ("int8", {"block_size": 64}),
+    ("int4", {"block_size": 64}), ("topk", {"k": 40}), ("topk", {"k": 3, "per_row": True}),
+    ("lowrank", {"k": 4}),
+])
+def test_decode_full_is_decode_described_and_decode_lowrank_in_one_parse(
+        encoding: str, kw: dict[str, Any]) -> None:
+    """What a receiver following the sender's codec gets from one parse equals what the
+    two-parse path (`read_descriptor`, then `decode_described` or `decode_lowrank`) gave."""
+    x = np.random.default_rng(3).standard_normal((6, 16)).astype(np.float32)
+    wire = T.encode(x, encoding, **kw).tobytes()
+    got = T.decode_full(wire)
+    assert got.descriptor == T.read_descriptor(wire)
+    dense, idx, desc = T.decode_described(wire)
+    assert desc == got.descriptor
+    assert np.array_equal(got.dense, dense)
+    if idx is None:
+        assert got.indices is None
+    else:
+        assert got.indices is not None and np.array_equal(got.indices, idx)
+    if encoding == "lowrank":
+        _, q = T.decode_lowrank(wire)
+        assert got.basis is not None and np.array_equal(got.basis, q)
+    else:
+        assert got.basis is None
+
+
+def test_decode_full_refuses_values_and_bad_bytes() -> None:
+    x = np.arange(8, dtype=np.float32)
+    with pytest.raises(LocalProtocolError, match="indices"):
+        T.decode_full(T.encode_values(x, np.arange(3)).tobytes())
+    with pytest.raises(RemoteProtocolError):
+        T.decode_full(T.encode(x, "raw").tobytes()[:-1])

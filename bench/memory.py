@@ -228,6 +228,9 @@ def run_fusion(args: argparse.Namespace, spec: Any, data: Any, out: dict[str, An
                    "offload_optimizer": choice.offload_optimizer,
                    "offload_params": choice.offload_params, "fits": choice.fits,
                    "predicted_peak_bytes": choice.peak_bytes, "added_s": choice.added_s,
+                   "static_bytes": choice.static_bytes,
+                   "activation_bytes": choice.activation_bytes,
+                   "workspace_bytes": float(arrays.out.max()),
                    "budget_bytes": budget}
     # the weights as the submitting machine captured them, read from a file on demand
     state = torch.load(args.state, mmap=True, weights_only=True)

@@ -84,6 +84,11 @@ class MemoryChoice:
     """Time they add once an iteration: the optimizer state's (and weights') trip to disk."""
     micro_batches: int
     fits: bool
+    static_bytes: float = 0.0
+    """Of `peak_bytes`: the weights, gradients and optimizer state resident (or their window)."""
+    activation_bytes: float = 0.0
+    """Of `peak_bytes`, before the allocator's share: the activations the cost graph counts
+    (kept per micro-batch in flight, and a checkpointed block's recomputed ones)."""
 
     @property
     def added_s(self) -> float:
@@ -219,12 +224,14 @@ def plan_stage_memory(blocks: Sequence[BlockCost], *, budget_bytes: float, micro
             candidates.append(MemoryChoice(rc, off_opt, off_params,
                                            static + workspace_bytes
                                            + ACTIVATION_OVERHEAD * act,
-                                           fwd + micro_disk_s, disk_s, micro_batches, False))
+                                           fwd + micro_disk_s, disk_s, micro_batches, False,
+                                           static, act))
             continue
         fwd, flags, act = got
         candidates.append(MemoryChoice(flags, off_opt, off_params,
                                        static + workspace_bytes + ACTIVATION_OVERHEAD * act,
-                                       fwd + micro_disk_s, disk_s, micro_batches, True))
+                                       fwd + micro_disk_s, disk_s, micro_batches, True,
+                                       static, act))
     fitting = [c for c in candidates if c.fits]
     if fitting:
         return min(fitting, key=lambda c: (c.added_s, c.peak_bytes))

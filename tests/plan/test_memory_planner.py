@@ -127,3 +127,22 @@ def test_blocks_of_a_captured_gpt2(captured_gpt2_blocks: ir.Graph) -> None:
     # a stage from the middle: its first block starts where the stage does
     mid, at = stage_blocks(arrays, 0, starts[3] + 1, len(cost))
     assert at[0] == starts[3] + 1 and len(mid) == len(starts) - 3
+
+
+@pytest.mark.parametrize("budget_mib", [10_000, 60, 30, 12])
+def test_a_choice_says_what_its_peak_is_made_of(budget_mib: int) -> None:
+    """peak = static + workspace + ACTIVATION_OVERHEAD x activations, whatever the placement:
+    the two parts bench/memory.py reports next to each measured peak."""
+    mib = 2.0**20
+    blocks = [BlockCost(param_bytes=2 * mib, opt_bytes=4 * mib, saved_bytes=3 * mib,
+                        in_bytes=0.25 * mib, fwd_s=0.01) for _ in range(8)]
+    c = plan_stage_memory(blocks, budget_bytes=budget_mib * mib, micro_batches=2, inflight=2,
+                          disk_bytes_per_s=1e8, workspace_bytes=mib)
+    assert c.peak_bytes == pytest.approx(
+        c.static_bytes + mib + ACTIVATION_OVERHEAD * c.activation_bytes)
+    params = sum(b.param_bytes for b in blocks)
+    if not c.offload_optimizer:
+        assert c.static_bytes == 2 * params + sum(b.opt_bytes for b in blocks)
+    elif not c.offload_params:
+        assert c.static_bytes == 2 * params + 4 * mib
+    assert c.activation_bytes >= 2 * sum(b.in_bytes for b in blocks)

@@ -312,7 +312,7 @@ def _group_orders(
     cap = [float(arrays.caps[g].sum()) for g in groups]
     need = float(arrays.fit_static_prefix[-1])
     if st.offload:  # weights on disk: a group holds a few blocks of them at a time
-        need = min(need, arrays.offload_window_bytes)
+        need = min(need, max(arrays.offload_window_bytes, arrays.offload_update_bytes))
     ref = arrays.prefix.mean(axis=0)
     ref = ref / max(ref[-1], 1e-300)
     G = len(groups)
@@ -768,8 +768,10 @@ def plan_opfence(
         ops_note = ("; each stage also needs a machine that runs every op of it, and some "
                     "machines lack ops of this graph" if arrays.restricted else "")
         disk_note = (f"; with the weights and optimizer state on disk a stage still holds "
-                     f"{arrays.offload_window_bytes / 2**20:.1f} MiB of them (three blocks) plus "
-                     "its activations" if settings.offload else
+                     f"{arrays.offload_window_bytes / 2**20:.1f} MiB of them (a block's weights "
+                     "and gradients and the previous block's weights) plus its activations, "
+                     f"and {arrays.offload_update_bytes / 2**20:.1f} MiB while a block steps"
+                     if settings.offload else
                      "; allowing the optimizer state and weights on disk (batch.offload) "
                      "would need less")
         raise PlanError(

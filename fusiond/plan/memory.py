@@ -13,12 +13,16 @@ runtime it prices: `SegmentRunner`, `DiskOptimizerState`, `DiskParameters`):
   checkpointed)`. A checkpointed block costs one more forward per micro-batch.
 - optimizer state: in memory, or on disk, stepped a block at a time (one block's state
   resident); it is read and written once per step at the disk's rate.
-- parameters and gradients: in memory, or on disk (then the optimizer state too), with three
-  blocks' weights and gradients mapped at a time; priced as read from disk twice per
+- parameters and gradients: in memory, or on disk (then the optimizer state too), with the
+  working block's weights and gradients and the previous block's weights mapped at a time,
+  and one block's weights, gradients and state while it steps; priced as read from disk twice per
   micro-batch (forward and backward) and the gradients read and written once per micro-batch,
   nothing assumed cached: an upper bound, as the page cache keeps what fits.
 - plus the largest op output as workspace; the activations count `ACTIVATION_OVERHEAD` times
   the cost graph's bytes (the allocator's share, measured).
+- two phases: the micro-batches (the static bytes, the activations, the workspace) and the
+  update (the static bytes and a chunk of state on disk; the activations are gone). The peak
+  is the larger.
 
 `plan_stage_memory` tries the four placements; in each, which blocks to checkpoint is a
 min-cost cover (the cheapest set of blocks whose checkpointing frees enough memory), solved by
@@ -85,10 +89,15 @@ class MemoryChoice:
     micro_batches: int
     fits: bool
     static_bytes: float = 0.0
-    """Of `peak_bytes`: the weights, gradients and optimizer state resident (or their window)."""
+    """The weights, gradients and optimizer state resident while the micro-batches run (on
+    disk: the blocks mapped at a time)."""
     activation_bytes: float = 0.0
-    """Of `peak_bytes`, before the allocator's share: the activations the cost graph counts
-    (kept per micro-batch in flight, and a checkpointed block's recomputed ones)."""
+    """The activations the cost graph counts, before the allocator's share (kept per
+    micro-batch in flight, and a checkpointed block's recomputed ones)."""
+    update_bytes: float = 0.0
+    """Resident while the optimizer steps (the activations are gone by then; a chunk of
+    state on disk is in). `peak_bytes` = max(static + workspace + ACTIVATION_OVERHEAD x
+    activations, update)."""
 
     @property
     def added_s(self) -> float:
@@ -187,8 +196,11 @@ def plan_stage_memory(blocks: Sequence[BlockCost], *, budget_bytes: float, micro
                             workspace_bytes <= budget_bytes)
     params = sum(b.param_bytes for b in blocks)
     opt = sum(b.opt_bytes for b in blocks)
-    window = max(sum(2 * b.param_bytes for b in blocks[max(0, i - 1): i + 2])
-                 for i in range(len(blocks)))
+    # weights on disk, while the micro-batches run: the block at work's weights and
+    # gradients and the weights of the one before (`DiskParameters` keeps two blocks mapped
+    # in the forward, one in the backward; measured at most 2.2 blocks' worth on GPT-2)
+    window = max(2 * b.param_bytes + (blocks[i - 1].param_bytes if i else 0.0)
+                 for i, b in enumerate(blocks))
     largest_opt = max(b.opt_bytes for b in blocks)
     largest_step = max(2 * b.param_bytes + b.opt_bytes for b in blocks)
     placements = [(False, False)]
@@ -198,18 +210,22 @@ def plan_stage_memory(blocks: Sequence[BlockCost], *, budget_bytes: float, micro
             placements.append((True, True))
     candidates: list[MemoryChoice] = []
     for off_opt, off_params in placements:
+        # `static`: resident while the micro-batches run (with the activations); `update`:
+        # while the optimizer steps (the activations are gone; a chunk of state on disk is in)
         if off_params:
-            static = max(window, largest_step)
+            static, update = window, largest_step
             micro_disk_s = 4 * params / disk_bytes_per_s
             disk_s = 2 * (params + opt) / disk_bytes_per_s
         elif off_opt:
-            static = 2 * params + largest_opt
+            static, update = 2 * params, 2 * params + largest_opt
             micro_disk_s, disk_s = 0.0, 2 * opt / disk_bytes_per_s
         else:
-            static = 2 * params + opt
+            static = update = 2 * params + opt
             micro_disk_s, disk_s = 0.0, 0.0
         # the activations' model counts ACTIVATION_OVERHEAD times what the cost graph does
         room = (budget_bytes - static - workspace_bytes) / ACTIVATION_OVERHEAD
+        if update > budget_bytes:
+            room = -1.0  # not even the update fits
         plain_act = inflight * sum(b.saved_bytes for b in blocks)
         got = (_choose(blocks, room, inflight) if allow_recompute
                else (0.0, tuple(False for _ in blocks), plain_act) if plain_act <= room
@@ -222,16 +238,17 @@ def plan_stage_memory(blocks: Sequence[BlockCost], *, budget_bytes: float, micro
                          default=0.0))
             fwd = sum(b.fwd_s for b, f in zip(blocks, rc, strict=True) if f)
             candidates.append(MemoryChoice(rc, off_opt, off_params,
-                                           static + workspace_bytes
-                                           + ACTIVATION_OVERHEAD * act,
+                                           max(static + workspace_bytes
+                                               + ACTIVATION_OVERHEAD * act, update),
                                            fwd + micro_disk_s, disk_s, micro_batches, False,
-                                           static, act))
+                                           static, act, update))
             continue
         fwd, flags, act = got
         candidates.append(MemoryChoice(flags, off_opt, off_params,
-                                       static + workspace_bytes + ACTIVATION_OVERHEAD * act,
+                                       max(static + workspace_bytes
+                                           + ACTIVATION_OVERHEAD * act, update),
                                        fwd + micro_disk_s, disk_s, micro_batches, True,
-                                       static, act))
+                                       static, act, update))
     fitting = [c for c in candidates if c.fits]
     if fitting:
         return min(fitting, key=lambda c: (c.added_s, c.peak_bytes))

@@ -269,11 +269,15 @@ class GraphArrays:
         #: the largest block's activations: what a checkpointed block holds again in the
         #: backward
         self.max_block_saved_bytes = float(block_saved.max()) if nb else 0.0
-        #: what weights on disk keep in memory at most: three blocks' weights and gradients,
-        #: or one block's weights, gradients and optimizer state while it steps
-        windows = [2.0 * float(block_param[max(0, i - 1): i + 2].sum()) for i in range(nb)]
-        self.offload_window_bytes = max([0.0, *windows,
-                                   *(2.0 * block_param + block_opt).tolist()])
+        #: what weights on disk keep in memory while the micro-batches run: the working
+        #: block's weights and gradients and the previous block's weights
+        #: (`fusiond.plan.memory`, `DiskParameters`)
+        windows = [2.0 * float(block_param[i]) + (float(block_param[i - 1]) if i else 0.0)
+                   for i in range(nb)]
+        self.offload_window_bytes = max([0.0, *windows])
+        #: ... and while the optimizer steps (the activations gone): one block's weights,
+        #: gradients and optimizer state
+        self.offload_update_bytes = max([0.0, *(2.0 * block_param + block_opt).tolist()])
         #: [machine, op] True where the machine runs the op (`MachineProfile.ops`)
         self.runs = np.array([[m.runs(o.op) for o in graph.ops] for m in cluster.machines],
                              dtype=bool).reshape(len(cluster), self.n)
@@ -309,7 +313,8 @@ class GraphArrays:
             need = np.minimum(need, self.fit_static_prefix[None, :]
                               - self.fit_static_prefix[:, None] + act + outmax)
         if self.settings.offload:
-            need = np.minimum(need, self.offload_window_bytes + act + outmax)
+            need = np.minimum(need, np.maximum(self.offload_window_bytes + act + outmax,
+                                               self.offload_update_bytes))
         return need
 
     def block_act_prefix(self, infl: int) -> F64:

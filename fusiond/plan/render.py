@@ -226,8 +226,8 @@ def render_plan(plan: Plan, *, max_links: int = 24) -> str:
         lines.append("(offload: the stage keeps its optimizer state on disk, read and written "
                      "once per step; it would not fit in memory)")
     if any(r.offload_params for r in (ev.replicas or ev.stages)):
-        lines.append("(weights-on-disk: its weights and gradients too, three blocks in memory at "
-                     "a time; the last resort, read from disk every micro-batch)")
+        lines.append("(weights-on-disk: its weights and gradients too, about two blocks in "
+                     "memory at a time; the last resort, read from disk every micro-batch)")
     lines.append("(memory: the predicted peak of the stage's training state, of what its "
                  "machine offers)")
     if replicated:

@@ -15,7 +15,9 @@ running statistics) is never checkpointed: its second forward would update it tw
 `SegmentRunner.run(feed)` is `GraphProgram.run(feed)` for the same graph. Hooks
 (`on_forward(i)` before segment i's forward, `on_backward(i)` once the gradient of segment i's
 inputs is computed) let the parameter offload (`fusiond.train.offload.DiskParameters`) keep
-only the segments near the one running in memory.
+only the segments near the one running in memory; `after_forward(i)` once segment i's forward
+is done (the stage trims the C heap there after a checkpointed one: the intermediates it freed
+would otherwise stay resident around the next segment's kept input).
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ class SegmentRunner:
         self.owner = owner
         self.on_forward: Callable[[int], None] | None = None
         self.on_backward: Callable[[int], None] | None = None
+        self.after_forward: Callable[[int], None] | None = None
 
     def param_names(self) -> list[list[str]]:
         """The parameter names each segment reads (a tied one in each that reads it)."""
@@ -136,6 +139,8 @@ class SegmentRunner:
                 outs = mod(*args)
             for spec, v in zip(p.graph.outputs, outs, strict=True):
                 env[spec.name] = v
+            if self.after_forward is not None:
+                self.after_forward(i)
         result: dict[str, torch.Tensor] = {}
         for name, ref in self.output_refs.items():
             result[name] = env[name] if name in env else env[ref.name]

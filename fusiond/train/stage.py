@@ -630,6 +630,15 @@ class StageExecutor:
         self._trim = (self.config.trim_heap or self.config.recompute or runner is not None
                       or self.config.offload_dir is not None)
         """Trim the C heap after each backward and update (`StageConfig.trim_heap`)."""
+        if runner is not None and self._trim and any(runner.recompute):
+            ckpt = runner.recompute
+
+            def trim_after(i: int) -> None:
+                # a checkpointed segment's forward freed its intermediates: give them back
+                # before the next segment allocates around its kept input
+                if ckpt[i] and torch.is_grad_enabled():
+                    trim_heap()
+            runner.after_forward = trim_after
         self._disk_params: DiskParameters | None = None
         if self.config.offload_params and self._params:
             if self.config.offload_dir is None:
@@ -1193,14 +1202,17 @@ class StageExecutor:
             self._disk_params.step(self.optimizer, self._offload)
             self._disk_params.flush()
             return
+        # Under a memory plan the gradients stay allocated, zeroed, from one step to the
+        # next: allocated anew in each backward they land between its activations, and the
+        # heap stays fragmented around them (measured: 24 GPT-2 layers, everything in memory,
+        # peaked 40 MiB over the plan; 0 + g is g, so the values are the same)
+        none = not self._trim
         if self._offload is not None:  # a chunk of the state in memory at a time
             step_in_chunks(self.optimizer, self._step_chunks, self._offload.release)
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=none)
             return
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self._offload is not None:
-            self._offload.release()
+        self.optimizer.zero_grad(set_to_none=none)
 
     # -- the iteration --------------------------------------------------------------------
 

@@ -245,9 +245,11 @@ replicas = true
 async def test_a_job_that_fits_only_recomputing_is_planned_so_and_trains_exactly(
         captured_tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     """On machines too small to keep a pipeline's in-flight activations, the planner has the
-    stages that need it recompute them (batch.recompute, the default) where it would refuse
-    the job otherwise (batch.recompute = false); the layout's Assigns tell those stages, they
-    recompute (a second forward per micro-batch) and the job trains as eager does."""
+    stages that need it recompute them (batch.recompute, the default), the whole stage or
+    some of its blocks, where it would refuse the job otherwise (batch.recompute = false);
+    the layout's Assigns tell those stages, they recompute (a second forward per micro-batch)
+    and the job trains as eager does."""
+    from fusiond.train import segments as segments_mod
     from fusiond.train import stage as stage_mod
 
     spec, cap = captured_tiny
@@ -257,7 +259,7 @@ async def test_a_job_that_fits_only_recomputing_is_planned_so_and_trains_exactly
     plan = _plan_that_fits_only_with(spec, off, cap, (8e5, 7e5, 6e5, 5e5, 4.5e5, 4e5))
     assert plan is not None, "no machine size where only recomputing fits"
     ev = plan.evaluation
-    assert ev.memory_ok and any(r.recompute for r in ev.stages)
+    assert ev.memory_ok and any(r.recompute or r.checkpoint_blocks for r in ev.stages)
     assert all(r.memory_bytes <= r.memory_cap for r in ev.stages)
     layout = layout_from_plan("recompute", cap.graph, cap.state, plan, spec)
     assert layout.recompute == {r.machine_id for r in ev.stages if r.recompute}
@@ -268,13 +270,23 @@ async def test_a_job_that_fits_only_recomputing_is_planned_so_and_trains_exactly
         calls.append(self.stage)
         real(self, step, micro, ctx)
 
+    blocks: list[int] = []  # per-block: each checkpointed block's forward, per micro-batch
+    real_ckpt = segments_mod.checkpoint
+
+    def ckpt(*a: Any, **k: Any) -> Any:
+        blocks.append(1)
+        return real_ckpt(*a, **k)
+
     monkeypatch.setattr(stage_mod.StageExecutor, "_recompute", counted)
+    monkeypatch.setattr(segments_mod, "checkpoint", ckpt)
     losses: list[float] = []
     out, _ = await _run(spec, cap, layout, on_step=lambda m: losses.append(m.loss))
     assert out.ok, out.failure
+    runs = spec.steps * spec.batch.micro_batches
     recomputing = {r.index for r in ev.stages if r.recompute}
     assert set(calls) == recomputing
-    assert len(calls) == len(recomputing) * spec.steps * spec.batch.micro_batches
+    assert len(calls) == len(recomputing) * runs
+    assert len(blocks) == sum(len(r.checkpoint_blocks) for r in ev.stages) * runs
     _assert_eager_losses(spec, losses)
 
 
@@ -317,7 +329,7 @@ async def test_a_job_that_fits_only_offloading_is_planned_so_and_trains_exactly(
 async def test_a_job_that_fits_only_with_its_weights_on_disk_trains_exactly(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """On machines that cannot hold a stage's weights and gradients, the per-block memory
-    planner (`fusiond.plan.memory`) puts them on disk too, three blocks mapped at a time, and
+    planner (`fusiond.plan.memory`) puts them on disk too, about two blocks mapped at a time, and
     checkpoints the blocks whose activations would not fit: the plan says so, `fusionctl
     plan` shows it, the Assigns carry it to the stages, which run segment by segment with
     their weights in files, and the job trains as eager does."""

@@ -350,7 +350,8 @@ class Daemon:
             await self._start_service("dashboard", self.dashboard)
         static = await asyncio.to_thread(profiling.compute_profile, cfg.cache_dir,
                                          benchmark=cfg.profile_benchmark)
-        self.profiler = profiling.Profiler(static)
+        # the free disk it gossips is the state directory's: stages keep their files there
+        self.profiler = profiling.Profiler(static, disk_dir=self.state_dir)
         # The name travels in the gossiped profile's labels (a field every member's schema
         # already has, so older members verify the signed body unchanged): peers show it.
         self.profiler.update(labels={**static.labels, "name": self._name()})

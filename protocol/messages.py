@@ -250,6 +250,10 @@ class NodeProfile(Struct):
     plan_disk_bytes_per_s: float = 0.0
     """The local disk's rate for state a stage keeps there (written, synced, read back), bytes
     per second (0: not measured)."""
+    disk_free_bytes: int = 0
+    """Free bytes of the filesystem holding the daemon's state directory, where a stage keeps
+    what the planner puts on disk (optimizer state, weights); re-read on every profile (0: not
+    known)."""
     torch_version: str = ""
     python_version: str = ""
     fusiond_version: str = ""

@@ -30,6 +30,7 @@ import numpy.typing as npt
 from fusiond.plan.adatopk import adapt_densities
 from fusiond.plan.codecs import choose_codecs
 from fusiond.plan.model import (
+    DISK_FREE_SHARE,
     F64,
     Cluster,
     CostGraph,
@@ -771,7 +772,7 @@ def plan_opfence(
                      f"{arrays.offload_window_bytes / 2**20:.1f} MiB of them (a block's weights "
                      "and gradients and the previous block's weights) plus its activations, "
                      f"and {arrays.offload_update_bytes / 2**20:.1f} MiB while a block steps"
-                     if settings.offload else
+                     + _disk_note(cluster) if settings.offload else
                      "; allowing the optimizer state and weights on disk (batch.offload) "
                      "would need less")
         raise PlanError(
@@ -797,6 +798,17 @@ def plan_opfence(
         idle=_idle_reasons(arrays, groups, best.stages, best.evaluation),
         notes=_op_notes(arrays) + ((f"replicas: {shape}",) if shape else ()),
     )
+
+
+def _disk_note(cluster: Cluster) -> str:
+    """Where the machines' free disk bounds what may go there (`MachineProfile.disk_room_bytes`):
+    the most any of them offers, for a plan that did not fit."""
+    rooms = [m.disk_room_bytes for m in cluster.machines if m.disk_free_bytes > 0]
+    if not rooms:
+        return ""
+    return (f"; the most disk any machine may give a stage's files is "
+            f"{max(rooms) / 2**30:.2f} GiB ({DISK_FREE_SHARE:.0%} of its free space): "
+            "free disk under the daemons' state directories for more")
 
 
 def _op_notes(arrays: GraphArrays) -> tuple[str, ...]:

@@ -188,9 +188,12 @@ def _choose(blocks: Sequence[BlockCost], room: float, inflight: int
 def plan_stage_memory(blocks: Sequence[BlockCost], *, budget_bytes: float, micro_batches: int,
                       inflight: int, disk_bytes_per_s: float, workspace_bytes: float = 0.0,
                       allow_recompute: bool = True, allow_offload: bool = True,
-                      allow_param_offload: bool = True) -> MemoryChoice:
+                      allow_param_offload: bool = True,
+                      disk_room_bytes: float = float("inf")) -> MemoryChoice:
     """The cheapest decisions that fit `budget_bytes` (see the module's docstring); where
-    none fits, the one that needs least memory, with `fits` False."""
+    none fits, the one that needs least memory, with `fits` False. What goes to disk fits
+    `disk_room_bytes` (`MachineProfile.disk_room_bytes`): the optimizer state, and with the
+    weights their file and their gradients' (page-rounded: counted at their size)."""
     if not blocks:
         return MemoryChoice((), False, False, workspace_bytes, 0.0, 0.0, micro_batches,
                             workspace_bytes <= budget_bytes)
@@ -204,9 +207,9 @@ def plan_stage_memory(blocks: Sequence[BlockCost], *, budget_bytes: float, micro
     largest_opt = max(b.opt_bytes for b in blocks)
     largest_step = max(2 * b.param_bytes + b.opt_bytes for b in blocks)
     placements = [(False, False)]
-    if allow_offload and opt > 0:
+    if allow_offload and opt > 0 and opt <= disk_room_bytes:
         placements.append((True, False))
-        if allow_param_offload:
+        if allow_param_offload and opt + 2 * params <= disk_room_bytes:
             placements.append((True, True))
     candidates: list[MemoryChoice] = []
     for off_opt, off_params in placements:

@@ -151,11 +151,20 @@ class MachineProfile:
     """Its local disk's rate for the optimizer state a stage keeps there (read and written
     once per step; `JobSettings.offload`), as its daemon measured it
     (`fusiond.profile.disk_bytes_per_s`); 0: not measured, `DEFAULT_DISK_BYTES_PER_S`."""
+    disk_free_bytes: float = 0.0
+    """Free bytes on that disk (where its daemon keeps a stage's files); 0: not known, no
+    bound. The memory planner puts no more there than `DISK_FREE_SHARE` of it."""
 
     @property
     def disk_rate_bytes_per_s(self) -> float:
         """The disk rate the planner uses."""
         return self.disk_bytes_per_s or DEFAULT_DISK_BYTES_PER_S
+
+    @property
+    def disk_room_bytes(self) -> float:
+        """What the planner may put on its disk: `DISK_FREE_SHARE` of the free bytes (inf: not
+        known)."""
+        return self.disk_free_bytes * DISK_FREE_SHARE if self.disk_free_bytes > 0 else math.inf
 
     def runs(self, op: str) -> bool:
         """Whether this machine runs the op `op` (an unnamed op runs everywhere)."""
@@ -166,7 +175,7 @@ class MachineProfile:
             raise PlanError(f"machine {self.id!r}: flops must be positive and finite")
         if self.mem_bw <= 0 or self.op_overhead_s < 0 or self.memory_bytes <= 0:
             raise PlanError(f"machine {self.id!r}: mem_bw/memory must be > 0, overhead >= 0")
-        for name in ("wire_s_per_byte", "msg_s", "wake_s", "disk_bytes_per_s"):
+        for name in ("wire_s_per_byte", "msg_s", "wake_s", "disk_bytes_per_s", "disk_free_bytes"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 raise PlanError(f"machine {self.id!r}: {name} must be >= 0 and finite")
@@ -190,6 +199,7 @@ class MachineProfile:
             "msg_s": self.msg_s,
             "wake_s": self.wake_s,
             "disk_bytes_per_s": self.disk_bytes_per_s,
+            "disk_free_bytes": self.disk_free_bytes,
         } | ({} if self.ops is None else {"ops": sorted(self.ops)})
 
     @classmethod
@@ -208,6 +218,7 @@ class MachineProfile:
                 msg_s=float(d.get("msg_s", 0.0)),
                 wake_s=float(d.get("wake_s", 0.0)),
                 disk_bytes_per_s=float(d.get("disk_bytes_per_s", 0.0)),
+                disk_free_bytes=float(d.get("disk_free_bytes", 0.0)),
                 ops=None if d.get("ops") is None else frozenset(str(x) for x in d["ops"]),
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -302,6 +313,10 @@ class Cluster:
 DEFAULT_DISK_BYTES_PER_S = 2e8
 """An unmeasured disk counts as 200 MB/s for optimizer state kept on it (a SATA SSD writes
 400-500 MB/s, a spinning disk 100-200); daemons measure their own (`plan_disk_bytes_per_s`)."""
+
+DISK_FREE_SHARE = 0.8
+"""The share of a disk's free bytes the memory planner may fill with a stage's files (the rest
+for the machine's own use, logs, checkpoints, and what else frees or fills meanwhile)."""
 
 DEFAULT_DENSITY_FLOOR = 0.05
 """The least top-k density a cut edge may get: the one floor, read by the job file's default

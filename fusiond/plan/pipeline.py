@@ -769,7 +769,7 @@ def evaluate(
             options = [(0.0, False, False)]
             if st.recompute and kept < inflight * saved:
                 options.append((mb * fwd_s, True, False))
-            if st.offload and opt > 0:
+            if st.offload and 0 < opt <= m.disk_room_bytes:
                 options.append((disk_s, False, True))
                 if st.recompute and kept < inflight * saved:
                     options.append((mb * fwd_s + disk_s, True, True))
@@ -790,7 +790,7 @@ def evaluate(
                     blocks, budget_bytes=cap - bucket, micro_batches=mb, inflight=inflight,
                     disk_bytes_per_s=m.disk_rate_bytes_per_s, workspace_bytes=work,
                     allow_recompute=st.recompute, allow_offload=st.offload,
-                    allow_param_offload=st.offload)
+                    allow_param_offload=st.offload, disk_room_bytes=m.disk_room_bytes)
                 if got.fits and (mem > cap or got.added_s < cost):
                     blockwise = got
             micro_s, step_s = (fwd_s if recompute else 0.0), (disk_s if offload else 0.0)

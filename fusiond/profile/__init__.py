@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import platform
+import shutil
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -464,7 +465,8 @@ def machine_from_profile(node_id: str, profile: NodeProfile,
                           wake_s=min(max(0.0, profile.plan_wake_s), MAX_WAKE_S),
                           disk_bytes_per_s=(float(profile.plan_disk_bytes_per_s)
                                             if math.isfinite(profile.plan_disk_bytes_per_s)
-                                            and profile.plan_disk_bytes_per_s > 0 else 0.0))
+                                            and profile.plan_disk_bytes_per_s > 0 else 0.0),
+                          disk_free_bytes=float(max(0, profile.disk_free_bytes)))
 
 
 def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> NodeProfile:
@@ -616,11 +618,23 @@ def software_summary(members: Iterable[Any]) -> dict[str, Any]:
             "warning": MIXED_TORCH_WARNING.format(versions=versions) if mixed else None}
 
 
-class Profiler:
-    """Holds the static profile; `__call__` adds what changes (free memory) each time."""
+def disk_free_bytes(directory: Path) -> int:
+    """Free bytes (for this user) of the filesystem holding `directory`; 0 when it cannot be
+    read."""
+    try:
+        return int(shutil.disk_usage(directory).free)
+    except OSError as e:
+        log.warning("cannot read the free space under %s: %s", directory, e)
+        return 0
 
-    def __init__(self, static: NodeProfile) -> None:
+
+class Profiler:
+    """Holds the static profile; `__call__` adds what changes (free memory, and the free disk
+    under `disk_dir`, where stages keep what the planner puts on disk) each time."""
+
+    def __init__(self, static: NodeProfile, disk_dir: Path | None = None) -> None:
         self.static = static
+        self.disk_dir = disk_dir
 
     def update(self, **fields: Any) -> None:
         """Set fields of the static profile (e.g. the op set's, `OpSet.profile_fields`)."""
@@ -629,4 +643,6 @@ class Profiler:
         self.static = dataclasses.replace(self.static, **fields)
 
     def __call__(self) -> NodeProfile:
-        return dataclasses.replace(self.static, free_memory_bytes=free_memory_bytes())
+        disk = disk_free_bytes(self.disk_dir) if self.disk_dir is not None else 0
+        return dataclasses.replace(self.static, free_memory_bytes=free_memory_bytes(),
+                                   disk_free_bytes=disk)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from fusiond import profile
 from fusiond.plan import MachineProfile
-from fusiond.plan.model import DEFAULT_DISK_BYTES_PER_S
+from fusiond.plan.model import DEFAULT_DISK_BYTES_PER_S, DISK_FREE_SHARE
 from fusiond.profile import (
     CpuAllowance,
     cgroup_dirs,
@@ -201,6 +202,25 @@ def test_planner_fields_round_trip_through_the_gossiped_profile() -> None:
         d = machine_from_profile("n", dataclasses.replace(prof, plan_disk_bytes_per_s=bad), 1.0)
         assert d is not None and d.disk_bytes_per_s == 0.0
         assert d.disk_rate_bytes_per_s == DEFAULT_DISK_BYTES_PER_S
+    # the free disk travels too; unknown (0, or a negative claim) bounds nothing
+    room = machine_from_profile("n", dataclasses.replace(prof, disk_free_bytes=10**9), 1.0)
+    assert room is not None and room.disk_free_bytes == 1e9
+    assert room.disk_room_bytes == pytest.approx(DISK_FREE_SHARE * 1e9)
+    assert MachineProfile.from_dict(room.to_dict()) == room
+    for bad in (0, -5):
+        d = machine_from_profile("n", dataclasses.replace(prof, disk_free_bytes=bad), 1.0)
+        assert d is not None and d.disk_free_bytes == 0.0 and d.disk_room_bytes == math.inf
+
+
+def test_the_profile_gossips_the_state_directorys_free_disk(tmp_path: Path) -> None:
+    """`Profiler(disk_dir=...)` re-reads the free space where stages keep their files on
+    every profile; without a directory it claims none."""
+    static = NodeProfile(device_kind="cpu")
+    got = profile.Profiler(static, disk_dir=tmp_path)()
+    free = shutil.disk_usage(tmp_path).free
+    assert got.disk_free_bytes > 0 and abs(got.disk_free_bytes - free) < 256 << 20
+    assert profile.Profiler(static)().disk_free_bytes == 0
+    assert profile.Profiler(static, disk_dir=tmp_path / "missing")().disk_free_bytes == 0
 
 
 def test_the_disk_rate_is_measured_past_the_page_cache(tmp_path: Path) -> None:

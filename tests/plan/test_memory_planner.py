@@ -151,3 +151,23 @@ def test_a_choice_says_what_its_peak_is_made_of(budget_mib: int) -> None:
     if c.fits:
         assert c.peak_bytes <= budget_mib * mib
     assert c.activation_bytes >= 2 * sum(b.in_bytes for b in blocks)
+
+
+def test_what_goes_to_disk_fits_the_disk() -> None:
+    """The state goes to disk only where the disk has room for it, and the weights only where
+    it has room for the state, the weights and their gradients; a stage that fits only with
+    more on disk than that does not fit."""
+    kw = {"micro_batches": 4, "inflight": 1, "disk_bytes_per_s": 500e6}
+    blocks = _blocks(10)  # 60 MB weights + grads, 60 MB state, 50 MB activations
+    state = sum(b.opt_bytes for b in blocks)
+    weights = sum(b.param_bytes for b in blocks)
+    assert plan_stage_memory(blocks, budget_bytes=100e6, **kw).offload_optimizer
+    # room for the state only: no weights on disk even where they would have to go
+    small = plan_stage_memory(blocks, budget_bytes=40e6, disk_room_bytes=state * 1.01, **kw)
+    assert not small.fits and small.offload_optimizer and not small.offload_params
+    enough = plan_stage_memory(blocks, budget_bytes=40e6,
+                               disk_room_bytes=state + 2 * weights, **kw)
+    assert enough.fits and enough.offload_params
+    # no room at all: checkpointing only, and where that is not enough, nothing fits
+    none = plan_stage_memory(blocks, budget_bytes=100e6, disk_room_bytes=0.0, **kw)
+    assert not none.offload_optimizer and not none.fits

@@ -356,6 +356,14 @@ async def test_a_job_that_fits_only_with_its_weights_on_disk_trains_exactly(
             plan = got
             break
     assert plan is not None, "no machine size where the weights go to disk"
+    # the same machines with too little free disk for a stage's files: no plan, and the
+    # refusal says where the room would come from
+    full = [replace(m, disk_free_bytes=2e5) for m in _machines(memory)]
+    with pytest.raises(PlanError, match="disk any machine may give a stage's files"):
+        plan_job(spec, cap, Cluster.build(full, [[1.25e9] * 3] * 3))
+    roomy = [replace(m, disk_free_bytes=1e12) for m in _machines(memory)]
+    assert any(r.offload_params for r in plan_job(
+        spec, cap, Cluster.build(roomy, [[1.25e9] * 3] * 3)).evaluation.stages)
     ev = plan.evaluation
     assert ev.memory_ok and all(r.memory_bytes <= r.memory_cap for r in ev.stages)
     weights = {r.machine_id for r in ev.stages if r.offload_params}

@@ -161,17 +161,22 @@ class AnonPeak:
         self.prefix = str(data_dir.resolve())
         self.base_kib = self._held_kib()
         self.peak_kib = self.base_kib
+        self.spent_s = 0.0
+        """Seconds the samples took (reading /proc/self/smaps: 10-45 ms each with the state's
+        files mapped), which the step times leave out."""
 
     def _held_kib(self) -> int:
         s = _status_kib()
         return s["RssAnon"] + _mapped_kib(self.prefix)
 
     def sample(self) -> None:
+        t0 = time.perf_counter()
         s = _status_kib()
         data = _mapped_kib(self.prefix)
         other = s["RssFile"] - data + s.get("RssShmem", 0)
         self.peak_kib = max(self.peak_kib, s["RssAnon"] + data, s["VmHWM"] - other)
         _reset_peak()
+        self.spent_s += time.perf_counter() - t0
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -215,6 +220,7 @@ def worker(args: argparse.Namespace) -> None:
         for s in range(spec.steps):
             # ReferenceTrainer's step, with the C heap trimmed as the stage runtime does
             t0 = time.perf_counter()
+            spent = anon.spent_s
             step_losses = []
             for mb in split_micro_batches(data.batch(s, spec.batch.size), micro):
                 loss = net.on(mb)
@@ -230,7 +236,7 @@ def worker(args: argparse.Namespace) -> None:
                 disk.release()
             anon.sample()
             trim_heap()
-            times.append(time.perf_counter() - t0)
+            times.append(time.perf_counter() - t0 - (anon.spent_s - spent))
             losses.append(sum(step_losses) / micro)
         if disk is not None:
             disk.close()
@@ -296,6 +302,8 @@ def run_fusion(args: argparse.Namespace, spec: Any, data: Any, out: dict[str, An
     del state
     last = [time.perf_counter()]
 
+    spent = [0.0]
+
     def on_executors(_: Any) -> None:
         gc.collect()
         trim_heap()
@@ -303,15 +311,17 @@ def run_fusion(args: argparse.Namespace, spec: Any, data: Any, out: dict[str, An
             print("at start", _status(), file=sys.stderr)
         _reset_peak()
         last[0] = time.perf_counter()
+        spent[0] = anon.spent_s
 
     def on_step(m: Any) -> None:
+        anon.sample()
         now = time.perf_counter()
-        times.append(now - last[0])
+        times.append(now - last[0] - (anon.spent_s - spent[0]))  # the samples left out
         last[0] = now
+        spent[0] = anon.spent_s
         losses.append(m.loss)
         if os.environ.get("BENCH_MEMORY_DEBUG"):
             print("after step", _status(), file=sys.stderr)
-        anon.sample()
 
     # the peak is sampled after each task and update (`AnonPeak`); BENCH_MEMORY_DEBUG=1
     # prints the memory there too

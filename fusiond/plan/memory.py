@@ -42,8 +42,8 @@ import numpy as np
 if TYPE_CHECKING:
     from fusiond.plan.pipeline import GraphArrays
 
-__all__ = ["ACTIVATION_OVERHEAD", "MEMORY_QUANTUM", "BlockCost", "MemoryChoice",
-           "plan_stage_memory", "stage_blocks"]
+__all__ = ["ACTIVATION_OVERHEAD", "MEMORY_QUANTUM", "UPDATE_CHUNKS", "BlockCost",
+           "MemoryChoice", "plan_stage_memory", "stage_blocks"]
 
 ACTIVATION_OVERHEAD = 1.3
 """Resident bytes per byte of activations the cost graph counts: the allocator's own
@@ -52,6 +52,11 @@ besides the saved tensors. Measured by bench/memory.py's worker on GPT-2 (width 
 layers, 256 tokens per micro-batch, the C heap trimmed after each backward): 1.13-1.31 (the
 saved tensors themselves match the cost graph to 7 %); the planner takes the high end, so
 that a plan errs on the side of fitting."""
+
+UPDATE_CHUNKS = 2
+"""Chunks of optimizer state (a block's each) an update on disk holds mapped at once: the one
+stepping and the one still being written back (`fusiond.train.offload.WRITE_BEHIND_CHUNKS`,
+1). The next one, read ahead, is in the page cache, which the kernel reclaims first."""
 
 MEMORY_QUANTUM = 2048
 """Steps the memory to free is counted in, per solve (the budget's rounding)."""
@@ -204,8 +209,10 @@ def plan_stage_memory(blocks: Sequence[BlockCost], *, budget_bytes: float, micro
     # in the forward, one in the backward; measured at most 2.2 blocks' worth on GPT-2)
     window = max(2 * b.param_bytes + (blocks[i - 1].param_bytes if i else 0.0)
                  for i, b in enumerate(blocks))
-    largest_opt = max(b.opt_bytes for b in blocks)
-    largest_step = max(2 * b.param_bytes + b.opt_bytes for b in blocks)
+    # the update on disk: `UPDATE_CHUNKS` blocks' state at once (stepping, written back),
+    # and with the weights on disk the stepping block's weights and gradients
+    largest_opt = UPDATE_CHUNKS * max(b.opt_bytes for b in blocks)
+    largest_step = max(2 * b.param_bytes for b in blocks) + largest_opt
     placements = [(False, False)]
     if allow_offload and opt > 0 and opt <= disk_room_bytes:
         placements.append((True, False))

@@ -41,6 +41,7 @@ import numpy as np
 
 from fusiond.plan.memory import (
     ACTIVATION_OVERHEAD,
+    UPDATE_CHUNKS,
     MemoryChoice,
     plan_stage_memory,
     stage_blocks,
@@ -275,9 +276,10 @@ class GraphArrays:
         windows = [2.0 * float(block_param[i]) + (float(block_param[i - 1]) if i else 0.0)
                    for i in range(nb)]
         self.offload_window_bytes = max([0.0, *windows])
-        #: ... and while the optimizer steps (the activations gone): one block's weights,
-        #: gradients and optimizer state
-        self.offload_update_bytes = max([0.0, *(2.0 * block_param + block_opt).tolist()])
+        #: ... and while the optimizer steps (the activations gone): the stepping block's
+        #: weights and gradients and `UPDATE_CHUNKS` blocks' optimizer state
+        self.offload_update_bytes = (2.0 * float(block_param.max(initial=0.0))
+                                     + UPDATE_CHUNKS * float(block_opt.max(initial=0.0)))
         #: [machine, op] True where the machine runs the op (`MachineProfile.ops`)
         self.runs = np.array([[m.runs(o.op) for o in graph.ops] for m in cluster.machines],
                              dtype=bool).reshape(len(cluster), self.n)

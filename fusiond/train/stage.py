@@ -1208,7 +1208,13 @@ class StageExecutor:
         # peaked 40 MiB over the plan; 0 + g is g, so the values are the same)
         none = not self._trim
         if self._offload is not None:  # a chunk of the state in memory at a time
-            step_in_chunks(self.optimizer, self._step_chunks, self._offload.release)
+            # each chunk's state read ahead while the one before steps, and written back
+            # behind it (`DiskOptimizerState.release_behind`): transfers under the compute
+            try:
+                step_in_chunks(self.optimizer, self._step_chunks, self._offload.release_behind,
+                               self._offload.prefetch)
+            finally:
+                self._offload.drain()
             self.optimizer.zero_grad(set_to_none=none)
             return
         self.optimizer.step()

@@ -129,6 +129,14 @@ def test_blocks_of_a_captured_gpt2(captured_gpt2_blocks: ir.Graph) -> None:
     assert at[0] == starts[3] + 1 and len(mid) == len(starts) - 3
 
 
+def test_the_update_holds_what_the_runtime_holds() -> None:
+    """The planner's chunks of state in an update are the runtime's: the one stepping and the
+    ones its writer thread may still hold mapped."""
+    from fusiond.plan.memory import UPDATE_CHUNKS
+    from fusiond.train.offload import WRITE_BEHIND_CHUNKS
+    assert UPDATE_CHUNKS == 1 + WRITE_BEHIND_CHUNKS
+
+
 @pytest.mark.parametrize("budget_mib", [10_000, 60, 30, 12])
 def test_a_choice_says_what_its_peak_is_made_of(budget_mib: int) -> None:
     """peak = the larger of the micro-batches' phase (static + workspace +
@@ -144,10 +152,10 @@ def test_a_choice_says_what_its_peak_is_made_of(budget_mib: int) -> None:
     params = sum(b.param_bytes for b in blocks)
     if not c.offload_optimizer:
         assert c.static_bytes == c.update_bytes == 2 * params + sum(b.opt_bytes for b in blocks)
-    elif not c.offload_params:  # one block's state in memory while it steps
-        assert (c.static_bytes, c.update_bytes) == (2 * params, 2 * params + 4 * mib)
-    else:  # a block's weights and gradients and the one before's weights; then its state
-        assert (c.static_bytes, c.update_bytes) == (6 * mib, 8 * mib)
+    elif not c.offload_params:  # UPDATE_CHUNKS blocks' state in memory while it steps
+        assert (c.static_bytes, c.update_bytes) == (2 * params, 2 * params + 8 * mib)
+    else:  # a block's weights and gradients and the one before's weights; then the update's
+        assert (c.static_bytes, c.update_bytes) == (6 * mib, 4 * mib + 8 * mib)
     if c.fits:
         assert c.peak_bytes <= budget_mib * mib
     assert c.activation_bytes >= 2 * sum(b.in_bytes for b in blocks)

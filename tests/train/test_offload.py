@@ -98,3 +98,51 @@ def test_a_full_disk_is_refused_up_front(adamw: OptimizerSpec) -> None:
         with pytest.raises(OffloadError, match="free disk space there"):
             DiskOptimizerState(make_optimizer(adamw, big.parameters()), fs / "opt")
         assert not list((fs / "opt").glob("*.f32"))  # what was made is removed
+
+
+def test_write_behind_is_bounded_and_its_failure_is_raised(
+        tmp_path: Path, adamw: OptimizerSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk's write-back runs on the writer thread while the next chunk steps, at most
+    `WRITE_BEHIND_CHUNKS` of them pending (the next one waits for the oldest), and a
+    write-back that fails is raised by `drain`, naming the directory, not lost."""
+    import threading
+
+    from fusiond.train import offload as offload_mod
+
+    params = [torch.nn.Parameter(torch.randn(64, 64)) for _ in range(4)]
+    opt = make_optimizer(adamw, params)
+    disk = DiskOptimizerState(opt, tmp_path / "state")
+    gate = threading.Event()
+    written: list[int] = []
+    real = DiskOptimizerState._write_back
+
+    def slow(maps: list[object]) -> None:
+        gate.wait(10)
+        real(maps)  # type: ignore[arg-type]
+        written.append(len(maps))
+
+    monkeypatch.setattr(DiskOptimizerState, "_write_back", staticmethod(slow))
+    try:
+        for p in params[:offload_mod.WRITE_BEHIND_CHUNKS]:
+            disk.release_behind([p])  # queued, not waited for
+        third = threading.Thread(target=disk.release_behind, args=([params[-1]],))
+        third.start()
+        third.join(0.3)
+        assert third.is_alive() and not written  # the bound holds it back
+        gate.set()
+        third.join(10)
+        assert not third.is_alive()
+        disk.drain()
+        assert written == [2] * (offload_mod.WRITE_BEHIND_CHUNKS + 1)  # two moments each
+
+        def broken(maps: list[object]) -> None:
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(DiskOptimizerState, "_write_back", staticmethod(broken))
+        disk.release_behind([params[0]])
+        with pytest.raises(OffloadError, match=r"write the optimizer state back to .*state"):
+            disk.drain()
+        disk.drain()  # reported once
+    finally:
+        disk.close()
+    assert not list((tmp_path / "state").glob("*.f32"))

@@ -87,9 +87,9 @@ class Encoded:
     """One encoded tensor: the gather list `protocol.tensors` built (`parts`, sent as they are:
     a RAW part references the tensor's own memory), how many bytes they make, and the dense
     size. Safe without a copy because a stage never modifies a tensor it has sent: outputs and
-    input gradients are fresh per micro-batch, and parameter gradients are replaced, not
-    zeroed in place (`p.grad = total`, `zero_grad(set_to_none=True)`); the parts keep the
-    memory alive until the bytes are written."""
+    input gradients are fresh per micro-batch, and parameter gradients leave only through a
+    copy (the exchange's bucket, `torch.cat`), since under a memory plan they are zeroed in
+    place between steps; the parts keep the memory alive until the bytes are written."""
 
     parts: tuple[memoryview, ...]
     nbytes: int

@@ -446,9 +446,13 @@ class DiskParameters:
 
         try:
             step_in_chunks(opt, chunks, after, ahead)
-        finally:
+        except BaseException:
             if state is not None:
-                state.drain()
+                with contextlib.suppress(OffloadError):  # the first failure is the one raised
+                    state.drain()
+            raise
+        if state is not None:
+            state.drain()
         self._resident.clear()
 
     def flush(self) -> None:

@@ -64,6 +64,7 @@ from fusiond.train.lowrank import LowRankState, compressed
 from fusiond.train.offload import (
     DiskOptimizerState,
     DiskParameters,
+    OffloadError,
     step_in_chunks,
     trim_heap,
 )
@@ -1213,8 +1214,11 @@ class StageExecutor:
             try:
                 step_in_chunks(self.optimizer, self._step_chunks, self._offload.release_behind,
                                self._offload.prefetch)
-            finally:
-                self._offload.drain()
+            except BaseException:
+                with contextlib.suppress(OffloadError):  # the first failure is the one raised
+                    self._offload.drain()
+                raise
+            self._offload.drain()
             self.optimizer.zero_grad(set_to_none=none)
             return
         self.optimizer.step()

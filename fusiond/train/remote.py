@@ -479,7 +479,8 @@ def _value(edge_id: str) -> str:
 
 
 def program_from_assignment(sa: StageAssignment) -> StageProgram:
-    """Build the partition module and describe its boundary for the executor."""
+    """Build the partition module and describe its boundary for the executor (its weights
+    copied from `sa.state`: the decoded tensors share the read-only bytes they came from)."""
     module = build_stage_module(sa.graph, sa.state)
     runner: SegmentRunner | None = None
     if sa.checkpoint_blocks or sa.offload_params:  # the memory plan goes block by block
@@ -504,6 +505,9 @@ def program_from_assignment(sa: StageAssignment) -> StageProgram:
     if bad:
         raise RemoteError(f"Assign: partition input {bad[0]!r} is neither an edge nor a data "
                           "field")
+    # what `run` reads of the assignment, and nothing more: a closure over `sa` would keep
+    # its decoded weights alive beside the module's copy
+    graph, loss_name = sa.graph, sa.loss_name
 
     def run(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         feed: dict[str, torch.Tensor] = {}
@@ -512,13 +516,13 @@ def program_from_assignment(sa: StageAssignment) -> StageProgram:
         try:
             outs = forward(feed)
         except Exception as e:  # name the op and module that raised (the executor reports it)
-            where = raising_op(e, sa.graph)
+            where = raising_op(e, graph)
             if where is not None:
                 e.fusion_where = where  # type: ignore[attr-defined]
             raise
         result = {eid: outs[v] for eid, v in out_value.items()}
         if has_loss:
-            result["loss"] = outs[sa.loss_name]
+            result["loss"] = outs[loss_name]
         return result
 
     return StageProgram(
@@ -673,6 +677,9 @@ class StageHost:
         # not), before anything is built
         check_ops(sa.graph, config.disabled_ops)
         self.program = program_from_assignment(sa)
+        # the module holds its own copy of the weights now; the decoded state would keep a
+        # second one in memory for the job's life (with the weights on disk, all of them)
+        self.assignment = sa = replace(sa, state={})
         slot_nodes = sa.slot_nodes if sa.slot_nodes is not None else dict(sa.stage_nodes)
         holders = {x for h in sa.shared.values() for x in h}
         # the nodes this one exchanges tensors with: every replica of the stages it talks to,

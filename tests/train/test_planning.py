@@ -402,3 +402,50 @@ async def test_a_job_that_fits_only_with_its_weights_on_disk_trains_exactly(
     assert len(made) == len(weights) and all(n > 1 for n, _ in made)  # by segment
     assert all(not d.exists() for _, d in made)
     _assert_eager_losses(spec, losses)
+
+
+def test_a_stage_holds_its_weights_once(captured_tiny,  # type: ignore[no-untyped-def]
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weights an Assign carries are decoded, copied into the stage's module, and the
+    decoded tensors then freed: a stage host does not keep a second copy of its weights for
+    the job's life (which, with its weights on disk, would be all of them in memory)."""
+    import gc
+    import weakref
+
+    import torch
+
+    from fusiond.graph import contiguous_assignment
+    from fusiond.jobs.assign import assign_messages, layout_job
+    from fusiond.train import remote as remote_mod
+
+    spec, cap = captured_tiny
+    names = ["a", "b"]
+    ops = {op: names[p] for op, p in contiguous_assignment(cap.graph, 2).items()}
+    layout = layout_job("j", cap.graph, cap.state, ops)
+    msgs = assign_messages(layout, spec, cap.state, term=1, plan_version=1,
+                           addresses={"a": ("127.0.0.1", 1), "b": ("127.0.0.1", 2)})
+    decoded: list[weakref.ref[torch.Tensor]] = []
+    real = remote_mod.state_from_bytes
+
+    def watched(data: bytes) -> dict[str, torch.Tensor]:
+        got = real(data)
+        decoded.extend(weakref.ref(t) for t in got.values())
+        return got
+
+    monkeypatch.setattr(remote_mod, "state_from_bytes", watched)
+
+    class _Net:
+        async def send(self, *a: Any, **k: Any) -> None:
+            return None
+
+        def send_now(self, *a: Any, **k: Any) -> bool:
+            return False
+
+    msg, payload = msgs["a"]
+    host = remote_mod.StageHost(msg, payload, _Net())  # type: ignore[arg-type]
+    gc.collect()
+    assert decoded and host.assignment.state == {}
+    assert all(r() is None for r in decoded)  # only the module's copy is left
+    params = dict(host.program.module.named_parameters())
+    bad = [n for n, p in params.items() if n in cap.state and not torch.equal(p, cap.state[n])]
+    assert params and not bad, bad

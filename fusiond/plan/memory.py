@@ -11,8 +11,9 @@ runtime it prices: `SegmentRunner`, `DiskOptimizerState`, `DiskParameters`):
   (plain) or only its inputs (checkpointed); the backward of a checkpointed block holds that
   block's activations once more while it runs: `inflight * sum(kept) + max(saved of the
   checkpointed)`. A checkpointed block costs one more forward per micro-batch.
-- optimizer state: in memory, or on disk, stepped a block at a time (one block's state
-  resident); it is read and written once per step at the disk's rate.
+- optimizer state: in memory, or on disk, stepped a block at a time (`UPDATE_CHUNKS` blocks'
+  state resident: the one stepping, the one being written back); it is read and written once
+  per step at the disk's rate.
 - parameters and gradients: in memory, or on disk (then the optimizer state too), with the
   working block's weights and gradients and the previous block's weights mapped at a time,
   and one block's weights, gradients and state while it steps; priced as read from disk twice per
@@ -211,8 +212,8 @@ def plan_stage_memory(blocks: Sequence[BlockCost], *, budget_bytes: float, micro
                  for i, b in enumerate(blocks))
     # the update on disk: `UPDATE_CHUNKS` blocks' state at once (stepping, written back),
     # and with the weights on disk the stepping block's weights and gradients
-    largest_opt = UPDATE_CHUNKS * max(b.opt_bytes for b in blocks)
-    largest_step = max(2 * b.param_bytes for b in blocks) + largest_opt
+    update_state = UPDATE_CHUNKS * max(b.opt_bytes for b in blocks)
+    update_weights_on_disk = max(2 * b.param_bytes for b in blocks) + update_state
     placements = [(False, False)]
     if allow_offload and opt > 0 and opt <= disk_room_bytes:
         placements.append((True, False))
@@ -223,11 +224,11 @@ def plan_stage_memory(blocks: Sequence[BlockCost], *, budget_bytes: float, micro
         # `static`: resident while the micro-batches run (with the activations); `update`:
         # while the optimizer steps (the activations are gone; a chunk of state on disk is in)
         if off_params:
-            static, update = window, largest_step
+            static, update = window, update_weights_on_disk
             micro_disk_s = 4 * params / disk_bytes_per_s
             disk_s = 2 * (params + opt) / disk_bytes_per_s
         elif off_opt:
-            static, update = 2 * params, 2 * params + largest_opt
+            static, update = 2 * params, 2 * params + update_state
             micro_disk_s, disk_s = 0.0, 2 * opt / disk_bytes_per_s
         else:
             static = update = 2 * params + opt

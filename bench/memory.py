@@ -132,7 +132,7 @@ def _status_kib() -> dict[str, int]:
             if line.split(":")[0] in ("VmHWM", "RssAnon", "RssFile", "RssShmem")}
 
 
-def _mapped_kib(prefix: str) -> int:
+def mapped_kib(prefix: str) -> int:
     """Resident KiB of this process's mappings of files under `prefix` (/proc/self/smaps)."""
     total = 0
     inside = False
@@ -167,12 +167,12 @@ class AnonPeak:
 
     def _held_kib(self) -> int:
         s = _status_kib()
-        return s["RssAnon"] + _mapped_kib(self.prefix)
+        return s["RssAnon"] + mapped_kib(self.prefix)
 
     def sample(self) -> None:
         t0 = time.perf_counter()
         s = _status_kib()
-        data = _mapped_kib(self.prefix)
+        data = mapped_kib(self.prefix)
         other = s["RssFile"] - data + s.get("RssShmem", 0)
         self.peak_kib = max(self.peak_kib, s["RssAnon"] + data, s["VmHWM"] - other)
         _reset_peak()
@@ -333,7 +333,7 @@ def run_fusion(args: argparse.Namespace, spec: Any, data: Any, out: dict[str, An
         def wrap(self: Any, *a: Any, real: Any = real, name: str = name, **k: Any) -> Any:
             r = real(self, *a, **k)
             if debug:
-                print(name, _status(), "data files", _mapped_kib(anon.prefix) // 1024,
+                print(name, _status(), "data files", mapped_kib(anon.prefix) // 1024,
                       file=sys.stderr)
             anon.sample()
             return r

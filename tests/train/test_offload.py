@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.memory import mapped_kib
 from fusiond.models.gpt2 import gpt2
 from fusiond.train.data import TextWindows
 from fusiond.train.local import run_pipeline
@@ -20,18 +21,6 @@ from fusiond.train.stage import StageConfig, StageExecutor
 from tests.fullfs import small_fs
 
 from .gpt_stages import merged_state, three_stages
-
-
-def _rss_of_mappings(directory: Path) -> int:
-    """kB resident in this process's mappings of files under `directory` (/proc/self/smaps)."""
-    total, inside = 0, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()
-        if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
-            inside = len(head) >= 6 and head[-1].startswith(str(directory))
-        elif inside and line.startswith("Rss:"):
-            total += int(head[1])
-    return total
 
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
@@ -52,7 +41,7 @@ async def test_the_updates_are_the_in_memory_ones_bit_for_bit(
             if offload is not None:
                 seen_files.append(len(list(offload.rglob("*.f32"))))
                 # between steps the state holds no pages of this process
-                assert _rss_of_mappings(offload) == 0
+                assert mapped_kib(str(offload)) == 0
 
         res = await run_pipeline(progs, data=small_text, batch_size=8, micro_batches=4,
                                  optimizer=opt, steps=6, config=StageConfig(offload_dir=offload),
@@ -76,9 +65,9 @@ def test_state_bytes_and_refusals(tmp_path: Path, adamw: OptimizerSpec) -> None:
     assert st.nbytes == state_bytes(opt)
     (lin.weight.sum() + lin.bias.sum()).backward()
     opt.step()
-    assert _rss_of_mappings(tmp_path / "s") > 0  # the step paged the state in ...
+    assert mapped_kib(str(tmp_path / "s")) > 0  # the step paged the state in ...
     st.release()
-    assert _rss_of_mappings(tmp_path / "s") == 0  # ... and the release dropped it
+    assert mapped_kib(str(tmp_path / "s")) == 0  # ... and the release dropped it
     assert float(opt.state[lin.weight]["exp_avg"].abs().sum()) > 0  # read back from the file
     st.close()
     st.close()  # idempotent

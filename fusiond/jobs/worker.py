@@ -447,7 +447,8 @@ class JobWorker:
         result: JobResult
         payload: bytes = b""
         try:
-            await host.run(progress, first=first)
+            # only a step whose state is sent waits for its report; the others run on
+            await host.run(progress, first=first, hold=sa.sends_state)
             payload = await asyncio.to_thread(state_to_bytes, host.state_dict())
             result = JobResult(job_id=job_id, plan_version=sa.plan_version, partition=sa.own_slot,
                                ok=True)

@@ -756,9 +756,13 @@ class StageHost:
         self.executor.fail(exc)
 
     async def run(self, on_step: Callable[[StepReport], Any] | None = None,
-                  first: int = 0) -> list[StepReport]:
-        """Train steps `first .. steps-1`; `on_step` gets each step's report."""
-        return await self.executor.run(first, self.assignment.steps - first, on_step)
+                  first: int = 0, *, hold: Callable[[int], bool] | None = None
+                  ) -> list[StepReport]:
+        """Train steps `first .. steps-1`; `on_step` gets each step's report. After a step
+        for which `hold(step)` is true (None: every step) the next waits for `on_step` to
+        finish (it reads the stage's state); the others run ahead (`StageExecutor.run`)."""
+        return await self.executor.run(first, self.assignment.steps - first, on_step,
+                                       hold=hold)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The stage's parameters and buffers under graph names."""

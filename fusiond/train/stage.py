@@ -110,6 +110,13 @@ a loss scaler every stage agrees on (a skipped step everywhere when one overflow
 STEP_CHUNK_TENSORS = 4
 """Parameters a stage without segments steps together when its optimizer state is on disk."""
 
+RUN_AHEAD_STEPS = 2
+"""How many steps the compute thread may finish before the event loop has handled their
+reports (`StageExecutor.run`): it goes on to the next step at once instead of handing the
+turn to the loop and back (two cross-thread wake-ups and the report's send on every stage's
+step boundary, docs/runtime.md), and stops here when the loop falls this far behind."""
+
+
 
 class StageError(LocalError):
     """A stage task failed or waited too long; the message names the stage, step and task.
@@ -692,6 +699,8 @@ class StageExecutor:
         self._inbox: dict[_Key, tuple[bytes | memoryview, float]] = {}
         """Received packets not yet taken by their task: payload and arrival time."""
         self._failed: BaseException | None = None
+        self._handled = first_step - 1
+        """The last step whose report `run`'s callback has handled (`RUN_AHEAD_STEPS`)."""
         self._step = first_step
         """The step being run; packets for it and later steps are kept until their task (a
         resumed attempt starts here, so its first tensors are never mistaken for stale)."""
@@ -1336,24 +1345,90 @@ class StageExecutor:
         return got, last
 
     async def run(self, first: int, count: int,
-                  on_step: Callable[[StepReport], Any] | None = None) -> list[StepReport]:
+                  on_step: Callable[[StepReport], Any] | None = None, *,
+                  hold: Callable[[int], bool] | None = None) -> list[StepReport]:
         """Run steps `first .. first+count-1`; then flush the outbound queues.
 
-        `on_step(report)` is called after each step; if it returns an awaitable (e.g. sending
-        the report to the scheduler), it is awaited before the next step.
+        The compute thread runs the steps back to back. `on_step(report)` is called on the
+        event loop after each step, in step order; if it returns an awaitable (e.g. sending the
+        report to the scheduler), it is awaited before the next report's call. After a step
+        for which `hold(step)` is true (None: every step), the compute thread waits for that
+        step's `on_step` to finish before it starts the next, so the callback sees the state
+        the step left (a checkpoint); after any other step it runs ahead, at most
+        `RUN_AHEAD_STEPS` steps beyond the last report the loop has handled. A callback that
+        raises stops the stage (its next wait raises) and the error is raised here.
         """
-        reports: list[StepReport] = []
+        if self._pool is None:
+            await self.start()
+        assert self._pool is not None and self._loop is not None
+        loop = self._loop
         with self._cond:
-            self._step = first  # packets for `first` may arrive before run_step starts
-        for s in range(first, first + count):
-            rep = await self.run_step(s)
-            reports.append(rep)
-            if on_step is not None:
-                res = on_step(rep)
-                if inspect.isawaitable(res):
-                    await res
+            if self._failed is not None:
+                raise self._failed
+            self._step = first  # packets for `first` may arrive before its step starts
+            self._handled = first - 1
+        reports: asyncio.Queue[StepReport] = asyncio.Queue()  # at most RUN_AHEAD_STEPS + 1
+
+        def post(rep: StepReport) -> None:
+            loop.call_soon_threadsafe(reports.put_nowait, rep)
+
+        holds = (lambda _: True) if hold is None else hold
+        if on_step is None:
+            holds = lambda _: False  # noqa: E731 - nothing to wait for
+        work = loop.run_in_executor(self._pool, self._run_steps, first, count, post, holds)
+        done: list[StepReport] = []
+        try:
+            while len(done) < count:
+                got = asyncio.ensure_future(reports.get())
+                try:
+                    await asyncio.wait((got, asyncio.ensure_future(work)),
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if not got.done():
+                        got.cancel()
+                if not got.done() or got.cancelled():
+                    if work.done() and reports.empty():
+                        work.result()  # the compute thread's failure
+                        raise StageError(f"stage {self.stage}: the compute thread stopped "
+                                         f"after {len(done)} of {count} steps")
+                    continue
+                rep = got.result()
+                done.append(rep)
+                if on_step is not None:
+                    res = on_step(rep)
+                    if inspect.isawaitable(res):
+                        await res
+                with self._cond:
+                    self._handled = rep.step
+                    self._cond.notify_all()
+            await work
+        except asyncio.CancelledError:
+            self.fail(StageError(f"stage {self.stage}, step {self._step}: cancelled"))
+            raise
+        except BaseException as e:
+            self.fail(e if isinstance(e, Exception) else StageError(f"stage {self.stage}: {e!r}"))
+            with contextlib.suppress(Exception):
+                await work  # the compute thread stops at its next wait
+            raise
         await self.flush()
-        return reports
+        return done
+
+    def _run_steps(self, first: int, count: int, post: Callable[[StepReport], None],
+                   hold: Callable[[int], bool]) -> None:
+        """The compute thread's loop over steps (`run`)."""
+        for step in range(first, first + count):
+            with self._cond:
+                # a step that holds waits for its own report; any other, for the report
+                # RUN_AHEAD_STEPS steps back
+                behind = 0 if step > first and hold(step - 1) else RUN_AHEAD_STEPS
+                while self._handled < step - 1 - behind:
+                    if self._failed is not None:
+                        raise self._failed
+                    self._cond.wait()
+                if self._failed is not None:
+                    raise self._failed
+                self._step = step
+            post(self._run_step(step))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The partition's parameters and buffers (detached, CPU)."""

@@ -14,7 +14,13 @@ from fusiond.models.gpt2 import gpt2, lm_loss
 from fusiond.train.data import TextWindows
 from fusiond.train.local import ReferenceTrainer, run_pipeline
 from fusiond.train.spec import OptimizerSpec
-from fusiond.train.stage import EdgeSpec, PacketKind, StageError, StageProgram
+from fusiond.train.stage import (
+    RUN_AHEAD_STEPS,
+    EdgeSpec,
+    PacketKind,
+    StageError,
+    StageProgram,
+)
 
 from .gpt_stages import merged_state, three_stages
 
@@ -409,3 +415,75 @@ def test_a_stage_failure_says_whose_fault_it_is() -> None:
                RemoteProtocolError("bad frame"), ConnectionResetError()]
     assert [fault_of(e) for e in job] == [FAULT_JOB] * len(job)
     assert [fault_of(e) for e in machine] == [FAULT_MACHINE] * len(machine)
+
+
+def _one_stage(adamw: OptimizerSpec, steps: int) -> Any:
+    """A whole model in one stage (data in, loss out): no packets, only steps."""
+    from fusiond.train.local import MemoryLinks
+    from fusiond.train.schedule import one_f_one_b
+    from fusiond.train.stage import StageExecutor  # as the other tests here import them
+
+    w = nn.Linear(4, 4)
+
+    def run(i: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"loss": ((w(i["inputs"]) - i["targets"]) ** 2).mean()}
+
+    prog = StageProgram(w, run, (), (), ("inputs", "targets"), True)
+    return StageExecutor(stage=0, program=prog, link=MemoryLinks().link(0),
+                         tasks=one_f_one_b(1, 2)[0], micro_batches=2, optimizer=adamw,
+                         total_steps=steps, data=_Regression(), batch_size=4), w
+
+
+async def test_steps_run_ahead_of_their_reports_within_bounds(adamw: OptimizerSpec) -> None:
+    """The compute thread does not wait for a step's report to be handled before the next
+    step, up to RUN_AHEAD_STEPS; a step that holds waits, and its callback sees the weights
+    that step left."""
+    ex, w = _one_stage(adamw, 8)
+    gate = asyncio.Event()
+    seen: list[tuple[int, int]] = []  # (report's step, the step the thread had reached)
+    weights: dict[int, torch.Tensor] = {}
+
+    async def on_step(rep: Any) -> None:
+        if rep.step == 0:
+            await gate.wait()
+        if rep.step == 5:
+            weights[5] = w.weight.detach().clone()
+            await asyncio.sleep(0.2)  # the thread must not step on meanwhile
+            assert torch.equal(w.weight, weights[5])
+        seen.append((rep.step, ex.current_step))
+
+    await ex.start()
+    try:
+        run = asyncio.create_task(ex.run(0, 8, on_step, hold=lambda s: s == 5))
+        await asyncio.sleep(0.5)
+        # step 0's report is stuck: the thread ran steps 1 and 2 and waits before step 3
+        assert not run.done() and ex.current_step == RUN_AHEAD_STEPS
+        gate.set()
+        reports = await asyncio.wait_for(run, 10)
+    finally:
+        await ex.close()
+    assert [r.step for r in reports] == list(range(8))
+    assert [s for s, _ in seen] == list(range(8))
+    # step 5 held: its callback ran before step 6 began
+    assert dict(seen)[5] == 5
+    # the weights after step 5 were what the callback saw; training went on after it
+    assert not torch.equal(w.weight, weights[5])
+
+
+async def test_a_failing_step_callback_stops_the_stage(adamw: OptimizerSpec) -> None:
+    ex, _ = _one_stage(adamw, 50)
+
+    def on_step(rep: Any) -> None:
+        if rep.step == 3:
+            raise RuntimeError("report lost")
+
+    await ex.start()
+    try:
+        with pytest.raises(RuntimeError, match="report lost"):
+            await asyncio.wait_for(ex.run(0, 50, on_step, hold=lambda s: False), 10)
+        # the thread stopped within its run-ahead bound, and the stage stays failed
+        assert ex.current_step <= 3 + RUN_AHEAD_STEPS + 1
+        with pytest.raises(RuntimeError, match="report lost"):
+            await ex.run_step(ex.current_step + 1)
+    finally:
+        await ex.close()

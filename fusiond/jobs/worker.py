@@ -438,8 +438,11 @@ class JobWorker:
                 job_id=job_id, plan_version=sa.plan_version, partition=sa.own_slot, step=rep.step,
                 figures=rep.to_figures()), ())
             if sa.sends_state(rep.step):  # a checkpoint, or the scheduler's held-out evaluation
-                # The executor waits for this callback before its next step: a consistent state.
-                blob = await asyncio.to_thread(state_to_bytes, host.state_dict())
+                # the state as this step left it: the report's copy, or (the executor holds the
+                # next step for this callback) the stage's own
+                state = rep.state if rep.state is not None else host.state_dict()
+                rep.state = None
+                blob = await asyncio.to_thread(state_to_bytes, state)
                 await self.send(job.scheduler, StageCheckpoint(
                     job_id=job_id, plan_version=sa.plan_version, partition=sa.own_slot,
                     step=rep.step), (blob,))
@@ -447,8 +450,15 @@ class JobWorker:
         result: JobResult
         payload: bytes = b""
         try:
-            # only a step whose state is sent waits for its report; the others run on
-            await host.run(progress, first=first, hold=sa.sends_state)
+            # A step whose state is sent gives it as a copy taken on the compute thread, which
+            # goes on (the serialisation and the send, tens of ms on a small host, stay off the
+            # step's path); under a memory plan there is no room for a copy, and such a step
+            # waits for its report instead. Every other step runs on.
+            if host.copies_state:
+                await host.run(progress, first=first, hold=lambda _: False,
+                               snapshot=sa.sends_state)
+            else:
+                await host.run(progress, first=first, hold=sa.sends_state)
             payload = await asyncio.to_thread(state_to_bytes, host.state_dict())
             result = JobResult(job_id=job_id, plan_version=sa.plan_version, partition=sa.own_slot,
                                ok=True)

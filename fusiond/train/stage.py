@@ -391,6 +391,10 @@ class StepReport:
     wait_s: float = 0.0
     """Seconds this stage sat waiting for its inputs (from the previous task's end, or the
     step's start, until the last input arrived), over all of the step's tasks."""
+    state: dict[str, torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    """A copy of the partition's parameters and buffers as this step left them, taken on the
+    compute thread before the next step (`StageExecutor.run`'s `snapshot`); never sent in
+    `to_figures`."""
 
     @property
     def busy_fraction(self) -> float:
@@ -1346,7 +1350,8 @@ class StageExecutor:
 
     async def run(self, first: int, count: int,
                   on_step: Callable[[StepReport], Any] | None = None, *,
-                  hold: Callable[[int], bool] | None = None) -> list[StepReport]:
+                  hold: Callable[[int], bool] | None = None,
+                  snapshot: Callable[[int], bool] | None = None) -> list[StepReport]:
         """Run steps `first .. first+count-1`; then flush the outbound queues.
 
         The compute thread runs the steps back to back. `on_step(report)` is called on the
@@ -1357,6 +1362,11 @@ class StageExecutor:
         the step left (a checkpoint); after any other step it runs ahead, at most
         `RUN_AHEAD_STEPS` steps beyond the last report the loop has handled. A callback that
         raises stops the stage (its next wait raises) and the error is raised here.
+
+        After a step for which `snapshot(step)` is true, the compute thread copies the
+        partition's state into the report (`StepReport.state`) before it goes on: a callback
+        that saves it need not hold the next step (a memory copy of the state per snapshot,
+        at most `RUN_AHEAD_STEPS` + 1 of them alive).
         """
         if self._pool is None:
             await self.start()
@@ -1375,7 +1385,8 @@ class StageExecutor:
         holds = (lambda _: True) if hold is None else hold
         if on_step is None:
             holds = lambda _: False  # noqa: E731 - nothing to wait for
-        work = loop.run_in_executor(self._pool, self._run_steps, first, count, post, holds)
+        work = loop.run_in_executor(self._pool, self._run_steps, first, count, post, holds,
+                                    snapshot or (lambda _: False))
         done: list[StepReport] = []
         try:
             while len(done) < count:
@@ -1404,6 +1415,8 @@ class StageExecutor:
             await work
         except asyncio.CancelledError:
             self.fail(StageError(f"stage {self.stage}, step {self._step}: cancelled"))
+            # the thread stops at its next wait; its error then is nobody's to retrieve
+            work.cancel()
             raise
         except BaseException as e:
             self.fail(e if isinstance(e, Exception) else StageError(f"stage {self.stage}: {e!r}"))
@@ -1414,7 +1427,7 @@ class StageExecutor:
         return done
 
     def _run_steps(self, first: int, count: int, post: Callable[[StepReport], None],
-                   hold: Callable[[int], bool]) -> None:
+                   hold: Callable[[int], bool], snapshot: Callable[[int], bool]) -> None:
         """The compute thread's loop over steps (`run`)."""
         for step in range(first, first + count):
             with self._cond:
@@ -1428,7 +1441,11 @@ class StageExecutor:
                 if self._failed is not None:
                     raise self._failed
                 self._step = step
-            post(self._run_step(step))
+            rep = self._run_step(step)
+            if snapshot(step):
+                rep.state = {k: v.detach().clone()
+                             for k, v in self.program.module.state_dict().items()}
+            post(rep)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The partition's parameters and buffers (detached, CPU)."""

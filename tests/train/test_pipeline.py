@@ -12,13 +12,15 @@ from torch import nn
 
 from fusiond.models.gpt2 import gpt2, lm_loss
 from fusiond.train.data import TextWindows
-from fusiond.train.local import ReferenceTrainer, run_pipeline
+from fusiond.train.local import MemoryLinks, ReferenceTrainer, run_pipeline
+from fusiond.train.schedule import one_f_one_b
 from fusiond.train.spec import OptimizerSpec
 from fusiond.train.stage import (
     RUN_AHEAD_STEPS,
     EdgeSpec,
     PacketKind,
     StageError,
+    StageExecutor,
     StageProgram,
 )
 
@@ -87,7 +89,6 @@ async def test_int8_edges_quantize_both_ways_and_train(small_text: TextWindows,
                                                       adamw: OptimizerSpec) -> None:
     torch.manual_seed(0)
     g = gpt2("tiny")
-    from fusiond.train.stage import StageExecutor
 
     steps = 8
     execs: list[StageExecutor] = []
@@ -331,7 +332,6 @@ async def test_deliver_rejects_unexpected_packets(adamw: OptimizerSpec) -> None:
 async def test_density_changes_mid_run_without_telling_the_receiver(
     small_text: TextWindows, adamw: OptimizerSpec
 ) -> None:
-    from fusiond.train.stage import StageExecutor
 
     torch.manual_seed(0)
     g = gpt2("tiny")
@@ -419,10 +419,6 @@ def test_a_stage_failure_says_whose_fault_it_is() -> None:
 
 def _one_stage(adamw: OptimizerSpec, steps: int) -> Any:
     """A whole model in one stage (data in, loss out): no packets, only steps."""
-    from fusiond.train.local import MemoryLinks
-    from fusiond.train.schedule import one_f_one_b
-    from fusiond.train.stage import StageExecutor  # as the other tests here import them
-
     w = nn.Linear(4, 4)
 
     def run(i: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -487,3 +483,62 @@ async def test_a_failing_step_callback_stops_the_stage(adamw: OptimizerSpec) -> 
             await ex.run_step(ex.current_step + 1)
     finally:
         await ex.close()
+
+
+async def test_a_snapshot_is_the_state_its_step_left_while_the_thread_runs_on(
+        adamw: OptimizerSpec) -> None:
+    """A snapshot step's report carries a copy of the weights that step left, taken before
+    the next step, although the thread does not wait for the callback (it reads the copy
+    after later steps have changed the live weights)."""
+    async def weights_after_5(snap: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(7)
+        ex, w = _one_stage(adamw, 8)
+        got: list[torch.Tensor] = []
+
+        async def on_step(rep: Any) -> None:
+            if rep.step == 5:
+                if snap:
+                    await asyncio.sleep(0.3)  # the thread runs steps 6 and 7 meanwhile
+                    got.append(rep.state["weight"])
+                else:
+                    got.append(w.weight.detach().clone())
+
+        await ex.start()
+        try:
+            if snap:
+                await ex.run(0, 8, on_step, hold=lambda s: False, snapshot=lambda s: s == 5)
+            else:
+                await ex.run(0, 8, on_step)  # every step held: the live weights are step 5's
+        finally:
+            await ex.close()
+        return got[0], w.weight.detach().clone()
+
+    held, end_held = await weights_after_5(False)
+    copied, end_copied = await weights_after_5(True)
+    assert torch.equal(held, copied)
+    assert torch.equal(end_held, end_copied) and not torch.equal(copied, end_copied)
+
+
+async def test_a_cancelled_run_leaves_no_unretrieved_error(
+        adamw: OptimizerSpec, caplog: pytest.LogCaptureFixture) -> None:
+    """Cancelling `run` stops the compute thread through the stage's failure; that failure
+    must not surface later as asyncio's "Future exception was never retrieved" (logged from
+    a finalizer at some later collection)."""
+    import gc
+
+    ex = StageExecutor(stage=1, program=_edge_program()[1], link=MemoryLinks().link(1),
+                       tasks=one_f_one_b(2, 2)[1], micro_batches=2, optimizer=adamw,
+                       total_steps=3, data=_Regression(), batch_size=4)
+    await ex.start()
+    try:
+        run = asyncio.create_task(ex.run(0, 3))
+        await asyncio.sleep(0.2)  # waiting for F0's input, which never comes
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+    finally:
+        await ex.close()
+    await asyncio.sleep(0.1)  # the thread's failure lands on its future
+    with caplog.at_level("ERROR", logger="asyncio"):
+        gc.collect()
+    assert "never retrieved" not in caplog.text

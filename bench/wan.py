@@ -54,6 +54,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -69,6 +70,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.wan_common import (  # noqa: E402
     FAILED,
+    FUSION_SYSTEMS,
     LABELS,
     OK,
     OUT_OF_MEMORY,
@@ -313,6 +315,56 @@ def traffic_note(traces: dict[str, Trace], topo: Topology) -> str | None:
             + "; ".join(parts))
 
 
+PREDICTION_BAND = 0.25
+"""Issues 15 and 21: every fusion run's measured over predicted throughput within 25 %."""
+
+
+def measured_step(trace: Trace) -> tuple[float, int] | None:
+    """The median seconds between consecutive steps after the first (its warm-up) and the
+    tokens per step, from the run's events; None below three steps."""
+    ev = trace.events
+    if len(ev) < 3:
+        return None
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(ev[1:])]
+    return statistics.median(gaps), ev[1][3] - ev[0][3]
+
+
+def prediction_lines(traces: Sequence[Trace]) -> list[str]:
+    """Per fusion run that trained (and carries the plan's prediction): measured over
+    predicted throughput, PASS within `PREDICTION_BAND`, and where a miss went
+    (`explain_miss`). Runs in the order given."""
+    out = []
+    for t in traces:
+        pred = t.extra.get("prediction") or {}
+        step = measured_step(t)
+        label = LABELS.get(t.system, t.system)
+        if not pred.get("iteration_s") or step is None:
+            if t.system in FUSION_SYSTEMS | {"swarm"}:
+                out.append(f"- {label}: no measured/predicted figure (trained "
+                           f"{len(t.events)} steps; {'no prediction' if not pred else 'too few'})")
+            continue
+        step_s, tokens = step
+        ratio = float(pred["iteration_s"]) / step_s
+        ok = abs(ratio - 1.0) <= PREDICTION_BAND
+        line = (f"- {'PASS' if ok else 'FAIL'} {label}: measured / predicted throughput "
+                f"{ratio:.2f} (step {step_s:.3f} s measured, median after the first, vs "
+                f"{float(pred['iteration_s']):.3f} s predicted; within {PREDICTION_BAND:.0%} "
+                "is the target)")
+        if not ok and tokens > 0:
+            line += ": " + explain_miss(t, tokens / step_s, tokens)
+        out.append(line)
+    return out
+
+
+def explain_traces(path: Path) -> list[str]:
+    """`prediction_lines` and `traffic_note` of a saved traces file (`save_traces`)."""
+    doc = json.loads(path.read_text())
+    traces = [Trace(str(r["trace"]["system"]), [tuple(e) for e in r["trace"]["events"]],
+                    dict(r["trace"].get("extra") or {}), r["trace"].get("error"))
+              for r in doc["runs"]]
+    lines = prediction_lines(traces)
+    note = traffic_note({t.system: t for t in traces}, load_topology(str(doc["topology"])))
+    return lines + ([f"- {note}"] if note else [])
 
 
 REGIMES = ("fits", "nofit")
@@ -1059,8 +1111,14 @@ def run_topology(name: str, args: argparse.Namespace, wl: Workload, evaluate: Ev
                + (f" (memory limit {nofit_limit / 2**20:.0f} MiB per host, enforced by the "
                   "kernel)" if regime == "nofit" and nofit_limit else
                   f" (a {FITS_CEILING_BYTES >> 30} GiB per-host ceiling, to measure peaks)"),
-               "", results_table(v, records, LABELS), "", f"- {v.line(LABELS)}", "",
-               f"![held-out loss on {name}, {REGIME_TEXT[regime]}]"
+               "", results_table(v, records, LABELS), "", f"- {v.line(LABELS)}", ""]
+        predicted = prediction_lines([r.trace for r in records])
+        if predicted:
+            md += ["Fusion's runs against their plan's prediction:", "", *predicted, ""]
+        note = traffic_note({r.system: r.trace for r in records}, topo)
+        if note:
+            md += [f"- {note}", ""]
+        md += [f"![held-out loss on {name}, {REGIME_TEXT[regime]}]"
                f"(benchmarks-{name}-{regime}.png)", ""]
     return md, verdicts_out
 
@@ -1153,7 +1211,14 @@ def main() -> None:
                          "bench/wan_plot.py redraws the plots from them)")
     ap.add_argument("--logs", default=str(REPO / "out" / "wan"),
                     help="the hosts' logs and the training split's file (not committed)")
+    ap.add_argument("--explain", metavar="TRACES_JSON", type=Path,
+                    help="print, from a committed traces file (docs/wan-traces/*.json), each "
+                         "fusion run's measured over predicted throughput and where a miss "
+                         "went, and the bytes per link rate; runs nothing")
     args = ap.parse_args()
+    if args.explain is not None:
+        print("\n".join(explain_traces(args.explain)))
+        return
     if args.quick:
         args.topology = args.topology or ["four-groups"]
         args.hosts = args.hosts or 4

@@ -280,3 +280,37 @@ def test_a_runs_evaluation_runs_in_the_background_and_settles_its_outcome(
     assert recs[0].outcome == OK and [p.loss for p in recs[0].curve] == [5.0, 4.0]
     assert recs[1].outcome == FAILED and "bad snapshot" in recs[1].reason
     assert not list((tmp_path / "keep").iterdir())  # evaluated snapshots are removed
+
+
+def test_each_fusion_run_is_judged_against_its_plans_prediction(tmp_path: Path) -> None:
+    """The report says, per fusion run, measured over predicted throughput (the median step
+    after the first against the plan's iteration) with PASS within 25 % and, on a miss, where
+    the time went; `--explain` reads the same from a committed traces file."""
+    import json
+
+    from bench.wan import explain_traces, prediction_lines
+
+    pred = {"iteration_s": 0.5, "bottleneck": "compute 00-a1",
+            "stages": [{"stage": 0, "machine": "00-a1", "compute_s": 0.4}], "links": []}
+    # steps 1 s apart after a slow first step: measured 1.0 s against 0.5 s predicted
+    slow = Trace("opfence", [(3.0, 0, 5.0, 1024), (4.0, 1, 4.9, 2048), (5.0, 2, 4.8, 3072),
+                             (6.0, 3, 4.7, 4096)],
+                 {"prediction": pred, "last_step": {"busy": {"0": 0.9}}})
+    on_time = Trace("swarm", [(1.0, 0, 5.0, 1024), (1.55, 1, 4.9, 2048), (2.1, 2, 4.8, 3072)],
+                    {"prediction": pred})
+    baseline = Trace("single", [(1.0, 0, 5.0, 1024), (2.0, 1, 4.9, 2048), (3.0, 2, 4.8, 3072)])
+    killed = Trace("replicas", [], {"prediction": pred})
+    lines = prediction_lines([slow, on_time, baseline, killed])
+    assert len(lines) == 3  # the baseline has no prediction and is not judged
+    assert lines[0].startswith("- FAIL (2)") and "throughput 0.50" in lines[0]
+    assert "step 1.000 s measured vs 0.500 s predicted" in lines[0]  # explain_miss's text
+    assert "stage 0 on 00-a1: compute 0.900 s/step measured vs 0.400 s predicted" in lines[0]
+    assert lines[1].startswith("- PASS (6)") and "throughput 0.91" in lines[1]
+    assert "(7)" in lines[2] and "trained 0 steps" in lines[2]
+
+    doc = {"topology": "four-groups", "regime": "fits", "runs": [
+        {"trace": {"system": t.system, "events": t.events, "extra": t.extra, "error": None}}
+        for t in (slow, on_time)]}
+    path = tmp_path / "four-groups-fits.json"
+    path.write_text(json.dumps(doc))
+    assert explain_traces(path)[:2] == lines[:2]

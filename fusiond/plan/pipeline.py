@@ -468,9 +468,14 @@ def graph_param_sizes(graph: CostGraph) -> dict[str, float]:
     return sizes
 
 
-DDP_BUCKET_BYTES = 25 * 2**20
-"""A replicated stage's gradient bucket (DDP's default `bucket_cap_mb`): the reduction's
-buffer, counted in each replica's memory."""
+def exchange_bytes(grad_bytes: float, holders: int) -> float:
+    """What a replicated stage's gradient reduction holds in each replica's memory beyond its
+    gradients, as the runtime exchanges them (`StageExecutor._exchange`, all-to-all, dense in
+    the warm-up steps even where later ones go low-rank): its own flat copy to send, each
+    other holder's copy received, and the sums. 0 without replicas. (DDP's 25 MiB bucket
+    was counted here before; a 2-replica exchange of a 19 MB model held 3x the gradients
+    and the kernel killed a replica planned to fit.)"""
+    return (holders + 1) * grad_bytes if holders > 1 else 0.0
 
 
 def micro_batch_shares(times_s: Sequence[float], num_micro_batches: int) -> list[int]:
@@ -761,7 +766,7 @@ def evaluate(
             m = c.machines[mi]
             mb = shares[i][r]
             inflight = mb if st.schedule == "gpipe" else min(mb, S - i)
-            bucket = min(params, DDP_BUCKET_BYTES) if s.replicas else 0.0
+            bucket = exchange_bytes(params, len(s.machines))
             cap = float(arrays.caps[mi])
             kept = inflight * float(arrays.in_bytes[s.start]) + saved
             fwd_s = float(arrays.prefix_f[mi, s.stop] - arrays.prefix_f[mi, s.start])

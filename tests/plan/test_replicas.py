@@ -211,3 +211,20 @@ def test_shapes_on_a_grouped_cluster_cover_the_issue_s_kinds() -> None:
     for _, sets in replica_shapes(a, fence_groups(cluster)):
         flat = [m for x in sets for m in x]
         assert len(flat) == len(set(flat))
+
+
+def test_a_replica_counts_the_exchange_the_runtime_holds() -> None:
+    """Each replica holds, beside its weights, gradients and optimizer state, its own flat
+    copy of the gradients to send, every other replica's copy received, and the sums (the
+    runtime's all-to-all exchange, dense in warm-up): 3 gradients' worth with 2 replicas,
+    4 with 3; nothing without replicas."""
+    g = _chain(4, params=1e6)  # 4 MB of parameters (and of gradients)
+    cluster = Cluster.build([_machine(i) for i in range(3)],
+                            [[0 if i == j else 1e9 for j in range(3)] for i in range(3)])
+    a = GraphArrays(g, cluster, JobSettings(micro_batch_size=1, num_micro_batches=6))
+    alone = evaluate(a, [StageSpec(0, 0, 4)]).stages[0].memory_bytes
+    two = evaluate(a, [StageSpec(0, 0, 4, (1,))])
+    three = evaluate(a, [StageSpec(0, 0, 4, (1, 2))])
+    for rep in (two.stages[0], *two.replicas):
+        assert rep.memory_bytes - alone == pytest.approx(3 * 4e6)
+    assert three.stages[0].memory_bytes - alone == pytest.approx(4 * 4e6)

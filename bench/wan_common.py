@@ -18,6 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+POWERSGD_START_STEPS = 2
+"""Dense steps before low-rank gradients, for DDP's PowerSGD hook (`start_powerSGD_iter`)
+and fusion's replicas (`compression.grad_warmup_steps`, 10 by default) alike: the same
+compressor gets the same warm-up (at 10 dense steps of a few seconds each over a 50 Mbit/s
+link, a 30 s run never left it)."""
+
 SYSTEMS = ("single", "pipeline", "ddp_fp16", "ddp_powersgd", "fsdp", "hivemind", "swarm",
            "opfence", "adatopk", "replicas", "codecs")
 """Every system of issue 14: the baselines (0), (1), (4) twice, FSDP, (5), (6), then fusion
@@ -103,6 +109,7 @@ replicas = {"true" if replicas else "false"}
 [compression]
 codec = "{codec}"
 adatopk = {"true" if adatopk else "false"}
+grad_warmup_steps = {POWERSGD_START_STEPS}
 """
 
     def to_dict(self) -> dict[str, Any]:

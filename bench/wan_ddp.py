@@ -63,7 +63,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from bench.wan_common import Trace, Workload
+from bench.wan_common import POWERSGD_START_STEPS, Trace, Workload
 from bench.wan_eval import SnapshotClock, save_snapshot
 from fusiond.train.data import Batch, make_source, split_micro_batches
 from fusiond.train.model import build_model, loss_fn
@@ -186,7 +186,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=60.0)
     ap.add_argument("--hook", choices=HOOKS, default="powersgd")
     ap.add_argument("--powersgd-rank", type=int, default=2)
-    ap.add_argument("--powersgd-start", type=int, default=2,
+    ap.add_argument("--powersgd-start", type=int, default=POWERSGD_START_STEPS,
                     help="steps of vanilla all-reduce before PowerSGD (its docs: a warm-up "
                          "helps accuracy; 2 is the least allowed with error feedback and warm "
                          "start, and on an 8 Mbit/s link each uncompressed step costs tens of "

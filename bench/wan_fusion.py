@@ -198,13 +198,14 @@ def keep_checkpoints(send: Any, snapshot_dir: Path | None) -> Any:
 
     async def wrapped(peer: str, msg: Message, payload: Any = ()) -> None:
         if isinstance(msg, StageCheckpoint):
-            data = b"".join(bytes(p) for p in payload)
             path = snapshot_dir / snapshot_name(msg.partition, msg.step)
 
             def write() -> None:
                 snapshot_dir.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(".tmp")
-                tmp.write_bytes(data)
+                with tmp.open("wb") as f:  # the parts as they are: no joined copy
+                    for part in payload:
+                        f.write(part)
                 tmp.replace(path)
 
             await asyncio.to_thread(write)

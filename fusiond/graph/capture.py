@@ -69,8 +69,12 @@ class CapturedModel:
         return state_to_bytes(self.state)
 
 
-def state_to_bytes(state: Mapping[str, torch.Tensor]) -> bytes:
-    """Serialise a state dict with safetensors (contiguous copies; tied storage is fine)."""
+def state_to_bytes(state: Mapping[str, torch.Tensor], *, copies: bool = False) -> bytes:
+    """Serialise a state dict with safetensors (contiguous copies; tied storage is fine).
+    `copies`: the tensors already are private contiguous copies, one storage each (a stage's
+    snapshot): serialised as they are, without a copy of each first."""
+    if copies:
+        return safetensors.torch.save({k: v.detach() for k, v in state.items()})
     return safetensors.torch.save({k: v.detach().contiguous().clone() for k, v in state.items()})
 
 

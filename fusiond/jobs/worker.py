@@ -440,9 +440,11 @@ class JobWorker:
             if sa.sends_state(rep.step):  # a checkpoint, or the scheduler's held-out evaluation
                 # the state as this step left it: the report's copy, or (the executor holds the
                 # next step for this callback) the stage's own
-                state = rep.state if rep.state is not None else host.state_dict()
-                rep.state = None
-                blob = await asyncio.to_thread(state_to_bytes, state)
+                if rep.state is not None:
+                    state, rep.state = rep.state, None
+                    blob = await asyncio.to_thread(state_to_bytes, state, copies=True)
+                else:
+                    blob = await asyncio.to_thread(state_to_bytes, host.state_dict())
                 await self.send(job.scheduler, StageCheckpoint(
                     job_id=job_id, plan_version=sa.plan_version, partition=sa.own_slot,
                     step=rep.step), (blob,))

@@ -46,6 +46,9 @@ def test_state_round_trips_through_safetensors() -> None:
     back = state_from_bytes(state_to_bytes(c.state))
     assert back.keys() == c.state.keys()
     assert all(torch.equal(back[k], v) for k, v in c.state.items())
+    # a snapshot's private copies serialise as they are, to the same bytes
+    snap = {k: v.detach().clone() for k, v in c.state.items()}
+    assert state_to_bytes(snap, copies=True) == state_to_bytes(c.state)
 
 
 def test_hand_built_graph_runs() -> None:

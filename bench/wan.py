@@ -1374,6 +1374,12 @@ NOTES = """
   quotas summing to 80 % of the CPUs; "CPU used / quota" is each host's CPU seconds over its
   quota x wall-clock. The figures are what these runs saw on a machine shared with other
   work; nothing is adjusted.
+- **Against the plan.** Each fusion run that trained at least three steps is compared with
+  its plan's prediction: the median interval between steps after the first against the
+  planner's iteration time, PASS within 25 % (issues 15 and 21), and on a miss the stage
+  whose measured compute is furthest from the plan's, the hand-offs and the slowest link.
+  `bench/wan.py --explain docs/wan-traces/<topology>-<regime>.json` prints the same lines
+  from a committed traces file.
 - Raw traces: `docs/wan-traces/<topology>-<regime>.json`; `bench/wan_plot.py` redraws the
   plots from them.
 """

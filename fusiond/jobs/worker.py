@@ -452,15 +452,9 @@ class JobWorker:
         result: JobResult
         payload: bytes = b""
         try:
-            # A step whose state is sent gives it as a copy taken on the compute thread, which
-            # goes on (the serialisation and the send, tens of ms on a small host, stay off the
-            # step's path); under a memory plan there is no room for a copy, and such a step
-            # waits for its report instead. Every other step runs on.
-            if host.copies_state:
-                await host.run(progress, first=first, hold=lambda _: False,
-                               snapshot=sa.sends_state)
-            else:
-                await host.run(progress, first=first, hold=sa.sends_state)
+            # the serialisation and the send of a step's state (tens of ms on a small host)
+            # stay off the steps' path where the stage can copy it (StageHost.run)
+            await host.run(progress, first=first, reads_state=sa.sends_state)
             payload = await asyncio.to_thread(state_to_bytes, host.state_dict())
             result = JobResult(job_id=job_id, plan_version=sa.plan_version, partition=sa.own_slot,
                                ok=True)

@@ -755,25 +755,23 @@ class StageHost:
         """Abort the stage (e.g. a neighbour died): its pending waits raise `exc`."""
         self.executor.fail(exc)
 
-    @property
-    def copies_state(self) -> bool:
-        """Whether a snapshot of the state may be a copy in memory (`StageExecutor.run`'s
-        `snapshot`): not under a memory plan, whose budget has no room for a second copy of
-        the weights (a snapshot step then holds the next step while its state is read)."""
-        cfg = self.executor.config
-        return not (cfg.recompute or cfg.offload_dir is not None or cfg.offload_params
-                    or self.program.segments is not None)
-
     async def run(self, on_step: Callable[[StepReport], Any] | None = None,
-                  first: int = 0, *, hold: Callable[[int], bool] | None = None,
-                  snapshot: Callable[[int], bool] | None = None) -> list[StepReport]:
-        """Train steps `first .. steps-1`; `on_step` gets each step's report. After a step
-        for which `hold(step)` is true (None: every step) the next waits for `on_step` to
-        finish (it reads the stage's state); the others run ahead; after a step for which
-        `snapshot(step)` is true the report carries a copy of the state
-        (`StageExecutor.run`)."""
-        return await self.executor.run(first, self.assignment.steps - first, on_step,
-                                       hold=hold, snapshot=snapshot)
+                  first: int = 0, *, reads_state: Callable[[int], bool] | None = None
+                  ) -> list[StepReport]:
+        """Train steps `first .. steps-1`; `on_step` gets each step's report, and after a step
+        for which `reads_state(step)` is true (None: every step) it sees the state that step
+        left: as a copy in the report (`StepReport.state`), taken on the compute thread, which
+        goes on; or, under a memory plan, whose budget has no room for a second copy of the
+        weights, as the stage's own (`state_dict`) with the next step held until `on_step` is
+        done. Every other step runs ahead (`StageExecutor.run`)."""
+        cfg = self.executor.config
+        planned = (cfg.recompute or cfg.offload_dir is not None or cfg.offload_params
+                   or self.program.segments is not None)
+        count = self.assignment.steps - first
+        if planned or reads_state is None:
+            return await self.executor.run(first, count, on_step, hold=reads_state)
+        return await self.executor.run(first, count, on_step, hold=lambda _: False,
+                                       snapshot=reads_state)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The stage's parameters and buffers under graph names."""

@@ -117,7 +117,6 @@ turn to the loop and back (two cross-thread wake-ups and the report's send on ev
 step boundary, docs/runtime.md), and stops here when the loop falls this far behind."""
 
 
-
 class StageError(LocalError):
     """A stage task failed or waited too long; the message names the stage, step and task.
     `fault` says whose fault it is (`FAULT_JOB` or `FAULT_MACHINE`)."""
@@ -1377,7 +1376,9 @@ class StageExecutor:
                 raise self._failed
             self._step = first  # packets for `first` may arrive before its step starts
             self._handled = first - 1
-        reports: asyncio.Queue[StepReport] = asyncio.Queue()  # at most RUN_AHEAD_STEPS + 1
+        # at most RUN_AHEAD_STEPS + 1 reports, then None once the thread has ended (its
+        # posts and its future's completion reach the loop in the order they were made)
+        reports: asyncio.Queue[StepReport | None] = asyncio.Queue()
 
         def post(rep: StepReport) -> None:
             loop.call_soon_threadsafe(reports.put_nowait, rep)
@@ -1387,23 +1388,10 @@ class StageExecutor:
             holds = lambda _: False  # noqa: E731 - nothing to wait for
         work = loop.run_in_executor(self._pool, self._run_steps, first, count, post, holds,
                                     snapshot or (lambda _: False))
+        work.add_done_callback(lambda _: reports.put_nowait(None))
         done: list[StepReport] = []
         try:
-            while len(done) < count:
-                got = asyncio.ensure_future(reports.get())
-                try:
-                    await asyncio.wait((got, asyncio.ensure_future(work)),
-                                       return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    if not got.done():
-                        got.cancel()
-                if not got.done() or got.cancelled():
-                    if work.done() and reports.empty():
-                        work.result()  # the compute thread's failure
-                        raise StageError(f"stage {self.stage}: the compute thread stopped "
-                                         f"after {len(done)} of {count} steps")
-                    continue
-                rep = got.result()
+            while (rep := await reports.get()) is not None:
                 done.append(rep)
                 if on_step is not None:
                     res = on_step(rep)
@@ -1412,7 +1400,7 @@ class StageExecutor:
                 with self._cond:
                     self._handled = rep.step
                     self._cond.notify_all()
-            await work
+            await work  # the compute thread's failure, if it had one
         except asyncio.CancelledError:
             self.fail(StageError(f"stage {self.stage}, step {self._step}: cancelled"))
             # the thread stops at its next wait; its error then is nobody's to retrieve
@@ -1434,9 +1422,7 @@ class StageExecutor:
                 # a step that holds waits for its own report; any other, for the report
                 # RUN_AHEAD_STEPS steps back
                 behind = 0 if step > first and hold(step - 1) else RUN_AHEAD_STEPS
-                while self._handled < step - 1 - behind:
-                    if self._failed is not None:
-                        raise self._failed
+                while self._failed is None and self._handled < step - 1 - behind:
                     self._cond.wait()
                 if self._failed is not None:
                     raise self._failed

@@ -359,9 +359,7 @@ def prediction_lines(traces: Sequence[Trace]) -> list[str]:
 def explain_traces(path: Path) -> list[str]:
     """`prediction_lines` and `traffic_note` of a saved traces file (`save_traces`)."""
     doc = json.loads(path.read_text())
-    traces = [Trace(str(r["trace"]["system"]), [tuple(e) for e in r["trace"]["events"]],
-                    dict(r["trace"].get("extra") or {}), r["trace"].get("error"))
-              for r in doc["runs"]]
+    traces = [Trace.from_dict(r["trace"]) for r in doc["runs"]]
     lines = prediction_lines(traces)
     note = traffic_note({t.system: t for t in traces}, load_topology(str(doc["topology"])))
     return lines + ([f"- {note}"] if note else [])

@@ -155,7 +155,11 @@ class Trace:
 
     @classmethod
     def load(cls, path: Path) -> Trace:
-        d = json.loads(path.read_text())
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Trace:
+        """A trace from its JSON form (`to_json`, or a run's "trace" in a traces file)."""
         ev = [(float(t), int(s), None if loss is None else float(loss), int(tok))
               for t, s, loss, tok in d["events"]]
         return cls(str(d["system"]), ev, dict(d.get("extra") or {}), d.get("error"))

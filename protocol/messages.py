@@ -237,6 +237,9 @@ class NodeProfile(Struct):
     """Of conv-class ops, FLOP per second."""
     plan_flops_other: float = 0.0
     """Of the other ops, FLOP per second (0: the node is not calibrated)."""
+    plan_flops_attention: float = 0.0
+    """Of scaled dot-product attention, FLOP per second (0: not measured; the planner then
+    uses the matmul rate)."""
     plan_mem_bw: float = 0.0
     """Calibrated memory bandwidth, bytes per second."""
     plan_op_overhead_s: float = 0.0

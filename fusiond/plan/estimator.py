@@ -22,6 +22,7 @@ from protocol import ir
 
 _MATMUL = "matmul"
 _CONV = "conv"
+_ATTENTION = "attention"
 _OTHER = "other"
 
 #: ops that only reinterpret memory (or compute sizes): no FLOPs, no traffic
@@ -40,6 +41,29 @@ _SAVES_INPUTS = frozenset({
 #: FLOPs per element of elementwise ops (transcendentals are dearer)
 _EW_FLOPS = {"gelu": 16.0, "silu": 8.0, "tanh": 8.0, "sigmoid": 8.0, "exp": 8.0, "log": 8.0,
              "erf": 8.0, "pow": 8.0, "sqrt": 4.0, "rsqrt": 4.0, "div": 2.0}
+NORM_FLOPS_PER_ELEMENT = (8.0, 16.0)
+"""Forward and backward FLOPs per element of a normalisation (layer, batch, group, RMS norm)."""
+SOFTMAX_FLOPS_PER_ELEMENT = (5.0, 4.0)
+"""Forward and backward FLOPs per element of a (log-)softmax."""
+
+
+def elementwise_flops_per_element(name: str) -> tuple[float, float]:
+    """Forward and backward FLOPs per output element of the elementwise op `name` (`gelu`,
+    `silu`, `add`, ...): the rule the estimator charges, and the calibration times
+    (`fusiond.profile.calibrate`), so the two agree on what a FLOP of class "other" is."""
+    per = _EW_FLOPS.get(name, 1.0)
+    return per, 2 * per
+
+
+def attention_flops(lead: int, q_len: int, kv_len: int, head_dim: int,
+                    value_dim: int) -> tuple[float, float]:
+    """Forward and backward FLOPs of scaled dot-product attention over `lead` (batch x heads)
+    independent heads: the two products and the softmax; backward recomputes the scores."""
+    scores = float(lead * q_len * kv_len)
+    f = 2.0 * scores * head_dim + 2.0 * scores * value_dim + 5.0 * scores
+    return f, 2.5 * f
+
+
 _NO_GRAD = frozenset({"ne", "eq", "lt", "le", "gt", "ge", "arange", "full", "zeros", "ones",
                       "scalar_tensor", "empty", "argmax", "argmin", "logical_not", "logical_and",
                       "sym_size", "randint", "bitwise_not"})
@@ -109,9 +133,10 @@ def _node_cost(
         lead = _prod(qs[:-2])
         L, E, S, Ev = qs[-2], qs[-1], ks[-2], vs[-1]
         scores = float(lead * L * S)
-        f = 2.0 * scores * E + 2.0 * scores * Ev + 5.0 * scores
-        # the CPU kernel materialises the score matrix in blocks; backward recomputes it
-        return _Cost(_MATMUL, f, 2.5 * f if grad else 0, in_bytes + out_bytes + 8 * scores,
+        f, fb = attention_flops(lead, L, S, E, Ev)
+        # the CPU kernel materialises the score matrix in blocks; backward recomputes it.
+        # Its own class: small per-head products run far below a big matmul's rate.
+        return _Cost(_ATTENTION, f, fb if grad else 0, in_bytes + out_bytes + 8 * scores,
                      2 * (in_bytes + out_bytes) + 16 * scores,
                      act_in + out_bytes + 4.0 * lead * L, 1.0, bl * 3)
     if name in ("native_layer_norm", "layer_norm", "native_batch_norm",
@@ -120,11 +145,13 @@ def _node_cost(
                 "rms_norm", "_fused_rms_norm"):
         n = float(_prod(shapes[0])) if shapes else out_numel
         b0 = float(ins[0][1]) if ins else out_bytes
-        return _Cost(_OTHER, 8 * n, 16 * n if grad else 0, 2 * b0 + out_bytes,
+        nf, nb = NORM_FLOPS_PER_ELEMENT
+        return _Cost(_OTHER, nf * n, nb * n if grad else 0, 2 * b0 + out_bytes,
                      4 * b0 + out_bytes, b0 + (out_bytes - b0 if out_bytes > b0 else 0),
                      1.0, 2 * bl)
     if name in ("_softmax", "softmax", "_log_softmax", "log_softmax"):
-        return _Cost(_OTHER, 5 * out_numel, 4 * out_numel if grad else 0, in_bytes + out_bytes,
+        sf, sb = SOFTMAX_FLOPS_PER_ELEMENT
+        return _Cost(_OTHER, sf * out_numel, sb * out_numel if grad else 0, in_bytes + out_bytes,
                      3 * out_bytes, out_bytes, 1.0, bl)
     if name in ("embedding", "embedding_bag"):
         idx = float(ins[1][1]) if len(ins) > 1 else 0.0
@@ -156,9 +183,9 @@ def _node_cost(
                 "logical_not", "cat", "stack", "contiguous", "sin", "cos", "rsub", "zeros_like",
                 "ones_like", "full_like", "empty", "new_zeros", "new_ones", "new_empty",
                 "bitwise_not", "triu", "tril"):
-        per = _EW_FLOPS.get(name, 1.0)
+        per, per_b = elementwise_flops_per_element(name)
         saved = act_in if name in _SAVES_INPUTS else 0.0
-        return _Cost(_OTHER, per * out_numel, 2 * per * out_numel if grad else 0,
+        return _Cost(_OTHER, per * out_numel, per_b * out_numel if grad else 0,
                      in_bytes + out_bytes, 2 * in_bytes + out_bytes if grad else 0, saved,
                      1.0, bl)
     # conservative fallback: unknown op reads everything, writes everything, saves its inputs

@@ -23,7 +23,10 @@ from fusiond.errors import LocalError
 F64 = npt.NDArray[np.float64]
 
 #: Op classes a machine is calibrated for. An op's class picks the FLOP rate it runs at.
-OP_CLASSES: tuple[str, ...] = ("matmul", "conv", "other")
+OP_CLASSES: tuple[str, ...] = ("matmul", "conv", "attention", "other")
+_CLASS_FALLBACK = {"attention": "matmul"}
+"""The class whose rate stands in for a class a profile does not carry (an older daemon's
+profile has no "attention"; its products were matmul-class then). Any other: "other"."""
 
 
 class PlanError(LocalError):
@@ -182,6 +185,8 @@ class MachineProfile:
 
     def rate(self, op_class: str) -> float:
         r = self.flops.get(op_class)
+        if r is None:
+            r = self.flops.get(_CLASS_FALLBACK.get(op_class, "other"))
         if r is None:
             r = self.flops.get("other", min(self.flops.values()))
         return r

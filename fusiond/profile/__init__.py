@@ -51,10 +51,12 @@ log = logging.getLogger("fusiond.profile")
 BENCH_N = 512
 """Matrix size of the benchmark: big enough to be compute bound, small enough to take ~10 ms."""
 BENCH_REPEATS = 5
-CACHE_VERSION = 4
+CACHE_VERSION = 5
 """Bumped when the cached numbers change meaning (2: per CPU second, before the allowance;
 3: with the transport's cost per message; 4: the memory bandwidth over 16 MiB vectors
-written into one buffer, so the calibration's peak stays about 100 MiB under a tight limit)."""
+written into one buffer, so the calibration's peak stays about 100 MiB under a tight limit;
+5: class "other" from a network's nonlinear ops, attention its own class, the dispatch cost
+from a transformer-like mix, every time a median)."""
 
 
 # -- the CPU this process may use (pure parsing, then the one function that reads files) ------
@@ -391,7 +393,7 @@ MAX_WAKE_S = 1.0
 """The largest wake-up latency a profile may claim (a CFS period is at most 1 s)."""
 
 PLAN_FIELDS = {"matmul": "plan_flops_matmul", "conv": "plan_flops_conv",
-               "other": "plan_flops_other"}
+               "attention": "plan_flops_attention", "other": "plan_flops_other"}
 """Profile keys of the planner's calibrated FLOP rates per op class (sustained, at the node's
 CPU allowance), beside ``plan_mem_bw``, ``plan_op_overhead_s``, ``plan_wire_s_per_byte`` and
 ``plan_msg_s`` and ``plan_wake_s``."""
@@ -452,7 +454,7 @@ def machine_from_profile(node_id: str, profile: NodeProfile,
     """The planner's view of a node from its gossiped profile (`planner_fields`), or None when
     the profile carries no calibration (an older daemon, or one started without benchmark)."""
     rates = {"matmul": profile.plan_flops_matmul, "conv": profile.plan_flops_conv,
-             "other": profile.plan_flops_other}
+             "attention": profile.plan_flops_attention, "other": profile.plan_flops_other}
     flops = {c: float(r) for c, r in rates.items() if r > 0}
     if "other" not in flops or profile.plan_mem_bw <= 0:
         return None

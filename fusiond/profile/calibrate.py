@@ -2,18 +2,33 @@
 
 It measures this node for the planner (`fusiond.plan`, which stays pure: no torch, no clocks),
 so it lives with the rest of the node's profile. The daemon calls it once and gossips
-`profile.to_dict()`. Each measurement matches a rule of the estimator, so the two agree on
-units: a matmul of transformer-like shape (FLOP/s of class "matmul"), a 3x3 convolution
-("conv"), GELU on a large tensor at the estimator's 16 FLOPs per element ("other"), a large add
-(memory bandwidth: 3 x 4 bytes per element), and a chain of tiny ops with autograd forward and
-backward (the fixed cost per kernel dispatch, which dominates small graphs on a CPU).
+`profile.to_dict()`. Each measurement matches a rule of the estimator (`fusiond.plan.estimator`,
+whose FLOP counts it uses), so the two agree on units:
 
-On a CPU every time is CPU time of this process (`time.process_time`), not wall-clock: a
-benchmark of milliseconds under a CFS quota runs inside the first period at full speed, and
-other tenants' load would bend wall-clock times either way. `calibrate` then scales the rates
-per CPU second to the cores this process may really use (`fusiond.profile.cpu_allowance`:
-cgroup quota, affinity) with `scale_machine`, so the planner's compute time of a stage is its
-work over the speed at the host's real CPU share (see `fusiond.profile` for the contract).
+- "matmul": forward + backward of a transformer-shaped linear layer;
+- "conv": a 3x3 convolution;
+- "attention": forward + backward of scaled dot-product attention at a GPT-2-like head shape
+  (its small per-head products run at a fraction of a big matmul's rate: 2x slower on the
+  machine this was written on);
+- "other": forward + backward of the nonlinear ops that fill a network between its products
+  (GELU in both forms, SiLU, layer norm, softmax), at the estimator's FLOPs per element. One
+  synthetic GELU on a large tensor, which this used to time, ran 3-7x faster than these ops do
+  in a model (erf GELU vectorises well; the tanh form, norms and softmax do not), so the
+  planner saw every host's non-matmul work 3x too cheap;
+- the memory bandwidth (a large add: 3 x 4 bytes per element), a loopback round trip of a
+  tensor through the transport's cipher (its CPU per byte), and a chain of tiny ops with
+  autograd forward and backward (the fixed cost per kernel dispatch, which dominates small
+  graphs on a CPU).
+
+Each time is the median of `repeats` runs after a warm-up (the sustained speed, not the
+luckiest run). On a CPU every time is CPU time of this process (`time.thread_time`), not
+wall-clock: a benchmark of milliseconds under a CFS quota runs inside the first period at full
+speed, and other tenants' load would bend wall-clock times either way. `calibrate` then scales
+the rates per CPU second to the cores this process may really use
+(`fusiond.profile.cpu_allowance`: cgroup quota, affinity) with `scale_machine`, so the
+planner's compute time of a stage is its work over the speed at the host's real CPU share (see
+`fusiond.profile` for the contract). `bench/plan_accuracy.py` checks the result against
+measured partitions of GPT-2.
 """
 
 from __future__ import annotations
@@ -23,20 +38,29 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from fusiond.plan.estimator import (
+    NORM_FLOPS_PER_ELEMENT,
+    SOFTMAX_FLOPS_PER_ELEMENT,
+    attention_flops,
+    elementwise_flops_per_element,
+)
 from fusiond.plan.model import MachineProfile, scale_machine, slower_of
 
 
-def _best_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None],
-               clock: Callable[[], float] = time.perf_counter) -> float:
-    fn()  # warm-up: allocator, kernels, caches
+def _median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None],
+                 clock: Callable[[], float] = time.perf_counter) -> float:
+    """The median of `repeats` timed runs of `fn` after one warm-up (allocator, kernels,
+    caches)."""
+    fn()
     sync()
-    best = float("inf")
-    for _ in range(repeats):
+    times = []
+    for _ in range(max(1, repeats)):
         t0 = clock()
         fn()
         sync()
-        best = min(best, clock() - t0)
-    return max(best, 1e-9)
+        times.append(clock() - t0)
+    times.sort()
+    return max(times[len(times) // 2], 1e-9)
 
 
 def _total_memory(device: str) -> float:
@@ -127,8 +151,8 @@ def _measure(machine_id: str, dev: Any, repeats: int, scale: float,
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
-    def best(fn: Callable[[], object]) -> float:
-        return _best_time(fn, repeats, sync, clock)
+    def timed(fn: Callable[[], object]) -> float:
+        return _median_time(fn, repeats, sync, clock)
 
     # Each benchmark's tensors live in its own function, so they are freed before the next:
     # the calibration's memory stays small (a daemon under a tight limit runs it).
@@ -146,56 +170,120 @@ def _measure(machine_id: str, dev: Any, repeats: int, scale: float,
         def linear_fb() -> None:
             torch.nn.functional.linear(a, w).backward(go)  # type: ignore[no-untyped-call]
 
-        return 6.0 * m * k * nout / best(linear_fb)
+        return 6.0 * m * k * nout / timed(linear_fb)
 
     def conv() -> float:
         c = max(8, int(64 * scale))
         x = torch.randn(4, c, 28, 28, device=dev)
         wc = torch.randn(c, c, 3, 3, device=dev)
-        return 2.0 * (4 * c * 28 * 28) * c * 9 / best(
+        return 2.0 * (4 * c * 28 * 28) * c * 9 / timed(
             lambda: torch.nn.functional.conv2d(x, wc, padding=1))
 
-    def elementwise() -> tuple[float, float]:
+    def bandwidth() -> float:
         # twice the last-level cache of most CPUs (48 MiB in all), written into one buffer
         # (no allocation per repeat): the rate is memory's, and the peak stays at 3 vectors
         n = max(1 << 16, int((1 << 22) * scale))
         u = torch.randn(n, device=dev)
         v = torch.randn(n, device=dev)
         out = torch.empty(n, device=dev)
-        t_add = best(lambda: torch.add(u, v, out=out))
-        bw = 12.0 * n / t_add
-        t_gelu = best(lambda: torch.ops.aten.gelu.out(u, out=out))
-        # GELU is partly memory bound: what is left after the traffic is the FLOP rate
-        compute = max(t_gelu - 8.0 * n / bw, t_gelu * 0.25)
-        return bw, 16.0 * n / compute
+        return 12.0 * n / timed(lambda: torch.add(u, v, out=out))
+
+    def attention() -> float:
+        # GPT-2's head shape (64 per head), 4 sequences x 4 heads of 128 tokens (/ scale)
+        seq = max(16, int(128 * scale))
+        lead = 16
+        q, k, v = (torch.randn(4, 4, seq, 64, device=dev, requires_grad=True)
+                   for _ in range(3))
+        go = torch.randn(4, 4, seq, 64, device=dev)
+
+        def sdpa_fb() -> None:
+            torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True).backward(go)  # type: ignore[no-untyped-call]
+
+        f, b = attention_flops(lead, seq, seq, 64, 64)
+        return (f + b) / timed(sdpa_fb)
+
+    def nonlinear() -> float:
+        # the ops between a network's products, forward + backward each, on 256 tokens x 1024
+        # features (a GPT-2 small MLP's hidden width / 3; / scale): what they take over the
+        # FLOPs the estimator charges them
+        rows = max(16, int(256 * scale))
+        x = torch.randn(rows, 1024, device=dev, requires_grad=True)
+        go = torch.randn(rows, 1024, device=dev)
+        f = torch.nn.functional
+        ops: list[tuple[Callable[[Any], Any], tuple[float, float]]] = [
+            (lambda t: f.gelu(t, approximate="tanh"), elementwise_flops_per_element("gelu")),
+            (f.gelu, elementwise_flops_per_element("gelu")),
+            (f.silu, elementwise_flops_per_element("silu")),
+            (lambda t: f.layer_norm(t, (1024,)), NORM_FLOPS_PER_ELEMENT),
+            (lambda t: f.softmax(t, -1), SOFTMAX_FLOPS_PER_ELEMENT),
+        ]
+
+        def run() -> None:
+            for op, _ in ops:
+                op(x).backward(go)
+
+        per_element = sum(fw + bw for _, (fw, bw) in ops)
+        return per_element * x.numel() / timed(run)
 
     mm_rate = matmul()
+    attention_rate = attention()
+    other_rate = nonlinear()
     with torch.no_grad():
         conv_rate = conv()
-        mem_bw, other_rate = elementwise()
+        mem_bw = bandwidth()
 
-    chain = 100
-    leaf = torch.ones(4, device=dev, requires_grad=True)
-
-    def tiny() -> None:
-        y = leaf
-        for _ in range(chain):
-            y = y * 1.0001
-        y.sum().backward()  # type: ignore[no-untyped-call]
-
-    t_tiny = best(tiny)
-    overhead = t_tiny / (2 * chain + 2)
+    overhead = dispatch_cost_s(dev, timed)
     wire_bytes = max(1 << 20, int((1 << 22) * scale))
-    wire = best(_wire_round_trip(wire_bytes))
+    wire = timed(_wire_round_trip(wire_bytes))
     return MachineProfile(
         id=machine_id,
-        flops={"matmul": mm_rate, "conv": conv_rate, "other": other_rate},
+        flops={"matmul": mm_rate, "conv": conv_rate, "attention": attention_rate,
+               "other": other_rate},
         mem_bw=mem_bw,
         op_overhead_s=overhead,
         memory_bytes=memory_bytes if memory_bytes is not None else _total_memory(str(dev)),
         kind=f"{dev.type}:{torch.get_num_threads()}t" if dev.type == "cpu" else str(dev),
         wire_s_per_byte=wire / wire_bytes / 2,
     )
+
+
+DISPATCH_BLOCKS = 20
+"""Blocks of the dispatch benchmark (`dispatch_cost_s`)."""
+DISPATCH_LAUNCHES_PER_BLOCK = 20
+"""Launches of one block, forward + backward, counted as the estimator counts them
+(`fusiond.plan.estimator`): a linear and a layer norm 1 + 2 each, the GELU, the softmax and
+the residual add 1 + 1 each, and four views 1 + 1 each."""
+
+
+def dispatch_cost_s(dev: Any, timed: Callable[[Callable[[], object]], float]) -> float:
+    """The fixed cost of one kernel launch, forward and backward: `DISPATCH_BLOCKS`
+    transformer-like blocks (linear, layer norm, GELU, head-split views, softmax, residual
+    add) on tensors of 64 elements, where every op's work is nil, over the launches the
+    estimator counts for them. A chain of one cheap op (which this used to time) dispatches
+    faster than a model's mix does: 5.8 against 8.2 us per launch on the machine this was
+    written on, and the model's small stages paid the difference unpredicted."""
+    import torch
+
+    f = torch.nn.functional
+    width = 8
+    w = torch.randn(width, width, device=dev, requires_grad=True)
+    b = torch.zeros(width, device=dev, requires_grad=True)
+    g = torch.ones(width, device=dev, requires_grad=True)
+    beta = torch.zeros(width, device=dev, requires_grad=True)
+    x = torch.randn(2, 4, width, device=dev, requires_grad=True)
+
+    def blocks() -> None:
+        h = x
+        for _ in range(DISPATCH_BLOCKS):
+            y = f.layer_norm(f.linear(h, w, b), (width,), g, beta)
+            y = f.gelu(y, approximate="tanh").view(2, 4, 2, width // 2).transpose(1, 2)
+            y = torch.softmax(y, -1).transpose(1, 2).reshape(2, 4, width)
+            h = h + y
+        h.sum().backward()  # type: ignore[no-untyped-call]
+
+    launches = DISPATCH_BLOCKS * DISPATCH_LAUNCHES_PER_BLOCK + 2  # and the loss's sum
+    return timed(blocks) / launches
 
 
 def _wire_round_trip(nbytes: int) -> Callable[[], None]:

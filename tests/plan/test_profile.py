@@ -256,3 +256,80 @@ def test_wake_up_is_part_of_the_gossiped_machine() -> None:
         MachineProfile("x", {"other": 1e9}, 1e9, 0.0, 1e9, wake_s=-1.0)
     legacy = {k: v for k, v in m.to_dict().items() if k != "wake_s"}
     assert MachineProfile.from_dict(legacy).wake_s == 0.0  # an older daemon's profile
+
+
+def test_attention_has_its_own_rate_and_falls_back_to_matmul() -> None:
+    """Attention is its own op class (its small per-head products run far below a big
+    matmul's rate); a profile without it (an older daemon's) prices it as a matmul."""
+    from fusiond.plan import cost_graph_from_ir
+    from protocol import ir
+
+    q = ir.TensorMeta((2, 4, 16, 8), "float32")
+    r = ir.Ref(ir.RefKind.INPUT, "q")
+    g = ir.Graph(inputs=(ir.InputSpec("q", q),),
+                 outputs=(ir.OutputSpec("o", ir.Ref(ir.RefKind.NODE, "sdpa")),), params=(),
+                 nodes=(ir.Node("sdpa", "aten.scaled_dot_product_attention.default",
+                                (r, r, r), {}, (q,)),), symbols={})
+    (op,) = cost_graph_from_ir(g, {}).ops
+    assert op.op_class == "attention"
+    old = MachineProfile("a", {"matmul": 4e9, "other": 1e9}, 1e9, 0.0, 1e9)
+    assert old.rate("attention") == 4e9
+    new = MachineProfile("a", {"matmul": 4e9, "attention": 2e9, "other": 1e9}, 1e9, 0.0, 1e9)
+    assert new.rate("attention") == 2e9
+
+
+def test_calibrated_rates_price_a_networks_nonlinear_ops() -> None:
+    """The calibration of class "other" times the ops a network really runs between its
+    matmuls (tanh GELU, norms, softmax), so the planner's time for a block of them is within
+    2x of its measured CPU time. It used to time one large erf GELU, 3-7x faster per FLOP
+    than these, and predicted such a block at a quarter of its time."""
+    import time
+
+    import torch
+
+    from fusiond.graph.capture import capture
+    from fusiond.plan import cost_graph_from_ir
+    from fusiond.plan.estimator import batch_symbol
+    from fusiond.plan.model import op_times
+    from fusiond.profile.calibrate import calibrate
+
+    class Between(torch.nn.Module):
+        """The ops between a network's products, and no product: all of class "other"."""
+
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(width)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            f = torch.nn.functional
+            h = f.gelu(self.norm(x), approximate="tanh")
+            return f.silu(f.softmax(h, -1) * h)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = Between(512)
+        rows = 128
+        x = torch.randn(rows, 512)
+        cm = capture(model, [x], targets=x, loss=lambda out, t: (out * t).sum())
+        sym = batch_symbol(cm.graph)
+        cg = cost_graph_from_ir(cm.graph, {sym: rows} if sym else {})
+        assert {o.op_class for o in cg.ops} == {"other"}
+        prof = calibrate("here", repeats=3, cpu_cores=1.0)
+        predicted_s = float(op_times(cg, prof, rows if sym else 1).sum())
+
+        def step() -> None:
+            model.zero_grad()
+            (model(x) * x).sum().backward()
+
+        step()
+        times = []
+        for _ in range(7):
+            t0 = time.thread_time()
+            step()
+            times.append(time.thread_time() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    measured_s = sorted(times)[len(times) // 2]
+    assert 0.5 < predicted_s / measured_s < 2.0, (predicted_s, measured_s)

@@ -923,8 +923,10 @@ def evaluate(
     fill += sum(r + w for r, w in hops)
     sync = _tied_sync(arrays, stages, reports, links, holders, sizes)
 
-    # replicas reduce their gradients after their last backward; that hides behind the
-    # stage's own last backward and the drain of the stages before it
+    # replicas reduce their gradients after their last backward (the stage runtime's
+    # `_reduce_shared`, at the end of the step): that hides behind the drain of the stages
+    # before it (their last backward, its link and hop), not behind its own last backward,
+    # which is over by then. A single stage of replicas (data parallel) hides nothing.
     syncs: list[SyncReport] = []
     back = []
     for i, s in enumerate(stages):
@@ -940,7 +942,7 @@ def evaluate(
         if not s.replicas:
             continue
         plan_sync = gradient_sync(c, s.machines)
-        drain = back[i] + sum(back[j] + bwd_link[j] + hops[j][0] / 2 for j in range(i))
+        drain = sum(back[j] + bwd_link[j] + hops[j][0] / 2 for j in range(i))
         # compressing costs each replica a few passes over its gradient (error feedback, the
         # projections): its memory traffic and 4 FLOPs per byte at its matmul rate
         compress_s_per_byte = max(3 / c.machines[m].mem_bw + 4 / c.machines[m].rate("matmul")

@@ -213,6 +213,9 @@ class JobCoordinator:
         """Held-out evaluations running: apart from the message handler, so a big model's
         evaluation never holds up the messages behind it."""
         self.stage_nodes = layout.slot_nodes  # slot -> node (slot = stage without replicas)
+        # the slots that send their state (a checkpoint, a held-out evaluation's): each
+        # stage's first replica (`StageAssignment.sends_state`)
+        self._state_slots = frozenset(self.stage_nodes) - frozenset(layout.slot_stages())
         self._node_stage = {n: s for s, n in self.stage_nodes.items()}
         self._ready: dict[str, asyncio.Future[None]] = {}
         self._results: dict[int, bytes] = {}
@@ -282,9 +285,13 @@ class JobCoordinator:
             self._on_step(peer, msg)
             return True
         if isinstance(msg, StageCheckpoint):
+            if msg.partition not in self._state_slots:
+                log.warning("job %s: a state from replica slot %d ignored (only each stage's "
+                            "first replica sends one)", self.job_id, msg.partition)
+                return True
             got = self._checkpoints.setdefault(msg.step, {})
             got[msg.partition] = bytes(msg.payload)
-            if len(got) == len(self.stage_nodes):
+            if len(got) == len(self._state_slots):
                 del self._checkpoints[msg.step]
                 if self.captured is not None:
                     # A whole model's bytes: decoded and gathered off the event loop.

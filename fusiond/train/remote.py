@@ -266,11 +266,20 @@ class StageAssignment:
     precision: str = "fp32"
     """The compute dtype (`StageConfig.precision`)."""
 
+    @property
+    def is_replica(self) -> bool:
+        """This slot is a replica beyond its stage's first: its parameters equal the first's
+        after every step, so its state is never sent (`sends_state`)."""
+        return self.slot_stages is not None and self.own_slot in self.slot_stages
+
     def sends_state(self, step: int) -> bool:
         """Whether the state after `step` goes to the scheduler (a checkpoint, or a held-out
-        evaluation), not after the last step (its state is the result)."""
+        evaluation), not after the last step (its state is the result). Only the first
+        replica of a stage sends it: the others hold the same parameters, and a replica of
+        the whole model would otherwise serialise and send it again each time (on a 0.4-core
+        host that held the next step's first forward for a third of a second)."""
         done = step + 1
-        return done < self.steps and any(
+        return not self.is_replica and done < self.steps and any(
             every > 0 and done % every == 0
             for every in (self.checkpoint_interval, self.eval_interval))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from fusiond.plan import Cluster, MachineProfile
 from fusiond.train.data import make_source
 from fusiond.train.local import ReferenceTrainer
 from fusiond.train.model import build_model, loss_fn
+from protocol.messages import StageCheckpoint
 
 pytestmark = pytest.mark.slow
 
@@ -34,10 +36,11 @@ async def test_planned_replicas_of_unequal_speed_train_as_single_process(  # typ
     """Dense: the losses of single-process training; with low-rank gradients (rank 2 forced
     on the layout, through the Assign to every stage over TLS): the job ends with every
     replica's weights identical (gathering the model refuses copies that diverged) and its
-    losses near the dense run's."""
+    losses near the dense run's. Checkpoints come from each stage's first replica alone (the
+    others hold the same weights), and still hold the whole model."""
     spec, cap = captured_tiny
-    spec = replace(spec, steps=6, batch=replace(spec.batch, size=16, micro_batches=8,
-                                                replicas=True))
+    spec = replace(spec, steps=6, checkpoint_interval=2,
+                   batch=replace(spec.batch, size=16, micro_batches=8, replicas=True))
     # speeds 3 : 2 : 2, 10 Gbit/s and 2 ms between them: the planner runs the model on all
     # three, the fast one on twice the micro-batches (a pipeline pays the round trips)
     names = ["n0", "n1", "n2"]
@@ -56,14 +59,34 @@ async def test_planned_replicas_of_unequal_speed_train_as_single_process(  # typ
     async with inproc_cluster(k, net_config=cfg, prefix="n") as nodes:
         n0 = nodes["n0"]
         losses: list[float] = []
-        c = JobCoordinator(send=local_sender("n0", n0.net.send, n0.dispatch), spec=spec,
-                           captured=cap, layout=layout,
+        checkpoints: dict[int, set[str]] = {}
+        sent_by: list[int] = []
+        send = local_sender("n0", n0.net.send, n0.dispatch)
+
+        c = JobCoordinator(send=send, spec=spec, captured=cap, layout=layout,
                            addresses={n: x.net.address for n, x in nodes.items()}, term=1,
-                           on_step=lambda m: losses.append(m.loss))
+                           on_step=lambda m: losses.append(m.loss),
+                           on_checkpoint=lambda step, state: checkpoints.setdefault(
+                               step, set(state)))
+        real = c.handle
+
+        async def handle(peer: str, msg: Any) -> Any:
+            if isinstance(msg, StageCheckpoint):
+                sent_by.append(msg.partition)
+            return await real(peer, msg)
+
+        c.handle = handle  # type: ignore[method-assign]
         n0.coordinators.append(c)
         out = await asyncio.wait_for(c.run(), 120)
         assert out.ok, out.failure
         assert all(not n.worker.jobs() for n in nodes.values())
+    assert sorted(checkpoints) == [1, 3]
+    assert out.state is not None
+    whole = set(out.state)  # the final state, gathered from every slot's
+    assert all(names == whole for names in checkpoints.values()), (
+        [sorted(whole ^ n) for n in checkpoints.values()])
+    first_replicas = set(layout.slot_nodes) - set(layout.slot_stages())
+    assert set(sent_by) == first_replicas and len(sent_by) == 2 * len(first_replicas), sent_by
     model = build_model(spec.model, seed=spec.seed)
     rt = ReferenceTrainer(model, loss_fn(spec.loss), spec.optimizer,
                           data=make_source(spec.data, spec.seed), batch_size=spec.batch.size,

@@ -882,11 +882,10 @@ def make_evaluator(wl: Workload, data: Data, interval_s: float, captured_dir: Pa
 
     def fusion_snapshots(snapdir: Path, trace: Trace) -> None:
         """Gather the stages' checkpoints of each step into whole-model snapshots (the time
-        of a step: the lead's event of it). Every slot writes its own (a replica's is its
-        stage's whole state): a step is complete with every slot's, and gathering checks that
-        replicas and tied copies hold the same weights."""
-        n_stages = len(trace.extra.get("stages", [])) + sum(
-            len(v) for v in (trace.extra.get("replicas") or {}).values())
+        of a step: the lead's event of it). Each stage's first replica writes its own (the
+        others hold the same weights and send none): a step is complete with every stage's,
+        and gathering checks that tied copies hold the same weights."""
+        n_stages = len(trace.extra.get("stages", []))
         at = {int(s): float(t) for t, s, _, _ in trace.events}
         by_step: dict[int, dict[int, Path]] = {}
         for p in snapdir.glob("part-*-step-*.safetensors"):

@@ -2,7 +2,13 @@
 through the registry, cut the graph into partitions and run them with remote-autodiff semantics.
 """
 
-from fusiond.graph.capture import CapturedModel, capture, state_from_bytes, state_to_bytes
+from fusiond.graph.capture import (
+    CapturedModel,
+    capture,
+    state_from_bytes,
+    state_to_bytes,
+    state_to_parts,
+)
 from fusiond.graph.driver import Driver, StageRunner
 from fusiond.graph.errors import (
     CaptureError,
@@ -44,4 +50,5 @@ __all__ = [
     "partition",
     "state_from_bytes",
     "state_to_bytes",
+    "state_to_parts",
 ]

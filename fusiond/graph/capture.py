@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import operator
 import os
@@ -69,13 +70,45 @@ class CapturedModel:
         return state_to_bytes(self.state)
 
 
-def state_to_bytes(state: Mapping[str, torch.Tensor], *, copies: bool = False) -> bytes:
-    """Serialise a state dict with safetensors (contiguous copies; tied storage is fine).
-    `copies`: the tensors already are private contiguous copies, one storage each (a stage's
-    snapshot): serialised as they are, without a copy of each first."""
-    if copies:
-        return safetensors.torch.save({k: v.detach() for k, v in state.items()})
+def state_to_bytes(state: Mapping[str, torch.Tensor]) -> bytes:
+    """Serialise a state dict with safetensors (contiguous copies; tied storage is fine)."""
     return safetensors.torch.save({k: v.detach().contiguous().clone() for k, v in state.items()})
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+def state_to_parts(state: Mapping[str, torch.Tensor]) -> list[bytes | memoryview]:
+    """A state dict in the safetensors layout as buffers, without copying a tensor: the header
+    (its length, then its JSON padded to 8 bytes), then each tensor's own bytes in order.
+    Joined, they are a file `state_from_bytes` (or safetensors) reads. For tensors that are
+    private contiguous CPU copies nobody writes to until the parts are written or sent (a
+    stage's snapshot): serialising 21 MB of GPT-2 mini with safetensors took 25 ms of CPU
+    holding the GIL, while the stage's next step waited for it on a 0.4-core host."""
+    header: dict[str, Any] = {}
+    parts: list[bytes | memoryview] = [b""]
+    offset = 0
+    for name in sorted(state):
+        t = state[name].detach()
+        code = _SAFETENSORS_DTYPES.get(t.dtype)
+        if code is None:
+            raise CaptureError(f"state {name!r}: dtype {t.dtype} has no safetensors form")
+        if t.device.type != "cpu" or not t.is_contiguous():
+            t = t.cpu().contiguous()
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": code, "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        if size:
+            parts.append(t.reshape(-1).view(torch.uint8).numpy().data)
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    parts[0] = len(raw).to_bytes(8, "little") + raw
+    return parts
 
 
 def state_from_bytes(data: bytes) -> dict[str, torch.Tensor]:

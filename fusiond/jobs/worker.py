@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusiond.errors import FusionError
-from fusiond.graph import state_to_bytes
+from fusiond.graph import state_to_bytes, state_to_parts
 from fusiond.tasks import cancel_and_wait
 from fusiond.train.codec import EDGE_ENCODINGS
 from fusiond.train.remote import StageHost
@@ -440,14 +440,15 @@ class JobWorker:
             if sa.sends_state(rep.step):  # a checkpoint, or the scheduler's held-out evaluation
                 # the state as this step left it: the report's copy, or (the executor holds the
                 # next step for this callback) the stage's own
-                if rep.state is not None:
+                parts: Sequence[bytes | memoryview]
+                if rep.state is not None:  # private copies: sent as they are, no copy
                     state, rep.state = rep.state, None
-                    blob = await asyncio.to_thread(state_to_bytes, state, copies=True)
+                    parts = state_to_parts(state)
                 else:
-                    blob = await asyncio.to_thread(state_to_bytes, host.state_dict())
+                    parts = (await asyncio.to_thread(state_to_bytes, host.state_dict()),)
                 await self.send(job.scheduler, StageCheckpoint(
                     job_id=job_id, plan_version=sa.plan_version, partition=sa.own_slot,
-                    step=rep.step), (blob,))
+                    step=rep.step), parts)
 
         result: JobResult
         payload: bytes = b""

@@ -13,6 +13,7 @@ from fusiond.graph import (
     capture,
     state_from_bytes,
     state_to_bytes,
+    state_to_parts,
 )
 from fusiond.graph.registry import is_supported, resolve
 from protocol import ir
@@ -46,9 +47,34 @@ def test_state_round_trips_through_safetensors() -> None:
     back = state_from_bytes(state_to_bytes(c.state))
     assert back.keys() == c.state.keys()
     assert all(torch.equal(back[k], v) for k, v in c.state.items())
-    # a snapshot's private copies serialise as they are, to the same bytes
+    # a snapshot's private copies go out as buffers of their own bytes, in the same layout
     snap = {k: v.detach().clone() for k, v in c.state.items()}
-    assert state_to_bytes(snap, copies=True) == state_to_bytes(c.state)
+    parts = state_to_parts(snap)
+    assert any(isinstance(p, memoryview) for p in parts)
+    back = state_from_bytes(b"".join(parts))
+    assert back.keys() == c.state.keys()
+    assert all(torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in c.state.items())
+
+
+def test_state_parts_hold_every_dtype_and_shape_safetensors_reads() -> None:
+    """Every dtype a state may hold, 0-d and empty tensors and a non-contiguous view: joined,
+    the parts are what safetensors itself loads."""
+    import safetensors.torch
+
+    state = {
+        "f32": torch.randn(3, 5), "bf16": torch.randn(4).to(torch.bfloat16),
+        "f16": torch.randn(2, 2).half(), "f64": torch.randn(3).double(),
+        "i64": torch.tensor(7), "i32": torch.arange(6, dtype=torch.int32).reshape(2, 3),
+        "i8": torch.tensor([-3, 4], dtype=torch.int8), "u8": torch.tensor([255], dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]), "empty": torch.zeros(0, 4),
+        "view": torch.randn(4, 6).t(),
+    }
+    blob = b"".join(state_to_parts(state))
+    for back in (state_from_bytes(blob), safetensors.torch.load(blob)):
+        assert back.keys() == state.keys()
+        for k, v in state.items():
+            assert back[k].dtype == v.dtype and back[k].shape == v.shape
+            assert torch.equal(back[k], v), k
 
 
 def test_hand_built_graph_runs() -> None:

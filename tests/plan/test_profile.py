@@ -32,8 +32,8 @@ def test_calibrate_measures_positive_rates() -> None:
 
     p = calibrate("here", scale=0.1, repeats=1)
     assert p.id == "here"
-    for cls in ("matmul", "conv", "other"):
-        assert 1e6 < p.rate(cls) < 1e16
+    for cls in ("matmul", "conv", "attention", "other"):
+        assert cls in p.flops and 1e6 < p.rate(cls) < 1e16
     assert 1e6 < p.mem_bw < 1e14
     assert 0 < p.op_overhead_s < 1e-2
     assert p.memory_bytes > 2**20

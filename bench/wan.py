@@ -894,14 +894,14 @@ def make_evaluator(wl: Workload, data: Data, interval_s: float, captured_dir: Pa
         if not captured:
             captured.append(load_captured(captured_dir))
         complete = sorted(s for s, parts in by_step.items()
-                          if len(parts) == n_stages and s in at)
+                          if all(k in parts for k in range(n_stages)) and s in at)
         clock = SnapshotClock(interval_s)
         keep = [s for s in complete if clock.due(at[s])]
         if complete and complete[-1] not in keep:
             keep.append(complete[-1])  # the end of the budget
         for i, step in enumerate(keep):
             parts = by_step[step]
-            states = [state_from_bytes(parts[k].read_bytes()) for k in sorted(parts)]
+            states = [state_from_bytes(parts[k].read_bytes()) for k in range(n_stages)]
             save_snapshot(snapdir, i, at[step], step, gather_state(captured[0].graph, states))
         for parts in by_step.values():
             for p in parts.values():

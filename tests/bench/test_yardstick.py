@@ -420,11 +420,11 @@ def test_the_torch_pipeline_baseline_trains_the_single_process_model(tmp_path: P
         torch.testing.assert_close(merged[k], v, rtol=1e-5, atol=1e-6, msg=k)
 
 
-def test_a_replicated_fusion_runs_snapshots_are_every_slots_and_must_agree(
+def test_a_replicated_fusion_runs_snapshots_are_its_stages_first_replicas(
         tmp_path: Path) -> None:
-    """With replicas every slot writes its stage's checkpoint: the evaluator assembles a step
-    once every slot's is there (not only the stages' first replicas) and refuses copies that
-    disagree (a reduction that let replicas drift)."""
+    """With replicas only each stage's first replica writes its checkpoint (the others hold
+    the same weights; the end of the job checks that they do): the evaluator assembles a
+    step from the stages' first replicas and ignores a replica slot's file."""
     import argparse
 
     from bench.wan import make_evaluator, prepare_data
@@ -443,22 +443,11 @@ def test_a_replicated_fusion_runs_snapshots_are_every_slots_and_must_agree(
     snap = tmp_path / "snap"
     snap.mkdir()
     blob = state_to_bytes(cap.state)
-    for step in (0, 1):
-        for slot in (0, 1):  # one stage, its replica in slot 1
-            (snap / snapshot_name(slot, step)).write_bytes(blob)
+    (snap / snapshot_name(0, 0)).write_bytes(blob)  # one stage, its replica in slot 1
+    (snap / snapshot_name(0, 1)).write_bytes(blob)
+    # a replica slot's file (an older runtime's) is not needed, and not read
+    (snap / snapshot_name(1, 1)).write_bytes(b"not a checkpoint")
     trace = Trace("replicas", [(0.5, 0, 5.0, 1), (1.5, 1, 4.0, 2)],
                   {"stages": ["00-a"], "replicas": {"0": ["01-b"]}})
     curve = make_evaluator(wl, data, 1.0, tmp_path / "cap")("replicas", snap, trace)
     assert [(p.t_s, p.step) for p in curve] == [(0.0, -1), (1.5, 1)]  # 0.5 s: before 1 s
-    # replicas that disagree: the evaluation fails, naming it
-    other = {k: v + 1 if v.is_floating_point() else v for k, v in cap.state.items()}
-    snap2 = tmp_path / "snap2"
-    snap2.mkdir()
-    (snap2 / snapshot_name(0, 0)).write_bytes(blob)
-    (snap2 / snapshot_name(1, 0)).write_bytes(state_to_bytes(other))
-    from fusiond.errors import LocalError
-
-    with pytest.raises(LocalError, match=r"diverged|differ"):
-        make_evaluator(wl, data, 1.0, tmp_path / "cap")(
-            "replicas", snap2, Trace("replicas", [(0.5, 0, 5.0, 1)],
-                                     {"stages": ["00-a"], "replicas": {"0": ["01-b"]}}))

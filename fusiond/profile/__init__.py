@@ -453,9 +453,8 @@ def machine_from_profile(node_id: str, profile: NodeProfile,
                          memory_bytes: float) -> MachineProfile | None:
     """The planner's view of a node from its gossiped profile (`planner_fields`), or None when
     the profile carries no calibration (an older daemon, or one started without benchmark)."""
-    rates = {"matmul": profile.plan_flops_matmul, "conv": profile.plan_flops_conv,
-             "attention": profile.plan_flops_attention, "other": profile.plan_flops_other}
-    flops = {c: float(r) for c, r in rates.items() if r > 0}
+    rates = {c: float(getattr(profile, key)) for c, key in PLAN_FIELDS.items()}
+    flops = {c: r for c, r in rates.items() if r > 0}
     if "other" not in flops or profile.plan_mem_bw <= 0:
         return None
     return MachineProfile(id=node_id, flops=flops, mem_bw=profile.plan_mem_bw,

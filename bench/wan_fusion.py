@@ -54,7 +54,12 @@ from fusiond.plan import (
     Cluster,
     Plan,
 )
-from fusiond.profile import compute_profile, machine_from_profile
+from fusiond.profile import (
+    compute_profile,
+    free_memory_bytes,
+    machine_from_profile,
+    memory_allowance,
+)
 from fusiond.train.local import StepMetrics
 from fusiond.train.programs import capture_job
 from fusiond.train.spec import parse_job
@@ -81,8 +86,13 @@ def build_cluster(desc: dict[str, Any], hosts: list[str], profiles: dict[str, No
     read through `machine_from_profile` as the daemon's `cluster_for_planner` does."""
     machines = []
     for h in hosts:
-        m = machine_from_profile(machine_id(hosts, h), profiles[h],
-                                 float(desc.get("memory_bytes") or 4 * 2**30))
+        # what the bench gives every host (its limit less an idle process), or what is free
+        # under the host's limit now where that is less (the lead's coordinator, the capture
+        # read back, torch's first kernels: a daemon's free memory counts them the same way)
+        memory = float(desc.get("memory_bytes") or 4 * 2**30)
+        if profiles[h].free_memory_bytes > 0:
+            memory = min(memory, float(profiles[h].free_memory_bytes))
+        m = machine_from_profile(machine_id(hosts, h), profiles[h], memory)
         if m is None:
             raise SystemExit(f"host {h}'s profile has no calibration: {profiles[h]}")
         machines.append(m)
@@ -236,7 +246,9 @@ async def serve(tls: TLSMaterial, listen: tuple[str, int],
     await net.start()
     send = keep_checkpoints(local_sender(name, net.send, dispatch), snapshot_dir)
     worker = JobWorker(node_id=name, send=send, send_now=local_send_now(name, net.send_now),
-                       stage_config=StageConfig(recv_timeout_s=120.0))
+                       stage_config=StageConfig(
+                           recv_timeout_s=120.0,
+                           memory_limit_bytes=memory_allowance().limit_bytes))
     net.set_receive_now(worker.receive_now)
     await worker.start()
     for n, a in peers.items():
@@ -266,6 +278,9 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
     spec = parse_job(job_toml(wl, args.mode))
     captured = load_captured(Path(args.captured))
     profiles = read_profiles(Path(args.profile_dir), hosts)
+    # the lead's own free memory as it plans, its coordinator and the capture loaded
+    profiles[args.name] = dataclasses.replace(profiles[args.name],
+                                              free_memory_bytes=free_memory_bytes())
     cluster = build_cluster(desc, hosts, profiles)
     plan = make_plan(spec, captured, cluster)
     node_of = {machine_id(hosts, h): desc["node_ids"][h] for h in hosts}
@@ -408,7 +423,9 @@ def main() -> None:
         every host's profile is there."""
         args.profile_dir.mkdir(parents=True, exist_ok=True)
         tmp = args.profile_dir / f"{args.name}.tmp"
-        tmp.write_text(json.dumps(prof.to_wire()))
+        # with what is free under the host's limit now, as a daemon's profile gossips it
+        tmp.write_text(json.dumps(dataclasses.replace(
+            prof, free_memory_bytes=free_memory_bytes()).to_wire()))
         tmp.replace(args.profile_dir / f"{args.name}.json")
 
     peers = {}

@@ -712,7 +712,8 @@ class Daemon:
                           state_dir=self.state_dir, op_sets=self.op_sets,
                           stage_config=StageConfig(
                               disabled_ops=frozenset(self.cfg.jobs.disabled_ops),
-                              recv_timeout_s=self.cfg.jobs.stage_recv_timeout_s))
+                              recv_timeout_s=self.cfg.jobs.stage_recv_timeout_s,
+                              memory_limit_bytes=profiling.memory_allowance().limit_bytes))
         self.jobs = jobs
         if self.net is not None:
             self.net.set_receive_now(jobs.worker.receive_now)

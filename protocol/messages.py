@@ -210,9 +210,10 @@ class NodeProfile(Struct):
     device_count: int = 0
     """GPUs on a CUDA node; CPUs on a CPU node."""
     memory_bytes: int = 0
-    """Total memory of the host."""
+    """Total memory of the host, or the daemon's cgroup memory limit where that is less."""
     free_memory_bytes: int = 0
-    """Available host memory (MemAvailable), re-read on every profile."""
+    """Available memory (MemAvailable, or what is left under the daemon's cgroup memory limit
+    where that is less), re-read on every profile."""
     job_memory_bytes: int = 0
     """Memory the operator offers to jobs (config `job_memory_gib`); 0: its free memory."""
     cpu_count: int = 0

@@ -60,6 +60,7 @@ __all__ = [
     "decode_lowrank",
     "decode_with_indices",
     "encode",
+    "encode_concat",
     "encode_values",
     "read_descriptor",
     "topk_indices",
@@ -391,7 +392,7 @@ def _build(
     desc_dtype: str,
     shape: tuple[int, ...],
     encoding: Encoding,
-    sections: Sequence[tuple[SectionKind, str, memoryview, int, bool]],
+    sections: Sequence[tuple[SectionKind, str, memoryview | list[memoryview], int, bool]],
     *,
     k: int = 0,
     block_size: int = 0,
@@ -400,13 +401,15 @@ def _build(
     indices: NDArray | None = None,
     basis: NDArray | None = None,
 ) -> EncodedTensor:
-    """Assemble descriptor bytes and buffers; sections are (kind, elem, bytes, raw_len, lz4)."""
+    """Assemble descriptor bytes and buffers; sections are (kind, elem, bytes, raw_len, lz4),
+    a section's bytes one buffer or several sent in turn (`encode_concat`)."""
+    pieces = [[v] if isinstance(v, memoryview) else list(v) for _, _, v, _, _ in sections]
     if len(shape) > 255:
         raise LocalProtocolError(f"rank {len(shape)} exceeds the wire format's 255")
     flags = (_FLAG_CHECKSUM if checksum else 0) | (_FLAG_PER_ROW if per_row else 0)
     infos = tuple(
-        SectionInfo(kind, elem, view.nbytes, raw_len, lz4)
-        for kind, elem, view, raw_len, lz4 in sections
+        SectionInfo(kind, elem, sum(p.nbytes for p in views), raw_len, lz4)
+        for (kind, elem, _, raw_len, lz4), views in zip(sections, pieces, strict=True)
     )
     body = _HEAD.size + _DIM.size * len(shape) + _SECTION.size * len(infos)
     body += _CHECKSUM.size if checksum else 0
@@ -445,8 +448,9 @@ def _build(
         off += _SECTION.size
     if checksum:
         h = xxhash.xxh3_64()
-        for _, _, view, _, _ in sections:
-            h.update(view)
+        for views in pieces:
+            for view in views:
+                h.update(view)
         _CHECKSUM.pack_into(head, off, h.intdigest())
     desc = TensorDescriptor(
         dtype=desc_dtype,
@@ -459,7 +463,7 @@ def _build(
         sections=infos,
         header_len=header_len,
     )
-    parts = [memoryview(head)] + [view for _, _, view, _, _ in sections]
+    parts = [memoryview(head)] + [view for views in pieces for view in views]
     return EncodedTensor(desc, indices, parts, basis)
 
 
@@ -787,6 +791,30 @@ def _lowrank_factors(
     with np.errstate(over="ignore"):
         p = np.ldexp(xs @ q.astype(np.float64), exp)
     return q, p
+
+
+def encode_concat(arrays: Sequence[NDArray], *, checksum: bool = False) -> EncodedTensor:
+    """RAW encoding of the 1-D concatenation of `arrays` (one dtype, none empty), without
+    concatenating: the one DATA section is each array's own memory in turn (C-contiguous,
+    little-endian ones are not copied), so the bytes on the wire, and what `decode` returns,
+    are those of ``encode(np.concatenate([a.ravel() for a in arrays]), compress="none")``. Do
+    not modify the arrays until the bytes are written. Raises `LocalProtocolError` on mixed
+    dtypes or none."""
+    if not arrays:
+        raise LocalProtocolError("encode_concat needs at least one array")
+    wired = [_as_wire_array(np.asarray(a)) for a in arrays]
+    name = _dtype_name(wired[0])
+    if any(_dtype_name(a) != name for a in wired):
+        raise LocalProtocolError(
+            f"encode_concat needs one dtype, got {sorted({_dtype_name(a) for a in wired})}"
+        )
+    views = [_bytes_view(a) for a in wired]
+    nbytes = sum(v.nbytes for v in views)
+    numel = sum(int(a.size) for a in wired)
+    return _build(
+        name, (numel,), Encoding.RAW, [(SectionKind.DATA, name, views, nbytes, False)],
+        checksum=checksum,
+    )
 
 
 def encode_values(

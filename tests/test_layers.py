@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 #: fusiond's rooms (a package, or a top-level module) by floor, lowest first
 FLOORS: dict[str, int] = {
-    "errors": 0, "units": 0, "durable": 0, "opsets": 0, "tasks": 0, "defaults": 0,
+    "errors": 0, "units": 0, "durable": 0, "opsets": 0, "tasks": 0, "defaults": 0, "heap": 0,
     "config": 1, "net": 1, "graph": 1, "models": 1,
     "plan": 2, "cluster": 2,
     "profile": 3, "train": 3,

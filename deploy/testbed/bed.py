@@ -159,7 +159,9 @@ _MOUNT_CGROUP = (
     'else mount -t cgroup -o "$o" cgroup "$r"; fi '
     '|| echo "testbed: cannot mount the cgroup hierarchy at $r: quota not visible" >&2; fi; '
     'exec "$@"')
-"""sh script run inside a host: ROOT KIND OPTIONS ARGV... -> the cpu cgroup mounted at ROOT."""
+"""sh script run inside a host: ROOT KIND OPTIONS ARGV... -> the cgroup hierarchy of OPTIONS
+(v1; KIND v2: the unified one) mounted at ROOT, then ARGV run (itself this script again for a
+second hierarchy)."""
 
 
 @dataclass(frozen=True)
@@ -685,9 +687,17 @@ class Testbed:
         if cgroups and self.cgroup.root is not None:
             # `ip netns exec` gives the host a fresh /sys, without /sys/fs/cgroup: mount the
             # quota's hierarchy again (in that private mount namespace only), so a process can
-            # read its own CPU limit there as in a container (fusiond.profile.cpu_allowance).
+            # read its own CPU limit there as in a container (fusiond.profile.cpu_allowance),
+            # and the memory limit's where that is another (cgroup v1: a daemon reads its
+            # limit, fusiond.profile.memory_allowance, and plans and trims within it)
+            inner = list(argv)
+            mem = self.memory_cgroup
+            if (mem.root is not None and mem.root != self.cgroup.root
+                    and any(Path(c).is_relative_to(mem.root) for c in cgroups)):
+                inner = ["sh", "-c", _MOUNT_CGROUP, str(mem.root), mem.kind, mem.options,
+                         *inner]
             cmd = ["ip", "netns", "exec", ns, "sh", "-c", _MOUNT_CGROUP,
-                   str(self.cgroup.root), self.cgroup.kind, self.cgroup.options, *argv]
+                   str(self.cgroup.root), self.cgroup.kind, self.cgroup.options, *inner]
         if cgroups:
             # Join the cgroups (CPU quota, memory limit) before exec so every child process
             # inherits them; a cgroup that cannot be joined fails the start (exit 125).

@@ -41,9 +41,10 @@ from typing import TYPE_CHECKING, Any
 
 from fusiond.errors import FusionError
 from fusiond.graph import state_to_bytes, state_to_parts
+from fusiond.heap import trim_heap
 from fusiond.tasks import cancel_and_wait
 from fusiond.train.codec import EDGE_ENCODINGS
-from fusiond.train.remote import StageHost
+from fusiond.train.remote import PeerSender, StageHost
 from fusiond.train.stage import StageConfig, StageError, StepReport, fault_of
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import (
@@ -153,6 +154,17 @@ class _WorkerNet:
     def send_now(self, peer: str, msg: Message, payload: Sequence[Any] = ()) -> bool:
         now = self._worker.send_now
         return now is not None and now(peer, msg, payload)
+
+
+def _build_stage(msg: Assign, payload: bytes, net: PeerSender, *, config: StageConfig | None,
+                 limits: Limits, offload_root: Path | None) -> StageHost:
+    """A stage from its Assign, and the heap's free pages given back: building copies the
+    weights twice on the way (the payload, the decoded tensors) before the module keeps its
+    own (measured: 100 MiB resident after building a 21 MB stage, 71 after the trim)."""
+    host = StageHost(msg, payload, net, config=config, limits=limits,
+                     offload_root=offload_root)
+    trim_heap()
+    return host
 
 
 class JobWorker:
@@ -391,7 +403,7 @@ class JobWorker:
         try:
             # Decoding the IR and building the partition can take seconds: off the loop.
             host = await asyncio.to_thread(
-                StageHost, msg, bytes(msg.payload), self._net_for_stage(),
+                _build_stage, msg, bytes(msg.payload), self._net_for_stage(),
                 config=self.stage_config, limits=self.limits, offload_root=self.offload_root,
             )
             await host.start()

@@ -38,6 +38,7 @@ __all__ = [
     "decode_topk",
     "decode_values",
     "encode_bf16",
+    "encode_concat",
     "encode_dense",
     "encode_edge",
     "encode_int4",
@@ -87,9 +88,10 @@ class Encoded:
     """One encoded tensor: the gather list `protocol.tensors` built (`parts`, sent as they are:
     a RAW part references the tensor's own memory), how many bytes they make, and the dense
     size. Safe without a copy because a stage never modifies a tensor it has sent: outputs and
-    input gradients are fresh per micro-batch, and parameter gradients leave only through a
-    copy (the exchange's bucket, `torch.cat`), since under a memory plan they are zeroed in
-    place between steps; the parts keep the memory alive until the bytes are written."""
+    input gradients are fresh per micro-batch, and a parameter gradient that leaves in an
+    exchange (`encode_concat`) stops being the parameter's `.grad` (the sum takes its place,
+    so zeroing gradients in place between steps never reaches it; gradients in files leave
+    through a copy); the parts keep the memory alive until the bytes are written."""
 
     parts: tuple[memoryview, ...]
     nbytes: int
@@ -133,6 +135,17 @@ def encode_dense(t: torch.Tensor) -> Encoded:
     enc = wire.encode(arr, wire.Encoding.RAW,
                       compress="none" if t.dtype.is_floating_point else "auto")
     return _encoded(enc, arr.nbytes)
+
+
+def encode_concat(ts: Sequence[torch.Tensor]) -> Encoded:
+    """RAW encoding of the float32 tensors `ts` flattened one after the other, as
+    `encode_dense(torch.cat([t.reshape(-1) for t in ts]))` encodes them, without the copy:
+    the parts are each tensor's own memory (a gradient exchange's bucket; the caller must not
+    modify the tensors until the bytes are written)."""
+    if any(t.dtype != torch.float32 for t in ts):
+        raise ValueError("encode_concat takes float32 tensors")
+    arrs = [_np(t) for t in ts]
+    return _encoded(wire.encode_concat(arrs), sum(a.nbytes for a in arrs))
 
 
 def encode_int8(t: torch.Tensor, *, stochastic: bool = False, seed: int = 0) -> Encoded:

@@ -57,6 +57,7 @@ from torch import nn
 
 from fusiond.errors import LocalError, RemoteError
 from fusiond.graph import mutated_buffers
+from fusiond.heap import near_limit
 from fusiond.tasks import cancel_and_wait
 from fusiond.train import codec
 from fusiond.train.data import Batch, DataSource, split_micro_batches
@@ -315,6 +316,13 @@ class StageConfig:
     (`fusiond.train.offload.trim_heap`), so the stage's peak is the training state the
     memory planner counts, not that plus the allocator's fragmentation. On whenever a memory
     decision is (recompute, segments, offload)."""
+    memory_limit_bytes: float | None = None
+    """The memory this process may hold before the kernel kills it (its cgroup's limit,
+    `fusiond.profile.memory_allowance`; None: none known). Without `trim_heap`, the stage
+    trims the heap after a backward or an update only when the process's resident anonymous
+    memory is past `fusiond.heap.HIGH_WATER` of it: free where there is room (trimmed pages
+    fault in again, 15 % of a step when trimmed after every task), within the plan where
+    there is not."""
 
 
 @dataclass
@@ -1147,12 +1155,23 @@ class StageExecutor:
                     for peer, names in self._shared_by_peer.items()}
         names_of = {peer: names for peer, names in names_of.items() if names}
 
-        def bucket(names: Sequence[str]) -> torch.Tensor:
-            return torch.cat([own[n].detach().reshape(-1).to(torch.float32) for n in names])
+        # the tensors go out as they are, no bucket copied (one gradient's worth of memory
+        # less, issue 21): nothing writes them after this; the parameters' `.grad` become the
+        # sums. Where that does not hold (weights and gradients in files, whose pages the
+        # next step reuses; another dtype), the copy.
+        in_place = self._disk_params is None and all(
+            t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+            for t in own.values())
+
+        def bucket(names: Sequence[str]) -> codec.Encoded:
+            ts = [own[n].detach() for n in names]
+            if in_place:
+                return codec.encode_concat(ts)
+            return codec.encode_dense(torch.cat([t.reshape(-1).to(torch.float32) for t in ts]))
 
         packets = []
         for peer, names in names_of.items():
-            enc = self._guard(what, step, functools.partial(codec.encode_dense, bucket(names)))
+            enc = self._guard(what, step, functools.partial(bucket, names))
             packets.append((Packet(PacketKind.PARAM_GRAD, step, 0, round_name, self.slot, peer,
                                    enc.parts), enc, None))
         self._emit(packets)
@@ -1309,7 +1328,7 @@ class StageExecutor:
                 packets = self._guard(
                     what, step, functools.partial(self._backward, step, m, ctx, payloads, cost))
                 del ctx
-                if self._trim:
+                if self._trim or near_limit(self.config.memory_limit_bytes):
                     trim_heap()
             end, cpu = time.perf_counter(), time.thread_time() - cpu0
             busy += end - start
@@ -1327,7 +1346,7 @@ class StageExecutor:
         lr = lr_at(self.opt_spec, step, self.total_steps)
         to = time.perf_counter()
         self._guard("optimizer step", step, lambda: self._opt_step(lr))
-        if self._trim:
+        if self._trim or near_limit(self.config.memory_limit_bytes):
             trim_heap()
         busy += time.perf_counter() - to
         wall = time.perf_counter() - t0

@@ -179,6 +179,30 @@ def test_cpu_quota_limits_a_hosts_processes(state_dir: Path, tmp_path: Path) -> 
     assert all(not Path(c).exists() for c in tb.state["cgroups"])
 
 
+def test_a_hosts_processes_see_their_memory_limit(state_dir: Path, tmp_path: Path) -> None:
+    """A host's memory limit is visible inside it as in a container (cgroup v1: its memory
+    hierarchy mounted beside the cpu one), so a daemon there offers jobs what is left under
+    it (`fusiond.profile.free_memory_bytes`) and its stages trim near it."""
+    from deploy.testbed import detect_memory_cgroup
+
+    if detect_cgroup().root is None or detect_memory_cgroup().root is None:
+        pytest.skip("no writable cpu and memory cgroup hierarchies here")
+    topo = tmp_path / "memory.toml"
+    topo.write_text('name = "memory"\nhosts = ["x", "y"]\n[defaults]\nbandwidth = "1gbit"\n'
+                    '[host.y]\nmemory = "300MiB"\n')
+    probe = ("from fusiond.profile import memory_allowance, free_memory_bytes, "
+             "_total_memory_bytes\n"
+             "a = memory_allowance()\n"
+             "print(a.limit_bytes, a.source, _total_memory_bytes(), free_memory_bytes())\n")
+    with testbed(topo, name=f"fzt{os.getpid() % 100000}m", state_dir=state_dir) as tb:
+        limit, source, total, free = tb.run("y", [sys.executable, "-c", probe]).split()
+        other = tb.run("x", [sys.executable, "-c", probe]).split()
+    assert int(limit) == 300 * 2**20 and source.endswith("-y"), (limit, source)
+    assert int(total) == 300 * 2**20
+    assert 0 < int(free) < 300 * 2**20  # this interpreter's own pages count
+    assert other[0] == "None"  # a host without a limit has none to see
+
+
 def test_the_state_keeps_the_topology_when_its_file_is_gone(
         state_dir: Path, tmp_path: Path) -> None:
     before = snapshot()

@@ -724,3 +724,30 @@ def test_decode_full_refuses_values_and_bad_bytes() -> None:
         T.decode_full(T.encode_values(x, np.arange(3)).tobytes())
     with pytest.raises(RemoteProtocolError):
         T.decode_full(T.encode(x, "raw").tobytes()[:-1])
+
+
+@given(st.lists(hnp.arrays(np.float32, hnp.array_shapes(min_dims=1, max_dims=3, max_side=6),
+                           elements=st.floats(-1e6, 1e6, width=32)),
+                min_size=1, max_size=5),
+       st.booleans())
+def test_a_concatenation_encodes_as_the_concatenated_array_without_copying(
+        arrays: list[npt.NDArray[np.float32]], checksum: bool) -> None:
+    """`encode_concat` (a gradient exchange's bucket) sends the bytes `encode` would send for
+    the concatenation, each array's own memory as a part of it."""
+    assume(all(a.size for a in arrays))
+    got = T.encode_concat(arrays, checksum=checksum)
+    want = T.encode(np.concatenate([a.ravel() for a in arrays]), compress="none",
+                    checksum=checksum)
+    assert got.tobytes() == want.tobytes()
+    assert got.descriptor == want.descriptor
+    for a, part in zip(arrays, got.buffers()[1:], strict=True):
+        assert np.shares_memory(np.frombuffer(part, dtype=np.float32), a)
+    np.testing.assert_array_equal(T.decode(got.tobytes()),
+                                  np.concatenate([a.ravel() for a in arrays]))
+
+
+def test_a_concatenation_of_nothing_or_of_mixed_dtypes_is_refused() -> None:
+    with pytest.raises(LocalProtocolError, match="at least one"):
+        T.encode_concat([])
+    with pytest.raises(LocalProtocolError, match="one dtype"):
+        T.encode_concat([np.zeros(2, np.float32), np.zeros(2, np.float64)])

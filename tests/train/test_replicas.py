@@ -170,3 +170,27 @@ async def test_low_rank_starts_after_the_dense_warm_up_steps(
         assert ("#2" in last) is compressed, (warmup, last)  # the Q round: only low-rank
         assert ex._lowrank is not None
         assert all((ex._lowrank.error(n) is not None) is compressed for n in ex._lowrank_names)
+
+
+async def test_a_stage_near_its_memory_limit_trims_and_trains_the_same(
+        small_text: TextWindows, adamw: OptimizerSpec) -> None:
+    """Replicas whose process is past the high-water mark of its memory limit (a limit of one
+    byte: always) trim the C heap after every backward and update: the same losses, bit for
+    bit, as with no limit; and the exchange's gradients, sent without a bucket copy, leave
+    the replicas bit-identical."""
+    from fusiond.train.stage import StageConfig
+
+    torch.manual_seed(0)
+    g = gpt2("tiny")
+    routes = [[0, 1, 0, 1, 0, 1, 0, 1]] * 3
+    runs = []
+    for limit in (None, 1.0):
+        programs = [[p0, p1] for p0, p1 in zip(three_stages(g), three_stages(g), strict=True)]
+        runs.append(await run_replicated(
+            programs, routes, data=small_text, batch_size=BATCH, micro_batches=MICRO,
+            optimizer=adamw, steps=3, config=StageConfig(memory_limit_bytes=limit)))
+    assert runs[0].losses == runs[1].losses
+    for res in runs:
+        for s in range(3):
+            a, b = res.states[res.slots[(s, 0)]], res.states[res.slots[(s, 1)]]
+            assert all(torch.equal(a[k], b[k]) for k in a), s

@@ -8,6 +8,7 @@ from fusiond.graph.capture import (
     state_from_bytes,
     state_to_bytes,
     state_to_parts,
+    state_views,
 )
 from fusiond.graph.driver import Driver, StageRunner
 from fusiond.graph.errors import (
@@ -51,4 +52,5 @@ __all__ = [
     "state_from_bytes",
     "state_to_bytes",
     "state_to_parts",
+    "state_views",
 ]

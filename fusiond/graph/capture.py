@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import logging
+import math
 import operator
 import os
 import platform
@@ -114,6 +115,80 @@ def state_to_parts(state: Mapping[str, torch.Tensor]) -> list[bytes | memoryview
 def state_from_bytes(data: bytes) -> dict[str, torch.Tensor]:
     """Load a state dict written by `state_to_bytes`."""
     return dict(safetensors.torch.load(data))
+
+
+_DTYPES_OF_CODE = {code: dt for dt, code in _SAFETENSORS_DTYPES.items()}
+
+MAX_STATE_HEADER_BYTES = 64 << 20
+"""The largest safetensors header `state_views` reads (safetensors' own bound is 100 MB)."""
+
+
+def state_views(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+    """The state dict in safetensors bytes as tensors that view `data` (no copy: a stage
+    that copies the weights into its module at once needs no second copy of them; measured,
+    `state_from_bytes` held two transient copies of a 19 MB stage's weights). The tensors
+    keep `data` alive; over read-only bytes they are read-only, so the caller copies before
+    it writes. The header is checked as safetensors checks it (`CaptureError` names what is
+    wrong): its length, JSON, known dtypes, shapes that match their byte ranges, ranges in
+    order inside the data, without gaps or overlaps."""
+    mv = memoryview(data).cast("B")
+    total = mv.nbytes
+    if total < 8:
+        raise CaptureError(f"safetensors data of {total} bytes has no header length")
+    n = int.from_bytes(mv[:8], "little")
+    if n > MAX_STATE_HEADER_BYTES or 8 + n > total:
+        raise CaptureError(f"safetensors header of {n} bytes does not fit the limit "
+                           f"({MAX_STATE_HEADER_BYTES}) or the {total} bytes given")
+    try:
+        header = json.loads(bytes(mv[8:8 + n]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CaptureError(f"safetensors header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise CaptureError("safetensors header is not a JSON object")
+    base = 8 + n
+    body = total - base
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict):
+            raise CaptureError(f"safetensors entry {name!r} is not an object")
+        dtype = _DTYPES_OF_CODE.get(info.get("dtype"))  # type: ignore[arg-type]
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if dtype is None:
+            raise CaptureError(f"safetensors entry {name!r}: dtype {info.get('dtype')!r} is "
+                               f"not one of {sorted(_DTYPES_OF_CODE)}")
+        if (not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape)
+                or not isinstance(offsets, list) or len(offsets) != 2
+                or not all(type(o) is int for o in offsets)):
+            raise CaptureError(f"safetensors entry {name!r}: shape {shape!r} or data_offsets "
+                               f"{offsets!r} is not a list of non-negative ints")
+        begin, end = offsets
+        numel = math.prod(shape)
+        if not 0 <= begin <= end <= body or end - begin != numel * dtype.itemsize:
+            raise CaptureError(f"safetensors entry {name!r}: bytes [{begin}, {end}) do not hold "
+                               f"{numel} x {dtype} inside the {body} bytes of data")
+        entries.append((begin, end, name, dtype, shape))
+    entries.sort()
+    at = 0
+    for begin, end, name, _, _ in entries:
+        if begin != at:
+            raise CaptureError(f"safetensors entry {name!r} starts at byte {begin}, not {at}: "
+                               "the data has a gap or an overlap")
+        at = end
+    if at != body:
+        raise CaptureError(f"safetensors data has {body - at} bytes no entry holds")
+    out: dict[str, torch.Tensor] = {}
+    with warnings.catch_warnings():  # read-only bytes: documented above
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        for begin, end, name, dtype, shape in entries:
+            if end == begin:
+                out[name] = torch.empty(shape, dtype=dtype)
+                continue
+            flat = torch.frombuffer(mv, dtype=torch.uint8, count=end - begin,
+                                    offset=base + begin)
+            out[name] = flat.view(dtype).reshape(shape)
+    return out
 
 
 class _LossWrapper(nn.Module):

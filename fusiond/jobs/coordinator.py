@@ -24,7 +24,7 @@ import torch
 
 from fusiond.errors import LocalError
 from fusiond.graph import CapturedModel, state_from_bytes
-from fusiond.jobs.assign import Corpus, JobLayout, assign_messages
+from fusiond.jobs.assign import Corpus, JobLayout, assign_parts
 from fusiond.jobs.results import gather_state, save_model, write_metrics
 from fusiond.jobs.worker import SendFn
 from fusiond.tasks import cancel_and_wait
@@ -557,16 +557,16 @@ class JobCoordinator:
             raise LocalError(f"job {self.job_id}: this attempt's coordinator was released; "
                              "a new attempt needs a new coordinator")
         self._state = "assigning"
-        assigns = assign_messages(self.layout, self.spec, captured.state, term=self.term,
-                                  plan_version=self.plan_version, addresses=self.addresses,
-                                  corpus=self.corpus, recv_timeout_s=self.recv_timeout_s,
-                                  first_step=self.first_step)
+        assigns = assign_parts(self.layout, self.spec, captured.state, term=self.term,
+                               plan_version=self.plan_version, addresses=self.addresses,
+                               corpus=self.corpus, recv_timeout_s=self.recv_timeout_s,
+                               first_step=self.first_step)
         for node, (msg, _) in assigns.items():
             self._ready[node] = loop.create_future()
             self._request_ids[msg.request_id] = node
         try:
             for node, (msg, payload) in assigns.items():
-                await self.send(node, msg, (payload,))
+                await self.send(node, msg, payload)
             ready_all: asyncio.Future[Any] = asyncio.ensure_future(
                 asyncio.wait(list(self._ready.values())))
             done_wait: asyncio.Future[Any] = asyncio.ensure_future(self._done.wait())
@@ -585,7 +585,7 @@ class JobCoordinator:
                             log.info("job %s v%d: no Ready from %s after %.0fs: its Assign "
                                      "again", self.job_id, self.plan_version, node,
                                      loop.time() - deadline + self.ready_timeout_s)
-                            await self.send(node, msg, (payload,))
+                            await self.send(node, msg, payload)
             finally:
                 done_wait.cancel()
                 ready_all.cancel()

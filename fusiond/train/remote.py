@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from fusiond.errors import RemoteError
-from fusiond.graph import state_from_bytes
+from fusiond.graph import state_views
 from fusiond.graph.registry import check_ops
 from fusiond.train.codec import EDGE_ENCODINGS
 from fusiond.train.data import (
@@ -304,13 +304,15 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
     except Exception as e:
         raise RemoteError(f"Assign.graph: {e}") from e
     try:
-        state = state_from_bytes(bytes(payload))
+        # views of the payload: the stage's module copies the weights once, and the payload
+        # goes when the Assign does (no second and third copy on the way)
+        state = state_views(payload)
     except Exception as e:
         raise RemoteError(f"Assign payload (safetensors weights): {e}") from e
     data_arrays: dict[str, np.ndarray] | None = None
     for key in [k for k in state if k.startswith(DATA_PREFIX)]:
         data_arrays = data_arrays if data_arrays is not None else {}
-        data_arrays[key[len(DATA_PREFIX):]] = state.pop(key).numpy()
+        data_arrays[key[len(DATA_PREFIX):]] = state.pop(key).clone().numpy()
     if data_arrays is not None:
         try:
             check_arrays(data_arrays, "Assign payload")

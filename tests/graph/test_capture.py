@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 from fusiond.graph import (
@@ -14,6 +19,7 @@ from fusiond.graph import (
     state_from_bytes,
     state_to_bytes,
     state_to_parts,
+    state_views,
 )
 from fusiond.graph.registry import is_supported, resolve
 from protocol import ir
@@ -70,11 +76,67 @@ def test_state_parts_hold_every_dtype_and_shape_safetensors_reads() -> None:
         "view": torch.randn(4, 6).t(),
     }
     blob = b"".join(state_to_parts(state))
-    for back in (state_from_bytes(blob), safetensors.torch.load(blob)):
+    for back in (state_from_bytes(blob), safetensors.torch.load(blob), state_views(blob),
+                 state_views(bytearray(blob)), state_views(safetensors.torch.save(
+                     {k: v.contiguous() for k, v in state.items()}))):
         assert back.keys() == state.keys()
         for k, v in state.items():
             assert back[k].dtype == v.dtype and back[k].shape == v.shape
             assert torch.equal(back[k], v), k
+
+
+def test_state_views_share_the_bytes_they_read() -> None:
+    """An Assign's weights decode as views of its payload: no copy until the module's own."""
+    state = {"w": torch.randn(64, 32), "b": torch.randn(32)}
+    buf = bytearray(b"".join(state_to_parts(state)))
+    views = state_views(buf)
+    assert all(torch.equal(views[k], v) for k, v in state.items())
+    addr = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
+    assert all(addr <= t.data_ptr() < addr + len(buf) for t in views.values())
+
+
+def _st(entry: object, data: int) -> bytes:
+    """A safetensors blob of one entry `a` (as given) and `data` zero bytes."""
+    raw = json.dumps({"a": entry}).encode()
+    return len(raw).to_bytes(8, "little") + raw + b"\0" * data
+
+
+@pytest.mark.parametrize(("blob", "why"), [
+    (b"\x01", "no header length"),
+    ((10**9).to_bytes(8, "little") + b"{}", "does not fit"),
+    (b"\x03\x00\x00\x00\x00\x00\x00\x00[1]", "not a JSON object"),
+    (b"\x02\x00\x00\x00\x00\x00\x00\x00{x", "not JSON"),
+    (_st({"dtype": "Q9", "shape": [1], "data_offsets": [0, 4]}, 4), "is not one of"),
+    (_st({"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}, 4), "do not hold"),
+    (_st({"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}, 4), "non-negative"),
+    (_st({"dtype": "F32", "shape": [1], "data_offsets": [0, 4, 8]}, 4), "non-negative"),
+    (_st({"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}, 8), "gap or an overlap"),
+    (_st({"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, 8), "no entry holds"),
+    (_st([1], 0), "not an object"),
+])
+def test_state_views_refuse_a_bad_header_by_name(blob: bytes, why: str) -> None:
+    with pytest.raises(CaptureError, match=why):
+        state_views(blob)
+
+
+_ENTRY = st.fixed_dictionaries({
+    "dtype": st.sampled_from(["F32", "F16", "BF16", "I64", "U8", "BOOL", "X", 3]),
+    "shape": st.one_of(st.lists(st.integers(-2, 5), max_size=3), st.just("3")),
+    "data_offsets": st.lists(st.integers(-4, 40), min_size=0, max_size=3),
+})
+
+
+@given(st.one_of(st.binary(max_size=64),
+                 st.builds(lambda h, n: (lambda raw: len(raw).to_bytes(8, "little") + raw
+                                         + b"\1" * n)(json.dumps(h).encode()),
+                           st.dictionaries(st.text(max_size=3), _ENTRY, max_size=3),
+                           st.integers(0, 48))))
+def test_state_views_of_any_bytes_load_whole_or_raise_capture_error(blob: bytes) -> None:
+    """Whatever the bytes, a state whose tensors hold exactly the data, or CaptureError."""
+    with contextlib.suppress(CaptureError):
+        views = state_views(blob)
+        n = int.from_bytes(blob[:8], "little")
+        assert sum(t.numel() * t.element_size() for t in views.values()) == len(blob) - 8 - n
 
 
 def test_hand_built_graph_runs() -> None:

@@ -425,14 +425,14 @@ def test_a_stage_holds_its_weights_once(captured_tiny,  # type: ignore[no-untype
     msgs = assign_messages(layout, spec, cap.state, term=1, plan_version=1,
                            addresses={"a": ("127.0.0.1", 1), "b": ("127.0.0.1", 2)})
     decoded: list[weakref.ref[torch.Tensor]] = []
-    real = remote_mod.state_from_bytes
+    real = remote_mod.state_views
 
-    def watched(data: bytes) -> dict[str, torch.Tensor]:
+    def watched(data: bytes | memoryview) -> dict[str, torch.Tensor]:
         got = real(data)
         decoded.extend(weakref.ref(t) for t in got.values())
         return got
 
-    monkeypatch.setattr(remote_mod, "state_from_bytes", watched)
+    monkeypatch.setattr(remote_mod, "state_views", watched)
 
     class _Net:
         async def send(self, *a: Any, **k: Any) -> None:

@@ -1602,3 +1602,6 @@ class PeerNetwork:
                 log.exception("handler failed on %s from %s", type(msg).__name__, p.node_id)
             finally:
                 conn.handling = False
+                # not kept until the next message: a connection that goes quiet after a big
+                # one (the scheduler's Assign, 21 MB of weights) held it for the job's life
+                del msg

@@ -60,6 +60,32 @@ async def test_lazy_connect_via_add_peer_address_and_payload(net_factory: NetFac
     assert bytes(msg.payload) == data
 
 
+async def test_a_handled_message_is_not_kept_while_its_connection_is_quiet(
+        net_factory: NetFactory) -> None:
+    """Once the handler is done with a message, the connection's reader lets it go, even
+    when nothing else arrives on it (the scheduler's Assign, megabytes of weights, was held
+    for a job's whole life)."""
+    import gc
+    import weakref
+
+    seen: list[weakref.ref[Message]] = []
+    got = asyncio.Event()
+
+    async def handler(peer: str, msg: Message) -> None:
+        seen.append(weakref.ref(msg))
+        got.set()
+
+    a = await net_factory("a")
+    b = await net_factory("b", handler=handler)
+    a.add_peer_address("b", b.address)
+    await a.send("b", ProbeData(probe_id=1, seq=0, count=1), [memoryview(bytes(1 << 20))])
+    await asyncio.wait_for(got.wait(), 5)
+    await asyncio.sleep(0.05)  # the reader back to waiting for the next frame
+    gc.collect()
+    assert seen and seen[0]() is None
+    assert b.stats()["a"].inbound >= 1  # its connection still open
+
+
 async def test_send_to_unknown_peer_raises(net_factory: NetFactory) -> None:
     a = await net_factory("a")
     with pytest.raises(UnknownPeer, match="nobody"):

@@ -46,7 +46,12 @@ from bench.wan_common import Trace, Workload
 from fusiond.cli import run_on_loop
 from fusiond.jobs.assign import layout_job
 from fusiond.jobs.coordinator import JobCoordinator
-from fusiond.jobs.planning import grad_rank_of, plan_job
+from fusiond.jobs.planning import (
+    grad_rank_of,
+    plan_job,
+    reserve_for_scheduler,
+    scheduler_reserve_bytes,
+)
 from fusiond.jobs.worker import JobWorker, local_send_now, local_sender
 from fusiond.net.pki import TLSMaterial
 from fusiond.net.transport import NetConfig, PeerNetwork
@@ -281,7 +286,9 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
     # the lead's own free memory as it plans, its coordinator and the capture loaded
     profiles[args.name] = dataclasses.replace(profiles[args.name],
                                               free_memory_bytes=free_memory_bytes())
-    cluster = build_cluster(desc, hosts, profiles)
+    cluster = reserve_for_scheduler(build_cluster(desc, hosts, profiles),
+                                    machine_id(hosts, args.name),
+                                    scheduler_reserve_bytes(captured))
     plan = make_plan(spec, captured, cluster)
     node_of = {machine_id(hosts, h): desc["node_ids"][h] for h in hosts}
     layout = layout_for(plan, spec, captured, node_of)

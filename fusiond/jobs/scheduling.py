@@ -62,6 +62,8 @@ from fusiond.jobs.planning import (
     plan_job,
     readapted_codecs,
     readapted_densities,
+    reserve_for_scheduler,
+    scheduler_reserve_bytes,
 )
 from fusiond.jobs.records import FINAL, JobRecord, RemoteJob, steps_done
 from fusiond.jobs.runner import decide_restart, derived_timeouts, released_exclusions
@@ -659,6 +661,7 @@ class Scheduling:
         if why is not None:
             raise JobRefused(why + left_out)
         check_capacity(captured, spec, memory)
+        cluster = reserve_for_scheduler(cluster, self.node_id, scheduler_reserve_bytes(captured))
         job_id = meta.get("job_id") or f"{spec.name}-{secrets.token_hex(3)}"
         taken = self.records.get(job_id) if isinstance(job_id, str) else None
         # A job whose attempt here ended comes back under its id from its own submitter (the
@@ -990,6 +993,8 @@ class Scheduling:
             captured = old.captured
             if captured is None:  # released: the job had ended
                 raise JobRefused("the job's model was released when it ended")
+            cluster = reserve_for_scheduler(cluster, self.node_id,
+                                            scheduler_reserve_bytes(captured))
             first, state = rec.first_step, captured.state
             if rec.checkpoint is not None:
                 step, ckpt = rec.checkpoint

@@ -449,3 +449,25 @@ def test_a_stage_holds_its_weights_once(captured_tiny,  # type: ignore[no-untype
     params = dict(host.program.module.named_parameters())
     bad = [n for n, p in params.items() if n in cap.state and not torch.equal(p, cap.state[n])]
     assert params and not bad, bad
+
+
+def test_the_schedulers_machine_is_planned_with_room_for_its_own_copies(  # type: ignore[no-untyped-def]
+        captured_tiny) -> None:
+    """The scheduler's machine offers jobs its free memory less two copies of the model's
+    state (its own stage's Assign joined on local delivery, a checkpoint of every stage in
+    flight); the other machines are as they were."""
+    import numpy as np
+
+    from fusiond.jobs.planning import reserve_for_scheduler, scheduler_reserve_bytes
+    from fusiond.plan import Cluster, MachineProfile
+
+    _, cap = captured_tiny
+    state_bytes = sum(t.numel() * t.element_size() for t in cap.state.values())
+    assert scheduler_reserve_bytes(cap) == 2 * state_bytes
+    ms = [MachineProfile(n, {"other": 1e9}, mem_bw=1e9, op_overhead_s=1e-6, memory_bytes=m)
+          for n, m in (("lead", 1e9), ("w", 1e9), ("tiny", 10.0))]
+    c = Cluster.build(ms, np.full((3, 3), 1e8))
+    got = reserve_for_scheduler(c, "lead", scheduler_reserve_bytes(cap))
+    assert [m.memory_bytes for m in got.machines] == [1e9 - 2 * state_bytes, 1e9, 10.0]
+    assert reserve_for_scheduler(c, "tiny", 1e6).machines[2].memory_bytes == 1.0
+    assert reserve_for_scheduler(c, "elsewhere", 1e6) is c

@@ -280,7 +280,11 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
     wl = Workload.from_dict(args.workload_data)
     desc = args.cluster_data
     hosts: list[str] = list(desc["hosts"])
-    spec = parse_job(job_toml(wl, args.mode))
+    # every step: bench/wan.py keeps those at its fixed wall-clock points and the last one
+    # (a stage pays the serialisation each step; DDP's rank 0 only at those points); set
+    # before planning, which counts each stage's snapshot in flight
+    every = 1
+    spec = dataclasses.replace(parse_job(job_toml(wl, args.mode)), checkpoint_interval=every)
     captured = load_captured(Path(args.captured))
     profiles = read_profiles(Path(args.profile_dir), hosts)
     # the lead's own free memory as it plans, its coordinator and the capture loaded
@@ -292,10 +296,6 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
     plan = make_plan(spec, captured, cluster)
     node_of = {machine_id(hosts, h): desc["node_ids"][h] for h in hosts}
     layout = layout_for(plan, spec, captured, node_of)
-    # every step: bench/wan.py keeps those at its fixed wall-clock points and the last one
-    # (a stage pays the serialisation each step; DDP's rank 0 only at those points)
-    every = 1
-    spec = dataclasses.replace(spec, checkpoint_interval=every)
     extra: dict[str, Any] = {
         "mode": args.mode,
         "predicted_tokens_per_s": plan.samples_per_s * wl.seq_len,

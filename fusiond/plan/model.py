@@ -386,6 +386,10 @@ class JobSettings:
     keeps only its inputs per micro-batch in flight and one micro-batch's activations, and
     pays one more forward per micro-batch. The evaluator chooses it per stage, only where the
     plain stage does not fit."""
+    snapshots: bool = False
+    """The job sends its stages' state (checkpoints, held-out evaluations): each stage's first
+    replica holds a copy of its weights from its step's end until the copy is sent
+    (`StageExecutor`'s snapshot), one more parameter's worth of memory."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.num_micro_batches < 1:

@@ -235,10 +235,13 @@ class GraphArrays:
         self.out = np.array([o.out_bytes for o in graph.ops]) * b
         #: static bytes per op in the planner's prefix sums (tied weights counted per user:
         #: conservative; the evaluator de-duplicates exactly)
-        self.static_prefix = np.concatenate([[0.0], np.cumsum(2 * self.param + self.opt)])
+        #: (weights and gradients, and a snapshot of the weights where the job sends its
+        #: stages' state, `JobSettings.snapshots`: a stage's first replica holds it)
+        copies = 3.0 if settings.snapshots else 2.0
+        self.static_prefix = np.concatenate([[0.0], np.cumsum(copies * self.param + self.opt)])
         #: what the searches' memory checks count: without the optimizer state when it may
         #: go to disk (`JobSettings.offload`; the evaluator decides per stage)
-        self.fit_static_prefix = (np.concatenate([[0.0], np.cumsum(2 * self.param)])
+        self.fit_static_prefix = (np.concatenate([[0.0], np.cumsum(copies * self.param)])
                                   if settings.offload else self.static_prefix)
         self.saved_prefix = np.concatenate([[0.0], np.cumsum(self.saved)])
         self.workspace = float(self.out.max()) if self.n else 0.0
@@ -781,8 +784,10 @@ def evaluate(
                 if st.recompute and kept < inflight * saved:
                     options.append((mb * fwd_s + disk_s, True, True))
 
+            # the first replica's snapshot of its weights, while it is sent (JobSettings)
+            snap = params if st.snapshots and r == 0 else 0.0
             need = {(rc, off): (2 * params + (0.0 if off else opt)
-                                + (kept if rc else inflight * saved) + work + bucket)
+                                + (kept if rc else inflight * saved) + work + bucket + snap)
                     for _, rc, off in options}
             fits = [o for o in options if need[(o[1], o[2])] <= cap]
             cost, recompute, offload = (min(fits) if fits
@@ -794,7 +799,8 @@ def evaluate(
                 # as a last resort, where that fits or costs less than the stage-wide choice
                 blocks, _ = stage_blocks(arrays, mi, s.start, s.stop)
                 got = plan_stage_memory(
-                    blocks, budget_bytes=cap - bucket, micro_batches=mb, inflight=inflight,
+                    blocks, budget_bytes=cap - bucket - snap, micro_batches=mb,
+                    inflight=inflight,
                     disk_bytes_per_s=m.disk_rate_bytes_per_s, workspace_bytes=work,
                     allow_recompute=st.recompute, allow_offload=st.offload,
                     allow_param_offload=st.offload, disk_room_bytes=m.disk_room_bytes)
@@ -803,7 +809,7 @@ def evaluate(
             micro_s, step_s = (fwd_s if recompute else 0.0), (disk_s if offload else 0.0)
             if blockwise is not None:
                 recompute, offload = False, blockwise.offload_optimizer
-                mem = blockwise.peak_bytes + bucket
+                mem = blockwise.peak_bytes + bucket + snap
                 micro_s, step_s = blockwise.per_micro_s, blockwise.per_step_s
             computes[i][r] += micro_s
             if mem > cap:

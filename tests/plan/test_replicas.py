@@ -228,3 +228,19 @@ def test_a_replica_counts_the_exchange_the_runtime_holds() -> None:
     for rep in (two.stages[0], *two.replicas):
         assert rep.memory_bytes - alone == pytest.approx(3 * 4e6)
     assert three.stages[0].memory_bytes - alone == pytest.approx(4 * 4e6)
+
+
+def test_a_stage_that_sends_its_state_counts_its_snapshot_on_its_first_replica() -> None:
+    """A job that checkpoints (or evaluates held-out) has each stage's first replica hold a
+    copy of its weights until it is sent: one parameter's worth more there, none on the
+    other replicas, and the searches' static bytes count it too."""
+    g = _chain(4, params=1e6)
+    cluster = Cluster.build([_machine(i) for i in range(2)], [[0, 1e9], [1e9, 0]])
+    plain = GraphArrays(g, cluster, JobSettings(micro_batch_size=1, num_micro_batches=6))
+    snap = GraphArrays(g, cluster, JobSettings(micro_batch_size=1, num_micro_batches=6,
+                                               snapshots=True))
+    a = evaluate(plain, [StageSpec(0, 0, 4, (1,))])
+    b = evaluate(snap, [StageSpec(0, 0, 4, (1,))])
+    assert b.replicas[0].memory_bytes - a.replicas[0].memory_bytes == pytest.approx(4e6)
+    assert b.replicas[1].memory_bytes == pytest.approx(a.replicas[1].memory_bytes)
+    assert snap.fit_static_prefix[-1] - plain.fit_static_prefix[-1] == pytest.approx(4e6)

@@ -299,22 +299,21 @@ def memory_allowance(proc: str = "/proc/self") -> MemoryAllowance:
     limits: list[tuple[float | None, str]] = []
     files: dict[str, tuple[str, str, str]] = {}
     for root, point, fstype, opts in mounts:
+        # (the cgroup's path, "kind", its limit, usage and memory.stat's inactive-cache key)
         if fstype == "cgroup2" and v2 is not None:
-            for d in cgroup_dirs(root, point, v2):
-                text = _read(os.path.join(d, "memory.max"))
-                if text is not None:
-                    src = "cgroup2:" + d
-                    limits.append((parse_memory_limit(text), src))
-                    files[src] = (os.path.join(d, "memory.current"),
-                                  os.path.join(d, "memory.stat"), "inactive_file")
+            path, kind, names = v2, "cgroup2:", ("memory.max", "memory.current",
+                                                 "inactive_file")
         elif fstype == "cgroup" and v1 is not None and "memory" in opts.split(","):
-            for d in cgroup_dirs(root, point, v1):
-                text = _read(os.path.join(d, "memory.limit_in_bytes"))
-                if text is not None:
-                    src = "cgroup1:" + d
-                    limits.append((parse_memory_limit(text), src))
-                    files[src] = (os.path.join(d, "memory.usage_in_bytes"),
-                                  os.path.join(d, "memory.stat"), "total_inactive_file")
+            path, kind, names = v1, "cgroup1:", ("memory.limit_in_bytes",
+                                                 "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        for d in cgroup_dirs(root, point, path):
+            text = _read(os.path.join(d, names[0]))
+            if text is not None:
+                limits.append((parse_memory_limit(text), kind + d))
+                files[kind + d] = (os.path.join(d, names[1]), os.path.join(d, "memory.stat"),
+                                   names[2])
     limit, src = tightest(limits)
     if limit is None:
         return MemoryAllowance(None, None, "")

@@ -17,14 +17,7 @@ from fusiond.profile import (
     parse_memory_stat,
     parse_proc_cgroup,
 )
-
-
-def _fake_proc(tmp_path: Path, cgroup: str, mountinfo: str) -> str:
-    proc = tmp_path / "proc"
-    proc.mkdir()
-    (proc / "cgroup").write_text(cgroup)
-    (proc / "mountinfo").write_text(mountinfo)
-    return str(proc)
+from tests.daemon.test_cpu_allowance import _fake_proc
 
 
 @given(st.integers(1, (1 << 60) - 1))

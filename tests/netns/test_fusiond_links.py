@@ -101,7 +101,12 @@ def test_fusionctl_plan_sees_the_shaped_links_and_plans_as_the_topology_file(
         pytest.skip(why)
     from deploy.testbed.fusion import start_fusiond
     from fusiond.cluster.membership import Link
-    from fusiond.jobs.planning import cluster_for_planner, plan_job
+    from fusiond.jobs.planning import (
+        cluster_for_planner,
+        plan_job,
+        reserve_for_scheduler,
+        scheduler_reserve_bytes,
+    )
     from fusiond.jobs.submit import prepare_job, restore_job
     from fusiond.plan import plan_summary
 
@@ -159,6 +164,9 @@ def test_fusionctl_plan_sees_the_shaped_links_and_plans_as_the_topology_file(
         job = prepare_job(job_path)
         spec, captured = restore_job(job.toml_text, job.base, job.out_base, job.graph_bytes,
                                      job.state_bytes)
+        # the scheduler (whichever daemon was elected) keeps room for its own copies
+        from_file = reserve_for_scheduler(from_file, view["leader"],
+                                          scheduler_reserve_bytes(captured))
         ref = plan_summary(plan_job(spec, captured, from_file))
         ref_stages = [(host_of[s["machine_id"]], s["start_op"], s["stop_op"])
                       for s in ref["stages"]]

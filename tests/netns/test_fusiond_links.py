@@ -13,6 +13,7 @@ fast a link estimate follows a link reshaped mid-run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -109,6 +110,7 @@ def test_fusionctl_plan_sees_the_shaped_links_and_plans_as_the_topology_file(
     )
     from fusiond.jobs.submit import prepare_job, restore_job
     from fusiond.plan import plan_summary
+    from fusiond.plan.fence import plan_from_stages
 
     job_path = tmp_path / "job.toml"
     job_path.write_text(JOB.format(out=tmp_path / "out"))
@@ -167,12 +169,26 @@ def test_fusionctl_plan_sees_the_shaped_links_and_plans_as_the_topology_file(
         # the scheduler (whichever daemon was elected) keeps room for its own copies
         from_file = reserve_for_scheduler(from_file, view["leader"],
                                           scheduler_reserve_bytes(captured))
-        ref = plan_summary(plan_job(spec, captured, from_file))
+        ref_plan = plan_job(spec, captured, from_file)
+        ref = plan_summary(ref_plan)
         ref_stages = [(host_of[s["machine_id"]], s["start_op"], s["stop_op"])
                       for s in ref["stages"]]
         print(f"daemons: {stages}\ntopology file: {ref_stages}")
-        assert stages == ref_stages
         assert len(stages) >= 2
+        if stages != ref_stages:
+            # Only a tie may differ: the same cut on machines the topology file's planner rates
+            # as fast (a and b are alike; with c elected, its memory goes to the scheduler's
+            # reserve and the order over the a-b link is a coin toss decided by probe noise).
+            assert [s[1:] for s in stages] == [s[1:] for s in ref_stages], (stages, ref_stages)
+            index = {host_of[m]: i for i, m in enumerate(ref_plan.arrays.cluster.ids())}
+            theirs = plan_from_stages(
+                ref_plan.arrays.graph, from_file, ref_plan.arrays.settings,
+                [dataclasses.replace(st, machine=index[host]) for st, (host, _, _)
+                 in zip(ref_plan.stages, stages, strict=True)],
+                compress=spec.compression.compress)
+            ratio = theirs.evaluation.iteration_s / ref_plan.evaluation.iteration_s
+            print(f"daemons' plan under the topology file: {ratio:.4f} x the reference's time")
+            assert ratio <= 1.01, (stages, ref_stages, ratio)
     assert not [ns for ns in list_namespaces() if ns.startswith(f"{name}-")]
 
 

@@ -43,6 +43,24 @@ class PlainUser:
         return self.run([str(FUSIONCTL), "--socket", socket, *args], timeout=timeout)
 
 
+def closed_to_others(paths: Sequence[Path]) -> Path | None:
+    """The first directory above (or file among) `paths` another user may not traverse
+    (read and run, for a file): a checkout in a 0700 temporary directory cannot run its
+    fusionctl as a test user."""
+    import stat
+
+    for p in paths:
+        p = Path(os.path.abspath(p))
+        for d in reversed(p.parents):
+            if not os.stat(d).st_mode & stat.S_IXOTH:
+                return d
+        mode = os.stat(p).st_mode
+        need = stat.S_IXOTH | (stat.S_IROTH if p.is_file() else 0)
+        if mode & need != need:
+            return p
+    return None
+
+
 @contextlib.contextmanager
 def plain_user(prefix: str = "fzo") -> Iterator[PlainUser]:
     """A new system user and group `<prefix><hex>` with a home under /tmp; deleted at exit."""
@@ -50,6 +68,10 @@ def plain_user(prefix: str = "fzo") -> Iterator[PlainUser]:
         pytest.skip("creating a test user needs root")
     if shutil.which("useradd") is None or shutil.which("setpriv") is None:
         pytest.skip("useradd / setpriv not installed")
+    closed = closed_to_others([REPO, FUSIONCTL, Path(sys.executable)])
+    if closed is not None:
+        pytest.skip(f"another user cannot reach this checkout ({closed} is closed to others): "
+                    "clone it where other users may read it (e.g. under /tmp or /opt)")
     name = f"{prefix}{secrets.token_hex(3)}"
     home = Path(f"/tmp/{name}-home")
     got = subprocess.run(["useradd", "--system", "--user-group", "--no-create-home",

@@ -234,6 +234,9 @@ class NodeProfile(Struct):
     """The same per CPU second of one thread (CPU nodes)."""
     plan_flops_matmul: float = 0.0
     """The planner's calibrated rate of matmul-class ops, FLOP per second (0: none)."""
+    plan_flops_matmul_small: float = 0.0
+    """Of matmul-class ops at a small product (`fusiond.plan.model.MATMUL_SHAPES`), FLOP per
+    second (0: not measured; the planner then prices every product at `plan_flops_matmul`)."""
     plan_flops_conv: float = 0.0
     """Of conv-class ops, FLOP per second."""
     plan_flops_other: float = 0.0

@@ -24,9 +24,31 @@ F64 = npt.NDArray[np.float64]
 
 #: Op classes a machine is calibrated for. An op's class picks the FLOP rate it runs at.
 OP_CLASSES: tuple[str, ...] = ("matmul", "conv", "attention", "other")
-_CLASS_FALLBACK = {"attention": "matmul"}
+SMALL_MATMUL = "matmul_small"
+"""A rate a profile may carry beside its op classes: the "matmul" class's rate at a small
+product (`MATMUL_SHAPES`). No op has this class; `op_times` interpolates a matmul-class op's
+rate between the two by the op's FLOPs per call."""
+MATMUL_SHAPES: Mapping[str, tuple[int, int, int]] = {
+    "matmul": (1024, 768, 2304),
+    SMALL_MATMUL: (256, 256, 768),
+}
+"""The linear layers (rows, in features, out features) the calibration times forward and
+backward for each matmul rate: a GPT-2 small attention projection over 1024 tokens, and a
+narrow model's over one micro-batch of 256 tokens. On one core of an Intel Xeon the small one
+runs at 0.86x the big one's rate per FLOP (137 against 160 GFLOP/s), on a GPU at a few percent
+of it: a planner that priced every product at the big rate saw small models' steps 15 % too
+short here."""
+_CLASS_FALLBACK = {"attention": "matmul", SMALL_MATMUL: "matmul"}
 """The class whose rate stands in for a class a profile does not carry (an older daemon's
-profile has no "attention"; its products were matmul-class then). Any other: "other"."""
+profile has no "attention"; its products were matmul-class then; nor "matmul_small": its
+products all ran at the one rate). Any other: "other"."""
+
+
+def matmul_flops_per_call(shape: tuple[int, int, int]) -> float:
+    """Forward + backward FLOPs of a linear layer (rows, in, out): 2 m k n forward, twice that
+    backward (the input's and the weight's gradient), as the estimator counts them."""
+    m, k, n = shape
+    return 6.0 * m * k * n
 
 
 class PlanError(LocalError):
@@ -426,7 +448,7 @@ def op_times(graph: CostGraph, machine: MachineProfile, batch: int) -> F64:
     backward) whatever the batch.
     """
     a = _op_arrays(graph)
-    rate = np.array([machine.rate(c) for c in a["classes"]])[a["cls"].astype(np.int64)]
+    rate = _op_rates(a, machine, batch)
     bw = machine.mem_bw
     f = np.maximum(batch * a["ff"] / rate, (batch * a["fb"] + a["pb"]) / bw)
     b = np.maximum(batch * a["bf"] / rate, (batch * a["bb"] + 2 * a["pb"]) / bw)
@@ -437,10 +459,37 @@ def op_times(graph: CostGraph, machine: MachineProfile, batch: int) -> F64:
 def op_forward_times(graph: CostGraph, machine: MachineProfile, batch: int) -> F64:
     """The forward pass's part of `op_times` (its roofline and its own launches)."""
     a = _op_arrays(graph)
-    rate = np.array([machine.rate(c) for c in a["classes"]])[a["cls"].astype(np.int64)]
+    rate = _op_rates(a, machine, batch)
     f = np.maximum(batch * a["ff"] / rate, (batch * a["fb"] + a["pb"]) / machine.mem_bw)
     out: F64 = f + machine.op_overhead_s * a["flaunch"]
     return out
+
+
+def matmul_rates(machine: MachineProfile, flops_per_call: F64) -> F64:
+    """The FLOP rate of matmul-class ops of `flops_per_call` each (forward + backward) on
+    `machine`: its "matmul" rate, or, where it carries a `SMALL_MATMUL` rate too, the two
+    interpolated geometrically in the log of the FLOPs per call between their calibration
+    products (`MATMUL_SHAPES`), held at the nearer one beyond them."""
+    big = machine.rate("matmul")
+    small = machine.flops.get(SMALL_MATMUL)
+    if small is None or small == big:
+        return np.full(flops_per_call.shape, big)
+    lo = math.log(matmul_flops_per_call(MATMUL_SHAPES[SMALL_MATMUL]))
+    hi = math.log(matmul_flops_per_call(MATMUL_SHAPES["matmul"]))
+    x = np.clip((np.log(np.maximum(flops_per_call, 1.0)) - lo) / (hi - lo), 0.0, 1.0)
+    out: F64 = small * (big / small) ** x
+    return out
+
+
+def _op_rates(a: dict[str, Any], machine: MachineProfile, batch: int) -> F64:
+    """Each op's FLOP rate on `machine` for micro-batches of `batch` samples: its class's,
+    matmul-class ops by their size (`matmul_rates`)."""
+    rate: F64 = np.array([machine.rate(c) for c in a["classes"]])[a["cls"].astype(np.int64)]
+    if SMALL_MATMUL in machine.flops and "matmul" in a["classes"]:
+        mm = a["cls"] == a["classes"].index("matmul")
+        if mm.any():
+            rate[mm] = matmul_rates(machine, batch * (a["ff"][mm] + a["bf"][mm]))
+    return rate
 
 
 _ARRAYS_CACHE: dict[int, tuple[CostGraph, dict[str, Any]]] = {}

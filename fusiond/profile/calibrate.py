@@ -5,7 +5,10 @@ so it lives with the rest of the node's profile. The daemon calls it once and go
 `profile.to_dict()`. Each measurement matches a rule of the estimator (`fusiond.plan.estimator`,
 whose FLOP counts it uses), so the two agree on units:
 
-- "matmul": forward + backward of a transformer-shaped linear layer;
+- "matmul": forward + backward of a transformer-shaped linear layer, at two sizes
+  (`fusiond.plan.model.MATMUL_SHAPES`: a GPT-2 small projection over 1024 tokens, and
+  "matmul_small", a narrow model's over 256): a small product runs at a fraction of a big one's
+  rate per FLOP, and the planner interpolates between the two by each product's size;
 - "conv": a 3x3 convolution;
 - "attention": forward + backward of scaled dot-product attention at a GPT-2-like head shape
   (its small per-head products run at a fraction of a big matmul's rate: 2x slower on the
@@ -44,7 +47,14 @@ from fusiond.plan.estimator import (
     attention_flops,
     elementwise_flops_per_element,
 )
-from fusiond.plan.model import MachineProfile, scale_machine, slower_of
+from fusiond.plan.model import (
+    MATMUL_SHAPES,
+    SMALL_MATMUL,
+    MachineProfile,
+    matmul_flops_per_call,
+    scale_machine,
+    slower_of,
+)
 
 
 def _median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None],
@@ -157,12 +167,10 @@ def _measure(machine_id: str, dev: Any, repeats: int, scale: float,
     # Each benchmark's tensors live in its own function, so they are freed before the next:
     # the calibration's memory stays small (a daemon under a tight limit runs it).
 
-    def matmul() -> float:
+    def matmul(shape: tuple[int, int, int]) -> float:
         # forward + backward of a transformer-shaped linear layer, so the transposed products
         # of backward are in the rate (6 FLOPs per multiply-add triple)
-        m = max(64, int(1024 * scale))
-        k = max(64, int(768 * scale))
-        nout = 3 * k
+        m, k, nout = (max(16, int(d * scale)) for d in shape)
         a = torch.randn(m, k, device=dev, requires_grad=True)
         w = torch.randn(nout, k, device=dev, requires_grad=True)
         go = torch.randn(m, nout, device=dev)
@@ -170,7 +178,7 @@ def _measure(machine_id: str, dev: Any, repeats: int, scale: float,
         def linear_fb() -> None:
             torch.nn.functional.linear(a, w).backward(go)  # type: ignore[no-untyped-call]
 
-        return 6.0 * m * k * nout / timed(linear_fb)
+        return matmul_flops_per_call((m, k, nout)) / timed(linear_fb)
 
     def conv() -> float:
         c = max(8, int(64 * scale))
@@ -226,7 +234,8 @@ def _measure(machine_id: str, dev: Any, repeats: int, scale: float,
         per_element = sum(fw + bw for _, (fw, bw) in ops)
         return per_element * x.numel() / timed(run)
 
-    mm_rate = matmul()
+    mm_rate = matmul(MATMUL_SHAPES["matmul"])
+    mm_small_rate = matmul(MATMUL_SHAPES[SMALL_MATMUL])
     attention_rate = attention()
     other_rate = nonlinear()
     with torch.no_grad():
@@ -238,8 +247,8 @@ def _measure(machine_id: str, dev: Any, repeats: int, scale: float,
     wire = timed(_wire_round_trip(wire_bytes))
     return MachineProfile(
         id=machine_id,
-        flops={"matmul": mm_rate, "conv": conv_rate, "attention": attention_rate,
-               "other": other_rate},
+        flops={"matmul": mm_rate, SMALL_MATMUL: mm_small_rate, "conv": conv_rate,
+               "attention": attention_rate, "other": other_rate},
         mem_bw=mem_bw,
         op_overhead_s=overhead,
         memory_bytes=memory_bytes if memory_bytes is not None else _total_memory(str(dev)),

@@ -141,6 +141,31 @@ def test_a_missed_prediction_names_the_stage_furthest_off() -> None:
     assert "8.0 Mbit/s" in text
 
 
+def test_a_predicted_hand_off_counts_the_micro_batchs_transfer() -> None:
+    """The planner's hand-off between two stages is both hosts' wake-up and one micro-batch
+    over the link between them (the link's time per step over the micro-batches); it used to
+    leave the transfer out and call 44 ms of wire time a miss."""
+    from bench.wan import handoffs
+
+    def task(name: str, ready: float, end: float) -> list[object]:
+        return [name, ready, ready, end, 0.0, 0.0, 0.0, 0.0, 0.0]
+
+    step = {"0": {"start": 10.0, "wall_s": 1.0,
+                  "tasks": [task("F0", 0.0, 0.1), task("F1", 0.1, 0.2), task("B0", 0.5, 0.6),
+                            task("B1", 0.7, 0.8)]},
+            "1": {"start": 10.0, "wall_s": 1.0,
+                  "tasks": [task("F0", 0.15, 0.25), task("B0", 0.25, 0.4),
+                            task("F1", 0.4, 0.5), task("B1", 0.5, 0.6)]}}
+    t = Trace("opfence", [], {
+        "prediction": {"stages": [{"stage": 0, "wake_s": 0.006}, {"stage": 1, "wake_s": 0.006}],
+                       "links": [{"src_stage": 0, "dst_stage": 1, "time_s": 0.08}]},
+        "timelines": [step, step]})
+    measured, predicted = handoffs(t)
+    # F0: 0.15 - 0.1, F1: 0.4 - 0.2, B0: 0.5 - 0.4, B1: 0.7 - 0.6
+    assert measured == pytest.approx((0.05 + 0.2 + 0.1 + 0.1) / 4)
+    assert predicted == pytest.approx(0.012 + 0.08 / 2)
+
+
 @given(st.dictionaries(st.sampled_from([f"h{i}" for i in range(10)]),
                        st.floats(min_value=0.01, max_value=1.0), max_size=10),
        st.integers(min_value=1, max_value=10), st.floats(min_value=0.1, max_value=16.0))

@@ -283,7 +283,8 @@ def cost_graph_from_ir(
             saved_bytes=c.saved / batch if g else 0.0,
             out_bytes=float(sum(b for _, b in outs)) / batch,
             fwd_launches=c.fl,
-            bwd_launches=c.bl if g else 0.0,
+            # and backward accumulates each trainable parameter's gradient (AccumulateGrad)
+            bwd_launches=c.bl + len(trainable) if g else 0.0,
             params=tuple(trainable),
         ))
     sizes: dict[str, float] = {}

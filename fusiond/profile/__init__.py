@@ -52,13 +52,14 @@ log = logging.getLogger("fusiond.profile")
 BENCH_N = 512
 """Matrix size of the benchmark: big enough to be compute bound, small enough to take ~10 ms."""
 BENCH_REPEATS = 5
-CACHE_VERSION = 6
+CACHE_VERSION = 7
 """Bumped when the cached numbers change meaning (2: per CPU second, before the allowance;
 3: with the transport's cost per message; 4: the memory bandwidth over 16 MiB vectors
 written into one buffer, so the calibration's peak stays about 100 MiB under a tight limit;
 5: class "other" from a network's nonlinear ops, attention its own class, the dispatch cost
 from a transformer-like mix, every time a median; 6: the matmul rate at a small product too,
-"matmul_small")."""
+"matmul_small"; 7: the dispatch benchmark's blocks each with their own parameters, their
+gradient accumulations counted as launches)."""
 
 
 # -- the CPU this process may use (pure parsing, then the one function that reads files) ------

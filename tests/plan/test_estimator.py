@@ -60,6 +60,10 @@ def test_analytic_costs_per_sample() -> None:
     assert lin.opt_state_bytes == 2 * lin.param_bytes
     assert lin.saved_bytes == pytest.approx(T * D * 4)  # its input, per sample
     assert cg.param_sizes == {"fc.weight": H * D * 4, "fc.bias": H * 4}
+    # launches: one forward; backward its two products and one gradient accumulation per
+    # trainable parameter (autograd's AccumulateGrad, a kernel each, used to go uncounted)
+    assert (lin.fwd_launches, lin.bwd_launches) == (1, 2 + 2)
+    assert (ops["gelu"].fwd_launches, ops["gelu"].bwd_launches) == (1, 1)
     assert ops["view"].fwd_flops == 0 and ops["view"].fwd_bytes == 0
     sd = ops["sdpa"]
     scores = 4 * T * T

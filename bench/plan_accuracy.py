@@ -26,7 +26,7 @@ from fusiond.graph.driver import Driver
 from fusiond.graph.partition import contiguous_assignment
 from fusiond.models.gpt2 import gpt2, lm_loss
 from fusiond.plan.estimator import cost_graph_from_ir
-from fusiond.plan.model import SMALL_MATMUL, op_times
+from fusiond.plan.model import SMALL_MATMUL, TINY_MATMUL, op_times
 from fusiond.profile.calibrate import calibrate
 
 
@@ -52,9 +52,10 @@ def measure(size: str, batch: int, seq: int, parts: int, repeats: int) -> list[d
     prof = calibrate(repeats=7)
     print(f"calibrated: {prof.to_dict()}", file=sys.stderr)
     pred_op = op_times(cg, prof, batch)
-    # the same calibration with every product at the big matmul's rate (before "matmul_small")
+    # the same calibration with every product at the big matmul's rate (before the rates of
+    # smaller products)
     one_rate = dataclasses.replace(
-        prof, flops={k: v for k, v in prof.flops.items() if k != SMALL_MATMUL})
+        prof, flops={k: v for k, v in prof.flops.items() if k not in (SMALL_MATMUL, TINY_MATMUL)})
     pred_one = op_times(cg, one_rate, batch)
     idx = cg.index()
     assign = contiguous_assignment(graph, parts)

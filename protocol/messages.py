@@ -237,6 +237,9 @@ class NodeProfile(Struct):
     plan_flops_matmul_small: float = 0.0
     """Of matmul-class ops at a small product (`fusiond.plan.model.MATMUL_SHAPES`), FLOP per
     second (0: not measured; the planner then prices every product at `plan_flops_matmul`)."""
+    plan_flops_matmul_tiny: float = 0.0
+    """Of matmul-class ops at a tiny product (`fusiond.plan.model.MATMUL_SHAPES`), FLOP per
+    second (0: not measured)."""
     plan_flops_conv: float = 0.0
     """Of conv-class ops, FLOP per second."""
     plan_flops_other: float = 0.0

@@ -25,23 +25,25 @@ F64 = npt.NDArray[np.float64]
 #: Op classes a machine is calibrated for. An op's class picks the FLOP rate it runs at.
 OP_CLASSES: tuple[str, ...] = ("matmul", "conv", "attention", "other")
 SMALL_MATMUL = "matmul_small"
-"""A rate a profile may carry beside its op classes: the "matmul" class's rate at a small
-product (`MATMUL_SHAPES`). No op has this class; `op_times` interpolates a matmul-class op's
-rate between the two by the op's FLOPs per call."""
+TINY_MATMUL = "matmul_tiny"
+"""Rates a profile may carry beside its op classes: the "matmul" class's rate at smaller
+products (`MATMUL_SHAPES`). No op has these classes; `op_times` interpolates a matmul-class
+op's rate between the products a profile carries by the op's FLOPs per call."""
 MATMUL_SHAPES: Mapping[str, tuple[int, int, int]] = {
-    "matmul": (1024, 768, 2304),
+    TINY_MATMUL: (256, 32, 96),
     SMALL_MATMUL: (256, 256, 768),
+    "matmul": (1024, 768, 2304),
 }
 """The linear layers (rows, in features, out features) the calibration times forward and
-backward for each matmul rate: a GPT-2 small attention projection over 1024 tokens, and a
-narrow model's over one micro-batch of 256 tokens. On one core of an Intel Xeon the small one
-runs at 0.86x the big one's rate per FLOP (137 against 160 GFLOP/s), on a GPU at a few percent
-of it: a planner that priced every product at the big rate saw small models' steps 15 % too
-short here."""
-_CLASS_FALLBACK = {"attention": "matmul", SMALL_MATMUL: "matmul"}
+backward for each matmul rate, smallest first: GPT-2 tiny's micro-batch of 256 tokens through
+its 32-wide attention projection, a 256-wide model's, and a GPT-2 small projection over 1024
+tokens. On one core of an Intel Xeon they run at about 0.5, 0.86 and 1x the big one's rate
+per FLOP (84, 137 and 160 GFLOP/s), on a GPU the small ones at a few percent of it: a planner
+that priced every product at the big rate saw small models' steps 15-40 % too short here."""
+_CLASS_FALLBACK = {"attention": "matmul", SMALL_MATMUL: "matmul", TINY_MATMUL: "matmul"}
 """The class whose rate stands in for a class a profile does not carry (an older daemon's
-profile has no "attention"; its products were matmul-class then; nor "matmul_small": its
-products all ran at the one rate). Any other: "other"."""
+profile has no "attention"; its products were matmul-class then; nor the smaller products'
+rates: its products all ran at the one rate). Any other: "other"."""
 
 
 def matmul_flops_per_call(shape: tuple[int, int, int]) -> float:
@@ -467,17 +469,21 @@ def op_forward_times(graph: CostGraph, machine: MachineProfile, batch: int) -> F
 
 def matmul_rates(machine: MachineProfile, flops_per_call: F64) -> F64:
     """The FLOP rate of matmul-class ops of `flops_per_call` each (forward + backward) on
-    `machine`: its "matmul" rate, or, where it carries a `SMALL_MATMUL` rate too, the two
-    interpolated geometrically in the log of the FLOPs per call between their calibration
-    products (`MATMUL_SHAPES`), held at the nearer one beyond them."""
-    big = machine.rate("matmul")
-    small = machine.flops.get(SMALL_MATMUL)
-    if small is None or small == big:
-        return np.full(flops_per_call.shape, big)
-    lo = math.log(matmul_flops_per_call(MATMUL_SHAPES[SMALL_MATMUL]))
-    hi = math.log(matmul_flops_per_call(MATMUL_SHAPES["matmul"]))
-    x = np.clip((np.log(np.maximum(flops_per_call, 1.0)) - lo) / (hi - lo), 0.0, 1.0)
-    out: F64 = small * (big / small) ** x
+    `machine`: the rates of the calibration products it carries ("matmul", and
+    `SMALL_MATMUL` / `TINY_MATMUL` where measured) interpolated linearly in the log of the
+    FLOPs per call between the products' sizes (`MATMUL_SHAPES`), held at the nearest one
+    beyond them; one rate alone prices every product. Linear, not geometric: the rate rises
+    steeply with size and then levels off (on an Intel Xeon 37, 68, 109, 129, 138 and 161
+    GFLOP/s at 1.6, 4.7, 19, 101, 302 and 10 872 MFLOP per call), so between two products it
+    is above their geometric mean."""
+    anchors = [(math.log(matmul_flops_per_call(shape)), machine.flops[name])
+               for name, shape in MATMUL_SHAPES.items() if name in machine.flops]
+    if len(anchors) < 2:
+        return np.full(flops_per_call.shape, machine.rate("matmul"))
+    anchors.sort()
+    xs = np.array([x for x, _ in anchors])
+    ys = np.array([y for _, y in anchors])
+    out: F64 = np.interp(np.log(np.maximum(flops_per_call, 1.0)), xs, ys)
     return out
 
 
@@ -485,7 +491,8 @@ def _op_rates(a: dict[str, Any], machine: MachineProfile, batch: int) -> F64:
     """Each op's FLOP rate on `machine` for micro-batches of `batch` samples: its class's,
     matmul-class ops by their size (`matmul_rates`)."""
     rate: F64 = np.array([machine.rate(c) for c in a["classes"]])[a["cls"].astype(np.int64)]
-    if SMALL_MATMUL in machine.flops and "matmul" in a["classes"]:
+    if (SMALL_MATMUL in machine.flops or TINY_MATMUL in machine.flops) \
+            and "matmul" in a["classes"]:
         mm = a["cls"] == a["classes"].index("matmul")
         if mm.any():
             rate[mm] = matmul_rates(machine, batch * (a["ff"][mm] + a["bf"][mm]))

@@ -52,14 +52,14 @@ log = logging.getLogger("fusiond.profile")
 BENCH_N = 512
 """Matrix size of the benchmark: big enough to be compute bound, small enough to take ~10 ms."""
 BENCH_REPEATS = 5
-CACHE_VERSION = 7
+CACHE_VERSION = 8
 """Bumped when the cached numbers change meaning (2: per CPU second, before the allowance;
 3: with the transport's cost per message; 4: the memory bandwidth over 16 MiB vectors
 written into one buffer, so the calibration's peak stays about 100 MiB under a tight limit;
 5: class "other" from a network's nonlinear ops, attention its own class, the dispatch cost
 from a transformer-like mix, every time a median; 6: the matmul rate at a small product too,
 "matmul_small"; 7: the dispatch benchmark's blocks each with their own parameters, their
-gradient accumulations counted as launches)."""
+gradient accumulations counted as launches; 8: "matmul_tiny")."""
 
 
 # -- the CPU this process may use (pure parsing, then the one function that reads files) ------
@@ -500,8 +500,8 @@ MAX_WAKE_S = 1.0
 """The largest wake-up latency a profile may claim (a CFS period is at most 1 s)."""
 
 PLAN_FIELDS = {"matmul": "plan_flops_matmul", "matmul_small": "plan_flops_matmul_small",
-               "conv": "plan_flops_conv", "attention": "plan_flops_attention",
-               "other": "plan_flops_other"}
+               "matmul_tiny": "plan_flops_matmul_tiny", "conv": "plan_flops_conv",
+               "attention": "plan_flops_attention", "other": "plan_flops_other"}
 """Profile keys of the planner's calibrated FLOP rates per op class (sustained, at the node's
 CPU allowance), beside ``plan_mem_bw``, ``plan_op_overhead_s``, ``plan_wire_s_per_byte`` and
 ``plan_msg_s`` and ``plan_wake_s``."""

@@ -5,10 +5,11 @@ so it lives with the rest of the node's profile. The daemon calls it once and go
 `profile.to_dict()`. Each measurement matches a rule of the estimator (`fusiond.plan.estimator`,
 whose FLOP counts it uses), so the two agree on units:
 
-- "matmul": forward + backward of a transformer-shaped linear layer, at two sizes
+- "matmul": forward + backward of a transformer-shaped linear layer, at three sizes
   (`fusiond.plan.model.MATMUL_SHAPES`: a GPT-2 small projection over 1024 tokens, and
-  "matmul_small", a narrow model's over 256): a small product runs at a fraction of a big one's
-  rate per FLOP, and the planner interpolates between the two by each product's size;
+  "matmul_small" and "matmul_tiny", a 256- and a 32-wide model's over 256): a small product
+  runs at a fraction of a big one's rate per FLOP, and the planner interpolates between them
+  by each product's size;
 - "conv": a 3x3 convolution;
 - "attention": forward + backward of scaled dot-product attention at a GPT-2-like head shape
   (its small per-head products run at a fraction of a big matmul's rate: 2x slower on the
@@ -50,6 +51,7 @@ from fusiond.plan.estimator import (
 from fusiond.plan.model import (
     MATMUL_SHAPES,
     SMALL_MATMUL,
+    TINY_MATMUL,
     MachineProfile,
     matmul_flops_per_call,
     scale_machine,
@@ -236,6 +238,7 @@ def _measure(machine_id: str, dev: Any, repeats: int, scale: float,
 
     mm_rate = matmul(MATMUL_SHAPES["matmul"])
     mm_small_rate = matmul(MATMUL_SHAPES[SMALL_MATMUL])
+    mm_tiny_rate = matmul(MATMUL_SHAPES[TINY_MATMUL])
     attention_rate = attention()
     other_rate = nonlinear()
     with torch.no_grad():
@@ -247,8 +250,8 @@ def _measure(machine_id: str, dev: Any, repeats: int, scale: float,
     wire = timed(_wire_round_trip(wire_bytes))
     return MachineProfile(
         id=machine_id,
-        flops={"matmul": mm_rate, SMALL_MATMUL: mm_small_rate, "conv": conv_rate,
-               "attention": attention_rate, "other": other_rate},
+        flops={"matmul": mm_rate, SMALL_MATMUL: mm_small_rate, TINY_MATMUL: mm_tiny_rate,
+               "conv": conv_rate, "attention": attention_rate, "other": other_rate},
         mem_bw=mem_bw,
         op_overhead_s=overhead,
         memory_bytes=memory_bytes if memory_bytes is not None else _total_memory(str(dev)),

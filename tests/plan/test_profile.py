@@ -338,11 +338,12 @@ def test_calibrated_rates_price_a_networks_nonlinear_ops() -> None:
 def test_a_products_rate_follows_its_size_between_the_two_calibrated_products() -> None:
     """With a rate at a small product beside the big one ("matmul_small"), a matmul-class op
     runs at the small rate up to the small product's size, at the big rate from the big one's
-    on, geometrically in between by the log of its FLOPs per call; a profile without it (an
+    on, linearly in between in the log of its FLOPs per call; a profile without it (an
     older daemon's, a topology file's) prices every product at the one "matmul" rate."""
     from fusiond.plan.model import (
         MATMUL_SHAPES,
         SMALL_MATMUL,
+        TINY_MATMUL,
         matmul_flops_per_call,
         matmul_rates,
         op_times,
@@ -354,11 +355,17 @@ def test_a_products_rate_follows_its_size_between_the_two_calibrated_products() 
                           1e9)
     sizes = np.array([1.0, lo / 10, lo, math.sqrt(lo * hi), hi, hi * 10])
     got = matmul_rates(both, sizes)
-    assert got.tolist() == pytest.approx([2e10, 2e10, 2e10, 4e10, 8e10, 8e10])
+    assert got.tolist() == pytest.approx([2e10, 2e10, 2e10, 5e10, 8e10, 8e10])
     assert np.all(np.diff(matmul_rates(both, np.geomspace(1, hi * 4, 50))) >= 0)
     old = MachineProfile("a", {"matmul": 8e10, "other": 1e9}, 1e12, 0.0, 1e9)
     assert matmul_rates(old, sizes).tolist() == [8e10] * len(sizes)
-    assert old.rate(SMALL_MATMUL) == 8e10
+    assert old.rate(SMALL_MATMUL) == 8e10 and old.rate(TINY_MATMUL) == 8e10
+    # a third, tinier product: piecewise between neighbours, the same above the small one
+    tiny = matmul_flops_per_call(MATMUL_SHAPES[TINY_MATMUL])
+    three = MachineProfile("a", {**both.flops, TINY_MATMUL: 5e9}, 1e12, 0.0, 1e9)
+    got3 = matmul_rates(three, np.array([1.0, tiny, math.sqrt(tiny * lo), lo, hi]))
+    assert got3.tolist() == pytest.approx([5e9, 5e9, 1.25e10, 2e10, 8e10])
+    assert matmul_rates(three, sizes[2:]).tolist() == pytest.approx(got[2:].tolist())
 
     # in op_times: one linear op whose per-sample FLOPs make it the small product at batch 1
     per_sample = lo / 3  # forward; backward twice that
@@ -371,10 +378,14 @@ def test_a_products_rate_follows_its_size_between_the_two_calibrated_products() 
     assert lo * 4 / 8e10 < t4 < lo * 4 / 2e10
 
 
-def test_the_calibration_prices_a_small_models_products_at_their_own_rate() -> None:
-    """The products of a narrow transformer (256 tokens x 256 features, GPT-2 mini's
-    micro-batch) are predicted within 20 % of their measured CPU time, nearer than at the big
-    product's rate alone (which ran 14 % fast on an Intel Xeon, 1 thread)."""
+@pytest.mark.timed
+@pytest.mark.parametrize("width", [256, 32])
+def test_the_calibration_prices_a_small_models_products_at_their_own_rate(width: int) -> None:
+    """The products of a narrow transformer (256 tokens through a block of `width` features:
+    the yardstick's GPT-2 and GPT-2 tiny at a micro-batch of 4 x 64) are predicted within 25 %
+    of their measured CPU time. At the big product's rate alone they came out 14 % (256 wide)
+    and about 50 % (32 wide) fast on an Intel Xeon, 1 thread. Timed: up to three tries, each
+    calibrating and measuring back to back (a neighbour's load on a shared core moves both)."""
     import time
 
     import torch
@@ -382,28 +393,39 @@ def test_the_calibration_prices_a_small_models_products_at_their_own_rate() -> N
     from fusiond.plan.model import matmul_rates
     from fusiond.profile.calibrate import calibrate
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    f = torch.nn.functional
+
+    def attempt() -> tuple[float, float]:
         prof = calibrate("here", repeats=5, cpu_cores=1.0)
-        f = torch.nn.functional
-        measured, flops = 0.0, 0.0
-        for k, n in ((256, 768), (256, 256), (256, 1024), (1024, 256)):
+        measured, predicted = 0.0, 0.0
+        for k, n in ((width, 3 * width), (width, width), (width, 4 * width),
+                     (4 * width, width)):
             x = torch.randn(256, k, requires_grad=True)
             w = torch.randn(n, k, requires_grad=True)
             go = torch.randn(256, n)
-            for _ in range(2):
+            for _ in range(3):
                 f.linear(x, w).backward(go)
             times = []
-            for _ in range(9):
+            for _ in range(15):
                 t0 = time.thread_time()
                 f.linear(x, w).backward(go)
                 times.append(time.thread_time() - t0)
-            measured += sorted(times)[4]
-            flops += 6.0 * 256 * k * n
+            measured += sorted(times)[7]
+            flops = 6.0 * 256 * k * n
+            predicted += flops / float(matmul_rates(prof, np.array([flops]))[0])
+        return predicted, measured
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    tries = []
+    try:
+        for _ in range(3):
+            predicted, measured = attempt()
+            tries.append(f"predicted {predicted * 1e3:.3f} ms, measured {measured * 1e3:.3f} ms")
+            if 0.75 < predicted / measured < 1.25:
+                break
+        else:
+            raise AssertionError("; ".join(tries))
     finally:
         torch.set_num_threads(threads)
-    predicted = float(np.sum(flops / matmul_rates(prof, np.array([flops / 4]))))
-    print(f"predicted {predicted * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms, "
-          f"big rate alone {flops / prof.rate('matmul') * 1e3:.2f} ms")
-    assert 0.8 < predicted / measured < 1.2
+    print(tries[-1])

@@ -38,6 +38,7 @@ profiles = st.builds(
     plan_flops_other=st.floats(0, 1e15, allow_nan=False),
     plan_flops_attention=st.floats(0, 1e15, allow_nan=False),
     plan_flops_matmul_small=st.floats(0, 1e15, allow_nan=False),
+    plan_flops_matmul_tiny=st.floats(0, 1e15, allow_nan=False),
     plan_wake_s=st.floats(0, 1, allow_nan=False),
     torch_version=_text,
     protocol_version=st.integers(0, 1 << 16),

@@ -251,7 +251,7 @@ def explain_miss(trace: Trace, measured_tokens_per_s: float, tokens_per_step: in
         parts.append(f"hand-offs between consecutive stages: {measured * 1e3:.1f} ms measured "
                      f"(mean, one stage's task end to the next one's inputs in) vs "
                      f"{predicted * 1e3:.1f} ms predicted (both hosts' wake-up under their "
-                     "CPU quota, and a micro-batch's transfer)")
+                     "CPU quota, and a micro-batch's transfer and one-way latency)")
     slow_links = sorted(pred.get("links", []), key=lambda lk: -lk["time_s"])[:1]
     for lk in slow_links:
         parts.append(f"slowest predicted link: stage {lk['src_stage']} -> {lk['dst_stage']} "
@@ -264,15 +264,15 @@ def handoffs(trace: Trace) -> tuple[float | None, float]:
     """The mean measured hand-off between consecutive stages (producer task's end to the
     consumer's inputs all in, on the hosts' shared monotonic clock, over the recorded steps'
     timelines, both directions) and the planner's (the two hosts' `wake_s` and one
-    micro-batch's transfer over the link between them, the link's predicted time per step
-    over the micro-batches; the testbed's in-group links add no latency, the others half
-    their RTT, left out here)."""
+    micro-batch's transfer over the link between them: the link's predicted time per step
+    over the micro-batches, and half its RTT where the trace has it)."""
     pred = trace.extra.get("prediction") or {}
     wakes = [float(st.get("wake_s", 0.0)) for st in pred.get("stages", [])]
     timelines = trace.extra.get("timelines", [])
     micro = max((sum(1 for t in v["tasks"] if str(t[0]).startswith("F"))
                  for step in timelines[:1] for v in step.values()), default=1)
-    wire = {(int(lk["src_stage"]), int(lk["dst_stage"])): float(lk["time_s"]) / max(1, micro)
+    wire = {(int(lk["src_stage"]), int(lk["dst_stage"])):
+            float(lk["time_s"]) / max(1, micro) + float(lk.get("rtt_s", 0.0)) / 2
             for lk in pred.get("links", [])}
     predicted = (sum(a + b + wire.get((i, i + 1), 0.0)
                      for i, (a, b) in enumerate(itertools.pairwise(wakes)))

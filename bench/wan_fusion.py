@@ -391,7 +391,7 @@ def prediction_detail(plan: Plan, micro_batches: int) -> dict[str, Any]:
                    "time_s": lk.time_s * micro_batches,
                    "bytes": (lk.fwd_bytes + lk.bwd_bytes) * micro_batches,
                    "mbit": bits_per_s_from_bytes_per_s(lk.bandwidth_fwd_bytes_per_s) / 1e6,
-                   "density": lk.density} for lk in ev.links],
+                   "rtt_s": lk.rtt_s, "density": lk.density} for lk in ev.links],
     }
 
 

@@ -143,8 +143,8 @@ def test_a_missed_prediction_names_the_stage_furthest_off() -> None:
 
 def test_a_predicted_hand_off_counts_the_micro_batchs_transfer() -> None:
     """The planner's hand-off between two stages is both hosts' wake-up and one micro-batch
-    over the link between them (the link's time per step over the micro-batches); it used to
-    leave the transfer out and call 44 ms of wire time a miss."""
+    over the link between them (the link's time per step over the micro-batches, and half its
+    RTT); it used to leave both out and call 44 ms of wire time and 15 ms of latency a miss."""
     from bench.wan import handoffs
 
     def task(name: str, ready: float, end: float) -> list[object]:
@@ -158,12 +158,16 @@ def test_a_predicted_hand_off_counts_the_micro_batchs_transfer() -> None:
                             task("F1", 0.4, 0.5), task("B1", 0.5, 0.6)]}}
     t = Trace("opfence", [], {
         "prediction": {"stages": [{"stage": 0, "wake_s": 0.006}, {"stage": 1, "wake_s": 0.006}],
-                       "links": [{"src_stage": 0, "dst_stage": 1, "time_s": 0.08}]},
+                       "links": [{"src_stage": 0, "dst_stage": 1, "time_s": 0.08,
+                                  "rtt_s": 0.03}]},
         "timelines": [step, step]})
     measured, predicted = handoffs(t)
     # F0: 0.15 - 0.1, F1: 0.4 - 0.2, B0: 0.5 - 0.4, B1: 0.7 - 0.6
     assert measured == pytest.approx((0.05 + 0.2 + 0.1 + 0.1) / 4)
-    assert predicted == pytest.approx(0.012 + 0.08 / 2)
+    assert predicted == pytest.approx(0.012 + 0.08 / 2 + 0.03 / 2)
+    # a trace written before the RTT was recorded: the transfer alone
+    del t.extra["prediction"]["links"][0]["rtt_s"]
+    assert handoffs(t)[1] == pytest.approx(0.012 + 0.08 / 2)
 
 
 @given(st.dictionaries(st.sampled_from([f"h{i}" for i in range(10)]),

@@ -251,7 +251,8 @@ def explain_miss(trace: Trace, measured_tokens_per_s: float, tokens_per_step: in
         parts.append(f"hand-offs between consecutive stages: {measured * 1e3:.1f} ms measured "
                      f"(mean, one stage's task end to the next one's inputs in) vs "
                      f"{predicted * 1e3:.1f} ms predicted (both hosts' wake-up under their "
-                     "CPU quota, and a micro-batch's transfer and one-way latency)")
+                     "CPU quota, a micro-batch's transfer, and half the RTT where the trace "
+                     "records it)")
     slow_links = sorted(pred.get("links", []), key=lambda lk: -lk["time_s"])[:1]
     for lk in slow_links:
         parts.append(f"slowest predicted link: stage {lk['src_stage']} -> {lk['dst_stage']} "

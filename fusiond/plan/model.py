@@ -37,8 +37,8 @@ MATMUL_SHAPES: Mapping[str, tuple[int, int, int]] = {
 """The linear layers (rows, in features, out features) the calibration times forward and
 backward for each matmul rate, smallest first: GPT-2 tiny's micro-batch of 256 tokens through
 its 32-wide attention projection, a 256-wide model's, and a GPT-2 small projection over 1024
-tokens. On one core of an Intel Xeon they run at about 0.5, 0.86 and 1x the big one's rate
-per FLOP (84, 137 and 160 GFLOP/s), on a GPU the small ones at a few percent of it: a planner
+tokens. On one core of an Intel Xeon they run at about 0.4, 0.86 and 1x the big one's rate
+per FLOP (68, 137 and 160 GFLOP/s), on a GPU the small ones at a few percent of it: a planner
 that priced every product at the big rate saw small models' steps 15-40 % too short here."""
 _CLASS_FALLBACK = {"attention": "matmul", SMALL_MATMUL: "matmul", TINY_MATMUL: "matmul"}
 """The class whose rate stands in for a class a profile does not carry (an older daemon's
@@ -491,11 +491,9 @@ def _op_rates(a: dict[str, Any], machine: MachineProfile, batch: int) -> F64:
     """Each op's FLOP rate on `machine` for micro-batches of `batch` samples: its class's,
     matmul-class ops by their size (`matmul_rates`)."""
     rate: F64 = np.array([machine.rate(c) for c in a["classes"]])[a["cls"].astype(np.int64)]
-    if (SMALL_MATMUL in machine.flops or TINY_MATMUL in machine.flops) \
-            and "matmul" in a["classes"]:
-        mm = a["cls"] == a["classes"].index("matmul")
-        if mm.any():
-            rate[mm] = matmul_rates(machine, batch * (a["ff"][mm] + a["bf"][mm]))
+    mm = a["cls"] == a["classes"].index("matmul")
+    if mm.any():
+        rate[mm] = matmul_rates(machine, batch * (a["ff"][mm] + a["bf"][mm]))
     return rate
 
 

@@ -44,7 +44,7 @@ import protocol
 from fusiond import durable
 from fusiond.heap import trim_heap
 from fusiond.opsets import OpSet
-from fusiond.plan.model import MachineProfile, PlanError
+from fusiond.plan.model import SMALL_MATMUL, TINY_MATMUL, MachineProfile, PlanError
 from protocol.messages import NodeProfile
 
 log = logging.getLogger("fusiond.profile")
@@ -499,8 +499,8 @@ def transport_message_s(count: int = 200, size: int = 1024, rounds: int = 3) -> 
 MAX_WAKE_S = 1.0
 """The largest wake-up latency a profile may claim (a CFS period is at most 1 s)."""
 
-PLAN_FIELDS = {"matmul": "plan_flops_matmul", "matmul_small": "plan_flops_matmul_small",
-               "matmul_tiny": "plan_flops_matmul_tiny", "conv": "plan_flops_conv",
+PLAN_FIELDS = {"matmul": "plan_flops_matmul", SMALL_MATMUL: "plan_flops_matmul_small",
+               TINY_MATMUL: "plan_flops_matmul_tiny", "conv": "plan_flops_conv",
                "attention": "plan_flops_attention", "other": "plan_flops_other"}
 """Profile keys of the planner's calibrated FLOP rates per op class (sustained, at the node's
 CPU allowance), beside ``plan_mem_bw``, ``plan_op_overhead_s``, ``plan_wire_s_per_byte`` and

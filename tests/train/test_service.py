@@ -275,7 +275,9 @@ async def test_a_submitter_whose_scheduler_lost_the_job_resubmits_it(
         summary = await svc.submit_upload(upload(prepared, stages=1, **meta))
         r = svc.get(summary["job_id"])
         assert isinstance(r, service._Remote)
-        await wait(lambda: len(submits) == 2, 10, "the resubmission")
+        # The fake scheduler sees the resubmission before its reply reaches the submitter:
+        # wait for the submitter to have taken the reply, not only for the request to be sent.
+        await wait(lambda: len(submits) == 2 and r.restarts == 1, 10, "the resubmission")
         assert "JobQuery" in net.kinds("m0")
         assert r.restarts == 1 and r.state == "running"
         lines = svc.logs(r.job_id)["lines"]
@@ -346,10 +348,11 @@ async def test_a_job_handed_back_waits_for_a_scheduler_and_can_be_cancelled(
             await asyncio.sleep(0.5)
             assert len(submits) == 1
             view.term = 2  # m0 elected again, in a newer term
-            await asyncio.sleep(0.5)
             if cancel:
+                await asyncio.sleep(0.5)
                 assert len(submits) == 1 and r.state == "cancelled"
             else:
+                await wait(lambda: r.restarts == 1, 10, "the resubmission in the new term")
                 assert len(submits) == 2 and r.state == "running" and r.restarts == 1
         finally:
             await svc.close()

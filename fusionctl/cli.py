@@ -163,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="how the daemons find each other (default mdns on 127.0.0.1)")
     up.add_argument("--wait", type=float, default=60.0, metavar="S",
                     help="seconds to wait for agreement (default 60)")
+    up.add_argument("--benchmark", action="store_true",
+                    help="profile each daemon's speed and find its GPUs (seconds each, cached "
+                         "in its state dir); without it the daemons skip the benchmark, are "
+                         "planned at a default speed and train on the CPU")
     up.add_argument("--json", action="store_true", help="print only JSON on stdout")
     down = lsub.add_parser("down", help="stop the daemons `local up` started")
     down.add_argument("--dir", default=None)
@@ -398,7 +402,8 @@ def _local(ns: argparse.Namespace, out: Out) -> int:
     if ns.local_cmd == "up":
         try:
             info = local.up(ns.n, directory, insecure=ns.insecure, discovery=ns.discovery,
-                            wait_s=ns.wait, progress=None if out.as_json else Out.info)
+                            wait_s=ns.wait, progress=None if out.as_json else Out.info,
+                            settings={"profile_benchmark": True} if ns.benchmark else None)
         except local.LocalTimeout as e:
             print(f"fusionctl local up: {e}", file=sys.stderr)
             return EXIT_TIMEOUT

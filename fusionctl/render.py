@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from protocol.errors import RemoteProtocolError
-from protocol.messages import NodeProfile
+from protocol.messages import DeviceProfile, NodeProfile
 
 SLOW_FACTOR = 10.0
 """A link is slow when its bandwidth is this many times below the median link (or RTT above)."""
@@ -147,6 +147,10 @@ def health(view: Mapping[str, Any], me: str) -> list[str]:
             tail = (f"; if it is gone for good: fusionctl remove {m['node_id']}"
                     if st == "dead" else "")
             lines.append(f"{m['node_id']} ({fmt_addr(m.get('address'))}) is {st}{tail}")
+        prof = m.get("profile")
+        err = prof.get("device_error") if isinstance(prof, Mapping) else None
+        if err and m.get("node_id") != me and st not in ("dead", "left"):
+            lines.append(f"{m['node_id']}: its GPU is not used: {err}")
     gone = {m.get("node_id") for m in view.get("members", [])
             if m.get("state") in ("dead", "left")}
     pairs = {k: v for k, v in link_pairs(view.get("links")).items()
@@ -220,6 +224,22 @@ def _node_profile(raw: Any) -> NodeProfile | None:
     return prof if isinstance(prof, NodeProfile) else None
 
 
+def device_line(d: DeviceProfile) -> str:
+    """One accelerator of a profile, as `fusionctl status` shows it."""
+    gib = 2.0**30
+    head = (f"{d.device} {d.name or '?'}, {d.free_bytes / gib:.1f} of "
+            f"{d.memory_bytes / gib:.1f} GiB free")
+    if d.error:
+        return f"{head}: NOT USED: {d.error}"
+    mm = d.flops.get("matmul", 0.0)
+    rates = f"{mm / 1e12:.1f} TFLOP/s fp32 matmul"
+    if d.flops_matmul_bf16 > 0:
+        rates += f", {d.flops_matmul_bf16 / 1e12:.1f} bf16"
+    if d.h2d_bytes_per_s > 0:
+        rates += f", host->device {d.h2d_bytes_per_s / 1e9:.1f} GB/s"
+    return f"{head}, {rates}"
+
+
 def render_status(data: Mapping[str, Any]) -> None:
     c = _console()
     node = data.get("node", {})
@@ -233,6 +253,10 @@ def render_status(data: Mapping[str, Any]) -> None:
         speed = f"{prof.gflops:.1f} GFLOP/s" if prof.gflops > 0 else "speed not measured"
         c.print(f"device     {prof.device_kind} {prof.device_name}, {speed}, "
                 f"torch {prof.torch_version or None}")
+        for d in prof.devices:
+            c.print(f"gpu        {device_line(d)}")
+        if prof.device_error:
+            c.print(f"WARNING    this machine's GPU is not used: {prof.device_error}")
     if data.get("warning"):
         c.print(f"WARNING    {data['warning']}")
     software = data.get("software")

@@ -22,6 +22,7 @@ Error, Pong, JoinResponse) echoes it. 0 means "no reply expected" where a field 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
@@ -186,6 +187,68 @@ MAX_PROFILE_LABELS: Final = 64
 """Bound on the entries of `NodeProfile.labels`."""
 MAX_PROFILE_DISABLED_OPS: Final = 4096
 """Bound on `NodeProfile.ops_disabled` (an op registry has about 2000 ops)."""
+MAX_PROFILE_DEVICES: Final = 16
+"""Bound on `NodeProfile.devices` (the accelerators a machine offers)."""
+MAX_DEVICE_RATES: Final = 16
+"""Bound on `DeviceProfile.flops` (one rate per op class)."""
+
+
+@dataclass(frozen=True)
+class DeviceProfile(Struct):
+    """One accelerator a machine offers (`NodeProfile.devices`): what it is and how fast,
+    measured on it by the daemon that owns it (`fusiond.profile.devices`)."""
+
+    kind: str
+    """"cuda"."""
+    index: int
+    """Its index on the machine: stages placed on it run on f"{kind}:{index}"."""
+    name: str = ""
+    memory_bytes: int = 0
+    """Total memory of the device."""
+    free_bytes: int = 0
+    """Free memory of the device when the profile was computed."""
+    flops: dict[str, float] = field(default_factory=dict)
+    """The planner's float32 rate per op class on the device (the keys of
+    `fusiond.plan.model.MachineProfile.flops`: "matmul", "matmul_small", "other", ...), FLOP
+    per second."""
+    flops_matmul_bf16: float = 0.0
+    """Its bfloat16 rate on the calibration's largest product, FLOP per second (0: not
+    measured; a bf16 job is then priced at the float32 rates)."""
+    mem_bw_bytes_per_s: float = 0.0
+    """Its calibrated memory bandwidth."""
+    op_overhead_s: float = 0.0
+    """Fixed cost of launching one op on it, seconds."""
+    h2d_bytes_per_s: float = 0.0
+    """Host-to-device copy rate from pinned memory (0: not measured)."""
+    d2h_bytes_per_s: float = 0.0
+    """Device-to-host copy rate into pinned memory (0: not measured)."""
+    error: str = ""
+    """Why the device cannot be used ("": it can): a driver that fails, a calibration that
+    raised. A job that allows it runs on the machine's CPU instead (`job.device`)."""
+
+    def __post_init__(self) -> None:
+        for f in ("kind", "name", "error"):
+            _bounded_text(f, getattr(self, f))
+        if len(self.flops) > MAX_DEVICE_RATES:
+            raise ValueError(f"flops has {len(self.flops)} entries, limit is "
+                             f"{MAX_DEVICE_RATES}")
+        for k in self.flops:
+            _bounded_text(f"flops key {k[:32]!r}", k)
+
+    @property
+    def device(self) -> str:
+        """The torch device string a stage placed on it runs on, e.g. "cuda:1"."""
+        return f"{self.kind}:{self.index}"
+
+    @property
+    def usable(self) -> bool:
+        """A CUDA device by a plausible index, measured, without an error (a peer's profile
+        that says otherwise is not planned on)."""
+        rates = [*self.flops.values(), self.mem_bw_bytes_per_s]
+        return (self.kind == "cuda" and 0 <= self.index < 100 and not self.error
+                and self.flops.get("other", 0.0) > 0 and self.mem_bw_bytes_per_s > 0
+                and all(math.isfinite(r) and r >= 0 for r in rates)
+                and math.isfinite(self.op_overhead_s) and self.op_overhead_s >= 0)
 
 
 @dataclass(frozen=True)
@@ -247,6 +310,9 @@ class NodeProfile(Struct):
     plan_flops_attention: float = 0.0
     """Of scaled dot-product attention, FLOP per second (0: not measured; the planner then
     uses the matmul rate)."""
+    plan_flops_matmul_bf16: float = 0.0
+    """Of a bfloat16 matmul at the calibration's largest product on the CPU, FLOP per second
+    (0: not measured; a bf16 job is then priced at the float32 rates)."""
     plan_mem_bw: float = 0.0
     """Calibrated memory bandwidth, bytes per second."""
     plan_op_overhead_s: float = 0.0
@@ -276,10 +342,20 @@ class NodeProfile(Struct):
     """Ops the operator disabled (config `jobs.disabled_ops`)."""
     labels: dict[str, str] = field(default_factory=dict)
     """Free-form operator labels (at most MAX_PROFILE_LABELS)."""
+    devices: tuple[DeviceProfile, ...] = ()
+    """The accelerators this machine offers, each measured on itself (at most
+    MAX_PROFILE_DEVICES). The `plan_*` rates above are the machine's CPU's; the planner prices
+    a stage on a device by that device's own rates."""
+    device_error: str = ""
+    """Why this machine's accelerators cannot be used ("": none fails), e.g. a GPU whose
+    driver does not load; `fusionctl status` shows it."""
 
     def __post_init__(self) -> None:
         for f in _PROFILE_TEXT_FIELDS:
             _bounded_text(f, getattr(self, f))
+        if len(self.devices) > MAX_PROFILE_DEVICES:
+            raise ValueError(f"devices has {len(self.devices)} items, limit is "
+                             f"{MAX_PROFILE_DEVICES}")
         if len(self.ops_disabled) > MAX_PROFILE_DISABLED_OPS:
             raise ValueError(f"ops_disabled has {len(self.ops_disabled)} items, limit is "
                              f"{MAX_PROFILE_DISABLED_OPS}")
@@ -302,7 +378,8 @@ class NodeProfile(Struct):
 
 
 _PROFILE_TEXT_FIELDS: Final = ("device_kind", "device_name", "cpu_limit", "torch_version",
-                               "python_version", "fusiond_version", "ops_digest")
+                               "python_version", "fusiond_version", "ops_digest",
+                               "device_error")
 
 
 def _bounded_text(name: str, value: object) -> None:
@@ -498,9 +575,13 @@ class AssignConfig(Struct):
     index) it checkpoints: the per-block memory planner's choice."""
     offload_param_slots: tuple[int, ...] = ()
     """The slots that keep their weights and gradients on disk too (with `offload_slots`)."""
+    slot_devices: dict[str, str] = field(default_factory=dict)
+    """Slot (decimal str) -> the device it computes on ("cuda:0"); a slot absent computes on
+    its machine's CPU."""
 
     def __post_init__(self) -> None:
-        for name in ("stage_nodes", "shared", "slot_stages", "routes", "checkpoint_blocks"):
+        for name in ("stage_nodes", "shared", "slot_stages", "routes", "checkpoint_blocks",
+                     "slot_devices"):
             n = len(getattr(self, name))
             if n > MAX_ASSIGN_STAGES:
                 raise ValueError(f"{name} has {n} entries, limit is {MAX_ASSIGN_STAGES}")

@@ -246,10 +246,8 @@ def build_program(
                 f"state tensor {spec.name!r} is {tuple(t.shape)} {t.dtype}, the graph wants "
                 f"{want} {spec.meta.dtype}"
             )
-        if dev is not None:
-            t = t.to(dev)
-        if copy:
-            t = t.clone()
+        moved = t.to(dev) if dev is not None else t
+        t = moved.clone() if copy and moved is t else moved  # `to` another device copies
         *path, leaf = spec.name.split(".")
         owner = _ensure_submodule(root, path)
         if spec.kind is ir.ParamKind.PARAMETER:

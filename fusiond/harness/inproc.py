@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fusiond.graph import CapturedModel, contiguous_assignment
@@ -91,11 +91,13 @@ async def run_job(
     density: float | None = None,
     tokens_per_sample: int = 0,
     on_step: Callable[[StepMetrics], Any] | None = None,
+    device: str = "cpu",
     **coordinator_kw: Any,
 ) -> JobOutcome:
     """Run one job with the first node as scheduler; contiguous cut over all nodes by default.
 
     `density` (or the spec's `compression.density`) forces top-k on every float cut edge.
+    `device`: where every stage computes ("cuda:0": all on this machine's first GPU).
     """
     names = list(nodes)
     if op_nodes is None:
@@ -105,6 +107,8 @@ async def run_job(
         density = spec.compression.density
     layout = layout_job(job_id, captured.graph, captured.state, op_nodes, density=density,
                         exact=spec.compression.exact_edges, encoding=spec.compression.edge_encoding)
+    if device != "cpu":
+        layout = replace(layout, devices={n: device for n in names})
     sched = nodes[names[0]]
     coord = JobCoordinator(
         send=sched.send_fn(), spec=spec, captured=captured, layout=layout,

@@ -26,6 +26,7 @@ from fusiond.harness.node import spawn_nodes
 from fusiond.jobs.assign import layout_job
 from fusiond.jobs.coordinator import JobCoordinator, save_checkpoint, write_outputs
 from fusiond.jobs.submit import prepare_job
+from fusiond.plan.model import DEVICE_RE
 from fusiond.train.local import StepMetrics
 from fusiond.train.model import build_model
 from fusiond.train.sample import sample_bytes
@@ -76,7 +77,7 @@ async def _main(args: argparse.Namespace) -> int:
             outcome = await run_job(
                 nodes, spec, job.captured, job_id=spec.name, density=args.density,
                 tokens_per_sample=job.tokens_per_sample, on_step=on_step,
-                on_checkpoint=on_checkpoint,
+                on_checkpoint=on_checkpoint, device=args.device,
             )
     else:
         async with inproc_cluster(1) as here:
@@ -92,6 +93,8 @@ async def _main(args: argparse.Namespace) -> int:
                                     {op: names[i] for op, i in cut.items()}, density=density,
                                     exact=spec.compression.exact_edges,
                                     encoding=spec.compression.edge_encoding)
+                if args.device != "cpu":
+                    layout = replace(layout, devices={n: args.device for n in names})
                 coord = JobCoordinator(
                     send=n0.send_fn(), spec=spec, captured=job.captured, layout=layout,
                     addresses={"node0": n0.net.address}
@@ -131,9 +134,14 @@ def main() -> None:
     ap.add_argument("--processes", action="store_true",
                     help="run stages 1.. in their own processes (the scheduler and stage 0 "
                          "stay here)")
+    ap.add_argument("--device", default="cpu",
+                    help="where every stage computes: cpu (default) or cuda:N (this machine's "
+                         "GPU N; stages share it)")
     args = ap.parse_args()
     if args.stages < 1:
         ap.error("--stages must be >= 1")
+    if not DEVICE_RE.fullmatch(args.device):
+        ap.error(f"--device must be cpu or cuda:N, got {args.device!r}")
     sys.exit(asyncio.run(_main(args)))
 
 

@@ -100,6 +100,9 @@ class JobLayout:
     """Machine -> the blocks of its stage it checkpoints (the per-block memory plan)."""
     offload_params: frozenset[str] = frozenset()
     """The machines whose stage keeps its weights and gradients on disk too."""
+    devices: Mapping[str, str] = field(default_factory=dict)
+    """Machine -> the accelerator its stage computes on ("cuda:0"; the plan's
+    `MachineProfile.device`); a machine absent computes on its CPU."""
 
     @property
     def int8_edges(self) -> frozenset[str]:
@@ -381,7 +384,9 @@ def assign_parts(
                                            for slot, n in nodes.items()
                                            if layout.checkpoint_blocks.get(n)},
                         offload_param_slots=[slot for slot, n in nodes.items()
-                                             if n in layout.offload_params])
+                                             if n in layout.offload_params],
+                        slot_devices={slot: layout.devices[n] for slot, n in nodes.items()
+                                      if layout.devices.get(n, "cpu") != "cpu"})
     routes = layout.edges()
     job_nodes = {n: tuple(addresses[n]) for n in nodes.values()}
     shipped = _shipped_data(spec) if corpus is None else corpus.shipped()

@@ -36,7 +36,7 @@ from fusiond.plan import (
     plan_opfence,
     readapt,
 )
-from fusiond.profile import machine_from_profile
+from fusiond.profile import device_memory_bytes, machine_from_profile, stage_device
 from fusiond.train.codec import EdgeCodec
 from fusiond.train.lowrank import sent_fraction
 from fusiond.train.spec import JobSpec
@@ -103,7 +103,8 @@ def reserve_for_scheduler(cluster: Cluster, scheduler: str, reserve_bytes: float
 
 
 def cluster_for_planner(view: ClusterView, exclude: Iterable[str] = (),
-                        op_sets: Mapping[str, frozenset[str] | None] | None = None
+                        op_sets: Mapping[str, frozenset[str] | None] | None = None, *,
+                        device: str = "auto", precision: str = "fp32"
                         ) -> tuple[Cluster, dict[str, Address], dict[str, int]]:
     """The planner's `Cluster` from a `ClusterView`: alive members (less `exclude`), their
     gossiped profiles (speed, memory offered to jobs) and the measured bandwidth/RTT matrix (an
@@ -113,26 +114,40 @@ def cluster_for_planner(view: ClusterView, exclude: Iterable[str] = (),
     each stage only where every op of it runs.
 
     The view's links are in bits per second, as probed and gossiped; the planner's `Cluster`
-    is in bytes per second: `link_bytes_per_s` is the one conversion."""
+    is in bytes per second: `link_bytes_per_s` is the one conversion.
+
+    `device` is the job's device policy (`fusiond.profile.DEVICE_POLICIES`): each member is
+    priced on the device a stage would compute on there (`stage_device`: its first usable
+    accelerator, by that device's own rates and memory, or its CPU); a "cuda" job leaves out
+    the members without a usable accelerator, and is refused, naming why, where none has one.
+    `precision` prices matmuls at that dtype's measured rate."""
     skip = set(exclude)
-    members = sorted((m for m in view.members if m.state == "alive" and m.node_id not in skip),
-                     key=lambda m: m.node_id)
+    alive = sorted((m for m in view.members if m.state == "alive" and m.node_id not in skip),
+                   key=lambda m: m.node_id)
+    members = [m for m in alive if stage_device(m.profile, device) is not None]
     if not members:
+        if alive:
+            why = "; ".join(f"{m.node_id}: {m.profile.device_error or 'no CUDA device'}"
+                            for m in alive[:8])
+            raise JobRefused(f"job.device = {device!r} but no alive member offers a usable "
+                             f"CUDA device ({why}); set job.device = \"auto\" to train on CPUs "
+                             "where there is none")
         raise JobRefused("no alive member to run a job on")
     machines = []
     memory: dict[str, int] = {}
     for m in members:
         prof: NodeProfile = m.profile
-        mem = _member_memory_bytes(prof)
+        where = stage_device(prof, device) or "cpu"
+        mem = device_memory_bytes(prof, where) or _member_memory_bytes(prof)
         memory[m.node_id] = int(mem)
-        # the member's own calibration at its CPU allowance (fusiond.profile); else its matmul
-        # rate for every op class (sustained too), else a default
-        machine = machine_from_profile(m.node_id, prof, mem)
+        # the member's own calibration at its CPU allowance (fusiond.profile), or its device's;
+        # else its matmul rate for every op class (sustained too), else a default
+        machine = machine_from_profile(m.node_id, prof, mem, device=where, precision=precision)
         if machine is None:
             rate = (prof.gflops if prof.gflops > 0 else DEFAULT_GFLOPS) * 1e9
             machine = MachineProfile(id=m.node_id, flops={"other": rate}, mem_bw=rate / 2,
                                      op_overhead_s=2e-5, memory_bytes=max(mem, 1.0),
-                                     kind=prof.device_kind)
+                                     kind="cpu")
         ops = (op_sets or {}).get(m.node_id)
         if ops is not None:
             machine = replace(machine, ops=ops)
@@ -250,8 +265,10 @@ def layout_from_plan(job_id: str, graph: ir.Graph, state: Mapping[str, torch.Ten
     blocks = {r.machine_id: r.checkpoint_blocks for r in (ev.replicas or ev.stages)
               if r.checkpoint_blocks}
     weights = frozenset(r.machine_id for r in (ev.replicas or ev.stages) if r.offload_params)
+    devices = {m.id: m.device for m in plan.arrays.cluster.machines if m.device != "cpu"}
     return replace(layout, grad_rank=grad_rank_of(plan, spec), recompute=recompute,
-                   offload=offload, checkpoint_blocks=blocks, offload_params=weights)
+                   offload=offload, checkpoint_blocks=blocks, offload_params=weights,
+                   devices=devices)
 
 
 def layout_codecs(layout: JobLayout) -> dict[str, EdgeCodec]:

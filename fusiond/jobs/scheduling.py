@@ -653,8 +653,9 @@ class Scheduling:
         sets = await self.member_ops(view)
         left_out = "".join(f"; {m} was left out: {w}" for m, w in sorted(sets.unknown.items()))
         try:
-            cluster, addresses, memory = cluster_for_planner(view, exclude=sets.unknown,
-                                                             op_sets=sets.ops)
+            cluster, addresses, memory = cluster_for_planner(
+                view, exclude=sets.unknown, op_sets=sets.ops, device=spec.device,
+                precision=spec.precision)
         except JobRefused as e:
             raise JobRefused(f"{e}{left_out}") from None
         why = refuse_unrunnable(captured.graph, sets, cluster.ids())
@@ -791,6 +792,10 @@ class Scheduling:
                 job_id, captured.graph, state, op_nodes,
                 density=spec.compression.density, exact=spec.compression.exact_edges,
                 encoding=spec.compression.edge_encoding)
+            # each machine's stage on the device the job's policy picks there (its GPU)
+            layout = replace(layout, devices={
+                m.id: m.device for m in cluster.machines
+                if m.device != "cpu" and m.id in layout.slot_nodes.values()})
             parts = {s.stage: s.partition.node_ids for s in layout.stages}
             slot_stage = {**{s.stage: s.stage for s in layout.stages}, **layout.slot_stages()}
             why = refuse_stages(captured.graph, {slot: (node, parts[slot_stage[slot]])
@@ -836,7 +841,8 @@ class Scheduling:
             if view is None or plan is None or self._not_leading() is not None:
                 continue  # a daemon without the lease decides nothing (it hands the job back)
             try:
-                cluster, _, _ = cluster_for_planner(view)
+                cluster, _, _ = cluster_for_planner(view, device=rec.spec.device,
+                                                    precision=rec.spec.precision)
                 if rec.spec.compression.choice:
                     await self._readapt_codecs(rec, plan, cluster)
                     continue
@@ -988,7 +994,8 @@ class Scheduling:
             excluded = self._excluded_now(rec, view, now)
             sets = await self.member_ops(view)
             cluster, addresses, memory = cluster_for_planner(
-                view, exclude=excluded | set(sets.unknown), op_sets=sets.ops)
+                view, exclude=excluded | set(sets.unknown), op_sets=sets.ops,
+                device=rec.spec.device, precision=rec.spec.precision)
             old = rec.coord
             captured = old.captured
             if captured is None:  # released: the job had ended

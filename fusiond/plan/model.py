@@ -11,9 +11,10 @@ micro-batch size (a sample is one row of the batch dimension, e.g. one sequence)
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Final, Literal, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -143,6 +144,10 @@ class CostGraph:
         return float(sum(o.param_bytes for o in self.ops))
 
 
+DEVICE_RE: Final = re.compile(r"cpu|cuda:[0-9]{1,2}")
+"""The devices a stage may compute on: the CPU, or a CUDA device by index."""
+
+
 @dataclass(frozen=True)
 class MachineProfile:
     """A machine's calibrated speed and memory (gossiped in its profile as `to_dict()`).
@@ -181,6 +186,9 @@ class MachineProfile:
     disk_free_bytes: float = 0.0
     """Free bytes on that disk (where its daemon keeps a stage's files); 0: not known, no
     bound. The memory planner puts no more there than `DISK_FREE_SHARE` of it."""
+    device: str = "cpu"
+    """The torch device a stage placed here computes on: "cpu", or an accelerator of the
+    machine ("cuda:0"), whose rates and memory these are (`fusiond.profile.stage_device`)."""
 
     @property
     def disk_rate_bytes_per_s(self) -> float:
@@ -206,6 +214,9 @@ class MachineProfile:
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 raise PlanError(f"machine {self.id!r}: {name} must be >= 0 and finite")
+        if not DEVICE_RE.fullmatch(self.device):
+            raise PlanError(f"machine {self.id!r}: device {self.device[:32]!r} is not \"cpu\" "
+                            "or \"cuda:N\"")
 
     def rate(self, op_class: str) -> float:
         r = self.flops.get(op_class)
@@ -229,7 +240,8 @@ class MachineProfile:
             "wake_s": self.wake_s,
             "disk_bytes_per_s": self.disk_bytes_per_s,
             "disk_free_bytes": self.disk_free_bytes,
-        } | ({} if self.ops is None else {"ops": sorted(self.ops)})
+        } | ({} if self.ops is None else {"ops": sorted(self.ops)}) | (
+            {} if self.device == "cpu" else {"device": self.device})
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> MachineProfile:
@@ -249,6 +261,7 @@ class MachineProfile:
                 disk_bytes_per_s=float(d.get("disk_bytes_per_s", 0.0)),
                 disk_free_bytes=float(d.get("disk_free_bytes", 0.0)),
                 ops=None if d.get("ops") is None else frozenset(str(x) for x in d["ops"]),
+                device=str(d.get("device", "cpu")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"machine profile: bad or missing field ({e!r})") from e
@@ -271,7 +284,7 @@ def scale_machine(m: MachineProfile, *, parallel: float, serial: float,
         kind=f"{m.kind}@{note}" if note and m.kind else (m.kind or note),
         # the event loop, the TLS record layer and the socket copies run on one thread
         wire_s_per_byte=m.wire_s_per_byte / serial, msg_s=m.msg_s / serial,
-        wake_s=m.wake_s, ops=m.ops)
+        wake_s=m.wake_s, ops=m.ops, device=m.device)
 
 
 def slower_of(a: MachineProfile, b: MachineProfile) -> MachineProfile:
@@ -282,7 +295,7 @@ def slower_of(a: MachineProfile, b: MachineProfile) -> MachineProfile:
                           op_overhead_s=max(a.op_overhead_s, b.op_overhead_s),
                           memory_bytes=a.memory_bytes, kind=a.kind,
                           wire_s_per_byte=max(a.wire_s_per_byte, b.wire_s_per_byte),
-                          msg_s=max(a.msg_s, b.msg_s), ops=a.ops)
+                          msg_s=max(a.msg_s, b.msg_s), ops=a.ops, device=a.device)
 
 
 @dataclass(frozen=True, eq=False)

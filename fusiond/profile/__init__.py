@@ -45,21 +45,22 @@ from fusiond import durable
 from fusiond.heap import trim_heap
 from fusiond.opsets import OpSet
 from fusiond.plan.model import SMALL_MATMUL, TINY_MATMUL, MachineProfile, PlanError
-from protocol.messages import NodeProfile
+from protocol.messages import DeviceProfile, NodeProfile
 
 log = logging.getLogger("fusiond.profile")
 
 BENCH_N = 512
 """Matrix size of the benchmark: big enough to be compute bound, small enough to take ~10 ms."""
 BENCH_REPEATS = 5
-CACHE_VERSION = 8
+CACHE_VERSION = 9
 """Bumped when the cached numbers change meaning (2: per CPU second, before the allowance;
 3: with the transport's cost per message; 4: the memory bandwidth over 16 MiB vectors
 written into one buffer, so the calibration's peak stays about 100 MiB under a tight limit;
 5: class "other" from a network's nonlinear ops, attention its own class, the dispatch cost
 from a transformer-like mix, every time a median; 6: the matmul rate at a small product too,
 "matmul_small"; 7: the dispatch benchmark's blocks each with their own parameters, their
-gradient accumulations counted as launches; 8: "matmul_tiny")."""
+gradient accumulations counted as launches; 8: "matmul_tiny"; 9: always the CPU's rates, the
+accelerators measured apart (`devices.json`), the CPU's bfloat16 matmul rate)."""
 
 
 # -- the CPU this process may use (pure parsing, then the one function that reads files) ------
@@ -368,20 +369,6 @@ def free_memory_bytes() -> int:
     return avail
 
 
-def device_info() -> dict[str, Any]:
-    """Device kind ("cuda" or "cpu"), name and memory of the device training would use."""
-    import torch
-
-    if torch.cuda.is_available():
-        idx = torch.cuda.current_device()
-        props = torch.cuda.get_device_properties(idx)
-        free, total = torch.cuda.mem_get_info(idx)
-        return {"device_kind": "cuda", "device_name": str(props.name),
-                "device_memory_bytes": int(total), "device_free_bytes": int(free),
-                "device_count": int(torch.cuda.device_count())}
-    return _cpu_info()
-
-
 def matmul_gflops(device_kind: str = "cpu", n: int = BENCH_N, repeats: int = BENCH_REPEATS,
                   *, per_cpu_second: bool | None = None) -> float:
     """Measured float32 matmul throughput in GFLOP/s (best of `repeats`, after a warm-up).
@@ -557,18 +544,92 @@ def disk_bytes_per_s(directory: Path, size: int = DISK_PROBE_BYTES) -> float:
     return moved / max((t1 - t0) + (t3 - t2), 1e-9)
 
 
-def machine_from_profile(node_id: str, profile: NodeProfile,
-                         memory_bytes: float) -> MachineProfile | None:
-    """The planner's view of a node from its gossiped profile (`planner_fields`), or None when
-    the profile carries no calibration (an older daemon, or one started without benchmark)."""
+DEVICE_POLICIES: Final = ("auto", "cpu", "cuda")
+"""A job's `device` setting: "auto" puts each stage on its machine's first usable accelerator
+and on the CPU of a machine without one (or whose accelerators fail); "cpu" trains on CPUs
+only; "cuda" only on machines with a usable CUDA device (never falling back to a CPU)."""
+
+BF16_RATE_CLASSES: Final = ("matmul", SMALL_MATMUL, TINY_MATMUL, "attention", "conv")
+"""The op classes whose rate a bfloat16 job takes from the bf16 matmul rate (the rest run in
+float32 under autocast, or are bound by memory and dispatch)."""
+
+
+def stage_device(profile: NodeProfile, policy: str = "auto") -> str | None:
+    """The torch device a stage placed on this machine computes on under the job's `device`
+    policy (`DEVICE_POLICIES`): "cpu", the first usable accelerator ("cuda:0"), or None where
+    the policy leaves this machine out (a "cuda" job on a machine without a usable one)."""
+    if policy not in DEVICE_POLICIES:
+        raise ValueError(f"device policy {policy!r} is not one of {list(DEVICE_POLICIES)}")
+    if policy == "cpu":
+        return "cpu"
+    usable = [d for d in profile.devices if d.usable]
+    if usable:
+        return usable[0].device
+    return None if policy == "cuda" else "cpu"
+
+
+def at_precision(flops: Mapping[str, float], bf16_matmul: float, precision: str
+                 ) -> dict[str, float]:
+    """Op-class rates for a job's compute precision: a bf16 job's matmul-class ops run at the
+    measured bf16 matmul rate over the fp32 one (`BF16_RATE_CLASSES`; on a CPU without bf16
+    units that ratio is below 1, and the planner should see it); unchanged for fp32 or where
+    no bf16 rate was measured."""
+    out = dict(flops)
+    fp32 = out.get("matmul", 0.0)
+    if precision != "bf16" or bf16_matmul <= 0 or fp32 <= 0 or not math.isfinite(bf16_matmul):
+        return out
+    ratio = bf16_matmul / fp32
+    for c in BF16_RATE_CLASSES:
+        if c in out:
+            out[c] = out[c] * ratio
+    return out
+
+
+def device_memory_bytes(profile: NodeProfile, device: str) -> float | None:
+    """The memory a stage on `device` of this machine may use (the accelerator's free memory
+    when profiled, else its total), or None for the CPU (the host's memory)."""
+    for d in profile.devices:
+        if d.device == device:
+            return float(d.free_bytes or d.memory_bytes)
+    return None
+
+
+def machine_from_profile(node_id: str, profile: NodeProfile, memory_bytes: float, *,
+                         device: str = "cpu", precision: str = "fp32"
+                         ) -> MachineProfile | None:
+    """The planner's view of a node from its gossiped profile, or None when the profile
+    carries no calibration (an older daemon, or one started without benchmark). `device`
+    (`stage_device`): "cpu" prices stages at the CPU's rates (`planner_fields`), an
+    accelerator ("cuda:0") at that device's own rates and memory; the transport's and the
+    wake-up's costs are the host's either way. `precision` picks the matmul rates
+    (`at_precision`)."""
+    if device != "cpu":
+        dev = next((d for d in profile.devices if d.device == device and d.usable), None)
+        if dev is None:
+            return None
+        return MachineProfile(
+            id=node_id, flops=at_precision({c: r for c, r in dev.flops.items() if r > 0},
+                                           dev.flops_matmul_bf16, precision),
+            mem_bw=max(dev.mem_bw_bytes_per_s, 1.0), op_overhead_s=max(0.0, dev.op_overhead_s),
+            memory_bytes=max(float(dev.free_bytes or dev.memory_bytes), 1.0),
+            kind=dev.name or dev.device, device=dev.device,
+            wire_s_per_byte=max(0.0, profile.plan_wire_s_per_byte),
+            msg_s=max(0.0, profile.plan_msg_s),
+            wake_s=min(max(0.0, profile.plan_wake_s), MAX_WAKE_S),
+            disk_bytes_per_s=(float(profile.plan_disk_bytes_per_s)
+                              if math.isfinite(profile.plan_disk_bytes_per_s)
+                              and profile.plan_disk_bytes_per_s > 0 else 0.0),
+            disk_free_bytes=float(max(0, profile.disk_free_bytes)))
     rates = {c: float(getattr(profile, key)) for c, key in PLAN_FIELDS.items()}
     flops = {c: r for c, r in rates.items() if r > 0}
     if "other" not in flops or profile.plan_mem_bw <= 0:
         return None
-    return MachineProfile(id=node_id, flops=flops, mem_bw=profile.plan_mem_bw,
+    return MachineProfile(id=node_id,
+                          flops=at_precision(flops, profile.plan_flops_matmul_bf16, precision),
+                          mem_bw=profile.plan_mem_bw,
                           op_overhead_s=max(0.0, profile.plan_op_overhead_s),
                           memory_bytes=max(memory_bytes, 1.0),
-                          kind=profile.device_kind,
+                          kind="cpu",
                           wire_s_per_byte=max(0.0, profile.plan_wire_s_per_byte),
                           msg_s=max(0.0, profile.plan_msg_s),
                           wake_s=min(max(0.0, profile.plan_wake_s), MAX_WAKE_S),
@@ -591,7 +652,7 @@ def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> 
     comes from) and the `planner_fields`.
     """
     allowance = cpu_allowance()
-    info = device_info() if benchmark else _cpu_info()
+    info = _cpu_info()
     prof: dict[str, Any] = {
         **info,
         "torch_version": _torch_version(),
@@ -610,9 +671,9 @@ def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> 
         return NodeProfile(**prof)
     import torch
 
-    from fusiond.profile.calibrate import at_allowance, measure
+    from fusiond.profile.calibrate import at_allowance, matmul_rate, measure
 
-    kind = str(info["device_kind"])
+    kind = "cpu"  # the plan_* rates are the CPU's; accelerators have their own (`devices`)
     threads = torch.get_num_threads()
     key = (f"v{CACHE_VERSION}|{kind}|{info['device_name']}|{prof['torch_version']}|{BENCH_N}"
            f"|{threads}t")
@@ -636,6 +697,7 @@ def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> 
                                           msg_s=transport_message_s())
         data = {"key": key, "gflops": matmul_gflops(kind),
                 "machine": raw_machine.to_dict(),
+                "matmul_bf16": matmul_rate("cpu", torch.bfloat16),
                 "gflops_wall": matmul_gflops(kind, per_cpu_second=False) if multi else None,
                 "machine_wall": measure("local", device=dev, per_cpu_second=False).to_dict()
                 if multi else None}
@@ -670,7 +732,55 @@ def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> 
                                   else 0.0)
     prof["gflops"] = round(gflops, 2)
     prof.update(planner_fields(machine))
+    bf16 = float((data or {}).get("matmul_bf16") or 0.0)
+    if bf16 > 0 and math.isfinite(bf16):  # per CPU second of one thread, as `machine`'s
+        prof["plan_flops_matmul_bf16"] = sustained(bf16, threads, allowance.cores)
+    prof.update(_accelerators(cache, prof["torch_version"]))
     return NodeProfile(**prof)
+
+
+def _accelerators(cache: Path | None, torch_version: str) -> dict[str, Any]:
+    """The profile keys of this machine's CUDA devices (`fusiond.profile.devices`): each
+    measured on itself once per (devices, torch) and cached beside the CPU's figures; the
+    default device's kind, name and memory where one is usable; the driver's error where it
+    fails. Nothing where there is no CUDA (which is then never initialised)."""
+    from fusiond.profile import devices as dv
+
+    found, error = dv.find_cuda()
+    out: dict[str, Any] = {"device_error": error}
+    if not found:
+        return out
+    key = (f"v{CACHE_VERSION}|{torch_version}|"
+           + ",".join(f"{f.index}:{f.name}:{f.memory_bytes}" for f in found))
+    path = cache.parent / "devices.json" if cache is not None else None
+    measured: tuple[DeviceProfile, ...] | None = None
+    if path is not None:
+        try:
+            got = json.loads(path.read_text())
+            if isinstance(got, dict) and got.get("key") == key:
+                measured = dv.devices_from_cache(got.get("devices"))
+        except (OSError, ValueError):
+            measured = None
+    if measured is None or len(measured) != len(found):
+        measured = tuple(dv.measure_device(f) for f in found)
+        if path is not None:
+            try:
+                durable.write_bytes(path, json.dumps(
+                    {"key": key, "devices": dv.devices_to_cache(measured)}).encode(),
+                    mode=0o644)
+            except OSError as e:
+                log.warning("cannot cache the devices' calibration in %s: %s", path, e)
+    measured = dv.with_free_memory(measured, found)
+    out["devices"] = measured
+    usable = [d for d in measured if d.usable]
+    if usable:
+        first = usable[0]
+        out.update(device_kind=first.kind, device_name=first.name,
+                   device_memory_bytes=first.memory_bytes, device_free_bytes=first.free_bytes,
+                   device_count=len(found))
+    elif not error:
+        out["device_error"] = measured[0].error if measured else ""
+    return out
 
 
 def _raw_benchmarks(data: Mapping[str, Any], kind: str

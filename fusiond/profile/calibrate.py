@@ -345,3 +345,59 @@ def _wire_round_trip(nbytes: int) -> Callable[[], None]:
             b.close()
 
     return run
+
+
+def matmul_rate(device: str = "cpu", dtype: Any = None, *, repeats: int = 3, scale: float = 1.0,
+                per_cpu_second: bool | None = None) -> float:
+    """FLOP per second of forward + backward of the calibration's largest linear product
+    (`MATMUL_SHAPES["matmul"]`) in `dtype` (default float32) on `device`: the "matmul" rate
+    of `measure`, at another dtype. On a CPU (by default) per CPU second of one thread, as
+    `measure`; bfloat16 there may well be slower than float32 (no native bf16 units), and
+    the planner should see that."""
+    import torch
+
+    dev = torch.device(device)
+    dt = dtype if dtype is not None else torch.float32
+    cpu_s = dev.type == "cpu" if per_cpu_second is None else per_cpu_second and dev.type == "cpu"
+    clock = time.thread_time if cpu_s else time.perf_counter
+    m, k, nout = (max(16, int(d * scale)) for d in MATMUL_SHAPES["matmul"])
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    threads = torch.get_num_threads()
+    if cpu_s:
+        torch.set_num_threads(1)
+    try:
+        a = torch.randn(m, k, device=dev, dtype=dt, requires_grad=True)
+        w = torch.randn(nout, k, device=dev, dtype=dt, requires_grad=True)
+        go = torch.randn(m, nout, device=dev, dtype=dt)
+
+        def linear_fb() -> None:
+            torch.nn.functional.linear(a, w).backward(go)  # type: ignore[no-untyped-call]
+
+        return matmul_flops_per_call((m, k, nout)) / _median_time(linear_fb, repeats, sync,
+                                                                   clock)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def copy_rates(device: str, nbytes: int = 64 << 20, repeats: int = 3) -> tuple[float, float]:
+    """(host-to-device, device-to-host) bytes per second between pinned host memory and
+    `device` (a CUDA device), each the median of `repeats` after a warm-up."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"copy rates are measured between host and an accelerator, not {dev}")
+    n = max(1, nbytes // 4)
+    host = torch.empty(n, dtype=torch.float32, pin_memory=True)
+    on_dev = torch.empty(n, dtype=torch.float32, device=dev)
+
+    def sync() -> None:
+        torch.cuda.synchronize(dev)
+
+    h2d = _median_time(lambda: on_dev.copy_(host, non_blocking=True), repeats, sync)
+    d2h = _median_time(lambda: host.copy_(on_dev, non_blocking=True), repeats, sync)
+    return 4.0 * n / h2d, 4.0 * n / d2h

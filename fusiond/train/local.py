@@ -255,8 +255,11 @@ async def run_pipeline(
     queue_size: int = 4,
     on_step: Callable[[StepMetrics], Any] | None = None,
     on_executors: Callable[[Sequence[StageExecutor]], Any] | None = None,
+    devices: Sequence[str] | None = None,
 ) -> PipelineResult:
-    """Train `steps` steps of a pipelined model in this process; stage i is `programs[i]`.
+    """Train `steps` steps of a pipelined model in this process; stage i is `programs[i]`,
+    computing on `devices[i]` (default: `config`'s device for every stage; its program's
+    module must be there already).
 
     `on_executors(executors)` is called once they exist (e.g. to change densities mid-run).
 
@@ -265,6 +268,9 @@ async def run_pipeline(
     """
     tasks = schedule(pipeline, len(programs), micro_batches)
     hub = MemoryLinks(queue_size)
+    base = config or StageConfig()
+    configs = ([base] * len(programs) if devices is None else
+               [dataclasses.replace(base, device=d) for d in devices])
     execs = [
         StageExecutor(
             stage=i,
@@ -276,7 +282,7 @@ async def run_pipeline(
             total_steps=first_step + steps,
             data=data if p.data_inputs else None,
             batch_size=batch_size,
-            config=config,
+            config=configs[i],
         )
         for i, p in enumerate(programs)
     ]

@@ -49,16 +49,17 @@ __all__ = [
 
 
 def build_stage_module(graph: ir.Graph, state: Mapping[str, torch.Tensor], *,
-                       copy: bool = True) -> GraphProgram:
+                       copy: bool = True, device: torch.device | str | None = None
+                       ) -> GraphProgram:
     """Build a partition's sub-graph into a module that does not depend on input strides.
 
     A received tensor is always contiguous, but the graph was traced with the producer's
     strides: a `view` that was valid on, say, a transposed activation can fail on its contiguous
     copy (seen on Hugging Face GPT-2). `reshape` is the same op wherever the view is valid and
     copies where it is not, so every `aten.view` becomes `aten.reshape` (same values, same
-    gradients).
+    gradients). `device`: where its weights live and it computes (`build_program`).
     """
-    module = build_program(graph, state, copy=copy)
+    module = build_program(graph, state, copy=copy, device=device)
     changed = False
     for node in module.graph.nodes:
         if node.op == "call_function" and node.target is torch.ops.aten.view.default:
@@ -195,12 +196,14 @@ def stage_program(
     encodings: Mapping[str, EdgeEncoding] | None = None,
     segments: SegmentPlan | None = None,
     copy: bool = True,
+    device: torch.device | str | None = None,
 ) -> StageProgram:
     """Build one partition into a `StageProgram` (parameters copied from `state`); an edge in
     `encodings` travels so encoded both ways (`int8_edges`: int8), the others exact or top-k
     at their `densities`. With `segments`, the program runs segment by segment, the ones the
     plan says checkpointed (`fusiond.train.segments`). `copy=False` takes `state`'s tensors
-    as the parameters (a caller that loaded them for this stage only)."""
+    as the parameters (a caller that loaded them for this stage only). `device`: where its
+    weights live (the executor's `StageConfig.device` must name the same)."""
     densities = densities or {}
     encodings = encodings or {}
 
@@ -208,7 +211,7 @@ def stage_program(
         enc: EdgeEncoding = encodings.get(eid, "int8" if eid in int8_edges else "raw")
         return EdgeSpec(eid, src, dst, densities.get(eid), per_row, enc)
 
-    module = build_stage_module(part.graph, state, copy=copy)
+    module = build_stage_module(part.graph, state, copy=copy, device=device)
     runner = SegmentRunner(part.graph, module, segments) if segments is not None else None
     forward = runner.run if runner is not None else module.run
     stage = stage_of[part.id]
@@ -268,9 +271,10 @@ def stage_programs(
     int8_edges: Collection[str] = (),
     seed: int = 0,
     encodings: Mapping[str, EdgeEncoding] | None = None,
+    device: torch.device | str | None = None,
 ) -> list[StageProgram]:
     """Every partition as a stage program; stage i is `partitions[i]` (edges in `encodings`
-    travel so encoded, those in `int8_edges` int8)."""
+    travel so encoded, those in `int8_edges` int8), its weights on `device`."""
     stage_of = {p.id: i for i, p in enumerate(partitions)}
     shared = shared_params(partitions, stage_of, state)
     main, targets = graph_data_names(graph)
@@ -278,7 +282,7 @@ def stage_programs(
         stage_program(
             p, state, stage_of=stage_of, input_name=main, targets_name=targets,
             densities=densities, shared=shared[stage_of[p.id]], per_row=per_row,
-            int8_edges=int8_edges, seed=seed, encodings=encodings,
+            int8_edges=int8_edges, seed=seed, encodings=encodings, device=device,
         )
         for p in partitions
     ]

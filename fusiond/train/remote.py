@@ -37,6 +37,7 @@ import torch
 from fusiond.errors import RemoteError
 from fusiond.graph import state_views
 from fusiond.graph.registry import check_ops
+from fusiond.plan.model import DEVICE_RE
 from fusiond.train.codec import EDGE_ENCODINGS
 from fusiond.train.data import (
     DATA_PREFIX,
@@ -137,7 +138,8 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
                recompute_slots: Sequence[int] = (),
                offload_slots: Sequence[int] = (),
                checkpoint_blocks: Mapping[int, Sequence[int]] | None = None,
-               offload_param_slots: Sequence[int] = ()) -> AssignConfig:
+               offload_param_slots: Sequence[int] = (),
+               slot_devices: Mapping[int, str] | None = None) -> AssignConfig:
     """The `Assign.config` record for a job (the same for every stage).
 
     `stage_nodes`: stage -> node id for every stage; `shared`: stage -> {tied parameter -> the
@@ -203,6 +205,7 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
                            for k, v in (checkpoint_blocks or {}).items() if v},
         offload_param_slots=tuple(sorted(int(s) for s in offload_param_slots)),
         precision=spec.precision,
+        slot_devices={str(k): str(v) for k, v in (slot_devices or {}).items()},
     )
 
 
@@ -265,6 +268,8 @@ class StageAssignment:
     """This slot keeps its weights and gradients on disk too (`StageConfig.offload_params`)."""
     precision: str = "fp32"
     """The compute dtype (`StageConfig.precision`)."""
+    device: str = "cpu"
+    """The device this slot computes on (`StageConfig.device`)."""
 
     @property
     def is_replica(self) -> bool:
@@ -422,6 +427,13 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         if unknown:
             raise RemoteError(f"Assign.config.{field_name}: {unknown[:4]} are not slots of "
                               f"the job ({len(stage_map)} slots)")
+    for key, dev in cfg.slot_devices.items():
+        if not key.isdigit() or int(key) not in {int(k) for k in stage_map}:
+            raise RemoteError(f"Assign.config.slot_devices: {key[:16]!r} is not a slot of the "
+                              f"job ({len(stage_map)} slots)")
+        if not DEVICE_RE.fullmatch(dev):
+            raise RemoteError(f"Assign.config.slot_devices[{key}]: {dev[:16]!r} is not "
+                              "\"cpu\" or \"cuda:N\"")
     if not 0 <= cfg.eval_interval <= 10**9:
         raise RemoteError(f"Assign.config.eval_interval: {cfg.eval_interval!r} is not a step "
                           "count in [0, 10**9]")
@@ -445,6 +457,7 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         checkpoint_blocks=tuple(cfg.checkpoint_blocks.get(str(own), ())),
         offload_params=own in cfg.offload_param_slots,
         precision=cfg.precision,
+        device=cfg.slot_devices.get(str(own), "cpu"),
     )
 
 
@@ -492,7 +505,8 @@ def _value(edge_id: str) -> str:
 def program_from_assignment(sa: StageAssignment) -> StageProgram:
     """Build the partition module and describe its boundary for the executor (its weights
     copied from `sa.state`: the decoded tensors share the read-only bytes they came from)."""
-    module = build_stage_module(sa.graph, sa.state)
+    module = build_stage_module(sa.graph, sa.state,
+                                device=None if sa.device == "cpu" else sa.device)
     runner: SegmentRunner | None = None
     if sa.checkpoint_blocks or sa.offload_params:  # the memory plan goes block by block
         starts = ir.block_starts(sa.graph)
@@ -683,7 +697,8 @@ class StageHost:
             root = offload_root or Path(tempfile.gettempdir()) / f"fusion-offload-{os.getuid()}"
             config = replace(config, offload_dir=root / _safe_name(sa.job_id)
                              / f"v{sa.plan_version}")
-        config = replace(config, precision=sa.precision, offload_params=sa.offload_params)
+        config = replace(config, precision=sa.precision, offload_params=sa.offload_params,
+                         device=sa.device)
         # every op of the partition must run here (UnsupportedOpError names the one that does
         # not), before anything is built
         check_ops(sa.graph, config.disabled_ops)

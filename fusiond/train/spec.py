@@ -318,6 +318,10 @@ class JobSpec:
     """Every this many steps the scheduler gathers the whole model and scores it on the
     held-out split (the live held-out curve: `held_out_loss` in the step records); 0 = at
     checkpoints only."""
+    device: str = "auto"
+    """Where stages compute (`fusiond.profile.DEVICE_POLICIES`): "auto", each machine's first
+    usable accelerator and the CPU of a machine without one (or whose driver fails); "cpu",
+    CPUs only; "cuda", only machines with a usable CUDA device (no fallback to a CPU)."""
 
 
 # -- field readers: each names the field it rejects ------------------------------------------
@@ -721,6 +725,7 @@ def job_from_dict(data: Mapping[str, Any], *, base: Path | None = None,
         raise JobSpecError("job.precision", "'fp16' needs a loss scaler every stage agrees on, "
                            "which is not built yet; use 'bf16' (no scaler needed) or 'fp32'")
     precision = job.choice("precision", "fp32", ("fp32", "bf16"))
+    device = job.choice("device", "auto", ("auto", "cpu", "cuda"))
     output = (out_base / job.string("output", f"runs/{name}")).expanduser()
     job.finish()
     data_t = root.sub("data")
@@ -740,6 +745,7 @@ def job_from_dict(data: Mapping[str, Any], *, base: Path | None = None,
         max_restarts=restarts,
         eval_interval=eval_every,
         precision=precision,
+        device=device,
     )
     root.finish()
     return spec

@@ -61,6 +61,7 @@ from fusiond.heap import near_limit
 from fusiond.tasks import cancel_and_wait
 from fusiond.train import codec
 from fusiond.train.data import Batch, DataSource, split_micro_batches
+from fusiond.train.device import DeviceError, StagePlace
 from fusiond.train.lowrank import LowRankState, compressed
 from fusiond.train.offload import (
     DiskOptimizerState,
@@ -103,9 +104,42 @@ FAULT_MACHINE = "machine"
 """A failure of a machine or a link: a timeout, a lost or misbehaving peer, out of memory."""
 
 
-PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
-"""A stage's compute precisions -> the autocast dtype (None: float32 throughout). fp16 needs
-a loss scaler every stage agrees on (a skipped step everywhere when one overflows): not built."""
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16,
+                                              "fp16": torch.float16}
+"""A stage's compute precisions -> the autocast dtype (None: float32 throughout). fp16 runs
+with a dynamic loss scale every stage of the job agrees on (`LossScale`)."""
+
+
+@dataclass
+class LossScale:
+    """fp16's dynamic loss scale, as torch's GradScaler keeps it, held by every stage of a job
+    and kept identical on all of them: the loss stage scales the loss by `scale` before its
+    backward (the gradients that cross the cut edges are scaled with it); after a step's last
+    backward every stage tells every other whether its parameters' gradients are all finite
+    (`StageExecutor._agree_overflow`), and all of them then skip the step together (gradients
+    dropped, scale x `backoff`) or unscale their gradients and step (the scale x `growth`
+    after `interval` steps in a row without one). The defaults are GradScaler's."""
+
+    scale: float = 2.0**16
+    growth: float = 2.0
+    backoff: float = 0.5
+    interval: int = 2000
+    good: int = 0
+    """Steps since the last overflow or growth."""
+    skipped: int = 0
+    """Steps skipped for an overflow, in all."""
+
+    def update(self, overflow: bool) -> None:
+        """After a step: every stage calls it with the same agreed `overflow`."""
+        if overflow:
+            self.scale *= self.backoff
+            self.good = 0
+            self.skipped += 1
+            return
+        self.good += 1
+        if self.good >= self.interval:
+            self.scale *= self.growth
+            self.good = 0
 
 
 STEP_CHUNK_TENSORS = 4
@@ -291,9 +325,12 @@ class StageConfig:
     """Packets allowed to wait beyond two steps' worth of this stage's inputs (the most a
     correct neighbour can send ahead); beyond it the attempt fails."""
     precision: str = "fp32"
-    """The compute dtype of the stage's forward: "fp32", or "bf16" (mixed precision: the
-    forward under `torch.autocast` to bfloat16, the weights, their gradients and the
-    optimizer in float32; bf16 activations travel as bf16)."""
+    """The compute dtype of the stage's forward: "fp32", "bf16" or "fp16" (mixed precision:
+    the forward under `torch.autocast` to that dtype, the weights, their gradients and the
+    optimizer in float32; bf16 and fp16 activations travel in their 16 bits). fp16 keeps a
+    dynamic loss scale every stage agrees on (`LossScale`; the executor's `job_slots`)."""
+    loss_scale: float = 2.0**16
+    """fp16: the loss scale the job starts at (`LossScale.scale`)."""
     recompute: bool = False
     """Activation checkpointing of the whole stage: a forward keeps only its inputs (no
     autograd graph, none of its activations); the backward runs the forward again with
@@ -316,6 +353,10 @@ class StageConfig:
     (`fusiond.train.offload.trim_heap`), so the stage's peak is the training state the
     memory planner counts, not that plus the allocator's fragmentation. On whenever a memory
     decision is (recompute, segments, offload)."""
+    device: str = "cpu"
+    """Where the stage computes (`fusiond.train.device.StagePlace`): "cpu", or "cuda:N" (its
+    weights, optimizer state and received tensors there; copies on their own streams). The
+    program's module must already be on it."""
     memory_limit_bytes: float | None = None
     """The memory this process may hold before the kernel kills it (its cgroup's limit,
     `fusiond.profile.memory_allowance`; None: none known). Without `trim_heap`, the stage
@@ -555,6 +596,9 @@ class _Outbound:
 
 _ROUND_1 = "#1"
 _ROUND_2 = "#2"
+_OVERFLOW = "#fp16"
+"""The PARAM_GRAD round in which every slot of an fp16 job says whether its gradients
+overflowed this step."""
 """A PARAM_GRAD packet's name: the round of the shared gradients' exchange it carries (the
 dense gradients and low-rank P factors, then the Q factors), every tensor a pair of holders
 shares in one bucket."""
@@ -589,6 +633,7 @@ class StageExecutor:
         grad_rank: int | None = None,
         grad_seed: int = 0,
         grad_warmup_steps: int = 0,
+        job_slots: Sequence[int] = (),
     ) -> None:
         if program.data_inputs and (data is None or batch_size <= 0):
             raise StageError(f"stage {stage} reads {program.data_inputs} but has no data source")
@@ -630,6 +675,17 @@ class StageExecutor:
         self.data = data
         self.batch_size = batch_size
         self.config = config or StageConfig()
+        try:
+            self._place = StagePlace(self.config.device)
+        except DeviceError as e:
+            raise StageError(f"stage {stage}: {e}", fault=FAULT_MACHINE) from e
+        if self.config.precision == "fp16" and self.config.offload_params:
+            raise StageError(f"stage {stage}: fp16 unscales its gradients in memory; its "
+                             "weights cannot be on disk (offload_params)", fault=FAULT_JOB)
+        if self._place.cuda and (self.config.offload_dir is not None
+                                 or self.config.offload_params):
+            raise StageError(f"stage {stage}: offloading to disk runs on the CPU, not on "
+                             f"{self.config.device}", fault=FAULT_JOB)
         params = list(program.module.parameters())
         # A partition may hold no parameters (e.g. only elementwise ops): nothing to step.
         self.optimizer = make_optimizer(optimizer, params) if params else None
@@ -681,7 +737,16 @@ class StageExecutor:
             and self._params[name].is_floating_point()
             and compressed(tuple(self._params[name].shape), grad_rank))
         """Shared parameters whose gradient travels low-rank (the rest dense)."""
-        self._shared_wire = frozenset((_ROUND_1, _ROUND_2))
+        self._scaler: LossScale | None = None
+        self._scale_peers: tuple[int, ...] = ()
+        if (config or StageConfig()).precision == "fp16":
+            self._scaler = LossScale(scale=(config or StageConfig()).loss_scale)
+            self._scale_peers = tuple(sorted(set(job_slots) - {self.slot}))
+            if self.slot not in set(job_slots) and job_slots:
+                raise StageError(f"stage {stage}: its slot {self.slot} is not among the job's "
+                                 f"slots {sorted(job_slots)[:8]}")
+        """fp16: the loss scale, and every other slot of the job, which agree on it."""
+        self._shared_wire = frozenset((_ROUND_1, _ROUND_2, _OVERFLOW))
         """Every name a PARAM_GRAD packet to this stage may carry."""
         by_peer: dict[int, list[str]] = {}
         for name in sorted(program.shared):
@@ -717,7 +782,7 @@ class StageExecutor:
         resumed attempt starts here, so its first tensors are never mistaken for stale)."""
         self._inbox_bytes = 0
         per_step = micro_batches * (len(program.in_edges) + len(program.out_edges)) + 2 * len(
-            self._shared_by_peer)
+            self._shared_by_peer) + len(self._scale_peers)
         self._inbox_max = 2 * per_step + self.config.inbox_slack
         self._ready = asyncio.Event()
         self._closed = False
@@ -1002,13 +1067,18 @@ class StageExecutor:
                 recv_enc[edge_id] = came
             if t.dtype == torch.bfloat16 and self.config.precision != "bf16":
                 t = t.float()  # a bf16 edge rounded the value; the stage computes in fp32
+            leaves[edge_id] = t
+        data = {key: mb[key] for key in self.program.data_inputs} if mb is not None else {}
+        if self._place.cuda:  # one batch of copies on the copy stream; compute waits on it
+            moved = self._place.onto({**{f"e:{k}": t for k, t in leaves.items()},
+                                      **{f"d:{k}": t for k, t in data.items()}})
+            leaves = {k: moved[f"e:{k}"] for k in leaves}
+            data = {k: moved[f"d:{k}"] for k in data}
+        for t in leaves.values():
             if _is_float(t):
                 t.requires_grad_(True)
-            leaves[edge_id] = t
         inputs: dict[str, torch.Tensor] = dict(leaves)
-        if mb is not None:
-            for key in self.program.data_inputs:  # "inputs", "targets" or a named field
-                inputs[key] = mb[key]
+        inputs.update(data)  # "inputs", "targets" or a named field
         if self.program.seed_random is not None:
             self.program.seed_random(step, micro)
         recompute = self.config.recompute
@@ -1029,11 +1099,14 @@ class StageExecutor:
         sent_idx: dict[str, np.ndarray] = {}
         sent_basis: dict[str, np.ndarray] = {}
         grad_edges: set[str] = set()
-        for edge_id, e in self._out.items():
+        for edge_id in self._out:
             if edge_id not in out:
                 raise StageError(f"stage {self.stage}: module produced no output for {edge_id!r}",
                                  fault=FAULT_JOB)
-            t = out[edge_id]
+        # what the codec reads, in host memory (the outputs themselves on the CPU)
+        sending = self._place.host({k: out[k] for k in self._out})
+        for edge_id, e in self._out.items():
+            t = sending[edge_id]
             density = self._density[edge_id]
             if not _is_float(t):
                 enc = codec.encode_dense(t)
@@ -1111,20 +1184,21 @@ class StageExecutor:
                 g = codec.decode_dense(payload)
             if out.requires_grad:
                 roots.append(out)
-                grads.append(g.view_as(out).to(out.dtype))
+                grads.append(self._place.onto_one(g.view_as(out)).to(out.dtype))
         if ctx.loss is not None:
             roots.append(ctx.loss / self.micro_batches)
-            grads.append(torch.ones_like(ctx.loss))
+            grads.append(torch.ones_like(ctx.loss) if self._scaler is None
+                         else torch.full_like(ctx.loss, self._scaler.scale))
         t1 = time.perf_counter()
         if roots:
             torch.autograd.backward(roots, grads)
         t2 = time.perf_counter()
         packets: list[tuple[Packet, codec.Encoded, float | None]] = []
-        for edge_id, leaf in ctx.leaves.items():
-            if not leaf.requires_grad:
-                continue
+        back = self._place.host({
+            edge_id: leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            for edge_id, leaf in ctx.leaves.items() if leaf.requires_grad})
+        for edge_id, g in back.items():
             e = self._in[edge_id]
-            g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             if edge_id in ctx.recv_idx:
                 enc = codec.encode_values(g, ctx.recv_idx[edge_id])
             elif edge_id in ctx.recv_basis:  # G Q, in the precision P came in
@@ -1204,8 +1278,10 @@ class StageExecutor:
         (`grad_rank`) as their P factors beside the dense ones, then their Q factors."""
         lr = self._lowrank if step >= self.grad_warmup_steps else None
         first: dict[str, torch.Tensor] = {}
+        # summed in host memory (the wire's side), each sum back onto the device
+        own = self._place.host({name: self._own_grad(name) for name in self.program.shared})
         for name in self.program.shared:
-            g = self._own_grad(name)
+            g = own[name]
             if lr is not None and name in self._lowrank_names:
                 first[name] = self._guard(
                     "low-rank P", step, functools.partial(lr.p_factor, name, g))
@@ -1218,13 +1294,54 @@ class StageExecutor:
                 second[name] = self._guard(
                     "low-rank Q", step, functools.partial(lr.q_factor, name, total))
             else:
-                self._params[name].grad = total
+                self._params[name].grad = self._place.onto_one(total)
         if lr is None or not second:
             return
         for name, total in self._exchange(step, _ROUND_2, second,
                                           "shared grads (low-rank Q)").items():
             p = self._params[name]
-            p.grad = lr.gradient(name, total, p.shape).to(p.dtype)
+            p.grad = self._place.onto_one(lr.gradient(name, total, p.shape)).to(p.dtype)
+
+    def _fp16_unscale(self, step: int) -> bool:
+        """fp16, after the step's last backward: agree with every other slot on whether any
+        gradient overflowed; unless one did, unscale this stage's gradients. Returns whether
+        the step is skipped (everywhere); the scale moves the same way on every stage."""
+        assert self._scaler is not None
+        grads = [p.grad for p in self._params.values() if p.grad is not None]
+        local = bool(grads) and not bool(
+            torch.stack([g.isfinite().all() for g in grads]).all())
+        overflow = self._agree_overflow(step, local)
+        if not overflow:
+            inv = 1.0 / self._scaler.scale  # a power of two: exact
+            for g in grads:
+                g.mul_(inv)
+        self._scaler.update(overflow)
+        return overflow
+
+    def _agree_overflow(self, step: int, local: bool) -> bool:
+        """Tell every other slot of the job whether this one's gradients overflowed, hear
+        theirs: true if any did."""
+        if not self._scale_peers:
+            return local
+        flag = codec.encode_dense(torch.tensor([1.0 if local else 0.0]))
+        self._emit([(Packet(PacketKind.PARAM_GRAD, step, 0, _OVERFLOW, self.slot, peer,
+                            flag.parts), flag, None) for peer in self._scale_peers])
+        deadline = time.monotonic() + self.config.recv_timeout_s
+        got, _ = self._take_all([(PacketKind.PARAM_GRAD, step, peer, _OVERFLOW)
+                                 for peer in self._scale_peers], deadline, "fp16 overflow")
+        anyone = local
+        for (_, _, peer, _), payload in got.items():
+            t = codec.decode_dense(payload)
+            if t.numel() != 1 or not t.dtype.is_floating_point:
+                raise StageError(f"stage {self.stage}, step {step}: slot {peer} sent "
+                                 f"{tuple(t.shape)} {t.dtype} as its fp16 overflow flag")
+            anyone = anyone or bool(t.item() != 0.0)
+        return anyone
+
+    @property
+    def loss_scale(self) -> LossScale | None:
+        """fp16: the loss scale (its `skipped` steps included); None otherwise."""
+        return self._scaler
 
     def _opt_step(self, lr: float) -> None:
         if self.optimizer is None:
@@ -1296,7 +1413,7 @@ class StageExecutor:
             mbs = self._guard("data", step, lambda: split_micro_batches(
                 data.batch(step, self.batch_size), self.micro_batches))
         ctxs: dict[int, _Ctx] = {}
-        losses: list[float] = []
+        losses: list[torch.Tensor] = []
         timeline: list[TaskTiming] = []
         waited = 0.0
         free = time.perf_counter()  # when the stage last had nothing to do but wait
@@ -1314,8 +1431,8 @@ class StageExecutor:
                 mb = mbs[m] if mbs is not None else None
                 ctx, packets = self._guard(
                     what, step, functools.partial(self._forward, step, m, payloads, mb, cost))
-                if ctx.loss is not None:
-                    losses.append(float(ctx.loss.detach()))
+                if ctx.loss is not None:  # read once a step (on a device: no wait per task)
+                    losses.append(ctx.loss.detach())
                 ctxs[m] = ctx
             else:
                 ctx = ctxs.pop(m)
@@ -1339,20 +1456,31 @@ class StageExecutor:
                                            max(0.0, ready - free), cpu, cost.kernel_s,
                                            cost.codec_s, send_s))
             free = time.perf_counter()
-        if self.program.shared:
+        skip = False
+        if self._scaler is not None:
+            tb = time.perf_counter()
+            skip = self._fp16_unscale(step)
+            busy += time.perf_counter() - tb
+        if self.program.shared and not skip:
             tb = time.perf_counter()
             self._reduce_shared(step)
             busy += time.perf_counter() - tb
         lr = lr_at(self.opt_spec, step, self.total_steps)
         to = time.perf_counter()
-        self._guard("optimizer step", step, lambda: self._opt_step(lr))
+        if skip:  # an overflow somewhere in the job: every stage drops this step's gradients
+            if self.optimizer is not None:
+                self.optimizer.zero_grad(set_to_none=not self._trim)
+        else:
+            self._guard("optimizer step", step, lambda: self._opt_step(lr))
         if self._trim or near_limit(self.config.memory_limit_bytes):
             trim_heap()
         busy += time.perf_counter() - to
         wall = time.perf_counter() - t0
         # this executor's share of the iteration's mean loss (all of it without replicas:
         # it ran every micro-batch); the loss stage's replicas' shares add up
-        loss = sum(losses) / self.micro_batches if losses else None
+        values = ([float(x) for x in self._place.host_one(torch.stack(losses).float())]
+                  if self._place.cuda and losses else [float(x) for x in losses])
+        loss = sum(values) / self.micro_batches if values else None
         return StepReport(self.stage, step, loss, lr, wall, busy, list(self._stats.values()),
                           timeline, t0, waited)
 
@@ -1448,7 +1576,7 @@ class StageExecutor:
                 self._step = step
             rep = self._run_step(step)
             if snapshot(step):
-                rep.state = {k: v.detach().clone()
+                rep.state = {k: v.detach().to("cpu", copy=True)
                              for k, v in self.program.module.state_dict().items()}
             post(rep)
 

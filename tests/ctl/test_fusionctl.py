@@ -475,3 +475,35 @@ def test_tables_are_readable_at_80_columns(capsys: Capture,
     render_status({"node": {"node_id": "n" * 20 + "0", "phase": "running"}, "cluster": view})
     lines = capsys.readouterr().out.splitlines()
     assert lines and max(len(ln) for ln in lines) <= 80
+
+
+def test_status_shows_each_gpu_and_says_when_a_driver_fails(capsys: Capture) -> None:
+    """Issue 18: the profile's devices on `fusionctl status`, and a GPU whose driver fails,
+    on this node (a warning) and on a peer (a health line)."""
+    from protocol.messages import DeviceProfile, NodeProfile
+
+    gpu = DeviceProfile(kind="cuda", index=0, name="NVIDIA H100", memory_bytes=80 << 30,
+                        free_bytes=79 << 30, flops={"matmul": 4e14, "other": 1e12},
+                        flops_matmul_bf16=8e14, mem_bw_bytes_per_s=2e12,
+                        h2d_bytes_per_s=2.4e10)
+    bad = DeviceProfile(kind="cuda", index=1, name="NVIDIA H100", memory_bytes=80 << 30,
+                        error="cuda:1 failed: RuntimeError('ECC error')")
+    mine = NodeProfile(device_kind="cuda", device_name="NVIDIA H100", devices=(gpu, bad),
+                       device_error="")
+    peer = NodeProfile(device_error="an NVIDIA driver is present but torch cannot use it")
+    view = {"leader": "na", "term": 1, "has_quorum": True, "links": {},
+            "members": [{"node_id": "na", "state": "alive", "address": ["10.0.0.1", 7420],
+                         "profile": mine.to_wire()},
+                        {"node_id": "nb", "state": "alive", "address": ["10.0.0.2", 7420],
+                         "profile": peer.to_wire()}]}
+    render_status({"node": {"node_id": "na", "phase": "running", "profile": mine.to_wire()},
+                   "cluster": view})
+    out = capsys.readouterr().out
+    assert "gpu        cuda:0 NVIDIA H100, 79.0 of 80.0 GiB free, 400.0 TFLOP/s fp32 " in out
+    assert "800.0 bf16, host->device 24.0 GB/s" in out
+    assert "gpu        cuda:1 NVIDIA H100, 0.0 of 80.0 GiB free: NOT USED: cuda:1 failed" in out
+    assert "nb: its GPU is not used: an NVIDIA driver is present" in out
+    render_status({"node": {"node_id": "nb", "phase": "running", "profile": peer.to_wire()},
+                   "cluster": view})
+    out = capsys.readouterr().out
+    assert "WARNING    this machine's GPU is not used: an NVIDIA driver is present" in out

@@ -38,6 +38,7 @@ from protocol.messages import (
     AssignConfig,
     Backward,
     DataConfig,
+    DeviceProfile,
     EdgeFigures,
     EdgeRoute,
     Error,
@@ -513,8 +514,8 @@ def test_docs_list_every_message_with_its_id_and_fields(cls: type[Message]) -> N
         assert f"`{field_name}`" in section, f"{DOC}: {name} does not list `{field_name}`"
 
 
-@pytest.mark.parametrize("cls", [LinkMeasurement, NodeProfile, MemberEntry, EdgeRoute,
-                                 AssignConfig, OptimizerConfig, DataConfig, StepFigures,
+@pytest.mark.parametrize("cls", [LinkMeasurement, NodeProfile, DeviceProfile, MemberEntry,
+                                 EdgeRoute, AssignConfig, OptimizerConfig, DataConfig, StepFigures,
                                  EdgeFigures])
 def test_docs_list_every_record_field(cls: type[Struct]) -> None:
     section = doc_section(DOC.read_text(), f"**{cls.__name__}**")

@@ -352,7 +352,7 @@ async def test_a_job_handed_back_waits_for_a_scheduler_and_can_be_cancelled(
                 await asyncio.sleep(0.5)
                 assert len(submits) == 1 and r.state == "cancelled"
             else:
-                await wait(lambda: r.restarts == 1, 10, "the resubmission in the new term")
+                await wait(lambda r=r: r.restarts == 1, 10, "the resubmission in the new term")
                 assert len(submits) == 2 and r.state == "running" and r.restarts == 1
         finally:
             await svc.close()

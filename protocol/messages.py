@@ -214,6 +214,8 @@ class DeviceProfile(Struct):
     flops_matmul_bf16: float = 0.0
     """Its bfloat16 rate on the calibration's largest product, FLOP per second (0: not
     measured; a bf16 job is then priced at the float32 rates)."""
+    flops_matmul_fp16: float = 0.0
+    """Its float16 rate on the same product (0: not measured)."""
     mem_bw_bytes_per_s: float = 0.0
     """Its calibrated memory bandwidth."""
     op_overhead_s: float = 0.0
@@ -313,6 +315,8 @@ class NodeProfile(Struct):
     plan_flops_matmul_bf16: float = 0.0
     """Of a bfloat16 matmul at the calibration's largest product on the CPU, FLOP per second
     (0: not measured; a bf16 job is then priced at the float32 rates)."""
+    plan_flops_matmul_fp16: float = 0.0
+    """The same in float16 (0: not measured)."""
     plan_mem_bw: float = 0.0
     """Calibrated memory bandwidth, bytes per second."""
     plan_op_overhead_s: float = 0.0
@@ -563,7 +567,8 @@ class AssignConfig(Struct):
     """Steps between the stages' states sent for a held-out evaluation (0: none beyond the
     checkpoints); sent as `StageCheckpoint`s."""
     precision: str = "fp32"
-    """The stages' compute dtype: "fp32", or "bf16" (autocast forward, float32 weights)."""
+    """The stages' compute dtype: "fp32", "bf16" or "fp16" (autocast forward, float32
+    weights; fp16 with a loss scale every slot agrees on each step)."""
     recompute_slots: tuple[int, ...] = ()
     """The slots that recompute their activations in the backward (activation checkpointing
     of the stage: the planner's choice where its activations would not fit)."""

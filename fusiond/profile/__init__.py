@@ -550,8 +550,8 @@ and on the CPU of a machine without one (or whose accelerators fail); "cpu" trai
 only; "cuda" only on machines with a usable CUDA device (never falling back to a CPU)."""
 
 BF16_RATE_CLASSES: Final = ("matmul", SMALL_MATMUL, TINY_MATMUL, "attention", "conv")
-"""The op classes whose rate a bfloat16 job takes from the bf16 matmul rate (the rest run in
-float32 under autocast, or are bound by memory and dispatch)."""
+"""The op classes whose rate a bf16 or fp16 job takes from that dtype's matmul rate (the rest
+run in float32 under autocast, or are bound by memory and dispatch)."""
 
 
 def stage_device(profile: NodeProfile, policy: str = "auto") -> str | None:
@@ -568,17 +568,18 @@ def stage_device(profile: NodeProfile, policy: str = "auto") -> str | None:
     return None if policy == "cuda" else "cpu"
 
 
-def at_precision(flops: Mapping[str, float], bf16_matmul: float, precision: str
+def at_precision(flops: Mapping[str, float], matmul16: Mapping[str, float], precision: str
                  ) -> dict[str, float]:
-    """Op-class rates for a job's compute precision: a bf16 job's matmul-class ops run at the
-    measured bf16 matmul rate over the fp32 one (`BF16_RATE_CLASSES`; on a CPU without bf16
-    units that ratio is below 1, and the planner should see it); unchanged for fp32 or where
-    no bf16 rate was measured."""
+    """Op-class rates for a job's compute precision: a bf16 (fp16) job's matmul-class ops run
+    at the measured bf16 (fp16) matmul rate `matmul16[precision]` over the fp32 one
+    (`BF16_RATE_CLASSES`; on a CPU without 16-bit units that ratio is below 1, and the planner
+    should see it); unchanged for fp32 or where that rate was not measured."""
     out = dict(flops)
     fp32 = out.get("matmul", 0.0)
-    if precision != "bf16" or bf16_matmul <= 0 or fp32 <= 0 or not math.isfinite(bf16_matmul):
+    rate16 = matmul16.get(precision, 0.0)
+    if precision == "fp32" or not (rate16 > 0 and math.isfinite(rate16)) or fp32 <= 0:
         return out
-    ratio = bf16_matmul / fp32
+    ratio = rate16 / fp32
     for c in BF16_RATE_CLASSES:
         if c in out:
             out[c] = out[c] * ratio
@@ -609,7 +610,8 @@ def machine_from_profile(node_id: str, profile: NodeProfile, memory_bytes: float
             return None
         return MachineProfile(
             id=node_id, flops=at_precision({c: r for c, r in dev.flops.items() if r > 0},
-                                           dev.flops_matmul_bf16, precision),
+                                           {"bf16": dev.flops_matmul_bf16,
+                                            "fp16": dev.flops_matmul_fp16}, precision),
             mem_bw=max(dev.mem_bw_bytes_per_s, 1.0), op_overhead_s=max(0.0, dev.op_overhead_s),
             memory_bytes=max(float(dev.free_bytes or dev.memory_bytes), 1.0),
             kind=dev.name or dev.device, device=dev.device,
@@ -625,7 +627,9 @@ def machine_from_profile(node_id: str, profile: NodeProfile, memory_bytes: float
     if "other" not in flops or profile.plan_mem_bw <= 0:
         return None
     return MachineProfile(id=node_id,
-                          flops=at_precision(flops, profile.plan_flops_matmul_bf16, precision),
+                          flops=at_precision(flops, {"bf16": profile.plan_flops_matmul_bf16,
+                                                     "fp16": profile.plan_flops_matmul_fp16},
+                                             precision),
                           mem_bw=profile.plan_mem_bw,
                           op_overhead_s=max(0.0, profile.plan_op_overhead_s),
                           memory_bytes=max(memory_bytes, 1.0),
@@ -698,6 +702,7 @@ def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> 
         data = {"key": key, "gflops": matmul_gflops(kind),
                 "machine": raw_machine.to_dict(),
                 "matmul_bf16": matmul_rate("cpu", torch.bfloat16),
+                "matmul_fp16": matmul_rate("cpu", torch.float16),
                 "gflops_wall": matmul_gflops(kind, per_cpu_second=False) if multi else None,
                 "machine_wall": measure("local", device=dev, per_cpu_second=False).to_dict()
                 if multi else None}
@@ -732,9 +737,10 @@ def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> 
                                   else 0.0)
     prof["gflops"] = round(gflops, 2)
     prof.update(planner_fields(machine))
-    bf16 = float((data or {}).get("matmul_bf16") or 0.0)
-    if bf16 > 0 and math.isfinite(bf16):  # per CPU second of one thread, as `machine`'s
-        prof["plan_flops_matmul_bf16"] = sustained(bf16, threads, allowance.cores)
+    for dtype in ("bf16", "fp16"):  # per CPU second of one thread, as `machine`'s rates
+        rate = float((data or {}).get(f"matmul_{dtype}") or 0.0)
+        if rate > 0 and math.isfinite(rate):
+            prof[f"plan_flops_matmul_{dtype}"] = sustained(rate, threads, allowance.cores)
     prof.update(_accelerators(cache, prof["torch_version"]))
     return NodeProfile(**prof)
 

@@ -93,7 +93,8 @@ def find_cuda(driver_files: tuple[str, ...] = NVIDIA_DRIVER_FILES
 
 
 def device_profile(found: FoundDevice, machine: MachineProfile | None, *, kind: str = "cuda",
-                   flops_matmul_bf16: float = 0.0, h2d_bytes_per_s: float = 0.0,
+                   flops_matmul_bf16: float = 0.0, flops_matmul_fp16: float = 0.0,
+                   h2d_bytes_per_s: float = 0.0,
                    d2h_bytes_per_s: float = 0.0, error: str = "") -> DeviceProfile:
     """A found device and its calibration (None: not measured, `error` says why) as the
     profile gossips it."""
@@ -105,7 +106,8 @@ def device_profile(found: FoundDevice, machine: MachineProfile | None, *, kind: 
     return DeviceProfile(
         kind=kind, index=found.index, name=found.name, memory_bytes=found.memory_bytes,
         free_bytes=found.free_bytes, flops={c: float(r) for c, r in machine.flops.items()},
-        flops_matmul_bf16=float(flops_matmul_bf16), mem_bw_bytes_per_s=float(machine.mem_bw),
+        flops_matmul_bf16=float(flops_matmul_bf16), flops_matmul_fp16=float(flops_matmul_fp16),
+        mem_bw_bytes_per_s=float(machine.mem_bw),
         op_overhead_s=float(machine.op_overhead_s), h2d_bytes_per_s=float(h2d_bytes_per_s),
         d2h_bytes_per_s=float(d2h_bytes_per_s))
 
@@ -127,13 +129,15 @@ def measure_device(found: FoundDevice, *, kind: str = "cuda", repeats: int = 3,
                           per_cpu_second=False)
         bf16 = matmul_rate(dev, torch.bfloat16, repeats=repeats, scale=scale,
                            per_cpu_second=False)
+        fp16 = matmul_rate(dev, torch.float16, repeats=repeats, scale=scale,
+                           per_cpu_second=False)
         h2d, d2h = copy_rates(dev) if kind == "cuda" else (0.0, 0.0)
     except Exception as e:
         log.warning("device %s cannot be calibrated: %r", dev, e)
         return device_profile(found, None, kind=kind, error=f"{dev} failed its calibration: "
                                                             f"{e!r}")
     return device_profile(found, machine, kind=kind, flops_matmul_bf16=bf16,
-                          h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h)
+                          flops_matmul_fp16=fp16, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h)
 
 
 def devices_to_cache(devices: tuple[DeviceProfile, ...]) -> list[dict[str, Any]]:

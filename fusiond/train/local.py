@@ -283,6 +283,7 @@ async def run_pipeline(
             data=data if p.data_inputs else None,
             batch_size=batch_size,
             config=configs[i],
+            job_slots=range(len(programs)),
         )
         for i, p in enumerate(programs)
     ]
@@ -395,7 +396,8 @@ async def run_replicated(
             tasks=replica_tasks(pipeline, s, S, micros), micro_batches=micro_batches,
             optimizer=optimizer, total_steps=steps, data=data if p.data_inputs else None,
             batch_size=batch_size, config=config, slot=slot, routes=route_slots,
-            grad_rank=grad_rank, grad_warmup_steps=grad_warmup_steps))
+            grad_rank=grad_rank, grad_warmup_steps=grad_warmup_steps,
+            job_slots=sorted(slots.values())))
     for ex in execs:
         hub.attach(ex)
     try:

@@ -710,8 +710,9 @@ class StageHost:
         holders = {x for h in sa.shared.values() for x in h}
         # the nodes this one exchanges tensors with: every replica of the stages it talks to,
         # and every holder of a parameter it shares
+        # (fp16: every slot of the job, which agree on the loss scale each step)
         self._node_stage = {n: s for s, n in slot_nodes.items() if s != sa.own_slot and (
-            s in holders or sa.stage_of_slot(s) in sa.stage_nodes)}
+            s in holders or sa.stage_of_slot(s) in sa.stage_nodes or sa.precision == "fp16")}
         if self.program.data_inputs and data is None:
             data = _stage_data(sa)
             fields = _fields_of(data, sa)
@@ -737,7 +738,7 @@ class StageHost:
             micro_batches=sa.batch.micro_batches, optimizer=sa.optimizer, total_steps=sa.steps,
             data=data, batch_size=sa.batch.size, config=config, first_step=sa.first_step,
             slot=sa.own_slot, routes=sa.routes, grad_rank=sa.grad_rank, grad_seed=sa.seed,
-            grad_warmup_steps=sa.grad_warmup_steps,
+            grad_warmup_steps=sa.grad_warmup_steps, job_slots=sorted(slot_nodes),
         )
 
     async def start(self) -> None:

@@ -312,8 +312,9 @@ class JobSpec:
     """After a stage machine fails, re-plan on the machines still alive and resume from the
     last checkpoint (or step 0 without one) at most this many times; 0 = fail at once."""
     precision: str = "fp32"
-    """The stages' compute dtype: "fp32", or "bf16" (mixed precision: autocast forward,
-    float32 weights and optimizer; `fusiond.train.stage.StageConfig.precision`)."""
+    """The stages' compute dtype: "fp32", "bf16" or "fp16" (mixed precision: autocast
+    forward, float32 weights and optimizer; fp16 with a dynamic loss scale every stage agrees
+    on; `fusiond.train.stage.StageConfig.precision`)."""
     eval_interval: int = 0
     """Every this many steps the scheduler gathers the whole model and scores it on the
     held-out split (the live held-out curve: `held_out_loss` in the step records); 0 = at
@@ -721,10 +722,7 @@ def job_from_dict(data: Mapping[str, Any], *, base: Path | None = None,
     ckpt = job.integer("checkpoint_interval", 0, hi=10**9)
     restarts = job.integer("max_restarts", 2, hi=100)
     eval_every = job.integer("eval_interval", 0, hi=10**9)
-    if job.has("precision") and job.data.get("precision") == "fp16":
-        raise JobSpecError("job.precision", "'fp16' needs a loss scaler every stage agrees on, "
-                           "which is not built yet; use 'bf16' (no scaler needed) or 'fp32'")
-    precision = job.choice("precision", "fp32", ("fp32", "bf16"))
+    precision = job.choice("precision", "fp32", ("fp32", "bf16", "fp16"))
     device = job.choice("device", "auto", ("auto", "cpu", "cuda"))
     output = (out_base / job.string("output", f"runs/{name}")).expanduser()
     job.finish()

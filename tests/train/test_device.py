@@ -154,6 +154,7 @@ def test_a_device_is_calibrated_on_itself_and_its_failure_is_its_own() -> None:
     assert not d.error and d.device == "cpu:0" and d.name == "test device"
     assert not d.usable  # measured, but only a CUDA device is planned on
     assert d.flops["matmul"] > 0 and d.flops["other"] > 0 and d.flops_matmul_bf16 > 0
+    assert d.flops_matmul_fp16 > 0
     assert d.mem_bw_bytes_per_s > 0 and d.memory_bytes == 8 << 30
     assert d.h2d_bytes_per_s == 0  # no copy between host and the host
     back = dv.devices_from_cache(dv.devices_to_cache((d,)))
@@ -210,6 +211,13 @@ def test_a_stage_on_a_gpu_is_priced_by_the_gpus_own_rates_and_memory() -> None:
     assert b.flops["other"] == 1e12
     cb = prof.machine_from_profile("g", node, 16e9, device="cpu", precision="bf16")
     assert cb is not None and cb.flops["matmul"] == pytest.approx(6e11)
+    # fp16 at its own measured rate; where none was measured, at the float32 rates
+    h = prof.machine_from_profile("g", dataclasses.replace(
+        node, devices=(dataclasses.replace(GPU, flops_matmul_fp16=6e14),)), 16e9,
+        device="cuda:0", precision="fp16")
+    assert h is not None and h.flops["matmul"] == pytest.approx(6e14)
+    ch = prof.machine_from_profile("g", node, 16e9, device="cpu", precision="fp16")
+    assert ch is not None and ch.flops["matmul"] == 1.5e11
     assert prof.machine_from_profile("g", node, 16e9, device="cuda:3") is None
     assert MachineProfile.from_dict(m.to_dict()) == m
     with pytest.raises(PlanError, match="is not \"cpu\" or \"cuda:N\""):

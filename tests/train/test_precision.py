@@ -77,15 +77,101 @@ async def test_bf16_cut_in_three_trains_as_one_stage_in_bf16(captured_tiny: Any,
 
 async def test_an_unknown_precision_is_refused(captured_tiny: Any, small_text: Any) -> None:
     _, cap = captured_tiny
-    with pytest.raises(StageError, match="precision 'fp16' is not one of"):
-        await _train(cap, 1, small_text, "fp16", steps=1)
+    with pytest.raises(StageError, match="precision 'fp8' is not one of"):
+        await _train(cap, 1, small_text, "fp8", steps=1)
+
+
+async def _train16(cap: Any, stages: int, data: Any, steps: int, scale: float,
+                   replicas: bool = False) -> tuple[PipelineResult, list[Any]]:
+    """fp16 training, and the executors (their loss scales)."""
+    from tests.train.test_recompute import ADAMW
+
+    execs: list[Any] = []
+    out = await run_pipeline(_programs(cap, stages), data=data, batch_size=8, micro_batches=4,
+                             optimizer=ADAMW, steps=steps,
+                             config=StageConfig(precision="fp16", loss_scale=scale),
+                             on_executors=execs.extend)
+    return out, execs
+
+
+async def test_fp16_cut_in_three_trains_as_one_stage_in_fp16(captured_tiny: Any,
+                                                             small_text: Any) -> None:
+    """fp16 (autocast to float16, float32 weights and optimizer, a dynamic loss scale every
+    stage agrees on): GPT-2 tiny cut in three computes what one fp16 stage does, step for
+    step, and its fp16 activations travel in 2 bytes an element."""
+    _, cap = captured_tiny
+    whole, one = await _train16(cap, 1, small_text, 4, 2.0**16)
+    cut, three = await _train16(cap, 3, small_text, 4, 2.0**16)
+    for got, want in zip(cut.losses, whole.losses, strict=True):
+        assert got == pytest.approx(want, rel=1e-6)
+    fp32 = await _train(cap, 1, small_text, "fp32", steps=1)
+    assert fp32.losses[0] != whole.losses[0]  # it did compute in fp16
+    assert fp32.losses[0] == pytest.approx(whole.losses[0], rel=1e-2)
+    merged = {k: v for st in cut.states.values() for k, v in st.items()}
+    for k, v in whole.states[0].items():
+        # the master weights stay float32 (the weights themselves are compared through the
+        # losses: AdamW moves a parameter whose gradient is a rounding error by lr either way)
+        assert v.dtype == torch.float32 and merged[k].dtype == torch.float32
+    assert all(ex.loss_scale.skipped == 0 for ex in (*one, *three))
+    assert {ex.loss_scale.scale for ex in three} == {2.0**16}
+    fp32_cut = await _train(cap, 3, small_text, "fp32", steps=4)
+
+    def wire(r: PipelineResult) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for m in r.metrics:
+            for e in m.edges:
+                out[e.edge] = out.get(e.edge, 0) + e.forward_wire + e.backward_wire
+        return out
+
+    half, full = wire(cut), wire(fp32_cut)
+    ratios = {e: half[e] / full[e] for e in full if full[e] > 10_000}
+    assert any(0.45 < r < 0.55 for r in ratios.values()), ratios  # an fp16 edge: 2 bytes
+    assert all(r < 1.01 for r in ratios.values()), ratios
+
+
+async def test_an_fp16_overflow_skips_the_step_on_every_stage_and_halves_the_scale(
+        captured_tiny: Any, small_text: Any) -> None:
+    """A loss scale too large for float16: the gradients overflow in the loss stage's
+    backward (inf reaches the stages before it through the cut edges, not the stages after
+    it); every stage agrees, drops the step (its weights untouched) and halves the scale,
+    until one fits; then they all step, as one fp16 stage under the same scales does."""
+    _, cap = captured_tiny
+    cut, execs = await _train16(cap, 3, small_text, 3, 2.0**40)
+    _, one = await _train16(cap, 1, small_text, 3, 2.0**40)
+    assert [ex.loss_scale.skipped for ex in execs] == [3, 3, 3]
+    assert one[0].loss_scale.skipped == 3
+    assert {ex.loss_scale.scale for ex in execs} == {2.0**37}
+    merged = {k: v for st in cut.states.values() for k, v in st.items()}
+    for k, v in cap.state.items():  # three steps skipped: the weights as they started
+        if k in merged:
+            assert torch.equal(merged[k], v.float()), k
+    recovering, execs = await _train16(cap, 3, small_text, 3, 2.0**17)
+    ref, one = await _train16(cap, 1, small_text, 3, 2.0**17)
+    assert [ex.loss_scale.skipped for ex in execs] == [one[0].loss_scale.skipped] * 3
+    for got, want in zip(recovering.losses, ref.losses, strict=True):
+        assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_the_loss_scale_moves_as_torchs_grad_scaler() -> None:
+    from fusiond.train.stage import LossScale
+
+    s = LossScale(scale=8.0, interval=3)
+    s.update(True)
+    assert s.scale == 4.0 and s.skipped == 1
+    for _ in range(2):
+        s.update(False)
+    assert s.scale == 4.0
+    s.update(False)
+    assert s.scale == 8.0 and s.good == 0
 
 
 @pytest.mark.slow
-async def test_a_bf16_job_reaches_its_stages_through_the_assign(captured_tiny: Any,
-                                                               small_text: Any) -> None:
-    """`job.precision = "bf16"` travels in every stage's Assign (AssignConfig.precision): a
-    planned job on in-process daemons computes what one bf16 stage does."""
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+async def test_a_mixed_precision_job_reaches_its_stages_through_the_assign(
+        captured_tiny: Any, small_text: Any, precision: str) -> None:
+    """`job.precision` travels in every stage's Assign (AssignConfig.precision): a planned
+    job on in-process daemons computes what one stage does in that precision (fp16: the
+    stages agree on the loss scale over the daemons' links each step)."""
     from dataclasses import replace
 
     from fusiond.jobs.planning import layout_from_plan, plan_job
@@ -94,9 +180,9 @@ async def test_a_bf16_job_reaches_its_stages_through_the_assign(captured_tiny: A
     from tests.train.test_planning import _machines, _run
 
     spec, cap = captured_tiny
-    spec = replace(spec, steps=3, precision="bf16")
+    spec = replace(spec, steps=3, precision=precision)
     plan = plan_job(spec, cap, Cluster.build(_machines(8e9), [[1.25e9] * 3] * 3))
-    layout = layout_from_plan("bf16", cap.graph, cap.state, plan, spec)
+    layout = layout_from_plan(precision, cap.graph, cap.state, plan, spec)
     assert len(layout.stages) >= 2
     losses: list[float] = []
     out, _ = await _run(spec, cap, layout, on_step=lambda m: losses.append(m.loss))
@@ -106,16 +192,17 @@ async def test_a_bf16_job_reaches_its_stages_through_the_assign(captured_tiny: A
     ref = await run_local(_programs(cap, 1), data=make_source(spec.data, spec.seed),
                           batch_size=spec.batch.size, micro_batches=spec.batch.micro_batches,
                           optimizer=spec.optimizer, steps=spec.steps,
-                          config=StageConfig(precision="bf16"))
+                          config=StageConfig(precision=precision))
     for got, want in zip(losses, ref.losses, strict=True):
         assert got == pytest.approx(want, rel=1e-5)
 
 
-def test_fp16_is_refused_saying_why() -> None:
+def test_the_job_precision_setting_takes_fp16() -> None:
     from fusiond.train.spec import JobSpecError, parse_job
 
     head = '[job]\nsteps = 2\n[model]\nzoo = "gpt2"\n'
-    assert parse_job(head.replace("steps = 2", 'steps = 2\nprecision = "bf16"')).precision \
-        == "bf16"
-    with pytest.raises(JobSpecError, match="needs a loss scaler every stage agrees on"):
-        parse_job(head.replace("steps = 2", 'steps = 2\nprecision = "fp16"'))
+    for p in ("bf16", "fp16"):
+        assert parse_job(head.replace("steps = 2", f'steps = 2\nprecision = "{p}"')).precision \
+            == p
+    with pytest.raises(JobSpecError, match=r"job\.precision"):
+        parse_job(head.replace("steps = 2", 'steps = 2\nprecision = "fp8"'))

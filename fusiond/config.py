@@ -110,6 +110,11 @@ class DaemonConfig:
     profile_benchmark: bool = True
     """Probe the device (CUDA or CPU) and time a short matmul (cached in cache_dir); off:
     report the CPU without importing torch (fast start: tests)."""
+    gpus: str = "all"
+    """The CUDA devices this daemon owns and offers: all, none, or their indices ("0,1"). A
+    server with several GPUs may run one daemon per GPU (each with its own gpus, state_dir
+    and port): the planner then sees each GPU as a machine of its own, joined to the others
+    by the loopback link the daemons measure."""
     start_timeout_s: float = 60.0
     """Each service must be ready within this long, or the daemon stops non-zero."""
     stop_timeout_s: float = 10.0
@@ -298,6 +303,21 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def gpu_indices(gpus: str) -> frozenset[int] | str | None:
+    """`gpus` as the CUDA device indices it names: None for all, an empty set for none,
+    "bad" where it is neither."""
+    text = gpus.strip().lower()
+    if text == "all":
+        return None
+    if text in ("none", ""):
+        return frozenset()
+    try:
+        out = frozenset(int(x) for x in text.split(","))
+    except ValueError:
+        return "bad"
+    return out if all(0 <= i < 100 for i in out) else "bad"
+
+
 def _validate(cfg: DaemonConfig, origin: Mapping[str, str]) -> None:
     """Raise ConfigError for the first invalid value, naming key, value and origin."""
 
@@ -321,6 +341,8 @@ def _validate(cfg: DaemonConfig, origin: Mapping[str, str]) -> None:
         raise bad("log_level", cfg.log_level, f"must be one of {', '.join(LOG_LEVELS)}")
     if cfg.loop not in LOOPS:
         raise bad("loop", cfg.loop, f"must be one of {', '.join(LOOPS)}")
+    if gpu_indices(cfg.gpus) == "bad":
+        raise bad("gpus", cfg.gpus, "must be all, none, or CUDA device indices like 0,1")
     if not cfg.state_dir:
         raise bad("state_dir", cfg.state_dir, "must not be empty")
     for path in ("net.listen", "net.advertise", "api.tcp", "metrics.listen", "dashboard.listen"):

@@ -49,6 +49,7 @@ from fusiond.config import (
     DaemonConfig,
     LoadedConfig,
     advertise_address,
+    gpu_indices,
     is_loopback,
     load_config,
     parse_hostport,
@@ -348,8 +349,10 @@ class Daemon:
                 self, host, port, session_ttl_s=cfg.dashboard.session_ttl_s,
                 stale_after_s=STALE_PROBES * cfg.cluster.probe_interval_s)
             await self._start_service("dashboard", self.dashboard)
-        static = await asyncio.to_thread(profiling.compute_profile, cfg.cache_dir,
-                                         benchmark=cfg.profile_benchmark)
+        owned = gpu_indices(cfg.gpus)
+        static = await asyncio.to_thread(
+            profiling.compute_profile, cfg.cache_dir, benchmark=cfg.profile_benchmark,
+            gpus=owned if not isinstance(owned, str) else frozenset())
         # the free disk it gossips is the state directory's: stages keep their files there
         self.profiler = profiling.Profiler(static, disk_dir=self.state_dir)
         # The name travels in the gossiped profile's labels (a field every member's schema

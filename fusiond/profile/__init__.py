@@ -643,7 +643,8 @@ def machine_from_profile(node_id: str, profile: NodeProfile, memory_bytes: float
                           disk_free_bytes=float(max(0, profile.disk_free_bytes)))
 
 
-def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> NodeProfile:
+def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True,
+                    gpus: frozenset[int] | None = None) -> NodeProfile:
     """The static part of the profile, with the benchmarks cached in `cache_dir` when given.
 
     `benchmark` False skips importing torch altogether (device probing, the matmul and the
@@ -653,7 +654,8 @@ def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> 
     Keys: ``gflops`` (sustained matmul GFLOP/s at the allowance), ``gflops_per_cpu_s``,
     ``threads``, ``cpu_cores`` (allowed), ``cpu_quota_cores`` (0: none seen),
     ``cpu_quota_period_s`` (its CFS period; 0: none), ``cpu_limit`` (where the binding limit
-    comes from) and the `planner_fields`.
+    comes from) and the `planner_fields`. `gpus`: the CUDA devices this daemon owns and
+    offers (config `gpus`; None: all).
     """
     allowance = cpu_allowance()
     info = _cpu_info()
@@ -741,18 +743,24 @@ def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True) -> 
         rate = float((data or {}).get(f"matmul_{dtype}") or 0.0)
         if rate > 0 and math.isfinite(rate):
             prof[f"plan_flops_matmul_{dtype}"] = sustained(rate, threads, allowance.cores)
-    prof.update(_accelerators(cache, prof["torch_version"]))
+    prof.update(_accelerators(cache, prof["torch_version"], gpus))
     return NodeProfile(**prof)
 
 
-def _accelerators(cache: Path | None, torch_version: str) -> dict[str, Any]:
+def _accelerators(cache: Path | None, torch_version: str,
+                  gpus: frozenset[int] | None = None) -> dict[str, Any]:
     """The profile keys of this machine's CUDA devices (`fusiond.profile.devices`): each
     measured on itself once per (devices, torch) and cached beside the CPU's figures; the
     default device's kind, name and memory where one is usable; the driver's error where it
-    fails. Nothing where there is no CUDA (which is then never initialised)."""
+    fails. Nothing where there is no CUDA (which is then never initialised), or where the
+    daemon owns none of it (`gpus` empty)."""
     from fusiond.profile import devices as dv
 
+    if gpus is not None and not gpus:
+        return {"device_error": ""}
     found, error = dv.find_cuda()
+    if gpus is not None:  # the ones this daemon owns (another daemon may own the rest)
+        found = [f for f in found if f.index in gpus]
     out: dict[str, Any] = {"device_error": error}
     if not found:
         return out

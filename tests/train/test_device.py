@@ -6,6 +6,7 @@ with the reason where CUDA is missing; scripts/gpu-check runs them where there i
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 import warnings
@@ -367,3 +368,29 @@ async def test_bf16_on_a_gpu_cut_in_three_trains_as_one_stage(captured_tiny: Any
     cut = await _train(cap, small_text, ["cuda:0"] * 3, precision="bf16")
     for got, want in zip(cut.losses, whole.losses, strict=True):
         assert got == pytest.approx(want, rel=1e-3)
+
+
+# -- one daemon per GPU: the `gpus` key ------------------------------------------------------------
+
+
+def test_the_gpus_key_names_the_devices_a_daemon_owns(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from fusiond.config import ConfigError, gpu_indices, load_config
+
+    assert gpu_indices("all") is None and gpu_indices("none") == frozenset()
+    assert gpu_indices(" 0,2 ") == frozenset({0, 2}) and gpu_indices("gpu0") == "bad"
+    assert gpu_indices("-1") == "bad"
+    with pytest.raises(ConfigError, match=r"gpus = 'first' .*must be all, none, or CUDA"):
+        load_config(env={"FUSION_GPUS": "first", "FUSION_STATE_DIR": str(tmp_path)})
+    # the devices this daemon owns, measured; the others left to the daemons that own them
+    found = [dv.FoundDevice(i, f"gpu{i}", 8 << 30, 8 << 30) for i in range(3)]
+    monkeypatch.setattr(dv, "find_cuda", lambda *a: (list(found), ""))
+    monkeypatch.setattr(dv, "measure_device",
+                        lambda f, **kw: dataclasses.replace(GPU, index=f.index, name=f.name))
+    cache = tmp_path / "profile.json"
+    got = prof._accelerators(cache, "2.13.0", frozenset({1}))
+    assert [d.index for d in got["devices"]] == [1] and got["device_name"] == "gpu1"
+    assert prof._accelerators(cache, "2.13.0", frozenset()) == {"device_error": ""}
+    both = prof._accelerators(cache, "2.13.0", None)
+    assert [d.device for d in both["devices"]] == ["cuda:0", "cuda:1", "cuda:2"]
+    assert json.loads((tmp_path / "devices.json").read_text())["devices"][2]["index"] == 2

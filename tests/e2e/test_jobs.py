@@ -198,6 +198,9 @@ REFUSED = {
     "missing-data": (GPT2.replace(str(TEXT), "/nonexistent/corpus"), "/nonexistent/corpus"),
     "too-large": (GPT2.replace('{ size = "tiny" }', '{ size = "tiny", n_embd = 384, '
                                'n_layer = 6, n_head = 6 }'), "GiB"),
+    # issue 18: a GPU-only job on daemons without a GPU says which machines and why
+    "no-gpu": (GPT2.replace("seed = 3", 'seed = 3\ndevice = "cuda"'),
+               "job.device = 'cuda' but no alive member offers a usable CUDA device"),
 }
 
 

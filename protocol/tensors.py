@@ -61,7 +61,10 @@ __all__ = [
     "decode_with_indices",
     "encode",
     "encode_concat",
+    "encode_int8_quantized",
+    "encode_topk_selected",
     "encode_values",
+    "encode_values_selected",
     "read_descriptor",
     "topk_indices",
 ]
@@ -814,6 +817,96 @@ def encode_concat(arrays: Sequence[NDArray], *, checksum: bool = False) -> Encod
     return _build(
         name, (numel,), Encoding.RAW, [(SectionKind.DATA, name, views, nbytes, False)],
         checksum=checksum,
+    )
+
+
+def _check_reduced(dtype: str, shape: Sequence[int], encoding: Encoding) -> tuple[int, ...]:
+    if dtype not in _FLOAT_DTYPES:
+        raise LocalProtocolError(f"encoding {encoding} needs a float dtype, got {dtype!r}")
+    dims = tuple(int(d) for d in shape)
+    if any(d < 0 for d in dims):
+        raise LocalProtocolError(f"shape {dims} has a negative dimension")
+    return dims
+
+
+def encode_topk_selected(
+    dtype: str,
+    shape: Sequence[int],
+    indices: NDArray,
+    values: NDArray,
+    *,
+    per_row: bool = False,
+    value_dtype: str = "fp16",
+    compress: str = "auto",
+) -> EncodedTensor:
+    """TOPK of a tensor whose selection was made elsewhere (an accelerator: only the kept
+    values and their indices came to the host): the same bytes `encode(..., "topk")` writes
+    for that selection. `dtype` and `shape` are the dense tensor's; `indices` its sorted flat
+    int64 kept indices (per row of the last axis: the same count in every row); `values`
+    the dense values at them, already in `value_dtype` ("fp16" float16, "bf16" as its
+    16-bit patterns in uint16, "fp32" float32)."""
+    dims = _check_reduced(dtype, shape, Encoding.TOPK)
+    n = math.prod(dims)
+    vname = _value_dtype_name(value_dtype)
+    idx = _check_indices(indices, n, None)
+    if idx.size > 1 and not bool((idx[1:] > idx[:-1]).all()):
+        raise LocalProtocolError("top-k indices must be strictly increasing")
+    vals = np.asarray(values)
+    want = np.uint16 if vname == "bfloat16" else _wire_dtype(vname)
+    if vals.dtype != want or vals.shape != (idx.size,):
+        raise LocalProtocolError(f"top-k values must be {idx.size} {np.dtype(want).name}, got "
+                                 f"{vals.size} {vals.dtype}")
+    if per_row and (not dims or (dims[-1] and idx.size % max(1, n // dims[-1]))):
+        raise LocalProtocolError("per-row top-k keeps the same count in every row")
+    return _build(
+        dtype,
+        dims,
+        Encoding.TOPK,
+        [_section(SectionKind.VALUES, vname, vals, compress), _encode_indices(idx, n, compress)],
+        k=int(idx.size),
+        per_row=per_row,
+        indices=idx,
+    )
+
+
+def encode_values_selected(
+    dtype: str, shape: Sequence[int], values: NDArray, *, value_dtype: str = "fp16",
+    compress: str = "auto",
+) -> EncodedTensor:
+    """VALUES of a gradient gathered elsewhere at a top-k edge's indices (in their order),
+    already in `value_dtype`: the bytes `encode_values` writes for them."""
+    dims = _check_reduced(dtype, shape, Encoding.VALUES)
+    vname = _value_dtype_name(value_dtype)
+    vals = np.asarray(values)
+    want = np.uint16 if vname == "bfloat16" else _wire_dtype(vname)
+    if vals.dtype != want or vals.ndim != 1 or vals.size > math.prod(dims):
+        raise LocalProtocolError(f"values must be at most {math.prod(dims)} "
+                                 f"{np.dtype(want).name}, got {vals.size} {vals.dtype}")
+    return _build(dtype, dims, Encoding.VALUES,
+                  [_section(SectionKind.VALUES, vname, vals, compress)], k=int(vals.size))
+
+
+def encode_int8_quantized(
+    dtype: str, shape: Sequence[int], scales: NDArray, q: NDArray, *,
+    block_size: int = DEFAULT_BLOCK_SIZE, compress: str = "auto",
+) -> EncodedTensor:
+    """INT8 of a tensor quantized elsewhere (an accelerator) by the rule `encode` uses
+    (per-block absmax / 127, to nearest): its float32 scales per block and int8 values came
+    to the host; the same bytes."""
+    dims = _check_reduced(dtype, shape, Encoding.INT8)
+    n = math.prod(dims)
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise LocalProtocolError(f"block_size {block_size} is outside [1, {MAX_BLOCK_SIZE}]")
+    sc, qv = np.asarray(scales), np.asarray(q)
+    if sc.dtype != np.float32 or sc.shape != (-(-n // block_size),):
+        raise LocalProtocolError(f"int8 scales must be {-(-n // block_size)} float32")
+    if qv.dtype != np.int8 or qv.shape != (n,):
+        raise LocalProtocolError(f"int8 values must be {n} int8")
+    return _build(
+        dtype, dims, Encoding.INT8,
+        [_section(SectionKind.SCALES, "float32", sc, compress),
+         _section(SectionKind.DATA, "int8", qv, compress)],
+        block_size=block_size,
     )
 
 

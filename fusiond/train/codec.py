@@ -14,7 +14,7 @@ to itself), and decodes back to bfloat16: the wire dtype follows the compute dty
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -23,7 +23,7 @@ import torch
 
 from fusiond.plan.model import EDGE_ENCODINGS, EdgeEncoding, lowrank_rank
 from protocol import tensors as wire
-from protocol.errors import RemoteProtocolError
+from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.limits import DEFAULT_LIMITS, Limits
 
 __all__ = [
@@ -338,3 +338,96 @@ def decode_values(
 ) -> torch.Tensor:
     """Decode a VALUES payload against the indices the forward kept; dense, zeros elsewhere."""
     return _tensor(wire.decode(payload, limits=limits, indices=indices))
+
+
+# -- compression on the tensor's own device (a GPU stage) ---------------------------------------
+
+ToHost = Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
+"""Copies device tensors to host memory, finished on return (`StagePlace.host`)."""
+
+_WIRE_DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float32: "float32", torch.bfloat16: "float32",  # bf16 is described as its f32 value
+    torch.float16: "float16", torch.float64: "float64"}
+
+
+def reduces_on_device(t: torch.Tensor, density: float | None, encoding: EdgeEncoding) -> bool:
+    """Whether a cut edge's forward tensor is compressed where it lies (an accelerator), so
+    only the compressed arrays cross to the host: top-k, and int8 rounded to nearest."""
+    return (t.device.type == "cuda" and t.dtype in _WIRE_DTYPE_NAMES
+            and (density is not None or encoding == "int8"))
+
+
+def _described(t: torch.Tensor) -> tuple[str, tuple[int, ...]]:
+    return _WIRE_DTYPE_NAMES[t.dtype], tuple(int(d) for d in t.shape)
+
+
+def encode_topk_torch(t: torch.Tensor, density: float, per_row: bool, to_host: ToHost
+                      ) -> tuple[Encoded, np.ndarray]:
+    """`encode_topk` computed on `t`'s device: the selection (per row of the last axis as
+    `encode_topk` makes it) and the values in float16 there, then only they and their indices
+    to the host (`to_host`), written as `protocol.tensors.encode_topk_selected`. The same
+    bytes as `encode_topk` wherever the k-th magnitude is not tied (among equal magnitudes
+    either keeps any)."""
+    x = t.detach()
+    name, shape = _described(x)
+    n = x.numel()
+    if per_row and x.dim() >= 2 and shape[-1] > 0:
+        cols = shape[-1]
+        rows = n // cols
+        k = topk_count(cols, density)
+        if k == cols:
+            cidx = torch.arange(cols, device=x.device).expand(rows, cols)
+        else:
+            cidx = torch.topk(x.reshape(rows, cols).abs(), k, dim=-1, sorted=False).indices
+            cidx = cidx.sort(dim=-1).values
+        offsets = torch.arange(rows, device=x.device, dtype=torch.int64).unsqueeze(1) * cols
+        flat = (cidx.to(torch.int64) + offsets).reshape(-1)
+        row_wise = True
+    else:
+        k = topk_count(n, density)
+        flat = torch.topk(x.reshape(-1).abs(), k, sorted=False).indices.sort().values
+        row_wise = False
+    values = x.reshape(-1)[flat].float().to(torch.float16)
+    got = to_host({"i": flat, "v": values})
+    idx = got["i"].numpy().astype(np.int64, copy=False)
+    enc = wire.encode_topk_selected(name, shape, idx, got["v"].numpy(), per_row=row_wise)
+    return _encoded(enc, n * x.element_size() if x.dtype != torch.bfloat16 else n * 4), idx
+
+
+def encode_values_torch(grad: torch.Tensor, indices: np.ndarray, to_host: ToHost) -> Encoded:
+    """`encode_values` on `grad`'s device: the gradient gathered at a top-k edge's indices and
+    cast to float16 there; only those values cross to the host."""
+    g = grad.detach()
+    name, shape = _described(g)
+    where = torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64)).to(g.device)
+    values = g.reshape(-1)[where].float().to(torch.float16)
+    got = to_host({"v": values})
+    enc = wire.encode_values_selected(name, shape, got["v"].numpy())
+    return _encoded(enc, g.numel() * (4 if g.dtype == torch.bfloat16 else g.element_size()))
+
+
+def encode_int8_torch(t: torch.Tensor, to_host: ToHost) -> Encoded:
+    """`encode_int8` (to nearest) computed on `t`'s device by the same float32 arithmetic
+    (per-block absmax / 127, the scale stepped down where scale x 127 rounds above the
+    absmax, division, round half to even, clip): only the scales and the int8 values cross to
+    the host, and the bytes are `encode_int8`'s."""
+    x = t.detach()
+    name, shape = _described(x)
+    flat = x.reshape(-1).float()
+    n = flat.numel()
+    block = wire.DEFAULT_BLOCK_SIZE
+    blocks = -(-n // block)
+    xb = torch.nn.functional.pad(flat, (0, blocks * block - n)).view(blocks, block)
+    absmax = xb.abs().amax(dim=1) if n else torch.zeros(0, device=x.device)
+    scale = absmax / 127.0
+    high = scale * 127.0 > absmax
+    scale = torch.where(high, torch.nextafter(scale, torch.zeros_like(scale)), scale)
+    qf = xb / torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]
+    q = torch.round(qf).clamp_(-127.0, 127.0).to(torch.int8).reshape(-1)[:n]
+    got = to_host({"s": scale, "q": q})
+    scales = got["s"].numpy()
+    if not np.isfinite(scales).all():
+        raise LocalProtocolError("int8 quantization needs finite values within float32 "
+                                      "range (found inf or nan)")
+    enc = wire.encode_int8_quantized(name, shape, scales, got["q"].numpy(), block_size=block)
+    return _encoded(enc, n * (4 if x.dtype == torch.bfloat16 else x.element_size()))

@@ -1103,11 +1103,25 @@ class StageExecutor:
             if edge_id not in out:
                 raise StageError(f"stage {self.stage}: module produced no output for {edge_id!r}",
                                  fault=FAULT_JOB)
-        # what the codec reads, in host memory (the outputs themselves on the CPU)
-        sending = self._place.host({k: out[k] for k in self._out})
+        # what the codec reads, in host memory (the outputs themselves on the CPU); on a GPU,
+        # top-k and int8 edges are compressed there and only their compressed arrays come over
+        here = {k for k in self._out if self._place.cuda and codec.reduces_on_device(
+            out[k], self._density[k], self._encoding[k])}
+        sending = self._place.host({k: out[k] for k in self._out if k not in here})
         for edge_id, e in self._out.items():
-            t = sending[edge_id]
             density = self._density[edge_id]
+            if edge_id in here:
+                t = out[edge_id]
+                if density is not None:
+                    enc, sent_idx[edge_id] = codec.encode_topk_torch(t, density, e.per_row,
+                                                                     self._place.host)
+                else:
+                    enc = codec.encode_int8_torch(t, self._place.host)
+                grad_edges.add(edge_id)
+                packets.append((Packet(PacketKind.FORWARD, step, micro, edge_id, self.slot,
+                                       self._slot_of(e.dst, micro), enc.parts), enc, density))
+                continue
+            t = sending[edge_id]
             if not _is_float(t):
                 enc = codec.encode_dense(t)
             elif density is None and self._encoding[edge_id] == "lowrank":
@@ -1194,11 +1208,21 @@ class StageExecutor:
             torch.autograd.backward(roots, grads)
         t2 = time.perf_counter()
         packets: list[tuple[Packet, codec.Encoded, float | None]] = []
-        back = self._place.host({
-            edge_id: leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            for edge_id, leaf in ctx.leaves.items() if leaf.requires_grad})
-        for edge_id, g in back.items():
+        grads_in = {edge_id: leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                    for edge_id, leaf in ctx.leaves.items() if leaf.requires_grad}
+        # on a GPU a top-k edge's gradient is gathered at its indices there (only the values
+        # come over); the rest comes back whole
+        gathered = {k for k in grads_in if self._place.cuda and k in ctx.recv_idx}
+        back = self._place.host({k: g for k, g in grads_in.items() if k not in gathered})
+        for edge_id in grads_in:
             e = self._in[edge_id]
+            if edge_id in gathered:
+                enc = codec.encode_values_torch(grads_in[edge_id], ctx.recv_idx[edge_id],
+                                                self._place.host)
+                packets.append((Packet(PacketKind.BACKWARD, step, micro, edge_id, self.slot,
+                                       self._slot_of(e.src, micro), enc.parts), enc, e.density))
+                continue
+            g = back[edge_id]
             if edge_id in ctx.recv_idx:
                 enc = codec.encode_values(g, ctx.recv_idx[edge_id])
             elif edge_id in ctx.recv_basis:  # G Q, in the precision P came in

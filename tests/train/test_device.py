@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,10 +24,11 @@ from fusiond.plan.model import MachineProfile, PlanError
 from fusiond.profile import devices as dv
 from fusiond.train.device import DeviceError, StagePlace, check_device
 from fusiond.train.local import PipelineResult, run_pipeline
-from fusiond.train.programs import stage_program, stage_programs
+from fusiond.train.programs import cut_densities, stage_program, stage_programs
 from fusiond.train.spec import JobSpecError, parse_job
 from fusiond.train.stage import StageConfig, StageError
 from protocol._schema import packb, unpackb
+from protocol.errors import LocalProtocolError
 from protocol.messages import DeviceProfile, NodeProfile
 
 pytestmark = pytest.mark.compute_only  # in one process: no daemon, no socket, no clock
@@ -394,3 +396,82 @@ def test_the_gpus_key_names_the_devices_a_daemon_owns(tmp_path: Path,
     both = prof._accelerators(cache, "2.13.0", None)
     assert [d.device for d in both["devices"]] == ["cuda:0", "cuda:1", "cuda:2"]
     assert json.loads((tmp_path / "devices.json").read_text())["devices"][2]["index"] == 2
+
+
+# -- compression where the tensor lies: the device codecs, checked byte for byte on the CPU ------
+
+
+def _distinct(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """Every magnitude distinct in `dtype` (consecutive bit patterns of positive normal
+    numbers, shuffled, random signs): the top-k is unique, per row and over the whole."""
+    n = int(torch.tensor(shape).prod())
+    start = {torch.float16: 0x1000, torch.bfloat16: 0x3C00}.get(dtype)
+    if start is None:
+        mags = (torch.arange(n, dtype=torch.float64) + 1).to(dtype)
+    else:
+        mags = torch.arange(start, start + n, dtype=torch.int16).view(dtype)
+    mags = mags[torch.randperm(n, generator=g)]
+    signs = (torch.randint(0, 2, (n,), generator=g) * 2 - 1).to(dtype)
+    return (mags * signs).reshape(shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(4, 16, 128), (3, 7), (200,), (5, 256)])
+def test_the_device_codecs_write_the_host_codecs_bytes(dtype: torch.dtype,
+                                                        shape: tuple[int, ...]) -> None:
+    """A GPU stage compresses on the GPU (`codec.encode_*_torch`: top-k, the gradient's values
+    at its indices, int8 to nearest) and sends the bytes the host codecs write: the same
+    torch code, run here on the CPU."""
+    from fusiond.train import codec
+
+    g = torch.Generator().manual_seed(sum(shape))
+    host = StagePlace("cpu").host
+    t = _distinct(shape, dtype, g)
+    for per_row in (True, False):
+        for density in (0.1, 0.5, 1.0):
+            a, ia = codec.encode_topk(t, density, per_row)
+            b, ib = codec.encode_topk_torch(t, density, per_row, host)
+            assert a.payload == b.payload and np.array_equal(ia, ib), (per_row, density)
+            assert a.dense_nbytes == b.dense_nbytes
+            grad = torch.randn(shape, generator=g).to(dtype)
+            assert codec.encode_values(grad, ia).payload == \
+                codec.encode_values_torch(grad, ia, host).payload
+    noisy = torch.randn(shape, generator=g).to(dtype)
+    assert codec.encode_int8(noisy).payload == codec.encode_int8_torch(noisy, host).payload
+    zeros = torch.zeros(shape, dtype=dtype)
+    assert codec.encode_int8(zeros).payload == codec.encode_int8_torch(zeros, host).payload
+    bad = noisy.clone().float()
+    bad.reshape(-1)[0] = float("inf")
+    with pytest.raises(LocalProtocolError, match="finite"):
+        codec.encode_int8_torch(bad, host)
+    assert codec.reduces_on_device(t, 0.1, "raw") is (t.device.type == "cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+async def test_compressed_edges_on_a_gpu_send_what_the_cpu_sends(captured_tiny: Any,
+                                                                 small_text: Any) -> None:
+    """Top-k (density 0.1) and int8 cut edges between GPU stages are compressed on the GPU:
+    as many bytes on the wire per edge as the CPU pipeline sends, and the same training to
+    the GPU's rounding."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _, cap = captured_tiny
+    parts = partition(cap.graph, contiguous_assignment(cap.graph, 3))
+    for kind in ("topk", "int8"):
+        runs = {}
+        for dev in ("cpu", "cuda:0"):
+            cut = cut_densities(parts, 0.1)
+            progs = stage_programs(cap.graph, parts, cap.state, device=dev,
+                                   densities=cut if kind == "topk" else None,
+                                   int8_edges=list(cut) if kind == "int8" else ())
+            runs[dev] = await run_pipeline(progs, data=small_text, batch_size=8,
+                                           micro_batches=4, optimizer=_adamw(), steps=2,
+                                           devices=[dev] * 3)
+        for a, b in zip(runs["cpu"].metrics, runs["cuda:0"].metrics, strict=True):
+            # (the index stream's varints, and lz4 where it pays, follow the values: within 5 %)
+            wa = {e.edge: e.forward_wire for e in a.edges}
+            wb = {e.edge: e.forward_wire for e in b.edges}
+            assert wa.keys() == wb.keys(), kind
+            assert all(abs(wa[k] - wb[k]) <= 0.05 * wa[k] for k in wa), (kind, wa, wb)
+        for got, want in zip(runs["cuda:0"].losses, runs["cpu"].losses, strict=True):
+            assert got == pytest.approx(want, rel=1e-3), kind

@@ -45,8 +45,9 @@ def check_device(device: str) -> torch.device:
         return dev
     if not torch.cuda.is_available():
         raise DeviceError(f"this machine has no usable CUDA device for {device} (torch "
-                          f"{torch.__version__}, CUDA {torch.version.cuda}); its profile "
-                          "should not have offered one: restart the daemon to profile it again")
+                          f"{torch.__version__}, CUDA {torch.version.cuda}): train where a GPU "
+                          "and a CUDA build of torch are, or on CPUs (job.device = \"cpu\"); a "
+                          "daemon whose GPU went away offers it no more once restarted")
     count = torch.cuda.device_count()
     if dev.index is not None and dev.index >= count:
         raise DeviceError(f"{device} does not exist here: this machine has {count} CUDA "

@@ -50,6 +50,7 @@ from fusiond.train.data import (
     make_source,
     source_from_arrays,
 )
+from fusiond.train.device import check_device
 from fusiond.train.programs import build_stage_module, data_inputs, random_seeder
 from fusiond.train.schedule import replica_tasks, schedule
 from fusiond.train.segments import SegmentPlan, SegmentRunner
@@ -700,8 +701,9 @@ class StageHost:
         config = replace(config, precision=sa.precision, offload_params=sa.offload_params,
                          device=sa.device)
         # every op of the partition must run here (UnsupportedOpError names the one that does
-        # not), before anything is built
+        # not), and its device must be here (DeviceError), before anything is built
         check_ops(sa.graph, config.disabled_ops)
+        check_device(sa.device)
         self.program = program_from_assignment(sa)
         # the module holds its own copy of the weights now; the decoded state would keep a
         # second one in memory for the job's life (with the weights on disk, all of them)

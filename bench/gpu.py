@@ -42,8 +42,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fusiond.graph import Driver, capture, contiguous_assignment  # noqa: E402
-from fusiond.models.gpt2 import gpt2, lm_loss  # noqa: E402
+from bench.graph import captured_gpt2  # noqa: E402
+from fusiond.graph import Driver, contiguous_assignment  # noqa: E402
+from fusiond.models.gpt2 import lm_loss  # noqa: E402
 
 TARGET_ONE = 1.15
 TARGET_MANY = 1.25
@@ -133,18 +134,8 @@ def check_captured(table: Table, dev: str, size: str, batch: int, seq: int, part
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.deterministic = True
-    torch.manual_seed(0)
-    model = gpt2(size)
-    model.train()
-    vocab = model.config.vocab_size
-    x = torch.randint(0, vocab, (batch, seq))
-    y = torch.randint(0, vocab, (batch, seq))
-    t0 = time.perf_counter()
-    cap = capture(model, (x[:2, :16],), targets=y[:2, :16], loss=lm_loss,
-                  dynamic=[{0: "batch", 1: "seq"}] * 2,
-                  dim_max={"seq": model.config.block_size})
-    print(f"captured GPT-2 {size} in {time.perf_counter() - t0:.1f} s "
-          f"({len(cap.graph.nodes)} nodes)", flush=True)
+    model, x, y, cap, cap_s = captured_gpt2(size, batch, seq)
+    print(f"captured GPT-2 {size} in {cap_s:.1f} s ({len(cap.graph.nodes)} nodes)", flush=True)
     model.to(dev)
     xd, yd = x.to(dev), y.to(dev)
     drivers = {1: Driver(cap.graph, contiguous_assignment(cap.graph, 1), cap.state, device=dev),

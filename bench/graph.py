@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fusiond.graph import Driver, capture, contiguous_assignment
+from fusiond.graph import CapturedModel, Driver, capture, contiguous_assignment
 from fusiond.models.gpt2 import gpt2, lm_loss
 from fusiond.models.resnet import classification_loss, resnet101
 from protocol import ir
@@ -45,7 +45,11 @@ def best_of(fn: Callable[[], object], n: int, warmup: int = 1) -> float:
     return best
 
 
-def bench_gpt2(size: str, batch: int, seq: int, parts: int, repeats: int) -> list[str]:
+def captured_gpt2(size: str, batch: int, seq: int
+                  ) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, CapturedModel, float]:
+    """GPT-2 `size` (seed 0, train mode), a random batch of `batch` x `seq` tokens and its
+    targets, the model captured with its loss (batch and sequence dynamic), and the capture's
+    seconds (bench/gpu.py uses it too)."""
     torch.manual_seed(0)
     model = gpt2(size)
     model.train()
@@ -61,7 +65,11 @@ def bench_gpt2(size: str, batch: int, seq: int, parts: int, repeats: int) -> lis
         dynamic=[{0: "batch", 1: "seq"}] * 2,
         dim_max={"seq": model.config.block_size},
     )
-    cap_s = time.perf_counter() - t0
+    return model, x, y, cap, time.perf_counter() - t0
+
+
+def bench_gpt2(size: str, batch: int, seq: int, parts: int, repeats: int) -> list[str]:
+    model, x, y, cap, cap_s = captured_gpt2(size, batch, seq)
     ir_bytes = len(ir.dumps(cap.graph))
 
     def eager() -> float:

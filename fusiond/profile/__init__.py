@@ -37,7 +37,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypedDict
 
 import fusiond
 import protocol
@@ -614,14 +614,7 @@ def machine_from_profile(node_id: str, profile: NodeProfile, memory_bytes: float
                                             "fp16": dev.flops_matmul_fp16}, precision),
             mem_bw=max(dev.mem_bw_bytes_per_s, 1.0), op_overhead_s=max(0.0, dev.op_overhead_s),
             memory_bytes=max(float(dev.free_bytes or dev.memory_bytes), 1.0),
-            kind=dev.name or dev.device, device=dev.device,
-            wire_s_per_byte=max(0.0, profile.plan_wire_s_per_byte),
-            msg_s=max(0.0, profile.plan_msg_s),
-            wake_s=min(max(0.0, profile.plan_wake_s), MAX_WAKE_S),
-            disk_bytes_per_s=(float(profile.plan_disk_bytes_per_s)
-                              if math.isfinite(profile.plan_disk_bytes_per_s)
-                              and profile.plan_disk_bytes_per_s > 0 else 0.0),
-            disk_free_bytes=float(max(0, profile.disk_free_bytes)))
+            kind=dev.name or dev.device, device=dev.device, **_host_costs(profile))
     rates = {c: float(getattr(profile, key)) for c, key in PLAN_FIELDS.items()}
     flops = {c: r for c, r in rates.items() if r > 0}
     if "other" not in flops or profile.plan_mem_bw <= 0:
@@ -633,14 +626,27 @@ def machine_from_profile(node_id: str, profile: NodeProfile, memory_bytes: float
                           mem_bw=profile.plan_mem_bw,
                           op_overhead_s=max(0.0, profile.plan_op_overhead_s),
                           memory_bytes=max(memory_bytes, 1.0),
-                          kind="cpu",
-                          wire_s_per_byte=max(0.0, profile.plan_wire_s_per_byte),
-                          msg_s=max(0.0, profile.plan_msg_s),
-                          wake_s=min(max(0.0, profile.plan_wake_s), MAX_WAKE_S),
-                          disk_bytes_per_s=(float(profile.plan_disk_bytes_per_s)
-                                            if math.isfinite(profile.plan_disk_bytes_per_s)
-                                            and profile.plan_disk_bytes_per_s > 0 else 0.0),
-                          disk_free_bytes=float(max(0, profile.disk_free_bytes)))
+                          kind="cpu", **_host_costs(profile))
+
+
+class _HostCosts(TypedDict):
+    wire_s_per_byte: float
+    msg_s: float
+    wake_s: float
+    disk_bytes_per_s: float
+    disk_free_bytes: float
+
+
+def _host_costs(profile: NodeProfile) -> _HostCosts:
+    """What a stage costs its host whatever device computes: the transport's CPU per byte
+    and per message, the wake-up latency, the disk's rate and room (bounded as gossiped
+    figures must be)."""
+    disk = float(profile.plan_disk_bytes_per_s)
+    return {"wire_s_per_byte": max(0.0, profile.plan_wire_s_per_byte),
+            "msg_s": max(0.0, profile.plan_msg_s),
+            "wake_s": min(max(0.0, profile.plan_wake_s), MAX_WAKE_S),
+            "disk_bytes_per_s": disk if math.isfinite(disk) and disk > 0 else 0.0,
+            "disk_free_bytes": float(max(0, profile.disk_free_bytes))}
 
 
 def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True,

@@ -58,18 +58,22 @@ async def test_bf16_cut_in_three_trains_as_one_stage_in_bf16(captured_tiny: Any,
     assert fp32.losses[0] == pytest.approx(whole.losses[0], rel=2e-2)
     for state in cut.states.values():  # the master weights stay float32
         assert all(v.dtype != torch.bfloat16 for v in state.values())
-    # a bf16 activation travels in half the bytes float32 sends on the same cut edge; one
-    # autocast keeps in float32 (GPT-2's residual stream: float32 + bf16) stays float32
-    fp32_cut = await _train(cap, 3, small_text, "fp32")
+    _assert_half_the_bytes(cut, await _train(cap, 3, small_text, "fp32"))
 
-    def wire(r: PipelineResult) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for m in r.metrics:
-            for e in m.edges:
-                out[e.edge] = out.get(e.edge, 0) + e.forward_wire + e.backward_wire
-        return out
 
-    half, full = wire(cut), wire(fp32_cut)
+def _wire(r: PipelineResult) -> dict[str, int]:
+    """Bytes each cut edge carried, both ways, over the run."""
+    out: dict[str, int] = {}
+    for m in r.metrics:
+        for e in m.edges:
+            out[e.edge] = out.get(e.edge, 0) + e.forward_wire + e.backward_wire
+    return out
+
+
+def _assert_half_the_bytes(half_run: PipelineResult, fp32_run: PipelineResult) -> None:
+    """A 16-bit activation travels in half the bytes float32 sends on the same cut edge; one
+    autocast keeps in float32 (GPT-2's residual stream: float32 + 16-bit) stays float32."""
+    half, full = _wire(half_run), _wire(fp32_run)
     ratios = {e: half[e] / full[e] for e in full if full[e] > 10_000}
     assert any(0.45 < r < 0.55 for r in ratios.values()), ratios
     assert all(r < 1.01 for r in ratios.values()), ratios
@@ -114,19 +118,7 @@ async def test_fp16_cut_in_three_trains_as_one_stage_in_fp16(captured_tiny: Any,
         assert v.dtype == torch.float32 and merged[k].dtype == torch.float32
     assert all(ex.loss_scale.skipped == 0 for ex in (*one, *three))
     assert {ex.loss_scale.scale for ex in three} == {2.0**16}
-    fp32_cut = await _train(cap, 3, small_text, "fp32", steps=4)
-
-    def wire(r: PipelineResult) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for m in r.metrics:
-            for e in m.edges:
-                out[e.edge] = out.get(e.edge, 0) + e.forward_wire + e.backward_wire
-        return out
-
-    half, full = wire(cut), wire(fp32_cut)
-    ratios = {e: half[e] / full[e] for e in full if full[e] > 10_000}
-    assert any(0.45 < r < 0.55 for r in ratios.values()), ratios  # an fp16 edge: 2 bytes
-    assert all(r < 1.01 for r in ratios.values()), ratios
+    _assert_half_the_bytes(cut, await _train(cap, 3, small_text, "fp32", steps=4))
 
 
 async def test_an_fp16_overflow_skips_the_step_on_every_stage_and_halves_the_scale(

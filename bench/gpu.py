@@ -195,7 +195,8 @@ def check_gpu_tests(table: Table) -> None:
                           "-p", "no:randomly", "tests/train/test_device.py"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     tail = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-200:]
-    ran = "passed" in tail and "skipped" not in tail and "failed" not in tail
+    ran = out.returncode == 0 and "passed" in tail and not any(
+        word in tail for word in ("skipped", "failed", "error"))
     if not ran:
         print(out.stdout[-3000:], out.stderr[-2000:], sep="\n")
     table.add("pytest -m gpu (stage executor on the GPU)", tail[:34], "all pass", ran)

@@ -195,6 +195,7 @@ def job_settings(spec: JobSpec, graph: ir.Graph | None = None) -> JobSettings:
         grad_density_floor=1.0 if graph is None else grad_floor(spec, graph),
         recompute=spec.batch.recompute,
         offload=spec.batch.offload,
+        offload_params=spec.precision != "fp16",
         snapshots=spec.checkpoint_interval > 0 or spec.eval_interval > 0,
     )
 

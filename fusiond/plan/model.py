@@ -417,6 +417,10 @@ class JobSettings:
     machine's disk (`fusiond.train.offload`): it then needs no memory for it and pays reading
     and writing it once per step at the disk's rate. The evaluator chooses it per stage, only
     where the stage does not fit otherwise, or where it costs less time than recomputing."""
+    offload_params: bool = True
+    """With `offload`: a stage may keep its weights and gradients on disk too, as a last
+    resort (an fp16 job may not: its stages unscale their gradients in memory). Stages on an
+    accelerator (`MachineProfile.device`) never offload to disk."""
     recompute: bool = False
     """A stage whose kept activations would not fit its machine may recompute them instead
     (activation checkpointing of the whole stage, `fusiond.train.stage.StageConfig`): it

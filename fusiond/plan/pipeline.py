@@ -779,7 +779,8 @@ def evaluate(
             options = [(0.0, False, False)]
             if st.recompute and kept < inflight * saved:
                 options.append((mb * fwd_s, True, False))
-            if st.offload and 0 < opt <= m.disk_room_bytes:
+            disk_ok = st.offload and m.device == "cpu"  # a GPU stage keeps its state on it
+            if disk_ok and 0 < opt <= m.disk_room_bytes:
                 options.append((disk_s, False, True))
                 if st.recompute and kept < inflight * saved:
                     options.append((mb * fwd_s + disk_s, True, True))
@@ -794,7 +795,7 @@ def evaluate(
                                         else min(options, key=lambda o: need[(o[1], o[2])]))
             mem = need[(recompute, offload)]
             blockwise: MemoryChoice | None = None
-            if (st.recompute or st.offload) and (cost > 0 or mem > cap):
+            if (st.recompute or disk_ok) and (cost > 0 or mem > cap):
                 # per block (AutoHete): which blocks to checkpoint, and the weights on disk
                 # as a last resort, where that fits or costs less than the stage-wide choice
                 blocks, _ = stage_blocks(arrays, mi, s.start, s.stop)
@@ -802,8 +803,9 @@ def evaluate(
                     blocks, budget_bytes=cap - bucket - snap, micro_batches=mb,
                     inflight=inflight,
                     disk_bytes_per_s=m.disk_rate_bytes_per_s, workspace_bytes=work,
-                    allow_recompute=st.recompute, allow_offload=st.offload,
-                    allow_param_offload=st.offload, disk_room_bytes=m.disk_room_bytes)
+                    allow_recompute=st.recompute, allow_offload=disk_ok,
+                    allow_param_offload=disk_ok and st.offload_params,
+                    disk_room_bytes=m.disk_room_bytes)
                 if got.fits and (mem > cap or got.added_s < cost):
                     blockwise = got
             micro_s, step_s = (fwd_s if recompute else 0.0), (disk_s if offload else 0.0)

@@ -732,6 +732,7 @@ def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True,
             log.warning("cannot cache the disk rate in %s: %s", cache, e)
     disk = float((data or {}).get("disk_bytes_per_s") or 0.0)
     gflops, machine, gflops_wall, machine_wall = raw
+    raw_matmul = machine.flops.get("matmul", 0.0)  # per CPU second of one thread, as below
     prof["threads"] = threads
     if kind == "cpu":
         prof["gflops_per_cpu_s"] = round(gflops, 2)
@@ -745,10 +746,13 @@ def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True,
                                   else 0.0)
     prof["gflops"] = round(gflops, 2)
     prof.update(planner_fields(machine))
-    for dtype in ("bf16", "fp16"):  # per CPU second of one thread, as `machine`'s rates
+    for dtype in ("bf16", "fp16"):
+        # its ratio to float32 per CPU second of one thread, applied to the float32 rate the
+        # planner uses (sustained, and capped by the wall-clock rate at `threads`)
         rate = float((data or {}).get(f"matmul_{dtype}") or 0.0)
-        if rate > 0 and math.isfinite(rate):
-            prof[f"plan_flops_matmul_{dtype}"] = sustained(rate, threads, allowance.cores)
+        if rate > 0 and math.isfinite(rate) and raw_matmul > 0:
+            prof[f"plan_flops_matmul_{dtype}"] = (machine.flops.get("matmul", 0.0)
+                                                  * rate / raw_matmul)
     prof.update(_accelerators(cache, prof["torch_version"], gpus))
     return NodeProfile(**prof)
 
@@ -764,9 +768,7 @@ def _accelerators(cache: Path | None, torch_version: str,
 
     if gpus is not None and not gpus:
         return {"device_error": ""}
-    found, error = dv.find_cuda()
-    if gpus is not None:  # the ones this daemon owns (another daemon may own the rest)
-        found = [f for f in found if f.index in gpus]
+    found, error = dv.find_cuda(owned=gpus)  # another daemon may own the rest
     out: dict[str, Any] = {"device_error": error}
     if not found:
         return out

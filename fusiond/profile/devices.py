@@ -59,11 +59,12 @@ def cuda_expected(driver_files: tuple[str, ...] = NVIDIA_DRIVER_FILES) -> bool:
     return any(Path(p).exists() for p in driver_files)
 
 
-def find_cuda(driver_files: tuple[str, ...] = NVIDIA_DRIVER_FILES
-              ) -> tuple[list[FoundDevice], str]:
-    """The visible CUDA devices, and why CUDA cannot be used where the driver is present but
-    fails ("" where nothing fails, and on a machine without CUDA, which this never
-    initialises)."""
+def find_cuda(driver_files: tuple[str, ...] = NVIDIA_DRIVER_FILES,
+              owned: frozenset[int] | None = None) -> tuple[list[FoundDevice], str]:
+    """The visible CUDA devices (of them, those in `owned`, None: all), and why CUDA cannot
+    be used where the driver is present but fails ("" where nothing fails, and on a machine
+    without CUDA, which this never initialises). Only the owned devices are opened (a
+    daemon per GPU puts no context on its neighbours' GPUs)."""
     if not cuda_expected(driver_files):
         return [], ""
     import torch
@@ -83,6 +84,8 @@ def find_cuda(driver_files: tuple[str, ...] = NVIDIA_DRIVER_FILES
             "it train on this machine's CPU")
     found = []
     for i in range(min(count, MAX_PROFILE_DEVICES)):
+        if owned is not None and i not in owned:
+            continue
         try:
             props = torch.cuda.get_device_properties(i)
             free, total = torch.cuda.mem_get_info(i)

@@ -70,6 +70,13 @@ class StagePlace:
     def __repr__(self) -> str:
         return f"StagePlace({str(self.device)!r})"
 
+    def bind(self) -> None:
+        """Make the place's device the calling thread's current one (the compute thread, at
+        each step): pinned buffers and streams then belong to it, and a stage on cuda:1 puts
+        nothing on cuda:0. Nothing on the CPU."""
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+
     def onto(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Host tensors -> the same values on the device (the same tensors on the CPU)."""
         if not self.cuda:

@@ -74,6 +74,7 @@ from fusiond.train.optim import lr_at, make_optimizer, set_lr
 from fusiond.train.schedule import Phase, Task
 from fusiond.train.segments import SegmentRunner
 from fusiond.train.spec import OptimizerSpec
+from protocol.errors import LocalProtocolError
 from protocol.messages import MAX_STEP_TASKS, MAX_TASK_NAME_BYTES, EdgeFigures, StepFigures
 
 __all__ = [
@@ -746,7 +747,8 @@ class StageExecutor:
                 raise StageError(f"stage {stage}: its slot {self.slot} is not among the job's "
                                  f"slots {sorted(job_slots)[:8]}")
         """fp16: the loss scale, and every other slot of the job, which agree on it."""
-        self._shared_wire = frozenset((_ROUND_1, _ROUND_2, _OVERFLOW))
+        self._shared_wire = frozenset((_ROUND_1, _ROUND_2)) | (
+            {_OVERFLOW} if self._scaler is not None else set())
         """Every name a PARAM_GRAD packet to this stage may carry."""
         by_peer: dict[int, list[str]] = {}
         for name in sorted(program.shared):
@@ -806,6 +808,7 @@ class StageExecutor:
         peers |= {self._slot_of(e.src, m) for e in self.program.in_edges for m in micros}
         for holders in self.program.shared.values():
             peers.update(holders)
+        peers.update(self._scale_peers)  # fp16: every slot hears this one's overflow flag
         for peer in sorted(peers - {self.slot}):
             out = self._outq[peer] = _Outbound(self.config.send_queue)
             self._senders.append(
@@ -1116,7 +1119,8 @@ class StageExecutor:
                     enc, sent_idx[edge_id] = codec.encode_topk_torch(t, density, e.per_row,
                                                                      self._place.host)
                 else:
-                    enc = codec.encode_int8_torch(t, self._place.host)
+                    enc = self._overflow_safe(
+                        functools.partial(codec.encode_int8_torch, t, self._place.host), t)
                 grad_edges.add(edge_id)
                 packets.append((Packet(PacketKind.FORWARD, step, micro, edge_id, self.slot,
                                        self._slot_of(e.dst, micro), enc.parts), enc, density))
@@ -1131,7 +1135,8 @@ class StageExecutor:
                 else:
                     enc = codec.encode_dense(t)
             elif density is None:
-                enc = codec.encode_edge(t, self._encoding[edge_id])
+                enc = self._overflow_safe(
+                    functools.partial(codec.encode_edge, t, self._encoding[edge_id]), t)
             else:
                 enc, sent_idx[edge_id] = codec.encode_topk(t, density, e.per_row)
             if _is_float(t):
@@ -1154,8 +1159,7 @@ class StageExecutor:
         dtype = PRECISIONS[self.config.precision]
         if dtype is None:
             return contextlib.nullcontext()
-        device = next((p.device.type for p in self._params.values()), "cpu")
-        return torch.autocast(device_type=device, dtype=dtype)
+        return torch.autocast(device_type=self._place.device.type, dtype=dtype)
 
     def _recompute(self, step: int, micro: int, ctx: _Ctx) -> None:
         """The forward of a recomputed task again, with autograd, as it ran the first time
@@ -1230,8 +1234,9 @@ class StageExecutor:
                     codec.encode_bf16(codec.project(g, ctx.recv_basis[edge_id])),
                     dense_nbytes=g.numel() * g.element_size())
             else:  # as the forward came; a quantized gradient rounds stochastically: unbiased
-                enc = codec.encode_edge(g, ctx.recv_enc.get(edge_id, "raw"), stochastic=True,
-                                        seed=_grad_seed(step, micro, edge_id))
+                enc = self._overflow_safe(functools.partial(
+                    codec.encode_edge, g, ctx.recv_enc.get(edge_id, "raw"), stochastic=True,
+                    seed=_grad_seed(step, micro, edge_id)), g)
             pkt = Packet(PacketKind.BACKWARD, step, micro, edge_id, self.slot,
                          self._slot_of(e.src, micro), enc.parts)
             packets.append((pkt, enc, e.density))
@@ -1325,6 +1330,19 @@ class StageExecutor:
                                           "shared grads (low-rank Q)").items():
             p = self._params[name]
             p.grad = self._place.onto_one(lr.gradient(name, total, p.shape)).to(p.dtype)
+
+    def _overflow_safe(self, encode: Callable[[], codec.Encoded], t: torch.Tensor
+                       ) -> codec.Encoded:
+        """`encode()`, or, in an fp16 job, `t` raw where it holds inf or nan (a quantizer
+        refuses them): an overflow is what the loss scale expects now and then, and it must
+        reach the step's agreement (the receiver reads the encoding off the payload), not
+        fail the job."""
+        try:
+            return encode()
+        except LocalProtocolError:
+            if self._scaler is None or bool(torch.isfinite(t).all()):
+                raise
+            return codec.encode_dense(self._place.host_one(t))
 
     def _fp16_unscale(self, step: int) -> bool:
         """fp16, after the step's last backward: agree with every other slot on whether any
@@ -1427,6 +1445,7 @@ class StageExecutor:
 
     def _run_step(self, step: int) -> StepReport:
         """One step, on the compute thread."""
+        self._place.bind()
         t0 = time.perf_counter()
         busy = 0.0
         self._stats = {}

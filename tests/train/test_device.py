@@ -9,6 +9,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,22 @@ def test_a_driver_that_fails_is_said_in_the_profile(tmp_path: Path,
     _, error = dv.find_cuda((str(driver),))
     assert "CUDA failed to initialise" in error and "driver initialization failed" in error
     assert dv.find_cuda((str(tmp_path / "absent"),)) == ([], "")
+    # a working driver: only the devices this daemon owns are opened (one daemon per GPU)
+    opened: list[int] = []
+
+    def mem_get_info(i: int) -> tuple[int, int]:
+        opened.append(i)
+        return (7 << 30, 8 << 30)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(name=f"GPU {i}"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    found, error = dv.find_cuda((str(driver),), owned=frozenset({2}))
+    assert error == "" and [(f.index, f.name, f.free_bytes) for f in found] == [
+        (2, "GPU 2", 7 << 30)] and opened == [2]
+    assert [f.index for f in dv.find_cuda((str(driver),))[0]] == [0, 1, 2]
 
 
 # -- the device's calibration, on the CPU as the same code with another device -------------------
@@ -386,7 +403,8 @@ def test_the_gpus_key_names_the_devices_a_daemon_owns(tmp_path: Path,
         load_config(env={"FUSION_GPUS": "first", "FUSION_STATE_DIR": str(tmp_path)})
     # the devices this daemon owns, measured; the others left to the daemons that own them
     found = [dv.FoundDevice(i, f"gpu{i}", 8 << 30, 8 << 30) for i in range(3)]
-    monkeypatch.setattr(dv, "find_cuda", lambda *a: (list(found), ""))
+    monkeypatch.setattr(dv, "find_cuda", lambda *a, owned=None: (
+        [f for f in found if owned is None or f.index in owned], ""))
     monkeypatch.setattr(dv, "measure_device",
                         lambda f, **kw: dataclasses.replace(GPU, index=f.index, name=f.name))
     cache = tmp_path / "profile.json"

@@ -14,7 +14,7 @@ import torch
 from fusiond.graph import contiguous_assignment, partition
 from fusiond.train import codec
 from fusiond.train.local import PipelineResult, run_pipeline
-from fusiond.train.programs import stage_programs
+from fusiond.train.programs import cut_densities, stage_programs
 from fusiond.train.stage import StageConfig, StageError, StageProgram
 
 pytestmark = pytest.mark.compute_only  # in one process: no daemon, no socket, no clock
@@ -142,6 +142,29 @@ async def test_an_fp16_overflow_skips_the_step_on_every_stage_and_halves_the_sca
     assert [ex.loss_scale.skipped for ex in execs] == [one[0].loss_scale.skipped] * 3
     for got, want in zip(recovering.losses, ref.losses, strict=True):
         assert got == pytest.approx(want, rel=1e-6)
+
+
+async def test_fp16_in_four_stages_agrees_among_stages_that_share_nothing(
+        captured_tiny: Any, small_text: Any) -> None:
+    """Stages 1 and 3 of four share no edge and no parameter: the overflow round still
+    reaches every slot (its queues are opened for every other slot of the job); an overflow
+    on int8 cut edges (a quantizer refuses inf) skips the step as on raw edges, where it
+    failed the job."""
+    from tests.train.test_recompute import ADAMW
+
+    _, cap = captured_tiny
+    whole, _ = await _train16(cap, 1, small_text, 3, 2.0**16)
+    four, execs = await _train16(cap, 4, small_text, 3, 2.0**16)
+    for got, want in zip(four.losses, whole.losses, strict=True):
+        assert got == pytest.approx(want, rel=1e-6)
+    parts = partition(cap.graph, contiguous_assignment(cap.graph, 3))
+    progs = stage_programs(cap.graph, parts, {k: v.clone() for k, v in cap.state.items()},
+                           int8_edges=list(cut_densities(parts, 1.0)))
+    execs = []
+    await run_pipeline(progs, data=small_text, batch_size=8, micro_batches=4, optimizer=ADAMW,
+                       steps=2, config=StageConfig(precision="fp16", loss_scale=2.0**40),
+                       on_executors=execs.extend)
+    assert [ex.loss_scale.skipped for ex in execs] == [2, 2, 2]
 
 
 def test_the_loss_scale_moves_as_torchs_grad_scaler() -> None:

@@ -94,8 +94,10 @@ def scheduler_reserve_bytes(captured: CapturedModel) -> float:
 
 def reserve_for_scheduler(cluster: Cluster, scheduler: str, reserve_bytes: float) -> Cluster:
     """`cluster` with `reserve_bytes` less memory on machine `scheduler` (never below one
-    byte; unchanged where that machine is not in it)."""
-    if reserve_bytes <= 0 or scheduler not in cluster.ids():
+    byte; unchanged where that machine is not in it, or is planned on its GPU, whose memory
+    the scheduler's host-side copies do not take)."""
+    if reserve_bytes <= 0 or scheduler not in cluster.ids() or any(
+            m.id == scheduler and m.device != "cpu" for m in cluster.machines):
         return cluster
     machines = tuple(replace(m, memory_bytes=max(1.0, m.memory_bytes - reserve_bytes))
                      if m.id == scheduler else m for m in cluster.machines)

@@ -204,13 +204,15 @@ def _safetensors_bytes(state: Mapping[str, torch.Tensor],
 
 
 def _stages_table(layout: JobLayout, densities: Mapping[str, float]) -> str:
-    lines = [f"{'stage':>5}  {'machine':<40}{'ops':>6}  {'params':>10}"]
+    lines = [f"{'stage':>5}  {'machine':<40}{'ops':>6}  {'params':>10}  device"]
     for s in layout.stages:
         lines.append(f"{s.stage:>5}  {s.node_id:<40}{len(s.partition.node_ids):>6}  "
-                     f"{len(s.partition.param_names):>10}")
+                     f"{len(s.partition.param_names):>10}  "
+                     f"{layout.devices.get(s.node_id, 'cpu')}")
         route = layout.routes.get(s.stage, ())
         for r, node in enumerate(layout.replicas.get(s.stage, ()), start=1):
-            lines.append(f"{'+':>5}  {node:<40}{'':>6}  {'':>10}  replica: "
+            lines.append(f"{'+':>5}  {node:<40}{'':>6}  {'':>10}  "
+                         f"{layout.devices.get(node, 'cpu')}  replica: "
                          f"{route.count(r)} of {len(route)} micro-batches")
     if densities:
         lines.append("top-k edges: " + ", ".join(f"{e} {d:g}" for e, d in densities.items()))
@@ -686,7 +688,8 @@ class Scheduling:
         term = view.term if view is not None else 0
         summary = {
             "job_id": job_id, "name": spec.name, "steps": spec.steps,
-            "stages": [{"stage": s.stage, "node": s.node_id} for s in layout.stages],
+            "stages": [{"stage": s.stage, "node": s.node_id,
+                        "device": layout.devices.get(s.node_id, "cpu")} for s in layout.stages],
             "densities": dict(layout.densities), "plan": plan_text,
             # the planner's decisions as data (None for a `--stages` cut): stages with machine
             # ids and op ranges, links in bytes/s as the planner saw them

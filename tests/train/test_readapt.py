@@ -124,7 +124,8 @@ async def test_service_sends_densities_when_the_measured_link_slows() -> None:
     coord = _Coord()
     lines: list[str] = []
     layout = SimpleNamespace(densities={}, edges=lambda: [SimpleNamespace(edge=e) for e in EDGES])
-    spec = SimpleNamespace(compression=SimpleNamespace(choice=False))
+    spec = SimpleNamespace(compression=SimpleNamespace(choice=False), device="auto",
+                           precision="fp32")
     rec = SimpleNamespace(state="running", coord=coord, layout=layout, plan=plan,
                           log=lines.append, spec=spec)
     task = asyncio.create_task(svc.scheduling._readapt(rec, 0.01))  # type: ignore[arg-type]
@@ -202,7 +203,8 @@ async def test_service_sends_codecs_when_the_measured_link_slows() -> None:
     lines: list[str] = []
     layout = SimpleNamespace(densities={}, encodings={},
                              edges=lambda: [SimpleNamespace(edge=e) for e in EDGES])
-    spec = SimpleNamespace(compression=SimpleNamespace(choice=True))
+    spec = SimpleNamespace(compression=SimpleNamespace(choice=True), device="auto",
+                           precision="fp32")
     rec = SimpleNamespace(state="running", coord=Coord(), layout=layout, plan=plan,
                           log=lines.append, spec=spec, codecs=None)
     task = asyncio.create_task(svc.scheduling._readapt(rec, 0.01))  # type: ignore[arg-type]

@@ -348,11 +348,12 @@ def replica_programs(programs: Sequence[Sequence[StageProgram]],
 @dataclass
 class ReplicatedResult:
     """What `run_replicated` returns: the loss of every step (the mean over the whole
-    iteration's micro-batches) and every slot's final state."""
+    iteration's micro-batches), every slot's final state, and every slot's step reports."""
 
     losses: list[float]
     states: dict[int, dict[str, torch.Tensor]]
     slots: dict[tuple[int, int], int]
+    reports: dict[int, list[StepReport]] = dataclasses.field(default_factory=dict)
 
 
 async def run_replicated(
@@ -414,7 +415,8 @@ async def run_replicated(
     for step in range(steps):
         shares = [runs[slots[(last, r)]].result()[step].loss for r in range(len(programs[last]))]
         losses.append(sum(x for x in shares if x is not None))
-    return ReplicatedResult(losses, {ex.slot: ex.state_dict() for ex in execs}, slots)
+    return ReplicatedResult(losses, {ex.slot: ex.state_dict() for ex in execs}, slots,
+                            {slot: task.result() for slot, task in runs.items()})
 
 
 class ReferenceTrainer:

@@ -597,6 +597,17 @@ class _Outbound:
 
 _ROUND_1 = "#1"
 _ROUND_2 = "#2"
+RING_MIN_HOLDERS = 3
+"""A shared parameter with at least this many holders is summed by a ring (two holders: one
+exchange of the whole gradient each way is already the least)."""
+
+
+def _ring_tag(holders: tuple[int, ...], k: int) -> str:
+    """The round-name suffix of step `k` of the ring over `holders` (unique per ring and
+    step, the same on every holder)."""
+    return f"@{'.'.join(map(str, holders))}/{k}"
+
+
 _OVERFLOW = "#fp16"
 """The PARAM_GRAD round in which every slot of an fp16 job says whether its gradients
 overflowed this step."""
@@ -750,13 +761,29 @@ class StageExecutor:
         self._shared_wire = frozenset((_ROUND_1, _ROUND_2)) | (
             {_OVERFLOW} if self._scaler is not None else set())
         """Every name a PARAM_GRAD packet to this stage may carry."""
+        rings: dict[tuple[int, ...], list[str]] = {}
+        for name in sorted(program.shared):
+            holders = tuple(sorted({self.slot, *program.shared[name]}))
+            if len(holders) >= RING_MIN_HOLDERS:
+                rings.setdefault(holders, []).append(name)
+        self._rings = rings
+        """Holders (in slot order) -> the shared parameters all of them hold, for every set of
+        at least `RING_MIN_HOLDERS`: summed by a ring (`_ring_sum`), each holder sending
+        2 (n - 1) / n of the gradient instead of n - 1 copies of it."""
+        in_ring = {n for names in rings.values() for n in names}
         by_peer: dict[int, list[str]] = {}
         for name in sorted(program.shared):
+            if name in in_ring:
+                continue
             for peer in program.shared[name]:
                 by_peer.setdefault(peer, []).append(name)
         self._shared_by_peer = by_peer
-        """Each other holder -> the shared parameters it holds too, in name order: what one
-        bucket to it carries (the same order on both sides)."""
+        """Each other holder -> the shared parameters it holds too (those not summed by a
+        ring), in name order: what one bucket to it carries (the same order on both
+        sides)."""
+        ring_rounds = [f"{r}{_ring_tag(h, k)}" for r in (_ROUND_1, _ROUND_2) for h in rings
+                       for k in range(2 * (len(h) - 1))]
+        self._shared_wire = self._shared_wire | frozenset(ring_rounds)
         self._mutated = mutated_buffers(program.module) if self.config.recompute else []
         if self.config.precision not in PRECISIONS:
             raise StageError(f"stage {stage}: precision {self.config.precision!r} is not one of "
@@ -784,7 +811,7 @@ class StageExecutor:
         resumed attempt starts here, so its first tensors are never mistaken for stale)."""
         self._inbox_bytes = 0
         per_step = micro_batches * (len(program.in_edges) + len(program.out_edges)) + 2 * len(
-            self._shared_by_peer) + len(self._scale_peers)
+            self._shared_by_peer) + len(self._scale_peers) + len(ring_rounds)
         self._inbox_max = 2 * per_step + self.config.inbox_slack
         self._ready = asyncio.Event()
         self._closed = False
@@ -1257,6 +1284,7 @@ class StageExecutor:
         names_of = {peer: [n for n in names if n in own]
                     for peer, names in self._shared_by_peer.items()}
         names_of = {peer: names for peer, names in names_of.items() if names}
+        ringed = {h: [n for n in names if n in own] for h, names in self._rings.items()}
 
         # the tensors go out as they are, no bucket copied (one gradient's worth of memory
         # less, issue 21): nothing writes them after this; the parameters' `.grad` become the
@@ -1279,9 +1307,15 @@ class StageExecutor:
                                    enc.parts), enc, None))
         self._emit(packets)
         deadline = time.monotonic() + self.config.recv_timeout_s
+        totals: dict[str, torch.Tensor] = {}
+        for holders, names in ringed.items():
+            if names:
+                totals.update(self._ring_sum(step, round_name, holders, names, own, what,
+                                             deadline))
         keys = [(PacketKind.PARAM_GRAD, step, peer, round_name) for peer in names_of]
         got, _ = self._take_all(keys, deadline, what)
-        parts: dict[str, dict[int, torch.Tensor]] = {n: {self.slot: t} for n, t in own.items()}
+        parts: dict[str, dict[int, torch.Tensor]] = {n: {self.slot: t} for n, t in own.items()
+                                                     if n not in totals}
         for peer, names in names_of.items():
             flat = codec.decode_dense(got[(PacketKind.PARAM_GRAD, step, peer, round_name)])
             want = sum(own[n].numel() for n in names)
@@ -1294,13 +1328,58 @@ class StageExecutor:
                 k = own[n].numel()
                 parts[n][peer] = flat[at:at + k].view_as(own[n]).to(own[n].dtype)
                 at += k
-        totals: dict[str, torch.Tensor] = {}
         for n, by_slot in parts.items():
             total = torch.zeros_like(own[n])
             for s in sorted(by_slot):
                 total += by_slot[s]
             totals[n] = total
         return totals
+
+    def _ring_sum(self, step: int, round_name: str, holders: tuple[int, ...],
+                  names: Sequence[str], own: Mapping[str, torch.Tensor], what: str,
+                  deadline: float) -> dict[str, torch.Tensor]:
+        """Sum `own[name]` over `holders` (this slot among them) by a ring all-reduce: the
+        names' tensors flat in float32, cut in n chunks; n - 1 reduce-scatter steps (each
+        holder adds what its predecessor sends to its own chunk and passes it on), after
+        which holder i has the whole sum of chunk i + 1; n - 1 all-gather steps pass the
+        sums round. Each chunk is summed once, by one holder, and copied to the others: the
+        holders end bit-identical."""
+        n = len(holders)
+        i = holders.index(self.slot)
+        nxt, prev = holders[(i + 1) % n], holders[(i - 1) % n]
+        flat = torch.cat([own[x].detach().reshape(-1).to(torch.float32) for x in names])
+        chunks = list(torch.tensor_split(flat, n))
+
+        def exchange(k: int, send_chunk: int) -> torch.Tensor:
+            tag = f"{round_name}{_ring_tag(holders, k)}"
+            enc = self._guard(what, step, functools.partial(codec.encode_dense,
+                                                            chunks[send_chunk]))
+            self._emit([(Packet(PacketKind.PARAM_GRAD, step, 0, tag, self.slot, nxt,
+                                enc.parts), enc, None)])
+            key = (PacketKind.PARAM_GRAD, step, prev, tag)
+            got = codec.decode_dense(self._take_all([key], deadline, what)[0][key])
+            want = chunks[(send_chunk - 1) % n]
+            if got.dim() != 1 or got.numel() != want.numel() or got.dtype != torch.float32:
+                raise StageError(f"stage {self.stage}, step {step}, {what}: slot {prev} sent "
+                                 f"{tuple(got.shape)} {got.dtype} in the ring's step {k}, not "
+                                 f"{want.numel()} float32 values")
+            return got
+
+        for k in range(n - 1):  # reduce-scatter
+            c = (i - k) % n
+            got = exchange(k, c)
+            chunks[(c - 1) % n] = got + chunks[(c - 1) % n]
+        for k in range(n - 1):  # all-gather: holder i starts with chunk i + 1, whole
+            c = (i + 1 - k) % n
+            chunks[(c - 1) % n] = exchange(n - 1 + k, c)
+        total = torch.cat(chunks)
+        out: dict[str, torch.Tensor] = {}
+        at = 0
+        for x in names:
+            k = own[x].numel()
+            out[x] = total[at:at + k].view_as(own[x]).to(own[x].dtype).clone()
+            at += k
+        return out
 
     def _reduce_shared(self, step: int) -> None:
         """Sum every shared gradient over its holders: dense ones in one round; low-rank ones

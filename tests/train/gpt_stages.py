@@ -88,6 +88,19 @@ def three_stages(g: GPT, density: float | None = None, *, first_blocks: int = 1,
     ]
 
 
+def one_stage(g: GPT) -> StageProgram:
+    """The whole model (a copy of `g`'s weights) as one stage: data in, loss out."""
+    model = copy.deepcopy(g)
+
+    def run(i: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        logits = model(i["inputs"])
+        targets = i["targets"]
+        return {"loss": F.cross_entropy(logits.reshape(-1, logits.size(-1)),
+                                        targets.reshape(-1))}
+
+    return StageProgram(model, run, (), (), ("inputs", "targets"), True)
+
+
 def merged_state(programs: list[StageProgram]) -> dict[str, torch.Tensor]:
     """The stages' parameters under the eager GPT's names (for comparing final weights)."""
     first, mid, last = (p.module for p in programs)

@@ -603,9 +603,11 @@ exchange of the whole gradient each way is already the least)."""
 
 
 def _ring_tag(holders: tuple[int, ...], k: int) -> str:
-    """The round-name suffix of step `k` of the ring over `holders` (unique per ring and
-    step, the same on every holder)."""
-    return f"@{'.'.join(map(str, holders))}/{k}"
+    """The round-name suffix of step `k` of the ring over `holders`: the same on every
+    holder, distinct per ring (their count and a CRC-32 of their slots: short however many
+    there are) and per step."""
+    crc = zlib.crc32(",".join(map(str, holders)).encode())
+    return f"@{len(holders)}x{crc:08x}/{k}"
 
 
 _OVERFLOW = "#fp16"

@@ -231,10 +231,10 @@ def device_line(d: DeviceProfile) -> str:
             f"{d.memory_bytes / gib:.1f} GiB free")
     if d.error:
         return f"{head}: NOT USED: {d.error}"
-    mm = d.flops.get("matmul", 0.0)
+    mm = d.flop_per_s.get("matmul", 0.0)
     rates = f"{mm / 1e12:.1f} TFLOP/s fp32 matmul"
-    if d.flops_matmul_bf16 > 0:
-        rates += f", {d.flops_matmul_bf16 / 1e12:.1f} bf16"
+    if d.matmul_bf16_flop_per_s > 0:
+        rates += f", {d.matmul_bf16_flop_per_s / 1e12:.1f} bf16"
     if d.h2d_bytes_per_s > 0:
         rates += f", host->device {d.h2d_bytes_per_s / 1e9:.1f} GB/s"
     return f"{head}, {rates}"

@@ -190,7 +190,7 @@ MAX_PROFILE_DISABLED_OPS: Final = 4096
 MAX_PROFILE_DEVICES: Final = 16
 """Bound on `NodeProfile.devices` (the accelerators a machine offers)."""
 MAX_DEVICE_RATES: Final = 16
-"""Bound on `DeviceProfile.flops` (one rate per op class)."""
+"""Bound on `DeviceProfile.flop_per_s` (one rate per op class)."""
 
 
 @dataclass(frozen=True)
@@ -207,14 +207,14 @@ class DeviceProfile(Struct):
     """Total memory of the device."""
     free_bytes: int = 0
     """Free memory of the device when the profile was computed."""
-    flops: dict[str, float] = field(default_factory=dict)
+    flop_per_s: dict[str, float] = field(default_factory=dict)
     """The planner's float32 rate per op class on the device (the keys of
     `fusiond.plan.model.MachineProfile.flops`: "matmul", "matmul_small", "other", ...), FLOP
     per second."""
-    flops_matmul_bf16: float = 0.0
+    matmul_bf16_flop_per_s: float = 0.0
     """Its bfloat16 rate on the calibration's largest product, FLOP per second (0: not
     measured; a bf16 job is then priced at the float32 rates)."""
-    flops_matmul_fp16: float = 0.0
+    matmul_fp16_flop_per_s: float = 0.0
     """Its float16 rate on the same product (0: not measured)."""
     mem_bw_bytes_per_s: float = 0.0
     """Its calibrated memory bandwidth."""
@@ -231,11 +231,11 @@ class DeviceProfile(Struct):
     def __post_init__(self) -> None:
         for f in ("kind", "name", "error"):
             _bounded_text(f, getattr(self, f))
-        if len(self.flops) > MAX_DEVICE_RATES:
-            raise ValueError(f"flops has {len(self.flops)} entries, limit is "
+        if len(self.flop_per_s) > MAX_DEVICE_RATES:
+            raise ValueError(f"flop_per_s has {len(self.flop_per_s)} entries, limit is "
                              f"{MAX_DEVICE_RATES}")
-        for k in self.flops:
-            _bounded_text(f"flops key {k[:32]!r}", k)
+        for k in self.flop_per_s:
+            _bounded_text(f"flop_per_s key {k[:32]!r}", k)
 
     @property
     def device(self) -> str:
@@ -246,9 +246,9 @@ class DeviceProfile(Struct):
     def usable(self) -> bool:
         """A CUDA device by a plausible index, measured, without an error (a peer's profile
         that says otherwise is not planned on)."""
-        rates = [*self.flops.values(), self.mem_bw_bytes_per_s]
+        rates = [*self.flop_per_s.values(), self.mem_bw_bytes_per_s]
         return (self.kind == "cuda" and 0 <= self.index < 100 and not self.error
-                and self.flops.get("other", 0.0) > 0 and self.mem_bw_bytes_per_s > 0
+                and self.flop_per_s.get("other", 0.0) > 0 and self.mem_bw_bytes_per_s > 0
                 and all(math.isfinite(r) and r >= 0 for r in rates)
                 and math.isfinite(self.op_overhead_s) and self.op_overhead_s >= 0)
 
@@ -312,10 +312,10 @@ class NodeProfile(Struct):
     plan_flops_attention: float = 0.0
     """Of scaled dot-product attention, FLOP per second (0: not measured; the planner then
     uses the matmul rate)."""
-    plan_flops_matmul_bf16: float = 0.0
+    plan_matmul_bf16_flop_per_s: float = 0.0
     """Of a bfloat16 matmul at the calibration's largest product on the CPU, FLOP per second
     (0: not measured; a bf16 job is then priced at the float32 rates)."""
-    plan_flops_matmul_fp16: float = 0.0
+    plan_matmul_fp16_flop_per_s: float = 0.0
     """The same in float16 (0: not measured)."""
     plan_mem_bw: float = 0.0
     """Calibrated memory bandwidth, bytes per second."""

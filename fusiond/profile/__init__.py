@@ -609,9 +609,9 @@ def machine_from_profile(node_id: str, profile: NodeProfile, memory_bytes: float
         if dev is None:
             return None
         return MachineProfile(
-            id=node_id, flops=at_precision({c: r for c, r in dev.flops.items() if r > 0},
-                                           {"bf16": dev.flops_matmul_bf16,
-                                            "fp16": dev.flops_matmul_fp16}, precision),
+            id=node_id, flops=at_precision({c: r for c, r in dev.flop_per_s.items() if r > 0},
+                                           {"bf16": dev.matmul_bf16_flop_per_s,
+                                            "fp16": dev.matmul_fp16_flop_per_s}, precision),
             mem_bw=max(dev.mem_bw_bytes_per_s, 1.0), op_overhead_s=max(0.0, dev.op_overhead_s),
             memory_bytes=max(float(dev.free_bytes or dev.memory_bytes), 1.0),
             kind=dev.name or dev.device, device=dev.device, **_host_costs(profile))
@@ -620,8 +620,8 @@ def machine_from_profile(node_id: str, profile: NodeProfile, memory_bytes: float
     if "other" not in flops or profile.plan_mem_bw <= 0:
         return None
     return MachineProfile(id=node_id,
-                          flops=at_precision(flops, {"bf16": profile.plan_flops_matmul_bf16,
-                                                     "fp16": profile.plan_flops_matmul_fp16},
+                          flops=at_precision(flops, {"bf16": profile.plan_matmul_bf16_flop_per_s,
+                                                     "fp16": profile.plan_matmul_fp16_flop_per_s},
                                              precision),
                           mem_bw=profile.plan_mem_bw,
                           op_overhead_s=max(0.0, profile.plan_op_overhead_s),
@@ -751,7 +751,7 @@ def compute_profile(cache_dir: str | Path | None, *, benchmark: bool = True,
         # planner uses (sustained, and capped by the wall-clock rate at `threads`)
         rate = float((data or {}).get(f"matmul_{dtype}") or 0.0)
         if rate > 0 and math.isfinite(rate) and raw_matmul > 0:
-            prof[f"plan_flops_matmul_{dtype}"] = (machine.flops.get("matmul", 0.0)
+            prof[f"plan_matmul_{dtype}_flop_per_s"] = (machine.flops.get("matmul", 0.0)
                                                   * rate / raw_matmul)
     prof.update(_accelerators(cache, prof["torch_version"], gpus))
     return NodeProfile(**prof)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +96,7 @@ def find_cuda(driver_files: tuple[str, ...] = NVIDIA_DRIVER_FILES,
 
 
 def device_profile(found: FoundDevice, machine: MachineProfile | None, *, kind: str = "cuda",
-                   flops_matmul_bf16: float = 0.0, flops_matmul_fp16: float = 0.0,
+                   matmul_bf16_flop_per_s: float = 0.0, matmul_fp16_flop_per_s: float = 0.0,
                    h2d_bytes_per_s: float = 0.0,
                    d2h_bytes_per_s: float = 0.0, error: str = "") -> DeviceProfile:
     """A found device and its calibration (None: not measured, `error` says why) as the
@@ -108,8 +108,10 @@ def device_profile(found: FoundDevice, machine: MachineProfile | None, *, kind: 
                              error=why or "not measured")
     return DeviceProfile(
         kind=kind, index=found.index, name=found.name, memory_bytes=found.memory_bytes,
-        free_bytes=found.free_bytes, flops={c: float(r) for c, r in machine.flops.items()},
-        flops_matmul_bf16=float(flops_matmul_bf16), flops_matmul_fp16=float(flops_matmul_fp16),
+        free_bytes=found.free_bytes,
+        flop_per_s={c: float(r) for c, r in machine.flops.items()},
+        matmul_bf16_flop_per_s=float(matmul_bf16_flop_per_s),
+        matmul_fp16_flop_per_s=float(matmul_fp16_flop_per_s),
         mem_bw_bytes_per_s=float(machine.mem_bw),
         op_overhead_s=float(machine.op_overhead_s), h2d_bytes_per_s=float(h2d_bytes_per_s),
         d2h_bytes_per_s=float(d2h_bytes_per_s))
@@ -139,8 +141,8 @@ def measure_device(found: FoundDevice, *, kind: str = "cuda", repeats: int = 3,
         log.warning("device %s cannot be calibrated: %r", dev, e)
         return device_profile(found, None, kind=kind, error=f"{dev} failed its calibration: "
                                                             f"{e!r}")
-    return device_profile(found, machine, kind=kind, flops_matmul_bf16=bf16,
-                          flops_matmul_fp16=fp16, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h)
+    return device_profile(found, machine, kind=kind, matmul_bf16_flop_per_s=bf16,
+                          matmul_fp16_flop_per_s=fp16, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h)
 
 
 def devices_to_cache(devices: tuple[DeviceProfile, ...]) -> list[dict[str, Any]]:
@@ -168,6 +170,4 @@ def with_free_memory(devices: tuple[DeviceProfile, ...], found: list[FoundDevice
                      ) -> tuple[DeviceProfile, ...]:
     """The cached calibrations with the free memory read now."""
     free: Mapping[int, int] = {f.index: f.free_bytes for f in found}
-    from dataclasses import replace
-
     return tuple(replace(d, free_bytes=free.get(d.index, d.free_bytes)) for d in devices)

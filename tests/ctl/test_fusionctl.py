@@ -483,8 +483,8 @@ def test_status_shows_each_gpu_and_says_when_a_driver_fails(capsys: Capture) -> 
     from protocol.messages import DeviceProfile, NodeProfile
 
     gpu = DeviceProfile(kind="cuda", index=0, name="NVIDIA H100", memory_bytes=80 << 30,
-                        free_bytes=79 << 30, flops={"matmul": 4e14, "other": 1e12},
-                        flops_matmul_bf16=8e14, mem_bw_bytes_per_s=2e12,
+                        free_bytes=79 << 30, flop_per_s={"matmul": 4e14, "other": 1e12},
+                        matmul_bf16_flop_per_s=8e14, mem_bw_bytes_per_s=2e12,
                         h2d_bytes_per_s=2.4e10)
     bad = DeviceProfile(kind="cuda", index=1, name="NVIDIA H100", memory_bytes=80 << 30,
                         error="cuda:1 failed: RuntimeError('ECC error')")

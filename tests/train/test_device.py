@@ -40,13 +40,13 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine
 
 GPU = DeviceProfile(kind="cuda", index=0, name="NVIDIA H100", memory_bytes=80 << 30,
                     free_bytes=79 << 30,
-                    flops={"matmul": 4e14, "matmul_small": 1e14, "matmul_tiny": 1e13,
+                    flop_per_s={"matmul": 4e14, "matmul_small": 1e14, "matmul_tiny": 1e13,
                            "conv": 2e14, "attention": 2e14, "other": 1e12},
-                    flops_matmul_bf16=8e14, mem_bw_bytes_per_s=2e12, op_overhead_s=8e-6,
+                    matmul_bf16_flop_per_s=8e14, mem_bw_bytes_per_s=2e12, op_overhead_s=8e-6,
                     h2d_bytes_per_s=2.4e10, d2h_bytes_per_s=2.4e10)
 CPU_RATES = dict(plan_flops_matmul=1.5e11, plan_flops_matmul_small=1.3e11,
                  plan_flops_other=2e9, plan_mem_bw=1e10, plan_op_overhead_s=2e-5,
-                 plan_flops_matmul_bf16=6e11, plan_wire_s_per_byte=1e-9)
+                 plan_matmul_bf16_flop_per_s=6e11, plan_wire_s_per_byte=1e-9)
 
 
 # -- the place: identity on the CPU, checked devices --------------------------------------------
@@ -173,8 +173,8 @@ def test_a_device_is_calibrated_on_itself_and_its_failure_is_its_own() -> None:
     d = dv.measure_device(found, kind="cpu", repeats=1, scale=0.1)
     assert not d.error and d.device == "cpu:0" and d.name == "test device"
     assert not d.usable  # measured, but only a CUDA device is planned on
-    assert d.flops["matmul"] > 0 and d.flops["other"] > 0 and d.flops_matmul_bf16 > 0
-    assert d.flops_matmul_fp16 > 0
+    assert d.flop_per_s["matmul"] > 0 and d.flop_per_s["other"] > 0 and d.matmul_bf16_flop_per_s > 0
+    assert d.matmul_fp16_flop_per_s > 0
     assert d.mem_bw_bytes_per_s > 0 and d.memory_bytes == 8 << 30
     assert d.h2d_bytes_per_s == 0  # no copy between host and the host
     back = dv.devices_from_cache(dv.devices_to_cache((d,)))
@@ -195,10 +195,10 @@ def test_a_profile_with_devices_round_trips_and_bounds_them() -> None:
     with pytest.raises(ValueError, match="devices has 17 items"):
         NodeProfile(devices=(GPU,) * 17)
     assert not dataclasses.replace(GPU, index=-1).usable  # a peer's nonsense is not planned on
-    assert not dataclasses.replace(GPU, flops={"other": float("nan")}).usable
+    assert not dataclasses.replace(GPU, flop_per_s={"other": float("nan")}).usable
     assert not dataclasses.replace(GPU, kind="tpu").usable and GPU.usable
-    with pytest.raises(ValueError, match="flops has 17 entries"):
-        DeviceProfile(kind="cuda", index=0, flops={str(i): 1.0 for i in range(17)})
+    with pytest.raises(ValueError, match="flop_per_s has 17 entries"):
+        DeviceProfile(kind="cuda", index=0, flop_per_s={str(i): 1.0 for i in range(17)})
 
 
 def test_the_job_device_policy_picks_each_machines_device() -> None:
@@ -233,7 +233,7 @@ def test_a_stage_on_a_gpu_is_priced_by_the_gpus_own_rates_and_memory() -> None:
     assert cb is not None and cb.flops["matmul"] == pytest.approx(6e11)
     # fp16 at its own measured rate; where none was measured, at the float32 rates
     h = prof.machine_from_profile("g", dataclasses.replace(
-        node, devices=(dataclasses.replace(GPU, flops_matmul_fp16=6e14),)), 16e9,
+        node, devices=(dataclasses.replace(GPU, matmul_fp16_flop_per_s=6e14),)), 16e9,
         device="cuda:0", precision="fp16")
     assert h is not None and h.flops["matmul"] == pytest.approx(6e14)
     ch = prof.machine_from_profile("g", node, 16e9, device="cpu", precision="fp16")

@@ -42,7 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.graph import captured_gpt2  # noqa: E402
+from bench.graph import best_of, captured_gpt2  # noqa: E402
 from fusiond.graph import Driver, contiguous_assignment  # noqa: E402
 from fusiond.models.gpt2 import lm_loss  # noqa: E402
 
@@ -108,13 +108,7 @@ def cuda_time(fn: Callable[[], object], repeats: int, dev: str = "cuda") -> floa
     """Best of `repeats` runs of `fn` in seconds, timed with CUDA events after one warm-up
     (with `time.perf_counter` on the CPU: the smoke run)."""
     if not dev.startswith("cuda"):
-        fn()
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t0)
-        return best
+        return best_of(fn, repeats)
     fn()
     torch.cuda.synchronize()
     best = float("inf")

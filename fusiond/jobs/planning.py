@@ -126,7 +126,8 @@ def cluster_for_planner(view: ClusterView, exclude: Iterable[str] = (),
     skip = set(exclude)
     alive = sorted((m for m in view.members if m.state == "alive" and m.node_id not in skip),
                    key=lambda m: m.node_id)
-    members = [m for m in alive if stage_device(m.profile, device) is not None]
+    where_of = {m.node_id: stage_device(m.profile, device) for m in alive}
+    members = [m for m in alive if where_of[m.node_id] is not None]
     if not members:
         if alive:
             why = "; ".join(f"{m.node_id}: {m.profile.device_error or 'no CUDA device'}"
@@ -139,7 +140,7 @@ def cluster_for_planner(view: ClusterView, exclude: Iterable[str] = (),
     memory: dict[str, int] = {}
     for m in members:
         prof: NodeProfile = m.profile
-        where = stage_device(prof, device) or "cpu"
+        where = where_of[m.node_id] or "cpu"
         mem = device_memory_bytes(prof, where) or _member_memory_bytes(prof)
         memory[m.node_id] = int(mem)
         # the member's own calibration at its CPU allowance (fusiond.profile), or its device's;

@@ -357,6 +357,11 @@ def reduces_on_device(t: torch.Tensor, density: float | None, encoding: EdgeEnco
             and (density is not None or encoding == "int8"))
 
 
+def _dense_nbytes(t: torch.Tensor) -> int:
+    """What the host codecs count as `t`'s dense size (`_np`: a bf16 tensor as float32)."""
+    return t.numel() * (4 if t.dtype == torch.bfloat16 else t.element_size())
+
+
 def _described(t: torch.Tensor) -> tuple[str, tuple[int, ...]]:
     return _WIRE_DTYPE_NAMES[t.dtype], tuple(int(d) for d in t.shape)
 
@@ -391,7 +396,7 @@ def encode_topk_torch(t: torch.Tensor, density: float, per_row: bool, to_host: T
     got = to_host({"i": flat, "v": values})
     idx = got["i"].numpy().astype(np.int64, copy=False)
     enc = wire.encode_topk_selected(name, shape, idx, got["v"].numpy(), per_row=row_wise)
-    return _encoded(enc, n * x.element_size() if x.dtype != torch.bfloat16 else n * 4), idx
+    return _encoded(enc, _dense_nbytes(x)), idx
 
 
 def encode_values_torch(grad: torch.Tensor, indices: np.ndarray, to_host: ToHost) -> Encoded:
@@ -403,7 +408,7 @@ def encode_values_torch(grad: torch.Tensor, indices: np.ndarray, to_host: ToHost
     values = g.reshape(-1)[where].float().to(torch.float16)
     got = to_host({"v": values})
     enc = wire.encode_values_selected(name, shape, got["v"].numpy())
-    return _encoded(enc, g.numel() * (4 if g.dtype == torch.bfloat16 else g.element_size()))
+    return _encoded(enc, _dense_nbytes(g))
 
 
 def encode_int8_torch(t: torch.Tensor, to_host: ToHost) -> Encoded:
@@ -430,4 +435,4 @@ def encode_int8_torch(t: torch.Tensor, to_host: ToHost) -> Encoded:
         raise LocalProtocolError("int8 quantization needs finite values within float32 "
                                       "range (found inf or nan)")
     enc = wire.encode_int8_quantized(name, shape, scales, got["q"].numpy(), block_size=block)
-    return _encoded(enc, n * (4 if x.dtype == torch.bfloat16 else x.element_size()))
+    return _encoded(enc, _dense_nbytes(x))

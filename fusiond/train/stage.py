@@ -753,8 +753,8 @@ class StageExecutor:
         """Shared parameters whose gradient travels low-rank (the rest dense)."""
         self._scaler: LossScale | None = None
         self._scale_peers: tuple[int, ...] = ()
-        if (config or StageConfig()).precision == "fp16":
-            self._scaler = LossScale(scale=(config or StageConfig()).loss_scale)
+        if self.config.precision == "fp16":
+            self._scaler = LossScale(scale=self.config.loss_scale)
             self._scale_peers = tuple(sorted(set(job_slots) - {self.slot}))
             if self.slot not in set(job_slots) and job_slots:
                 raise StageError(f"stage {stage}: its slot {self.slot} is not among the job's "
@@ -1137,8 +1137,8 @@ class StageExecutor:
                                  fault=FAULT_JOB)
         # what the codec reads, in host memory (the outputs themselves on the CPU); on a GPU,
         # top-k and int8 edges are compressed there and only their compressed arrays come over
-        here = {k for k in self._out if self._place.cuda and codec.reduces_on_device(
-            out[k], self._density[k], self._encoding[k])}
+        here = {k for k in self._out if codec.reduces_on_device(
+            out[k], self._density[k], self._encoding[k])} if self._place.cuda else set()
         sending = self._place.host({k: out[k] for k in self._out if k not in here})
         for edge_id, e in self._out.items():
             density = self._density[edge_id]

@@ -149,6 +149,12 @@ class LinkReport:
     """How its compressible tensors travel: "exact", "top-k <density>" or an encoding
     ("bf16", "int8", "int4"; several joined by "+")."""
 
+    @property
+    def fill_s(self) -> float:
+        """One micro-batch's transfer each way (its share of the pipeline's fill)."""
+        return (self.fwd_bytes / self.bandwidth_fwd_bytes_per_s
+                + self.bwd_bytes / self.bandwidth_bwd_bytes_per_s)
+
 
 @dataclass(frozen=True)
 class SyncReport:
@@ -471,14 +477,27 @@ def graph_param_sizes(graph: CostGraph) -> dict[str, float]:
     return sizes
 
 
+RING_MIN_HOLDERS = 3
+"""From this many holders the runtime sums a gradient by a ring (`fusiond.train.stage`'s
+constant of the same name; a test holds them equal)."""
+
+
 def exchange_bytes(grad_bytes: float, holders: int) -> float:
     """What a replicated stage's gradient reduction holds in each replica's memory beyond its
-    gradients, as the runtime exchanges them (`StageExecutor._exchange`, all-to-all, dense in
-    the warm-up steps even where later ones go low-rank): its own flat copy to send, each
-    other holder's copy received, and the sums. 0 without replicas. (DDP's 25 MiB bucket
-    was counted here before; a 2-replica exchange of a 19 MB model held 3x the gradients
-    and the kernel killed a replica planned to fit.)"""
-    return (holders + 1) * grad_bytes if holders > 1 else 0.0
+    gradients, as the runtime exchanges them (dense in the warm-up steps even where later
+    ones go low-rank). Two holders (`StageExecutor._exchange`): its own flat copy to send,
+    the other's copy received, and the sum. Three or more (`StageExecutor._ring_sum`): the
+    flat copy the reduce-scatter sums into, the all-gather's result and the chunk in flight,
+    whatever their number. 0 without replicas. (DDP's 25 MiB bucket was counted here
+    before; a 2-replica exchange of a 19 MB model held 3x the gradients and the kernel
+    killed a replica planned to fit. Until 2026-12-07 the ring was counted as holders + 1
+    copies, as the all-to-all it replaced: 49 copies of GPT-2 small's 0.5 GB on 48 replicas,
+    so no plan of more than 24 fitted.)"""
+    if holders < 2:
+        return 0.0
+    if holders < RING_MIN_HOLDERS:
+        return (holders + 1) * grad_bytes
+    return (2 + 1 / holders) * grad_bytes
 
 
 def micro_batch_shares(times_s: Sequence[float], num_micro_batches: int) -> list[int]:
@@ -896,28 +915,32 @@ def evaluate(
 
     active = [r for r in flat if r.micro_batches > 0]
     compute_b = max(r.micro_batches * r.busy_s for r in active) / M
-    bottleneck_rest, bottleneck = -1.0, ""
-    for rep in active:
-        x = rest(rep.micro_batches * rep.busy_s, rep.busy_s)
-        if x >= bottleneck_rest:
-            bottleneck_rest, bottleneck = x, f"compute {rep.machine_id}"
-    bottleneck_s = compute_b
-    for lk in links:
-        x = rest(lk.micro_batches * lk.time_s, lk.time_s)
-        if x > bottleneck_rest:
-            bottleneck_rest = x
-            bottleneck = f"link {c.machines[lk.src].id}->{c.machines[lk.dst].id}"
-        bottleneck_s = max(bottleneck_s, lk.micro_batches * lk.time_s / M)
     # the fill: one micro-batch through every stage (its slowest busy machine) and link
     busy = [max((r.busy_s for r in row if r.micro_batches > 0), default=0.0) for row in reps]
     fill = sum(busy)
     per_pair: dict[tuple[int, int], float] = {}
     for lk in links:
-        x = (lk.fwd_bytes / lk.bandwidth_fwd_bytes_per_s
-             + lk.bwd_bytes / lk.bandwidth_bwd_bytes_per_s)
         key = (lk.src_stage, lk.dst_stage)
-        per_pair[key] = max(per_pair.get(key, 0.0), x)
+        per_pair[key] = max(per_pair.get(key, 0.0), lk.fill_s)
     fill += sum(per_pair.values())
+    # Each resource's load after its first micro-batch, plus the fill with that micro-batch
+    # in its stage's (or machine pair's) place: a replica faster than its stage's slowest
+    # takes more micro-batches, so its own unit, not the slowest one's, is in its path.
+    # (Charging every resource the slowest replica's unit overstated a heterogeneous data
+    # parallel step by up to that unit: 13 % for GPT-2 small on 24 A100s and RTX 3090s.)
+    bottleneck_rest, bottleneck = -math.inf, ""
+    for rep in active:
+        x = rest(rep.micro_batches * rep.busy_s, rep.busy_s) + rep.busy_s - busy[rep.index]
+        if x >= bottleneck_rest:
+            bottleneck_rest, bottleneck = x, f"compute {rep.machine_id}"
+    bottleneck_s = compute_b
+    for lk in links:
+        x = (rest(lk.micro_batches * lk.time_s, lk.time_s)
+             + lk.fill_s - per_pair[(lk.src_stage, lk.dst_stage)])
+        if x > bottleneck_rest:
+            bottleneck_rest = x
+            bottleneck = f"link {c.machines[lk.src].id}->{c.machines[lk.dst].id}"
+        bottleneck_s = max(bottleneck_s, lk.micro_batches * lk.time_s / M)
 
     def hop(i: int) -> tuple[float, float]:
         """(round trip, wake-ups forward and backward) of the hop from stage i to i + 1."""

@@ -1345,12 +1345,19 @@ class StageExecutor:
         holder adds what its predecessor sends to its own chunk and passes it on), after
         which holder i has the whole sum of chunk i + 1; n - 1 all-gather steps pass the
         sums round. Each chunk is summed once, by one holder, and copied to the others: the
-        holders end bit-identical."""
+        holders end bit-identical.
+
+        Memory beyond the gradients: the flat copy, the result and a chunk in flight
+        (`fusiond.plan.pipeline.exchange_bytes`). The reduce-scatter adds into the flat copy
+        in place (a chunk is changed only before it is first sent, and a packet's bytes are
+        the chunk's own memory until written); the all-gather writes the result apart."""
         n = len(holders)
         i = holders.index(self.slot)
         nxt, prev = holders[(i + 1) % n], holders[(i - 1) % n]
         flat = torch.cat([own[x].detach().reshape(-1).to(torch.float32) for x in names])
         chunks = list(torch.tensor_split(flat, n))
+        total = torch.empty_like(flat)
+        done = list(torch.tensor_split(total, n))
 
         def exchange(k: int, send_chunk: int) -> torch.Tensor:
             tag = f"{round_name}{_ring_tag(holders, k)}"
@@ -1370,16 +1377,18 @@ class StageExecutor:
         for k in range(n - 1):  # reduce-scatter
             c = (i - k) % n
             got = exchange(k, c)
-            chunks[(c - 1) % n] = got + chunks[(c - 1) % n]
+            chunks[(c - 1) % n].add_(got)  # == got + chunk, bit for bit
+        whole = (i + 1) % n
+        done[whole].copy_(chunks[whole])
         for k in range(n - 1):  # all-gather: holder i starts with chunk i + 1, whole
             c = (i + 1 - k) % n
-            chunks[(c - 1) % n] = exchange(n - 1 + k, c)
-        total = torch.cat(chunks)
+            done[(c - 1) % n].copy_(exchange(n - 1 + k, c))
+            chunks[(c - 1) % n] = done[(c - 1) % n]
         out: dict[str, torch.Tensor] = {}
         at = 0
         for x in names:
             k = own[x].numel()
-            out[x] = total[at:at + k].view_as(own[x]).to(own[x].dtype).clone()
+            out[x] = total[at:at + k].view_as(own[x]).to(own[x].dtype)
             at += k
         return out
 

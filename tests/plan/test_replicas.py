@@ -214,20 +214,45 @@ def test_shapes_on_a_grouped_cluster_cover_the_issue_s_kinds() -> None:
 
 
 def test_a_replica_counts_the_exchange_the_runtime_holds() -> None:
-    """Each replica holds, beside its weights, gradients and optimizer state, its own flat
-    copy of the gradients to send, every other replica's copy received, and the sums (the
-    runtime's all-to-all exchange, dense in warm-up): 3 gradients' worth with 2 replicas,
-    4 with 3; nothing without replicas."""
+    """Each replica holds, beside its weights, gradients and optimizer state, what the
+    runtime's reduction holds: with 2 replicas its own flat copy to send, the other's copy
+    received and the sum (3 gradients' worth); with 3 or more, a ring's flat copy, result and
+    chunk in flight (2 + 1/n, however many replicas); nothing without replicas."""
+    from fusiond.plan.pipeline import RING_MIN_HOLDERS as PLAN_RING
+    from fusiond.train.stage import RING_MIN_HOLDERS
+
+    assert PLAN_RING == RING_MIN_HOLDERS == 3
     g = _chain(4, params=1e6)  # 4 MB of parameters (and of gradients)
-    cluster = Cluster.build([_machine(i) for i in range(3)],
-                            [[0 if i == j else 1e9 for j in range(3)] for i in range(3)])
-    a = GraphArrays(g, cluster, JobSettings(micro_batch_size=1, num_micro_batches=6))
+    k = 8
+    cluster = Cluster.build([_machine(i) for i in range(k)],
+                            [[0 if i == j else 1e9 for j in range(k)] for i in range(k)])
+    a = GraphArrays(g, cluster, JobSettings(micro_batch_size=1, num_micro_batches=8))
     alone = evaluate(a, [StageSpec(0, 0, 4)]).stages[0].memory_bytes
     two = evaluate(a, [StageSpec(0, 0, 4, (1,))])
-    three = evaluate(a, [StageSpec(0, 0, 4, (1, 2))])
     for rep in (two.stages[0], *two.replicas):
         assert rep.memory_bytes - alone == pytest.approx(3 * 4e6)
-    assert three.stages[0].memory_bytes - alone == pytest.approx(4 * 4e6)
+    for n in (3, 8):
+        ev = evaluate(a, [StageSpec(0, 0, 4, tuple(range(1, n)))])
+        for rep in ev.replicas:
+            assert rep.memory_bytes - alone == pytest.approx((2 + 1 / n) * 4e6), n
+
+
+def test_a_fast_replica_is_charged_its_own_micro_batches_not_the_slow_one_s() -> None:
+    """Data parallelism over a machine 2.5x faster than the other: 5 of 7 micro-batches go to
+    the fast one (5 x 1 against 2 x 2.5 units); the step is the slower of the two replicas'
+    shares, then the reduction: not 4 of the fast one's plus one of the slow one's."""
+    g = _chain(4, params=1e3)
+    cluster = Cluster.build([_machine(0), _machine(1, speed=1e12 / 2.5)],
+                            [[0, 1e12], [1e12, 0]])
+    a = GraphArrays(g, cluster, JobSettings(micro_batch_size=1, num_micro_batches=7))
+    ev = evaluate(a, [StageSpec(0, 0, 4, (1,))])
+    busy = {r.machine: r.busy_s for r in ev.replicas}
+    mbs = {r.machine: r.micro_batches for r in ev.replicas}
+    assert busy[1] == pytest.approx(2.5 * busy[0], rel=0.02)
+    assert mbs == {0: 5, 1: 2}
+    want = max(5 * busy[0], 2 * busy[1])
+    assert ev.iteration_s - ev.optimizer_s - ev.grad_sync_s == pytest.approx(want)
+    assert want < 4 * busy[0] + busy[1]
 
 
 def test_a_stage_that_sends_its_state_counts_its_snapshot_on_its_first_replica() -> None:

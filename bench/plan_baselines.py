@@ -362,15 +362,38 @@ def block_placement(arrays: GraphArrays, workload: Workload) -> Found | None:
     return _best(arrays, candidates())
 
 
+MAX_DDP_GROUP_SUBSETS = 64
+"""Sets of bandwidth groups (sites) the DDP baseline tries its machines from: every one up to
+6 groups, else all machines and each group alone."""
+
+
 def data_parallel(arrays: GraphArrays, workload: Workload) -> Found | None:
-    """(f) The whole model on each of the k fastest machines that hold it alone."""
+    """(f) The whole model on the k fastest machines that hold it alone, of every set of
+    sites (bandwidth groups) a user who knows the network would try: all of them, one site,
+    or several (up to `MAX_DDP_GROUP_SUBSETS` sets); k from `REPLICA_SET_SIZES` and all."""
     n = arrays.n
     K = len(arrays.cluster)
     alone = arrays.prefix[:, -1]
     fit = [m for m in sorted(range(K), key=lambda m: (float(alone[m]), m))
            if evaluate(arrays, [StageSpec(m, 0, n)]).feasible]
-    sizes = sorted({k for k in (*REPLICA_SET_SIZES, len(fit)) if 2 <= k <= len(fit)})
-    return _best(arrays, ([StageSpec(fit[0], 0, n, tuple(fit[1:k]))] for k in sizes))
+    groups = bandwidth_groups(arrays.cluster)
+    if 2 ** len(groups) - 1 <= MAX_DDP_GROUP_SUBSETS:
+        sets = [frozenset(m for i, g in enumerate(groups) if mask >> i & 1 for m in g)
+                for mask in range(1, 2 ** len(groups))]
+    else:
+        sets = [frozenset(range(K)), *(frozenset(g) for g in groups)]
+    seen: set[tuple[int, ...]] = set()
+
+    def candidates() -> Iterable[list[StageSpec]]:
+        for members in sets:
+            ms = [m for m in fit if m in members]
+            for k in sorted({k for k in (*REPLICA_SET_SIZES, len(ms)) if 2 <= k <= len(ms)}):
+                key = tuple(ms[:k])
+                if key not in seen:
+                    seen.add(key)
+                    yield [StageSpec(ms[0], 0, n, tuple(ms[1:k]))]
+
+    return _best(arrays, candidates())
 
 
 def opfence(compress: bool, replicate: bool = False) -> Search:

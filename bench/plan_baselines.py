@@ -371,6 +371,8 @@ def data_parallel(arrays: GraphArrays, workload: Workload) -> Found | None:
     """(f) The whole model on the k fastest machines that hold it alone, of every set of
     sites (bandwidth groups) a user who knows the network would try: all of them, one site,
     or several (up to `MAX_DDP_GROUP_SUBSETS` sets); k from `REPLICA_SET_SIZES` and all."""
+    # (DDP reduces each bucket during the backward, PowerSGD's included: its comm hook; the
+    # settings' `reduce_in_backward`, as fusion's runtime does)
     n = arrays.n
     K = len(arrays.cluster)
     alone = arrays.prefix[:, -1]

@@ -462,6 +462,9 @@ class EdgeRoute(Struct):
 MAX_ASSIGN_STAGES: Final = 4096
 """Bound on `AssignConfig.stage_nodes` and `AssignConfig.shared` entries (stages of a job)."""
 
+MAX_GRAD_BUCKETS: Final = 1024
+"""Bound on one slot's `AssignConfig.grad_buckets`."""
+
 
 @dataclass(frozen=True)
 class OptimizerConfig(Struct):
@@ -583,10 +586,14 @@ class AssignConfig(Struct):
     slot_devices: dict[str, str] = field(default_factory=dict)
     """Slot (decimal str) -> the device it computes on ("cuda:0"); a slot absent computes on
     its machine's CPU."""
+    grad_buckets: dict[str, int] = field(default_factory=dict)
+    """Slot (decimal str) -> how many buckets its shared gradients are reduced in, one after
+    another and during its last backward where it can (the plan's choice, the same on every
+    replica of a stage; at most `MAX_GRAD_BUCKETS`); a slot absent splits them by size."""
 
     def __post_init__(self) -> None:
         for name in ("stage_nodes", "shared", "slot_stages", "routes", "checkpoint_blocks",
-                     "slot_devices"):
+                     "slot_devices", "grad_buckets"):
             n = len(getattr(self, name))
             if n > MAX_ASSIGN_STAGES:
                 raise ValueError(f"{name} has {n} entries, limit is {MAX_ASSIGN_STAGES}")

@@ -103,6 +103,10 @@ class JobLayout:
     devices: Mapping[str, str] = field(default_factory=dict)
     """Machine -> the accelerator its stage computes on ("cuda:0"; the plan's
     `MachineProfile.device`); a machine absent computes on its CPU."""
+    grad_buckets: Mapping[str, int] = field(default_factory=dict)
+    """Machine -> the buckets its replicated stage reduces its gradients in (the plan's
+    `SyncReport.buckets`, the same on every replica); a machine absent: the runtime's own
+    split by size."""
 
     @property
     def int8_edges(self) -> frozenset[str]:
@@ -386,7 +390,9 @@ def assign_parts(
                         offload_param_slots=[slot for slot, n in nodes.items()
                                              if n in layout.offload_params],
                         slot_devices={slot: layout.devices[n] for slot, n in nodes.items()
-                                      if layout.devices.get(n, "cpu") != "cpu"})
+                                      if layout.devices.get(n, "cpu") != "cpu"},
+                        grad_buckets={slot: layout.grad_buckets[n] for slot, n in nodes.items()
+                                      if n in layout.grad_buckets})
     routes = layout.edges()
     job_nodes = {n: tuple(addresses[n]) for n in nodes.values()}
     shipped = _shipped_data(spec) if corpus is None else corpus.shipped()

@@ -199,6 +199,7 @@ def job_settings(spec: JobSpec, graph: ir.Graph | None = None) -> JobSettings:
         recompute=spec.batch.recompute,
         offload=spec.batch.offload,
         offload_params=spec.precision != "fp16",
+        reduce_in_backward=spec.precision != "fp16",
         snapshots=spec.checkpoint_interval > 0 or spec.eval_interval > 0,
     )
 
@@ -270,9 +271,10 @@ def layout_from_plan(job_id: str, graph: ir.Graph, state: Mapping[str, torch.Ten
               if r.checkpoint_blocks}
     weights = frozenset(r.machine_id for r in (ev.replicas or ev.stages) if r.offload_params)
     devices = {m.id: m.device for m in plan.arrays.cluster.machines if m.device != "cpu"}
+    buckets = {m: sync.buckets for sync in ev.syncs for m in sync.machine_ids}
     return replace(layout, grad_rank=grad_rank_of(plan, spec), recompute=recompute,
                    offload=offload, checkpoint_blocks=blocks, offload_params=weights,
-                   devices=devices)
+                   devices=devices, grad_buckets=buckets)
 
 
 def layout_codecs(layout: JobLayout) -> dict[str, EdgeCodec]:

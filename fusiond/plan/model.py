@@ -379,6 +379,26 @@ def lowrank_rank(features: int) -> int:
 EDGE_ENCODINGS: tuple[EdgeEncoding, ...] = get_args(EdgeEncoding)
 
 
+BUCKET_MIN_BYTES = 1 << 20
+BUCKET_MAX_BYTES = 25 << 20
+BUCKETS_PER_SET = 8
+"""A dense gradient reduction goes in buckets, as DDP's does: the gradients a set of holders
+shares, split into about `BUCKETS_PER_SET` buckets of `BUCKET_MIN_BYTES` to
+`BUCKET_MAX_BYTES` (DDP's 25 MiB), each reduced as soon as its gradients are final
+(`fusiond.train.stage.StageExecutor`)."""
+
+
+def bucket_bytes(grad_bytes: float) -> float:
+    """The bucket size the runtime aims at for a set of `grad_bytes` of gradients."""
+    return min(float(BUCKET_MAX_BYTES), max(float(BUCKET_MIN_BYTES),
+                                            grad_bytes / BUCKETS_PER_SET))
+
+
+def bucket_count(grad_bytes: float) -> int:
+    """About how many buckets `grad_bytes` of gradients make (at least 1)."""
+    return max(1, math.ceil(grad_bytes / bucket_bytes(grad_bytes) - 1e-9))
+
+
 @dataclass(frozen=True)
 class JobSettings:
     """What the planner needs to know about the job.
@@ -427,6 +447,11 @@ class JobSettings:
     keeps only its inputs per micro-batch in flight and one micro-batch's activations, and
     pays one more forward per micro-batch. The evaluator chooses it per stage, only where the
     plain stage does not fit."""
+    reduce_in_backward: bool = True
+    """A replicated stage's gradient reduction runs by buckets during its last backward (each
+    bucket once the backward has finished its gradients, `bucket_count` of them, dense or
+    low-rank), as the stage runtime and DDP's comm hooks do; not in an fp16 job (its stages
+    agree on an overflow first), nor on a stage with its weights on disk."""
     snapshots: bool = False
     """The job sends its stages' state (checkpoints, held-out evaluations): each stage's first
     replica holds a copy of its weights from its step's end until the copy is sent

@@ -172,15 +172,20 @@ class SyncReport:
     """The slowest link the reduction crosses."""
     time_s: float
     overlap_s: float
-    """What it hides behind: the stage's own last backward and the drain of the stages before
-    it (their last backward passes)."""
+    """What it hides behind: the drain of the stages before it (their last backward passes)
+    and, where it goes by buckets during the backward (`JobSettings.reduce_in_backward`),
+    all but the last bucket's share of the stage's own last backward."""
     density: float = 1.0
     """The share of `grad_bytes` sent (< 1: compressed low-rank with error feedback, at least
     `JobSettings.grad_density_floor`); `time_s` includes the compression's own work."""
+    buckets: int = 1
+    """The buckets it goes in during the backward (1: all of it after the backward); the
+    last one's share of `time_s` can only start once the backward has ended."""
 
     @property
     def exposed_s(self) -> float:
-        return max(0.0, self.time_s - self.overlap_s)
+        return max(0.0, self.time_s - self.overlap_s,
+                   self.time_s / self.buckets if self.buckets > 1 else 0.0)
 
 
 @dataclass(frozen=True)
@@ -700,22 +705,35 @@ def gradient_sync(c: Cluster, ms: Sequence[int]) -> GradientSync:
                         _ring(c, [g[0] for g in groups]), shards=min(len(g) for g in groups))
 
 
+BUCKET_CHOICES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+"""The bucket counts the evaluator weighs for a replicated stage's reduction: more hide more
+of it behind the last backward, each pays the scheme's latency once more."""
+
+
+def reduction_s(sync: GradientSync, grad_bytes: float, density: float, buckets: int,
+                extra_s_per_byte: float) -> float:
+    """A reduction's time: its bytes (`density` of `grad_bytes`) and its scheme's latency
+    once per bucket and round (the runtime's buckets go one after another; low-rank ones
+    in two rounds each, the P factors then the Q factors), plus, compressed, the
+    compression's own work (`extra_s_per_byte` of the dense bytes)."""
+    t_s = sync.time_s(grad_bytes * density)[0] + (buckets - 1) * sync.time_s(1.0)[0]
+    if density < 1.0:
+        t_s += buckets * sync.time_s(1.0)[0] + extra_s_per_byte * grad_bytes
+    return t_s
+
+
 def _sync_density(sync: GradientSync, grad_bytes: float, overlap_s: float, floor: float,
-                  extra_s_per_byte: float) -> float:
-    """The largest share of the gradient bytes (>= `floor`) whose reduction, plus its
-    compression (`extra_s_per_byte` of the dense bytes when compressed) and its second
-    round, hides behind `overlap_s`; `floor` when none does; 1.0 (dense) when the dense
-    reduction hides, or when even the floor would take longer than dense."""
-    if sync.time_s(grad_bytes)[0] <= overlap_s or floor >= 1.0:
+                  extra_s_per_byte: float, buckets: int = 1) -> float:
+    """The largest share of the gradient bytes (>= `floor`) whose reduction
+    (`reduction_s`) hides behind `overlap_s`; `floor` when none does; 1.0 (dense) when the
+    dense reduction hides, or when even the floor would take longer than dense."""
+    dense_s = reduction_s(sync, grad_bytes, 1.0, buckets, extra_s_per_byte)
+    if dense_s <= overlap_s or floor >= 1.0:
         return 1.0
 
     def cost(d: float) -> float:
-        # low-rank travels in two rounds (the P factors, then the Q factors): one more
-        # latency of the reduction's scheme than a dense one
-        return (sync.time_s(grad_bytes * d)[0] + sync.time_s(1.0)[0]
-                + extra_s_per_byte * grad_bytes)
+        return reduction_s(sync, grad_bytes, min(d, 1.0 - 1e-12), buckets, extra_s_per_byte)
 
-    dense_s = sync.time_s(grad_bytes)[0]
     if cost(floor) >= dense_s:
         return 1.0  # latency-bound: the second round costs more than the bytes it saves
     if cost(floor) >= overlap_s:
@@ -776,9 +794,11 @@ def evaluate(
     opt_s = 0.0
     sizes = graph_param_sizes(g)
     grad_bytes: list[float] = []
+    n_params: list[int] = []
     for i, s in enumerate(stages):
         params, opt, names = _stage_static(g, s.start, s.stop)
         grad_bytes.append(params)
+        n_params.append(max(1, len(names)))
         for p in names:
             holders.setdefault(p, []).append(i)
         saved = float(arrays.saved[s.start : s.stop].sum())
@@ -978,13 +998,28 @@ def evaluate(
         # projections): its memory traffic and 4 FLOPs per byte at its matmul rate
         compress_s_per_byte = max(3 / c.machines[m].mem_bw + 4 / c.machines[m].rate("matmul")
                                   for m in s.machines)
-        d = _sync_density(plan_sync, grad_bytes[i], drain, st.grad_density_floor,
-                          compress_s_per_byte)
-        t_s, slowest, scheme = plan_sync.time_s(grad_bytes[i] * d)
-        if d < 1.0:  # the projections, and the second round's latency (as in `cost`)
-            t_s += compress_s_per_byte * grad_bytes[i] + plan_sync.time_s(1.0)[0]
-        syncs.append(SyncReport(i, tuple(c.machines[m].id for m in s.machines), grad_bytes[i],
-                                scheme, slowest, t_s, drain, density=d))
+        # by buckets during the stage's own last backward, where the runtime does that: the
+        # bucket k of B is ready (k + 1) / B into it, and the buckets go one after another,
+        # so all but the last one's share of it hides them (`SyncReport.exposed_s`)
+        # the reduction goes by B buckets one after another (the plan chooses B, the runtime
+        # splits the gradients so); during the stage's own last backward where the runtime
+        # does that, bucket k ready (k + 1) / B into it, so all but the last one's share of
+        # it hides them (`SyncReport.exposed_s`), each bucket paying the scheme's latency
+        can_overlap = st.reduce_in_backward and not any(r.offload_params for r in reps[i])
+        counts = sorted({min(b, n_params[i]) for b in BUCKET_CHOICES}) if can_overlap else [1]
+        choices = []
+        for buckets in counts:
+            hide_s = drain + back[i] * (buckets - 1) / buckets
+            for dense_only in (True, False):
+                d = 1.0 if dense_only else _sync_density(
+                    plan_sync, grad_bytes[i], hide_s, st.grad_density_floor,
+                    compress_s_per_byte, buckets)
+                _, slowest, scheme = plan_sync.time_s(grad_bytes[i] * d)
+                t_s = reduction_s(plan_sync, grad_bytes[i], d, buckets, compress_s_per_byte)
+                choices.append(SyncReport(i, tuple(c.machines[m].id for m in s.machines),
+                                          grad_bytes[i], scheme, slowest, t_s, hide_s,
+                                          density=d, buckets=buckets))
+        syncs.append(min(choices, key=lambda x: (x.exposed_s, x.buckets, -x.density)))
     grad_sync = max((x.exposed_s for x in syncs), default=0.0)
     iteration = bottleneck_rest + fill + opt_s + sync + grad_sync
     return Evaluation(

@@ -79,6 +79,7 @@ from fusiond.train.stage import (
 from protocol import ir
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import (
+    MAX_GRAD_BUCKETS,
     Assign,
     AssignConfig,
     Backward,
@@ -140,7 +141,8 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
                offload_slots: Sequence[int] = (),
                checkpoint_blocks: Mapping[int, Sequence[int]] | None = None,
                offload_param_slots: Sequence[int] = (),
-               slot_devices: Mapping[int, str] | None = None) -> AssignConfig:
+               slot_devices: Mapping[int, str] | None = None,
+               grad_buckets: Mapping[int, int] | None = None) -> AssignConfig:
     """The `Assign.config` record for a job (the same for every stage).
 
     `stage_nodes`: stage -> node id for every stage; `shared`: stage -> {tied parameter -> the
@@ -159,7 +161,9 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
     slots that recompute their activations (`StageConfig.recompute`); `offload_slots`: the
     slots that keep their optimizer state on disk (`StageConfig.offload_dir`);
     `checkpoint_blocks`: slot -> the blocks of its partition it checkpoints;
-    `offload_param_slots`: the slots whose weights and gradients live on disk too.
+    `offload_param_slots`: the slots whose weights and gradients live on disk too;
+    `slot_devices`: slot -> its accelerator; `grad_buckets`: slot -> the buckets its shared
+    gradients are reduced in (the plan's choice).
     """
     o = spec.optimizer
     d = spec.data
@@ -207,6 +211,7 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
         offload_param_slots=tuple(sorted(int(s) for s in offload_param_slots)),
         precision=spec.precision,
         slot_devices={str(k): str(v) for k, v in (slot_devices or {}).items()},
+        grad_buckets={str(k): int(v) for k, v in (grad_buckets or {}).items()},
     )
 
 
@@ -271,6 +276,9 @@ class StageAssignment:
     """The compute dtype (`StageConfig.precision`)."""
     device: str = "cpu"
     """The device this slot computes on (`StageConfig.device`)."""
+    grad_buckets: int = 0
+    """The buckets this slot's shared gradients are reduced in (`StageConfig.grad_buckets`;
+    0: split by size)."""
 
     @property
     def is_replica(self) -> bool:
@@ -435,6 +443,13 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         if not DEVICE_RE.fullmatch(dev):
             raise RemoteError(f"Assign.config.slot_devices[{key}]: {dev[:16]!r} is not "
                               "\"cpu\" or \"cuda:N\"")
+    for key, count in cfg.grad_buckets.items():
+        if not key.isdigit() or int(key) not in {int(k) for k in stage_map}:
+            raise RemoteError(f"Assign.config.grad_buckets: {key[:16]!r} is not a slot of the "
+                              f"job ({len(stage_map)} slots)")
+        if not isinstance(count, int) or not 1 <= count <= MAX_GRAD_BUCKETS:
+            raise RemoteError(f"Assign.config.grad_buckets[{key}]: {count!r} is not a bucket "
+                              f"count in [1, {MAX_GRAD_BUCKETS}]")
     if not 0 <= cfg.eval_interval <= 10**9:
         raise RemoteError(f"Assign.config.eval_interval: {cfg.eval_interval!r} is not a step "
                           "count in [0, 10**9]")
@@ -459,6 +474,7 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         offload_params=own in cfg.offload_param_slots,
         precision=cfg.precision,
         device=cfg.slot_devices.get(str(own), "cpu"),
+        grad_buckets=cfg.grad_buckets.get(str(own), 0),
     )
 
 
@@ -699,7 +715,7 @@ class StageHost:
             config = replace(config, offload_dir=root / _safe_name(sa.job_id)
                              / f"v{sa.plan_version}")
         config = replace(config, precision=sa.precision, offload_params=sa.offload_params,
-                         device=sa.device)
+                         device=sa.device, grad_buckets=sa.grad_buckets)
         # every op of the partition must run here (UnsupportedOpError names the one that does
         # not), and its device must be here (DeviceError), before anything is built
         check_ops(sa.graph, config.disabled_ops)

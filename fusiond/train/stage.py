@@ -46,7 +46,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -58,6 +58,7 @@ from torch import nn
 from fusiond.errors import LocalError, RemoteError
 from fusiond.graph import mutated_buffers
 from fusiond.heap import near_limit
+from fusiond.plan.model import BUCKET_MAX_BYTES, BUCKET_MIN_BYTES, BUCKETS_PER_SET
 from fusiond.tasks import cancel_and_wait
 from fusiond.train import codec
 from fusiond.train.data import Batch, DataSource, split_micro_batches
@@ -344,6 +345,11 @@ class StageConfig:
     under this directory instead of memory (`fusiond.train.offload`): the same updates, bit
     for bit; the state is read and written once per step and costs no memory between steps.
     None: in memory."""
+    grad_buckets: int = 0
+    """The buckets a set of replicas' shared gradients are reduced in, one after another and
+    during the step's last backward where it can (the plan's `SyncReport.buckets`; about
+    equal bytes each, whole parameters); 0: about `BUCKETS_PER_SET` of
+    `BUCKET_MIN_BYTES`..`BUCKET_MAX_BYTES`."""
     offload_params: bool = False
     """Keep the parameters and their gradients in memory-mapped files under `offload_dir`
     too (`fusiond.train.offload.DiskParameters`; with the optimizer state there): with a
@@ -440,6 +446,11 @@ class StepReport:
     wait_s: float = 0.0
     """Seconds this stage sat waiting for its inputs (from the previous task's end, or the
     step's start, until the last input arrived), over all of the step's tasks."""
+    buckets_early: int = 0
+    """Gradient buckets whose reduction began while the step's last backward still ran."""
+    reduce_exposed_s: float = 0.0
+    """Seconds the step spent reducing its shared gradients after its last task (what the
+    backward did not hide)."""
     state: dict[str, torch.Tensor] | None = field(default=None, repr=False, compare=False)
     """A copy of the partition's parameters and buffers as this step left them, taken on the
     compute thread before the next step (`StageExecutor.run`'s `snapshot`); never sent in
@@ -595,11 +606,44 @@ class _Outbound:
         self.drained.set()
 
 
-_ROUND_1 = "#1"
-_ROUND_2 = "#2"
+_Q_ROUND = "q"
+"""The suffix of a bucket's round name for its low-rank Q factors (the P factors and the
+dense gradients go in the bucket's own round)."""
 RING_MIN_HOLDERS = 3
 """A shared parameter with at least this many holders is summed by a ring (two holders: one
 exchange of the whole gradient each way is already the least)."""
+
+
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    """Gradients one set of holders sums in one round (`_exchange`), named `round` on the
+    wire; the same on every holder (the order of the names, the split, the name)."""
+
+    round: str
+    holders: tuple[int, ...]
+    names: tuple[str, ...]
+
+
+@dataclass
+class _Overlap:
+    """A step's reduction running beside its last backward (`StageExecutor._start_overlap`):
+    the reducer's future, an event per bucket (its gradients final), the gradient hooks, and
+    the backward's end."""
+
+    future: Future[tuple[dict[str, torch.Tensor], int]]
+    ready: list[threading.Event]
+    hooks: list[Any]
+    done: threading.Event
+
+    def backward_ended(self) -> None:
+        """Every gradient is final (also after a failed task: the reducer must not wait)."""
+        self.done.set()
+        for h in self.hooks:
+            h.remove()
+        for ev in self.ready:
+            ev.set()
 
 
 def _ring_tag(holders: tuple[int, ...], k: int) -> str:
@@ -613,9 +657,9 @@ def _ring_tag(holders: tuple[int, ...], k: int) -> str:
 _OVERFLOW = "#fp16"
 """The PARAM_GRAD round in which every slot of an fp16 job says whether its gradients
 overflowed this step."""
-"""A PARAM_GRAD packet's name: the round of the shared gradients' exchange it carries (the
-dense gradients and low-rank P factors, then the Q factors), every tensor a pair of holders
-shares in one bucket."""
+"""A PARAM_GRAD packet's name is otherwise its bucket's round (`_Bucket.round`: the dense
+gradients and low-rank P factors, then `_Q_ROUND` for the Q factors), with a ring's step
+tag where the bucket's holders are 3 or more."""
 
 _ABORT_POLL_S = 0.05
 """How often a compute thread blocked on a full outbound queue checks for an abort."""
@@ -760,7 +804,7 @@ class StageExecutor:
                 raise StageError(f"stage {stage}: its slot {self.slot} is not among the job's "
                                  f"slots {sorted(job_slots)[:8]}")
         """fp16: the loss scale, and every other slot of the job, which agree on it."""
-        self._shared_wire = frozenset((_ROUND_1, _ROUND_2)) | (
+        self._shared_wire: frozenset[str] = frozenset(
             {_OVERFLOW} if self._scaler is not None else set())
         """Every name a PARAM_GRAD packet to this stage may carry."""
         rings: dict[tuple[int, ...], list[str]] = {}
@@ -783,9 +827,19 @@ class StageExecutor:
         """Each other holder -> the shared parameters it holds too (those not summed by a
         ring), in name order: what one bucket to it carries (the same order on both
         sides)."""
-        ring_rounds = [f"{r}{_ring_tag(h, k)}" for r in (_ROUND_1, _ROUND_2) for h in rings
-                       for k in range(2 * (len(h) - 1))]
-        self._shared_wire = self._shared_wire | frozenset(ring_rounds)
+        self._buckets = self._make_buckets()
+        rounds: list[str] = []
+        for b in self._buckets:
+            for r in (b.round, f"{b.round}{_Q_ROUND}"):
+                if len(b.holders) >= RING_MIN_HOLDERS:
+                    rounds += [f"{r}{_ring_tag(b.holders, k)}"
+                               for k in range(2 * (len(b.holders) - 1))]
+                else:
+                    rounds.append(r)
+        self._shared_wire = self._shared_wire | frozenset(rounds)
+        self._reducer: ThreadPoolExecutor | None = None
+        """The thread that reduces a step's buckets while its last backward runs."""
+        self._stats_lock = threading.Lock()
         self._mutated = mutated_buffers(program.module) if self.config.recompute else []
         if self.config.precision not in PRECISIONS:
             raise StageError(f"stage {stage}: precision {self.config.precision!r} is not one of "
@@ -812,8 +866,8 @@ class StageExecutor:
         """The step being run; packets for it and later steps are kept until their task (a
         resumed attempt starts here, so its first tensors are never mistaken for stale)."""
         self._inbox_bytes = 0
-        per_step = micro_batches * (len(program.in_edges) + len(program.out_edges)) + 2 * len(
-            self._shared_by_peer) + len(self._scale_peers) + len(ring_rounds)
+        per_step = (micro_batches * (len(program.in_edges) + len(program.out_edges))
+                    + len(self._scale_peers) + len(rounds))
         self._inbox_max = 2 * per_step + self.config.inbox_slack
         self._ready = asyncio.Event()
         self._closed = False
@@ -861,6 +915,8 @@ class StageExecutor:
         if self._pool is not None:
             # Waiting for a running task (seconds on a big model) must not block the loop.
             await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
+        if self._reducer is not None:
+            await asyncio.to_thread(self._reducer.shutdown, wait=True, cancel_futures=True)
         with self._cond:
             self._inbox.clear()
             self._inbox_bytes = 0
@@ -1040,11 +1096,13 @@ class StageExecutor:
 
         for pkt, enc, density in packets:
             key = (pkt.edge, pkt.kind)
-            st = self._stats.get(key)
-            if st is None:
-                st = self._stats[key] = EdgeStats(pkt.edge, pkt.kind, pkt.dst, density=density)
-            st.wire_bytes += enc.nbytes
-            st.dense_bytes += enc.dense_nbytes
+            with self._stats_lock:  # the compute thread's and the reducer's
+                st = self._stats.get(key)
+                if st is None:
+                    st = self._stats[key] = EdgeStats(pkt.edge, pkt.kind, pkt.dst,
+                                                      density=density)
+                st.wire_bytes += enc.nbytes
+                st.dense_bytes += enc.dense_nbytes
             if not self._outq[pkt.dst].put(pkt, wake):
                 with self._cond:
                     failed = self._failed
@@ -1392,34 +1450,130 @@ class StageExecutor:
             at += k
         return out
 
-    def _reduce_shared(self, step: int) -> None:
-        """Sum every shared gradient over its holders: dense ones in one round; low-rank ones
-        (`grad_rank`) as their P factors beside the dense ones, then their Q factors."""
-        lr = self._lowrank if step >= self.grad_warmup_steps else None
-        first: dict[str, torch.Tensor] = {}
-        # summed in host memory (the wire's side), each sum back onto the device
-        own = self._place.host({name: self._own_grad(name) for name in self.program.shared})
-        for name in self.program.shared:
-            g = own[name]
-            if lr is not None and name in self._lowrank_names:
-                first[name] = self._guard(
-                    "low-rank P", step, functools.partial(lr.p_factor, name, g))
+    def _make_buckets(self) -> list[_Bucket]:
+        """The dense reduction's buckets, in the order every holder reduces them (holder set,
+        then bucket). The gradients of a set held only by this stage's replicas (which run
+        the same partition) go last-used first, as a backward finishes them, split by size;
+        a set that spans stages (a tied weight) is one bucket in name order, since its
+        holders' partitions order their parameters differently."""
+        mine = {self.slot, *self._routes.get(self.stage, ())}
+        by_set: dict[tuple[int, ...], list[str]] = {}
+        for name in reversed(self._params):
+            if name in self.program.shared:
+                holders = tuple(sorted({self.slot, *self.program.shared[name]}))
+                by_set.setdefault(holders, []).append(name)
+        out: list[_Bucket] = []
+        for holders in sorted(by_set):
+            names = by_set[holders]
+            if not set(holders) <= mine:
+                groups = [sorted(names)]
             else:
-                first[name] = g
-        totals = self._exchange(step, _ROUND_1, first, "shared grads")
-        second: dict[str, torch.Tensor] = {}
+                sizes = [self._params[n].numel() * 4 for n in names]
+                if self.config.grad_buckets > 0:  # the plan's count, about equal bytes each
+                    cap = sum(sizes) / self.config.grad_buckets
+                else:  # (`fusiond.plan.model.bucket_bytes`, with this module's names: a test
+                    # may make them small)
+                    cap = min(BUCKET_MAX_BYTES, max(BUCKET_MIN_BYTES,
+                                                    sum(sizes) / BUCKETS_PER_SET))
+                groups, size = [[]], 0
+                for n, b in zip(names, sizes, strict=True):
+                    if groups[-1] and size + b > cap:
+                        groups.append([])
+                        size = 0
+                    groups[-1].append(n)
+                    size += b
+            for g in groups:
+                out.append(_Bucket(f"#b{len(out)}", holders, tuple(g)))
+        return out
+
+    def _overlaps(self, step: int) -> bool:
+        """Whether this step's buckets are reduced while its last backward runs: not in an
+        fp16 job (the overflow agreement comes first) or with weights in files (their pages
+        are the step's). On a GPU a gradient's hook fires once its accumulation is queued on
+        the compute stream; the reducer's copy to the host (`StagePlace.host`, on the
+        reducer's thread bound to the device) waits for what that stream has queued."""
+        return bool(self._buckets) and self._scaler is None and self._disk_params is None
+
+    def _lowrank_now(self, step: int) -> bool:
+        return (self._lowrank is not None and step >= self.grad_warmup_steps
+                and bool(self._lowrank_names))
+
+    def _reduce_buckets(self, step: int, ready: Sequence[threading.Event] | None,
+                        deadline: float, done: threading.Event | None = None
+                        ) -> tuple[dict[str, torch.Tensor], int]:
+        """Sum each bucket's gradients over its holders, in bucket order, each once its
+        `ready` event is set (None: all are); the sums (host memory) and how many buckets
+        began before `done` (the backward's end) was set."""
+        self._place.bind()  # the reducer's thread too
+        totals: dict[str, torch.Tensor] = {}
+        early = 0
+        for i, b in enumerate(self._buckets):
+            if ready is not None:
+                while not ready[i].wait(_ABORT_POLL_S):
+                    with self._cond:
+                        if self._failed is not None:
+                            raise self._failed
+                    if time.monotonic() > deadline:
+                        raise StageError(f"stage {self.stage}, step {step}: the gradients of "
+                                         f"bucket {b.round} were not ready within "
+                                         f"{self.config.recv_timeout_s:g}s")
+            early += done is not None and not done.is_set()
+            # summed in host memory (the wire's side); `_set_grads` puts them back
+            own = self._place.host({n: self._own_grad(n) for n in b.names})
+            lr = self._lowrank if self._lowrank_now(step) else None
+            if lr is None:
+                totals.update(self._exchange(step, b.round, own, "shared grads"))
+                continue
+            # low-rank ones: their P factors beside the dense ones, then their Q factors
+            first = {n: self._guard("low-rank P", step, functools.partial(lr.p_factor, n, g))
+                     if n in self._lowrank_names else g for n, g in own.items()}
+            second: dict[str, torch.Tensor] = {}
+            for n, total in self._exchange(step, b.round, first, "shared grads").items():
+                if n in self._lowrank_names:
+                    second[n] = self._guard("low-rank Q", step,
+                                            functools.partial(lr.q_factor, n, total))
+                else:
+                    totals[n] = total
+            if second:
+                for n, total in self._exchange(step, f"{b.round}{_Q_ROUND}", second,
+                                               "shared grads (low-rank Q)").items():
+                    totals[n] = lr.gradient(n, total, self._params[n].shape)
+        return totals, early
+
+    def _start_overlap(self, step: int) -> _Overlap:
+        """Before the step's last backward: a hook per shared parameter counts its bucket
+        down as autograd finishes its gradient (once per backward: autograd sums every use
+        of a leaf before accumulating it), and the reducer thread sums each bucket once it
+        is complete, while the backward goes on."""
+        if self._reducer is None:
+            self._reducer = ThreadPoolExecutor(max_workers=1,
+                                               thread_name_prefix=f"reduce{self.slot}")
+        ready = [threading.Event() for _ in self._buckets]
+        left = [len(b.names) for b in self._buckets]
+        where = {n: i for i, b in enumerate(self._buckets) for n in b.names}
+        handles = []
+        for name, i in where.items():
+            def hook(_: torch.Tensor, i: int = i) -> None:
+                left[i] -= 1
+                if left[i] == 0:
+                    ready[i].set()
+            handles.append(self._params[name].register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                hook))
+        deadline = time.monotonic() + self.config.recv_timeout_s
+        done = threading.Event()
+        fut = self._reducer.submit(self._reduce_buckets, step, ready, deadline, done)
+        return _Overlap(fut, ready, handles, done)
+
+    def _set_grads(self, totals: Mapping[str, torch.Tensor]) -> None:
         for name, total in totals.items():
-            if lr is not None and name in self._lowrank_names:
-                second[name] = self._guard(
-                    "low-rank Q", step, functools.partial(lr.q_factor, name, total))
-            else:
-                self._params[name].grad = self._place.onto_one(total)
-        if lr is None or not second:
-            return
-        for name, total in self._exchange(step, _ROUND_2, second,
-                                          "shared grads (low-rank Q)").items():
             p = self._params[name]
-            p.grad = self._place.onto_one(lr.gradient(name, total, p.shape)).to(p.dtype)
+            p.grad = self._place.onto_one(total).to(p.dtype)
+
+    def _reduce_shared(self, step: int) -> None:
+        """Sum every shared gradient over its holders, bucket by bucket
+        (`_reduce_buckets`), after the step's tasks."""
+        self._set_grads(self._reduce_buckets(
+            step, None, time.monotonic() + self.config.recv_timeout_s)[0])
 
     def _overflow_safe(self, encode: Callable[[], codec.Encoded], t: torch.Tensor
                        ) -> codec.Encoded:
@@ -1533,6 +1687,52 @@ class StageExecutor:
             raise StageError(f"stage {self.stage}, step {step}, {what}: {e!r}"
                              + (f" in {where}" if where else ""), fault=fault_of(e)) from e
 
+    def _run_task(self, step: int, task: Task, mbs: list[Batch] | None,
+                  ctxs: dict[int, _Ctx], losses: list[torch.Tensor],
+                  timeline: list[TaskTiming], t0: float, busy: float, waited: float,
+                  free: float) -> tuple[float, float, float]:
+        """One task of the step (on the compute thread): wait for its inputs, run it, queue
+        its outputs; the step's busy and waited seconds and when the stage was last free."""
+        deadline = time.monotonic() + self.config.recv_timeout_s
+        m = task.micro
+        what = f"{task}"
+        cost = _Cost()
+        if task.phase is Phase.F:
+            got, arrived = self._take_all(
+                [(PacketKind.FORWARD, step, m, e) for e in self._in], deadline, what)
+            payloads = {k[3]: payload for k, payload in got.items()}
+            ready = max(free, arrived)
+            start, cpu0 = time.perf_counter(), time.thread_time()
+            mb = mbs[m] if mbs is not None else None
+            ctx, packets = self._guard(
+                what, step, functools.partial(self._forward, step, m, payloads, mb, cost))
+            if ctx.loss is not None:  # read once a step (on a device: no wait per task)
+                losses.append(ctx.loss.detach())
+            ctxs[m] = ctx
+        else:
+            ctx = ctxs.pop(m)
+            got, arrived = self._take_all(
+                [(PacketKind.BACKWARD, step, m, e) for e in sorted(ctx.grad_edges)],
+                deadline, what)
+            payloads = {k[3]: payload for k, payload in got.items()}
+            ready = max(free, arrived)
+            start, cpu0 = time.perf_counter(), time.thread_time()
+            packets = self._guard(
+                what, step, functools.partial(self._backward, step, m, ctx, payloads, cost))
+            del ctx
+            if self._trim or near_limit(self.config.memory_limit_bytes):
+                trim_heap()
+        end, cpu = time.perf_counter(), time.thread_time() - cpu0
+        busy += end - start
+        waited += max(0.0, ready - free)
+        send_s = self._emit(packets)
+        if len(timeline) < MAX_TIMELINE:  # a bounded report, however many micro-batches
+            timeline.append(TaskTiming(what, ready - t0, start - t0, end - t0,
+                                       max(0.0, ready - free), cpu, cost.kernel_s,
+                                       cost.codec_s, send_s))
+        free = time.perf_counter()
+        return busy, waited, free
+
     def _run_step(self, step: int) -> StepReport:
         """One step, on the compute thread."""
         self._place.bind()
@@ -1550,54 +1750,41 @@ class StageExecutor:
         timeline: list[TaskTiming] = []
         waited = 0.0
         free = time.perf_counter()  # when the stage last had nothing to do but wait
-        for task in self.tasks:
-            deadline = time.monotonic() + self.config.recv_timeout_s
-            m = task.micro
-            what = f"{task}"
-            cost = _Cost()
-            if task.phase is Phase.F:
-                got, arrived = self._take_all(
-                    [(PacketKind.FORWARD, step, m, e) for e in self._in], deadline, what)
-                payloads = {k[3]: payload for k, payload in got.items()}
-                ready = max(free, arrived)
-                start, cpu0 = time.perf_counter(), time.thread_time()
-                mb = mbs[m] if mbs is not None else None
-                ctx, packets = self._guard(
-                    what, step, functools.partial(self._forward, step, m, payloads, mb, cost))
-                if ctx.loss is not None:  # read once a step (on a device: no wait per task)
-                    losses.append(ctx.loss.detach())
-                ctxs[m] = ctx
-            else:
-                ctx = ctxs.pop(m)
-                got, arrived = self._take_all(
-                    [(PacketKind.BACKWARD, step, m, e) for e in sorted(ctx.grad_edges)],
-                    deadline, what)
-                payloads = {k[3]: payload for k, payload in got.items()}
-                ready = max(free, arrived)
-                start, cpu0 = time.perf_counter(), time.thread_time()
-                packets = self._guard(
-                    what, step, functools.partial(self._backward, step, m, ctx, payloads, cost))
-                del ctx
-                if self._trim or near_limit(self.config.memory_limit_bytes):
-                    trim_heap()
-            end, cpu = time.perf_counter(), time.thread_time() - cpu0
-            busy += end - start
-            waited += max(0.0, ready - free)
-            send_s = self._emit(packets)
-            if len(timeline) < MAX_TIMELINE:  # a bounded report, however many micro-batches
-                timeline.append(TaskTiming(what, ready - t0, start - t0, end - t0,
-                                           max(0.0, ready - free), cpu, cost.kernel_s,
-                                           cost.codec_s, send_s))
-            free = time.perf_counter()
+        last_b = max((i for i, t in enumerate(self.tasks) if t.phase is not Phase.F),
+                     default=None)
+        overlap = last_b is not None and self._overlaps(step)
+        reducing: _Overlap | None = None
+        try:
+            for i, task in enumerate(self.tasks):
+                if overlap and i == last_b:
+                    reducing = self._start_overlap(step)
+                try:
+                    busy, waited, free = self._run_task(
+                        step, task, mbs, ctxs, losses, timeline, t0, busy, waited, free)
+                finally:
+                    if reducing is not None and i == last_b:
+                        reducing.backward_ended()
+        except BaseException:
+            if reducing is not None:
+                self.fail(StageError(f"stage {self.stage}, step {step}: a task failed while "
+                                     "its gradients were being reduced"))
+            raise
         skip = False
         if self._scaler is not None:
             tb = time.perf_counter()
             skip = self._fp16_unscale(step)
             busy += time.perf_counter() - tb
-        if self.program.shared and not skip:
+        early, exposed = 0, 0.0
+        if reducing is not None:
+            tb = time.perf_counter()  # what the reduction did not hide
+            totals, early = reducing.future.result()
+            self._set_grads(totals)
+            exposed = time.perf_counter() - tb
+        elif self.program.shared and not skip:
             tb = time.perf_counter()
             self._reduce_shared(step)
-            busy += time.perf_counter() - tb
+            exposed = time.perf_counter() - tb
+        busy += exposed
         lr = lr_at(self.opt_spec, step, self.total_steps)
         to = time.perf_counter()
         if skip:  # an overflow somewhere in the job: every stage drops this step's gradients
@@ -1615,7 +1802,7 @@ class StageExecutor:
                   if self._place.cuda and losses else [float(x) for x in losses])
         loss = sum(values) / self.micro_batches if values else None
         return StepReport(self.stage, step, loss, lr, wall, busy, list(self._stats.values()),
-                          timeline, t0, waited)
+                          timeline, t0, waited, buckets_early=early, reduce_exposed_s=exposed)
 
     def _take_all(self, keys: Sequence[_Key], deadline: float, what: str
                   ) -> tuple[dict[_Key, bytes | memoryview], float]:

@@ -269,3 +269,28 @@ def test_a_stage_that_sends_its_state_counts_its_snapshot_on_its_first_replica()
     assert b.replicas[0].memory_bytes - a.replicas[0].memory_bytes == pytest.approx(4e6)
     assert b.replicas[1].memory_bytes == pytest.approx(a.replicas[1].memory_bytes)
     assert snap.fit_static_prefix[-1] - plain.fit_static_prefix[-1] == pytest.approx(4e6)
+
+
+def test_the_reduction_hides_behind_the_last_backward_but_its_last_bucket() -> None:
+    """Two replicas reduce 40 MB of gradients in 8 buckets (`bucket_count`) during their last
+    backward (80 ms): each bucket goes once its gradients are final, so all of the reduction
+    (40 ms) hides but the last bucket's share; an fp16 job (`reduce_in_backward=False`)
+    reduces after the backward and pays all of it."""
+    from fusiond.plan.model import bucket_count
+
+    g = _chain(4, params=1e7)
+    cluster = Cluster.build([_machine(0), _machine(1)], [[0, 1e9], [1e9, 0]])
+    assert bucket_count(4e7) == 8
+    for overlap in (True, False):
+        a = GraphArrays(g, cluster, JobSettings(micro_batch_size=1, num_micro_batches=4,
+                                                reduce_in_backward=overlap))
+        ev = evaluate(a, [StageSpec(0, 0, 4, (1,))])
+        (sync,) = ev.syncs
+        assert sync.time_s == pytest.approx(0.04)
+        if overlap:
+            assert sync.buckets == 8
+            assert sync.overlap_s == pytest.approx(0.08 * 7 / 8, rel=0.01)
+            assert sync.exposed_s == pytest.approx(0.04 / 8)
+        else:
+            assert sync.buckets == 1 and sync.exposed_s == pytest.approx(0.04)
+        assert ev.grad_sync_s == pytest.approx(sync.exposed_s)

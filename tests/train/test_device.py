@@ -312,6 +312,18 @@ def test_an_assign_names_each_slots_device_and_refuses_a_bad_one(captured_tiny: 
                                                              slot_devices={"7": "cuda:0"}))
     with pytest.raises(FusionError, match="slot_devices: '7' is not a slot"):
         decode_assign(bad, pb)
+    # the plan's gradient buckets travel the same way, and are bounded
+    layout = dataclasses.replace(layout, grad_buckets={"b": 3})
+    (_, _), (mb, pb) = assign_messages(
+        layout, spec, cap.state, term=1, plan_version=1,
+        addresses={"a": ("127.0.0.1", 1), "b": ("127.0.0.1", 2)}).values()
+    assert decode_assign(mb, pb).grad_buckets == 3
+    for value, why in (({"1": 0}, r"grad_buckets\[1\]: 0 is not a bucket count"),
+                       ({"1": 5000}, r"grad_buckets\[1\]: 5000 is not"),
+                       ({"x": 2}, "grad_buckets: 'x' is not a slot")):
+        bad = dataclasses.replace(mb, config=dataclasses.replace(mb.config, grad_buckets=value))
+        with pytest.raises(FusionError, match=why):
+            decode_assign(bad, pb)
 
 
 # -- on a GPU: partitioned equals unpartitioned there, and a CPU stage beside a GPU stage ---------

@@ -51,7 +51,12 @@ async def test_planned_replicas_of_unequal_speed_train_as_single_process(  # typ
     assert sum(len(s.machines) for s in plan.stages) == 3, plan.stages
     layout = layout_from_plan("job-r", cap.graph, cap.state, plan, spec)
     assert layout.replicas and layout.routes and layout.grad_rank is None
-    layout = replace(layout, grad_rank=grad_rank)
+    # the plan's bucket count for each replicated stage's machines; 3 forced here, so the
+    # Assign carries it and every replica splits its gradients the same way
+    replicated = {m for s in plan.stages if s.replicas for m in s.machines}
+    assert set(layout.grad_buckets) == {cluster.machines[m].id for m in replicated}
+    layout = replace(layout, grad_rank=grad_rank,
+                     grad_buckets={n: 3 for n in layout.grad_buckets})
     shares = {st: sorted(route.count(r) for r in set(route))
               for st, route in layout.routes.items()}
     assert any(len(set(s)) > 1 for s in shares.values()), shares  # unequal speeds, shares

@@ -561,12 +561,12 @@ def render_plan(data: Mapping[str, Any], console: Console | None = None) -> None
             sent_mb = float(x.get("grad_bytes") or 0) * float(x.get("density") or 1) / 1e6
             rows.append([str(x.get("stage")), str(len(x.get("machine_ids") or [])),
                          f"{sent_mb:.3g}", f"{float(x.get('density') or 1.0):.3f}",
-                         _mbit(x.get("slowest_bytes_per_s")), _ms(time_s),
-                         _ms(time_s - exposed_s), str(x.get("scheme", ""))])
+                         _mbit(x.get("slowest_bytes_per_s")), str(x.get("buckets") or 1),
+                         _ms(time_s), _ms(time_s - exposed_s), str(x.get("scheme", ""))])
         c.print(_fitted("gradient reductions (per iteration)",
                         [("stage", None), ("replicas", None), ("MB", None), ("density", None),
-                         ("slowest Mbit/s", None), ("ms", None), ("hidden ms", None),
-                         ("scheme", 12)], rows))
+                         ("slowest Mbit/s", None), ("buckets", None), ("ms", None),
+                         ("hidden ms", None), ("scheme", 12)], rows))
     if p.get("bottleneck"):
         c.print(f"bottleneck: {p['bottleneck']} ({_ms(p.get('bottleneck_s'))} ms per "
                 f"micro-batch; compute bottleneck {_ms(p.get('compute_bottleneck_s'))} ms)",

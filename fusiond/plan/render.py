@@ -51,6 +51,8 @@ class PlanSyncSummary(TypedDict):
     slowest_bytes_per_s: float
     time_s: float
     exposed_s: float
+    buckets: int
+    """The buckets it goes in, one after another, during the last backward where it can."""
 
 
 class PlanLinkSummary(TypedDict):
@@ -149,7 +151,7 @@ def plan_summary(plan: Plan) -> PlanSummary:
         syncs=[PlanSyncSummary(stage=x.stage, machine_ids=list(x.machine_ids),
                                grad_bytes=x.grad_bytes, density=x.density, scheme=x.scheme,
                                slowest_bytes_per_s=x.slowest_bytes_per_s, time_s=x.time_s,
-                               exposed_s=x.exposed_s)
+                               exposed_s=x.exposed_s, buckets=x.buckets)
                for x in ev.syncs],
         links=[PlanLinkSummary(src_stage=lk.src_stage, dst_stage=lk.dst_stage,
                                src_machine_id=ids[lk.src], dst_machine_id=ids[lk.dst],
@@ -262,13 +264,14 @@ def render_plan(plan: Plan, *, max_links: int = 24) -> str:
                      " ms)")
     if ev.syncs:
         lines += ["", f"{'gradient reduction':<24}{'replicas':>9}{'MB':>9}{'density':>9}"
-                      f"{'slowest Mbit/s':>16}{'ms':>9}{'hidden ms':>11}  scheme"]
+                      f"{'slowest Mbit/s':>16}{'buckets':>9}{'ms':>9}{'hidden ms':>11}  scheme"]
         for x in ev.syncs:
             lines.append(
                 f"{'stage ' + str(x.stage):<24}{len(x.machine_ids):>9}"
                 f"{x.grad_bytes * x.density / 1e6:>9.3g}{x.density:>9.3f}"
                 f"{bits_per_s_from_bytes_per_s(x.slowest_bytes_per_s) / 1e6:>16.4g}"
-                f"{_ms(x.time_s):>9}{_ms(min(x.time_s, x.overlap_s)):>11}  {x.scheme}")
+                f"{x.buckets:>9}{_ms(x.time_s):>9}{_ms(x.time_s - x.exposed_s):>11}"
+                f"  {x.scheme}")
     lines += [
         "",
         f"bottleneck: {ev.bottleneck} ({_ms(ev.bottleneck_s)} ms per micro-batch"

@@ -19,6 +19,13 @@ from fusionctl.render import render_job, render_links, render_status
 Capture = pytest.CaptureFixture[str]
 
 
+@pytest.fixture(autouse=True)
+def _piped_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Output is piped here (never truncated) whatever COLUMNS the runner's shell or
+    pytest-xdist's workers carry: the tests read whole lines."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+
+
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[LocalNode]:
     """One real fusiond (TLS mode, not yet in a cluster) for the whole module."""

@@ -179,12 +179,21 @@ class SyncReport:
     """The share of `grad_bytes` sent (< 1: compressed low-rank with error feedback, at least
     `JobSettings.grad_density_floor`); `time_s` includes the compression's own work."""
     buckets: int = 1
-    """The buckets it goes in during the backward (1: all of it after the backward); the
-    last one's share of `time_s` can only start once the backward has ended."""
+    """The buckets it goes in, one after another (during the stage's last backward where the
+    runtime does that); the last one's share of `time_s` can only start once the backward
+    has ended."""
+    drain_s: float = 0.0
+    """The part of `overlap_s` that is the drain of the stages before it."""
+    cpu_s: float = 0.0
+    """The part of `time_s` that is the replicas' own CPU work (handling the bytes,
+    compressing), on stages that compute on the CPU: it competes with their backward for
+    the same cores, so it hides behind the drain only."""
 
     @property
     def exposed_s(self) -> float:
-        return max(0.0, self.time_s - self.overlap_s,
+        own = self.overlap_s - self.drain_s
+        hidden = self.drain_s + min(own, max(self.time_s - self.cpu_s, 0.0))
+        return max(0.0, self.time_s - hidden,
                    self.time_s / self.buckets if self.buckets > 1 else 0.0)
 
 
@@ -798,7 +807,7 @@ def evaluate(
     for i, s in enumerate(stages):
         params, opt, names = _stage_static(g, s.start, s.stop)
         grad_bytes.append(params)
-        n_params.append(max(1, len(names)))
+        n_params.append(len(names) or max(BUCKET_CHOICES))  # unnamed: no per-tensor bound
         for p in names:
             holders.setdefault(p, []).append(i)
         saved = float(arrays.saved[s.start : s.stop].sum())
@@ -1007,6 +1016,11 @@ def evaluate(
         # it hides them (`SyncReport.exposed_s`), each bucket paying the scheme's latency
         can_overlap = st.reduce_in_backward and not any(r.offload_params for r in reps[i])
         counts = sorted({min(b, n_params[i]) for b in BUCKET_CHOICES}) if can_overlap else [1]
+        # on CPU machines the replicas' own handling of the bytes (and compression) takes the
+        # cores their backward runs on: only the wait on the links hides behind it
+        on_cpu = all(c.machines[m].device == "cpu" for m in s.machines)
+        n = len(s.machines)
+        wire = max(c.machines[m].wire_s_per_byte for m in s.machines)
         choices = []
         for buckets in counts:
             hide_s = drain + back[i] * (buckets - 1) / buckets
@@ -1016,9 +1030,14 @@ def evaluate(
                     compress_s_per_byte, buckets)
                 _, slowest, scheme = plan_sync.time_s(grad_bytes[i] * d)
                 t_s = reduction_s(plan_sync, grad_bytes[i], d, buckets, compress_s_per_byte)
+                cpu_s = 0.0
+                if on_cpu:
+                    cpu_s = 4 * (n - 1) / n * grad_bytes[i] * d * wire + (
+                        compress_s_per_byte * grad_bytes[i] if d < 1.0 else 0.0)
                 choices.append(SyncReport(i, tuple(c.machines[m].id for m in s.machines),
                                           grad_bytes[i], scheme, slowest, t_s, hide_s,
-                                          density=d, buckets=buckets))
+                                          density=d, buckets=buckets, drain_s=drain,
+                                          cpu_s=min(cpu_s, t_s)))
         syncs.append(min(choices, key=lambda x: (x.exposed_s, x.buckets, -x.density)))
     grad_sync = max((x.exposed_s for x in syncs), default=0.0)
     iteration = bottleneck_rest + fill + opt_s + sync + grad_sync

@@ -44,10 +44,9 @@ import torch
 
 from bench.wan_common import Trace, Workload
 from fusiond.cli import run_on_loop
-from fusiond.jobs.assign import layout_job
 from fusiond.jobs.coordinator import JobCoordinator
 from fusiond.jobs.planning import (
-    grad_rank_of,
+    layout_from_plan,
     plan_job,
     reserve_for_scheduler,
     scheduler_reserve_bytes,
@@ -137,24 +136,11 @@ def machine_id(hosts: list[str], h: str) -> str:
 
 def layout_for(plan: Plan, spec: Any, captured: Any, node_of: dict[str, str]) -> Any:
     """`fusiond.jobs.planning.layout_from_plan` with the plan's machine ids mapped to node
-    ids (the TLS identities the stages run under)."""
-    machines = [node_of[m] for m in plan.machine_of_stage()]
-    op_nodes = {op: machines[s] for op, s in plan.stage_assignment().items()}
-    ids = plan.arrays.cluster.ids()
-    replicas = {machines[i]: [node_of[ids[m]] for m in st.replicas]
-                for i, st in enumerate(plan.stages) if st.replicas}
-    routes = {machines[i]: list(r) for i, r in plan.routes().items()}
-    if spec.compression.int8:
-        layout = layout_job("wan", captured.graph, captured.state, op_nodes, int8=True,
-                            exact=spec.compression.exact_edges, replicas=replicas,
-                            routes=routes)
-    else:
-        compress = spec.compression.compress
-        layout = layout_job("wan", captured.graph, captured.state, op_nodes,
-                            densities=plan.edge_densities() if compress else {},
-                            encodings=plan.edge_encodings() if compress else {},
-                            replicas=replicas, routes=routes)
-    return dataclasses.replace(layout, grad_rank=grad_rank_of(plan, spec))
+    ids (the TLS identities the stages run under). (Until 2026-12-07 this was a copy that
+    carried only the gradient rank: every replica split its reduction in the runtime's
+    default buckets, and no memory decision of the plan reached a stage.)"""
+    return layout_from_plan("wan", captured.graph, captured.state, plan, spec,
+                            node_ids=node_of)
 
 
 def make_plan(spec: Any, captured: Any, cluster: Cluster) -> Plan:

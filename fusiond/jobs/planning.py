@@ -241,13 +241,19 @@ def plan_job(spec: JobSpec, captured: CapturedModel, cluster: Cluster) -> Plan:
 
 
 def layout_from_plan(job_id: str, graph: ir.Graph, state: Mapping[str, torch.Tensor],
-                     plan: Plan, spec: JobSpec) -> JobLayout:
+                     plan: Plan, spec: JobSpec,
+                     node_ids: Mapping[str, str] | None = None) -> JobLayout:
     """The job's stages on the plan's machines, with the plan's codecs (or the forced
-    density, or the job's one encoding on every cut edge)."""
-    machines = plan.machine_of_stage()
+    density, or the job's one encoding on every cut edge) and its choices per machine
+    (memory, device, gradient buckets). `node_ids`: plan machine id -> the node id it runs
+    under, where they differ (a test bed's hosts); None: the same."""
+    def nid(machine_id: str) -> str:
+        return machine_id if node_ids is None else node_ids[machine_id]
+
+    machines = [nid(m) for m in plan.machine_of_stage()]
     op_nodes = {op: machines[s] for op, s in plan.stage_assignment().items()}
     ids = plan.arrays.cluster.ids()
-    replicas = {machines[i]: [ids[m] for m in st.replicas]
+    replicas = {machines[i]: [nid(ids[m]) for m in st.replicas]
                 for i, st in enumerate(plan.stages) if st.replicas}
     routes = {machines[i]: list(r) for i, r in plan.routes().items()}
     if spec.compression.edge_encoding != "raw":
@@ -265,13 +271,14 @@ def layout_from_plan(job_id: str, graph: ir.Graph, state: Mapping[str, torch.Ten
                             encodings=plan.edge_encodings() if compress else {},
                             replicas=replicas, routes=routes)
     ev = plan.evaluation
-    recompute = frozenset(r.machine_id for r in (ev.replicas or ev.stages) if r.recompute)
-    offload = frozenset(r.machine_id for r in (ev.replicas or ev.stages) if r.offload)
-    blocks = {r.machine_id: r.checkpoint_blocks for r in (ev.replicas or ev.stages)
-              if r.checkpoint_blocks}
-    weights = frozenset(r.machine_id for r in (ev.replicas or ev.stages) if r.offload_params)
-    devices = {m.id: m.device for m in plan.arrays.cluster.machines if m.device != "cpu"}
-    buckets = {m: sync.buckets for sync in ev.syncs for m in sync.machine_ids}
+    reps = ev.replicas or ev.stages
+    recompute = frozenset(nid(r.machine_id) for r in reps if r.recompute)
+    offload = frozenset(nid(r.machine_id) for r in reps if r.offload)
+    blocks = {nid(r.machine_id): r.checkpoint_blocks for r in reps if r.checkpoint_blocks}
+    weights = frozenset(nid(r.machine_id) for r in reps if r.offload_params)
+    devices = {nid(m.id): m.device for m in plan.arrays.cluster.machines if m.device != "cpu"
+               and (node_ids is None or m.id in node_ids)}
+    buckets = {nid(m): sync.buckets for sync in ev.syncs for m in sync.machine_ids}
     return replace(layout, grad_rank=grad_rank_of(plan, spec), recompute=recompute,
                    offload=offload, checkpoint_blocks=blocks, offload_params=weights,
                    devices=devices, grad_buckets=buckets)

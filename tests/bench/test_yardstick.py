@@ -278,6 +278,8 @@ def test_swarm_is_fusions_pipeline_with_int8_cuts_where_the_planner_puts_them() 
     assert plan.method == "op-fence+int8" and not plan.densities
     node_of = {m: f"node-{m}" for m in cluster.ids()}
     layout = layout_for(plan, spec, captured, node_of)
+    # the daemon's own layout of the plan, on the hosts' node ids
+    assert set(layout.stage_nodes.values()) <= set(node_of.values())
     routes = layout.edges()
     assert len(plan.stages) >= 2 and routes
     assert layout.int8_edges and not layout.densities

@@ -1007,9 +1007,6 @@ def evaluate(
         # projections): its memory traffic and 4 FLOPs per byte at its matmul rate
         compress_s_per_byte = max(3 / c.machines[m].mem_bw + 4 / c.machines[m].rate("matmul")
                                   for m in s.machines)
-        # by buckets during the stage's own last backward, where the runtime does that: the
-        # bucket k of B is ready (k + 1) / B into it, and the buckets go one after another,
-        # so all but the last one's share of it hides them (`SyncReport.exposed_s`)
         # the reduction goes by B buckets one after another (the plan chooses B, the runtime
         # splits the gradients so); during the stage's own last backward where the runtime
         # does that, bucket k ready (k + 1) / B into it, so all but the last one's share of

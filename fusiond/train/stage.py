@@ -614,8 +614,6 @@ RING_MIN_HOLDERS = 3
 exchange of the whole gradient each way is already the least)."""
 
 
-
-
 @dataclass(frozen=True)
 class _Bucket:
     """Gradients one set of holders sums in one round (`_exchange`), named `round` on the
@@ -1451,8 +1449,8 @@ class StageExecutor:
         return out
 
     def _make_buckets(self) -> list[_Bucket]:
-        """The dense reduction's buckets, in the order every holder reduces them (holder set,
-        then bucket). The gradients of a set held only by this stage's replicas (which run
+        """The reduction's buckets, in the order every holder reduces them (holder set, then
+        bucket). The gradients of a set held only by this stage's replicas (which run
         the same partition) go last-used first, as a backward finishes them, split by size;
         a set that spans stages (a tied weight) is one bucket in name order, since its
         holders' partitions order their parameters differently."""
@@ -1764,10 +1762,9 @@ class StageExecutor:
                 finally:
                     if reducing is not None and i == last_b:
                         reducing.backward_ended()
-        except BaseException:
-            if reducing is not None:
-                self.fail(StageError(f"stage {self.stage}, step {step}: a task failed while "
-                                     "its gradients were being reduced"))
+        except BaseException as e:
+            if reducing is not None:  # the reducer's waits end with the task's own error
+                self.fail(e)
             raise
         skip = False
         if self._scaler is not None:

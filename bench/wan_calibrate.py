@@ -6,7 +6,8 @@ weights on the same held-out windows as `bench/wan.py` every `--every` steps, an
 curve with its CPU seconds per step: where the descent flattens into the plateau, and how many
 steps (and so how many seconds on a host of a given CPU quota) a target needs.
 
-    python bench/wan_calibrate.py [--steps 150] [--every 5] [--lr 1e-3]
+    python bench/wan_calibrate.py [--steps 150] [--every 5] [--lr 1e-3] [--batch 16]
+                                  [--betas 0.9,0.95]
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--betas", default="",
+                    help="AdamW's betas, e.g. 0.9,0.95 (default: the job's, 0.9,0.999)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-mb", type=float, default=2.0)
     ap.add_argument("--heldout-kb", type=float, default=256.0)
@@ -49,7 +52,11 @@ def main() -> None:
     data = prepare_data(args, Path(args.work))
     wl = Workload(size="mini", batch=args.batch, lr=args.lr, seed=args.seed, n_layer=6,
                   n_embd=256, n_head=4, corpus=str(data.train_path))
-    spec = parse_job(wl.job_toml(adatopk=False))
+    toml = wl.job_toml(adatopk=False)
+    if args.betas:
+        b1, b2 = (float(x) for x in args.betas.split(","))
+        toml = toml.replace('kind = "adamw"', f'kind = "adamw"\nbetas = [{b1}, {b2}]', 1)
+    spec = parse_job(toml)
     model = build_model(spec.model, seed=spec.seed)
     lossf = loss_fn(spec.loss)
     rt = ReferenceTrainer(model, lossf, spec.optimizer, data=make_source(spec.data, spec.seed),

@@ -394,11 +394,6 @@ def bucket_bytes(grad_bytes: float) -> float:
                                             grad_bytes / BUCKETS_PER_SET))
 
 
-def bucket_count(grad_bytes: float) -> int:
-    """About how many buckets `grad_bytes` of gradients make (at least 1)."""
-    return max(1, math.ceil(grad_bytes / bucket_bytes(grad_bytes) - 1e-9))
-
-
 @dataclass(frozen=True)
 class JobSettings:
     """What the planner needs to know about the job.
@@ -449,7 +444,7 @@ class JobSettings:
     plain stage does not fit."""
     reduce_in_backward: bool = True
     """A replicated stage's gradient reduction runs by buckets during its last backward (each
-    bucket once the backward has finished its gradients, `bucket_count` of them, dense or
+    bucket once the backward has finished its gradients, as many as the plan chooses, dense or
     low-rank), as the stage runtime and DDP's comm hooks do; not in an fp16 job (its stages
     agree on an overflow first), nor on a stage with its weights on disk."""
     snapshots: bool = False

@@ -725,9 +725,11 @@ def reduction_s(sync: GradientSync, grad_bytes: float, density: float, buckets: 
     once per bucket and round (the runtime's buckets go one after another; low-rank ones
     in two rounds each, the P factors then the Q factors), plus, compressed, the
     compression's own work (`extra_s_per_byte` of the dense bytes)."""
-    t_s = sync.time_s(grad_bytes * density)[0] + (buckets - 1) * sync.time_s(1.0)[0]
+    latency_s = sync.time_s(1.0)[0]
+    rounds = 2 * buckets - 1 if density < 1.0 else buckets - 1
+    t_s = sync.time_s(grad_bytes * density)[0] + rounds * latency_s
     if density < 1.0:
-        t_s += buckets * sync.time_s(1.0)[0] + extra_s_per_byte * grad_bytes
+        t_s += extra_s_per_byte * grad_bytes
     return t_s
 
 

@@ -58,7 +58,7 @@ from torch import nn
 from fusiond.errors import LocalError, RemoteError
 from fusiond.graph import mutated_buffers
 from fusiond.heap import near_limit
-from fusiond.plan.model import BUCKET_MAX_BYTES, BUCKET_MIN_BYTES, BUCKETS_PER_SET
+from fusiond.plan.model import bucket_bytes
 from fusiond.tasks import cancel_and_wait
 from fusiond.train import codec
 from fusiond.train.data import Batch, DataSource, split_micro_batches
@@ -348,8 +348,7 @@ class StageConfig:
     grad_buckets: int = 0
     """The buckets a set of replicas' shared gradients are reduced in, one after another and
     during the step's last backward where it can (the plan's `SyncReport.buckets`; about
-    equal bytes each, whole parameters); 0: about `BUCKETS_PER_SET` of
-    `BUCKET_MIN_BYTES`..`BUCKET_MAX_BYTES`."""
+    equal bytes each, whole parameters); 0: `fusiond.plan.model.bucket_bytes` each."""
     offload_params: bool = False
     """Keep the parameters and their gradients in memory-mapped files under `offload_dir`
     too (`fusiond.train.offload.DiskParameters`; with the optimizer state there): with a
@@ -1467,12 +1466,9 @@ class StageExecutor:
                 groups = [sorted(names)]
             else:
                 sizes = [self._params[n].numel() * 4 for n in names]
-                if self.config.grad_buckets > 0:  # the plan's count, about equal bytes each
-                    cap = sum(sizes) / self.config.grad_buckets
-                else:  # (`fusiond.plan.model.bucket_bytes`, with this module's names: a test
-                    # may make them small)
-                    cap = min(BUCKET_MAX_BYTES, max(BUCKET_MIN_BYTES,
-                                                    sum(sizes) / BUCKETS_PER_SET))
+                # the plan's count, about equal bytes each; else the runtime's own size
+                cap = (sum(sizes) / self.config.grad_buckets if self.config.grad_buckets > 0
+                       else bucket_bytes(sum(sizes)))
                 groups, size = [[]], 0
                 for n, b in zip(names, sizes, strict=True):
                     if groups[-1] and size + b > cap:
@@ -1503,6 +1499,7 @@ class StageExecutor:
         `ready` event is set (None: all are); the sums (host memory) and how many buckets
         began before `done` (the backward's end) was set."""
         self._place.bind()  # the reducer's thread too
+        lr = self._lowrank if self._lowrank_now(step) else None
         totals: dict[str, torch.Tensor] = {}
         early = 0
         for i, b in enumerate(self._buckets):
@@ -1518,7 +1515,6 @@ class StageExecutor:
             early += done is not None and not done.is_set()
             # summed in host memory (the wire's side); `_set_grads` puts them back
             own = self._place.host({n: self._own_grad(n) for n in b.names})
-            lr = self._lowrank if self._lowrank_now(step) else None
             if lr is None:
                 totals.update(self._exchange(step, b.round, own, "shared grads"))
                 continue

@@ -240,11 +240,11 @@ async def test_buckets_are_reduced_while_the_last_backward_runs(
     exchange for 2 replicas, by ring for 3; dense, or low-rank in two rounds per bucket), and
     the result is still eager training's on the whole batch (dense), the replicas
     bit-identical."""
-    from fusiond.train import stage as stage_mod
+    from fusiond.plan import model as plan_model
 
     from .gpt_stages import one_stage
 
-    monkeypatch.setattr(stage_mod, "BUCKET_MIN_BYTES", 4096)
+    monkeypatch.setattr(plan_model, "BUCKET_MIN_BYTES", 4096)
     torch.manual_seed(0)
     g = gpt2("tiny")
     programs = [[one_stage(g) for _ in range(replicas)]]

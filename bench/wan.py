@@ -246,6 +246,9 @@ def explain_miss(trace: Trace, measured_tokens_per_s: float, tokens_per_step: in
                      f"the {step_s - float(pred.get('iteration_s', 0)):.3f} s/step the stages "
                      "spend waiting on each other beyond the pipeline model "
                      "((M-1) x bottleneck + one micro-batch through every stage and hop)")
+    reduced = reduction_note(trace)
+    if reduced is not None:
+        parts.append(reduced)
     measured, predicted = handoffs(trace)
     if measured is not None:
         parts.append(f"hand-offs between consecutive stages: {measured * 1e3:.1f} ms measured "
@@ -259,6 +262,35 @@ def explain_miss(trace: Trace, measured_tokens_per_s: float, tokens_per_step: in
                      f"at {lk['mbit']:.1f} Mbit/s, {lk['bytes'] / 1e3:.0f} kB, "
                      f"{lk['time_s']:.3f} s/step")
     return "; ".join(parts)
+
+
+def reduction_note(trace: Trace) -> str | None:
+    """The replicas' gradient reduction: per stage with replicas, the measured seconds per
+    step it ran past the stage's last task (`StepReport.reduce_exposed_s`, the worst replica,
+    median over the recorded steps but the first) against the planner's exposed part
+    (`SyncReport.exposed_s`), and how many buckets started during the last backward; None
+    where the run had no replicas."""
+    pred = trace.extra.get("prediction") or {}
+    syncs = {int(x["stage"]): x for x in pred.get("syncs", [])}
+    slot_stage = {str(k): int(v) for k, v in (trace.extra.get("slot_stage") or {}).items()}
+    steps = trace.extra.get("timelines", [])[1:]
+    if not syncs or not steps or not slot_stage:
+        return None  # no replicas, or a trace from before the figures were recorded
+    parts = []
+    for stage, x in sorted(syncs.items()):
+        # the timelines are keyed by slot (one per machine of the stage)
+        mine = [[v for k, v in step.items() if slot_stage.get(k) == stage] for step in steps]
+        exposed = [max((float(v.get("reduce_exposed_s", 0.0)) for v in vs), default=0.0)
+                   for vs in mine]
+        early = [sum(int(v.get("buckets_early", 0)) for v in vs) for vs in mine]
+        parts.append(f"stage {stage} ({x['scheme']}, {x['buckets']} bucket(s), "
+                     f"{x['density']:.2g} density, {x['mbit']:.1f} Mbit/s): "
+                     f"{statistics.median(exposed):.3f} s/step after the last backward "
+                     f"measured vs {float(x['exposed_s']):.3f} s predicted "
+                     f"(reduction {float(x['time_s']):.3f} s, hidden behind "
+                     f"{float(x['overlap_s']):.3f} s), {statistics.median(early):.0f} "
+                     "bucket(s) started during it")
+    return "gradient reduction: " + "; ".join(parts)
 
 
 def handoffs(trace: Trace) -> tuple[float | None, float]:

@@ -287,6 +287,7 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
         "predicted_tokens_per_s": plan.samples_per_s * wl.seq_len,
         "predicted_iteration_s": plan.iteration_s,
         "stages": plan.machine_of_stage(),
+        "slot_stage": {str(slot): st for (st, _), slot in layout.slots().items()},
         "replicas": {str(i): [plan.arrays.cluster.ids()[m] for m in st.replicas]
                      for i, st in enumerate(plan.stages) if st.replicas},
         "densities": plan.edge_densities(),
@@ -323,6 +324,8 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
         # monotonic clock, so they line up): where a step's time goes
         timelines = extra.setdefault("timelines", [])
         timelines.append({str(k): {"start": r.start_mono, "wall_s": r.wall_s,
+                                   "reduce_exposed_s": r.reduce_exposed_s,
+                                   "buckets_early": r.buckets_early,
                                    "tasks": [[t.task, t.ready_s, t.start_s, t.end_s, t.wait_s,
                                               t.cpu_s, t.kernel_s, t.codec_s, t.send_s]
                                              for t in r.timeline]}
@@ -373,6 +376,11 @@ def prediction_detail(plan: Plan, micro_batches: int) -> dict[str, Any]:
                     "wake_s": plan.arrays.cluster.machines[st.machine].wake_s}
                    for st in ev.stages],
         "fill_s": ev.fill_s,
+        "grad_sync_s": ev.grad_sync_s,
+        "syncs": [{"stage": x.stage, "scheme": x.scheme, "time_s": x.time_s,
+                   "overlap_s": x.overlap_s, "exposed_s": x.exposed_s, "buckets": x.buckets,
+                   "density": x.density, "mbit": bits_per_s_from_bytes_per_s(
+                       x.slowest_bytes_per_s) / 1e6} for x in ev.syncs],
         "links": [{"src_stage": lk.src_stage, "dst_stage": lk.dst_stage,
                    "time_s": lk.time_s * micro_batches,
                    "bytes": (lk.fwd_bytes + lk.bwd_bytes) * micro_batches,

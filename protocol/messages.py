@@ -957,6 +957,8 @@ MAX_STEP_TASKS: Final = 4096
 """The most task timings one step report may carry."""
 MAX_STEP_EDGES: Final = 4096
 """The most cut edges one step report may carry."""
+MAX_STEP_BUCKETS: Final = 65536
+"""The most gradient buckets one step report may count (all of a stage's sets of holders)."""
 MAX_TASK_NAME_BYTES: Final = 64
 """The longest task name in a step report's timeline."""
 
@@ -995,6 +997,11 @@ class StepFigures(Struct):
     costs: tuple[tuple[float, float, float, float], ...] = ()
     """Per `timeline` row, where its time went: (cpu_s, kernel_s, codec_s, send_s) (empty from
     a stage that does not measure them)."""
+    buckets_early: int = 0
+    """Gradient buckets whose reduction began while the step's last backward still ran."""
+    reduce_exposed_s: float = 0.0
+    """Seconds the step spent reducing its replicas' gradients after its last task (what the
+    backward did not hide)."""
 
     def __post_init__(self) -> None:
         if len(self.costs) > MAX_STEP_TASKS:
@@ -1003,6 +1010,8 @@ class StepFigures(Struct):
             raise ValueError(f"timeline: {len(self.timeline)} tasks, more than {MAX_STEP_TASKS}")
         if len(self.edges) > MAX_STEP_EDGES:
             raise ValueError(f"edges: {len(self.edges)}, more than {MAX_STEP_EDGES}")
+        if not 0 <= self.buckets_early <= MAX_STEP_BUCKETS:
+            raise ValueError(f"buckets_early: {self.buckets_early}, not in 0..{MAX_STEP_BUCKETS}")
         for row in self.timeline:
             if len(row[0].encode()) > MAX_TASK_NAME_BYTES:
                 raise ValueError(f"timeline: task name of {len(row[0].encode())} bytes, more "

@@ -471,14 +471,15 @@ class StepReport:
                             round(t.wait_s, 6)) for t in self.timeline[:MAX_TIMELINE]),
             start_mono=self.start_mono, wait_s=self.wait_s,
             costs=tuple((round(t.cpu_s, 6), round(t.kernel_s, 6), round(t.codec_s, 6),
-                         round(t.send_s, 6)) for t in self.timeline[:MAX_TIMELINE]))
+                         round(t.send_s, 6)) for t in self.timeline[:MAX_TIMELINE]),
+            buckets_early=self.buckets_early, reduce_exposed_s=self.reduce_exposed_s)
 
     @classmethod
     def from_figures(cls, stage: int, step: int, figures: StepFigures) -> StepReport:
         """Rebuild a report from `StageStep.figures` (the schema checked types and bounds on
         decode); `RemoteError` names an edge kind that is not one."""
         where = f"StageStep.figures from stage {stage}"
-        for name in ("wall_s", "busy_s", "wait_s"):
+        for name in ("wall_s", "busy_s", "wait_s", "reduce_exposed_s"):
             v = getattr(figures, name)
             if not 0.0 <= v < float("inf"):
                 raise RemoteError(f"{where}: {name} is {v}, not a duration")
@@ -501,7 +502,9 @@ class StepReport:
         costs = figures.costs or ((0.0, 0.0, 0.0, 0.0),) * len(figures.timeline)
         timeline = [TaskTiming(*row, *c) for row, c in zip(figures.timeline, costs, strict=True)]
         return cls(stage, step, figures.loss, figures.lr, figures.wall_s, figures.busy_s, edges,
-                   timeline, figures.start_mono, figures.wait_s)
+                   timeline, figures.start_mono, figures.wait_s,
+                   buckets_early=figures.buckets_early,
+                   reduce_exposed_s=figures.reduce_exposed_s)
 
 
 @dataclass

@@ -141,6 +141,39 @@ def test_a_missed_prediction_names_the_stage_furthest_off() -> None:
     assert "8.0 Mbit/s" in text
 
 
+def test_a_missed_prediction_names_the_replicas_exposed_reduction() -> None:
+    """With replicas, the table says how long each replicated stage reduced its gradients
+    after its last backward (the worst replica, median over the steps but the first) against
+    the planner's exposed part, and how many buckets started during the backward."""
+    from bench.wan import explain_miss, reduction_note
+
+    def slot(exposed: float, early: int) -> dict[str, object]:
+        return {"start": 0.0, "wall_s": 1.0, "tasks": [], "reduce_exposed_s": exposed,
+                "buckets_early": early}
+
+    steps = [{"0": slot(9.0, 0), "1": slot(0.0, 0), "2": slot(9.0, 0)},  # start-up: skipped
+             {"0": slot(0.2, 3), "1": slot(0.0, 0), "2": slot(0.3, 4)},
+             {"0": slot(0.1, 3), "1": slot(0.0, 0), "2": slot(0.5, 4)},
+             {"0": slot(0.4, 2), "1": slot(0.0, 0), "2": slot(0.1, 4)}]
+    t = Trace("replicas", [], {
+        "prediction": {"iteration_s": 0.5, "bottleneck": "stage 0",
+                       "stages": [{"stage": 0, "machine": "00-a1", "compute_s": 0.2}],
+                       "links": [],
+                       "syncs": [{"stage": 0, "scheme": "ring", "time_s": 0.6,
+                                  "overlap_s": 0.45, "exposed_s": 0.15, "buckets": 4,
+                                  "density": 1.0, "mbit": 47.5}]},
+        "slot_stage": {"0": 0, "1": 1, "2": 0},
+        "timelines": steps})
+    note = reduction_note(t)
+    # the worst of slots 0 and 2 per step: 0.3, 0.5, 0.4 -> 0.4; buckets 7, 7, 6 -> 7
+    assert note is not None and "stage 0 (ring, 4 bucket(s)" in note
+    assert "0.400 s/step after the last backward measured vs 0.150 s predicted" in note
+    assert "7 bucket(s) started during it" in note
+    assert note in explain_miss(t, 1024.0, 1024)
+    # without replicas, or from a trace recorded before these figures: nothing
+    assert reduction_note(Trace("opfence", [], {"timelines": steps})) is None
+
+
 def test_a_predicted_hand_off_counts_the_micro_batchs_transfer() -> None:
     """The planner's hand-off between two stages is both hosts' wake-up and one micro-batch
     over the link between them (the link's time per step over the micro-batches, and half its

@@ -505,6 +505,14 @@ def render_plan(data: Mapping[str, Any], console: Console | None = None) -> None
                  f"({p.get('schedule')})")
     c.print(head, markup=False)
     replicated = any(s.get("replica_machine_ids") for s in stages)
+    n_stages = len(stages)
+
+    def ahead(s: Mapping[str, Any]) -> bool:
+        # more micro-batches in flight than 1F1B's own min(M, S - i): a slow link's round trip
+        micro = list(s.get("micro_batches") or [0])
+        return (p.get("schedule") == "1f1b" and int(s.get("in_flight") or 0)
+                > min(int(micro[0]), n_stages - int(s.get("stage") or 0)))
+
     rows: list[list[str]] = []
     for s in stages:
         micro = list(s.get("micro_batches") or [])
@@ -517,7 +525,8 @@ def render_plan(data: Mapping[str, Any], console: Console | None = None) -> None
                      + (f" C{len(s.get('checkpoint_blocks') or [])}/{s.get('blocks')}"
                         if s.get("checkpoint_blocks") else "")
                      + (" D" if s.get("offload") else "")
-                     + (" W" if s.get("offload_params") else "")]
+                     + (" W" if s.get("offload_params") else "")
+                     + (f" F{s.get('in_flight')}" if ahead(s) else "")]
                     if i == 0 else ["", "(replica)", "", ""])
             if replicated:
                 row.append(str(micro[i]) if i < len(micro) else "-")
@@ -531,6 +540,9 @@ def render_plan(data: Mapping[str, Any], console: Console | None = None) -> None
         title += " (D: its optimizer state on disk, it would not fit in memory)"
     if any(s.get("offload_params") for s in stages):
         title += " (W: its weights on disk too)"
+    if any(ahead(s) for s in stages):
+        title += (" (Fk: k micro-batches in flight, more than 1F1B's own, so a slow link's "
+                  "round trip does not leave it waiting)")
     c.print(_fitted(title,
                     [("stage", None), ("machine", 16), ("ops", None),
                      ("first op -> last op", 30), ("ms", None), ("memory / of", None)]

@@ -107,6 +107,9 @@ class JobLayout:
     """Machine -> the buckets its replicated stage reduces its gradients in (the plan's
     `SyncReport.buckets`, the same on every replica); a machine absent: the runtime's own
     split by size."""
+    in_flight: Mapping[str, int] = field(default_factory=dict)
+    """Machine -> the micro-batches 1F1B keeps in flight on its stage, where the plan raised
+    it above the schedule's own (`StageReport.inflight`: a slow link's round trip)."""
 
     @property
     def int8_edges(self) -> frozenset[str]:
@@ -392,7 +395,9 @@ def assign_parts(
                         slot_devices={slot: layout.devices[n] for slot, n in nodes.items()
                                       if layout.devices.get(n, "cpu") != "cpu"},
                         grad_buckets={slot: layout.grad_buckets[n] for slot, n in nodes.items()
-                                      if n in layout.grad_buckets})
+                                      if n in layout.grad_buckets},
+                        in_flight={s.stage: layout.in_flight[s.node_id] for s in layout.stages
+                                   if s.node_id in layout.in_flight})
     routes = layout.edges()
     job_nodes = {n: tuple(addresses[n]) for n in nodes.values()}
     shipped = _shipped_data(spec) if corpus is None else corpus.shipped()

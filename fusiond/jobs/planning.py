@@ -39,6 +39,7 @@ from fusiond.plan import (
 from fusiond.profile import device_memory_bytes, machine_from_profile, stage_device
 from fusiond.train.codec import EdgeCodec
 from fusiond.train.lowrank import sent_fraction
+from fusiond.train.schedule import default_in_flight
 from fusiond.train.spec import JobSpec
 from fusiond.units import bytes_per_s_from_bits_per_s
 from protocol import ir
@@ -279,9 +280,15 @@ def layout_from_plan(job_id: str, graph: ir.Graph, state: Mapping[str, torch.Ten
     devices = {nid(m.id): m.device for m in plan.arrays.cluster.machines if m.device != "cpu"
                and (node_ids is None or m.id in node_ids)}
     buckets = {nid(m): sync.buckets for sync in ev.syncs for m in sync.machine_ids}
+    # where the plan keeps more micro-batches in flight than 1F1B's own (a slow link's
+    # round trip), on a stage of one machine
+    S = len(ev.stages)
+    in_flight = {nid(r.machine_id): r.inflight for r in ev.stages
+                 if spec.batch.pipeline == "1f1b"
+                 and r.inflight > default_in_flight(S, r.index, spec.batch.micro_batches)}
     return replace(layout, grad_rank=grad_rank_of(plan, spec), recompute=recompute,
                    offload=offload, checkpoint_blocks=blocks, offload_params=weights,
-                   devices=devices, grad_buckets=buckets)
+                   devices=devices, grad_buckets=buckets, in_flight=in_flight)
 
 
 def layout_codecs(layout: JobLayout) -> dict[str, EdgeCodec]:

@@ -759,6 +759,74 @@ def _sync_density(sync: GradientSync, grad_bytes: float, overlap_s: float, floor
     return lo
 
 
+def round_trip_s(busy: Sequence[float], hops_s: Sequence[float]) -> list[float]:
+    """Per stage i, one micro-batch's round trip from its forward on stage i to its backward
+    there: every later stage's forward and backward (`busy`, the slowest machine of each)
+    and every hop after i both ways (`hops_s[k]`: k -> k + 1 and back, transfers, RTT and
+    wake-ups)."""
+    out = [0.0] * len(busy)
+    acc = 0.0
+    for i in range(len(busy) - 1, -1, -1):
+        acc += busy[i] + (hops_s[i] if i < len(hops_s) else 0.0)
+        out[i] = acc
+    return out
+
+
+def latency_rest_s(micro_batches: int, in_flight: int, trip_s: float, busy_s: float) -> float:
+    """What a stage of 1F1B spends past its first micro-batch's round trip, bound by the
+    round trips rather than its compute: its last micro-batch starts after
+    k = (m - 1) // w full round trips and j = (m - 1) % w of its own tasks (a forward and a
+    backward each, in the steady phase) after the start of the last round. Compare with
+    (m - 1) x the bottleneck, the throughput bound (the larger one holds)."""
+    if micro_batches <= 1 or in_flight <= 0:
+        return 0.0
+    k, j = divmod(micro_batches - 1, in_flight)
+    return k * trip_s + j * busy_s if k else 0.0
+
+
+def choose_in_flight(reps: list[list[StageReport]], trips_s: Sequence[float],
+                     bound_s: float, saved_bytes: Sequence[float]
+                     ) -> tuple[list[list[StageReport]], tuple[float, str]]:
+    """1F1B's micro-batches in flight per stage: the schedule's min(m, S - i), raised on a
+    stage of one machine that keeps all of its micro-batch's activations (no recompute, no
+    checkpointed blocks, weights in memory) until its round trip hides behind its tasks,
+    `latency_rest_s` <= `bound_s` (the throughput bound), or its memory is full; never more
+    than the stage before it holds (the schedule stays deadlock-free,
+    `fusiond.train.schedule`). Returns the reports with `inflight` and `memory_bytes` as
+    chosen, and the largest round-trip bound left with the stage it is on."""
+    out: list[list[StageReport]] = []
+    worst, where = 0.0, ""
+    above = math.inf
+    for i, row in enumerate(reps):
+        new_row = []
+        for rep in row:
+            w = rep.inflight
+            per_mb = saved_bytes[i]
+            plain = (not rep.recompute and not rep.checkpoint_blocks
+                     and not rep.offload_params and len(row) == 1)
+            if plain and rep.micro_batches > w and w < above:
+                room = rep.memory_cap - rep.memory_bytes
+                top = min(rep.micro_batches, int(above) if above < math.inf else
+                          rep.micro_batches,
+                          w + (int(room // per_mb) if per_mb > 0 else rep.micro_batches))
+                while w < top and latency_rest_s(rep.micro_batches, w, trips_s[i],
+                                                 rep.busy_s) > bound_s:
+                    w += 1
+                if w != rep.inflight:
+                    rep = dataclasses.replace(
+                        rep, inflight=w,
+                        memory_bytes=rep.memory_bytes + (w - rep.inflight) * per_mb)
+            new_row.append(rep)
+            got = latency_rest_s(rep.micro_batches, rep.inflight, trips_s[i], rep.busy_s)
+            if got > worst:
+                worst = got
+                where = (f"round trip from {rep.machine_id} ({rep.inflight} micro-batches "
+                         "in flight)")
+        above = min(above, max(r.inflight for r in new_row))
+        out.append(new_row)
+    return out, (worst, where)
+
+
 def evaluate(
     arrays: GraphArrays,
     stages: Sequence[StageSpec],
@@ -983,6 +1051,23 @@ def evaluate(
 
     hops = [hop(i) for i in range(S - 1)]
     fill += sum(r + w for r, w in hops)
+
+    # 1F1B's round trips: stage i keeps w_i micro-batches in flight, so its micro-batch
+    # m + w_i starts only once m's backward is back from the last stage. Where that round
+    # trip (`round_trip_s`) is longer than w_i of the stage's own tasks, the stage waits on
+    # it, whatever the bottleneck: a latency-bound pipeline. The plan raises w_i where the
+    # stage's memory holds the extra micro-batches' activations (`choose_in_flight`).
+    if st.schedule == "1f1b" and S > 1:
+        trips = round_trip_s(busy, [per_pair.get((i, i + 1), 0.0) + r + w
+                                    for i, (r, w) in enumerate(hops)])
+        reps, waits = choose_in_flight(reps, trips, bottleneck_rest,
+                                       [float(arrays.saved[s.start:s.stop].sum())
+                                        for s in stages])
+        reports = [row[0] for row in reps]
+        flat = [r for row in reps for r in row]
+        if waits[0] > bottleneck_rest:
+            bottleneck_rest = waits[0]
+            bottleneck = waits[1]
     sync = _tied_sync(arrays, stages, reports, links, holders, sizes)
 
     # replicas reduce their gradients after their last backward (the stage runtime's

@@ -38,6 +38,9 @@ class PlanStageSummary(TypedDict):
     micro-batches; empty for a stage on one machine."""
     micro_batches: list[int]
     """Micro-batches per iteration of `machine_id`, then of each replica."""
+    in_flight: int
+    """Micro-batches whose activations it holds at once (1F1B: min(M, S - i), or more where
+    the plan covers a slow link's round trip with them; GPipe: M)."""
 
 
 class PlanSyncSummary(TypedDict):
@@ -117,9 +120,17 @@ def _blocks_in(plan: Plan, start: int, stop: int) -> int:
     return 1 + sum(1 for p in starts if start < p < stop)
 
 
+def _raised_in_flight(plan: Plan, r: StageReport) -> bool:
+    """Whether the plan keeps more micro-batches in flight on `r` than 1F1B's own."""
+    return (plan.arrays.settings.schedule == "1f1b"
+            and r.inflight > min(r.micro_batches, len(plan.stages) - r.index))
+
+
 def _memory_note(plan: Plan, r: StageReport) -> str:
     """A stage's memory decisions, as `fusionctl plan` prints them."""
     out = "  recompute" if r.recompute else ""
+    if _raised_in_flight(plan, r):
+        out += f"  {r.inflight} in flight"
     if r.checkpoint_blocks:
         out += f"  checkpoint {len(r.checkpoint_blocks)}/{_blocks_in(plan, r.start, r.stop)}"
     out += "  offload" if r.offload else ""
@@ -146,7 +157,8 @@ def plan_summary(plan: Plan) -> PlanSummary:
                                  replica_machine_ids=[x.machine_id for x in ev.replicas
                                                       if x.index == r.index and x.replica],
                                  micro_batches=[x.micro_batches for x in ev.replicas
-                                                if x.index == r.index])
+                                                if x.index == r.index],
+                                 in_flight=r.inflight)
                 for r in ev.stages],
         syncs=[PlanSyncSummary(stage=x.stage, machine_ids=list(x.machine_ids),
                                grad_bytes=x.grad_bytes, density=x.density, scheme=x.scheme,
@@ -218,6 +230,9 @@ def render_plan(plan: Plan, *, max_links: int = 24) -> str:
             f"{_si(r.memory_cap, 'B'):>11}" + (f"{r.micro_batches:>10}" if replicated else "")
             + _memory_note(plan, r)
         )
+    if any(_raised_in_flight(plan, r) for r in ev.stages):
+        lines.append("(k in flight: the stage runs k forwards ahead of its backwards, more than "
+                     "1F1B's own, so a slow link's round trip does not leave it waiting)")
     if any(r.recompute for r in (ev.replicas or ev.stages)):
         lines.append("(recompute: the stage keeps only its inputs and runs its forward again in "
                      "the backward; its kept activations would not fit)")

@@ -256,17 +256,19 @@ async def run_pipeline(
     on_step: Callable[[StepMetrics], Any] | None = None,
     on_executors: Callable[[Sequence[StageExecutor]], Any] | None = None,
     devices: Sequence[str] | None = None,
+    in_flight: Mapping[int, int] | None = None,
 ) -> PipelineResult:
     """Train `steps` steps of a pipelined model in this process; stage i is `programs[i]`,
     computing on `devices[i]` (default: `config`'s device for every stage; its program's
-    module must be there already).
+    module must be there already); 1F1B keeps `in_flight[i]` micro-batches in flight on
+    stage i where given (`fusiond.train.schedule.one_f_one_b`).
 
     `on_executors(executors)` is called once they exist (e.g. to change densities mid-run).
 
     Every stage draws the same deterministic batches from `data` (only the stages whose program
     reads data use them). The first stage failure cancels the others and is raised.
     """
-    tasks = schedule(pipeline, len(programs), micro_batches)
+    tasks = schedule(pipeline, len(programs), micro_batches, in_flight)
     hub = MemoryLinks(queue_size)
     base = config or StageConfig()
     configs = ([base] * len(programs) if devices is None else

@@ -52,7 +52,7 @@ from fusiond.train.data import (
 )
 from fusiond.train.device import check_device
 from fusiond.train.programs import build_stage_module, data_inputs, random_seeder
-from fusiond.train.schedule import replica_tasks, schedule
+from fusiond.train.schedule import default_in_flight, replica_tasks, schedule
 from fusiond.train.segments import SegmentPlan, SegmentRunner
 from fusiond.train.spec import (
     AUGMENTS,
@@ -142,7 +142,8 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
                checkpoint_blocks: Mapping[int, Sequence[int]] | None = None,
                offload_param_slots: Sequence[int] = (),
                slot_devices: Mapping[int, str] | None = None,
-               grad_buckets: Mapping[int, int] | None = None) -> AssignConfig:
+               grad_buckets: Mapping[int, int] | None = None,
+               in_flight: Mapping[int, int] | None = None) -> AssignConfig:
     """The `Assign.config` record for a job (the same for every stage).
 
     `stage_nodes`: stage -> node id for every stage; `shared`: stage -> {tied parameter -> the
@@ -163,7 +164,8 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
     `checkpoint_blocks`: slot -> the blocks of its partition it checkpoints;
     `offload_param_slots`: the slots whose weights and gradients live on disk too;
     `slot_devices`: slot -> its accelerator; `grad_buckets`: slot -> the buckets its shared
-    gradients are reduced in (the plan's choice).
+    gradients are reduced in (the plan's choice); `in_flight`: stage -> the micro-batches
+    1F1B keeps in flight there (the plan's choice; absent: the schedule's own).
     """
     o = spec.optimizer
     d = spec.data
@@ -212,6 +214,7 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
         precision=spec.precision,
         slot_devices={str(k): str(v) for k, v in (slot_devices or {}).items()},
         grad_buckets={str(k): int(v) for k, v in (grad_buckets or {}).items()},
+        in_flight={str(k): int(v) for k, v in (in_flight or {}).items()},
     )
 
 
@@ -279,6 +282,8 @@ class StageAssignment:
     grad_buckets: int = 0
     """The buckets this slot's shared gradients are reduced in (`StageConfig.grad_buckets`;
     0: split by size)."""
+    in_flight: int = 0
+    """The micro-batches this slot's 1F1B keeps in flight (0: the schedule's min(S - i, M))."""
 
     @property
     def is_replica(self) -> bool:
@@ -450,6 +455,7 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         if not isinstance(count, int) or not 1 <= count <= MAX_GRAD_BUCKETS:
             raise RemoteError(f"Assign.config.grad_buckets[{key}]: {count!r} is not a bucket "
                               f"count in [1, {MAX_GRAD_BUCKETS}]")
+    _check_in_flight(cfg, stages)
     if not 0 <= cfg.eval_interval <= 10**9:
         raise RemoteError(f"Assign.config.eval_interval: {cfg.eval_interval!r} is not a step "
                           "count in [0, 10**9]")
@@ -475,7 +481,33 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         precision=cfg.precision,
         device=cfg.slot_devices.get(str(own), "cpu"),
         grad_buckets=cfg.grad_buckets.get(str(own), 0),
+        in_flight=cfg.in_flight.get(str(stage), 0),
     )
+
+
+def _check_in_flight(cfg: AssignConfig, stages: int) -> None:
+    """`Assign.config.in_flight`: stages of the job, counts in [1, micro_batches], and never
+    more on a stage than on an earlier one (the schedule would deadlock:
+    `fusiond.train.schedule`)."""
+    counts: dict[int, int] = {}
+    for key, count in cfg.in_flight.items():
+        if not key.isdigit() or not 0 <= int(key) < stages:
+            raise RemoteError(f"Assign.config.in_flight: {key[:16]!r} is not a stage of the "
+                              f"job ({stages} stages)")
+        if not isinstance(count, int) or not 1 <= count <= cfg.micro_batches:
+            raise RemoteError(f"Assign.config.in_flight[{key}]: {count!r} is not a number of "
+                              f"micro-batches in [1, {cfg.micro_batches}]")
+        counts[int(key)] = count
+    if counts and cfg.pipeline != "1f1b":
+        raise RemoteError(f"Assign.config.in_flight: given for a {cfg.pipeline!r} pipeline; "
+                          "only 1F1B keeps a number of micro-batches in flight")
+    eff = [counts.get(i, default_in_flight(stages, i, cfg.micro_batches))
+           for i in range(stages)]
+    for i in range(1, stages):
+        if eff[i] > eff[i - 1]:
+            raise RemoteError(f"Assign.config.in_flight: stage {i} keeps {eff[i]} micro-batches "
+                              f"in flight, more than stage {i - 1}'s {eff[i - 1]}: the "
+                              "pipeline would deadlock")
 
 
 def _data_spec(d: DataConfig, path: str | None) -> DataSpec:
@@ -741,11 +773,15 @@ class StageHost:
                                   f"data field {missing[0]!r}, which the job's data does not "
                                   f"give (it gives {sorted(fields)})")
         route = (sa.routes or {}).get(sa.stage)
+        own_in_flight = sa.in_flight or None
         if route is None:
-            tasks = schedule(sa.batch.pipeline, sa.stages, sa.batch.micro_batches)[sa.stage]
+            tasks = schedule(sa.batch.pipeline, sa.stages, sa.batch.micro_batches,
+                             None if own_in_flight is None else {sa.stage: own_in_flight}
+                             )[sa.stage]
         else:
             tasks = replica_tasks(sa.batch.pipeline, sa.stage, sa.stages,
-                                  [m for m, x in enumerate(route) if x == sa.own_slot])
+                                  [m for m, x in enumerate(route) if x == sa.own_slot],
+                                  own_in_flight)
         if sa.recv_timeout_s is not None and sa.recv_timeout_s > config.recv_timeout_s:
             # slow links: the plan says a step takes this long; never time out before it
             config = replace(config, recv_timeout_s=sa.recv_timeout_s)

@@ -8,6 +8,13 @@ DAG of stages whose edges go forward in that numbering (`simulate` checks it).
 - GPipe: all M forwards, then all M backwards. Holds M micro-batches' activations.
 - 1F1B: stage i runs min(S-1-i, M) warm-up forwards, then alternates one forward and one
   backward, then drains the remaining backwards: at most S-i micro-batches in flight at stage i.
+  A plan may give a stage more in flight (`in_flight[i]`, up to M: GPipe's M is the limit):
+  where a micro-batch's round trip from stage i to the last stage and back (compute, transfers,
+  latency) is longer than S-i of stage i's tasks, the default leaves stage i waiting on the
+  link; more warm-up forwards keep it busy (the planner weighs this against their memory,
+  `fusiond.plan.pipeline.evaluate`). Any in-flight counts that do not grow down the pipeline
+  (in_flight[i] >= in_flight[j] for every edge i -> j) keep the schedule deadlock-free: a
+  stage waiting on B(m) has sent every forward its successors need before their B(m).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ __all__ = [
     "Phase",
     "ScheduleError",
     "Task",
+    "default_in_flight",
     "gpipe",
     "max_in_flight",
     "one_f_one_b",
@@ -68,12 +76,23 @@ def gpipe(stages: int, micro: int) -> list[list[Task]]:
     return [list(one) for _ in range(stages)]
 
 
-def one_f_one_b(stages: int, micro: int) -> list[list[Task]]:
-    """1F1B (PipeDream-Flush): warm-up forwards, steady one-forward-one-backward, drain."""
+def default_in_flight(stages: int, stage: int, micro: int) -> int:
+    """1F1B's micro-batches in flight on `stage` of `stages`: min(S - i, M)."""
+    return min(stages - stage, micro)
+
+
+def one_f_one_b(stages: int, micro: int, in_flight: Mapping[int, int] | None = None
+                ) -> list[list[Task]]:
+    """1F1B (PipeDream-Flush): warm-up forwards, steady one-forward-one-backward, drain;
+    stage i keeps `in_flight[i]` micro-batches in flight where given (capped at M), else
+    min(S - i, M)."""
     _check(stages, micro)
     out: list[list[Task]] = []
     for i in range(stages):
-        warm = min(stages - 1 - i, micro)
+        want = (in_flight or {}).get(i)
+        if want is not None and want < 1:
+            raise ScheduleError(f"stage {i}: {want} micro-batches in flight; at least 1")
+        warm = min((want if want is not None else stages - i) - 1, micro)
         tasks = [Task(Phase.F, m) for m in range(warm)]
         nf, nb = warm, 0
         while nf < micro:
@@ -86,10 +105,12 @@ def one_f_one_b(stages: int, micro: int) -> list[list[Task]]:
     return out
 
 
-def schedule(kind: str, stages: int, micro: int) -> list[list[Task]]:
-    """The schedule named `kind` ("1f1b" or "gpipe")."""
+def schedule(kind: str, stages: int, micro: int, in_flight: Mapping[int, int] | None = None
+             ) -> list[list[Task]]:
+    """The schedule named `kind` ("1f1b" or "gpipe"); `in_flight`: 1F1B's per-stage counts
+    (`one_f_one_b`; GPipe has all M in flight anyway)."""
     if kind == "1f1b":
-        return one_f_one_b(stages, micro)
+        return one_f_one_b(stages, micro, in_flight)
     if kind == "gpipe":
         return gpipe(stages, micro)
     raise ScheduleError(f"unknown pipeline schedule {kind!r}; known: ['1f1b', 'gpipe']")
@@ -165,13 +186,15 @@ def simulate(
     return order
 
 
-def replica_tasks(kind: str, stage: int, stages: int, micros: Sequence[int]) -> list[Task]:
+def replica_tasks(kind: str, stage: int, stages: int, micros: Sequence[int],
+                  in_flight: int | None = None) -> list[Task]:
     """A replica's tasks: the schedule of `stage` over its own micro-batches (`micros`, in
     the iteration's numbering), so each replica fills and drains as a stage of the pipeline
-    would with that many micro-batches."""
+    would with that many micro-batches (`in_flight` of them at most where given)."""
     if not micros:
         return []
-    base = schedule(kind, stages, len(micros))[stage]
+    base = schedule(kind, stages, len(micros),
+                    None if in_flight is None else {stage: in_flight})[stage]
     return [Task(t.phase, micros[t.micro]) for t in base]
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fusiond.train.schedule import (
     Phase,
@@ -47,6 +49,39 @@ def test_1f1b_in_flight_bound(stages: int, micro: int) -> None:
         assert max_in_flight(ts) <= min(stages - i, micro)
     for ts in gpipe(stages, micro):
         assert max_in_flight(ts) == micro
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 9), st.data())
+def test_more_in_flight_that_never_grows_down_the_pipeline_never_deadlocks(
+        stages: int, micro: int, data: st.DataObject) -> None:
+    """A plan may keep more micro-batches in flight on a stage than 1F1B's S - i (to cover a
+    slow link's round trip): any counts that do not grow down the pipeline, with skip edges
+    too, run without deadlock, and each stage holds exactly min(count, M) in flight."""
+    counts: dict[int, int] = {}
+    top = micro + 2
+    for i in range(stages):  # non-increasing, at least 1F1B's own on some stages
+        top = data.draw(st.integers(1, top), label=f"in_flight[{i}]")
+        counts[i] = top
+    upstream = {i: sorted({i - 1, *data.draw(st.lists(st.integers(0, i - 1), max_size=2),
+                                              label=f"skips into {i}")})
+                for i in range(1, stages)}
+    tasks = one_f_one_b(stages, micro, counts)
+    assert len(simulate(tasks, upstream)) == 2 * stages * micro
+    for i, ts in enumerate(tasks):
+        assert max_in_flight(ts) == min(counts[i], micro)
+
+
+def test_in_flight_that_grows_down_the_pipeline_deadlocks_and_zero_is_refused() -> None:
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        simulate(one_f_one_b(2, 4, {0: 2, 1: 3}))
+    with pytest.raises(ScheduleError, match="at least 1"):
+        one_f_one_b(2, 4, {0: 0})
+    # the default is 1F1B's own; a count above M is GPipe's order
+    assert one_f_one_b(3, 4, {}) == one_f_one_b(3, 4)
+    assert one_f_one_b(2, 3, {0: 9}) == [gpipe(2, 3)[0], one_f_one_b(2, 3)[1]]
+    assert [str(t) for t in one_f_one_b(2, 4, {0: 3})[0]] == [
+        "F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3"]
 
 
 def test_1f1b_shape() -> None:

@@ -373,7 +373,8 @@ def prediction_detail(plan: Plan, micro_batches: int) -> dict[str, Any]:
         "stages": [{"stage": st.index, "machine": st.machine_id,
                     "compute_s": st.busy_s * micro_batches,
                     "wire_cpu_s": st.wire_cpu_s * micro_batches,
-                    "wake_s": plan.arrays.cluster.machines[st.machine].wake_s}
+                    "wake_s": plan.arrays.cluster.machines[st.machine].wake_s,
+                    "in_flight": st.inflight}
                    for st in ev.stages],
         "fill_s": ev.fill_s,
         "grad_sync_s": ev.grad_sync_s,

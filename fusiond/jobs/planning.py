@@ -197,6 +197,7 @@ def job_settings(spec: JobSpec, graph: ir.Graph | None = None) -> JobSettings:
         codec_choice=spec.compression.choice,
         accuracy_budget=spec.compression.accuracy_budget,
         grad_density_floor=1.0 if graph is None else grad_floor(spec, graph),
+        grad_rank=max(1, spec.compression.grad_rank),
         recompute=spec.batch.recompute,
         offload=spec.batch.offload,
         offload_params=spec.precision != "fp16",

@@ -427,6 +427,9 @@ class JobSettings:
     (low-rank, PowerSGD-style, with error feedback: rank r of an m x n gradient sends
     r (m + n) / (m n) of it); 1.0: gradients are reduced dense. The planner sends as much as
     the reduction can hide behind the drain, down to this floor."""
+    grad_rank: int = 4
+    """The rank the runtime compresses a reduction at when the plan compresses it (the job's
+    `compression.grad_rank`): what the compression's own work costs (`lowrank_s_per_byte`)."""
     offload: bool = False
     """A stage whose state would not fit its machine may keep its optimizer state on the
     machine's disk (`fusiond.train.offload`): it then needs no memory for it and pays reading
@@ -471,6 +474,8 @@ class JobSettings:
         if not 0 < self.grad_density_floor <= 1:
             raise PlanError(f"grad_density_floor must be in (0, 1], got "
                             f"{self.grad_density_floor}")
+        if not 1 <= self.grad_rank <= 1024:
+            raise PlanError(f"grad_rank must be in [1, 1024], got {self.grad_rank}")
 
 
     @property

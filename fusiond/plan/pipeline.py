@@ -719,6 +719,23 @@ BUCKET_CHOICES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 of it behind the last backward, each pays the scheme's latency once more."""
 
 
+LOWRANK_PASSES = (9.5, 9.3)
+"""A low-rank (PowerSGD) round of one holder, in passes over its gradient's bytes at the
+machine's memory rate (`MachineProfile.mem_bw`, bytes touched per second): a + b x rank. What
+`fusiond.train.lowrank`'s P factor (gradient + error), Q factor, reconstruction and new error
+cost, measured on GPT-2 mini's 19.2 MB of matrices, one thread of this Intel Xeon: 12.5 ms at
+rank 1, 32.0 ms at rank 4, against 1.35 ms for a copy of the same bytes (2 passes): 18.8 and
+46.6 passes. The skinny products (n x r) run far below the matmul rate, so the rank shows in
+the passes, not in FLOPs. The model counted 3 passes and 4 FLOPs per byte before: a fifth of
+it, which left the replicas' reduction on the WAN's 0.4-core hosts 0.1 s per step short."""
+
+
+def lowrank_s_per_byte(mem_bw: float, rank: int) -> float:
+    """Seconds per gradient byte one holder spends compressing at `rank` (`LOWRANK_PASSES`)."""
+    a, b = LOWRANK_PASSES
+    return (a + b * max(1, rank)) / mem_bw
+
+
 def reduction_s(sync: GradientSync, grad_bytes: float, density: float, buckets: int,
                 extra_s_per_byte: float) -> float:
     """A reduction's time: its bytes (`density` of `grad_bytes`) and its scheme's latency
@@ -1090,9 +1107,9 @@ def evaluate(
             continue
         plan_sync = gradient_sync(c, s.machines)
         drain = sum(back[j] + bwd_link[j] + hops[j][0] / 2 for j in range(i))
-        # compressing costs each replica a few passes over its gradient (error feedback, the
-        # projections): its memory traffic and 4 FLOPs per byte at its matmul rate
-        compress_s_per_byte = max(3 / c.machines[m].mem_bw + 4 / c.machines[m].rate("matmul")
+        # compressing costs each replica passes over its gradient (error feedback, the
+        # projections, the reconstruction) that grow with the rank
+        compress_s_per_byte = max(lowrank_s_per_byte(c.machines[m].mem_bw, st.grad_rank)
                                   for m in s.machines)
         # the reduction goes by B buckets one after another (the plan chooses B, the runtime
         # splits the gradients so); during the stage's own last backward where the runtime

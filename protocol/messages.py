@@ -590,6 +590,10 @@ class AssignConfig(Struct):
     """Slot (decimal str) -> how many buckets its shared gradients are reduced in, one after
     another and during its last backward where it can (the plan's choice, the same on every
     replica of a stage; at most `MAX_GRAD_BUCKETS`); a slot absent splits them by size."""
+    grad_groups: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
+    """Replicated stage (decimal str) -> its slots in bandwidth groups, where the plan reduces
+    its gradients hierarchically (inside each group, then among the groups' first slots);
+    a stage absent reduces by one ring."""
     in_flight: dict[str, int] = field(default_factory=dict)
     """Stage (decimal str) -> the micro-batches 1F1B keeps in flight there (the plan's choice
     where a slow link's round trip would leave the stage waiting; at most `micro_batches`,
@@ -597,7 +601,7 @@ class AssignConfig(Struct):
 
     def __post_init__(self) -> None:
         for name in ("stage_nodes", "shared", "slot_stages", "routes", "checkpoint_blocks",
-                     "slot_devices", "grad_buckets", "in_flight"):
+                     "slot_devices", "grad_buckets", "in_flight", "grad_groups"):
             n = len(getattr(self, name))
             if n > MAX_ASSIGN_STAGES:
                 raise ValueError(f"{name} has {n} entries, limit is {MAX_ASSIGN_STAGES}")

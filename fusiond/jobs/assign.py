@@ -107,6 +107,9 @@ class JobLayout:
     """Machine -> the buckets its replicated stage reduces its gradients in (the plan's
     `SyncReport.buckets`, the same on every replica); a machine absent: the runtime's own
     split by size."""
+    grad_groups: Mapping[str, tuple[tuple[str, ...], ...]] = field(default_factory=dict)
+    """A replicated stage's first machine -> its machines in bandwidth groups, where the plan
+    reduces its gradients hierarchically (`SyncReport.scheme`); absent: one ring."""
     in_flight: Mapping[str, int] = field(default_factory=dict)
     """Machine -> the micro-batches 1F1B keeps in flight on its stage, where the plan raised
     it above the schedule's own (`StageReport.inflight`: a slow link's round trip)."""
@@ -373,6 +376,7 @@ def assign_parts(
                               for r in routes_by_slot.values()):
         raise LayoutError(f"the layout's routes do not name the job's "
                           f"{spec.batch.micro_batches} micro-batches")
+    slot_of = {n: slot for slot, n in nodes.items()}
     config = job_config(spec, stage_nodes=nodes, shared=layout.slot_shared(state),
                         input_name=layout.input_name, targets_name=layout.targets_name,
                         loss_name=layout.loss_name,
@@ -397,7 +401,10 @@ def assign_parts(
                         grad_buckets={slot: layout.grad_buckets[n] for slot, n in nodes.items()
                                       if n in layout.grad_buckets},
                         in_flight={s.stage: layout.in_flight[s.node_id] for s in layout.stages
-                                   if s.node_id in layout.in_flight})
+                                   if s.node_id in layout.in_flight},
+                        grad_groups={s.stage: [[slot_of[m] for m in g]
+                                               for g in layout.grad_groups[s.node_id]]
+                                     for s in layout.stages if s.node_id in layout.grad_groups})
     routes = layout.edges()
     job_nodes = {n: tuple(addresses[n]) for n in nodes.values()}
     shipped = _shipped_data(spec) if corpus is None else corpus.shipped()

@@ -609,6 +609,11 @@ def _ring_order(bw: F64, ms: Sequence[int]) -> list[int]:
     return best
 
 
+RUNTIME_TWO_LEVEL = False
+"""Whether the stage runtime runs the two-level reduction (`GradientSync.time_s`); until it
+does, the planner does not plan it (it would predict a reduction the runtime never runs)."""
+
+
 @dataclass(frozen=True)
 class _Ring:
     """A ring all-reduce's time as `s_per_byte` x bytes + `fixed_s`, and its slowest link."""
@@ -616,6 +621,9 @@ class _Ring:
     s_per_byte: float
     fixed_s: float
     slowest_bytes_per_s: float
+    members: int = 0
+    steps: int = 1
+    """Its machines, and its messages one after another (each paying a latency)."""
 
     def time_s(self, nbytes: float) -> float:
         return self.s_per_byte * nbytes + self.fixed_s if nbytes > 0 else 0.0
@@ -642,10 +650,10 @@ def _ring(c: Cluster, ms: Sequence[int], homogeneous: bool = False) -> _Ring:
     share = 2 * (n - 1) / n
     cpu = max(c.machines[m].wire_s_per_byte for m in ms) * 2
     msg = max(c.machines[m].msg_s for m in ms) * 2 * steps
-    return _Ring(share * (1 / slowest + cpu), steps * lat + msg, slowest)
+    return _Ring(share * (1 / slowest + cpu), steps * lat + msg, slowest, n, steps)
 
 
-def _sync_groups(c: Cluster, ms: Sequence[int], ratio: float = 4.0) -> list[list[int]]:
+def sync_groups(c: Cluster, ms: Sequence[int], ratio: float = 4.0) -> list[list[int]]:
     """`ms` joined into bandwidth groups (links within `ratio` of the best link of both
     ends, among these machines)."""
     bw = np.minimum(c.bandwidth_bytes_per_s, c.bandwidth_bytes_per_s.T)
@@ -683,9 +691,12 @@ class GradientSync:
 
     def time_s(self, nbytes: float) -> tuple[float, float, str]:
         """(seconds, slowest link bytes/s, scheme) for `nbytes` per replica: the fastest of
-        one ring, hierarchical (the whole gradient between the groups' first replicas) and
-        two-level (reduce-scatter inside each group, each of `shards` shards all-reduced
-        across the groups at once on its own machines' links, all-gather inside)."""
+        one ring, hierarchical (an all-reduce inside each group, one among the groups' first
+        replicas with the whole gradient, which then send the total to the rest of their
+        group: the runtime's `_hier_sum`) and, where the runtime runs it
+        (`RUNTIME_TWO_LEVEL`), two-level (reduce-scatter inside each group, each of `shards`
+        shards all-reduced across the groups at once on its own machines' links, all-gather
+        inside)."""
         ring_s = self.flat.time_s(nbytes)
         if self.outer is None:
             return ring_s, self.flat.slowest_bytes_per_s, "ring"
@@ -693,10 +704,15 @@ class GradientSync:
         slowest = min([self.outer.slowest_bytes_per_s,
                        *(r.slowest_bytes_per_s for r in self.inner)])
         best = (ring_s, self.flat.slowest_bytes_per_s, "ring")
-        hier_s = inner_s + self.outer.time_s(nbytes)
+        # the totals sent back: a first replica sends the gradient to each other member
+        back_s = max((r.members - 1) * (nbytes / r.slowest_bytes_per_s + r.fixed_s
+                                        / max(1, r.steps))
+                     for r in self.inner if r.members > 1) if nbytes > 0 and any(
+                         r.members > 1 for r in self.inner) else 0.0
+        hier_s = inner_s + self.outer.time_s(nbytes) + back_s
         if hier_s < best[0]:
             best = (hier_s, slowest, "hierarchical")
-        if self.shards > 1:
+        if self.shards > 1 and RUNTIME_TWO_LEVEL:
             two_s = inner_s + self.outer.time_s(nbytes / self.shards)
             if two_s < best[0]:
                 best = (two_s, slowest, "two-level")
@@ -705,7 +721,7 @@ class GradientSync:
 
 def gradient_sync(c: Cluster, ms: Sequence[int]) -> GradientSync:
     """The reduction among machines `ms` (see `GradientSync`)."""
-    groups = _sync_groups(c, ms)
+    groups = sync_groups(c, ms)
     if len(groups) == 1:
         return GradientSync(_ring(c, ms, homogeneous=True), (), None)
     if all(len(g) == 1 for g in groups):

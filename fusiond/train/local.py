@@ -372,6 +372,7 @@ async def run_replicated(
     queue_size: int = 4,
     grad_rank: int | None = None,
     grad_warmup_steps: int = 0,
+    grad_groups: Mapping[int, Sequence[Sequence[int]]] | None = None,
 ) -> ReplicatedResult:
     """Train `steps` steps of a pipeline whose stage s runs on `len(programs[s])` replicas
     (each program its own copy of the stage, with the same initial weights); `routes[s][m]`
@@ -379,7 +380,9 @@ async def run_replicated(
     Each replica runs its share; a replicated stage's gradients are summed over its replicas
     before every optimizer step (rank-`grad_rank` factors with error feedback where a
     gradient is a matrix worth it, `fusiond.train.lowrank`; else dense). `grad_rank` is the
-    job's, on every stage: every holder of a parameter must agree on how it travels."""
+    job's, on every stage: every holder of a parameter must agree on how it travels.
+    `grad_groups[s]`: stage s's replicas (by index) in bandwidth groups, reduced
+    hierarchically (`StageConfig.grad_groups`)."""
     S = len(programs)
     if len(routes) != S or any(len(r) != micro_batches for r in routes):
         raise LocalError(f"routes must give each of the {S} stages a replica per micro-batch")
@@ -394,11 +397,15 @@ async def run_replicated(
     for (s, r), slot in sorted(slots.items()):
         micros = [m for m in range(micro_batches) if routes[s][m] == r]
         p = progs[slot]
+        cfg = config
+        if grad_groups and s in grad_groups:  # replica indices -> slots
+            cfg = dataclasses.replace(config or StageConfig(), grad_groups=tuple(
+                tuple(slots[(s, x)] for x in g) for g in grad_groups[s]))
         execs.append(StageExecutor(
             stage=s, program=p, link=hub.link(slot),
             tasks=replica_tasks(pipeline, s, S, micros), micro_batches=micro_batches,
             optimizer=optimizer, total_steps=steps, data=data if p.data_inputs else None,
-            batch_size=batch_size, config=config, slot=slot, routes=route_slots,
+            batch_size=batch_size, config=cfg, slot=slot, routes=route_slots,
             grad_rank=grad_rank, grad_warmup_steps=grad_warmup_steps,
             job_slots=sorted(slots.values())))
     for ex in execs:

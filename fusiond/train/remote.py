@@ -143,7 +143,9 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
                offload_param_slots: Sequence[int] = (),
                slot_devices: Mapping[int, str] | None = None,
                grad_buckets: Mapping[int, int] | None = None,
-               in_flight: Mapping[int, int] | None = None) -> AssignConfig:
+               in_flight: Mapping[int, int] | None = None,
+               grad_groups: Mapping[int, Sequence[Sequence[int]]] | None = None
+               ) -> AssignConfig:
     """The `Assign.config` record for a job (the same for every stage).
 
     `stage_nodes`: stage -> node id for every stage; `shared`: stage -> {tied parameter -> the
@@ -165,7 +167,9 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
     `offload_param_slots`: the slots whose weights and gradients live on disk too;
     `slot_devices`: slot -> its accelerator; `grad_buckets`: slot -> the buckets its shared
     gradients are reduced in (the plan's choice); `in_flight`: stage -> the micro-batches
-    1F1B keeps in flight there (the plan's choice; absent: the schedule's own).
+    1F1B keeps in flight there (the plan's choice; absent: the schedule's own);
+    `grad_groups`: replicated stage -> its slots in bandwidth groups (a hierarchical
+    reduction, the plan's choice).
     """
     o = spec.optimizer
     d = spec.data
@@ -215,6 +219,8 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
         slot_devices={str(k): str(v) for k, v in (slot_devices or {}).items()},
         grad_buckets={str(k): int(v) for k, v in (grad_buckets or {}).items()},
         in_flight={str(k): int(v) for k, v in (in_flight or {}).items()},
+        grad_groups={str(k): tuple(tuple(int(s) for s in g) for g in v)
+                     for k, v in (grad_groups or {}).items()},
     )
 
 
@@ -284,6 +290,8 @@ class StageAssignment:
     0: split by size)."""
     in_flight: int = 0
     """The micro-batches this slot's 1F1B keeps in flight (0: the schedule's min(S - i, M))."""
+    grad_groups: tuple[tuple[int, ...], ...] = ()
+    """This slot's stage's replicas in bandwidth groups (`StageConfig.grad_groups`)."""
 
     @property
     def is_replica(self) -> bool:
@@ -456,6 +464,7 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
             raise RemoteError(f"Assign.config.grad_buckets[{key}]: {count!r} is not a bucket "
                               f"count in [1, {MAX_GRAD_BUCKETS}]")
     _check_in_flight(cfg, stages)
+    groups = _check_grad_groups(cfg, stage_map, slot_stages or {})
     if not 0 <= cfg.eval_interval <= 10**9:
         raise RemoteError(f"Assign.config.eval_interval: {cfg.eval_interval!r} is not a step "
                           "count in [0, 10**9]")
@@ -482,7 +491,30 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         device=cfg.slot_devices.get(str(own), "cpu"),
         grad_buckets=cfg.grad_buckets.get(str(own), 0),
         in_flight=cfg.in_flight.get(str(stage), 0),
+        grad_groups=groups.get(stage, ()),
     )
+
+
+def _check_grad_groups(cfg: AssignConfig, stage_map: Mapping[str, str],
+                       slot_stages: Mapping[int, int]) -> dict[int, tuple[tuple[int, ...], ...]]:
+    """`Assign.config.grad_groups`: per replicated stage, two or more disjoint groups whose
+    slots are exactly that stage's (its first slot and its replicas')."""
+    out: dict[int, tuple[tuple[int, ...], ...]] = {}
+    slots = {int(k) for k in stage_map}
+    for key, groups in cfg.grad_groups.items():
+        if not key.isdigit() or int(key) not in slots:
+            raise RemoteError(f"Assign.config.grad_groups: {key[:16]!r} is not a stage of the "
+                              "job")
+        st = int(key)
+        mine = {st} | {s for s, x in slot_stages.items() if x == st}
+        flat = [s for g in groups for s in g]
+        if len(groups) < 2 or any(not g for g in groups) or len(flat) != len(set(flat)) \
+                or set(flat) != mine:
+            raise RemoteError(f"Assign.config.grad_groups[{key}]: {[list(g) for g in groups][:4]}"
+                              f" is not two or more groups of exactly the stage's slots "
+                              f"{sorted(mine)[:8]}")
+        out[st] = tuple(tuple(g) for g in groups)
+    return out
 
 
 def _check_in_flight(cfg: AssignConfig, stages: int) -> None:
@@ -747,7 +779,8 @@ class StageHost:
             config = replace(config, offload_dir=root / _safe_name(sa.job_id)
                              / f"v{sa.plan_version}")
         config = replace(config, precision=sa.precision, offload_params=sa.offload_params,
-                         device=sa.device, grad_buckets=sa.grad_buckets)
+                         device=sa.device, grad_buckets=sa.grad_buckets,
+                         grad_groups=sa.grad_groups)
         # every op of the partition must run here (UnsupportedOpError names the one that does
         # not), and its device must be here (DeviceError), before anything is built
         check_ops(sa.graph, config.disabled_ops)

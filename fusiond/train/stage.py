@@ -349,6 +349,11 @@ class StageConfig:
     """The buckets a set of replicas' shared gradients are reduced in, one after another and
     during the step's last backward where it can (the plan's `SyncReport.buckets`; about
     equal bytes each, whole parameters); 0: `fusiond.plan.model.bucket_bytes` each."""
+    grad_groups: tuple[tuple[int, ...], ...] = ()
+    """The bandwidth groups of the slots that replicate this stage (the plan's
+    "hierarchical" reduction, `SyncReport.scheme`): their shared gradients are summed inside
+    each group, then among the groups' first slots, which send the total back to their
+    group (`_hier_sum`); empty: one ring over every holder."""
     offload_params: bool = False
     """Keep the parameters and their gradients in memory-mapped files under `offload_dir`
     too (`fusiond.train.offload.DiskParameters`; with the optimizer state there): with a
@@ -646,6 +651,21 @@ class _Overlap:
             ev.set()
 
 
+def _hier_tags(groups: tuple[tuple[int, ...], ...]) -> list[str]:
+    """Every round-name suffix a hierarchical sum over `groups` sends: each group's ring
+    (`_ring_tag`), the ring of the groups' first slots, the totals sent back."""
+    leaders = tuple(g[0] for g in groups)
+    tags = [_ring_tag(g, k) for g in groups if len(g) > 1 for k in range(2 * (len(g) - 1))]
+    tags += [_ring_tag(leaders, k) for k in range(2 * (len(leaders) - 1))]
+    return [*tags, _bcast_tag(groups)]
+
+
+def _bcast_tag(groups: tuple[tuple[int, ...], ...]) -> str:
+    """The round-name suffix of a hierarchical sum's totals sent back inside the groups."""
+    crc = zlib.crc32("|".join(",".join(map(str, g)) for g in groups).encode())
+    return f"@h{crc:08x}"
+
+
 def _ring_tag(holders: tuple[int, ...], k: int) -> str:
     """The round-name suffix of step `k` of the ring over `holders`: the same on every
     holder, distinct per ring (their count and a CRC-32 of their slots: short however many
@@ -816,6 +836,20 @@ class StageExecutor:
         """Holders (in slot order) -> the shared parameters all of them hold, for every set of
         at least `RING_MIN_HOLDERS`: summed by a ring (`_ring_sum`), each holder sending
         2 (n - 1) / n of the gradient instead of n - 1 copies of it."""
+        hgroups = tuple(sorted(tuple(sorted(g)) for g in self.config.grad_groups if g))
+        self._hier: dict[tuple[int, ...], tuple[tuple[int, ...], ...]] = {}
+        """Holders -> their bandwidth groups, for the set the plan reduces hierarchically
+        (`StageConfig.grad_groups`: every holder in exactly one group, at least two
+        groups); other sets go by one ring."""
+        if hgroups:
+            flat = [s for g in hgroups for s in g]
+            if len(flat) != len(set(flat)) or len(hgroups) < 2 or self.slot not in flat:
+                raise StageError(f"stage {stage}: grad_groups {list(hgroups)[:4]} are not two "
+                                 f"or more disjoint groups of slots holding slot {self.slot}",
+                                 fault=FAULT_JOB)
+            for holders in rings:
+                if set(holders) == set(flat):
+                    self._hier[holders] = hgroups
         in_ring = {n for names in rings.values() for n in names}
         by_peer: dict[int, list[str]] = {}
         for name in sorted(program.shared):
@@ -831,7 +865,9 @@ class StageExecutor:
         rounds: list[str] = []
         for b in self._buckets:
             for r in (b.round, f"{b.round}{_Q_ROUND}"):
-                if len(b.holders) >= RING_MIN_HOLDERS:
+                if b.holders in self._hier:
+                    rounds += [f"{r}{t}" for t in _hier_tags(self._hier[b.holders])]
+                elif len(b.holders) >= RING_MIN_HOLDERS:
                     rounds += [f"{r}{_ring_tag(b.holders, k)}"
                                for k in range(2 * (len(b.holders) - 1))]
                 else:
@@ -1369,7 +1405,10 @@ class StageExecutor:
         deadline = time.monotonic() + self.config.recv_timeout_s
         totals: dict[str, torch.Tensor] = {}
         for holders, names in ringed.items():
-            if names:
+            if names and holders in self._hier:
+                totals.update(self._hier_sum(step, round_name, self._hier[holders], names,
+                                             own, what, deadline))
+            elif names:
                 totals.update(self._ring_sum(step, round_name, holders, names, own, what,
                                              deadline))
         keys = [(PacketKind.PARAM_GRAD, step, peer, round_name) for peer in names_of]
@@ -1394,6 +1433,44 @@ class StageExecutor:
                 total += by_slot[s]
             totals[n] = total
         return totals
+
+    def _hier_sum(self, step: int, round_name: str, groups: tuple[tuple[int, ...], ...],
+                  names: Sequence[str], own: Mapping[str, torch.Tensor], what: str,
+                  deadline: float) -> dict[str, torch.Tensor]:
+        """Sum `own[name]` over every slot of `groups` hierarchically (the plan's scheme for
+        replicas in several bandwidth groups): a ring inside this slot's group, then a ring
+        among the groups' first slots over the slow links (the whole gradient crosses them
+        once per group, not 2 (n - 1) / n of it per ring step), then each first slot sends the
+        total to the rest of its group. Every holder ends with the same bits: the first
+        slots' ring gives them one total, which the others copy."""
+        group = next(g for g in groups if self.slot in g)
+        leaders = tuple(g[0] for g in groups)
+        inner = (self._ring_sum(step, round_name, group, names, own, what, deadline)
+                 if len(group) > 1 else {n: own[n] for n in names})
+        tag = f"{round_name}{_bcast_tag(groups)}"
+        if self.slot == group[0]:
+            totals = self._ring_sum(step, round_name, leaders, names, inner, what, deadline)
+            if len(group) > 1:
+                flat = torch.cat([totals[n].detach().reshape(-1).to(torch.float32)
+                                  for n in names])
+                enc = self._guard(what, step, functools.partial(codec.encode_dense, flat))
+                self._emit([(Packet(PacketKind.PARAM_GRAD, step, 0, tag, self.slot, peer,
+                                    enc.parts), enc, None) for peer in group[1:]])
+            return totals
+        key = (PacketKind.PARAM_GRAD, step, group[0], tag)
+        flat = codec.decode_dense(self._take_all([key], deadline, what)[0][key])
+        want = sum(own[n].numel() for n in names)
+        if flat.dim() != 1 or flat.numel() != want or flat.dtype != torch.float32:
+            raise StageError(f"stage {self.stage}, step {step}, {what}: slot {group[0]} sent "
+                             f"{tuple(flat.shape)} {flat.dtype} as the total, not {want} "
+                             "float32 values")
+        out: dict[str, torch.Tensor] = {}
+        at = 0
+        for n in names:
+            k = own[n].numel()
+            out[n] = flat[at:at + k].view_as(own[n]).to(own[n].dtype)
+            at += k
+        return out
 
     def _ring_sum(self, step: int, round_name: str, holders: tuple[int, ...],
                   names: Sequence[str], own: Mapping[str, torch.Tensor], what: str,

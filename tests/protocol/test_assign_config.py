@@ -77,7 +77,8 @@ def test_the_wire_keys_are_those_of_the_old_hand_checked_map() -> None:
             "targets_name", "loss_name", "stage_nodes", "shared", "recv_timeout_s",
             "slot_stages", "routes", "grad_rank", "grad_warmup_steps", "eval_interval", "precision",
             "recompute_slots", "offload_slots", "checkpoint_blocks",
-            "offload_param_slots", "slot_devices", "grad_buckets", "in_flight"} == set(wire)
+            "offload_param_slots", "slot_devices", "grad_buckets", "in_flight",
+            "grad_groups"} == set(wire)
     # the last four came with replicas and their low-rank reduction: an older reader ignores
     # unknown keys; a job without replicas leaves them empty, grad_rank None
 

@@ -282,3 +282,60 @@ async def test_buckets_are_reduced_while_the_last_backward_runs(
                  if st.kind == PacketKind.PARAM_GRAD}
         assert len(names) > 4, names
         assert any(n.endswith("q") for n in names) is (rank is not None), names
+
+
+@pytest.mark.parametrize(("groups", "rank"), [(((0, 1), (2, 3)), None), (((0, 2, 4), (1, 3)), None),
+                                              (((0, 1), (2,), (3, 4)), 2)])
+async def test_replicas_in_bandwidth_groups_sum_hierarchically(
+        small_text: TextWindows, adamw: OptimizerSpec, monkeypatch: pytest.MonkeyPatch,
+        groups: tuple[tuple[int, ...], ...], rank: int | None) -> None:
+    """The plan's "hierarchical" reduction (`StageConfig.grad_groups`): each group sums by its
+    own ring, the groups' first replicas by theirs (the only traffic between groups: one
+    gradient's worth each way per first replica, not 2 (n - 1) / n of it per ring step of
+    everyone), and they send the total back inside their group. Eager training's losses
+    (dense), replicas bit-identical, low-rank too (two rounds per bucket, each hierarchical),
+    with buckets small enough that several go during the last backward."""
+    from fusiond.plan import model as plan_model
+
+    from .gpt_stages import one_stage
+
+    monkeypatch.setattr(plan_model, "BUCKET_MIN_BYTES", 8192)
+    n = sum(len(g) for g in groups)
+    torch.manual_seed(0)
+    g = gpt2("tiny")
+    programs = [[one_stage(g) for _ in range(n)]]
+    routes = [[m % n for m in range(MICRO)]]
+    steps = 3
+    res = await run_replicated(programs, routes, data=small_text, batch_size=BATCH,
+                               micro_batches=MICRO, optimizer=adamw, steps=steps,
+                               grad_rank=rank, grad_groups={0: groups})
+    ref = gpt2("tiny")
+    ref.load_state_dict(g.state_dict())
+    want = ReferenceTrainer(ref, lm_loss, adamw, data=small_text, batch_size=BATCH,
+                            micro_batches=MICRO, total_steps=steps).train(0, steps)
+    for got, exp in zip(res.losses, want, strict=True):
+        assert got == pytest.approx(exp, rel=1e-5 if rank is None else 0.05)
+    states = [res.states[res.slots[(0, r)]] for r in range(n)]
+    for k in states[0]:
+        assert all(torch.equal(states[0][k], st[k]) for st in states[1:]), k
+    # who sent to whom: only the groups' first replicas cross between groups
+    group_of = {res.slots[(0, r)]: i for i, gr in enumerate(groups) for r in gr}
+    firsts = {res.slots[(0, gr[0])] for gr in groups}
+    for slot, reports in res.reports.items():
+        for st in reports[-1].edges:
+            if st.kind == PacketKind.PARAM_GRAD and st.wire_bytes and st.peer != slot:
+                assert group_of[st.peer] == group_of[slot] or (
+                    slot in firsts and st.peer in firsts), (slot, st.peer, st.edge)
+
+
+async def test_grad_groups_that_are_not_a_partition_are_refused(
+        small_text: TextWindows, adamw: OptimizerSpec) -> None:
+    from fusiond.train.stage import StageError
+
+    from .gpt_stages import one_stage
+
+    g = gpt2("tiny")
+    with pytest.raises(StageError, match="are not two or more disjoint groups"):
+        await run_replicated([[one_stage(g) for _ in range(3)]], [[m % 3 for m in range(MICRO)]],
+                             data=small_text, batch_size=BATCH, micro_batches=MICRO,
+                             optimizer=adamw, steps=1, grad_groups={0: ((0, 1), (1, 2))})

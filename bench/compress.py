@@ -17,8 +17,9 @@ Two tables, every figure measured in this run:
    median over the seeds.
 
 3. The planner's own choice: GPT-2 tiny and a transformers Llama planned by OP-Fence with the
-   per-link codec choice on four-groups (one host per site, memory 55 % of the model's need
-   so it must be cut), trained with the plan's codecs and with the same cut uncompressed.
+   per-link codec choice on four-groups (one host per site, memory the most of 55, 50 or 45 %
+   of the model's need at which the plan cuts it), trained with the plan's codecs and with
+   the same cut uncompressed.
 
 Targets (PASS/FAIL, exit 1 on a miss):
 - every codec's measured bytes per element within 3 % of the planner's byte model (the plan's
@@ -217,6 +218,11 @@ PLANNED_MODELS = {
 """The issue's two models: GPT-2 tiny and a transformers Llama (tiny, byte vocabulary)."""
 
 
+CUT_FRACTIONS = (0.55, 0.5, 0.45)
+"""Each host's memory, as shares of what the model needs on one, tried in turn until the plan
+cuts the model (`planned_run`)."""
+
+
 def four_groups_cluster(memory_bytes: float) -> Any:
     """One host of each of four-groups' sites (links as the testbed shapes them, at the 95 %
     goodput bench/wan.py assumes), each an equal machine with `memory_bytes`."""
@@ -238,7 +244,8 @@ def four_groups_cluster(memory_bytes: float) -> Any:
 async def planned_run(model: str, seed: int, steps: int, encoded: bool
                       ) -> tuple[float, dict[str, str]]:
     """`model` planned by OP-Fence with the per-link codec choice on four-groups, each host's
-    memory 55 % of what the model needs on one (so it must be cut), trained `steps` steps in
+    memory the most of `CUT_FRACTIONS` of what the model needs on one at which the plan cuts
+    it (55 % for both before 1F1B's round trips entered the model), trained `steps` steps in
     this process with the plan's codecs (`encoded`) or the same cut uncompressed; the held-out
     loss of the dense weights (the job's own split) and the codecs used, by edge."""
     import dataclasses
@@ -258,9 +265,16 @@ async def planned_run(model: str, seed: int, steps: int, encoded: bool
     _, cap = capture_job(spec)
     whole = plan_job(spec, cap, four_groups_cluster(2**40))
     need = max(r.memory_bytes for r in whole.evaluation.stages)
-    plan = plan_job(spec, cap, four_groups_cluster(0.55 * need / 0.9))
-    if len(plan.stages) < 2:
-        raise SystemExit(f"{model}: the memory should force a cut; the plan: {plan.method}")
+    # the most memory (in steps of 5 % of the need, from 55 %) at which OP-Fence cuts the
+    # model: with less, one host with checkpointed blocks and its state on disk may beat a
+    # pipeline whose round trips cross the WAN (1F1B's round-trip bound)
+    for frac in CUT_FRACTIONS:
+        plan = plan_job(spec, cap, four_groups_cluster(frac * need / 0.9))
+        if len(plan.stages) >= 2:
+            break
+    else:
+        raise SystemExit(f"{model}: no memory of {CUT_FRACTIONS} of the need forces a cut; "
+                         f"the plan: {plan.method}")
     layout = layout_from_plan("j", cap.graph, cap.state, plan, spec)
     if not encoded:
         layout = dataclasses.replace(layout, densities={}, encodings={})

@@ -1018,8 +1018,6 @@ class StepFigures(Struct):
             raise ValueError(f"timeline: {len(self.timeline)} tasks, more than {MAX_STEP_TASKS}")
         if len(self.edges) > MAX_STEP_EDGES:
             raise ValueError(f"edges: {len(self.edges)}, more than {MAX_STEP_EDGES}")
-        if not 0 <= self.buckets_early <= MAX_STEP_BUCKETS:
-            raise ValueError(f"buckets_early: {self.buckets_early}, not in 0..{MAX_STEP_BUCKETS}")
         for row in self.timeline:
             if len(row[0].encode()) > MAX_TASK_NAME_BYTES:
                 raise ValueError(f"timeline: task name of {len(row[0].encode())} bytes, more "

@@ -76,7 +76,13 @@ from fusiond.train.schedule import Phase, Task
 from fusiond.train.segments import SegmentRunner
 from fusiond.train.spec import OptimizerSpec
 from protocol.errors import LocalProtocolError
-from protocol.messages import MAX_STEP_TASKS, MAX_TASK_NAME_BYTES, EdgeFigures, StepFigures
+from protocol.messages import (
+    MAX_STEP_BUCKETS,
+    MAX_STEP_TASKS,
+    MAX_TASK_NAME_BYTES,
+    EdgeFigures,
+    StepFigures,
+)
 
 __all__ = [
     "FAULT_JOB",
@@ -488,6 +494,9 @@ class StepReport:
             v = getattr(figures, name)
             if not 0.0 <= v < float("inf"):
                 raise RemoteError(f"{where}: {name} is {v}, not a duration")
+        if not 0 <= figures.buckets_early <= MAX_STEP_BUCKETS:
+            raise RemoteError(f"{where}: buckets_early is {figures.buckets_early}, not a count "
+                              f"in [0, {MAX_STEP_BUCKETS}]")
         for e in figures.edges:
             if e.wire_bytes < 0 or e.dense_bytes < 0:
                 raise RemoteError(f"{where}: edge {e.edge!r} has negative byte counts")

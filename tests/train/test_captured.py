@@ -91,8 +91,7 @@ def _check_timelines(res: PipelineResult, micro_batches: int) -> None:
     bad(wait_s="x")
     bad(costs=[[0.0, 0.0, 0.0, 0.0]] * 5000)
     bad(costs=[[0.0, "x", 0.0, 0.0]])
-    bad(buckets_early=-1)
-    bad(buckets_early=10**9)
+    bad(buckets_early="x")
     bad(reduce_exposed_s="x")
     bad(edges=[{"edge": "e", "kind": "forward", "peer": "one", "wire_bytes": 1,
                 "dense_bytes": 0}])
@@ -107,6 +106,8 @@ def _check_timelines(res: PipelineResult, micro_batches: int) -> None:
                       (dict(edges=(EdgeFigures("e", "forward", 1, 1, 1, 1.5),)), "density"),
                       (dict(costs=((0.0, 0.0, 0.0, 0.0),)), "costs has 1 rows"),
                       (dict(reduce_exposed_s=float("inf")), "reduce_exposed_s"),
+                      (dict(buckets_early=-1), "buckets_early is -1"),
+                      (dict(buckets_early=10**9), "buckets_early"),
                       (dict(costs=((0.0, -1.0, 0.0, 0.0),) * len(rep0.timeline)),
                        "not a duration")):
         with pytest.raises(RemoteError, match=rf"StageStep\.figures from stage 0: .*{what}"):

@@ -704,9 +704,9 @@ class GradientSync:
         slowest = min([self.outer.slowest_bytes_per_s,
                        *(r.slowest_bytes_per_s for r in self.inner)])
         best = (ring_s, self.flat.slowest_bytes_per_s, "ring")
-        # the totals sent back: a first replica sends the gradient to each other member
-        back_s = max((r.members - 1) * (nbytes / r.slowest_bytes_per_s + r.fixed_s
-                                        / max(1, r.steps))
+        # the totals sent back: a first replica sends the gradient to every other member at
+        # once, each on its own link (as every link of this model is independent)
+        back_s = max(nbytes / r.slowest_bytes_per_s + r.fixed_s / max(1, r.steps)
                      for r in self.inner if r.members > 1) if nbytes > 0 and any(
                          r.members > 1 for r in self.inner) else 0.0
         hier_s = inner_s + self.outer.time_s(nbytes) + back_s

@@ -660,6 +660,19 @@ class _Overlap:
             ev.set()
 
 
+def _unflatten(flat: torch.Tensor, names: Sequence[str], like: Mapping[str, torch.Tensor]
+               ) -> dict[str, torch.Tensor]:
+    """`flat` (the names' tensors one after another, float32) as each name's tensor, in the
+    shape and dtype of `like[name]` (views where the dtype matches)."""
+    out: dict[str, torch.Tensor] = {}
+    at = 0
+    for n in names:
+        k = like[n].numel()
+        out[n] = flat[at:at + k].view_as(like[n]).to(like[n].dtype)
+        at += k
+    return out
+
+
 def _hier_tags(groups: tuple[tuple[int, ...], ...]) -> list[str]:
     """Every round-name suffix a hierarchical sum over `groups` sends: each group's ring
     (`_ring_tag`), the ring of the groups' first slots, the totals sent back."""
@@ -1431,11 +1444,8 @@ class StageExecutor:
                 raise StageError(f"stage {self.stage}, step {step}, {what}: stage {peer} sent "
                                  f"{tuple(flat.shape)} {flat.dtype}, not the {want} float32 "
                                  "values of the parameters both hold")
-            at = 0
-            for n in names:
-                k = own[n].numel()
-                parts[n][peer] = flat[at:at + k].view_as(own[n]).to(own[n].dtype)
-                at += k
+            for n, t in _unflatten(flat, names, own).items():
+                parts[n][peer] = t
         for n, by_slot in parts.items():
             total = torch.zeros_like(own[n])
             for s in sorted(by_slot):
@@ -1473,13 +1483,7 @@ class StageExecutor:
             raise StageError(f"stage {self.stage}, step {step}, {what}: slot {group[0]} sent "
                              f"{tuple(flat.shape)} {flat.dtype} as the total, not {want} "
                              "float32 values")
-        out: dict[str, torch.Tensor] = {}
-        at = 0
-        for n in names:
-            k = own[n].numel()
-            out[n] = flat[at:at + k].view_as(own[n]).to(own[n].dtype)
-            at += k
-        return out
+        return _unflatten(flat, names, own)
 
     def _ring_sum(self, step: int, round_name: str, holders: tuple[int, ...],
                   names: Sequence[str], own: Mapping[str, torch.Tensor], what: str,
@@ -1528,13 +1532,7 @@ class StageExecutor:
             c = (i + 1 - k) % n
             done[(c - 1) % n].copy_(exchange(n - 1 + k, c))
             chunks[(c - 1) % n] = done[(c - 1) % n]
-        out: dict[str, torch.Tensor] = {}
-        at = 0
-        for x in names:
-            k = own[x].numel()
-            out[x] = total[at:at + k].view_as(own[x]).to(own[x].dtype)
-            at += k
-        return out
+        return _unflatten(total, names, own)
 
     def _make_buckets(self) -> list[_Bucket]:
         """The reduction's buckets, in the order every holder reduces them (holder set, then

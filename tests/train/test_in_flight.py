@@ -94,9 +94,8 @@ async def test_a_planned_count_reaches_its_stage_and_the_job_trains_as_one_proce
     from fusiond.jobs.worker import local_sender
     from fusiond.net.transport import NetConfig
     from fusiond.plan import Cluster, MachineProfile
-    from fusiond.train.data import make_source
-    from fusiond.train.local import ReferenceTrainer
-    from fusiond.train.model import build_model, loss_fn
+
+    from .reference import spec_losses
 
     spec, cap = captured_tiny
     spec = dataclasses.replace(spec, steps=3,
@@ -129,11 +128,7 @@ async def test_a_planned_count_reaches_its_stage_and_the_job_trains_as_one_proce
         n0.coordinators.append(c)
         out = await asyncio.wait_for(c.run(), 120)
         assert out.ok, out.failure
-    model = build_model(spec.model, seed=spec.seed)
-    rt = ReferenceTrainer(model, loss_fn(spec.loss), spec.optimizer,
-                          data=make_source(spec.data, spec.seed), batch_size=spec.batch.size,
-                          micro_batches=spec.batch.micro_batches, total_steps=spec.steps)
-    want = rt.train(0, spec.steps)
+    want = spec_losses(spec)
     assert len(losses) == spec.steps
     for got, w in zip(losses, want, strict=True):
         assert got == pytest.approx(w, rel=1e-5)

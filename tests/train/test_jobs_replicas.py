@@ -17,10 +17,9 @@ from fusiond.jobs.planning import layout_from_plan, plan_job
 from fusiond.jobs.worker import local_sender
 from fusiond.net.transport import NetConfig
 from fusiond.plan import Cluster, MachineProfile
-from fusiond.train.data import make_source
-from fusiond.train.local import ReferenceTrainer
-from fusiond.train.model import build_model, loss_fn
 from protocol.messages import StageCheckpoint
+
+from .reference import spec_losses
 
 pytestmark = pytest.mark.slow
 
@@ -92,11 +91,7 @@ async def test_planned_replicas_of_unequal_speed_train_as_single_process(  # typ
         [sorted(whole ^ n) for n in checkpoints.values()])
     first_replicas = set(layout.slot_nodes) - set(layout.slot_stages())
     assert set(sent_by) == first_replicas and len(sent_by) == 2 * len(first_replicas), sent_by
-    model = build_model(spec.model, seed=spec.seed)
-    rt = ReferenceTrainer(model, loss_fn(spec.loss), spec.optimizer,
-                          data=make_source(spec.data, spec.seed), batch_size=spec.batch.size,
-                          micro_batches=spec.batch.micro_batches, total_steps=spec.steps)
-    want = rt.train(0, spec.steps)
+    want = spec_losses(spec)
     assert len(losses) == spec.steps
     for got, w in zip(losses, want, strict=True):
         assert got == pytest.approx(w, rel=1e-5 if grad_rank is None else 2e-2)

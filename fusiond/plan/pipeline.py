@@ -706,9 +706,8 @@ class GradientSync:
         best = (ring_s, self.flat.slowest_bytes_per_s, "ring")
         # the totals sent back: a first replica sends the gradient to every other member at
         # once, each on its own link (as every link of this model is independent)
-        back_s = max(nbytes / r.slowest_bytes_per_s + r.fixed_s / max(1, r.steps)
-                     for r in self.inner if r.members > 1) if nbytes > 0 and any(
-                         r.members > 1 for r in self.inner) else 0.0
+        back_s = max((nbytes / r.slowest_bytes_per_s + r.fixed_s / r.steps
+                      for r in self.inner if r.members > 1), default=0.0) if nbytes > 0 else 0.0
         hier_s = inner_s + self.outer.time_s(nbytes) + back_s
         if hier_s < best[0]:
             best = (hier_s, slowest, "hierarchical")
@@ -829,7 +828,7 @@ def choose_in_flight(reps: list[list[StageReport]], trips_s: Sequence[float],
     chosen, and the largest round-trip bound left with the stage it is on."""
     out: list[list[StageReport]] = []
     worst, where = 0.0, ""
-    above = math.inf
+    above = max((r.micro_batches for row in reps for r in row), default=0)
     for i, row in enumerate(reps):
         new_row = []
         for rep in row:
@@ -837,10 +836,9 @@ def choose_in_flight(reps: list[list[StageReport]], trips_s: Sequence[float],
             per_mb = saved_bytes[i]
             plain = (not rep.recompute and not rep.checkpoint_blocks
                      and not rep.offload_params and len(row) == 1)
-            if plain and rep.micro_batches > w and w < above:
+            if plain and w < min(rep.micro_batches, above):
                 room = rep.memory_cap - rep.memory_bytes
-                top = min(rep.micro_batches, int(above) if above < math.inf else
-                          rep.micro_batches,
+                top = min(rep.micro_batches, above,
                           w + (int(room // per_mb) if per_mb > 0 else rep.micro_batches))
                 while w < top and latency_rest_s(rep.micro_batches, w, trips_s[i],
                                                  rep.busy_s) > bound_s:
@@ -907,6 +905,7 @@ def evaluate(
     sizes = graph_param_sizes(g)
     grad_bytes: list[float] = []
     n_params: list[int] = []
+    saved_per_stage: list[float] = []
     for i, s in enumerate(stages):
         params, opt, names = _stage_static(g, s.start, s.stop)
         grad_bytes.append(params)
@@ -914,6 +913,7 @@ def evaluate(
         for p in names:
             holders.setdefault(p, []).append(i)
         saved = float(arrays.saved[s.start : s.stop].sum())
+        saved_per_stage.append(saved)
         work = float(arrays.out[s.start : s.stop].max())
         row: list[StageReport] = []
         for r, mi in enumerate(s.machines):
@@ -1093,9 +1093,7 @@ def evaluate(
     if st.schedule == "1f1b" and S > 1:
         trips = round_trip_s(busy, [per_pair.get((i, i + 1), 0.0) + r + w
                                     for i, (r, w) in enumerate(hops)])
-        reps, waits = choose_in_flight(reps, trips, bottleneck_rest,
-                                       [float(arrays.saved[s.start:s.stop].sum())
-                                        for s in stages])
+        reps, waits = choose_in_flight(reps, trips, bottleneck_rest, saved_per_stage)
         reports = [row[0] for row in reps]
         flat = [r for row in reps for r in row]
         if waits[0] > bottleneck_rest:

@@ -1438,13 +1438,10 @@ class StageExecutor:
         parts: dict[str, dict[int, torch.Tensor]] = {n: {self.slot: t} for n, t in own.items()
                                                      if n not in totals}
         for peer, names in names_of.items():
-            flat = codec.decode_dense(got[(PacketKind.PARAM_GRAD, step, peer, round_name)])
-            want = sum(own[n].numel() for n in names)
-            if flat.dim() != 1 or flat.numel() != want or flat.dtype != torch.float32:
-                raise StageError(f"stage {self.stage}, step {step}, {what}: stage {peer} sent "
-                                 f"{tuple(flat.shape)} {flat.dtype}, not the {want} float32 "
-                                 "values of the parameters both hold")
-            for n, t in _unflatten(flat, names, own).items():
+            sent = self._bucket_from(step, what, peer, "its bucket",
+                                     got[(PacketKind.PARAM_GRAD, step, peer, round_name)],
+                                     names, own)
+            for n, t in sent.items():
                 parts[n][peer] = t
         for n, by_slot in parts.items():
             total = torch.zeros_like(own[n])
@@ -1477,12 +1474,20 @@ class StageExecutor:
                                     enc.parts), enc, None) for peer in group[1:]])
             return totals
         key = (PacketKind.PARAM_GRAD, step, group[0], tag)
-        flat = codec.decode_dense(self._take_all([key], deadline, what)[0][key])
+        return self._bucket_from(step, what, group[0], "as the total",
+                                 self._take_all([key], deadline, what)[0][key], names, own)
+
+    def _bucket_from(self, step: int, what: str, sender: int, as_what: str,
+                     payload: bytes | memoryview, names: Sequence[str],
+                     own: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A received bucket (the names' tensors flat in float32) as each name's tensor;
+        `StageError` naming `sender` where it is not that."""
+        flat = codec.decode_dense(payload)
         want = sum(own[n].numel() for n in names)
         if flat.dim() != 1 or flat.numel() != want or flat.dtype != torch.float32:
-            raise StageError(f"stage {self.stage}, step {step}, {what}: slot {group[0]} sent "
-                             f"{tuple(flat.shape)} {flat.dtype} as the total, not {want} "
-                             "float32 values")
+            raise StageError(f"stage {self.stage}, step {step}, {what}: slot {sender} sent "
+                             f"{tuple(flat.shape)} {flat.dtype} {as_what}, not the {want} "
+                             "float32 values of the parameters both hold")
         return _unflatten(flat, names, own)
 
     def _ring_sum(self, step: int, round_name: str, holders: tuple[int, ...],

@@ -734,15 +734,18 @@ BUCKET_CHOICES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 of it behind the last backward, each pays the scheme's latency once more."""
 
 
-LOWRANK_PASSES = (9.5, 9.3)
+LOWRANK_PASSES = (9.7, 2.1)
 """A low-rank (PowerSGD) round of one holder, in passes over its gradient's bytes at the
 machine's memory rate (`MachineProfile.mem_bw`, bytes touched per second): a + b x rank. What
-`fusiond.train.lowrank`'s P factor (gradient + error), Q factor, reconstruction and new error
-cost, measured on GPT-2 mini's 19.2 MB of matrices, one thread of this Intel Xeon: 12.5 ms at
-rank 1, 32.0 ms at rank 4, against 1.35 ms for a copy of the same bytes (2 passes): 18.8 and
-46.6 passes. The skinny products (n x r) run far below the matmul rate, so the rank shows in
-the passes, not in FLOPs. The model counted 3 passes and 4 FLOPs per byte before: a fifth of
-it, which left the replicas' reduction on the WAN's 0.4-core hosts 0.1 s per step short."""
+`fusiond.train.lowrank`'s P factor (gradient + error), Q factor, product and new error cost,
+measured on GPT-2 mini's 19.2 MB of matrices, one thread of this Intel Xeon, three runs:
+8.0-8.4 ms at rank 1, 12.5-14 ms at rank 4, 17.8-19 ms at rank 8 (11.3-12.1, 17.6-20.9 and
+26.1-27.4 passes; a copy of the same bytes is 2). Before the product went to float64 by
+row blocks, the error was rebuilt in place and the product written into the holder's own
+gradient (no new pages), it was 18.8 and 46.6 passes at ranks 1 and 4 (9.5 + 9.3 x rank):
+the rank's outer products, added one after another in float32, were most of it. The model
+counted 3 passes and 4 FLOPs per byte before either: a fifth of the first, which left the
+replicas' reduction on the WAN's 0.4-core hosts 0.1 s per step short."""
 
 
 def lowrank_s_per_byte(mem_bw: float, rank: int) -> float:

@@ -1623,7 +1623,9 @@ class StageExecutor:
             if second:
                 for n, total in self._exchange(step, f"{b.round}{_Q_ROUND}", second,
                                                "shared grads (low-rank Q)").items():
-                    totals[n] = lr.gradient(n, total, self._params[n].shape)
+                    # into the holder's gradient (its values are in the P factor's M now):
+                    # memory already touched, no new pages to fault in
+                    totals[n] = lr.gradient(n, total, self._params[n].shape, out=own[n])
         return totals, early
 
     def _start_overlap(self, step: int) -> _Overlap:

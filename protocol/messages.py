@@ -594,6 +594,10 @@ class AssignConfig(Struct):
     """Replicated stage (decimal str) -> its slots in bandwidth groups, where the plan reduces
     its gradients hierarchically (inside each group, then among the groups' first slots);
     a stage absent reduces by one ring."""
+    grad_two_level: tuple[int, ...] = ()
+    """The stages of `grad_groups` whose gradients the plan reduces two-level instead
+    (shards summed inside each group by their owners, each shard across the groups by a ring
+    of its owners, sent back inside)."""
     in_flight: dict[str, int] = field(default_factory=dict)
     """Stage (decimal str) -> the micro-batches 1F1B keeps in flight there (the plan's choice
     where a slow link's round trip would leave the stage waiting; at most `micro_batches`,
@@ -601,7 +605,8 @@ class AssignConfig(Struct):
 
     def __post_init__(self) -> None:
         for name in ("stage_nodes", "shared", "slot_stages", "routes", "checkpoint_blocks",
-                     "slot_devices", "grad_buckets", "in_flight", "grad_groups"):
+                     "slot_devices", "grad_buckets", "in_flight", "grad_groups",
+                     "grad_two_level"):
             n = len(getattr(self, name))
             if n > MAX_ASSIGN_STAGES:
                 raise ValueError(f"{name} has {n} entries, limit is {MAX_ASSIGN_STAGES}")

@@ -110,6 +110,8 @@ class JobLayout:
     grad_groups: Mapping[str, tuple[tuple[str, ...], ...]] = field(default_factory=dict)
     """A replicated stage's first machine -> its machines in bandwidth groups, where the plan
     reduces its gradients hierarchically (`SyncReport.scheme`); absent: one ring."""
+    grad_two_level: frozenset[str] = frozenset()
+    """Those of `grad_groups` the plan reduces two-level instead (`SyncReport.scheme`)."""
     in_flight: Mapping[str, int] = field(default_factory=dict)
     """Machine -> the micro-batches 1F1B keeps in flight on its stage, where the plan raised
     it above the schedule's own (`StageReport.inflight`: a slow link's round trip)."""
@@ -404,7 +406,10 @@ def assign_parts(
                                    if s.node_id in layout.in_flight},
                         grad_groups={s.stage: [[slot_of[m] for m in g]
                                                for g in layout.grad_groups[s.node_id]]
-                                     for s in layout.stages if s.node_id in layout.grad_groups})
+                                     for s in layout.stages if s.node_id in layout.grad_groups},
+                        grad_two_level=[s.stage for s in layout.stages
+                                        if s.node_id in layout.grad_groups
+                                        and s.node_id in layout.grad_two_level])
     routes = layout.edges()
     job_nodes = {n: tuple(addresses[n]) for n in nodes.values()}
     shipped = _shipped_data(spec) if corpus is None else corpus.shipped()

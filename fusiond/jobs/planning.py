@@ -36,7 +36,7 @@ from fusiond.plan import (
     plan_opfence,
     readapt,
 )
-from fusiond.plan.pipeline import sync_groups
+from fusiond.plan.pipeline import SyncReport, sync_groups
 from fusiond.profile import device_memory_bytes, machine_from_profile, stage_device
 from fusiond.train.codec import EdgeCodec
 from fusiond.train.lowrank import sent_fraction
@@ -288,15 +288,20 @@ def layout_from_plan(job_id: str, graph: ir.Graph, state: Mapping[str, torch.Ten
     in_flight = {nid(r.machine_id): r.inflight for r in ev.stages
                  if spec.batch.pipeline == "1f1b"
                  and r.inflight > default_in_flight(S, r.index, spec.batch.micro_batches)}
-    # a reduction the plan makes hierarchical: its machines in the bandwidth groups it used
-    groups = {nid(plan.arrays.cluster.machines[plan.stages[x.stage].machine].id): tuple(
+    # a reduction the plan makes hierarchical or two-level: its machines in the bandwidth
+    # groups it used
+    def first(x: SyncReport) -> str:
+        return nid(plan.arrays.cluster.machines[plan.stages[x.stage].machine].id)
+
+    groups = {first(x): tuple(
         tuple(nid(plan.arrays.cluster.machines[m].id) for m in g)
         for g in sync_groups(plan.arrays.cluster, plan.stages[x.stage].machines))
-        for x in ev.syncs if x.scheme == "hierarchical"}
+        for x in ev.syncs if x.scheme in ("hierarchical", "two-level")}
+    two_level = frozenset(first(x) for x in ev.syncs if x.scheme == "two-level")
     return replace(layout, grad_rank=grad_rank_of(plan, spec), recompute=recompute,
                    offload=offload, checkpoint_blocks=blocks, offload_params=weights,
                    devices=devices, grad_buckets=buckets, in_flight=in_flight,
-                   grad_groups=groups)
+                   grad_groups=groups, grad_two_level=two_level)
 
 
 def layout_codecs(layout: JobLayout) -> dict[str, EdgeCodec]:

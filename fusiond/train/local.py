@@ -373,6 +373,7 @@ async def run_replicated(
     grad_rank: int | None = None,
     grad_warmup_steps: int = 0,
     grad_groups: Mapping[int, Sequence[Sequence[int]]] | None = None,
+    grad_two_level: bool = False,
 ) -> ReplicatedResult:
     """Train `steps` steps of a pipeline whose stage s runs on `len(programs[s])` replicas
     (each program its own copy of the stage, with the same initial weights); `routes[s][m]`
@@ -382,7 +383,8 @@ async def run_replicated(
     gradient is a matrix worth it, `fusiond.train.lowrank`; else dense). `grad_rank` is the
     job's, on every stage: every holder of a parameter must agree on how it travels.
     `grad_groups[s]`: stage s's replicas (by index) in bandwidth groups, reduced
-    hierarchically (`StageConfig.grad_groups`)."""
+    hierarchically (`StageConfig.grad_groups`), or two-level with `grad_two_level`
+    (`StageConfig.grad_two_level`)."""
     S = len(programs)
     if len(routes) != S or any(len(r) != micro_batches for r in routes):
         raise LocalError(f"routes must give each of the {S} stages a replica per micro-batch")
@@ -400,7 +402,8 @@ async def run_replicated(
         cfg = config
         if grad_groups and s in grad_groups:  # replica indices -> slots
             cfg = dataclasses.replace(config or StageConfig(), grad_groups=tuple(
-                tuple(slots[(s, x)] for x in g) for g in grad_groups[s]))
+                tuple(slots[(s, x)] for x in g) for g in grad_groups[s]),
+                grad_two_level=grad_two_level)
         execs.append(StageExecutor(
             stage=s, program=p, link=hub.link(slot),
             tasks=replica_tasks(pipeline, s, S, micros), micro_batches=micro_batches,

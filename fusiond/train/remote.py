@@ -144,7 +144,8 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
                slot_devices: Mapping[int, str] | None = None,
                grad_buckets: Mapping[int, int] | None = None,
                in_flight: Mapping[int, int] | None = None,
-               grad_groups: Mapping[int, Sequence[Sequence[int]]] | None = None
+               grad_groups: Mapping[int, Sequence[Sequence[int]]] | None = None,
+               grad_two_level: Sequence[int] = ()
                ) -> AssignConfig:
     """The `Assign.config` record for a job (the same for every stage).
 
@@ -169,7 +170,7 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
     gradients are reduced in (the plan's choice); `in_flight`: stage -> the micro-batches
     1F1B keeps in flight there (the plan's choice; absent: the schedule's own);
     `grad_groups`: replicated stage -> its slots in bandwidth groups (a hierarchical
-    reduction, the plan's choice).
+    reduction, the plan's choice); `grad_two_level`: those of them reduced two-level.
     """
     o = spec.optimizer
     d = spec.data
@@ -221,6 +222,7 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
         in_flight={str(k): int(v) for k, v in (in_flight or {}).items()},
         grad_groups={str(k): tuple(tuple(int(s) for s in g) for g in v)
                      for k, v in (grad_groups or {}).items()},
+        grad_two_level=tuple(sorted(int(s) for s in grad_two_level)),
     )
 
 
@@ -292,6 +294,8 @@ class StageAssignment:
     """The micro-batches this slot's 1F1B keeps in flight (0: the schedule's min(S - i, M))."""
     grad_groups: tuple[tuple[int, ...], ...] = ()
     """This slot's stage's replicas in bandwidth groups (`StageConfig.grad_groups`)."""
+    grad_two_level: bool = False
+    """Those groups reduce two-level (`StageConfig.grad_two_level`)."""
 
     @property
     def is_replica(self) -> bool:
@@ -492,6 +496,7 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         grad_buckets=cfg.grad_buckets.get(str(own), 0),
         in_flight=cfg.in_flight.get(str(stage), 0),
         grad_groups=groups.get(stage, ()),
+        grad_two_level=stage in cfg.grad_two_level,
     )
 
 
@@ -514,6 +519,9 @@ def _check_grad_groups(cfg: AssignConfig, stage_map: Mapping[str, str],
                               f" is not two or more groups of exactly the stage's slots "
                               f"{sorted(mine)[:8]}")
         out[st] = tuple(tuple(g) for g in groups)
+    if any(not isinstance(st, int) or st not in out for st in cfg.grad_two_level):
+        raise RemoteError(f"Assign.config.grad_two_level: {list(cfg.grad_two_level)[:8]} "
+                          f"names a stage without grad_groups (those: {sorted(out)[:8]})")
     return out
 
 
@@ -780,7 +788,7 @@ class StageHost:
                              / f"v{sa.plan_version}")
         config = replace(config, precision=sa.precision, offload_params=sa.offload_params,
                          device=sa.device, grad_buckets=sa.grad_buckets,
-                         grad_groups=sa.grad_groups)
+                         grad_groups=sa.grad_groups, grad_two_level=sa.grad_two_level)
         # every op of the partition must run here (UnsupportedOpError names the one that does
         # not), and its device must be here (DeviceError), before anything is built
         check_ops(sa.graph, config.disabled_ops)

@@ -360,6 +360,11 @@ class StageConfig:
     "hierarchical" reduction, `SyncReport.scheme`): their shared gradients are summed inside
     each group, then among the groups' first slots, which send the total back to their
     group (`_hier_sum`); empty: one ring over every holder."""
+    grad_two_level: bool = False
+    """With `grad_groups`: reduce them two-level instead (the plan's "two-level" scheme,
+    `_two_level_sum`): the gradient cut in as many shards as the smallest group has slots,
+    each shard summed inside each group by its owner there, then across the groups by a ring
+    of its owners (each shard on its own slots' links), then sent back inside the groups."""
     offload_params: bool = False
     """Keep the parameters and their gradients in memory-mapped files under `offload_dir`
     too (`fusiond.train.offload.DiskParameters`; with the optimizer state there): with a
@@ -682,6 +687,30 @@ def _hier_tags(groups: tuple[tuple[int, ...], ...]) -> list[str]:
     return [*tags, _bcast_tag(groups)]
 
 
+def _two_level_tags(groups: tuple[tuple[int, ...], ...]) -> list[str]:
+    """Every round-name suffix a two-level sum over `groups` sends: the shards to their
+    owners and back inside the groups, and each shard's ring among its owners."""
+    rs, ag = _shard_tags(groups)
+    tags = [rs, ag]
+    for owners in _shard_owners(groups):
+        tags += [_ring_tag(owners, k) for k in range(2 * (len(owners) - 1))]
+    return tags
+
+
+def _shard_owners(groups: tuple[tuple[int, ...], ...]) -> list[tuple[int, ...]]:
+    """A two-level sum's shard j (as many as the smallest group has slots): its owner in each
+    group (the group's j-th slot), in slot order."""
+    shards = min(len(g) for g in groups)
+    return [tuple(sorted(g[j] for g in groups)) for j in range(shards)]
+
+
+def _shard_tags(groups: tuple[tuple[int, ...], ...]) -> tuple[str, str]:
+    """The round-name suffixes of a two-level sum's shards sent to their owners, and of the
+    totals sent back."""
+    crc = zlib.crc32("|".join(",".join(map(str, g)) for g in groups).encode())
+    return f"@t{crc:08x}>", f"@t{crc:08x}<"
+
+
 def _bcast_tag(groups: tuple[tuple[int, ...], ...]) -> str:
     """The round-name suffix of a hierarchical sum's totals sent back inside the groups."""
     crc = zlib.crc32("|".join(",".join(map(str, g)) for g in groups).encode())
@@ -872,6 +901,9 @@ class StageExecutor:
             for holders in rings:
                 if set(holders) == set(flat):
                     self._hier[holders] = hgroups
+        elif self.config.grad_two_level:
+            raise StageError(f"stage {stage}: grad_two_level needs grad_groups (the bandwidth "
+                             "groups it reduces over)", fault=FAULT_JOB)
         in_ring = {n for names in rings.values() for n in names}
         by_peer: dict[int, list[str]] = {}
         for name in sorted(program.shared):
@@ -888,7 +920,9 @@ class StageExecutor:
         for b in self._buckets:
             for r in (b.round, f"{b.round}{_Q_ROUND}"):
                 if b.holders in self._hier:
-                    rounds += [f"{r}{t}" for t in _hier_tags(self._hier[b.holders])]
+                    tags = (_two_level_tags if self.config.grad_two_level
+                            else _hier_tags)(self._hier[b.holders])
+                    rounds += [f"{r}{t}" for t in tags]
                 elif len(b.holders) >= RING_MIN_HOLDERS:
                     rounds += [f"{r}{_ring_tag(b.holders, k)}"
                                for k in range(2 * (len(b.holders) - 1))]
@@ -1428,8 +1462,10 @@ class StageExecutor:
         totals: dict[str, torch.Tensor] = {}
         for holders, names in ringed.items():
             if names and holders in self._hier:
-                totals.update(self._hier_sum(step, round_name, self._hier[holders], names,
-                                             own, what, deadline))
+                sum_groups = (self._two_level_sum if self.config.grad_two_level
+                              else self._hier_sum)
+                totals.update(sum_groups(step, round_name, self._hier[holders], names, own,
+                                         what, deadline))
             elif names:
                 totals.update(self._ring_sum(step, round_name, holders, names, own, what,
                                              deadline))
@@ -1477,6 +1513,69 @@ class StageExecutor:
         return self._bucket_from(step, what, group[0], "as the total",
                                  self._take_all([key], deadline, what)[0][key], names, own)
 
+    def _two_level_sum(self, step: int, round_name: str, groups: tuple[tuple[int, ...], ...],
+                       names: Sequence[str], own: Mapping[str, torch.Tensor], what: str,
+                       deadline: float) -> dict[str, torch.Tensor]:
+        """Sum `own[name]` over every slot of `groups` two-level (the plan's scheme where it
+        beats `_hier_sum`): the names' tensors flat in float32, cut in as many shards as the
+        smallest group has slots; shard j's owner in each group (its j-th slot) sums the
+        group's shard j (in slot order), the owners of shard j sum their group totals by a
+        ring (`_ring_flat`: the slow links carry 1 / shards of the gradient each, every
+        shard on its own slots' links at once), and each owner sends its shard's total to the
+        rest of its group. Every holder ends with the same bits: each shard's total is
+        summed once, by the ring, and copied."""
+        group = next(g for g in groups if self.slot in g)
+        owners = _shard_owners(groups)
+        mine = group.index(self.slot)
+        to_owner, back = (f"{round_name}{t}" for t in _shard_tags(groups))
+        flat = torch.cat([own[x].detach().reshape(-1).to(torch.float32) for x in names])
+        shards = list(torch.tensor_split(flat, len(owners)))
+
+        def send(to: Sequence[tuple[int, torch.Tensor]], tag: str) -> None:
+            packets = []
+            for peer, t in to:
+                enc = self._guard(what, step, functools.partial(codec.encode_dense, t))
+                packets.append((Packet(PacketKind.PARAM_GRAD, step, 0, tag, self.slot, peer,
+                                       enc.parts), enc, None))
+            self._emit(packets)
+
+        def take(senders: Sequence[int], tag: str, sizes: Sequence[int], as_what: str
+                 ) -> list[torch.Tensor]:
+            keys = [(PacketKind.PARAM_GRAD, step, peer, tag) for peer in senders]
+            got = self._take_all(keys, deadline, what)[0]
+            out = []
+            for peer, key, want in zip(senders, keys, sizes, strict=True):
+                t = codec.decode_dense(got[key])
+                if t.dim() != 1 or t.numel() != want or t.dtype != torch.float32:
+                    raise StageError(f"stage {self.stage}, step {step}, {what}: slot {peer} "
+                                     f"sent {tuple(t.shape)} {t.dtype} {as_what}, not "
+                                     f"{want} float32 values")
+                out.append(t)
+            return out
+
+        # each shard to its owner in this group (a slot past the smallest group's size owns
+        # none and sends them all)
+        send([(group[j], shards[j]) for j in range(len(owners)) if j != mine], to_owner)
+        total = torch.empty_like(flat)
+        done = list(torch.tensor_split(total, len(owners)))
+        if mine < len(owners):
+            others = [x for x in group if x != self.slot]
+            parts = dict(zip(others, take(others, to_owner, [shards[mine].numel()] * len(others),
+                                          "as its share of this slot's shard"), strict=True))
+            parts[self.slot] = shards[mine]
+            inside = torch.zeros_like(shards[mine])
+            for x in sorted(parts):
+                inside += parts[x]
+            done[mine].copy_(self._ring_flat(step, round_name, owners[mine], inside, what,
+                                             deadline))
+            send([(x, done[mine]) for x in group if x != self.slot], back)
+        for j, t in zip((j for j in range(len(owners)) if j != mine),
+                        take([group[j] for j in range(len(owners)) if j != mine], back,
+                             [done[j].numel() for j in range(len(owners)) if j != mine],
+                             "as its shard's total"), strict=True):
+            done[j].copy_(t)
+        return _unflatten(total, names, own)
+
     def _bucket_from(self, step: int, what: str, sender: int, as_what: str,
                      payload: bytes | memoryview, names: Sequence[str],
                      own: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -1504,10 +1603,17 @@ class StageExecutor:
         (`fusiond.plan.pipeline.exchange_bytes`). The reduce-scatter adds into the flat copy
         in place (a chunk is changed only before it is first sent, and a packet's bytes are
         the chunk's own memory until written); the all-gather writes the result apart."""
+        flat = torch.cat([own[x].detach().reshape(-1).to(torch.float32) for x in names])
+        return _unflatten(self._ring_flat(step, round_name, holders, flat, what, deadline),
+                          names, own)
+
+    def _ring_flat(self, step: int, round_name: str, holders: tuple[int, ...],
+                   flat: torch.Tensor, what: str, deadline: float) -> torch.Tensor:
+        """`_ring_sum` of one flat float32 tensor (changed in place: its reduce-scatter
+        adds into it); the total, bit-identical on every holder."""
         n = len(holders)
         i = holders.index(self.slot)
         nxt, prev = holders[(i + 1) % n], holders[(i - 1) % n]
-        flat = torch.cat([own[x].detach().reshape(-1).to(torch.float32) for x in names])
         chunks = list(torch.tensor_split(flat, n))
         total = torch.empty_like(flat)
         done = list(torch.tensor_split(total, n))
@@ -1537,7 +1643,7 @@ class StageExecutor:
             c = (i + 1 - k) % n
             done[(c - 1) % n].copy_(exchange(n - 1 + k, c))
             chunks[(c - 1) % n] = done[(c - 1) % n]
-        return _unflatten(total, names, own)
+        return total
 
     def _make_buckets(self) -> list[_Bucket]:
         """The reduction's buckets, in the order every holder reduces them (holder set, then

@@ -1,5 +1,6 @@
-"""The plan's hierarchical reduction reaches the stages: the layout names a replicated
-stage's machines in bandwidth groups, the Assign carries them as slots, checked."""
+"""The plan's hierarchical and two-level reductions reach the stages: the layout names a
+replicated stage's machines in bandwidth groups (and whether they reduce two-level), the
+Assign carries them as slots, checked."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def test_the_assign_carries_the_groups_as_slots_and_refuses_bad_ones(captured_ti
     cut = contiguous_assignment(cap.graph, 1)
     layout = layout_job("j", cap.graph, cap.state, dict.fromkeys(cut, "a"),
                         replicas={"a": ["b", "c", "d"]}, routes={"a": [0, 1, 2, 3]})
-    layout = dataclasses.replace(layout, grad_groups={"a": (("a", "c"), ("b", "d"))})
+    layout = dataclasses.replace(layout, grad_groups={"a": (("a", "c"), ("b", "d"))},
+                                 grad_two_level=frozenset({"a"}))
     names = ("a", "b", "c", "d")
     msgs = assign_messages(layout, spec, cap.state, term=1, plan_version=1,
                            addresses={n: ("127.0.0.1", i + 1) for i, n in enumerate(names)})
@@ -37,7 +39,9 @@ def test_the_assign_carries_the_groups_as_slots_and_refuses_bad_ones(captured_ti
     for n in names:
         m, p = msgs[n]
         assert m.config is not None and m.config.grad_groups == {"0": want}
-        assert decode_assign(m, p).grad_groups == want
+        assert m.config.grad_two_level == (0,)
+        got = decode_assign(m, p)
+        assert got.grad_groups == want and got.grad_two_level
     m, p = msgs["b"]
     assert m.config is not None
     for value, why in (({"0": ((0, 1, 2, 3),)}, "is not two or more groups"),
@@ -47,13 +51,18 @@ def test_the_assign_carries_the_groups_as_slots_and_refuses_bad_ones(captured_ti
         bad = dataclasses.replace(m, config=dataclasses.replace(m.config, grad_groups=value))
         with pytest.raises(FusionError, match=why):
             decode_assign(bad, p)
+    bad = dataclasses.replace(m, config=dataclasses.replace(m.config, grad_two_level=(3,)))
+    with pytest.raises(FusionError, match=r"grad_two_level.*names a stage without grad_groups"):
+        decode_assign(bad, p)
 
 
-def test_the_planner_sends_the_gradient_once_between_groups_and_back_inside() -> None:
+def test_the_planner_sends_a_third_of_the_gradient_between_groups() -> None:
     """Six replicas in two sites of three (1 GB/s inside, 10 MB/s between): one ring crosses
-    the slow link with 2 (n - 1) / n of the gradient per step's chunk, the hierarchical
+    the slow link with 2 (n - 1) / n of the gradient per step's chunk; the hierarchical
     scheme with the whole gradient once between the first replicas, then the total back
-    inside each site; the planner's time is the runtime's three phases."""
+    inside each site; the two-level one with a third of it between each shard's owners (three
+    shards, three pairs of links at once), inside the sites the group's all-reduce: the
+    planner picks the last, its time the runtime's phases."""
     from fusiond.plan import Cluster
     from fusiond.plan.model import MachineProfile
     from fusiond.plan.pipeline import gradient_sync, sync_groups
@@ -67,17 +76,19 @@ def test_the_planner_sends_the_gradient_once_between_groups_and_back_inside() ->
     sync = gradient_sync(c, list(range(k)))
     g = 1e8
     t, _, scheme = sync.time_s(g)
-    assert scheme == "hierarchical"
+    assert scheme == "two-level" and sync.shards == 3
     inner = max(r.time_s(g) for r in sync.inner)
     assert sync.outer is not None
+    assert t == pytest.approx(inner + sync.outer.time_s(g / 3), rel=1e-9)
     back = g / 1e9 + 0.01 / 2  # to both other members at once, on their own links
-    assert t == pytest.approx(inner + sync.outer.time_s(g) + back, rel=1e-9)
-    assert t < 0.65 * sync.flat.time_s(g)  # 1 gradient over the slow link, not 5/3
+    hierarchical = inner + sync.outer.time_s(g) + back  # 1 gradient over the slow link
+    assert t < 0.4 * hierarchical
+    assert hierarchical < 0.65 * sync.flat.time_s(g)  # not 5/3 of one
 
 
 def test_a_hierarchical_plan_puts_its_groups_in_the_layout(captured_tiny: Any) -> None:
     """GPT-2 tiny on six replicas in two sites of three, 1.25 MB/s between them: the plan
-    reduces hierarchically, and the layout names each site's machines, first machine first."""
+    reduces two-level, and the layout names each site's machines, first machine first."""
     from fusiond.jobs.planning import job_settings, layout_from_plan
     from fusiond.plan import Cluster, StageSpec, batch_symbol, cost_graph_from_ir
     from fusiond.plan.fence import plan_from_stages
@@ -96,6 +107,7 @@ def test_a_hierarchical_plan_puts_its_groups_in_the_layout(captured_tiny: Any) -
                        for i in range(k)], bw, np.full((k, k), 2e-3))
     plan = plan_from_stages(cost, c, job_settings(spec, cap.graph),
                             [StageSpec(0, 0, len(cost.ops), (1, 2, 3, 4, 5))])
-    assert [x.scheme for x in plan.evaluation.syncs] == ["hierarchical"]
+    assert [x.scheme for x in plan.evaluation.syncs] == ["two-level"]
     layout = layout_from_plan("j", cap.graph, cap.state, plan, spec)
     assert dict(layout.grad_groups) == {"n0": (("n0", "n1", "n2"), ("n3", "n4", "n5"))}
+    assert layout.grad_two_level == {"n0"}

@@ -95,3 +95,51 @@ async def test_planned_replicas_of_unequal_speed_train_as_single_process(  # typ
     assert len(losses) == spec.steps
     for got, w in zip(losses, want, strict=True):
         assert got == pytest.approx(w, rel=1e-5 if grad_rank is None else 2e-2)
+
+
+async def test_a_two_level_reduction_reaches_the_stages_and_trains_as_single_process(  # type: ignore[no-untyped-def]
+        captured_tiny) -> None:
+    """Four replicas in two bandwidth groups of two, reduced two-level (the layout's
+    `grad_groups` and `grad_two_level`, as the planner writes them where that scheme wins,
+    through the Assign to every stage over TLS): each group's two shards summed by their
+    owners and across the groups by a ring of each shard's owners. The job trains as
+    single-process training does, and gathering the model finds every replica's weights
+    identical."""
+    spec, cap = captured_tiny
+    spec = replace(spec, steps=3,
+                   batch=replace(spec.batch, size=16, micro_batches=8, replicas=True))
+    names = ["n0", "n1", "n2", "n3"]
+    k = len(names)
+    cluster = Cluster.build([_machine(n, 2e9) for n in names], np.full((k, k), 1.25e9),
+                            np.full((k, k), 2e-3))
+    plan = plan_job(spec, cap, cluster)
+    layout = layout_from_plan("job-t", cap.graph, cap.state, plan, spec)
+    full = [st for st, others in layout.replicas.items() if len(others) == k - 1]
+    if not full:
+        pytest.skip(f"the plan did not replicate one stage on all four: {plan.stages}")
+    first = next(s.node_id for s in layout.stages if s.stage == full[0])
+    rest = list(layout.replicas[full[0]])
+    layout = replace(layout, grad_groups={first: ((first, rest[0]), (rest[1], rest[2]))},
+                     grad_two_level=frozenset({first}))
+    cfg = NetConfig(connect_timeout_s=2, handshake_timeout_s=2, backoff_max_s=0.5)
+    async with inproc_cluster(k, net_config=cfg, prefix="n") as nodes:
+        losses: list[float] = []
+        rounds: set[str] = set()
+
+        def seen(m: Any) -> None:
+            losses.append(m.loss)
+            rounds.update(st.edge for r in m.reports.values() for st in r.edges)
+
+        n0 = nodes["n0"]
+        c = JobCoordinator(send=local_sender("n0", n0.net.send, n0.dispatch), spec=spec,
+                           captured=cap, layout=layout,
+                           addresses={n: x.net.address for n, x in nodes.items()}, term=1,
+                           on_step=seen)
+        n0.coordinators.append(c)
+        out = await asyncio.wait_for(c.run(), 120)
+        assert out.ok, out.failure
+    assert out.state is not None
+    # the shards went to their owners and back (`_shard_tags`), not by one ring
+    assert any("@t" in r for r in rounds), rounds
+    for got, w in zip(losses, spec_losses(spec), strict=True):
+        assert got == pytest.approx(w, rel=1e-5)

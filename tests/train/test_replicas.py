@@ -328,6 +328,55 @@ async def test_replicas_in_bandwidth_groups_sum_hierarchically(
                     slot in firsts and st.peer in firsts), (slot, st.peer, st.edge)
 
 
+@pytest.mark.parametrize(("groups", "rank"), [(((0, 1), (2, 3)), None),
+                                              (((0, 2, 4), (1, 3)), None),
+                                              (((0, 1, 2), (3, 4)), 2)])
+async def test_replicas_in_bandwidth_groups_sum_two_level(
+        small_text: TextWindows, adamw: OptimizerSpec, monkeypatch: pytest.MonkeyPatch,
+        groups: tuple[tuple[int, ...], ...], rank: int | None) -> None:
+    """The plan's "two-level" reduction (`StageConfig.grad_two_level`): the gradient in as
+    many shards as the smallest group has replicas, each summed inside each group by its
+    owner there, then across the groups by a ring of its owners, then sent back inside. A
+    group larger than the smallest has replicas that own no shard. Eager training's losses
+    (dense), replicas bit-identical, low-rank too; between groups only the shards' owners
+    talk, each to the owners of its shard."""
+    from fusiond.plan import model as plan_model
+
+    from .gpt_stages import one_stage
+
+    monkeypatch.setattr(plan_model, "BUCKET_MIN_BYTES", 8192)
+    n = sum(len(g) for g in groups)
+    torch.manual_seed(0)
+    g = gpt2("tiny")
+    programs = [[one_stage(g) for _ in range(n)]]
+    routes = [[m % n for m in range(MICRO)]]
+    steps = 3
+    res = await run_replicated(programs, routes, data=small_text, batch_size=BATCH,
+                               micro_batches=MICRO, optimizer=adamw, steps=steps,
+                               grad_rank=rank, grad_groups={0: groups}, grad_two_level=True)
+    ref = gpt2("tiny")
+    ref.load_state_dict(g.state_dict())
+    want = ReferenceTrainer(ref, lm_loss, adamw, data=small_text, batch_size=BATCH,
+                            micro_batches=MICRO, total_steps=steps).train(0, steps)
+    for got, exp in zip(res.losses, want, strict=True):
+        assert got == pytest.approx(exp, rel=1e-5 if rank is None else 0.05)
+    states = [res.states[res.slots[(0, r)]] for r in range(n)]
+    for k in states[0]:
+        assert all(torch.equal(states[0][k], st[k]) for st in states[1:]), k
+    shards = min(len(gr) for gr in groups)
+    group_of = {res.slots[(0, r)]: i for i, gr in enumerate(groups) for r in gr}
+    shard_of = {res.slots[(0, r)]: j for gr in groups for j, r in enumerate(gr) if j < shards}
+    crossed: set[int] = set()
+    for slot, reports in res.reports.items():
+        for st in reports[-1].edges:
+            if st.kind == PacketKind.PARAM_GRAD and st.wire_bytes and st.peer != slot \
+                    and group_of[st.peer] != group_of[slot]:
+                crossed.add(slot)
+                assert shard_of.get(slot) == shard_of.get(st.peer) is not None, \
+                    (slot, st.peer, st.edge)
+    assert crossed == set(shard_of)  # every shard's owners, not only the first slots
+
+
 async def test_grad_groups_that_are_not_a_partition_are_refused(
         small_text: TextWindows, adamw: OptimizerSpec) -> None:
     from fusiond.train.stage import StageError

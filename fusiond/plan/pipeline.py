@@ -632,12 +632,17 @@ class _Ring:
         return self.s_per_byte * nbytes + self.fixed_s if nbytes > 0 else 0.0
 
 
-def _ring(c: Cluster, ms: Sequence[int], homogeneous: bool = False) -> _Ring:
+def _ring(c: Cluster, ms: Sequence[int], homogeneous: bool = False, direct: bool = False
+          ) -> _Ring:
     """An all-reduce over `ms`: each machine sends and receives 2 (n - 1) / n x the bytes at
     the speed of the slowest link of the ring (`_ring_order`) and handles them on its own CPU
     (`wire_s_per_byte`, the slowest machine's), in 2 (n - 1) steps of one message (a one-way
-    latency each); machines on links of one speed (a bandwidth group) use halving-doubling
-    instead (the same bytes in 2 ceil(log2 n) steps, gloo's and MPI's choice)."""
+    latency each), as the runtime's ring (`StageExecutor._ring_flat`) runs; `homogeneous`:
+    machines on links of one speed (a bandwidth group), any order. (Until 2026-12-07 a group
+    was priced as halving-doubling, gloo's and MPI's 2 ceil(log2 n) steps, which the runtime
+    does not run: 6 latencies for 8 machines where it pays 14.) `direct`: fewer
+    than `RING_MIN_HOLDERS` holders, which the runtime sums by sending each other the whole
+    gradient at once (`StageExecutor._exchange`): the same bytes from each, in one step."""
     n = len(ms)
     if n < 2:
         return _Ring(0.0, 0.0, math.inf)
@@ -649,8 +654,10 @@ def _ring(c: Cluster, ms: Sequence[int], homogeneous: bool = False) -> _Ring:
     if homogeneous:
         slowest = min(float(bw[a, b]) for a, b in itertools.combinations(ms, 2))
         lat = max(float(c.rtt_s[a, b]) for a, b in itertools.combinations(ms, 2)) / 2
-    steps = 2 * math.ceil(math.log2(n)) if homogeneous else 2 * (n - 1)
+    steps = 2 * (n - 1)
     share = 2 * (n - 1) / n
+    if direct:
+        steps, share = 1, float(n - 1)
     cpu = max(c.machines[m].wire_s_per_byte for m in ms) * 2
     msg = max(c.machines[m].msg_s for m in ms) * 2 * steps
     return _Ring(share * (1 / slowest + cpu), steps * lat + msg, slowest, n, steps)
@@ -724,10 +731,11 @@ class GradientSync:
 def gradient_sync(c: Cluster, ms: Sequence[int]) -> GradientSync:
     """The reduction among machines `ms` (see `GradientSync`)."""
     groups = sync_groups(c, ms)
+    direct = len(ms) < RING_MIN_HOLDERS
     if len(groups) == 1:
-        return GradientSync(_ring(c, ms, homogeneous=True), (), None)
+        return GradientSync(_ring(c, ms, homogeneous=True, direct=direct), (), None)
     if all(len(g) == 1 for g in groups):
-        return GradientSync(_ring(c, ms), (), None)
+        return GradientSync(_ring(c, ms, direct=direct), (), None)
     return GradientSync(_ring(c, ms), tuple(_ring(c, g, homogeneous=True) for g in groups),
                         _ring(c, [g[0] for g in groups]), shards=min(len(g) for g in groups))
 

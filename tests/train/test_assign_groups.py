@@ -111,3 +111,22 @@ def test_a_hierarchical_plan_puts_its_groups_in_the_layout(captured_tiny: Any) -
     layout = layout_from_plan("j", cap.graph, cap.state, plan, spec)
     assert dict(layout.grad_groups) == {"n0": (("n0", "n1", "n2"), ("n3", "n4", "n5"))}
     assert layout.grad_two_level == {"n0"}
+
+
+def test_two_replicas_exchange_in_one_step_as_the_runtime_does() -> None:
+    """Two holders send each other the whole gradient at once (`StageExecutor._exchange`,
+    under `RING_MIN_HOLDERS`): one one-way latency per round, not a ring's two; three go by
+    a ring of 2 (n - 1) steps."""
+    from fusiond.plan import Cluster
+    from fusiond.plan.model import MachineProfile
+    from fusiond.plan.pipeline import RING_MIN_HOLDERS, gradient_sync
+
+    assert RING_MIN_HOLDERS == 3
+    k = 3
+    c = Cluster.build([MachineProfile(f"m{i}", {"matmul": 1e12}, 1e11, 0.0, 1e12)
+                       for i in range(k)], np.full((k, k), 1e7), np.full((k, k), 0.06))
+    g = 1e6
+    pair = gradient_sync(c, [0, 1])
+    assert pair.time_s(g)[0] == pytest.approx(g / 1e7 + 0.03, rel=1e-9)
+    three = gradient_sync(c, [0, 1, 2])
+    assert three.time_s(g)[0] == pytest.approx(4 / 3 * g / 1e7 + 4 * 0.03, rel=1e-9)

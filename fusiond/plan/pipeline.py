@@ -188,13 +188,16 @@ class SyncReport:
     """The part of `time_s` that is the replicas' own CPU work (handling the bytes,
     compressing), on stages that compute on the CPU: it competes with their backward for
     the same cores, so it hides behind the drain only."""
+    tail_s: float = 0.0
+    """The last bucket's own time (its bytes, every round's latency, its compression): it
+    can start only once the backward has ended (0: its share of `time_s`)."""
 
     @property
     def exposed_s(self) -> float:
         own = self.overlap_s - self.drain_s
         hidden = self.drain_s + min(own, max(self.time_s - self.cpu_s, 0.0))
-        return max(0.0, self.time_s - hidden,
-                   self.time_s / self.buckets if self.buckets > 1 else 0.0)
+        tail = (self.tail_s or self.time_s / self.buckets) if self.buckets > 1 else 0.0
+        return max(0.0, self.time_s - hidden, min(tail, self.time_s))
 
 
 @dataclass(frozen=True)
@@ -627,22 +630,24 @@ class _Ring:
     members: int = 0
     steps: int = 1
     """Its machines, and its messages one after another (each paying a latency)."""
+    msg_s: float = 0.0
+    """The part of `fixed_s` that is the machines' own handling of its messages (CPU: it
+    does not overlap another reduction's, as a link's latency does)."""
 
     def time_s(self, nbytes: float) -> float:
         return self.s_per_byte * nbytes + self.fixed_s if nbytes > 0 else 0.0
 
 
-def _ring(c: Cluster, ms: Sequence[int], homogeneous: bool = False, direct: bool = False
-          ) -> _Ring:
+def _ring(c: Cluster, ms: Sequence[int], homogeneous: bool = False) -> _Ring:
     """An all-reduce over `ms`: each machine sends and receives 2 (n - 1) / n x the bytes at
     the speed of the slowest link of the ring (`_ring_order`) and handles them on its own CPU
     (`wire_s_per_byte`, the slowest machine's), in 2 (n - 1) steps of one message (a one-way
     latency each), as the runtime's ring (`StageExecutor._ring_flat`) runs; `homogeneous`:
     machines on links of one speed (a bandwidth group), any order. (Until 2026-12-07 a group
     was priced as halving-doubling, gloo's and MPI's 2 ceil(log2 n) steps, which the runtime
-    does not run: 6 latencies for 8 machines where it pays 14.) `direct`: fewer
-    than `RING_MIN_HOLDERS` holders, which the runtime sums by sending each other the whole
-    gradient at once (`StageExecutor._exchange`): the same bytes from each, in one step."""
+    does not run: 6 latencies for 8 machines where it pays 14.) Two machines send each
+    other the whole gradient at once (`StageExecutor._exchange`, `_ring_flat`): the same
+    bytes from each, in one step."""
     n = len(ms)
     if n < 2:
         return _Ring(0.0, 0.0, math.inf)
@@ -656,11 +661,11 @@ def _ring(c: Cluster, ms: Sequence[int], homogeneous: bool = False, direct: bool
         lat = max(float(c.rtt_s[a, b]) for a, b in itertools.combinations(ms, 2)) / 2
     steps = 2 * (n - 1)
     share = 2 * (n - 1) / n
-    if direct:
-        steps, share = 1, float(n - 1)
+    if n == 2:
+        steps, share = 1, 1.0
     cpu = max(c.machines[m].wire_s_per_byte for m in ms) * 2
     msg = max(c.machines[m].msg_s for m in ms) * 2 * steps
-    return _Ring(share * (1 / slowest + cpu), steps * lat + msg, slowest, n, steps)
+    return _Ring(share * (1 / slowest + cpu), steps * lat + msg, slowest, n, steps, msg)
 
 
 def sync_groups(c: Cluster, ms: Sequence[int], ratio: float = 4.0) -> list[list[int]]:
@@ -699,6 +704,16 @@ class GradientSync:
     """Machines in the smallest group: a two-level reduction splits the gradient in this many
     shards, each all-reduced across the groups by a ring of its own."""
 
+    def msg_s(self, scheme: str) -> float:
+        """The messages' own handling (CPU) in one round of `scheme` (`_Ring.msg_s`)."""
+        if scheme == "ring" or self.outer is None:
+            return self.flat.msg_s
+        inner = max(r.msg_s for r in self.inner)
+        if scheme == "hierarchical":
+            back = max((r.msg_s / r.steps for r in self.inner if r.members > 1), default=0.0)
+            return inner + self.outer.msg_s + back
+        return inner + self.outer.msg_s
+
     def time_s(self, nbytes: float) -> tuple[float, float, str]:
         """(seconds, slowest link bytes/s, scheme) for `nbytes` per replica: the fastest of
         one ring, hierarchical (an all-reduce inside each group, one among the groups' first
@@ -731,18 +746,26 @@ class GradientSync:
 def gradient_sync(c: Cluster, ms: Sequence[int]) -> GradientSync:
     """The reduction among machines `ms` (see `GradientSync`)."""
     groups = sync_groups(c, ms)
-    direct = len(ms) < RING_MIN_HOLDERS
     if len(groups) == 1:
-        return GradientSync(_ring(c, ms, homogeneous=True, direct=direct), (), None)
+        return GradientSync(_ring(c, ms, homogeneous=True), (), None)
     if all(len(g) == 1 for g in groups):
-        return GradientSync(_ring(c, ms, direct=direct), (), None)
+        return GradientSync(_ring(c, ms), (), None)
     return GradientSync(_ring(c, ms), tuple(_ring(c, g, homogeneous=True) for g in groups),
                         _ring(c, [g[0] for g in groups]), shards=min(len(g) for g in groups))
 
 
 BUCKET_CHOICES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 """The bucket counts the evaluator weighs for a replicated stage's reduction: more hide more
-of it behind the last backward, each pays the scheme's latency once more."""
+of it behind the last backward; each handles its messages once more, and every
+`BUCKETS_IN_FLIGHT` of them pay the scheme's latency once more."""
+
+BUCKETS_IN_FLIGHT = 32
+"""Buckets the runtime reduces at once (`fusiond.train.stage`'s constant of the same name,
+each on a thread of its own): their rounds wait on the links together, so a reduction in B
+buckets pays its scheme's latency ceil(B / this) times per round, not B times. (Until
+2026-12-07 the runtime went one bucket after another, and the model charged each bucket's
+round its own latency: on `geo`'s 60-215 ms round trips that alone kept a second site's
+replicas out of every plan.)"""
 
 
 LOWRANK_PASSES = (9.7, 2.1)
@@ -767,13 +790,18 @@ def lowrank_s_per_byte(mem_bw: float, rank: int) -> float:
 
 def reduction_s(sync: GradientSync, grad_bytes: float, density: float, buckets: int,
                 extra_s_per_byte: float) -> float:
-    """A reduction's time: its bytes (`density` of `grad_bytes`) and its scheme's latency
-    once per bucket and round (the runtime's buckets go one after another; low-rank ones
-    in two rounds each, the P factors then the Q factors), plus, compressed, the
-    compression's own work (`extra_s_per_byte` of the dense bytes)."""
-    latency_s = sync.time_s(1.0)[0]
-    rounds = 2 * buckets - 1 if density < 1.0 else buckets - 1
-    t_s = sync.time_s(grad_bytes * density)[0] + rounds * latency_s
+    """A reduction's time: its bytes (`density` of `grad_bytes`), its scheme's latency once
+    per round of every `BUCKETS_IN_FLIGHT` buckets (the runtime reduces that many at once;
+    low-rank ones in two rounds each, the P factors then the Q factors), each bucket's round's
+    messages handled, plus, compressed, the compression's own work (`extra_s_per_byte` of
+    the dense bytes)."""
+    t_s, _, scheme = sync.time_s(grad_bytes * density)
+    fixed_s = sync.time_s(1.0)[0]
+    msg_s = sync.msg_s(scheme)
+    per_bucket = 2 if density < 1.0 else 1
+    waves = math.ceil(max(1, buckets) / BUCKETS_IN_FLIGHT)
+    t_s += (waves * per_bucket - 1) * (fixed_s - msg_s)
+    t_s += (buckets * per_bucket - 1) * msg_s
     if density < 1.0:
         t_s += extra_s_per_byte * grad_bytes
     return t_s
@@ -1159,6 +1187,9 @@ def evaluate(
                     compress_s_per_byte, buckets)
                 _, slowest, scheme = plan_sync.time_s(grad_bytes[i] * d)
                 t_s = reduction_s(plan_sync, grad_bytes[i], d, buckets, compress_s_per_byte)
+                # the last bucket, alone after the backward: all its rounds' latency
+                tail_s = reduction_s(plan_sync, grad_bytes[i] / buckets, d, 1,
+                                     compress_s_per_byte)
                 cpu_s = 0.0
                 if on_cpu:
                     cpu_s = 4 * (n - 1) / n * grad_bytes[i] * d * wire + (
@@ -1166,7 +1197,7 @@ def evaluate(
                 choices.append(SyncReport(i, tuple(c.machines[m].id for m in s.machines),
                                           grad_bytes[i], scheme, slowest, t_s, hide_s,
                                           density=d, buckets=buckets, drain_s=drain,
-                                          cpu_s=min(cpu_s, t_s)))
+                                          cpu_s=min(cpu_s, t_s), tail_s=tail_s))
         syncs.append(min(choices, key=lambda x: (x.exposed_s, x.buckets, -x.density)))
     grad_sync = max((x.exposed_s for x in syncs), default=0.0)
     iteration = bottleneck_rest + fill + opt_s + sync + grad_sync

@@ -303,3 +303,27 @@ def test_the_reduction_hides_behind_the_last_backward_but_its_last_bucket() -> N
             else:
                 assert sync.buckets == 1 and sync.exposed_s == pytest.approx(sync.time_s)
             assert ev.grad_sync_s == pytest.approx(sync.exposed_s)
+
+
+def test_buckets_in_flight_pay_a_link_s_latency_once_per_round() -> None:
+    """The runtime reduces up to `BUCKETS_IN_FLIGHT` buckets at once (a thread each), so the
+    model charges a reduction in B buckets its scheme's latency once per round of every
+    that many buckets, and each bucket's own message handling: 8 dense buckets over a 100 ms
+    link cost the bytes and one latency, 8 low-rank ones two (P, then Q), not 8 and 16. The
+    last bucket alone (after the backward) still pays all its rounds' latency."""
+    from fusiond.plan.pipeline import BUCKETS_IN_FLIGHT as PLAN_WIDTH
+    from fusiond.plan.pipeline import gradient_sync, reduction_s
+    from fusiond.train.stage import BUCKETS_IN_FLIGHT
+
+    assert PLAN_WIDTH == BUCKETS_IN_FLIGHT >= 32  # every bucket count the evaluator weighs
+    k = 2
+    cluster = Cluster.build([_machine(i) for i in range(k)], [[0, 1e7], [1e7, 0]],
+                            [[0, 0.2], [0.2, 0]])
+    sync = gradient_sync(cluster, [0, 1])
+    g = 1e6
+    one_way = 0.1
+    assert reduction_s(sync, g, 1.0, 8, 0.0) == pytest.approx(g / 1e7 + one_way, rel=1e-6)
+    assert reduction_s(sync, g, 0.1, 8, 0.0) == pytest.approx(0.1 * g / 1e7 + 2 * one_way,
+                                                              rel=1e-6)
+    assert reduction_s(sync, g, 1.0, 64, 0.0) == pytest.approx(g / 1e7 + 2 * one_way,
+                                                               rel=1e-6)

@@ -630,10 +630,6 @@ class _Outbound:
 _Q_ROUND = "q"
 """The suffix of a bucket's round name for its low-rank Q factors (the P factors and the
 dense gradients go in the bucket's own round)."""
-BUCKETS_IN_FLIGHT = 32
-"""Buckets a stage reduces at once, each on its thread (`StageExecutor._reduce_buckets`):
-`fusiond.plan.pipeline`'s constant of the same name (a test holds them equal)."""
-
 RING_MIN_HOLDERS = 3
 """A shared parameter with at least this many holders is summed by a ring (two holders: one
 exchange of the whole gradient each way is already the least)."""
@@ -935,8 +931,6 @@ class StageExecutor:
         self._shared_wire = self._shared_wire | frozenset(rounds)
         self._reducer: ThreadPoolExecutor | None = None
         """The thread that reduces a step's buckets while its last backward runs."""
-        self._bucket_pool: ThreadPoolExecutor | None = None
-        """The threads that reduce several buckets at once (`BUCKETS_IN_FLIGHT`)."""
         self._stats_lock = threading.Lock()
         self._mutated = mutated_buffers(program.module) if self.config.recompute else []
         if self.config.precision not in PRECISIONS:
@@ -1015,8 +1009,6 @@ class StageExecutor:
             await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
         if self._reducer is not None:
             await asyncio.to_thread(self._reducer.shutdown, wait=True, cancel_futures=True)
-        if self._bucket_pool is not None:
-            await asyncio.to_thread(self._bucket_pool.shutdown, wait=True, cancel_futures=True)
         with self._cond:
             self._inbox.clear()
             self._inbox_bytes = 0
@@ -1716,56 +1708,40 @@ class StageExecutor:
     def _reduce_buckets(self, step: int, ready: Sequence[threading.Event] | None,
                         deadline: float, done: threading.Event | None = None
                         ) -> tuple[dict[str, torch.Tensor], int]:
-        """Sum each bucket's gradients over its holders, each once its `ready` event is set
-        (None: all are), up to `BUCKETS_IN_FLIGHT` at once (each on a thread of its own: one
-        bucket's rounds go while another's wait on a slow link, so a link's latency is paid
-        about once, not once per bucket); the sums (host memory) and how many buckets began
-        before `done` (the backward's end) was set. Every bucket's sums are those of one
-        bucket at a time, bit for bit (each in slot order)."""
+        """Sum each bucket's gradients over its holders, in bucket order, each once its
+        `ready` event is set (None: all are); the sums (host memory) and how many buckets
+        began before `done` (the backward's end) was set.
+
+        One bucket after another: several at once, each on a thread of its own (tried
+        2026-12-07, so that one bucket's rounds would go while another's waited on a slow
+        link), cost 3-4x the CPU per step on this machine for the same work (GPT-2 mini, 2
+        replicas, rank 4: 12 ms with one bucket, 52 ms with eight at once, against 12 ms for
+        one and about 22 ms for eight in turn), which on the WAN's 0.4-core hosts the step
+        paid."""
         self._place.bind()  # the reducer's thread too
         lr = self._lowrank if self._lowrank_now(step) else None
         totals: dict[str, torch.Tensor] = {}
         early = 0
-        width = min(len(self._buckets), BUCKETS_IN_FLIGHT)
-        if width > 1 and self._bucket_pool is None:
-            self._bucket_pool = ThreadPoolExecutor(max_workers=width,
-                                                   thread_name_prefix=f"bucket{self.slot}")
-        running: list[Future[dict[str, torch.Tensor]]] = []
-        try:
-            for i, b in enumerate(self._buckets):
-                if ready is not None:
-                    while not ready[i].wait(_ABORT_POLL_S):
-                        with self._cond:
-                            if self._failed is not None:
-                                raise self._failed
-                        if time.monotonic() > deadline:
-                            raise StageError(f"stage {self.stage}, step {step}: the gradients "
-                                             f"of bucket {b.round} were not ready within "
-                                             f"{self.config.recv_timeout_s:g}s")
-                early += done is not None and not done.is_set()
-                # summed in host memory (the wire's side); `_set_grads` puts them back
-                own = self._place.host({n: self._own_grad(n) for n in b.names})
-                if self._bucket_pool is None:
-                    totals.update(self._reduce_bucket(step, b, own, lr))
-                else:
-                    running.append(self._bucket_pool.submit(self._reduce_bucket, step, b, own,
-                                                             lr))
-            for fut in running:
-                totals.update(fut.result())
-        except BaseException as e:
-            # the other buckets' threads wait on their packets: wake them with the failure
-            self.fail(e if isinstance(e, StageError) else StageError(
-                f"stage {self.stage}, step {step}: the gradient reduction failed: {e!r}"))
-            for fut in running:
-                fut.cancel()
-            raise
+        for i, b in enumerate(self._buckets):
+            if ready is not None:
+                while not ready[i].wait(_ABORT_POLL_S):
+                    with self._cond:
+                        if self._failed is not None:
+                            raise self._failed
+                    if time.monotonic() > deadline:
+                        raise StageError(f"stage {self.stage}, step {step}: the gradients of "
+                                         f"bucket {b.round} were not ready within "
+                                         f"{self.config.recv_timeout_s:g}s")
+            early += done is not None and not done.is_set()
+            # summed in host memory (the wire's side); `_set_grads` puts them back
+            own = self._place.host({n: self._own_grad(n) for n in b.names})
+            totals.update(self._reduce_bucket(step, b, own, lr))
         return totals, early
 
     def _reduce_bucket(self, step: int, b: _Bucket, own: Mapping[str, torch.Tensor],
                        lr: LowRankState | None) -> dict[str, torch.Tensor]:
         """One bucket's sums over its holders: dense in one round, or, with `lr`, its
         low-rank gradients' P factors beside the dense ones, then their Q factors."""
-        self._place.bind()
         if lr is None:
             return self._exchange(step, b.round, own, "shared grads")
         totals: dict[str, torch.Tensor] = {}

@@ -8,7 +8,7 @@ import torch
 
 from fusiond.models.gpt2 import gpt2, lm_loss
 from fusiond.train.data import TextWindows
-from fusiond.train.local import ReferenceTrainer, run_replicated
+from fusiond.train.local import ReferenceTrainer, ReplicatedResult, run_replicated
 from fusiond.train.schedule import Phase, replica_slots, replica_tasks
 from fusiond.train.spec import OptimizerSpec
 from fusiond.train.stage import PacketKind, StageConfig, StageError, StageExecutor
@@ -284,6 +284,37 @@ async def test_buckets_are_reduced_while_the_last_backward_runs(
         assert any(n.endswith("q") for n in names) is (rank is not None), names
 
 
+async def _train_in_groups(small_text: TextWindows, adamw: OptimizerSpec,
+                           groups: tuple[tuple[int, ...], ...], rank: int | None,
+                           two_level: bool) -> ReplicatedResult:
+    """One GPT-2 tiny stage on one replica per slot of `groups`, reduced by the groups (with
+    buckets small enough that several go during the last backward), 3 steps: eager
+    training's losses (dense; low-rank near them), every replica's weights bit-identical.
+    The run's result, for who sent what."""
+    from .gpt_stages import one_stage
+
+    n = sum(len(g) for g in groups)
+    torch.manual_seed(0)
+    g = gpt2("tiny")
+    programs = [[one_stage(g) for _ in range(n)]]
+    routes = [[m % n for m in range(MICRO)]]
+    steps = 3
+    res = await run_replicated(programs, routes, data=small_text, batch_size=BATCH,
+                               micro_batches=MICRO, optimizer=adamw, steps=steps,
+                               grad_rank=rank, grad_groups={0: groups},
+                               grad_two_level=two_level)
+    ref = gpt2("tiny")
+    ref.load_state_dict(g.state_dict())
+    want = ReferenceTrainer(ref, lm_loss, adamw, data=small_text, batch_size=BATCH,
+                            micro_batches=MICRO, total_steps=steps).train(0, steps)
+    for got, exp in zip(res.losses, want, strict=True):
+        assert got == pytest.approx(exp, rel=1e-5 if rank is None else 0.05)
+    states = [res.states[res.slots[(0, r)]] for r in range(n)]
+    for k in states[0]:
+        assert all(torch.equal(states[0][k], st[k]) for st in states[1:]), k
+    return res
+
+
 @pytest.mark.parametrize(("groups", "rank"), [(((0, 1), (2, 3)), None), (((0, 2, 4), (1, 3)), None),
                                               (((0, 1), (2,), (3, 4)), 2)])
 async def test_replicas_in_bandwidth_groups_sum_hierarchically(
@@ -297,27 +328,8 @@ async def test_replicas_in_bandwidth_groups_sum_hierarchically(
     with buckets small enough that several go during the last backward."""
     from fusiond.plan import model as plan_model
 
-    from .gpt_stages import one_stage
-
     monkeypatch.setattr(plan_model, "BUCKET_MIN_BYTES", 8192)
-    n = sum(len(g) for g in groups)
-    torch.manual_seed(0)
-    g = gpt2("tiny")
-    programs = [[one_stage(g) for _ in range(n)]]
-    routes = [[m % n for m in range(MICRO)]]
-    steps = 3
-    res = await run_replicated(programs, routes, data=small_text, batch_size=BATCH,
-                               micro_batches=MICRO, optimizer=adamw, steps=steps,
-                               grad_rank=rank, grad_groups={0: groups})
-    ref = gpt2("tiny")
-    ref.load_state_dict(g.state_dict())
-    want = ReferenceTrainer(ref, lm_loss, adamw, data=small_text, batch_size=BATCH,
-                            micro_batches=MICRO, total_steps=steps).train(0, steps)
-    for got, exp in zip(res.losses, want, strict=True):
-        assert got == pytest.approx(exp, rel=1e-5 if rank is None else 0.05)
-    states = [res.states[res.slots[(0, r)]] for r in range(n)]
-    for k in states[0]:
-        assert all(torch.equal(states[0][k], st[k]) for st in states[1:]), k
+    res = await _train_in_groups(small_text, adamw, groups, rank, two_level=False)
     # who sent to whom: only the groups' first replicas cross between groups
     group_of = {res.slots[(0, r)]: i for i, gr in enumerate(groups) for r in gr}
     firsts = {res.slots[(0, gr[0])] for gr in groups}
@@ -342,27 +354,8 @@ async def test_replicas_in_bandwidth_groups_sum_two_level(
     talk, each to the owners of its shard."""
     from fusiond.plan import model as plan_model
 
-    from .gpt_stages import one_stage
-
     monkeypatch.setattr(plan_model, "BUCKET_MIN_BYTES", 8192)
-    n = sum(len(g) for g in groups)
-    torch.manual_seed(0)
-    g = gpt2("tiny")
-    programs = [[one_stage(g) for _ in range(n)]]
-    routes = [[m % n for m in range(MICRO)]]
-    steps = 3
-    res = await run_replicated(programs, routes, data=small_text, batch_size=BATCH,
-                               micro_batches=MICRO, optimizer=adamw, steps=steps,
-                               grad_rank=rank, grad_groups={0: groups}, grad_two_level=True)
-    ref = gpt2("tiny")
-    ref.load_state_dict(g.state_dict())
-    want = ReferenceTrainer(ref, lm_loss, adamw, data=small_text, batch_size=BATCH,
-                            micro_batches=MICRO, total_steps=steps).train(0, steps)
-    for got, exp in zip(res.losses, want, strict=True):
-        assert got == pytest.approx(exp, rel=1e-5 if rank is None else 0.05)
-    states = [res.states[res.slots[(0, r)]] for r in range(n)]
-    for k in states[0]:
-        assert all(torch.equal(states[0][k], st[k]) for st in states[1:]), k
+    res = await _train_in_groups(small_text, adamw, groups, rank, two_level=True)
     shards = min(len(gr) for gr in groups)
     group_of = {res.slots[(0, r)]: i for i, gr in enumerate(groups) for r in gr}
     shard_of = {res.slots[(0, r)]: j for gr in groups for j, r in enumerate(gr) if j < shards}

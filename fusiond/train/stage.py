@@ -665,6 +665,11 @@ class _Overlap:
             ev.set()
 
 
+def _flatten(ts: Mapping[str, torch.Tensor], names: Sequence[str]) -> torch.Tensor:
+    """The names' tensors one after another, flat in float32 (a copy: `_unflatten`'s input)."""
+    return torch.cat([ts[n].detach().reshape(-1).to(torch.float32) for n in names])
+
+
 def _unflatten(flat: torch.Tensor, names: Sequence[str], like: Mapping[str, torch.Tensor]
                ) -> dict[str, torch.Tensor]:
     """`flat` (the names' tensors one after another, float32) as each name's tensor, in the
@@ -1503,15 +1508,12 @@ class StageExecutor:
         if self.slot == group[0]:
             totals = self._ring_sum(step, round_name, leaders, names, inner, what, deadline)
             if len(group) > 1:
-                flat = torch.cat([totals[n].detach().reshape(-1).to(torch.float32)
-                                  for n in names])
-                enc = self._guard(what, step, functools.partial(codec.encode_dense, flat))
-                self._emit([(Packet(PacketKind.PARAM_GRAD, step, 0, tag, self.slot, peer,
-                                    enc.parts), enc, None) for peer in group[1:]])
+                flat = _flatten(totals, names)
+                self._send_flat(step, what, tag, [(peer, flat) for peer in group[1:]])
             return totals
-        key = (PacketKind.PARAM_GRAD, step, group[0], tag)
-        return self._bucket_from(step, what, group[0], "as the total",
-                                 self._take_all([key], deadline, what)[0][key], names, own)
+        want = sum(own[n].numel() for n in names)
+        return _unflatten(self._take_flat(step, what, tag, [(group[0], want)], "as the total",
+                                          deadline)[0], names, own)
 
     def _two_level_sum(self, step: int, round_name: str, groups: tuple[tuple[int, ...], ...],
                        names: Sequence[str], own: Mapping[str, torch.Tensor], what: str,
@@ -1528,66 +1530,70 @@ class StageExecutor:
         owners = _shard_owners(groups)
         mine = group.index(self.slot)
         to_owner, back = (f"{round_name}{t}" for t in _shard_tags(groups))
-        flat = torch.cat([own[x].detach().reshape(-1).to(torch.float32) for x in names])
+        flat = _flatten(own, names)
         shards = list(torch.tensor_split(flat, len(owners)))
-
-        def send(to: Sequence[tuple[int, torch.Tensor]], tag: str) -> None:
-            packets = []
-            for peer, t in to:
-                enc = self._guard(what, step, functools.partial(codec.encode_dense, t))
-                packets.append((Packet(PacketKind.PARAM_GRAD, step, 0, tag, self.slot, peer,
-                                       enc.parts), enc, None))
-            self._emit(packets)
-
-        def take(senders: Sequence[int], tag: str, sizes: Sequence[int], as_what: str
-                 ) -> list[torch.Tensor]:
-            keys = [(PacketKind.PARAM_GRAD, step, peer, tag) for peer in senders]
-            got = self._take_all(keys, deadline, what)[0]
-            out = []
-            for peer, key, want in zip(senders, keys, sizes, strict=True):
-                t = codec.decode_dense(got[key])
-                if t.dim() != 1 or t.numel() != want or t.dtype != torch.float32:
-                    raise StageError(f"stage {self.stage}, step {step}, {what}: slot {peer} "
-                                     f"sent {tuple(t.shape)} {t.dtype} {as_what}, not "
-                                     f"{want} float32 values")
-                out.append(t)
-            return out
-
+        theirs = [j for j in range(len(owners)) if j != mine]
         # each shard to its owner in this group (a slot past the smallest group's size owns
         # none and sends them all)
-        send([(group[j], shards[j]) for j in range(len(owners)) if j != mine], to_owner)
+        self._send_flat(step, what, to_owner, [(group[j], shards[j]) for j in theirs])
         total = torch.empty_like(flat)
         done = list(torch.tensor_split(total, len(owners)))
         if mine < len(owners):
             others = [x for x in group if x != self.slot]
-            parts = dict(zip(others, take(others, to_owner, [shards[mine].numel()] * len(others),
-                                          "as its share of this slot's shard"), strict=True))
+            parts = dict(zip(others, self._take_flat(
+                step, what, to_owner, [(x, shards[mine].numel()) for x in others],
+                "as its share of this slot's shard", deadline), strict=True))
             parts[self.slot] = shards[mine]
             inside = torch.zeros_like(shards[mine])
             for x in sorted(parts):
                 inside += parts[x]
             done[mine].copy_(self._ring_flat(step, round_name, owners[mine], inside, what,
                                              deadline))
-            send([(x, done[mine]) for x in group if x != self.slot], back)
-        for j, t in zip((j for j in range(len(owners)) if j != mine),
-                        take([group[j] for j in range(len(owners)) if j != mine], back,
-                             [done[j].numel() for j in range(len(owners)) if j != mine],
-                             "as its shard's total"), strict=True):
+            self._send_flat(step, what, back, [(x, done[mine]) for x in others])
+        got = self._take_flat(step, what, back, [(group[j], done[j].numel()) for j in theirs],
+                              "as its shard's total", deadline)
+        for j, t in zip(theirs, got, strict=True):
             done[j].copy_(t)
         return _unflatten(total, names, own)
+
+    def _send_flat(self, step: int, what: str, tag: str,
+                   to: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Queue each flat float32 tensor of `to` for its slot, in PARAM_GRAD round `tag`."""
+        packets = []
+        for peer, t in to:
+            enc = self._guard(what, step, functools.partial(codec.encode_dense, t))
+            packets.append((Packet(PacketKind.PARAM_GRAD, step, 0, tag, self.slot, peer,
+                                   enc.parts), enc, None))
+        self._emit(packets)
+
+    def _take_flat(self, step: int, what: str, tag: str, senders: Sequence[tuple[int, int]],
+                   as_what: str, deadline: float) -> list[torch.Tensor]:
+        """Wait for the flat float32 tensor each (slot, size) of `senders` sends in PARAM_GRAD
+        round `tag`; `StageError` naming the slot whose payload is not that many values."""
+        keys = [(PacketKind.PARAM_GRAD, step, peer, tag) for peer, _ in senders]
+        got = self._take_all(keys, deadline, what)[0]
+        return [self._flat_from(step, what, peer, got[key], want, as_what)
+                for (peer, want), key in zip(senders, keys, strict=True)]
+
+    def _flat_from(self, step: int, what: str, sender: int, payload: bytes | memoryview,
+                   want: int, as_what: str) -> torch.Tensor:
+        """`payload` decoded: `want` float32 values in one dimension, else `StageError`
+        naming `sender`."""
+        t = codec.decode_dense(payload)
+        if t.dim() != 1 or t.numel() != want or t.dtype != torch.float32:
+            raise StageError(f"stage {self.stage}, step {step}, {what}: slot {sender} sent "
+                             f"{tuple(t.shape)} {t.dtype} {as_what}, not {want} float32 "
+                             "values")
+        return t
 
     def _bucket_from(self, step: int, what: str, sender: int, as_what: str,
                      payload: bytes | memoryview, names: Sequence[str],
                      own: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A received bucket (the names' tensors flat in float32) as each name's tensor;
         `StageError` naming `sender` where it is not that."""
-        flat = codec.decode_dense(payload)
         want = sum(own[n].numel() for n in names)
-        if flat.dim() != 1 or flat.numel() != want or flat.dtype != torch.float32:
-            raise StageError(f"stage {self.stage}, step {step}, {what}: slot {sender} sent "
-                             f"{tuple(flat.shape)} {flat.dtype} {as_what}, not the {want} "
-                             "float32 values of the parameters both hold")
-        return _unflatten(flat, names, own)
+        return _unflatten(self._flat_from(step, what, sender, payload, want, as_what),
+                          names, own)
 
     def _ring_sum(self, step: int, round_name: str, holders: tuple[int, ...],
                   names: Sequence[str], own: Mapping[str, torch.Tensor], what: str,
@@ -1603,7 +1609,7 @@ class StageExecutor:
         (`fusiond.plan.pipeline.exchange_bytes`). The reduce-scatter adds into the flat copy
         in place (a chunk is changed only before it is first sent, and a packet's bytes are
         the chunk's own memory until written); the all-gather writes the result apart."""
-        flat = torch.cat([own[x].detach().reshape(-1).to(torch.float32) for x in names])
+        flat = _flatten(own, names)
         return _unflatten(self._ring_flat(step, round_name, holders, flat, what, deadline),
                           names, own)
 
@@ -1618,15 +1624,9 @@ class StageExecutor:
         if n == 2:
             other = holders[1 - i]
             tag = f"{round_name}{_ring_tag(holders, 0)}"
-            enc = self._guard(what, step, functools.partial(codec.encode_dense, flat))
-            self._emit([(Packet(PacketKind.PARAM_GRAD, step, 0, tag, self.slot, other,
-                                enc.parts), enc, None)])
-            key = (PacketKind.PARAM_GRAD, step, other, tag)
-            got = codec.decode_dense(self._take_all([key], deadline, what)[0][key])
-            if got.dim() != 1 or got.numel() != flat.numel() or got.dtype != torch.float32:
-                raise StageError(f"stage {self.stage}, step {step}, {what}: slot {other} sent "
-                                 f"{tuple(got.shape)} {got.dtype} as its whole share, not "
-                                 f"{flat.numel()} float32 values")
+            self._send_flat(step, what, tag, [(other, flat)])
+            got = self._take_flat(step, what, tag, [(other, flat.numel())],
+                                  "as its whole share", deadline)[0]
             return flat + got if i == 0 else got + flat
         nxt, prev = holders[(i + 1) % n], holders[(i - 1) % n]
         chunks = list(torch.tensor_split(flat, n))
@@ -1635,18 +1635,10 @@ class StageExecutor:
 
         def exchange(k: int, send_chunk: int) -> torch.Tensor:
             tag = f"{round_name}{_ring_tag(holders, k)}"
-            enc = self._guard(what, step, functools.partial(codec.encode_dense,
-                                                            chunks[send_chunk]))
-            self._emit([(Packet(PacketKind.PARAM_GRAD, step, 0, tag, self.slot, nxt,
-                                enc.parts), enc, None)])
-            key = (PacketKind.PARAM_GRAD, step, prev, tag)
-            got = codec.decode_dense(self._take_all([key], deadline, what)[0][key])
-            want = chunks[(send_chunk - 1) % n]
-            if got.dim() != 1 or got.numel() != want.numel() or got.dtype != torch.float32:
-                raise StageError(f"stage {self.stage}, step {step}, {what}: slot {prev} sent "
-                                 f"{tuple(got.shape)} {got.dtype} in the ring's step {k}, not "
-                                 f"{want.numel()} float32 values")
-            return got
+            self._send_flat(step, what, tag, [(nxt, chunks[send_chunk])])
+            want = chunks[(send_chunk - 1) % n].numel()
+            return self._take_flat(step, what, tag, [(prev, want)],
+                                   f"in the ring's step {k}", deadline)[0]
 
         for k in range(n - 1):  # reduce-scatter
             c = (i - k) % n

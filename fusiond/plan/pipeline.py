@@ -179,9 +179,9 @@ class SyncReport:
     """The share of `grad_bytes` sent (< 1: compressed low-rank with error feedback, at least
     `JobSettings.grad_density_floor`); `time_s` includes the compression's own work."""
     buckets: int = 1
-    """The buckets it goes in, one after another (during the stage's last backward where the
-    runtime does that); the last one's share of `time_s` can only start once the backward
-    has ended."""
+    """The buckets it goes in, each once its gradients are final (during the stage's last
+    backward where the runtime does that), several in flight at once; the last one's share
+    of `time_s` can only start once the backward has ended."""
     drain_s: float = 0.0
     """The part of `overlap_s` that is the drain of the stages before it."""
     cpu_s: float = 0.0
@@ -630,6 +630,9 @@ class _Ring:
     members: int = 0
     steps: int = 1
     """Its machines, and its messages one after another (each paying a latency)."""
+    msg_s: float = 0.0
+    """The part of `fixed_s` that is the machines' own handling of its messages (CPU: it
+    does not overlap another reduction's, as a link's latency does)."""
 
     def time_s(self, nbytes: float) -> float:
         return self.s_per_byte * nbytes + self.fixed_s if nbytes > 0 else 0.0
@@ -662,7 +665,7 @@ def _ring(c: Cluster, ms: Sequence[int], homogeneous: bool = False) -> _Ring:
         steps, share = 1, 1.0
     cpu = max(c.machines[m].wire_s_per_byte for m in ms) * 2
     msg = max(c.machines[m].msg_s for m in ms) * 2 * steps
-    return _Ring(share * (1 / slowest + cpu), steps * lat + msg, slowest, n, steps)
+    return _Ring(share * (1 / slowest + cpu), steps * lat + msg, slowest, n, steps, msg)
 
 
 def sync_groups(c: Cluster, ms: Sequence[int], ratio: float = 4.0) -> list[list[int]]:
@@ -700,6 +703,16 @@ class GradientSync:
     shards: int = 1
     """Machines in the smallest group: a two-level reduction splits the gradient in this many
     shards, each all-reduced across the groups by a ring of its own."""
+
+    def msg_s(self, scheme: str) -> float:
+        """The messages' own handling (CPU) in one round of `scheme` (`_Ring.msg_s`)."""
+        if scheme == "ring" or self.outer is None:
+            return self.flat.msg_s
+        inner = max(r.msg_s for r in self.inner)
+        if scheme == "hierarchical":
+            back = max((r.msg_s / r.steps for r in self.inner if r.members > 1), default=0.0)
+            return inner + self.outer.msg_s + back
+        return inner + self.outer.msg_s
 
     def time_s(self, nbytes: float) -> tuple[float, float, str]:
         """(seconds, slowest link bytes/s, scheme) for `nbytes` per replica: the fastest of
@@ -743,8 +756,17 @@ def gradient_sync(c: Cluster, ms: Sequence[int]) -> GradientSync:
 
 BUCKET_CHOICES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 """The bucket counts the evaluator weighs for a replicated stage's reduction: more hide more
-of it behind the last backward, each pays the scheme's latency once more (the runtime
-reduces them one after another: `StageExecutor._reduce_buckets` says why)."""
+of it behind the last backward; each handles its messages once more, and every
+`BUCKETS_IN_FLIGHT` of them pay the scheme's latency once more."""
+
+BUCKETS_IN_FLIGHT = 32
+"""Buckets the runtime reduces at once (`fusiond.train.stage`'s constant of the same name,
+interleaved on the stage's one reducer thread): their rounds wait on the links together, so
+a reduction in B buckets pays its scheme's latency ceil(B / this) times per round, not B
+times, while their CPU (the messages' handling, the compression) goes one bucket after
+another. (One after another altogether, as the runtime went until 2026-12-07, each bucket's
+round paid its own latency: on `geo`'s 60-215 ms round trips that alone kept a second site's
+replicas out of every plan. A thread per bucket, tried the same day, cost 3-4x the CPU.)"""
 
 
 LOWRANK_PASSES = (9.7, 2.1)
@@ -769,13 +791,18 @@ def lowrank_s_per_byte(mem_bw: float, rank: int) -> float:
 
 def reduction_s(sync: GradientSync, grad_bytes: float, density: float, buckets: int,
                 extra_s_per_byte: float) -> float:
-    """A reduction's time: its bytes (`density` of `grad_bytes`) and its scheme's latency
-    once per bucket and round (the runtime's buckets go one after another; low-rank ones
-    in two rounds each, the P factors then the Q factors), plus, compressed, the
-    compression's own work (`extra_s_per_byte` of the dense bytes)."""
-    latency_s = sync.time_s(1.0)[0]
-    rounds = 2 * buckets - 1 if density < 1.0 else buckets - 1
-    t_s = sync.time_s(grad_bytes * density)[0] + rounds * latency_s
+    """A reduction's time: its bytes (`density` of `grad_bytes`), its scheme's latency once
+    per round of every `BUCKETS_IN_FLIGHT` buckets (the runtime reduces that many at once;
+    low-rank ones in two rounds each, the P factors then the Q factors), each bucket's round's
+    messages handled, plus, compressed, the compression's own work (`extra_s_per_byte` of
+    the dense bytes)."""
+    t_s, _, scheme = sync.time_s(grad_bytes * density)
+    fixed_s = sync.time_s(1.0)[0]
+    msg_s = sync.msg_s(scheme)
+    per_bucket = 2 if density < 1.0 else 1
+    waves = math.ceil(max(1, buckets) / BUCKETS_IN_FLIGHT)
+    t_s += (waves * per_bucket - 1) * (fixed_s - msg_s)
+    t_s += (buckets * per_bucket - 1) * msg_s
     if density < 1.0:
         t_s += extra_s_per_byte * grad_bytes
     return t_s
@@ -1141,10 +1168,11 @@ def evaluate(
         # projections, the reconstruction) that grow with the rank
         compress_s_per_byte = max(lowrank_s_per_byte(c.machines[m].mem_bw, st.grad_rank)
                                   for m in s.machines)
-        # the reduction goes by B buckets one after another (the plan chooses B, the runtime
-        # splits the gradients so); during the stage's own last backward where the runtime
-        # does that, bucket k ready (k + 1) / B into it, so all but the last one's share of
-        # it hides them (`SyncReport.exposed_s`), each bucket paying the scheme's latency
+        # the reduction goes by B buckets (the plan chooses B, the runtime splits the
+        # gradients so), each started once ready and up to `BUCKETS_IN_FLIGHT` in flight at
+        # once; during the stage's own last backward where the runtime does that, bucket k
+        # ready (k + 1) / B into it, so all but the last one's share of it hides them
+        # (`SyncReport.exposed_s`)
         can_overlap = st.reduce_in_backward and not any(r.offload_params for r in reps[i])
         counts = sorted({min(b, n_params[i]) for b in BUCKET_CHOICES}) if can_overlap else [1]
         # on CPU machines the replicas' own handling of the bytes (and compression) takes the

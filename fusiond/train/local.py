@@ -54,12 +54,18 @@ class MemoryLinks:
     """In-memory links between stages: bounded queue per (src, dst) plus a delivering pump.
 
     `link(stage)` is that stage's `StageLink`. Register executors with `attach` before `start`.
+    `latency_s`: each packet arrives that long after it was queued (one way; packets in
+    flight do not wait on each other), as over a link with that much latency and no limit on
+    its bandwidth: what latency costs a schedule or a reduction, without a network.
     """
 
-    def __init__(self, maxsize: int = 4) -> None:
+    def __init__(self, maxsize: int = 4, latency_s: float = 0.0) -> None:
+        if latency_s < 0:
+            raise LocalError(f"latency_s must be >= 0, got {latency_s}")
         self.maxsize = maxsize
+        self.latency_s = latency_s
         self._executors: dict[int, StageExecutor] = {}
-        self._queues: dict[tuple[int, int], asyncio.Queue[Packet]] = {}
+        self._queues: dict[tuple[int, int], asyncio.Queue[tuple[float, Packet]]] = {}
         self._pumps: list[asyncio.Task[None]] = []
         self.bytes_sent: dict[tuple[int, int], int] = {}
 
@@ -71,7 +77,7 @@ class MemoryLinks:
         """The link stage `stage` sends through."""
         return _Link(self, stage)
 
-    async def _queue(self, src: int, dst: int) -> asyncio.Queue[Packet]:
+    async def _queue(self, src: int, dst: int) -> asyncio.Queue[tuple[float, Packet]]:
         key = (src, dst)
         q = self._queues.get(key)
         if q is None:
@@ -79,9 +85,12 @@ class MemoryLinks:
             self._pumps.append(asyncio.create_task(self._pump(dst, q), name=f"pump {src}->{dst}"))
         return q
 
-    async def _pump(self, dst: int, q: asyncio.Queue[Packet]) -> None:
+    async def _pump(self, dst: int, q: asyncio.Queue[tuple[float, Packet]]) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            pkt = await q.get()
+            due, pkt = await q.get()
+            if due > loop.time():
+                await asyncio.sleep(due - loop.time())
             try:
                 target = self._executors.get(dst)
                 if target is None:
@@ -98,7 +107,7 @@ class MemoryLinks:
         q = await self._queue(packet.src, packet.dst)
         key = (packet.src, packet.dst)
         self.bytes_sent[key] = self.bytes_sent.get(key, 0) + packet.nbytes
-        await q.put(packet)
+        await q.put((asyncio.get_running_loop().time() + self.latency_s, packet))
 
     async def close(self) -> None:
         """Cancel and await the pumps; idempotent."""
@@ -374,6 +383,7 @@ async def run_replicated(
     grad_warmup_steps: int = 0,
     grad_groups: Mapping[int, Sequence[Sequence[int]]] | None = None,
     grad_two_level: bool = False,
+    latency_s: float = 0.0,
 ) -> ReplicatedResult:
     """Train `steps` steps of a pipeline whose stage s runs on `len(programs[s])` replicas
     (each program its own copy of the stage, with the same initial weights); `routes[s][m]`
@@ -384,7 +394,8 @@ async def run_replicated(
     job's, on every stage: every holder of a parameter must agree on how it travels.
     `grad_groups[s]`: stage s's replicas (by index) in bandwidth groups, reduced
     hierarchically (`StageConfig.grad_groups`), or two-level with `grad_two_level`
-    (`StageConfig.grad_two_level`)."""
+    (`StageConfig.grad_two_level`). `latency_s`: every link's one-way latency
+    (`MemoryLinks`)."""
     S = len(programs)
     if len(routes) != S or any(len(r) != micro_batches for r in routes):
         raise LocalError(f"routes must give each of the {S} stages a replica per micro-batch")
@@ -394,7 +405,7 @@ async def run_replicated(
     slots = replica_slots([len(p) for p in programs])
     route_slots = {s: [slots[(s, x)] for x in routes[s]] for s in range(S)}
     progs = replica_programs(programs, slots)
-    hub = MemoryLinks(queue_size)
+    hub = MemoryLinks(queue_size, latency_s)
     execs: list[StageExecutor] = []
     for (s, r), slot in sorted(slots.items()):
         micros = [m for m in range(micro_batches) if routes[s][m] == r]

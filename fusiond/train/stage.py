@@ -45,7 +45,7 @@ import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -552,6 +552,23 @@ _Key = tuple[PacketKind, int, int, str]
 """(kind, step, micro-batch (or sending stage for PARAM_GRAD), edge or parameter name)."""
 
 
+@dataclass(frozen=True)
+class _Need:
+    """What a reduction in progress waits for: every packet of `keys`, by `deadline`
+    (`time.monotonic()`); `what` names the reduction in the error where they do not come."""
+
+    keys: tuple[_Key, ...]
+    what: str
+    deadline: float
+
+
+_Red = Generator[_Need, list[bytes | memoryview], T]
+"""A gradient reduction as the reducer thread runs it (`StageExecutor._reduce_buckets`): it
+yields each set of packets it needs and is sent their payloads, in the keys' order, and
+returns its result. Several run interleaved on that one thread, each resumed once its
+packets are in, so one bucket's wait on a slow link is another's turn at the CPU."""
+
+
 def _is_float(t: torch.Tensor) -> bool:
     return t.dtype.is_floating_point
 
@@ -630,6 +647,10 @@ class _Outbound:
 _Q_ROUND = "q"
 """The suffix of a bucket's round name for its low-rank Q factors (the P factors and the
 dense gradients go in the bucket's own round)."""
+BUCKETS_IN_FLIGHT = 32
+"""Buckets a stage reduces at once, interleaved on its reducer thread
+(`StageExecutor._reduce_buckets`): `fusiond.plan.pipeline`'s constant of the same name (a
+test holds them equal)."""
 RING_MIN_HOLDERS = 3
 """A shared parameter with at least this many holders is summed by a ring (two holders: one
 exchange of the whole gradient each way is already the least)."""
@@ -655,6 +676,8 @@ class _Overlap:
     ready: list[threading.Event]
     hooks: list[Any]
     done: threading.Event
+    wake: Callable[[], None]
+    """Wakes the reducer where it waits (`StageExecutor._next_turn`)."""
 
     def backward_ended(self) -> None:
         """Every gradient is final (also after a failed task: the reducer must not wait)."""
@@ -663,6 +686,7 @@ class _Overlap:
             h.remove()
         for ev in self.ready:
             ev.set()
+        self.wake()
 
 
 def _flatten(ts: Mapping[str, torch.Tensor], names: Sequence[str]) -> torch.Tensor:
@@ -1433,7 +1457,7 @@ class StageExecutor:
         return p.grad if p.grad is not None else torch.zeros_like(p)
 
     def _exchange(self, step: int, round_name: str, own: Mapping[str, torch.Tensor],
-                  what: str) -> dict[str, torch.Tensor]:
+                  what: str) -> _Red[dict[str, torch.Tensor]]:
         """Sum `own[parameter]` over the parameter's holders: one packet per other holder
         with every tensor of `own` that holder also holds, flat float32 in name order (a
         bucket: not one frame per tensor), then each sum in slot order on every holder, so
@@ -1469,19 +1493,17 @@ class StageExecutor:
             if names and holders in self._hier:
                 sum_groups = (self._two_level_sum if self.config.grad_two_level
                               else self._hier_sum)
-                totals.update(sum_groups(step, round_name, self._hier[holders], names, own,
-                                         what, deadline))
+                totals.update((yield from sum_groups(step, round_name, self._hier[holders],
+                                                     names, own, what, deadline)))
             elif names:
-                totals.update(self._ring_sum(step, round_name, holders, names, own, what,
-                                             deadline))
-        keys = [(PacketKind.PARAM_GRAD, step, peer, round_name) for peer in names_of]
-        got, _ = self._take_all(keys, deadline, what)
+                totals.update((yield from self._ring_sum(step, round_name, holders, names, own,
+                                                         what, deadline)))
+        keys = tuple((PacketKind.PARAM_GRAD, step, peer, round_name) for peer in names_of)
+        got = (yield _Need(keys, what, deadline)) if keys else []
         parts: dict[str, dict[int, torch.Tensor]] = {n: {self.slot: t} for n, t in own.items()
                                                      if n not in totals}
-        for peer, names in names_of.items():
-            sent = self._bucket_from(step, what, peer, "its bucket",
-                                     got[(PacketKind.PARAM_GRAD, step, peer, round_name)],
-                                     names, own)
+        for (peer, names), payload in zip(names_of.items(), got, strict=True):
+            sent = self._bucket_from(step, what, peer, "its bucket", payload, names, own)
             for n, t in sent.items():
                 parts[n][peer] = t
         for n, by_slot in parts.items():
@@ -1493,7 +1515,7 @@ class StageExecutor:
 
     def _hier_sum(self, step: int, round_name: str, groups: tuple[tuple[int, ...], ...],
                   names: Sequence[str], own: Mapping[str, torch.Tensor], what: str,
-                  deadline: float) -> dict[str, torch.Tensor]:
+                  deadline: float) -> _Red[dict[str, torch.Tensor]]:
         """Sum `own[name]` over every slot of `groups` hierarchically (the plan's scheme for
         replicas in several bandwidth groups): a ring inside this slot's group, then a ring
         among the groups' first slots over the slow links (the whole gradient crosses them
@@ -1502,22 +1524,25 @@ class StageExecutor:
         slots' ring gives them one total, which the others copy."""
         group = next(g for g in groups if self.slot in g)
         leaders = tuple(g[0] for g in groups)
-        inner = (self._ring_sum(step, round_name, group, names, own, what, deadline)
+        inner = ((yield from self._ring_sum(step, round_name, group, names, own, what,
+                                            deadline))
                  if len(group) > 1 else {n: own[n] for n in names})
         tag = f"{round_name}{_bcast_tag(groups)}"
         if self.slot == group[0]:
-            totals = self._ring_sum(step, round_name, leaders, names, inner, what, deadline)
+            totals = yield from self._ring_sum(step, round_name, leaders, names, inner, what,
+                                               deadline)
             if len(group) > 1:
                 flat = _flatten(totals, names)
                 self._send_flat(step, what, tag, [(peer, flat) for peer in group[1:]])
             return totals
         want = sum(own[n].numel() for n in names)
-        return _unflatten(self._take_flat(step, what, tag, [(group[0], want)], "as the total",
-                                          deadline)[0], names, own)
+        got = yield from self._take_flat(step, what, tag, [(group[0], want)], "as the total",
+                                         deadline)
+        return _unflatten(got[0], names, own)
 
     def _two_level_sum(self, step: int, round_name: str, groups: tuple[tuple[int, ...], ...],
                        names: Sequence[str], own: Mapping[str, torch.Tensor], what: str,
-                       deadline: float) -> dict[str, torch.Tensor]:
+                       deadline: float) -> _Red[dict[str, torch.Tensor]]:
         """Sum `own[name]` over every slot of `groups` two-level (the plan's scheme where it
         beats `_hier_sum`): the names' tensors flat in float32, cut in as many shards as the
         smallest group has slots; shard j's owner in each group (its j-th slot) sums the
@@ -1540,18 +1565,19 @@ class StageExecutor:
         done = list(torch.tensor_split(total, len(owners)))
         if mine < len(owners):
             others = [x for x in group if x != self.slot]
-            parts = dict(zip(others, self._take_flat(
+            parts = dict(zip(others, (yield from self._take_flat(
                 step, what, to_owner, [(x, shards[mine].numel()) for x in others],
-                "as its share of this slot's shard", deadline), strict=True))
+                "as its share of this slot's shard", deadline)), strict=True))
             parts[self.slot] = shards[mine]
             inside = torch.zeros_like(shards[mine])
             for x in sorted(parts):
                 inside += parts[x]
-            done[mine].copy_(self._ring_flat(step, round_name, owners[mine], inside, what,
-                                             deadline))
+            done[mine].copy_((yield from self._ring_flat(step, round_name, owners[mine],
+                                                         inside, what, deadline)))
             self._send_flat(step, what, back, [(x, done[mine]) for x in others])
-        got = self._take_flat(step, what, back, [(group[j], done[j].numel()) for j in theirs],
-                              "as its shard's total", deadline)
+        got = yield from self._take_flat(step, what, back,
+                                         [(group[j], done[j].numel()) for j in theirs],
+                                         "as its shard's total", deadline)
         for j, t in zip(theirs, got, strict=True):
             done[j].copy_(t)
         return _unflatten(total, names, own)
@@ -1567,13 +1593,13 @@ class StageExecutor:
         self._emit(packets)
 
     def _take_flat(self, step: int, what: str, tag: str, senders: Sequence[tuple[int, int]],
-                   as_what: str, deadline: float) -> list[torch.Tensor]:
+                   as_what: str, deadline: float) -> _Red[list[torch.Tensor]]:
         """Wait for the flat float32 tensor each (slot, size) of `senders` sends in PARAM_GRAD
         round `tag`; `StageError` naming the slot whose payload is not that many values."""
-        keys = [(PacketKind.PARAM_GRAD, step, peer, tag) for peer, _ in senders]
-        got = self._take_all(keys, deadline, what)[0]
-        return [self._flat_from(step, what, peer, got[key], want, as_what)
-                for (peer, want), key in zip(senders, keys, strict=True)]
+        keys = tuple((PacketKind.PARAM_GRAD, step, peer, tag) for peer, _ in senders)
+        got = (yield _Need(keys, what, deadline)) if keys else []
+        return [self._flat_from(step, what, peer, payload, want, as_what)
+                for (peer, want), payload in zip(senders, got, strict=True)]
 
     def _flat_from(self, step: int, what: str, sender: int, payload: bytes | memoryview,
                    want: int, as_what: str) -> torch.Tensor:
@@ -1597,7 +1623,7 @@ class StageExecutor:
 
     def _ring_sum(self, step: int, round_name: str, holders: tuple[int, ...],
                   names: Sequence[str], own: Mapping[str, torch.Tensor], what: str,
-                  deadline: float) -> dict[str, torch.Tensor]:
+                  deadline: float) -> _Red[dict[str, torch.Tensor]]:
         """Sum `own[name]` over `holders` (this slot among them) by a ring all-reduce: the
         names' tensors flat in float32, cut in n chunks; n - 1 reduce-scatter steps (each
         holder adds what its predecessor sends to its own chunk and passes it on), after
@@ -1610,11 +1636,11 @@ class StageExecutor:
         in place (a chunk is changed only before it is first sent, and a packet's bytes are
         the chunk's own memory until written); the all-gather writes the result apart."""
         flat = _flatten(own, names)
-        return _unflatten(self._ring_flat(step, round_name, holders, flat, what, deadline),
-                          names, own)
+        total = yield from self._ring_flat(step, round_name, holders, flat, what, deadline)
+        return _unflatten(total, names, own)
 
     def _ring_flat(self, step: int, round_name: str, holders: tuple[int, ...],
-                   flat: torch.Tensor, what: str, deadline: float) -> torch.Tensor:
+                   flat: torch.Tensor, what: str, deadline: float) -> _Red[torch.Tensor]:
         """`_ring_sum` of one flat float32 tensor (changed in place: its reduce-scatter
         adds into it); the total, bit-identical on every holder. Two holders send each other
         the whole tensor at once instead (the ring's bytes in one latency, not two) and both
@@ -1625,30 +1651,30 @@ class StageExecutor:
             other = holders[1 - i]
             tag = f"{round_name}{_ring_tag(holders, 0)}"
             self._send_flat(step, what, tag, [(other, flat)])
-            got = self._take_flat(step, what, tag, [(other, flat.numel())],
-                                  "as its whole share", deadline)[0]
+            got = (yield from self._take_flat(step, what, tag, [(other, flat.numel())],
+                                              "as its whole share", deadline))[0]
             return flat + got if i == 0 else got + flat
         nxt, prev = holders[(i + 1) % n], holders[(i - 1) % n]
         chunks = list(torch.tensor_split(flat, n))
         total = torch.empty_like(flat)
         done = list(torch.tensor_split(total, n))
 
-        def exchange(k: int, send_chunk: int) -> torch.Tensor:
+        def exchange(k: int, send_chunk: int) -> _Red[torch.Tensor]:
             tag = f"{round_name}{_ring_tag(holders, k)}"
             self._send_flat(step, what, tag, [(nxt, chunks[send_chunk])])
             want = chunks[(send_chunk - 1) % n].numel()
-            return self._take_flat(step, what, tag, [(prev, want)],
-                                   f"in the ring's step {k}", deadline)[0]
+            return (yield from self._take_flat(step, what, tag, [(prev, want)],
+                                               f"in the ring's step {k}", deadline))[0]
 
         for k in range(n - 1):  # reduce-scatter
             c = (i - k) % n
-            got = exchange(k, c)
+            got = yield from exchange(k, c)
             chunks[(c - 1) % n].add_(got)  # == got + chunk, bit for bit
         whole = (i + 1) % n
         done[whole].copy_(chunks[whole])
         for k in range(n - 1):  # all-gather: holder i starts with chunk i + 1, whole
             c = (i + 1 - k) % n
-            done[(c - 1) % n].copy_(exchange(n - 1 + k, c))
+            done[(c - 1) % n].copy_((yield from exchange(n - 1 + k, c)))
             chunks[(c - 1) % n] = done[(c - 1) % n]
         return total
 
@@ -1700,55 +1726,108 @@ class StageExecutor:
     def _reduce_buckets(self, step: int, ready: Sequence[threading.Event] | None,
                         deadline: float, done: threading.Event | None = None
                         ) -> tuple[dict[str, torch.Tensor], int]:
-        """Sum each bucket's gradients over its holders, in bucket order, each once its
-        `ready` event is set (None: all are); the sums (host memory) and how many buckets
-        began before `done` (the backward's end) was set.
+        """Sum each bucket's gradients over its holders, each once its `ready` event is set
+        (None: all are), up to `BUCKETS_IN_FLIGHT` at once; the sums (host memory) and how
+        many buckets began before `done` (the backward's end) was set.
 
-        One bucket after another: several at once, each on a thread of its own (tried
-        2026-12-07, so that one bucket's rounds would go while another's waited on a slow
-        link), cost 3-4x the CPU per step on this machine for the same work (GPT-2 mini, 2
-        replicas, rank 4: 12 ms with one bucket, 52 ms with eight at once, against 12 ms for
-        one and about 22 ms for eight in turn), which on the WAN's 0.4-core hosts the step
-        paid."""
+        At once, on this one thread: each bucket's reduction is a generator (`_Red`) that
+        yields the packets it needs next; the loop resumes whichever has all of its packets
+        in, and starts the next bucket once its gradients are final. A bucket waiting on a
+        slow link's round trip lets the others compute and send, so a reduction in B buckets
+        pays a link's latency about once per round, not B times, and its CPU is that of one
+        bucket after another. (Each on a thread of its own, tried 2026-12-07, cost 3-4x the
+        CPU per step on this machine for the same work: GPT-2 mini, 2 replicas, rank 4,
+        12 ms with one bucket, 52 ms with eight on threads, about 22 ms in turn.) Every
+        bucket's sums are those of one bucket alone, bit for bit (each in slot order)."""
         self._place.bind()  # the reducer's thread too
         lr = self._lowrank if self._lowrank_now(step) else None
         totals: dict[str, torch.Tensor] = {}
         early = 0
-        for i, b in enumerate(self._buckets):
-            if ready is not None:
-                while not ready[i].wait(_ABORT_POLL_S):
-                    with self._cond:
-                        if self._failed is not None:
-                            raise self._failed
-                    if time.monotonic() > deadline:
-                        raise StageError(f"stage {self.stage}, step {step}: the gradients of "
-                                         f"bucket {b.round} were not ready within "
-                                         f"{self.config.recv_timeout_s:g}s")
-            early += done is not None and not done.is_set()
-            # summed in host memory (the wire's side); `_set_grads` puts them back
-            own = self._place.host({n: self._own_grad(n) for n in b.names})
-            totals.update(self._reduce_bucket(step, b, own, lr))
+        active: list[tuple[int, _Red[dict[str, torch.Tensor]], _Need]] = []
+        nxt = 0
+        try:
+            while nxt < len(self._buckets) or active:
+                turn = self._next_turn(step, active, ready, nxt, deadline)
+                sent: list[bytes | memoryview] | None = None
+                if turn is None:  # the next bucket's gradients are final: it starts
+                    i, b = nxt, self._buckets[nxt]
+                    nxt += 1
+                    early += done is not None and not done.is_set()
+                    # summed in host memory (the wire's side); `_set_grads` puts them back
+                    own = self._place.host({n: self._own_grad(n) for n in b.names})
+                    red = self._reduce_bucket(step, b, own, lr)
+                else:
+                    i, red, _ = active.pop(turn[0])
+                    sent = turn[1]
+                try:
+                    need = next(red) if sent is None else red.send(sent)
+                except StopIteration as fin:
+                    totals.update(fin.value)
+                else:
+                    active.append((i, red, need))
+                    active.sort(key=lambda x: x[0])  # the oldest bucket first
+        finally:
+            for _, red, _ in active:
+                red.close()
         return totals, early
 
+    def _next_turn(self, step: int, active: Sequence[tuple[int, Any, _Need]],
+                   ready: Sequence[threading.Event] | None, nxt: int, deadline: float
+                   ) -> tuple[int, list[bytes | memoryview]] | None:
+        """Wait until a reduction of `active` has all its packets in (its index there and
+        their payloads, taken from the inbox) or bucket `nxt` may start (None). Raises the
+        stage's failure, or `StageError` where packets or a bucket's gradients are late."""
+        with self._cond:
+            while True:
+                if self._failed is not None:
+                    raise self._failed
+                for j, (_, _, need) in enumerate(active):
+                    if all(k in self._inbox for k in need.keys):
+                        got = [self._inbox.pop(k)[0] for k in need.keys]
+                        self._inbox_bytes -= sum(memoryview(p).nbytes for p in got)
+                        return j, got
+                startable = nxt < len(self._buckets) and len(active) < BUCKETS_IN_FLIGHT
+                if startable and (ready is None or ready[nxt].is_set()):
+                    return None
+                now = time.monotonic()
+                for _, _, need in active:
+                    if now > need.deadline:
+                        k = next(k for k in need.keys if k not in self._inbox)
+                        raise StageError(
+                            f"stage {self.stage}, step {step}, {need.what}: no {k[0]} from "
+                            f"slot {k[2]} on {k[3]!r} within {self.config.recv_timeout_s:g}s")
+                if startable and now > deadline:
+                    raise StageError(f"stage {self.stage}, step {step}: the gradients of "
+                                     f"bucket {self._buckets[nxt].round} were not ready "
+                                     f"within {self.config.recv_timeout_s:g}s")
+                # `deliver` and the gradient hooks notify; the timeout is a backstop
+                self._cond.wait(_ABORT_POLL_S)
+
+    def _wake_reducer(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
     def _reduce_bucket(self, step: int, b: _Bucket, own: Mapping[str, torch.Tensor],
-                       lr: LowRankState | None) -> dict[str, torch.Tensor]:
+                       lr: LowRankState | None) -> _Red[dict[str, torch.Tensor]]:
         """One bucket's sums over its holders: dense in one round, or, with `lr`, its
         low-rank gradients' P factors beside the dense ones, then their Q factors."""
         if lr is None:
-            return self._exchange(step, b.round, own, "shared grads")
+            return (yield from self._exchange(step, b.round, own, "shared grads"))
         totals: dict[str, torch.Tensor] = {}
         first = {n: self._guard("low-rank P", step, functools.partial(lr.p_factor, n, g))
                  if n in self._lowrank_names else g for n, g in own.items()}
         second: dict[str, torch.Tensor] = {}
-        for n, total in self._exchange(step, b.round, first, "shared grads").items():
+        summed = yield from self._exchange(step, b.round, first, "shared grads")
+        for n, total in summed.items():
             if n in self._lowrank_names:
                 second[n] = self._guard("low-rank Q", step,
                                         functools.partial(lr.q_factor, n, total))
             else:
                 totals[n] = total
         if second:
-            for n, total in self._exchange(step, f"{b.round}{_Q_ROUND}", second,
-                                           "shared grads (low-rank Q)").items():
+            summed = yield from self._exchange(step, f"{b.round}{_Q_ROUND}", second,
+                                               "shared grads (low-rank Q)")
+            for n, total in summed.items():
                 # into the holder's gradient (its values are in the P factor's M now):
                 # memory already touched, no new pages to fault in
                 totals[n] = lr.gradient(n, total, self._params[n].shape, out=own[n])
@@ -1771,12 +1850,13 @@ class StageExecutor:
                 left[i] -= 1
                 if left[i] == 0:
                     ready[i].set()
+                    self._wake_reducer()
             handles.append(self._params[name].register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                 hook))
         deadline = time.monotonic() + self.config.recv_timeout_s
         done = threading.Event()
         fut = self._reducer.submit(self._reduce_buckets, step, ready, deadline, done)
-        return _Overlap(fut, ready, handles, done)
+        return _Overlap(fut, ready, handles, done, self._wake_reducer)
 
     def _set_grads(self, totals: Mapping[str, torch.Tensor]) -> None:
         for name, total in totals.items():

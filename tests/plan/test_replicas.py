@@ -305,23 +305,31 @@ def test_the_reduction_hides_behind_the_last_backward_but_its_last_bucket() -> N
             assert ev.grad_sync_s == pytest.approx(sync.exposed_s)
 
 
-def test_buckets_in_turn_pay_a_link_s_latency_each_and_the_last_one_after_the_backward(
+def test_buckets_in_flight_pay_a_link_s_latency_once_per_round_and_the_last_after_the_backward(
         ) -> None:
-    """The runtime reduces its buckets one after another, so a reduction in B buckets pays
-    its scheme's latency once per bucket and round (two rounds low-rank: P, then Q); the
-    last bucket runs after the backward, so at least its own bytes, rounds and compression
-    are exposed (`SyncReport.tail_s`), however much the backward hides."""
+    """The runtime keeps up to `BUCKETS_IN_FLIGHT` buckets in flight at once (interleaved on
+    its reducer thread), so the model charges a reduction in B buckets its scheme's latency
+    once per round of every that many buckets, and each bucket's own message handling: 8
+    dense buckets over a 100 ms link cost the bytes and one latency, 8 low-rank ones two (P,
+    then Q), not 8 and 16; 64 buckets two waves. The last bucket runs after the backward, so
+    at least its own bytes, rounds and compression are exposed (`SyncReport.tail_s`),
+    however much the backward hides."""
+    from fusiond.plan.pipeline import BUCKETS_IN_FLIGHT as PLAN_WIDTH
     from fusiond.plan.pipeline import SyncReport, gradient_sync, reduction_s
+    from fusiond.train.stage import BUCKETS_IN_FLIGHT
 
+    assert PLAN_WIDTH == BUCKETS_IN_FLIGHT >= 32  # every bucket count the evaluator weighs
     k = 2
     cluster = Cluster.build([_machine(i) for i in range(k)], [[0, 1e7], [1e7, 0]],
                             [[0, 0.2], [0.2, 0]])
     sync = gradient_sync(cluster, [0, 1])
     g = 1e6
     one_way = 0.1  # two holders: one message each way, at once
-    assert reduction_s(sync, g, 1.0, 8, 0.0) == pytest.approx(g / 1e7 + 8 * one_way, rel=1e-6)
-    assert reduction_s(sync, g, 0.1, 8, 0.0) == pytest.approx(0.1 * g / 1e7 + 16 * one_way,
+    assert reduction_s(sync, g, 1.0, 8, 0.0) == pytest.approx(g / 1e7 + one_way, rel=1e-6)
+    assert reduction_s(sync, g, 0.1, 8, 0.0) == pytest.approx(0.1 * g / 1e7 + 2 * one_way,
                                                               rel=1e-6)
+    assert reduction_s(sync, g, 1.0, 64, 0.0) == pytest.approx(g / 1e7 + 2 * one_way,
+                                                               rel=1e-6)
     t = reduction_s(sync, g, 0.1, 8, 0.0)
     tail = reduction_s(sync, g / 8, 0.1, 1, 0.0)
     report = SyncReport(0, ("m0", "m1"), g, "ring", 1e7, t, overlap_s=10.0, density=0.1,

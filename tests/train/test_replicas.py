@@ -284,6 +284,51 @@ async def test_buckets_are_reduced_while_the_last_backward_runs(
         assert any(n.endswith("q") for n in names) is (rank is not None), names
 
 
+@pytest.mark.timed
+@pytest.mark.parametrize("rank", [None, 2])
+async def test_buckets_in_flight_pay_a_link_s_latency_about_once_per_round(
+        small_text: TextWindows, adamw: OptimizerSpec, rank: int | None) -> None:
+    """Two replicas, eight buckets, links of 100 ms one way: the reducer keeps every ready
+    bucket in flight on its one thread, so the wait after the last backward is about one
+    latency per round (one dense, two low-rank), not one per bucket and round (0.8 s dense,
+    1.6 s low-rank, one after another). Sums unchanged: the replicas bit-identical, eager's
+    losses where dense. SGD with momentum: with AdamW the two replicas, stepping at the same
+    instant in one process, now and then (6 of 90 runs, one bucket at a time as well) came
+    out apart in half of one tensor after identical gradients (docs/runtime.md)."""
+    import dataclasses
+
+    from .gpt_stages import one_stage
+
+    sgd = dataclasses.replace(adamw, kind="sgd", momentum=0.9, lr=0.05)
+    latency_s = 0.1
+    torch.manual_seed(0)
+    g = gpt2("tiny")
+    programs = [[one_stage(g) for _ in range(2)]]
+    routes = [[m % 2 for m in range(MICRO)]]
+    steps = 3
+    res = await run_replicated(programs, routes, data=small_text, batch_size=BATCH,
+                               micro_batches=MICRO, optimizer=sgd, steps=steps,
+                               grad_rank=rank, config=StageConfig(grad_buckets=8),
+                               latency_s=latency_s)
+    states = [res.states[res.slots[(0, r)]] for r in range(2)]
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k
+    if rank is None:
+        ref = gpt2("tiny")
+        ref.load_state_dict(g.state_dict())
+        want = ReferenceTrainer(ref, lm_loss, sgd, data=small_text, batch_size=BATCH,
+                                micro_batches=MICRO, total_steps=steps).train(0, steps)
+        assert res.losses == pytest.approx(want, rel=1e-5)
+    rounds = 1 if rank is None else 2
+    for reports in res.reports.values():
+        names = {st.edge.split("@")[0] for st in reports[-1].edges
+                 if st.kind == PacketKind.PARAM_GRAD}
+        assert len(names) >= 8 * rounds - 1, names  # (a bucket of vectors only: one round)
+        exposed = sorted(r.reduce_exposed_s for r in reports)
+        # a round's latency, queued packets' turns and the CPU: well under one per bucket
+        assert exposed[len(exposed) // 2] < (rounds + 2.5) * latency_s, exposed
+
+
 async def _train_in_groups(small_text: TextWindows, adamw: OptimizerSpec,
                            groups: tuple[tuple[int, ...], ...], rank: int | None,
                            two_level: bool) -> ReplicatedResult:

@@ -283,13 +283,16 @@ def reduction_note(trace: Trace) -> str | None:
         exposed = [max((float(v.get("reduce_exposed_s", 0.0)) for v in vs), default=0.0)
                    for vs in mine]
         early = [sum(int(v.get("buckets_early", 0)) for v in vs) for vs in mine]
+        cpu = [max((float(v.get("reduce_cpu_s", 0.0)) for v in vs), default=0.0)
+               for vs in mine]
         parts.append(f"stage {stage} ({x['scheme']}, {x['buckets']} bucket(s), "
                      f"{x['density']:.2g} density, {x['mbit']:.1f} Mbit/s): "
                      f"{statistics.median(exposed):.3f} s/step after the last backward "
                      f"measured vs {float(x['exposed_s']):.3f} s predicted "
                      f"(reduction {float(x['time_s']):.3f} s, hidden behind "
                      f"{float(x['overlap_s']):.3f} s), {statistics.median(early):.0f} "
-                     "bucket(s) started during it")
+                     "bucket(s) started during it, the reducer's CPU "
+                     f"{statistics.median(cpu):.3f} s/step")
     return "gradient reduction: " + "; ".join(parts)
 
 

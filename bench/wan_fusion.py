@@ -326,6 +326,7 @@ async def run_lead(name: str, send: Any, coordinators: list[JobCoordinator],
         timelines.append({str(k): {"start": r.start_mono, "wall_s": r.wall_s,
                                    "reduce_exposed_s": r.reduce_exposed_s,
                                    "buckets_early": r.buckets_early,
+                                   "reduce_cpu_s": r.reduce_cpu_s,
                                    "tasks": [[t.task, t.ready_s, t.start_s, t.end_s, t.wait_s,
                                               t.cpu_s, t.kernel_s, t.codec_s, t.send_s]
                                              for t in r.timeline]}

@@ -1015,6 +1015,9 @@ class StepFigures(Struct):
     reduce_exposed_s: float = 0.0
     """Seconds the step spent reducing its replicas' gradients after its last task (what the
     backward did not hide)."""
+    reduce_cpu_s: float = 0.0
+    """CPU seconds the stage's reducer thread spent on the step's gradient reduction (during
+    the last backward and after it)."""
 
     def __post_init__(self) -> None:
         if len(self.costs) > MAX_STEP_TASKS:

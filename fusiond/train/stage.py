@@ -466,6 +466,10 @@ class StepReport:
     reduce_exposed_s: float = 0.0
     """Seconds the step spent reducing its shared gradients after its last task (what the
     backward did not hide)."""
+    reduce_cpu_s: float = 0.0
+    """CPU seconds the reducer thread spent on the step's reduction (`time.thread_time`: that
+    thread's own, not torch's intra-op workers'): where it ran beside the last backward, what
+    it took from that backward's cores."""
     state: dict[str, torch.Tensor] | None = field(default=None, repr=False, compare=False)
     """A copy of the partition's parameters and buffers as this step left them, taken on the
     compute thread before the next step (`StageExecutor.run`'s `snapshot`); never sent in
@@ -488,14 +492,15 @@ class StepReport:
             start_mono=self.start_mono, wait_s=self.wait_s,
             costs=tuple((round(t.cpu_s, 6), round(t.kernel_s, 6), round(t.codec_s, 6),
                          round(t.send_s, 6)) for t in self.timeline[:MAX_TIMELINE]),
-            buckets_early=self.buckets_early, reduce_exposed_s=self.reduce_exposed_s)
+            buckets_early=self.buckets_early, reduce_exposed_s=self.reduce_exposed_s,
+            reduce_cpu_s=self.reduce_cpu_s)
 
     @classmethod
     def from_figures(cls, stage: int, step: int, figures: StepFigures) -> StepReport:
         """Rebuild a report from `StageStep.figures` (the schema checked types and bounds on
         decode); `RemoteError` names an edge kind that is not one."""
         where = f"StageStep.figures from stage {stage}"
-        for name in ("wall_s", "busy_s", "wait_s", "reduce_exposed_s"):
+        for name in ("wall_s", "busy_s", "wait_s", "reduce_exposed_s", "reduce_cpu_s"):
             v = getattr(figures, name)
             if not 0.0 <= v < float("inf"):
                 raise RemoteError(f"{where}: {name} is {v}, not a duration")
@@ -523,7 +528,8 @@ class StepReport:
         return cls(stage, step, figures.loss, figures.lr, figures.wall_s, figures.busy_s, edges,
                    timeline, figures.start_mono, figures.wait_s,
                    buckets_early=figures.buckets_early,
-                   reduce_exposed_s=figures.reduce_exposed_s)
+                   reduce_exposed_s=figures.reduce_exposed_s,
+                   reduce_cpu_s=figures.reduce_cpu_s)
 
 
 @dataclass
@@ -672,7 +678,7 @@ class _Overlap:
     the reducer's future, an event per bucket (its gradients final), the gradient hooks, and
     the backward's end."""
 
-    future: Future[tuple[dict[str, torch.Tensor], int]]
+    future: Future[tuple[dict[str, torch.Tensor], int, float]]
     ready: list[threading.Event]
     hooks: list[Any]
     done: threading.Event
@@ -1725,10 +1731,11 @@ class StageExecutor:
 
     def _reduce_buckets(self, step: int, ready: Sequence[threading.Event] | None,
                         deadline: float, done: threading.Event | None = None
-                        ) -> tuple[dict[str, torch.Tensor], int]:
+                        ) -> tuple[dict[str, torch.Tensor], int, float]:
         """Sum each bucket's gradients over its holders, each once its `ready` event is set
-        (None: all are), up to `BUCKETS_IN_FLIGHT` at once; the sums (host memory) and how
-        many buckets began before `done` (the backward's end) was set.
+        (None: all are), up to `BUCKETS_IN_FLIGHT` at once; the sums (host memory), how
+        many buckets began before `done` (the backward's end) was set, and the CPU seconds
+        this thread spent on it.
 
         At once, on this one thread: each bucket's reduction is a generator (`_Red`) that
         yields the packets it needs next; the loop resumes whichever has all of its packets
@@ -1740,6 +1747,7 @@ class StageExecutor:
         12 ms with one bucket, 52 ms with eight on threads, about 22 ms in turn.) Every
         bucket's sums are those of one bucket alone, bit for bit (each in slot order)."""
         self._place.bind()  # the reducer's thread too
+        cpu0 = time.thread_time()
         lr = self._lowrank if self._lowrank_now(step) else None
         totals: dict[str, torch.Tensor] = {}
         early = 0
@@ -1769,7 +1777,7 @@ class StageExecutor:
         finally:
             for _, red, _ in active:
                 red.close()
-        return totals, early
+        return totals, early, time.thread_time() - cpu0
 
     def _next_turn(self, step: int, active: Sequence[tuple[int, Any, _Need]],
                    ready: Sequence[threading.Event] | None, nxt: int, deadline: float
@@ -1863,11 +1871,13 @@ class StageExecutor:
             p = self._params[name]
             p.grad = self._place.onto_one(total).to(p.dtype)
 
-    def _reduce_shared(self, step: int) -> None:
+    def _reduce_shared(self, step: int) -> float:
         """Sum every shared gradient over its holders, bucket by bucket
-        (`_reduce_buckets`), after the step's tasks."""
-        self._set_grads(self._reduce_buckets(
-            step, None, time.monotonic() + self.config.recv_timeout_s)[0])
+        (`_reduce_buckets`), after the step's tasks; the CPU seconds it took."""
+        totals, _, cpu_s = self._reduce_buckets(
+            step, None, time.monotonic() + self.config.recv_timeout_s)
+        self._set_grads(totals)
+        return cpu_s
 
     def _overflow_safe(self, encode: Callable[[], codec.Encoded], t: torch.Tensor
                        ) -> codec.Encoded:
@@ -2067,15 +2077,15 @@ class StageExecutor:
             tb = time.perf_counter()
             skip = self._fp16_unscale(step)
             busy += time.perf_counter() - tb
-        early, exposed = 0, 0.0
+        early, exposed, reduce_cpu = 0, 0.0, 0.0
         if reducing is not None:
             tb = time.perf_counter()  # what the reduction did not hide
-            totals, early = reducing.future.result()
+            totals, early, reduce_cpu = reducing.future.result()
             self._set_grads(totals)
             exposed = time.perf_counter() - tb
         elif self.program.shared and not skip:
             tb = time.perf_counter()
-            self._reduce_shared(step)
+            reduce_cpu = self._reduce_shared(step)
             exposed = time.perf_counter() - tb
         busy += exposed
         lr = lr_at(self.opt_spec, step, self.total_steps)
@@ -2095,7 +2105,8 @@ class StageExecutor:
                   if self._place.cuda and losses else [float(x) for x in losses])
         loss = sum(values) / self.micro_batches if values else None
         return StepReport(self.stage, step, loss, lr, wall, busy, list(self._stats.values()),
-                          timeline, t0, waited, buckets_early=early, reduce_exposed_s=exposed)
+                          timeline, t0, waited, buckets_early=early, reduce_exposed_s=exposed,
+                          reduce_cpu_s=reduce_cpu)
 
     def _take_all(self, keys: Sequence[_Key], deadline: float, what: str
                   ) -> tuple[dict[_Key, bytes | memoryview], float]:

@@ -144,12 +144,13 @@ def test_a_missed_prediction_names_the_stage_furthest_off() -> None:
 def test_a_missed_prediction_names_the_replicas_exposed_reduction() -> None:
     """With replicas, the table says how long each replicated stage reduced its gradients
     after its last backward (the worst replica, median over the steps but the first) against
-    the planner's exposed part, and how many buckets started during the backward."""
+    the planner's exposed part, how many buckets started during the backward, and the
+    reducer's CPU (the worst replica, median)."""
     from bench.wan import explain_miss, reduction_note
 
     def slot(exposed: float, early: int) -> dict[str, object]:
         return {"start": 0.0, "wall_s": 1.0, "tasks": [], "reduce_exposed_s": exposed,
-                "buckets_early": early}
+                "buckets_early": early, "reduce_cpu_s": exposed / 4}
 
     steps = [{"0": slot(9.0, 0), "1": slot(0.0, 0), "2": slot(9.0, 0)},  # start-up: skipped
              {"0": slot(0.2, 3), "1": slot(0.0, 0), "2": slot(0.3, 4)},
@@ -169,6 +170,7 @@ def test_a_missed_prediction_names_the_replicas_exposed_reduction() -> None:
     assert note is not None and "stage 0 (ring, 4 bucket(s)" in note
     assert "0.400 s/step after the last backward measured vs 0.150 s predicted" in note
     assert "7 bucket(s) started during it" in note
+    assert "the reducer's CPU 0.100 s/step" in note
     assert note in explain_miss(t, 1024.0, 1024)
     # without replicas, or from a trace recorded before these figures: nothing
     assert reduction_note(Trace("opfence", [], {"timelines": steps})) is None

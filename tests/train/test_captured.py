@@ -76,9 +76,9 @@ def _check_timelines(res: PipelineResult, micro_batches: int) -> None:
     wire = StageStep("j", 1, 0, 0, figures=rep0.to_figures()).to_wire()
     assert decode_message(_frame(StageStep, wire)).figures == rep0.to_figures()
     # the replicas' reduction figures travel too (bench/wan.py names the reduction's miss)
-    rep1 = dataclasses.replace(rep0, buckets_early=3, reduce_exposed_s=0.25)
+    rep1 = dataclasses.replace(rep0, buckets_early=3, reduce_exposed_s=0.25, reduce_cpu_s=0.125)
     back1 = StepReport.from_figures(0, 0, rep1.to_figures())
-    assert (back1.buckets_early, back1.reduce_exposed_s) == (3, 0.25)
+    assert (back1.buckets_early, back1.reduce_exposed_s, back1.reduce_cpu_s) == (3, 0.25, 0.125)
 
     def bad(**figures: object) -> None:
         header = {**wire, "figures": {**wire["figures"], **figures}}
@@ -93,6 +93,7 @@ def _check_timelines(res: PipelineResult, micro_batches: int) -> None:
     bad(costs=[[0.0, "x", 0.0, 0.0]])
     bad(buckets_early="x")
     bad(reduce_exposed_s="x")
+    bad(reduce_cpu_s="x")
     bad(edges=[{"edge": "e", "kind": "forward", "peer": "one", "wire_bytes": 1,
                 "dense_bytes": 0}])
     # A stage that measures no breakdown (an older one) sends no costs: zeros, same timeline.
@@ -106,6 +107,7 @@ def _check_timelines(res: PipelineResult, micro_batches: int) -> None:
                       (dict(edges=(EdgeFigures("e", "forward", 1, 1, 1, 1.5),)), "density"),
                       (dict(costs=((0.0, 0.0, 0.0, 0.0),)), "costs has 1 rows"),
                       (dict(reduce_exposed_s=float("inf")), "reduce_exposed_s"),
+                      (dict(reduce_cpu_s=-0.5), "reduce_cpu_s"),
                       (dict(buckets_early=-1), "buckets_early is -1"),
                       (dict(buckets_early=10**9), "buckets_early"),
                       (dict(costs=((0.0, -1.0, 0.0, 0.0),) * len(rep0.timeline)),

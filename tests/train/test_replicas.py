@@ -6,12 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusiond.models.gpt2 import gpt2, lm_loss
+from fusiond.models.gpt2 import GPT, gpt2, lm_loss
 from fusiond.train.data import TextWindows
 from fusiond.train.local import ReferenceTrainer, ReplicatedResult, run_replicated
 from fusiond.train.schedule import Phase, replica_slots, replica_tasks
 from fusiond.train.spec import OptimizerSpec
-from fusiond.train.stage import PacketKind, StageConfig, StageError, StageExecutor
+from fusiond.train.stage import (
+    PacketKind,
+    StageConfig,
+    StageError,
+    StageExecutor,
+    StageProgram,
+)
 
 from .gpt_stages import merged_state, three_stages
 
@@ -20,6 +26,16 @@ pytestmark = pytest.mark.compute_only  # in one process: no daemon, no socket, n
 STEPS = 20
 BATCH = 16
 MICRO = 8
+
+
+def _data_parallel(n: int) -> tuple[GPT, list[list[StageProgram]], list[list[int]]]:
+    """GPT-2 tiny (seed 0) as one stage on `n` replicas, micro-batches dealt round-robin:
+    the model, the programs and the routes `run_replicated` takes."""
+    from .gpt_stages import one_stage
+
+    torch.manual_seed(0)
+    g = gpt2("tiny")
+    return g, [[one_stage(g) for _ in range(n)]], [[m % n for m in range(MICRO)]]
 
 
 def _reference(g: torch.nn.Module, opt: OptimizerSpec, data: TextWindows
@@ -205,13 +221,8 @@ async def test_four_data_parallel_replicas_sum_by_a_ring(small_text: TextWindows
     the replicas end bit-identical."""
     from fusiond.train.stage import RING_MIN_HOLDERS
 
-    from .gpt_stages import one_stage
-
     assert RING_MIN_HOLDERS <= 4
-    torch.manual_seed(0)
-    g = gpt2("tiny")
-    programs = [[one_stage(g) for _ in range(4)]]
-    routes = [[m % 4 for m in range(MICRO)]]
+    g, programs, routes = _data_parallel(4)
     steps = 6
     res = await run_replicated(programs, routes, data=small_text, batch_size=BATCH,
                                micro_batches=MICRO, optimizer=adamw, steps=steps)
@@ -245,10 +256,7 @@ async def test_buckets_are_reduced_while_the_last_backward_runs(
     from .gpt_stages import one_stage
 
     monkeypatch.setattr(plan_model, "BUCKET_MIN_BYTES", 4096)
-    torch.manual_seed(0)
-    g = gpt2("tiny")
-    programs = [[one_stage(g) for _ in range(replicas)]]
-    routes = [[m % replicas for m in range(MICRO)]]
+    g, programs, routes = _data_parallel(replicas)
     steps = 4
     res = await run_replicated(programs, routes, data=small_text, batch_size=BATCH,
                                micro_batches=MICRO, optimizer=adamw, steps=steps,
@@ -277,6 +285,8 @@ async def test_buckets_are_reduced_while_the_last_backward_runs(
     # reducer thread gets to them; in every step of every replica when this was written,
     # any one of them suffices here, whatever the machine's load)
     assert sum(r.buckets_early for reports in res.reports.values() for r in reports) > 0
+    # and the reducer's own CPU is measured (what it takes from the backward's cores)
+    assert all(r.reduce_cpu_s > 0 for reports in res.reports.values() for r in reports)
     for reports in res.reports.values():
         names = {st.edge.split("@")[0] for st in reports[-1].edges
                  if st.kind == PacketKind.PARAM_GRAD}
@@ -297,14 +307,9 @@ async def test_buckets_in_flight_pay_a_link_s_latency_about_once_per_round(
     out apart in half of one tensor after identical gradients (docs/runtime.md)."""
     import dataclasses
 
-    from .gpt_stages import one_stage
-
     sgd = dataclasses.replace(adamw, kind="sgd", momentum=0.9, lr=0.05)
     latency_s = 0.1
-    torch.manual_seed(0)
-    g = gpt2("tiny")
-    programs = [[one_stage(g) for _ in range(2)]]
-    routes = [[m % 2 for m in range(MICRO)]]
+    g, programs, routes = _data_parallel(2)
     steps = 3
     res = await run_replicated(programs, routes, data=small_text, batch_size=BATCH,
                                micro_batches=MICRO, optimizer=sgd, steps=steps,
@@ -336,13 +341,8 @@ async def _train_in_groups(small_text: TextWindows, adamw: OptimizerSpec,
     buckets small enough that several go during the last backward), 3 steps: eager
     training's losses (dense; low-rank near them), every replica's weights bit-identical.
     The run's result, for who sent what."""
-    from .gpt_stages import one_stage
-
     n = sum(len(g) for g in groups)
-    torch.manual_seed(0)
-    g = gpt2("tiny")
-    programs = [[one_stage(g) for _ in range(n)]]
-    routes = [[m % n for m in range(MICRO)]]
+    g, programs, routes = _data_parallel(n)
     steps = 3
     res = await run_replicated(programs, routes, data=small_text, batch_size=BATCH,
                                micro_batches=MICRO, optimizer=adamw, steps=steps,

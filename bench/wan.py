@@ -264,6 +264,12 @@ def explain_miss(trace: Trace, measured_tokens_per_s: float, tokens_per_step: in
     return "; ".join(parts)
 
 
+def _per_step(steps: list[list[dict[str, Any]]], key: str,
+              agg: Callable[[list[float]], float]) -> list[float]:
+    """Per step, `key` of each of its slots' timelines (0 where absent) aggregated by `agg`."""
+    return [agg([float(v.get(key, 0.0)) for v in vs] or [0.0]) for vs in steps]
+
+
 def reduction_note(trace: Trace) -> str | None:
     """The replicas' gradient reduction: per stage with replicas, the measured seconds per
     step it ran past the stage's last task (`StepReport.reduce_exposed_s`, the worst replica,
@@ -280,11 +286,9 @@ def reduction_note(trace: Trace) -> str | None:
     for stage, x in sorted(syncs.items()):
         # the timelines are keyed by slot (one per machine of the stage)
         mine = [[v for k, v in step.items() if slot_stage.get(k) == stage] for step in steps]
-        exposed = [max((float(v.get("reduce_exposed_s", 0.0)) for v in vs), default=0.0)
-                   for vs in mine]
-        early = [sum(int(v.get("buckets_early", 0)) for v in vs) for vs in mine]
-        cpu = [max((float(v.get("reduce_cpu_s", 0.0)) for v in vs), default=0.0)
-               for vs in mine]
+        exposed = _per_step(mine, "reduce_exposed_s", max)  # the worst replica
+        early = _per_step(mine, "buckets_early", sum)  # all of them
+        cpu = _per_step(mine, "reduce_cpu_s", max)
         parts.append(f"stage {stage} ({x['scheme']}, {x['buckets']} bucket(s), "
                      f"{x['density']:.2g} density, {x['mbit']:.1f} Mbit/s): "
                      f"{statistics.median(exposed):.3f} s/step after the last backward "

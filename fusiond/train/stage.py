@@ -1178,16 +1178,21 @@ class StageExecutor:
             while True:
                 if self._failed is not None:
                     raise self._failed
-                got = self._inbox.pop(key, None)
-                if got is not None:
-                    self._inbox_bytes -= memoryview(got[0]).nbytes
-                    return got
+                if key in self._inbox:
+                    return self._pop(key)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise StageError(
                         f"stage {self.stage}, step {key[1]}, {what}: no {key[0]} on edge "
                         f"{key[3]!r} within {self.config.recv_timeout_s:g}s")
                 self._cond.wait(left)
+
+    def _pop(self, key: _Key) -> tuple[bytes | memoryview, float]:
+        """Take the packet `key` out of the inbox (the caller holds `_cond` and knows it is
+        there): its payload and arrival time, its bytes off the inbox's count."""
+        got = self._inbox.pop(key)
+        self._inbox_bytes -= memoryview(got[0]).nbytes
+        return got
 
     # -- sending --------------------------------------------------------------------------
 
@@ -1779,7 +1784,8 @@ class StageExecutor:
                 red.close()
         return totals, early, time.thread_time() - cpu0
 
-    def _next_turn(self, step: int, active: Sequence[tuple[int, Any, _Need]],
+    def _next_turn(self, step: int,
+                   active: Sequence[tuple[int, _Red[dict[str, torch.Tensor]], _Need]],
                    ready: Sequence[threading.Event] | None, nxt: int, deadline: float
                    ) -> tuple[int, list[bytes | memoryview]] | None:
         """Wait until a reduction of `active` has all its packets in (its index there and
@@ -1791,9 +1797,7 @@ class StageExecutor:
                     raise self._failed
                 for j, (_, _, need) in enumerate(active):
                     if all(k in self._inbox for k in need.keys):
-                        got = [self._inbox.pop(k)[0] for k in need.keys]
-                        self._inbox_bytes -= sum(memoryview(p).nbytes for p in got)
-                        return j, got
+                        return j, [self._pop(k)[0] for k in need.keys]
                 startable = nxt < len(self._buckets) and len(active) < BUCKETS_IN_FLIGHT
                 if startable and (ready is None or ready[nxt].is_set()):
                     return None
@@ -1812,6 +1816,7 @@ class StageExecutor:
                 self._cond.wait(_ABORT_POLL_S)
 
     def _wake_reducer(self) -> None:
+        """Wake the reducer where it waits in `_next_turn` (a bucket's gradients are final)."""
         with self._cond:
             self._cond.notify_all()
 

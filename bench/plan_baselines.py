@@ -122,10 +122,14 @@ class Workload:
     def blocks(self) -> int:
         return len(self.block_bounds) - 1
 
-    def settings(self, micro_batch_size: int) -> JobSettings:
+    def settings(self, micro_batch_size: int, sized: bool = False) -> JobSettings:
+        """The job's settings at this micro-batch size; `sized`: the replicas of a one-stage
+        plan may take micro-batches of their own sizes (fusion's runtime does; DDP keeps one
+        batch size per rank)."""
         return JobSettings(micro_batch_size=micro_batch_size,
                            num_micro_batches=self.global_batch // micro_batch_size,
-                           grad_density_floor=self.grad_density_floor)
+                           grad_density_floor=self.grad_density_floor,
+                           sized_micro_batches=sized)
 
     def units(self) -> tuple[int, ...]:
         """Boundaries of the placement units: the pre segment, each block, the post segment
@@ -402,6 +406,9 @@ def opfence(compress: bool, replicate: bool = False) -> Search:
     """(d)/(e)/(g) The product's planner, on the same cost tables."""
 
     def search(arrays: GraphArrays, workload: Workload) -> Found | None:
+        if replicate:  # its replicas may take micro-batches of their own sizes; DDP's do not
+            arrays = GraphArrays(arrays.graph, arrays.cluster, workload.settings(
+                arrays.settings.micro_batch_size, sized=True))
         try:
             plan = plan_opfence(arrays.graph, arrays.cluster, arrays.settings,
                                 compress=compress, arrays=arrays, replicate=replicate)

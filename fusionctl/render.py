@@ -513,9 +513,15 @@ def render_plan(data: Mapping[str, Any], console: Console | None = None) -> None
         return (p.get("schedule") == "1f1b" and int(s.get("in_flight") or 0)
                 > min(int(micro[0]), n_stages - int(s.get("stage") or 0)))
 
+    mbs = int(p.get("micro_batch_size") or 0)
+    # replicas in micro-batches of their own sizes (the plan's `samples` per machine)
+    sized = any(list(s.get("samples") or []) != [int(k) * mbs for k in s.get("micro_batches")
+                                                   or []] for s in stages
+                if s.get("samples") and s.get("replica_machine_ids"))
     rows: list[list[str]] = []
     for s in stages:
         micro = list(s.get("micro_batches") or [])
+        samples = list(s.get("samples") or [])
         for i, machine in enumerate([s.get("machine_id"), *(s.get("replica_machine_ids") or [])]):
             row = [str(s.get("stage")) if i == 0 else "+", str(machine)]
             row += ([str(int(s.get("stop_op", 0)) - int(s.get("start_op", 0))),
@@ -529,7 +535,8 @@ def render_plan(data: Mapping[str, Any], console: Console | None = None) -> None
                      + (f" F{s.get('in_flight')}" if ahead(s) else "")]
                     if i == 0 else ["", "(replica)", "", ""])
             if replicated:
-                row.append(str(micro[i]) if i < len(micro) else "-")
+                row.append((str(micro[i]) if i < len(micro) else "-")
+                           + (f" ({samples[i]})" if sized and i < len(samples) else ""))
             rows.append(row)
     title = "stages (+: a replica, on its share of the micro-batches)" if replicated else "stages"
     if any(s.get("recompute") for s in stages):
@@ -546,7 +553,8 @@ def render_plan(data: Mapping[str, Any], console: Console | None = None) -> None
     c.print(_fitted(title,
                     [("stage", None), ("machine", 16), ("ops", None),
                      ("first op -> last op", 30), ("ms", None), ("memory / of", None)]
-                    + ([("micro-b.", None)] if replicated else []), rows))
+                    + ([("micro-b. (samples)" if sized else "micro-b.", None)]
+                       if replicated else []), rows))
     links = sorted(p.get("links") or [], key=lambda lk: -float(lk.get("dense_time_s")
                                                               or lk.get("time_s") or 0))
     shown = [lk for lk in links if float(lk.get("time_s") or 0) >= 1e-5

@@ -602,6 +602,10 @@ class AssignConfig(Struct):
     """Stage (decimal str) -> the micro-batches 1F1B keeps in flight there (the plan's choice
     where a slow link's round trip would leave the stage waiting; at most `micro_batches`,
     never more than an earlier stage's); a stage absent keeps 1F1B's min(S - i, M)."""
+    micro_batch_sizes: tuple[int, ...] = ()
+    """The samples of each micro-batch of an iteration, where the plan gives a one-stage
+    job's replicas micro-batches of their own sizes (one entry per micro-batch, adding up to
+    `batch_size`; each micro-batch's loss counts by its size); empty: equal micro-batches."""
 
     def __post_init__(self) -> None:
         for name in ("stage_nodes", "shared", "slot_stages", "routes", "checkpoint_blocks",

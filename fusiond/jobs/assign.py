@@ -115,6 +115,9 @@ class JobLayout:
     in_flight: Mapping[str, int] = field(default_factory=dict)
     """Machine -> the micro-batches 1F1B keeps in flight on its stage, where the plan raised
     it above the schedule's own (`StageReport.inflight`: a slow link's round trip)."""
+    micro_batch_sizes: tuple[int, ...] = ()
+    """The samples of each micro-batch of an iteration, where the plan gives a one-stage
+    job's replicas sizes of their own (`Plan.micro_batch_sizes`); empty: equal."""
 
     @property
     def int8_edges(self) -> frozenset[str]:
@@ -378,6 +381,12 @@ def assign_parts(
                               for r in routes_by_slot.values()):
         raise LayoutError(f"the layout's routes do not name the job's "
                           f"{spec.batch.micro_batches} micro-batches")
+    sizes = layout.micro_batch_sizes
+    if sizes and (len(sizes) != spec.batch.micro_batches or min(sizes) < 1
+                  or sum(sizes) != spec.batch.size):
+        raise LayoutError(f"the layout's micro-batch sizes {list(sizes)[:8]} are not the job's "
+                          f"{spec.batch.micro_batches} micro-batches of {spec.batch.size} "
+                          "samples in all")
     slot_of = {n: slot for slot, n in nodes.items()}
     config = job_config(spec, stage_nodes=nodes, shared=layout.slot_shared(state),
                         input_name=layout.input_name, targets_name=layout.targets_name,
@@ -409,7 +418,8 @@ def assign_parts(
                                      for s in layout.stages if s.node_id in layout.grad_groups},
                         grad_two_level=[s.stage for s in layout.stages
                                         if s.node_id in layout.grad_groups
-                                        and s.node_id in layout.grad_two_level])
+                                        and s.node_id in layout.grad_two_level],
+                        micro_batch_sizes=layout.micro_batch_sizes)
     routes = layout.edges()
     job_nodes = {n: tuple(addresses[n]) for n in nodes.values()}
     shipped = _shipped_data(spec) if corpus is None else corpus.shipped()

@@ -204,6 +204,8 @@ def job_settings(spec: JobSpec, graph: ir.Graph | None = None) -> JobSettings:
         offload_params=spec.precision != "fp16",
         reduce_in_backward=spec.precision != "fp16",
         snapshots=spec.checkpoint_interval > 0 or spec.eval_interval > 0,
+        # the stage runtime weighs each micro-batch's loss by its size (StageExecutor)
+        sized_micro_batches=spec.batch.replicas,
     )
 
 
@@ -301,7 +303,8 @@ def layout_from_plan(job_id: str, graph: ir.Graph, state: Mapping[str, torch.Ten
     return replace(layout, grad_rank=grad_rank_of(plan, spec), recompute=recompute,
                    offload=offload, checkpoint_blocks=blocks, offload_params=weights,
                    devices=devices, grad_buckets=buckets, in_flight=in_flight,
-                   grad_groups=groups, grad_two_level=two_level)
+                   grad_groups=groups, grad_two_level=two_level,
+                   micro_batch_sizes=plan.micro_batch_sizes())
 
 
 def layout_codecs(layout: JobLayout) -> dict[str, EdgeCodec]:

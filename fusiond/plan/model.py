@@ -450,6 +450,12 @@ class JobSettings:
     bucket once the backward has finished its gradients, as many as the plan chooses, dense or
     low-rank), as the stage runtime and DDP's comm hooks do; not in an fp16 job (its stages
     agree on an overflow first), nor on a stage with its weights on disk."""
+    sized_micro_batches: bool = False
+    """A one-stage plan's replicas (data parallelism) take micro-batches of their own sizes:
+    each keeps its whole-micro-batch count (`micro_batch_shares`) and the global batch is
+    dealt out in samples so that they finish together (`sized_shares`); each micro-batch's
+    loss is weighted by its size, so the step is the global batch's mean as before. Off: every
+    micro-batch has `micro_batch_size` samples (what DDP runs: one batch size per rank)."""
     snapshots: bool = False
     """The job sends its stages' state (checkpoints, held-out evaluations): each stage's first
     replica holds a copy of its weights from its step's end until the copy is sent

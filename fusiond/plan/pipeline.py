@@ -34,7 +34,7 @@ import dataclasses
 import heapq
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,6 +112,10 @@ class StageReport:
     offload_params: bool = False
     """It keeps its weights and gradients on disk too (with `offload`): `compute_s` includes
     reading them."""
+    sizes: tuple[int, ...] = ()
+    """The samples of each of its micro-batches, in the order it runs them, where they are not
+    all the job's micro-batch size (`JobSettings.sized_micro_batches`); `compute_s` is then
+    their mean time."""
 
     @property
     def busy_s(self) -> float:
@@ -244,6 +248,7 @@ class GraphArrays:
         self.settings = settings
         b = settings.micro_batch_size
         self.n = len(graph.ops)
+        self._at: dict[tuple[int, int], tuple[F64, F64]] = {}
         #: [machine, op] forward+backward seconds of one micro-batch
         self.times = np.stack([op_times(graph, m, b) for m in cluster.machines])
         self.prefix = np.concatenate([np.zeros((len(cluster), 1)), np.cumsum(self.times, 1)], 1)
@@ -321,6 +326,20 @@ class GraphArrays:
              np.maximum.accumulate(idx, axis=1).astype(np.int64)], axis=1)
         #: whether any machine lacks an op of the graph (the searches skip the checks if not)
         self.restricted = bool((~self.runs).any())
+
+    def stage_s_at(self, machine: int, start: int, stop: int, batch: int) -> tuple[float, float]:
+        """(forward + backward, forward) seconds of ops [start, stop) on `machine` for one
+        micro-batch of `batch` samples (`op_times` at that size; cached per machine and size)."""
+        if batch == self.settings.micro_batch_size:
+            return (float(self.prefix[machine, stop] - self.prefix[machine, start]),
+                    float(self.prefix_f[machine, stop] - self.prefix_f[machine, start]))
+        got = self._at.get((machine, batch))
+        if got is None:
+            m = self.cluster.machines[machine]
+            got = (np.concatenate([[0.0], np.cumsum(op_times(self.graph, m, batch))]),
+                   np.concatenate([[0.0], np.cumsum(op_forward_times(self.graph, m, batch))]))
+            self._at[(machine, batch)] = got
+        return float(got[0][stop] - got[0][start]), float(got[1][stop] - got[1][start])
 
     def stage_need(self, infl: int, outmax: F64) -> F64:
         """[p, e]: the memory a stage running ops [p, e) needs with `infl` micro-batches in
@@ -531,6 +550,74 @@ def micro_batch_shares(times_s: Sequence[float], num_micro_batches: int) -> list
         shares[i] += 1
         heapq.heappush(heap, ((shares[i] + 1) * max(float(times_s[i]), 0.0), i))
     return shares
+
+
+MIN_MICRO_BATCH = 2
+"""The fewest samples a micro-batch of its own size may have: a captured graph's batch
+dimension is dynamic from 2 (torch.export specialises sizes 0 and 1)."""
+
+
+def split_evenly(samples: int, count: int) -> list[int]:
+    """`samples` in `count` parts that differ by at most one, the larger first."""
+    if count <= 0:
+        return []
+    q, extra = divmod(samples, count)
+    return [q + 1] * extra + [q] * (count - extra)
+
+
+def sized_shares(time_s: Callable[[int, int], float], counts: Sequence[int], total: int,
+                 min_size: int = MIN_MICRO_BATCH) -> list[list[int]]:
+    """The samples of each micro-batch of each replica: replica r keeps its `counts[r]`
+    micro-batches and takes a number of samples n_r (`split_evenly` over them; sum `total`)
+    so that the replicas finish together. `time_s(r, x)`: replica r's time for one
+    micro-batch of x samples. Solved on a line through each replica's time at the job's size
+    and at half of it, then corrected sample by sample on the real times: first to the
+    total, then while moving one sample off the slowest replica to the one it then costs
+    least shortens the step."""
+    live = [r for r, k in enumerate(counts) if k > 0]
+    if not live:
+        raise PlanError("no replica runs a micro-batch")
+    size = max(total // sum(counts), 1)
+    least = {r: min_size * counts[r] for r in live}
+    if sum(least.values()) > total:
+        raise PlanError(f"{total} samples do not make {sum(counts)} micro-batches of at "
+                        f"least {min_size}")
+
+    def load(r: int, n: int) -> float:
+        parts = split_evenly(n, counts[r])
+        hi, lo = parts[0], parts[-1]
+        big = n - lo * counts[r]
+        return big * time_s(r, hi) + (counts[r] - big) * time_s(r, lo)
+
+    half = max(min_size, size // 2)
+    slope, fixed = {}, {}
+    for r in live:
+        t1 = time_s(r, size)
+        t0 = time_s(r, half) if half < size else 0.0
+        beta = (t1 - t0) / (size - half) if half < size and t1 > t0 else t1 / size
+        slope[r], fixed[r] = max(beta, 1e-12), max(t1 - max(beta, 1e-12) * size, 0.0)
+    # the step T at which the lines' samples add up to the total
+    step = ((total + sum(counts[r] * fixed[r] / slope[r] for r in live))
+            / sum(1 / slope[r] for r in live))
+    n = {r: max(least[r], int((step - counts[r] * fixed[r]) / slope[r])) for r in live}
+    while sum(n.values()) > total:
+        r = max((r for r in live if n[r] > least[r]), key=lambda r: load(r, n[r]))
+        n[r] -= 1
+    while sum(n.values()) < total:
+        r = min(live, key=lambda r: load(r, n[r] + 1))
+        n[r] += 1
+    for _ in range(4 * len(live)):
+        worst = max(live, key=lambda r: load(r, n[r]))
+        if n[worst] <= least[worst]:
+            break
+        to = min((r for r in live if r != worst), key=lambda r: load(r, n[r] + 1),
+                 default=None)
+        if to is None or max(load(worst, n[worst] - 1), load(to, n[to] + 1)) \
+                >= load(worst, n[worst]):
+            break
+        n[worst] -= 1
+        n[to] += 1
+    return [split_evenly(n[r], k) if k > 0 else [] for r, k in enumerate(counts)]
 
 
 def _interleave(shares: Sequence[int]) -> list[int]:
@@ -913,8 +1000,29 @@ def evaluate(
     `densities[(tensor, dst_stage)]` < 1 sends that tensor top-k compressed to that stage;
     `encodings[(tensor, dst_stage)]` sends it so encoded (else `settings.edge_encoding`).
     A stage with replicas splits the micro-batches (`micro_batch_shares`, by compute time),
-    routes them (`route_micro_batches`) and reduces its gradients (`gradient_sync`).
+    routes them (`route_micro_batches`) and reduces its gradients (`gradient_sync`). With
+    `JobSettings.sized_micro_batches`, a one-stage plan's replicas also take micro-batches of
+    their own sizes (`sized_shares`) where that is faster and fits.
     """
+    st = arrays.settings
+    if st.sized_micro_batches and len(stages) == 1 and stages[0].replicas \
+            and st.num_micro_batches > 1:
+        # (larger micro-batches may not fit where the job's size does: then that one)
+        sized = _evaluate(arrays, stages, densities, encodings, sized=True)
+        if sized.feasible and not any(r.recompute or r.offload or r.checkpoint_blocks
+                                      for r in sized.replicas):
+            return sized
+    return _evaluate(arrays, stages, densities, encodings, sized=False)
+
+
+def _evaluate(
+    arrays: GraphArrays,
+    stages: Sequence[StageSpec],
+    densities: Mapping[tuple[str, int], float] | None,
+    encodings: Mapping[tuple[str, int], EdgeEncoding] | None,
+    *,
+    sized: bool,
+) -> Evaluation:
     g, c, st = arrays.graph, arrays.cluster, arrays.settings
     n = arrays.n
     if not stages or stages[0].start != 0 or stages[-1].stop != n:
@@ -939,6 +1047,21 @@ def evaluate(
                 for s in stages]
     shares = [micro_batch_shares(cs, M) if len(cs) > 1 else [M] for cs in computes]
     routes = route_micro_batches(c, stages, shares) if replicated else None
+    # (one stage) each replica's micro-batch sizes where they are its own, and its mean time
+    own_sizes: list[tuple[int, ...]] = [() for _ in stages[0].machines]
+    fwds = [[float(arrays.prefix_f[m, s.stop] - arrays.prefix_f[m, s.start])
+             for m in s.machines] for s in stages]
+    if sized:
+        s0 = stages[0]
+
+        def at(r: int, x: int) -> tuple[float, float]:
+            return arrays.stage_s_at(s0.machines[r], s0.start, s0.stop, x)
+
+        for r, parts in enumerate(sized_shares(lambda r, x: at(r, x)[0], shares[0], M * b)):
+            if parts and any(x != b for x in parts):
+                own_sizes[r] = tuple(parts)
+                computes[0][r] = sum(at(r, x)[0] for x in parts) / len(parts)
+                fwds[0][r] = sum(at(r, x)[1] for x in parts) / len(parts)
 
     reps: list[list[StageReport]] = []
     over: list[str] = []
@@ -965,8 +1088,11 @@ def evaluate(
             inflight = mb if st.schedule == "gpipe" else min(mb, S - i)
             bucket = exchange_bytes(params, len(s.machines))
             cap = float(arrays.caps[mi])
-            kept = inflight * float(arrays.in_bytes[s.start]) + saved
-            fwd_s = float(arrays.prefix_f[mi, s.stop] - arrays.prefix_f[mi, s.start])
+            # activations grow with its largest micro-batch where it has sizes of its own
+            grow = max(own_sizes[r]) / b if i == 0 and own_sizes[r] else 1.0
+            saved_r, work_r = saved * grow, work * grow
+            kept = inflight * float(arrays.in_bytes[s.start]) * grow + saved_r
+            fwd_s = fwds[i][r]
             disk_s = 2 * opt / m.disk_rate_bytes_per_s
             # plain, then the cheapest of recompute (a forward per micro-batch), offload (the
             # state through the disk once per step), both, that fits
@@ -982,7 +1108,8 @@ def evaluate(
             # the first replica's snapshot of its weights, while it is sent (JobSettings)
             snap = params if st.snapshots and r == 0 else 0.0
             need = {(rc, off): (2 * params + (0.0 if off else opt)
-                                + (kept if rc else inflight * saved) + work + bucket + snap)
+                                + (kept if rc else inflight * saved_r) + work_r + bucket
+                                + snap)
                     for _, rc, off in options}
             fits = [o for o in options if need[(o[1], o[2])] <= cap]
             cost, recompute, offload = (min(fits) if fits
@@ -1020,6 +1147,7 @@ def evaluate(
                 recompute=recompute, offload=offload,
                 checkpoint_blocks=blockwise.checkpoint_blocks if blockwise else (),
                 offload_params=blockwise.offload_params if blockwise else False,
+                sizes=own_sizes[r] if i == 0 else (),
             ))
         reps.append(row)
 
@@ -1149,11 +1277,7 @@ def evaluate(
     # before it (their last backward, its link and hop), not behind its own last backward,
     # which is over by then. A single stage of replicas (data parallel) hides nothing.
     syncs: list[SyncReport] = []
-    back = []
-    for i, s in enumerate(stages):
-        f = max(float(arrays.prefix_f[m, s.stop] - arrays.prefix_f[m, s.start])
-                for m in s.machines)
-        back.append(max(busy[i] - f, 0.0))
+    back = [max(busy[i] - max(fwds[i]), 0.0) for i in range(S)]
     bwd_link = [0.0] * S
     for lk in links:
         if lk.dst_stage == lk.src_stage + 1:
@@ -1285,6 +1409,18 @@ class Plan:
                   for i in range(len(self.stages))]
         routes = route_micro_batches(self.arrays.cluster, self.stages, shares)
         return {i: routes[i] for i, s in enumerate(self.stages) if s.replicas}
+
+    def micro_batch_sizes(self) -> tuple[int, ...]:
+        """The samples of each micro-batch of an iteration, where the replicas take sizes of
+        their own (`JobSettings.sized_micro_batches`; they add up to the global batch); ()
+        where every micro-batch has the job's size. Replica r's sizes go to the micro-batches
+        `routes()` gives it, in order."""
+        reps = [r for r in self.evaluation.replicas if r.index == 0]
+        if len(self.stages) != 1 or not any(r.sizes for r in reps):
+            return ()
+        b = self.arrays.settings.micro_batch_size
+        left = [list(r.sizes or (b,) * r.micro_batches) for r in reps]
+        return tuple(left[r].pop(0) for r in self.routes()[0])
 
     def edge_densities(self) -> dict[str, float]:
         """Compressed cut edges by `fusiond.graph.partition.Edge.id` (`"<value>-><dst stage>"`)

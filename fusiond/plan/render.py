@@ -38,6 +38,9 @@ class PlanStageSummary(TypedDict):
     micro-batches; empty for a stage on one machine."""
     micro_batches: list[int]
     """Micro-batches per iteration of `machine_id`, then of each replica."""
+    samples: list[int]
+    """Samples per iteration of each, in the same order: its micro-batches x the job's size,
+    or the sizes of its own the plan gave it (`StageReport.sizes`)."""
     in_flight: int
     """Micro-batches whose activations it holds at once (1F1B: min(M, S - i), or more where
     the plan covers a slow link's round trip with them; GPipe: M)."""
@@ -120,6 +123,11 @@ def _blocks_in(plan: Plan, start: int, stop: int) -> int:
     return 1 + sum(1 for p in starts if start < p < stop)
 
 
+def _samples(plan: Plan, r: StageReport) -> int:
+    """The samples `r` runs per iteration."""
+    return sum(r.sizes) if r.sizes else r.micro_batches * plan.arrays.settings.micro_batch_size
+
+
 def _raised_in_flight(plan: Plan, r: StageReport) -> bool:
     """Whether the plan keeps more micro-batches in flight on `r` than 1F1B's own."""
     return (plan.arrays.settings.schedule == "1f1b"
@@ -158,6 +166,8 @@ def plan_summary(plan: Plan) -> PlanSummary:
                                                       if x.index == r.index and x.replica],
                                  micro_batches=[x.micro_batches for x in ev.replicas
                                                 if x.index == r.index],
+                                 samples=[_samples(plan, x) for x in ev.replicas
+                                          if x.index == r.index],
                                  in_flight=r.inflight)
                 for r in ev.stages],
         syncs=[PlanSyncSummary(stage=x.stage, machine_ids=list(x.machine_ids),
@@ -213,6 +223,7 @@ def render_plan(plan: Plan, *, max_links: int = 24) -> str:
     st = plan.arrays.settings
     used = sum(len(s.machines) for s in plan.stages)
     replicated = any(s.replicas for s in plan.stages)
+    sized = any(r.sizes for r in ev.replicas)
     lines = [
         f"plan {plan.method} for {plan.arrays.graph.name!r}: {len(plan.stages)} stages on "
         f"{used} of {len(c)} machines; micro-batch {st.micro_batch_size} x "
@@ -220,7 +231,8 @@ def render_plan(plan: Plan, *, max_links: int = 24) -> str:
         "",
         f"{'stage':>5}  {'machine':<14}{'ops':>6}  {'first op':<28}{'last op':<28}"
         f"{'compute ms':>11}{'memory':>12}{'of':>11}" + (f"{'micro-b.':>10}" if replicated
-                                                         else ""),
+                                                         else "")
+        + (f"{'samples':>9}" if sized else ""),
     ]
     for r in (ev.replicas or ev.stages):
         head = f"{r.index:>5}" if r.replica == 0 else f"{'+':>5}"
@@ -228,7 +240,7 @@ def render_plan(plan: Plan, *, max_links: int = 24) -> str:
             f"{head}  {r.machine_id:<14}{r.stop - r.start:>6}  {r.first_op[:27]:<28}"
             f"{r.last_op[:27]:<28}{_ms(r.compute_s):>11}{_si(r.memory_bytes, 'B'):>12}"
             f"{_si(r.memory_cap, 'B'):>11}" + (f"{r.micro_batches:>10}" if replicated else "")
-            + _memory_note(plan, r)
+            + (f"{_samples(plan, r):>9}" if sized else "") + _memory_note(plan, r)
         )
     if any(_raised_in_flight(plan, r) for r in ev.stages):
         lines.append("(k in flight: the stage runs k forwards ahead of its backwards, more than "
@@ -250,6 +262,10 @@ def render_plan(plan: Plan, *, max_links: int = 24) -> str:
     if replicated:
         lines.append("(+: a replica of the stage above: the same ops on its share of the "
                      "micro-batches)")
+    if sized:
+        lines.append("(samples: each machine's share of the batch, in micro-batches of its "
+                     "own sizes so that the replicas finish together; compute ms is their "
+                     "mean)")
     lines += ["", f"{'link':<30}{'Mbit/s':>10}{'dense MB':>10}{'wire MB':>10}{'codec':>11}"
                   f"{'ms':>10}{'dense ms':>10}"]
     dense_links = {(lk.src_stage, lk.dst_stage): lk for lk in plan.dense.links}

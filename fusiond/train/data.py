@@ -25,7 +25,8 @@ on disk are in `fusiond.train.readers` and run only on the submitting machine.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
@@ -157,8 +158,15 @@ class DataSource(Protocol):
         ...
 
 
-def split_micro_batches(batch: Batch, count: int) -> list[Batch]:
-    """Cut a batch into `count` equal consecutive micro-batches (size must divide evenly)."""
+def split_micro_batches(batch: Batch, count: int, sizes: Sequence[int] = ()) -> list[Batch]:
+    """Cut a batch into `count` consecutive micro-batches: equal ones (the size must divide
+    evenly), or of `sizes` samples each (`count` of them, adding up to the batch)."""
+    if sizes:
+        if len(sizes) != count or sum(sizes) != batch.size or min(sizes) < 1:
+            raise LocalError(f"micro-batch sizes {list(sizes)[:8]} do not cut a batch of "
+                             f"{batch.size} into {count} micro-batches")
+        bounds = [0, *itertools.accumulate(sizes)]
+        return [batch.slice(lo, hi) for lo, hi in itertools.pairwise(bounds)]
     if count < 1 or batch.size % count:
         raise LocalError(f"batch of {batch.size} does not split into {count} micro-batches")
     n = batch.size // count

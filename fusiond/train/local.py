@@ -384,6 +384,7 @@ async def run_replicated(
     grad_groups: Mapping[int, Sequence[Sequence[int]]] | None = None,
     grad_two_level: bool = False,
     latency_s: float = 0.0,
+    micro_batch_sizes: Sequence[int] = (),
 ) -> ReplicatedResult:
     """Train `steps` steps of a pipeline whose stage s runs on `len(programs[s])` replicas
     (each program its own copy of the stage, with the same initial weights); `routes[s][m]`
@@ -395,7 +396,8 @@ async def run_replicated(
     `grad_groups[s]`: stage s's replicas (by index) in bandwidth groups, reduced
     hierarchically (`StageConfig.grad_groups`), or two-level with `grad_two_level`
     (`StageConfig.grad_two_level`). `latency_s`: every link's one-way latency
-    (`MemoryLinks`)."""
+    (`MemoryLinks`). `micro_batch_sizes`: each micro-batch's samples where they differ
+    (`fusiond.plan.Plan.micro_batch_sizes`; empty: equal)."""
     S = len(programs)
     if len(routes) != S or any(len(r) != micro_batches for r in routes):
         raise LocalError(f"routes must give each of the {S} stages a replica per micro-batch")
@@ -421,7 +423,7 @@ async def run_replicated(
             optimizer=optimizer, total_steps=steps, data=data if p.data_inputs else None,
             batch_size=batch_size, config=cfg, slot=slot, routes=route_slots,
             grad_rank=grad_rank, grad_warmup_steps=grad_warmup_steps,
-            job_slots=sorted(slots.values())))
+            job_slots=sorted(slots.values()), micro_batch_sizes=micro_batch_sizes))
     for ex in execs:
         hub.attach(ex)
     try:

@@ -145,7 +145,8 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
                grad_buckets: Mapping[int, int] | None = None,
                in_flight: Mapping[int, int] | None = None,
                grad_groups: Mapping[int, Sequence[Sequence[int]]] | None = None,
-               grad_two_level: Sequence[int] = ()
+               grad_two_level: Sequence[int] = (),
+               micro_batch_sizes: Sequence[int] = ()
                ) -> AssignConfig:
     """The `Assign.config` record for a job (the same for every stage).
 
@@ -170,7 +171,8 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
     gradients are reduced in (the plan's choice); `in_flight`: stage -> the micro-batches
     1F1B keeps in flight there (the plan's choice; absent: the schedule's own);
     `grad_groups`: replicated stage -> its slots in bandwidth groups (a hierarchical
-    reduction, the plan's choice); `grad_two_level`: those of them reduced two-level.
+    reduction, the plan's choice); `grad_two_level`: those of them reduced two-level;
+    `micro_batch_sizes`: each micro-batch's samples where the plan sizes them (empty: equal).
     """
     o = spec.optimizer
     d = spec.data
@@ -223,6 +225,7 @@ def job_config(spec: JobSpec, *, stage_nodes: Mapping[int, str],
         grad_groups={str(k): tuple(tuple(int(s) for s in g) for g in v)
                      for k, v in (grad_groups or {}).items()},
         grad_two_level=tuple(sorted(int(s) for s in grad_two_level)),
+        micro_batch_sizes=tuple(int(x) for x in micro_batch_sizes),
     )
 
 
@@ -296,6 +299,8 @@ class StageAssignment:
     """This slot's stage's replicas in bandwidth groups (`StageConfig.grad_groups`)."""
     grad_two_level: bool = False
     """Those groups reduce two-level (`StageConfig.grad_two_level`)."""
+    micro_batch_sizes: tuple[int, ...] = ()
+    """Each micro-batch's samples where the plan sizes them (empty: equal)."""
 
     @property
     def is_replica(self) -> bool:
@@ -418,6 +423,10 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         size, micro = cfg.batch_size, cfg.micro_batches
         if size < 1 or micro < 1 or size % micro:
             raise RemoteError(f"Assign.config: batch_size {size} / micro_batches {micro}")
+        sizes = cfg.micro_batch_sizes
+        if sizes and (len(sizes) != micro or min(sizes) < 1 or sum(sizes) != size):
+            raise RemoteError(f"Assign.config.micro_batch_sizes: {list(sizes)[:8]} are not "
+                              f"{micro} positive sizes adding up to batch_size {size}")
         batch = BatchSpec(size=size, micro_batches=micro,
                           pipeline=cfg.pipeline)  # type: ignore[arg-type]
     except (IndexError, ValueError) as e:
@@ -497,6 +506,7 @@ def decode_assign(msg: Assign, payload: bytes | memoryview, *,
         in_flight=cfg.in_flight.get(str(stage), 0),
         grad_groups=groups.get(stage, ()),
         grad_two_level=stage in cfg.grad_two_level,
+        micro_batch_sizes=tuple(cfg.micro_batch_sizes),
     )
 
 
@@ -834,6 +844,7 @@ class StageHost:
             data=data, batch_size=sa.batch.size, config=config, first_step=sa.first_step,
             slot=sa.own_slot, routes=sa.routes, grad_rank=sa.grad_rank, grad_seed=sa.seed,
             grad_warmup_steps=sa.grad_warmup_steps, job_slots=sorted(slot_nodes),
+            micro_batch_sizes=sa.micro_batch_sizes,
         )
 
     async def start(self) -> None:

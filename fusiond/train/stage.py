@@ -798,6 +798,7 @@ class StageExecutor:
         grad_seed: int = 0,
         grad_warmup_steps: int = 0,
         job_slots: Sequence[int] = (),
+        micro_batch_sizes: Sequence[int] = (),
     ) -> None:
         if program.data_inputs and (data is None or batch_size <= 0):
             raise StageError(f"stage {stage} reads {program.data_inputs} but has no data source")
@@ -834,6 +835,15 @@ class StageExecutor:
         self._send_now: SendNow | None = getattr(link, "send_now", None)
         self.tasks = list(tasks)
         self.micro_batches = micro_batches
+        if micro_batch_sizes and (len(micro_batch_sizes) != micro_batches
+                                  or min(micro_batch_sizes) < 1
+                                  or (batch_size and sum(micro_batch_sizes) != batch_size)):
+            raise StageError(f"stage {stage}: micro-batch sizes {list(micro_batch_sizes)[:8]} "
+                             f"are not {micro_batches} positive sizes adding up to the batch")
+        self.micro_batch_sizes = tuple(int(x) for x in micro_batch_sizes)
+        """Each micro-batch's samples, where the plan gives the replicas sizes of their own
+        (empty: equal). A micro-batch's loss then counts by its size (`weigh_loss`), so the
+        step's gradient and loss are the global batch's mean, as with equal ones."""
         self.opt_spec = optimizer
         self.total_steps = total_steps
         self.data = data
@@ -1423,7 +1433,7 @@ class StageExecutor:
                 roots.append(out)
                 grads.append(self._place.onto_one(g.view_as(out)).to(out.dtype))
         if ctx.loss is not None:
-            roots.append(ctx.loss / self.micro_batches)
+            roots.append(self.weigh_loss(ctx.loss, micro))
             grads.append(torch.ones_like(ctx.loss) if self._scaler is None
                          else torch.full_like(ctx.loss, self._scaler.scale))
         t1 = time.perf_counter()
@@ -2053,7 +2063,8 @@ class StageExecutor:
             assert self.data is not None
             data = self.data
             mbs = self._guard("data", step, lambda: split_micro_batches(
-                data.batch(step, self.batch_size), self.micro_batches))
+                data.batch(step, self.batch_size), self.micro_batches,
+                self.micro_batch_sizes))
         ctxs: dict[int, _Ctx] = {}
         losses: list[torch.Tensor] = []
         timeline: list[TaskTiming] = []
@@ -2108,10 +2119,24 @@ class StageExecutor:
         # it ran every micro-batch); the loss stage's replicas' shares add up
         values = ([float(x) for x in self._place.host_one(torch.stack(losses).float())]
                   if self._place.cuda and losses else [float(x) for x in losses])
-        loss = sum(values) / self.micro_batches if values else None
+        loss = None
+        if values and self.micro_batch_sizes:
+            micros = [t.micro for t in self.tasks if t.phase is Phase.F]
+            total = sum(self.micro_batch_sizes)
+            loss = sum(v * self.micro_batch_sizes[m] / total
+                       for v, m in zip(values, micros, strict=True))
+        elif values:
+            loss = sum(values) / self.micro_batches
         return StepReport(self.stage, step, loss, lr, wall, busy, list(self._stats.values()),
                           timeline, t0, waited, buckets_early=early, reduce_exposed_s=exposed,
                           reduce_cpu_s=reduce_cpu)
+
+    def weigh_loss(self, loss: torch.Tensor, micro: int) -> torch.Tensor:
+        """Micro-batch `micro`'s (mean) loss as it counts in the step's: over M, or times its
+        share of the batch's samples where the micro-batches have sizes of their own."""
+        if self.micro_batch_sizes:
+            return loss * self.micro_batch_sizes[micro] / sum(self.micro_batch_sizes)
+        return loss / self.micro_batches
 
     def _take_all(self, keys: Sequence[_Key], deadline: float, what: str
                   ) -> tuple[dict[_Key, bytes | memoryview], float]:

@@ -423,6 +423,28 @@ def test_a_cancelled_job_says_at_which_step() -> None:
     assert "(no report)" not in text  # what it used to print
 
 
+def test_the_plan_shows_each_replica_s_samples_where_it_sizes_them(capsys: Capture) -> None:
+    """Replicas in micro-batches of their own sizes: the plan's text, its summary and
+    `fusionctl plan`'s table say how many samples each machine runs."""
+    from fusionctl.render import render_plan
+    from fusiond.plan import Cluster, JobSettings, plan_opfence, plan_summary
+    from fusiond.plan.render import render_plan as plan_text
+    from tests.plan.test_fence import _machine
+    from tests.plan.test_replicas import _chain
+
+    cluster = Cluster.build([_machine(0, speed=1.5e12), _machine(1)], [[0, 1e12], [1e12, 0]])
+    plan = plan_opfence(_chain(4, params=1e3), cluster,
+                        JobSettings(micro_batch_size=10, num_micro_batches=2,
+                                    sized_micro_batches=True), replicate=True)
+    text = plan_text(plan)
+    assert "samples" in text and "(samples: each machine's share" in text
+    summary = plan_summary(plan)
+    assert summary["stages"][0]["samples"] == [12, 8]
+    render_plan({"plan": text, "plan_summary": summary})
+    out = capsys.readouterr().out
+    assert "1 (12)" in out and "1 (8)" in out and "samples" in out
+
+
 def test_tables_are_readable_at_80_columns(capsys: Capture,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """`status`, `jobs`, `job` and `plan` print rich tables that fit an 80-column terminal

@@ -148,7 +148,8 @@ def test_plan_real_gpt2_small_on_48_machines_fast() -> None:
     t0 = time.perf_counter()
     plan_c = plan_opfence(cg, cluster, st, compress=True)
     dt_c = time.perf_counter() - t0
-    st_r = JobSettings(micro_batch_size=8, num_micro_batches=64, grad_density_floor=0.01)
+    st_r = JobSettings(micro_batch_size=8, num_micro_batches=64, grad_density_floor=0.01,
+                       sized_micro_batches=True)  # as the daemon plans a job with replicas
     t0 = time.perf_counter()
     plan_r = plan_opfence(cg, cluster, st_r, replicate=True)
     dt_r = time.perf_counter() - t0

@@ -3,6 +3,7 @@ against an exhaustive oracle over every cut and every way of giving stages repli
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -24,7 +25,14 @@ from fusiond.plan import (
     render_plan,
 )
 from fusiond.plan.fence import replica_shapes
-from fusiond.plan.pipeline import GraphArrays, micro_batch_shares, route_micro_batches
+from fusiond.plan.pipeline import (
+    MIN_MICRO_BATCH,
+    GraphArrays,
+    micro_batch_shares,
+    route_micro_batches,
+    sized_shares,
+    split_evenly,
+)
 from tests.plan.synth import Instance, random_instance
 from tests.plan.test_fence import _machine
 
@@ -335,3 +343,86 @@ def test_buckets_in_flight_pay_a_link_s_latency_once_per_round_and_the_last_afte
     report = SyncReport(0, ("m0", "m1"), g, "ring", 1e7, t, overlap_s=10.0, density=0.1,
                         buckets=8, tail_s=tail)
     assert report.exposed_s == pytest.approx(tail) and tail >= 2 * one_way
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 0.05), st.floats(0.01, 1.0), st.integers(0, 3)),
+                min_size=1, max_size=3),
+       st.integers(0, 12))
+def test_sized_shares_finish_together_as_well_as_any_split(
+        reps: list[tuple[float, float, int]], extra: int) -> None:
+    """Replicas keeping their micro-batch counts, each micro-batch a fixed cost plus a cost
+    per sample: every sample is given out, no micro-batch under `MIN_MICRO_BATCH`, each
+    replica's sizes within one of each other, and no other split of the samples finishes
+    sooner (checked against every split)."""
+    counts = [k for _, _, k in reps]
+    if not any(counts):
+        counts[0] = 1
+    total = MIN_MICRO_BATCH * sum(counts) + extra
+
+    def time_s(r: int, x: int) -> float:
+        return reps[r][0] + reps[r][1] * x
+
+    got = sized_shares(time_s, counts, total)
+    assert sum(map(sum, got)) == total
+    assert [len(p) for p in got] == counts
+    assert all(min(p) >= MIN_MICRO_BATCH and max(p) - min(p) <= 1 for p in got if p)
+
+    def load(r: int, parts: list[int]) -> float:
+        return sum(time_s(r, x) for x in parts)
+
+    step = max(load(r, p) for r, p in enumerate(got))
+    live = [r for r, k in enumerate(counts) if k]
+    best = math.inf
+    for ns in itertools.product(range(total + 1), repeat=len(live)):
+        if sum(ns) != total or any(n < MIN_MICRO_BATCH * counts[r] for r, n in zip(
+                live, ns, strict=True)):
+            continue
+        best = min(best, max(load(r, split_evenly(n, counts[r]))
+                             for r, n in zip(live, ns, strict=True)))
+    assert step == pytest.approx(best, rel=1e-9)
+
+
+def test_replicas_of_unequal_speed_take_micro_batches_of_their_own_sizes() -> None:
+    """Two machines 1.5x apart, two micro-batches of 10: whole micro-batches give each one
+    and the step waits on the slow machine; sized, the fast one takes 12 samples and the
+    slow one 8, the step is 0.8 of that, and the plan deals the sizes out by its routes.
+    Off (DDP's one size per rank), the plan is as before."""
+    g = _chain(4, params=1e3)
+    cluster = Cluster.build([_machine(0, speed=1.5e12), _machine(1)], [[0, 1e12], [1e12, 0]])
+    even_st = JobSettings(micro_batch_size=10, num_micro_batches=2)
+    sized_st = JobSettings(micro_batch_size=10, num_micro_batches=2, sized_micro_batches=True)
+    stages = [StageSpec(0, 0, 4, (1,))]
+    even = evaluate(GraphArrays(g, cluster, even_st), stages)
+    sized = evaluate(GraphArrays(g, cluster, sized_st), stages)
+    assert [r.sizes for r in even.replicas] == [(), ()]
+    assert [r.sizes for r in sized.replicas] == [(12,), (8,)]
+    compute = [x.iteration_s - x.optimizer_s - x.grad_sync_s for x in (even, sized)]
+    assert compute[1] == pytest.approx(0.8 * compute[0], rel=0.01)
+    assert sized.samples_per_s > even.samples_per_s
+    plan = plan_opfence(g, cluster, sized_st, replicate=True)
+    assert plan.stages == (StageSpec(0, 0, 4, (1,)),)
+    sizes = plan.micro_batch_sizes()
+    assert sum(sizes) == 20 and sorted(sizes) == [8, 12]
+    assert sizes[plan.routes()[0].index(0)] == 12
+
+
+def test_sized_micro_batches_that_do_not_fit_fall_back_to_the_job_s_size() -> None:
+    """A replica whose memory holds the job's micro-batch and not a larger one keeps the
+    job's size: the plan stays feasible."""
+    g = _chain(4, params=1e3)
+    ops = tuple(dataclasses.replace(o, saved_bytes=1e6) for o in g.ops)
+    g = CostGraph(ops, g.tensors)
+    st_ = JobSettings(micro_batch_size=10, num_micro_batches=2, sized_micro_batches=True)
+    roomy = Cluster.build([_machine(0, speed=1.5e12), _machine(1)], [[0, 1e12], [1e12, 0]])
+    need = evaluate(GraphArrays(g, roomy, st_), [StageSpec(0, 0, 4, (1,))])
+    assert need.replicas[0].sizes == (12,)
+    even = evaluate(GraphArrays(g, roomy, dataclasses.replace(st_, sized_micro_batches=False)),
+                    [StageSpec(0, 0, 4, (1,))])
+    tight = even.replicas[0].memory_bytes / 0.9 * 1.01  # the job's size fits, 12 do not
+    assert need.replicas[0].memory_bytes > tight * 0.9
+    cluster = Cluster.build([_machine(0, speed=1.5e12, mem=tight), _machine(1, mem=tight)],
+                            [[0, 1e12], [1e12, 0]])
+    ev = evaluate(GraphArrays(g, cluster, st_), [StageSpec(0, 0, 4, (1,))])
+    assert ev.feasible
+    assert [r.sizes for r in ev.replicas] == [(), ()]

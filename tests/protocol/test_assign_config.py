@@ -78,7 +78,7 @@ def test_the_wire_keys_are_those_of_the_old_hand_checked_map() -> None:
             "slot_stages", "routes", "grad_rank", "grad_warmup_steps", "eval_interval", "precision",
             "recompute_slots", "offload_slots", "checkpoint_blocks",
             "offload_param_slots", "slot_devices", "grad_buckets", "in_flight",
-            "grad_groups", "grad_two_level"} == set(wire)
+            "grad_groups", "grad_two_level", "micro_batch_sizes"} == set(wire)
     # the last four came with replicas and their low-rank reduction: an older reader ignores
     # unknown keys; a job without replicas leaves them empty, grad_rank None
 

@@ -130,3 +130,39 @@ def test_two_replicas_exchange_in_one_step_as_the_runtime_does() -> None:
     assert pair.time_s(g)[0] == pytest.approx(g / 1e7 + 0.03, rel=1e-9)
     three = gradient_sync(c, [0, 1, 2])
     assert three.time_s(g)[0] == pytest.approx(4 / 3 * g / 1e7 + 4 * 0.03, rel=1e-9)
+
+
+def test_the_assign_carries_the_micro_batch_sizes_and_refuses_bad_ones(captured_tiny: Any
+                                                                       ) -> None:
+    """The plan's micro-batch sizes reach every stage's executor; sizes that do not make the
+    job's micro-batches and batch are refused, naming the field, at layout and at decode."""
+    from fusiond.graph import contiguous_assignment
+    from fusiond.jobs.assign import LayoutError, assign_messages, layout_job
+    from fusiond.train.remote import decode_assign
+    from fusiond.train.spec import parse_job
+
+    _, cap = captured_tiny
+    spec = parse_job('[job]\nname = "g"\nsteps = 2\n[model]\nzoo = "gpt2"\n'
+                     'config = { size = "tiny" }\n[batch]\nsize = 8\nmicro_batch_size = 2\n'
+                     'replicas = true\n[data]\nseq_len = 64\n')
+    cut = contiguous_assignment(cap.graph, 1)
+    layout = layout_job("j", cap.graph, cap.state, dict.fromkeys(cut, "a"),
+                        replicas={"a": ["b"]}, routes={"a": [0, 1, 0, 0]})
+    layout = dataclasses.replace(layout, micro_batch_sizes=(2, 2, 3, 1))
+    addresses = {n: ("127.0.0.1", i + 1) for i, n in enumerate("ab")}
+    msgs = assign_messages(layout, spec, cap.state, term=1, plan_version=1,
+                           addresses=addresses)
+    for n in "ab":
+        m, p = msgs[n]
+        assert m.config is not None and m.config.micro_batch_sizes == (2, 2, 3, 1)
+        assert decode_assign(m, p).micro_batch_sizes == (2, 2, 3, 1)
+    m, p = msgs["b"]
+    assert m.config is not None
+    for value in ((2, 2, 2, 1), (2, 2, 4), (4, 4, 0, 0)):
+        bad = dataclasses.replace(m, config=dataclasses.replace(m.config,
+                                                                micro_batch_sizes=value))
+        with pytest.raises(FusionError, match="micro_batch_sizes"):
+            decode_assign(bad, p)
+        with pytest.raises(LayoutError, match="micro-batch sizes"):
+            assign_messages(dataclasses.replace(layout, micro_batch_sizes=value), spec,
+                            cap.state, term=1, plan_version=1, addresses=addresses)

@@ -143,3 +143,36 @@ async def test_a_two_level_reduction_reaches_the_stages_and_trains_as_single_pro
     assert any("@t" in r for r in rounds), rounds
     for got, w in zip(losses, spec_losses(spec), strict=True):
         assert got == pytest.approx(w, rel=1e-5)
+
+
+async def test_planned_micro_batches_of_their_own_sizes_train_as_single_process(  # type: ignore[no-untyped-def]
+        captured_tiny) -> None:
+    """Two machines 3 : 2 apart, four micro-batches of 4: whole ones give the fast machine 3
+    and the slow one 1, so the slow one would idle; the planner deals the 16 samples out in
+    micro-batches of their own sizes instead (`JobLayout.micro_batch_sizes`, through the
+    Assign to both stages over TLS), each micro-batch's loss weighed by its size: the job
+    trains as single-process training on the global batch."""
+    spec, cap = captured_tiny
+    spec = replace(spec, steps=3,
+                   batch=replace(spec.batch, size=16, micro_batches=4, replicas=True))
+    cluster = Cluster.build([_machine("n0", 3e9), _machine("n1", 2e9)],
+                            np.full((2, 2), 1.25e9), np.full((2, 2), 2e-3))
+    plan = plan_job(spec, cap, cluster)
+    assert len(plan.stages) == 1 and plan.stages[0].replicas, plan.stages
+    layout = layout_from_plan("job-s", cap.graph, cap.state, plan, spec)
+    sizes = layout.micro_batch_sizes
+    assert sum(sizes) == 16 and len(set(sizes)) > 1, sizes
+    cfg = NetConfig(connect_timeout_s=2, handshake_timeout_s=2, backoff_max_s=0.5)
+    async with inproc_cluster(2, net_config=cfg, prefix="n") as nodes:
+        losses: list[float] = []
+        n0 = nodes["n0"]
+        c = JobCoordinator(send=local_sender("n0", n0.net.send, n0.dispatch), spec=spec,
+                           captured=cap, layout=layout,
+                           addresses={n: x.net.address for n, x in nodes.items()}, term=1,
+                           on_step=lambda m: losses.append(m.loss))
+        n0.coordinators.append(c)
+        out = await asyncio.wait_for(c.run(), 120)
+        assert out.ok, out.failure
+    assert out.state is not None  # gathering it found both replicas' weights identical
+    for got, w in zip(losses, spec_losses(spec), strict=True):
+        assert got == pytest.approx(w, rel=1e-5)

@@ -83,6 +83,58 @@ async def test_two_replicas_by_three_stages_with_unequal_shares_match_eager(
     assert all(torch.equal(ties[0], t) for t in ties[1:])
 
 
+@pytest.mark.parametrize("stages", [1, 3])
+async def test_micro_batches_of_their_own_sizes_train_as_the_global_batch(
+        stages: int, small_text: TextWindows, adamw: OptimizerSpec) -> None:
+    """Replicas taking micro-batches of their own sizes (`Plan.micro_batch_sizes`: 16
+    samples as 5 + 4 + 4 on the fast replica and 3 on the slow one), one stage or three:
+    losses and weights as eager training on the whole batch at once, within 1e-5; each
+    micro-batch's loss counts by its size, so the step is the batch's mean."""
+    from .gpt_stages import one_stage
+
+    torch.manual_seed(0)
+    g = gpt2("tiny")
+    if stages == 1:
+        programs = [[one_stage(g), one_stage(g)]]
+    else:
+        programs = [[p0, p1] for p0, p1 in zip(three_stages(g), three_stages(g), strict=True)]
+    routes = [[0, 1, 0, 0]] * stages
+    sizes = (5, 3, 4, 4)
+    res = await run_replicated(programs, routes, data=small_text, batch_size=BATCH,
+                               micro_batches=len(sizes), optimizer=adamw, steps=STEPS,
+                               micro_batch_sizes=sizes)
+    ref = gpt2("tiny")
+    ref.load_state_dict(g.state_dict())
+    rt = ReferenceTrainer(ref, lm_loss, adamw, data=small_text, batch_size=BATCH,
+                          micro_batches=1, total_steps=STEPS)
+    want = rt.train(0, STEPS)
+    for got, exp in zip(res.losses, want, strict=True):
+        assert got == pytest.approx(exp, rel=1e-5)
+    got_state = (dict(programs[0][0].module.state_dict()) if stages == 1
+                 else merged_state([row[0] for row in programs]))
+    for k, v in ref.state_dict().items():
+        if k in got_state:
+            torch.testing.assert_close(got_state[k], v, rtol=1e-5, atol=1e-5, msg=k)
+    for s in range(stages):
+        a, b = res.states[res.slots[(s, 0)]], res.states[res.slots[(s, 1)]]
+        for k in a:
+            assert torch.equal(a[k], b[k]), (s, k)
+
+
+def test_micro_batch_sizes_that_do_not_make_the_batch_are_refused(
+        small_text: TextWindows, adamw: OptimizerSpec) -> None:
+    from fusiond.train.local import MemoryLinks
+
+    from .gpt_stages import one_stage
+
+    torch.manual_seed(0)
+    g = gpt2("tiny")
+    with pytest.raises(StageError, match="micro-batch sizes"):
+        StageExecutor(stage=0, program=one_stage(g), link=MemoryLinks().link(0), tasks=[],
+                      micro_batches=4, optimizer=adamw, total_steps=1, data=small_text,
+                      batch_size=BATCH, micro_batch_sizes=(5, 3, 4, 3))
+
+
 def test_replica_slots_and_tasks() -> None:
     assert replica_slots([2, 1, 3]) == {(0, 0): 0, (0, 1): 3, (1, 0): 1, (2, 0): 2,
                                         (2, 1): 4, (2, 2): 5}

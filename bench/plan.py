@@ -383,9 +383,9 @@ def main(argv: list[str] | None = None) -> int:
                 if not o.found:
                     continue
                 b = o.micro_batch_size
-                sized = o.system == "opfence+replicas"
+                fusion = o.system == "opfence+replicas"
                 plan = plan_from_stages(r.workload.graphs[b], r.cluster,
-                                        r.workload.settings(b, sized=sized),
+                                        r.workload.settings(b, fusion=fusion),
                                         o.found.stages, compress=o.system == "opfence+adatopk")
                 print(f"\n{r.workload.name} on {r.topology}, {o.label}:\n{render_plan(plan)}")
     return 0 if ok else 1

@@ -52,6 +52,7 @@ from fusiond.plan import (
     plan_opfence,
 )
 from fusiond.plan.fence import REPLICA_SET_SIZES
+from fusiond.plan.model import REDUCE_MSG_OPS
 
 #: clusters up to this many machines get every ordered machine subset (6: 1956 orders)
 EXHAUSTIVE_MACHINES = 6
@@ -122,14 +123,17 @@ class Workload:
     def blocks(self) -> int:
         return len(self.block_bounds) - 1
 
-    def settings(self, micro_batch_size: int, sized: bool = False) -> JobSettings:
-        """The job's settings at this micro-batch size; `sized`: the replicas of a one-stage
-        plan may take micro-batches of their own sizes (fusion's runtime does; DDP keeps one
-        batch size per rank)."""
+    def settings(self, micro_batch_size: int, fusion: bool = False) -> JobSettings:
+        """The job's settings at this micro-batch size. Replicas as fusion's runtime runs
+        them (`fusion`): a one-stage plan's replicas may take micro-batches of their own
+        sizes, and each message of their reduction costs its Python reducer's handling
+        (`REDUCE_MSG_OPS`); else as DDP runs them: one batch size per rank, collectives in
+        C++ (the transport's cost per message only)."""
         return JobSettings(micro_batch_size=micro_batch_size,
                            num_micro_batches=self.global_batch // micro_batch_size,
                            grad_density_floor=self.grad_density_floor,
-                           sized_micro_batches=sized)
+                           sized_micro_batches=fusion,
+                           reduce_msg_ops=REDUCE_MSG_OPS if fusion else 0.0)
 
     def units(self) -> tuple[int, ...]:
         """Boundaries of the placement units: the pre segment, each block, the post segment
@@ -406,9 +410,9 @@ def opfence(compress: bool, replicate: bool = False) -> Search:
     """(d)/(e)/(g) The product's planner, on the same cost tables."""
 
     def search(arrays: GraphArrays, workload: Workload) -> Found | None:
-        if replicate:  # its replicas may take micro-batches of their own sizes; DDP's do not
+        if replicate:  # its replicas as fusion's runtime runs them (`Workload.settings`)
             arrays = GraphArrays(arrays.graph, arrays.cluster, workload.settings(
-                arrays.settings.micro_batch_size, sized=True))
+                arrays.settings.micro_batch_size, fusion=True))
         try:
             plan = plan_opfence(arrays.graph, arrays.cluster, arrays.settings,
                                 compress=compress, arrays=arrays, replicate=replicate)

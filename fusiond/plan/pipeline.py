@@ -725,7 +725,8 @@ class _Ring:
         return self.s_per_byte * nbytes + self.fixed_s if nbytes > 0 else 0.0
 
 
-def _ring(c: Cluster, ms: Sequence[int], homogeneous: bool = False) -> _Ring:
+def _ring(c: Cluster, ms: Sequence[int], homogeneous: bool = False,
+          msg_ops: float = 0.0) -> _Ring:
     """An all-reduce over `ms`: each machine sends and receives 2 (n - 1) / n x the bytes at
     the speed of the slowest link of the ring (`_ring_order`) and handles them on its own CPU
     (`wire_s_per_byte`, the slowest machine's), in 2 (n - 1) steps of one message (a one-way
@@ -734,7 +735,8 @@ def _ring(c: Cluster, ms: Sequence[int], homogeneous: bool = False) -> _Ring:
     was priced as halving-doubling, gloo's and MPI's 2 ceil(log2 n) steps, which the runtime
     does not run: 6 latencies for 8 machines where it pays 14.) Two machines send each
     other the whole gradient at once (`StageExecutor._exchange`, `_ring_flat`): the same
-    bytes from each, in one step."""
+    bytes from each, in one step. Each message also costs each end `msg_ops` op dispatches
+    of its own (`JobSettings.reduce_msg_ops`)."""
     n = len(ms)
     if n < 2:
         return _Ring(0.0, 0.0, math.inf)
@@ -751,7 +753,8 @@ def _ring(c: Cluster, ms: Sequence[int], homogeneous: bool = False) -> _Ring:
     if n == 2:
         steps, share = 1, 1.0
     cpu = max(c.machines[m].wire_s_per_byte for m in ms) * 2
-    msg = max(c.machines[m].msg_s for m in ms) * 2 * steps
+    msg = max(2 * c.machines[m].msg_s + msg_ops * c.machines[m].op_overhead_s
+              for m in ms) * steps
     return _Ring(share * (1 / slowest + cpu), steps * lat + msg, slowest, n, steps, msg)
 
 
@@ -830,15 +833,18 @@ class GradientSync:
         return best
 
 
-def gradient_sync(c: Cluster, ms: Sequence[int]) -> GradientSync:
-    """The reduction among machines `ms` (see `GradientSync`)."""
+def gradient_sync(c: Cluster, ms: Sequence[int], msg_ops: float = 0.0) -> GradientSync:
+    """The reduction among machines `ms` (see `GradientSync`); each message costs each end
+    `msg_ops` op dispatches beyond the transport's own (`JobSettings.reduce_msg_ops`)."""
     groups = sync_groups(c, ms)
     if len(groups) == 1:
-        return GradientSync(_ring(c, ms, homogeneous=True), (), None)
+        return GradientSync(_ring(c, ms, homogeneous=True, msg_ops=msg_ops), (), None)
     if all(len(g) == 1 for g in groups):
-        return GradientSync(_ring(c, ms), (), None)
-    return GradientSync(_ring(c, ms), tuple(_ring(c, g, homogeneous=True) for g in groups),
-                        _ring(c, [g[0] for g in groups]), shards=min(len(g) for g in groups))
+        return GradientSync(_ring(c, ms, msg_ops=msg_ops), (), None)
+    return GradientSync(_ring(c, ms, msg_ops=msg_ops),
+                        tuple(_ring(c, g, homogeneous=True, msg_ops=msg_ops) for g in groups),
+                        _ring(c, [g[0] for g in groups], msg_ops=msg_ops),
+                        shards=min(len(g) for g in groups))
 
 
 BUCKET_CHOICES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
@@ -1286,7 +1292,7 @@ def _evaluate(
     for i, s in enumerate(stages):
         if not s.replicas:
             continue
-        plan_sync = gradient_sync(c, s.machines)
+        plan_sync = gradient_sync(c, s.machines, st.reduce_msg_ops)
         drain = sum(back[j] + bwd_link[j] + hops[j][0] / 2 for j in range(i))
         # compressing costs each replica passes over its gradient (error feedback, the
         # projections, the reconstruction) that grow with the rank
@@ -1317,9 +1323,10 @@ def _evaluate(
                 tail_s = reduction_s(plan_sync, grad_bytes[i] / buckets, d, 1,
                                      compress_s_per_byte)
                 cpu_s = 0.0
-                if on_cpu:
+                if on_cpu:  # the bytes, the compression and every message's handling
                     cpu_s = 4 * (n - 1) / n * grad_bytes[i] * d * wire + (
-                        compress_s_per_byte * grad_bytes[i] if d < 1.0 else 0.0)
+                        compress_s_per_byte * grad_bytes[i] if d < 1.0 else 0.0) + (
+                        buckets * (2 if d < 1.0 else 1) * plan_sync.msg_s(scheme))
                 choices.append(SyncReport(i, tuple(c.machines[m].id for m in s.machines),
                                           grad_bytes[i], scheme, slowest, t_s, hide_s,
                                           density=d, buckets=buckets, drain_s=drain,

@@ -426,3 +426,33 @@ def test_sized_micro_batches_that_do_not_fit_fall_back_to_the_job_s_size() -> No
     ev = evaluate(GraphArrays(g, cluster, st_), [StageSpec(0, 0, 4, (1,))])
     assert ev.feasible
     assert [r.sizes for r in ev.replicas] == [(), ()]
+
+
+def test_each_reduction_message_costs_the_reducer_s_handling() -> None:
+    """Four machines in one ring, 2 (n - 1) = 6 messages per bucket and round: each message
+    costs each end `reduce_msg_ops` op dispatches (the runtime's Python reducer; measured,
+    `REDUCE_MSG_OPS`), so B buckets cost B x 6 of them more than a C++ collective's (0), and
+    more buckets cost more; the job's settings carry it, and a replicated plan's CPU share of
+    its reduction includes it."""
+    from fusiond.plan.model import REDUCE_MSG_OPS, MachineProfile
+    from fusiond.plan.pipeline import gradient_sync, reduction_s
+
+    oh = 1e-5
+    ms = [MachineProfile(f"m{i}", {"matmul": 1e12, "other": 1e12}, 1e12, oh, 1e12)
+          for i in range(4)]
+    c = Cluster.build(ms, np.full((4, 4), 1e9), np.full((4, 4), 1e-3))
+    ours, cxx = gradient_sync(c, [0, 1, 2, 3], REDUCE_MSG_OPS), gradient_sync(c, [0, 1, 2, 3])
+    for buckets in (1, 4, 16):
+        extra = (reduction_s(ours, 4e7, 1.0, buckets, 0.0)
+                 - reduction_s(cxx, 4e7, 1.0, buckets, 0.0))
+        assert extra == pytest.approx(buckets * 6 * REDUCE_MSG_OPS * oh, rel=1e-9)
+    assert JobSettings().reduce_msg_ops == REDUCE_MSG_OPS
+    g = _chain(4, params=1e6)
+    stages = [StageSpec(0, 0, 4, (1, 2, 3))]
+    priced = evaluate(GraphArrays(g, c, JobSettings(micro_batch_size=1, num_micro_batches=8)),
+                      stages).syncs[0]
+    free = evaluate(GraphArrays(g, c, JobSettings(micro_batch_size=1, num_micro_batches=8,
+                                                  reduce_msg_ops=0.0)), stages).syncs[0]
+    assert priced.cpu_s > free.cpu_s and priced.time_s > free.time_s
+    with pytest.raises(PlanError, match="reduce_msg_ops"):
+        JobSettings(reduce_msg_ops=-1.0)

@@ -15,11 +15,11 @@ from fusiond.errors import FusionError
 pytestmark = pytest.mark.compute_only
 
 
-def test_the_assign_carries_the_groups_as_slots_and_refuses_bad_ones(captured_tiny: Any
-                                                                     ) -> None:
+def _one_stage(captured_tiny: Any, replicas: list[str], route: list[int]) -> tuple[Any, Any]:
+    """A replicas job's spec (8 samples, micro-batches of 2) and GPT-2 tiny as one stage on
+    machine "a" and `replicas`, micro-batches routed by `route`."""
     from fusiond.graph import contiguous_assignment
-    from fusiond.jobs.assign import assign_messages, layout_job
-    from fusiond.train.remote import decode_assign
+    from fusiond.jobs.assign import layout_job
     from fusiond.train.spec import parse_job
 
     _, cap = captured_tiny
@@ -27,8 +27,17 @@ def test_the_assign_carries_the_groups_as_slots_and_refuses_bad_ones(captured_ti
                      'config = { size = "tiny" }\n[batch]\nsize = 8\nmicro_batch_size = 2\n'
                      'replicas = true\n[data]\nseq_len = 64\n')
     cut = contiguous_assignment(cap.graph, 1)
-    layout = layout_job("j", cap.graph, cap.state, dict.fromkeys(cut, "a"),
-                        replicas={"a": ["b", "c", "d"]}, routes={"a": [0, 1, 2, 3]})
+    return spec, layout_job("j", cap.graph, cap.state, dict.fromkeys(cut, "a"),
+                            replicas={"a": replicas}, routes={"a": route})
+
+
+def test_the_assign_carries_the_groups_as_slots_and_refuses_bad_ones(captured_tiny: Any
+                                                                     ) -> None:
+    from fusiond.jobs.assign import assign_messages
+    from fusiond.train.remote import decode_assign
+
+    _, cap = captured_tiny
+    spec, layout = _one_stage(captured_tiny, ["b", "c", "d"], [0, 1, 2, 3])
     layout = dataclasses.replace(layout, grad_groups={"a": (("a", "c"), ("b", "d"))},
                                  grad_two_level=frozenset({"a"}))
     names = ("a", "b", "c", "d")
@@ -136,18 +145,11 @@ def test_the_assign_carries_the_micro_batch_sizes_and_refuses_bad_ones(captured_
                                                                        ) -> None:
     """The plan's micro-batch sizes reach every stage's executor; sizes that do not make the
     job's micro-batches and batch are refused, naming the field, at layout and at decode."""
-    from fusiond.graph import contiguous_assignment
-    from fusiond.jobs.assign import LayoutError, assign_messages, layout_job
+    from fusiond.jobs.assign import LayoutError, assign_messages
     from fusiond.train.remote import decode_assign
-    from fusiond.train.spec import parse_job
 
     _, cap = captured_tiny
-    spec = parse_job('[job]\nname = "g"\nsteps = 2\n[model]\nzoo = "gpt2"\n'
-                     'config = { size = "tiny" }\n[batch]\nsize = 8\nmicro_batch_size = 2\n'
-                     'replicas = true\n[data]\nseq_len = 64\n')
-    cut = contiguous_assignment(cap.graph, 1)
-    layout = layout_job("j", cap.graph, cap.state, dict.fromkeys(cut, "a"),
-                        replicas={"a": ["b"]}, routes={"a": [0, 1, 0, 0]})
+    spec, layout = _one_stage(captured_tiny, ["b"], [0, 1, 0, 0])
     layout = dataclasses.replace(layout, micro_batch_sizes=(2, 2, 3, 1))
     addresses = {n: ("127.0.0.1", i + 1) for i, n in enumerate("ab")}
     msgs = assign_messages(layout, spec, cap.state, term=1, plan_version=1,

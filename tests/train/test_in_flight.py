@@ -84,18 +84,12 @@ async def test_a_planned_count_reaches_its_stage_and_the_job_trains_as_one_proce
     keeps more micro-batches in flight on stage 0 than 1F1B's own, the layout carries the
     count through the Assign to that stage's daemon (TLS, in-process daemons), and the job's
     losses are single-process training's."""
-    import asyncio
-
     import numpy as np
 
-    from fusiond.harness.inproc import inproc_cluster
-    from fusiond.jobs.coordinator import JobCoordinator
     from fusiond.jobs.planning import layout_from_plan, plan_job
-    from fusiond.jobs.worker import local_sender
-    from fusiond.net.transport import NetConfig
     from fusiond.plan import Cluster, MachineProfile
 
-    from .reference import spec_losses
+    from .reference import run_on_inproc_daemons, spec_losses
 
     spec, cap = captured_tiny
     spec = dataclasses.replace(spec, steps=3,
@@ -117,17 +111,8 @@ async def test_a_planned_count_reaches_its_stage_and_the_job_trains_as_one_proce
     layout = layout_from_plan("job-f", cap.graph, cap.state, plan, spec)
     first = plan.evaluation.stages[0].machine_id
     assert dict(layout.in_flight) == {first: counts[0]}
-    cfg = NetConfig(connect_timeout_s=2, handshake_timeout_s=2, backoff_max_s=0.5)
-    async with inproc_cluster(k, net_config=cfg, prefix="n") as nodes:
-        n0 = nodes["n0"]
-        losses: list[float] = []
-        c = JobCoordinator(send=local_sender("n0", n0.net.send, n0.dispatch), spec=spec,
-                           captured=cap, layout=layout,
-                           addresses={n: x.net.address for n, x in nodes.items()}, term=1,
-                           on_step=lambda m: losses.append(m.loss))
-        n0.coordinators.append(c)
-        out = await asyncio.wait_for(c.run(), 120)
-        assert out.ok, out.failure
+    out, losses = await run_on_inproc_daemons(spec, cap, layout, k)
+    assert out.ok, out.failure
     want = spec_losses(spec)
     assert len(losses) == spec.steps
     for got, w in zip(losses, want, strict=True):

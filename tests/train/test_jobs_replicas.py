@@ -19,7 +19,7 @@ from fusiond.net.transport import NetConfig
 from fusiond.plan import Cluster, MachineProfile
 from protocol.messages import StageCheckpoint
 
-from .reference import spec_losses
+from .reference import run_on_inproc_daemons, spec_losses
 
 pytestmark = pytest.mark.slow
 
@@ -162,17 +162,8 @@ async def test_planned_micro_batches_of_their_own_sizes_train_as_single_process(
     layout = layout_from_plan("job-s", cap.graph, cap.state, plan, spec)
     sizes = layout.micro_batch_sizes
     assert sum(sizes) == 16 and len(set(sizes)) > 1, sizes
-    cfg = NetConfig(connect_timeout_s=2, handshake_timeout_s=2, backoff_max_s=0.5)
-    async with inproc_cluster(2, net_config=cfg, prefix="n") as nodes:
-        losses: list[float] = []
-        n0 = nodes["n0"]
-        c = JobCoordinator(send=local_sender("n0", n0.net.send, n0.dispatch), spec=spec,
-                           captured=cap, layout=layout,
-                           addresses={n: x.net.address for n, x in nodes.items()}, term=1,
-                           on_step=lambda m: losses.append(m.loss))
-        n0.coordinators.append(c)
-        out = await asyncio.wait_for(c.run(), 120)
-        assert out.ok, out.failure
+    out, losses = await run_on_inproc_daemons(spec, cap, layout, 2)
+    assert out.ok, out.failure
     assert out.state is not None  # gathering it found both replicas' weights identical
     for got, w in zip(losses, spec_losses(spec), strict=True):
         assert got == pytest.approx(w, rel=1e-5)

@@ -249,6 +249,7 @@ class GraphArrays:
         b = settings.micro_batch_size
         self.n = len(graph.ops)
         self._at: dict[tuple[int, int], tuple[F64, F64]] = {}
+        self._syncs: dict[tuple[int, ...], GradientSync] = {}
         #: [machine, op] forward+backward seconds of one micro-batch
         self.times = np.stack([op_times(graph, m, b) for m in cluster.machines])
         self.prefix = np.concatenate([np.zeros((len(cluster), 1)), np.cumsum(self.times, 1)], 1)
@@ -326,6 +327,16 @@ class GraphArrays:
              np.maximum.accumulate(idx, axis=1).astype(np.int64)], axis=1)
         #: whether any machine lacks an op of the graph (the searches skip the checks if not)
         self.restricted = bool((~self.runs).any())
+
+    def gradient_sync(self, machines: Sequence[int]) -> GradientSync:
+        """`gradient_sync` among `machines` at the settings' message cost, cached (the search
+        scores the same replica sets many times; a ring's order is a search of its own)."""
+        key = tuple(machines)
+        got = self._syncs.get(key)
+        if got is None:
+            got = self._syncs[key] = gradient_sync(self.cluster, key,
+                                                   self.settings.reduce_msg_ops)
+        return got
 
     def stage_s_at(self, machine: int, start: int, stop: int, batch: int) -> tuple[float, float]:
         """(forward + backward, forward) seconds of ops [start, stop) on `machine` for one
@@ -1161,7 +1172,7 @@ def _evaluate(
     traffic: dict[tuple[int, int], list[float]] = {}
     names_on: dict[tuple[int, int], list[str]] = {}
     codecs_on: dict[tuple[int, int], set[str]] = {}
-    for t in g.tensors:
+    for t in g.tensors if S > 1 else ():  # one stage cuts no tensor
         ps = int(stage_of[t.src])
         for ds in sorted({int(stage_of[d]) for d in t.dsts} - {ps}):
             d = dens.get((t.name, ds), 1.0)
@@ -1292,7 +1303,7 @@ def _evaluate(
     for i, s in enumerate(stages):
         if not s.replicas:
             continue
-        plan_sync = gradient_sync(c, s.machines, st.reduce_msg_ops)
+        plan_sync = arrays.gradient_sync(s.machines)
         drain = sum(back[j] + bwd_link[j] + hops[j][0] / 2 for j in range(i))
         # compressing costs each replica passes over its gradient (error feedback, the
         # projections, the reconstruction) that grow with the rank
